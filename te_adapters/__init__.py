@@ -1,0 +1,31 @@
+"""te_adapters: TransformerEngine-grade quantized GEMMs for every JAX framework.
+
+``te_adapters.core`` is pure JAX; ``te_adapters.linen``, ``te_adapters.nnx`` and
+``te_adapters.haiku`` adapt it to Flax Linen, Flax NNX and Haiku (import them explicitly).
+"""
+
+from te_adapters import core
+from te_adapters.core import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    Recipe,
+    dequantize,
+    dot_general,
+    init_state,
+    quantize,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "Recipe",
+    "core",
+    "dequantize",
+    "dot_general",
+    "init_state",
+    "quantize",
+]

@@ -1,0 +1,61 @@
+"""The functional core of te_adapters: pure JAX, no framework imports.
+
+Recipes, recipe state as explicit pytrees, quantize/dequantize, and a quantized ``dot_general``
+with a custom VJP whose state gradient is the next step's state.
+"""
+
+from te_adapters.core._gemm import dot_general
+from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
+from te_adapters.core._recipes import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    Recipe,
+    check_recipe,
+)
+from te_adapters.core._remat import (
+    CHECKPOINT_NAMES,
+    GEMM_OUTPUT,
+    QUANTIZED_KERNEL,
+    QUANTIZED_X,
+    checkpoint_dots_and_quantized_gemms,
+    checkpoint_dots_with_no_batch_dims_and_quantized_gemms,
+    save_quantized_gemms,
+    save_quantized_operands,
+)
+from te_adapters.core._scaling import compute_scale, delayed_update, fp8_max
+from te_adapters.core._state import (
+    check_state,
+    init_state,
+    state_names,
+    updated_state,
+    with_max_grad,
+)
+
+__all__ = [
+    "CHECKPOINT_NAMES",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "GEMM_OUTPUT",
+    "QUANTIZED_KERNEL",
+    "QUANTIZED_X",
+    "Recipe",
+    "ScaledTensor",
+    "check_recipe",
+    "check_state",
+    "checkpoint_dots_and_quantized_gemms",
+    "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
+    "compute_scale",
+    "delayed_update",
+    "dequantize",
+    "dot_general",
+    "fp8_max",
+    "init_state",
+    "quantize",
+    "save_quantized_gemms",
+    "save_quantized_operands",
+    "state_names",
+    "updated_state",
+    "with_max_grad",
+]

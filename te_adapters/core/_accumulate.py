@@ -1,0 +1,135 @@
+"""Float32 leaves whose cotangents combine by max or min instead of sum.
+
+The new recipe state leaves a training step as the gradient with respect to the state. When one
+state feeds several GEMMs in a step (a layer called twice, ``scan`` over broadcast state, several
+micro-batches), JAX adds the cotangents of the uses, which would add up scales and amaxes. Casting
+the state to these dtypes *before* it fans out makes autodiff combine the uses by max (amax
+histories) or min (scales, since the scale falls as the amax grows): the result is the state that
+one use seeing the largest amax would have produced.
+
+This relies on JAX's extended dtypes (``jax._src.dtypes.ExtendedDType``), the mechanism behind
+typed PRNG keys; it is private API, so everything that touches it lives in this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src import core as jax_core
+from jax._src import dtypes as jax_dtypes
+
+__all__ = ["MAX_F32", "MIN_F32", "to_accumulating", "to_float32", "is_accumulating"]
+
+
+class _AccumulatingRules:
+  allow_conversion = True
+
+  @staticmethod
+  def physical_element_aval(dtype):
+    del dtype
+    return jax_core.ShapedArray((), np.dtype(np.float32))
+
+  @staticmethod
+  def add(dtype, x, y):
+    # Some JAX versions pass an unrelated object as `dtype`; the operands carry the real one.
+    del dtype
+    dt = x.dtype
+    xf = lax.convert_element_type(x, np.float32)
+    yf = lax.convert_element_type(y, np.float32)
+    combined = lax.max(xf, yf) if dt.combine == "max" else lax.min(xf, yf)
+    return lax.convert_element_type(combined, dt)
+
+  @staticmethod
+  def zero(dtype):
+    # The identity of the combine rule, so a use that contributes nothing changes nothing.
+    fill = -np.inf if dtype.combine == "max" else np.inf
+    return lax.convert_element_type(np.array(fill, np.float32), dtype)
+
+  @staticmethod
+  def tangent_dtype(dtype):
+    return dtype
+
+  @staticmethod
+  def full(shape, fill_value, dtype):
+    fill = lax.convert_element_type(fill_value, np.float32)
+    return lax.convert_element_type(lax.full(shape, fill, np.float32), dtype)
+
+  @staticmethod
+  def global_sharded_result_handler(aval, out_sharding, committed):
+    from jax._src import earray
+    from jax._src.interpreters import pxla
+
+    physical = jax_core.physical_aval(aval)
+    handler = pxla.global_result_handlers[jax_core.ShapedArray](
+        physical, out_sharding, committed
+    )
+    return lambda buffers: earray.EArray(aval, handler(buffers))
+
+
+class accumulating_float32(jax_dtypes.extended):
+  """Scalar type of the accumulating dtypes (for ``jnp.issubdtype``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulatingFloat32(jax_dtypes.ExtendedDType):
+  """A float32 whose autodiff accumulation is ``combine`` ("max" or "min")."""
+
+  combine: str
+  _rules: type = _AccumulatingRules
+  type: type = accumulating_float32
+
+  @property
+  def name(self) -> str:
+    return f"float32_{self.combine}_grad"
+
+  def __repr__(self) -> str:
+    return self.name
+
+
+MAX_F32 = AccumulatingFloat32("max")
+MIN_F32 = AccumulatingFloat32("min")
+
+
+def _register_eager_adder():
+  # Outside jit, autodiff adds concrete extended-dtype arrays through this table.
+  try:
+    from jax._src import ad_util, earray
+  except ImportError:  # pragma: no cover - layout of a future JAX
+    return
+  adders = getattr(ad_util, "raw_jaxval_adders", None)
+  if adders is not None:
+    adders.setdefault(earray.EArray, lambda x, y: x.dtype._rules.add(x.dtype, x, y))
+
+
+_register_eager_adder()
+
+
+def is_accumulating(x) -> bool:
+  return isinstance(getattr(x, "dtype", None), AccumulatingFloat32)
+
+
+def to_accumulating(x, combine: str):
+  """Casts a float32 array to the dtype whose cotangents combine by ``combine``."""
+  if is_accumulating(x):
+    return x
+  x = jax.numpy.asarray(x)
+  if x.dtype != np.float32:
+    raise TypeError(f"recipe state must be float32, got an array of dtype {x.dtype}")
+  return lax.convert_element_type(x, MAX_F32 if combine == "max" else MIN_F32)
+
+
+def to_float32(x):
+  """The float32 value of an array, accumulating or not."""
+  if is_accumulating(x):
+    return lax.convert_element_type(x, np.float32)
+  return x
+
+
+def like(value, reference):
+  """Casts float32 ``value`` to the dtype of ``reference`` (accumulating or float32)."""
+  if is_accumulating(reference):
+    return lax.convert_element_type(value, reference.dtype)
+  return value

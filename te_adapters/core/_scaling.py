@@ -1,0 +1,65 @@
+"""Per-tensor scale arithmetic shared by every tensor-scaled recipe (TE's numerics)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["fp8_max", "amax", "compute_scale", "delayed_update"]
+
+
+def fp8_max(dtype) -> float:
+  """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+  return float(jnp.finfo(dtype).max)
+
+
+def amax(x: jnp.ndarray) -> jnp.ndarray:
+  """``max(|x|)`` over the whole tensor as float32 of shape (1,); NaN if any element is NaN."""
+  a = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  # XLA's reduce-max may drop NaNs; make them visible so the scale rule can refuse them.
+  a = jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), a)
+  return a.reshape(1)
+
+
+def compute_scale(
+    amax_value: jnp.ndarray, max_value: float, old_scale, margin: float = 0.0
+) -> jnp.ndarray:
+  """``max_value / amax / 2**margin``, or ``old_scale`` where amax is <= 0 or not finite."""
+  amax_value = jnp.asarray(amax_value, jnp.float32)
+  new = (jnp.float32(max_value) / amax_value) / jnp.float32(2.0**margin)
+  ok = (amax_value > 0) & jnp.isfinite(amax_value)
+  return jnp.where(ok, new, jnp.asarray(old_scale, jnp.float32)).astype(jnp.float32)
+
+
+def delayed_update(
+    amax_value: jnp.ndarray,
+    scale: jnp.ndarray,
+    amax_history: jnp.ndarray,
+    max_value: float,
+    margin: float,
+    algo: str,
+):
+  """One delayed-scaling step of TE for one tensor role.
+
+  The current ``amax_value`` goes into slot 0 of the history; the scale for the next step comes
+  from the window's max (``"max"``) or from slot 0 (``"most_recent"``); then the history rolls by
+  one (slot 0 moves to the end) and slot 0 is cleared.
+
+  Returns:
+    ``(new_scale, new_history)``, float32 of shapes (1,) and (L,).
+  """
+  history = amax_history.at[0].set(amax_value[0])
+  window_amax = jnp.max(history) if algo == "max" else history[0]
+  # jnp.max skips nothing, but be explicit: a NaN anywhere in the window keeps the old scale.
+  window_amax = jnp.where(jnp.any(jnp.isnan(history)), jnp.float32(jnp.nan), window_amax)
+  new_scale = compute_scale(window_amax.reshape(1), max_value, scale, margin)
+  new_history = jnp.roll(history, -1).at[0].set(0.0)
+  return new_scale, new_history
+
+
+def scale_inverse(scale: jnp.ndarray) -> jnp.ndarray:
+  return (1.0 / scale.astype(jnp.float32)).astype(jnp.float32)
+
+
+def float_dtype_of(x) -> np.dtype:
+  return np.dtype(x.dtype)

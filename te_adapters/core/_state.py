@@ -1,0 +1,134 @@
+"""Recipe state: explicit pytrees, one per GEMM, with TE's variable names."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_adapters.core import _accumulate
+from te_adapters.core._recipes import DelayedScaling, check_recipe
+
+__all__ = ["ROLES", "init_state", "check_state", "with_max_grad", "updated_state"]
+
+ROLES = ("x", "kernel", "grad")
+
+State = dict[str, Any]
+
+
+def state_names(recipe) -> tuple[str, ...]:
+  """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes)."""
+  if isinstance(recipe, DelayedScaling):
+    return tuple(f"{role}_{kind}" for role in ROLES for kind in ("scale", "amax_history"))
+  return ()
+
+
+def init_state(recipe) -> State:
+  """The initial state of one GEMM under ``recipe``.
+
+  For ``DelayedScaling`` a dict with ``{x,kernel,grad}_scale`` (float32 (1,), initialised to 1)
+  and ``{x,kernel,grad}_amax_history`` (float32 (L,), zeros); for stateless recipes ``{}``.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> sorted(ta.core.init_state(ta.DelayedScaling(amax_history_len=4)))[:2]
+    ['grad_amax_history', 'grad_scale']
+  """
+  recipe = check_recipe(recipe)
+  if not isinstance(recipe, DelayedScaling):
+    return {}
+  state = {}
+  for role in ROLES:
+    state[f"{role}_scale"] = jnp.ones((1,), jnp.float32)
+    state[f"{role}_amax_history"] = jnp.zeros((recipe.amax_history_len,), jnp.float32)
+  return state
+
+
+def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
+  if isinstance(recipe, DelayedScaling):
+    shapes = {}
+    for role in ROLES:
+      shapes[f"{role}_scale"] = (1,)
+      shapes[f"{role}_amax_history"] = (recipe.amax_history_len,)
+    return shapes
+  return {}
+
+
+def check_state(recipe, state: Mapping[str, Any] | None) -> State:
+  """Validates ``state`` against ``recipe``; returns it as a dict. Raises naming the mismatch."""
+  expected = _expected_shapes(recipe)
+  if state is None:
+    if expected:
+      raise ValueError(
+          f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
+      )
+    return {}
+  if not isinstance(state, Mapping):
+    raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
+  missing = sorted(set(expected) - set(state))
+  extra = sorted(set(state) - set(expected))
+  if missing or extra:
+    raise ValueError(
+        f"state does not match {recipe!r}: missing {missing}, unexpected {extra}"
+    )
+  for name, shape in expected.items():
+    leaf = state[name]
+    if tuple(np.shape(leaf)) != shape:
+      raise ValueError(
+          f"state[{name!r}] has shape {tuple(np.shape(leaf))} but {recipe!r} needs {shape}"
+      )
+    dtype = getattr(leaf, "dtype", None)
+    if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
+      raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
+  return dict(state)
+
+
+def _is_scale_name(path) -> bool:
+  key = path[-1] if path else None
+  name = getattr(key, "key", getattr(key, "name", None))
+  return isinstance(name, str) and name.endswith("scale")
+
+
+def with_max_grad(state):
+  """Marks recipe state so that several uses in one step combine by max, not by sum.
+
+  Call it on the state *inside* the differentiated function, before the state reaches any GEMM:
+
+    def loss_fn(params, state, batch):
+      state = te_adapters.core.with_max_grad(state)
+      ...
+
+  Amax histories then combine by max and scales by min (the scale of the largest amax). The values
+  are unchanged, and the gradient with respect to the float32 state stays float32. Works on any
+  pytree of recipe state (one GEMM's dict, or a nested tree of them); leaves whose name ends in
+  ``scale`` are treated as scales.
+  """
+
+  def convert(path, leaf):
+    return _accumulate.to_accumulating(leaf, "min" if _is_scale_name(path) else "max")
+
+  return jax.tree_util.tree_map_with_path(convert, state)
+
+
+def updated_state(old_state, state_grads):
+  """The new state from the gradient with respect to the state.
+
+  The gradient is the new state (see ``dot_general``), except for a GEMM whose output did not
+  reach the loss: its state gradient is zero, and that GEMM keeps its old state. A valid scale is
+  never zero, so a zero scale marks such a GEMM. Works on any pytree of recipe-state dicts.
+  """
+
+  def pick(old, new):
+    return jax.tree_util.tree_map(lambda o, n: n.astype(o.dtype), old, new)
+
+  def merge(old, new):
+    if isinstance(old, Mapping) and any(str(k).endswith("_scale") for k in old):
+      used = jnp.all(jnp.stack([jnp.all(v != 0) for k, v in new.items() if k.endswith("_scale")]))
+      return jax.tree_util.tree_map(lambda o, n: jnp.where(used, n, o).astype(o.dtype), old, new)
+    if isinstance(old, Mapping):
+      return {k: merge(old[k], new[k]) for k in old}
+    return pick(old, new)
+
+  return merge(old_state, state_grads)
