@@ -1,0 +1,3 @@
+"""Haiku adapter of te_adapters."""
+
+__all__: list[str] = []
