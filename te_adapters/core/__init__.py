@@ -5,6 +5,11 @@ with a custom VJP whose state gradient is the next step's state.
 """
 
 from te_adapters.core._gemm import dot_general
+from te_adapters.core._inspect import (
+    count_fp8_cublas_gemms,
+    count_fp8_dot_generals,
+    dot_general_operand_dtypes,
+)
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._recipes import (
     DelayedScaling,
@@ -47,9 +52,12 @@ __all__ = [
     "checkpoint_dots_and_quantized_gemms",
     "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
     "compute_scale",
+    "count_fp8_cublas_gemms",
+    "count_fp8_dot_generals",
     "delayed_update",
     "dequantize",
     "dot_general",
+    "dot_general_operand_dtypes",
     "fp8_max",
     "init_state",
     "quantize",

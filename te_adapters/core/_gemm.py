@@ -95,6 +95,18 @@ def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision):
   return (out * scale_inv.reshape(())).astype(out_dtype)
 
 
+def _name_fp8(data, scale_inv, name):
+  """Tags an FP8 tensor and its scale_inv with a checkpoint name.
+
+  The FP8 data is named through its uint8 bit pattern: JAX's remat passes saved floating-point
+  residuals through ``reduce_precision``, whose IEEE-style E4M3 rounding turns float8_e4m3fn
+  values above 240 into inf (seen with jax 0.10.2). Bitcasts are free in XLA.
+  """
+  bits = lax.bitcast_convert_type(data, jnp.uint8)
+  bits, scale_inv = checkpoint_name((bits, scale_inv), name)
+  return lax.bitcast_convert_type(bits, data.dtype), scale_inv
+
+
 def _quantize_role(x, role, q_dtype, recipe, state):
   """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
   limit = _scaling.fp8_max(q_dtype)
@@ -128,8 +140,8 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
   del operand_dtypes
   q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state)
   q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state)
-  q_x, sinv_x = checkpoint_name((q_x, sinv_x), _remat.QUANTIZED_X)
-  q_w, sinv_w = checkpoint_name((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
+  q_x, sinv_x = _name_fp8(q_x, sinv_x, _remat.QUANTIZED_X)
+  q_w, sinv_w = _name_fp8(q_w, sinv_w, _remat.QUANTIZED_KERNEL)
   y = _scaled_dot(q_x, q_w, dn, sinv_x * sinv_w, out_dtype, precision)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}

@@ -1,0 +1,20 @@
+"""Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral`` and a train state."""
+
+from te_adapters.linen._module import (
+    OVERWRITE_WITH_GRADIENT,
+    Dense,
+    DenseGeneral,
+    QuantizedDotGeneral,
+    make_dot_general_cls,
+)
+from te_adapters.linen._train_state import TrainState, with_max_grad
+
+__all__ = [
+    "OVERWRITE_WITH_GRADIENT",
+    "Dense",
+    "DenseGeneral",
+    "QuantizedDotGeneral",
+    "TrainState",
+    "make_dot_general_cls",
+    "with_max_grad",
+]

@@ -1,0 +1,120 @@
+"""A train state that gives parameters to the optimizer and overwrites recipe state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import optax
+
+from te_adapters import core
+from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT
+
+__all__ = ["TrainState", "with_max_grad"]
+
+
+def with_max_grad(variables: Mapping[str, Any]) -> dict[str, Any]:
+  """``variables`` with the recipe-state collection marked for max accumulation.
+
+  Call it inside the loss, before ``apply``, when a layer may run more than once per step (a
+  shared layer, ``nn.scan`` with broadcast state, micro-batches): the uses then combine like one
+  use that saw the largest amax. ``TrainState.value_and_grad`` does it for you.
+  """
+  variables = dict(variables)
+  if OVERWRITE_WITH_GRADIENT in variables:
+    variables[OVERWRITE_WITH_GRADIENT] = core.with_max_grad(variables[OVERWRITE_WITH_GRADIENT])
+  return variables
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Parameters, recipe state and optimizer state of a Linen model.
+
+  The optimizer sees only ``params``; ``recipe_state`` (the ``_overwrite_with_gradient``
+  collection) is replaced by its gradient; other collections (``batch_stats``, ...) are kept in
+  ``collections`` and updated by the caller.
+
+  Example:
+    state = TrainState.create(apply_fn=model.apply, variables=variables, tx=optax.adam(1e-3))
+    loss, grads = state.value_and_grad(loss_fn, batch)   # loss_fn(variables, batch)
+    state = state.apply_gradients(grads=grads)
+  """
+
+  step: int
+  apply_fn: Callable = flax.struct.field(pytree_node=False)
+  params: Any
+  recipe_state: Any
+  collections: Any
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  opt_state: optax.OptState
+
+  @classmethod
+  def create(cls, *, apply_fn: Callable, variables: Mapping[str, Any], tx, **kwargs):
+    """Splits ``variables`` into params, recipe state and other collections."""
+    variables = dict(variables)
+    if "params" not in variables:
+      raise ValueError("variables has no 'params' collection")
+    params = variables.pop("params")
+    recipe_state = variables.pop(OVERWRITE_WITH_GRADIENT, {})
+    return cls(
+        step=0,
+        apply_fn=apply_fn,
+        params=params,
+        recipe_state=recipe_state,
+        collections=variables,
+        tx=tx,
+        opt_state=tx.init(params),
+        **kwargs,
+    )
+
+  @property
+  def variables(self) -> dict[str, Any]:
+    """All collections, as ``apply`` takes them."""
+    out = {"params": self.params, **self.collections}
+    if self.recipe_state:
+      out[OVERWRITE_WITH_GRADIENT] = self.recipe_state
+    return out
+
+  def value_and_grad(self, loss_fn: Callable, *args, has_aux: bool = False):
+    """``jax.value_and_grad`` of ``loss_fn(variables, *args)`` w.r.t. params and recipe state.
+
+    Marks the recipe state for max accumulation first (see ``with_max_grad``).
+
+    Returns:
+      ``(loss, grads)`` or ``((loss, aux), grads)``; ``grads`` has ``params`` and
+      ``_overwrite_with_gradient`` entries, as ``apply_gradients`` takes them.
+    """
+
+    def wrapped(params, recipe_state):
+      variables = {"params": params, **self.collections}
+      if recipe_state:
+        variables[OVERWRITE_WITH_GRADIENT] = core.with_max_grad(recipe_state)
+      return loss_fn(variables, *args)
+
+    value, (g_params, g_state) = jax.value_and_grad(wrapped, argnums=(0, 1), has_aux=has_aux)(
+        self.params, self.recipe_state
+    )
+    return value, {"params": g_params, OVERWRITE_WITH_GRADIENT: g_state}
+
+  def apply_gradients(self, *, grads: Mapping[str, Any], **kwargs) -> TrainState:
+    """One optimizer step on ``grads['params']``; recipe state from ``grads`` (see core)."""
+    if "params" not in grads:
+      raise ValueError("grads has no 'params' entry; pass the gradient w.r.t. all variables")
+    updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params)
+    params = optax.apply_updates(self.params, updates)
+    recipe_state = self.recipe_state
+    if recipe_state:
+      if OVERWRITE_WITH_GRADIENT not in grads:
+        raise ValueError(
+            f"grads has no {OVERWRITE_WITH_GRADIENT!r} entry: differentiate w.r.t. the recipe "
+            "state too, or its new values are lost"
+        )
+      recipe_state = core.updated_state(recipe_state, grads[OVERWRITE_WITH_GRADIENT])
+    return self.replace(
+        step=self.step + 1,
+        params=params,
+        recipe_state=recipe_state,
+        opt_state=opt_state,
+        **kwargs,
+    )

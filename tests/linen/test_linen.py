@@ -1,0 +1,219 @@
+"""The Linen adapter: seed usage, TE variable names, state threading, scan, remat, train state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+
+import te_adapters as ta
+from te_adapters import core
+from te_adapters import linen as ta_linen
+from tests.linen.seed_models import FlaxDenseBlock, FlaxTransformerLayer
+
+OWG = ta_linen.OVERWRITE_WITH_GRADIENT
+
+
+def _probe(amax, shape, seed=0):
+  t = np.asarray(jax.random.uniform(jax.random.PRNGKey(seed), shape, minval=-0.5, maxval=0.5))
+  t = (t * amax).astype(np.float32)
+  t[0, 0] = amax
+  return jnp.asarray(t)
+
+
+def test_seed_000_pattern_creates_te_variables():
+  recipe = ta.DelayedScaling()
+  model = FlaxDenseBlock(features=32, dot_general_cls=ta_linen.make_dot_general_cls(recipe))
+  x = jnp.ones((2, 16, 64), jnp.bfloat16)
+  variables = model.init(jax.random.PRNGKey(0), x)
+  assert sorted(variables) == [OWG, "params"]
+  # The dot_general module is created in FlaxDenseBlock's compact method, so Linen makes it a
+  # child of FlaxDenseBlock named after its class.
+  assert list(variables[OWG]) == ["DelayedScalingDotGeneral_0"]
+  meta = variables[OWG]["DelayedScalingDotGeneral_0"]
+  assert {k: (v.shape, v.dtype) for k, v in meta.items()} == {
+      f"{r}_{k}": (s, jnp.float32) for r in ("x", "kernel", "grad")
+      for k, s in (("scale", (1,)), ("amax_history", (1024,)))}
+  assert variables["params"]["Dense_0"]["kernel"].shape == (64, 32)
+  # Stateless recipes add no collection.
+  cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling())
+  model = FlaxDenseBlock(32, dot_general_cls=cls)
+  assert sorted(model.init(jax.random.PRNGKey(0), x)) == ["params"]
+
+
+def test_numerics_against_float64(rel):
+  model = FlaxDenseBlock(features=64, dtype=jnp.float32,
+                         dot_general_cls=ta_linen.make_dot_general_cls(ta.Float8CurrentScaling()))
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 128))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  dy = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 64))
+  def loss(v, x):
+    return jnp.sum(model.apply(v, x) * dy)
+  y = model.apply(variables, x)
+  gv, gx = jax.grad(loss, argnums=(0, 1))(variables, x)
+  w64 = np.asarray(variables["params"]["Dense_0"]["kernel"], np.float64)
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  assert rel(y, x64 @ w64) < 0.05
+  assert rel(gx, dy64 @ w64.T) < 0.08
+  ref_dw = np.einsum("bsk,bsn->kn", x64, dy64)
+  assert 0.01 < rel(gv["params"]["Dense_0"]["kernel"], ref_dw) < 0.08
+
+
+def test_history_sequence_through_linen_train_steps():
+  # te_jax_reference.md §11 items 1(b) and 6: three jitted train steps, state replaced by its grad.
+  recipe = ta.DelayedScaling(amax_history_len=3)
+  model = nn.Dense(16, use_bias=False, dot_general=ta_linen.make_dot_general_cls(recipe)())
+  amaxes = [1.0, 4.0, 2.0, 0.5]
+  xs = [_probe(a, (16, 32), seed=i) for i, a in enumerate(amaxes)]
+  dys = [_probe(a, (16, 16), seed=10 + i) for i, a in enumerate(amaxes)]
+  variables = model.init(jax.random.PRNGKey(0), xs[0])
+  # Pin the kernel's amax to each step's value too (SGD with lr 0 keeps it fixed).
+  state = ta_linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=optax.sgd(0.0))
+
+  @jax.jit
+  def step(state, x, dy, w):
+    state = state.replace(params={"kernel": w})
+    loss = lambda v: jnp.sum(model.apply(v, x) * dy)
+    _, grads = state.value_and_grad(loss)
+    return state.apply_gradients(grads=grads)
+
+  histories = [[0, 0, 1], [0, 1, 4], [0, 4, 2], [0, 2, 0.5]]
+  windows = [1, 4, 4, 4]  # max over the stored history before the roll and the current amax
+  for i, a in enumerate(amaxes):
+    state = step(state, xs[i], dys[i], _probe(a, (32, 16), seed=20 + i))
+    meta = state.recipe_state["dot_general"]
+    for role, limit in (("x", 448.0), ("kernel", 448.0), ("grad", 57344.0)):
+      np.testing.assert_array_equal(meta[f"{role}_amax_history"], np.float32(histories[i]))
+      np.testing.assert_array_equal(
+          meta[f"{role}_scale"], [np.float32(limit) / np.float32(windows[i])])
+  assert state.step == 4
+
+
+def test_shared_layer_called_twice_takes_max():
+  recipe = ta.DelayedScaling(amax_history_len=4)
+
+  class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, a, b):
+      layer = ta_linen.Dense(16, use_bias=False, recipe=recipe)
+      return layer(a), layer(b)
+
+  model = Twice()
+  a, b = _probe(2.0, (16, 32)), _probe(7.0, (16, 32), seed=1)
+  variables = model.init(jax.random.PRNGKey(0), a, b)
+  state = ta_linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=optax.sgd(0.1))
+  def loss(v):
+    ya, yb = model.apply(v, a, b)
+    return jnp.sum(ya) + jnp.sum(yb)
+  _, grads = jax.jit(lambda s: s.value_and_grad(loss))(state)
+  (hist,) = grads[OWG]["Dense_0"].values()
+  np.testing.assert_array_equal(hist["x_amax_history"], [0, 0, 0, 7.0])
+  np.testing.assert_array_equal(hist["x_scale"], [np.float32(448.0) / np.float32(7.0)])
+
+
+def test_nn_scan_stacks_per_layer_state_and_remat_matches():
+  recipe = ta.DelayedScaling(amax_history_len=4)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      h = jnp.tanh(ta_linen.Dense(32, recipe=recipe)(h))
+      return h, None
+
+  def stack(remat):
+    block = nn.remat(Block, policy=core.save_quantized_operands) if remat else Block
+    return nn.scan(block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True},
+                   length=3)()
+
+  x = _probe(3.0, (16, 32))
+  results = []
+  for remat in (False, True):
+    model = stack(remat)
+    variables = model.init(jax.random.PRNGKey(0), x, None)
+    meta = variables[OWG]
+    leaf = jax.tree_util.tree_leaves(meta)[0]
+    assert leaf.shape[0] == 3  # one state per layer
+    def loss(v, model=model):
+      h, _ = model.apply(v, x, None)
+      return jnp.sum(h ** 2)
+    grads = jax.jit(jax.grad(loss))(variables)
+    results.append(grads)
+    x_hist = jax.tree_util.tree_leaves(
+        {k: v for k, v in jax.tree_util.tree_flatten_with_path(grads[OWG])[0]
+         if "x_amax_history" in jax.tree_util.keystr(k)})
+    first_layer_amax = float(np.asarray(x_hist[0])[0, -1])
+    assert first_layer_amax == 3.0
+  jax.tree_util.tree_map(np.testing.assert_array_equal, results[0], results[1])
+
+
+def test_dense_general_matches_flax_parameters_and_numerics(rel):
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 64))
+  ref = nn.DenseGeneral(features=(4, 16), axis=-1)
+  ours = ta_linen.DenseGeneral(features=(4, 16), axis=-1, recipe=ta.Float8CurrentScaling())
+  plain = ta_linen.DenseGeneral(features=(4, 16), axis=-1)
+  v_ref = ref.init(jax.random.PRNGKey(0), x)
+  v_ours = ours.init(jax.random.PRNGKey(0), x)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, v_ours["params"], v_ref["params"])
+  np.testing.assert_array_equal(plain.apply(v_ref, x), ref.apply(v_ref, x))
+  e = rel(ours.apply(v_ref, x), np.asarray(ref.apply(v_ref, x), np.float64))
+  assert 0.01 < e < 0.05
+  with pytest.raises(ValueError, match="either recipe or dot_general"):
+    ta_linen.DenseGeneral(features=4, recipe=ta.Float8CurrentScaling(),
+                          dot_general=jax.lax.dot_general).init(jax.random.PRNGKey(0), x)
+
+
+def test_train_state_keeps_recipe_state_out_of_optimizer():
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  model = ta_linen.Dense(16, recipe=recipe)
+  x = _probe(2.0, (16, 32))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2, weight_decay=0.5))
+  state = ta_linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+  assert jax.tree_util.tree_structure(state.opt_state[1][0].mu) == jax.tree_util.tree_structure(
+      variables["params"])
+  _, grads = state.value_and_grad(lambda v: jnp.sum(model.apply(v, x)))
+  new = state.apply_gradients(grads=grads)
+  # Clipping and weight decay did not touch the state: it is exactly the gradient.
+  jax.tree_util.tree_map(np.testing.assert_array_equal, new.recipe_state, grads[OWG])
+  with pytest.raises(ValueError, match="_overwrite_with_gradient"):
+    state.apply_gradients(grads={"params": grads["params"]})
+
+
+def test_forward_only_apply_does_not_change_state():
+  model = ta_linen.Dense(16, recipe=ta.DelayedScaling(amax_history_len=4))
+  x = _probe(2.0, (16, 32))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  out, mutated = model.apply(variables, x, mutable=True)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, mutated[OWG], variables[OWG])
+
+
+@pytest.mark.parametrize(
+    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=8)]
+)
+def test_seed_001_transformer_layer_trains(recipe):
+  layer = FlaxTransformerLayer(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                               dot_general_cls=ta_linen.make_dot_general_cls(recipe))
+  key = jax.random.PRNGKey(42)
+  x = jax.random.normal(key, (2, 16, 64)).astype(jnp.bfloat16)
+  target = jnp.roll(x, 1, axis=1).astype(jnp.float32)
+  variables = layer.init(key, x, attention_mask=None, deterministic=True)
+  state = ta_linen.TrainState.create(apply_fn=layer.apply, variables=variables, tx=optax.adam(3e-3))
+  fp8_dots, dots = core.count_fp8_dot_generals(
+      jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True))), state.variables)
+  assert fp8_dots == 12  # 4 Dense layers x 3 GEMMs; attention stays in high precision
+
+  @jax.jit
+  def step(state):
+    loss_fn = lambda v: jnp.mean((layer.apply(v, x, deterministic=True) - target) ** 2)
+    loss, grads = state.value_and_grad(loss_fn)
+    return state.apply_gradients(grads=grads), loss
+
+  losses = []
+  for _ in range(6):
+    state, loss = step(state)
+    losses.append(float(loss))
+  assert np.isfinite(losses).all() and losses[-1] < losses[0]
+  if recipe.stateful:
+    meta = state.recipe_state["DelayedScalingDotGeneral_0"]
+    assert float(meta["x_amax_history"][-1]) > 0 and float(meta["grad_amax_history"][-1]) > 0

@@ -1,0 +1,23 @@
+import subprocess
+import sys
+
+from te_adapters import _demo
+
+
+def test_demo_rows_at_tiny_size():
+  rows = _demo.run(32, 64, 32, repeats=1, warmup_steps=2)
+  by_recipe = {r["recipe"]: r for r in rows}
+  assert set(by_recipe) == {"bf16", "Float8CurrentScaling", "DelayedScaling"}
+  assert by_recipe["bf16"]["fp8_dots"] == "0/3"
+  for name in ("Float8CurrentScaling", "DelayedScaling"):
+    r = by_recipe[name]
+    assert r["fp8_dots"] == "3/3"
+    assert 0.01 < r["err_y"] < 0.05 and 0.01 < r["err_dx"] < 0.08 and 0.01 < r["err_dw"] < 0.08
+  assert by_recipe["bf16"]["err_y"] < 0.005
+  table = _demo.format_table(rows)
+  assert "DelayedScaling" in table and "in jaxpr" in table
+
+
+def test_command_line_usage_error():
+  out = subprocess.run([sys.executable, "-m", "te_adapters"], capture_output=True, text=True)
+  assert out.returncode == 2 and "usage" in out.stderr
