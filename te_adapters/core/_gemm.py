@@ -12,6 +12,8 @@ state for the next step ("overwrite with gradient").
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -85,12 +87,35 @@ def dot_general(
       rhs,
   ).dtype
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  if _layout() == "tn":
+    return _tn_dot_general(lhs, rhs, state, dn, precision, np.dtype(out_dtype), recipe)
   return _fp8_dot_general(
       lhs, rhs, state, dn, precision, np.dtype(out_dtype), operand_dtypes, recipe
   )
 
 
+def _layout() -> str:
+  # Internal benchmarking knob: "tn" (default) puts every GEMM operand in contracting-last
+  # layout inside the VJP; "xla" leaves the operand layouts to XLA.
+  value = os.environ.get("TE_ADAPTERS_GEMM_LAYOUT", "tn")
+  if value not in ("tn", "xla"):
+    raise ValueError(f"TE_ADAPTERS_GEMM_LAYOUT must be 'tn' or 'xla', got {value!r}")
+  return value
+
+
+def _output_mode() -> str:
+  # Internal benchmarking knob: "f32" accumulates the FP8 GEMM into float32 and rescales there;
+  # "direct" asks the GEMM for the output dtype and rescales in it.
+  value = os.environ.get("TE_ADAPTERS_GEMM_OUTPUT", "f32")
+  if value not in ("f32", "direct"):
+    raise ValueError(f"TE_ADAPTERS_GEMM_OUTPUT must be 'f32' or 'direct', got {value!r}")
+  return value
+
+
 def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision):
+  if _output_mode() == "direct":
+    out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
+    return out * scale_inv.reshape(()).astype(out_dtype)
   out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
   return (out * scale_inv.reshape(())).astype(out_dtype)
 
@@ -107,8 +132,8 @@ def _name_fp8(data, scale_inv, name):
   return lax.bitcast_convert_type(bits, data.dtype), scale_inv
 
 
-def _quantize_role(x, role, q_dtype, recipe, state):
-  """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
+def _role_scale(x, role, q_dtype, recipe, state):
+  """The scale one operand is quantized with; returns (scale, new state entries for the role)."""
   limit = _scaling.fp8_max(q_dtype)
   a = _scaling.amax(x)
   if isinstance(recipe, DelayedScaling):
@@ -126,6 +151,12 @@ def _quantize_role(x, role, q_dtype, recipe, state):
   else:
     scale = _scaling.compute_scale(a, limit, 1.0)
     new = {}
+  return scale, new
+
+
+def _quantize_role(x, role, q_dtype, recipe, state):
+  """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
+  scale, new = _role_scale(x, role, q_dtype, recipe, state)
   data = _quantize.cast_with_scale(x, scale, q_dtype)
   return data, _scaling.scale_inverse(scale), new
 
@@ -166,3 +197,88 @@ _fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 # For tests and tools: roles in the order the state dict lists them.
 STATE_ROLES = ROLES
+
+
+# ---------------------------------------------------------------------------------------------
+# Contracting-last ("TN") formulation: cuBLASLt's FP8 GEMMs take both operands with the
+# contracting dimension last. The operands are brought to x3 (B, M, K) and w3 (B, N, K) outside
+# the VJP (plain JAX transposes/reshapes, which XLA fuses into the casts), and inside it each
+# tensor is quantized in the two orientations its GEMMs need, in the pass that reads it:
+#   y  (M, N) = q(x3)     . q(w3)^T      contracting K
+#   dx (M, K) = q(g)      . q(w3^T)^T    contracting N
+#   dw (K, N) = q(x3^T)   . q(g^T)^T     contracting M  (then transposed back to (N, K), which
+#                                                       cancels against the caller's transpose)
+
+
+def _canonical_plan(dn, lhs_shape, rhs_shape):
+  (lc, rc), (lb, rb) = dn
+  lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+  size = lambda shape, dims: math.prod(shape[d] for d in dims)
+  b, m, k, n = size(lhs_shape, lb), size(lhs_shape, lf), size(lhs_shape, lc), size(rhs_shape, rf)
+  lhs_perm, rhs_perm = (*lb, *lf, *lc), (*rb, *rf, *rc)
+  batch_shape = tuple(lhs_shape[d] for d in lb)
+  out_shape = batch_shape + tuple(lhs_shape[d] for d in lf) + tuple(rhs_shape[d] for d in rf)
+  lead = (b,) if lb else ()
+  return lhs_perm, rhs_perm, lead + (m, k), lead + (n, k), out_shape
+
+
+def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe):
+  lhs_perm, rhs_perm, x3_shape, w3_shape, out_shape = _canonical_plan(dn, lhs.shape, rhs.shape)
+  x3 = jnp.transpose(lhs, lhs_perm).reshape(x3_shape)
+  w3 = jnp.transpose(rhs, rhs_perm).reshape(w3_shape)
+  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe)
+  return y3.reshape(out_shape)
+
+
+def _swap_last(a):
+  return jnp.swapaxes(a, -1, -2)
+
+
+def _tn_dot(a, b, scale_inv, out_dtype, precision):
+  """``a (.., P, C) . b (.., Q, C)^T``: both operands contracting-last."""
+  batch = tuple(range(a.ndim - 2))
+  dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
+  return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tn_vjp(x3, w3, state, precision, out_dtype, recipe):
+  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe)
+  return y
+
+
+def _tn_fwd(x3, w3, state, precision, out_dtype, recipe):
+  fwd = recipe.fwd_dtype
+  scale_x, new_x = _role_scale(x3, "x", fwd, recipe, state)
+  scale_w, new_w = _role_scale(w3, "kernel", fwd, recipe, state)
+  sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
+  q_x = _quantize.cast_with_scale(x3, scale_x, fwd)
+  q_w = _quantize.cast_with_scale(w3, scale_w, fwd)
+  # Transposed copies for the backward GEMMs, cast from the high-precision input.
+  q_xt, sinv_xt = _name_fp8(_quantize.cast_with_scale(_swap_last(x3), scale_x, fwd), sinv_x,
+                            _remat.QUANTIZED_X)
+  q_wt, sinv_wt = _name_fp8(_quantize.cast_with_scale(_swap_last(w3), scale_w, fwd), sinv_w,
+                            _remat.QUANTIZED_KERNEL)
+  y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision)
+  y = checkpoint_name(y, _remat.GEMM_OUTPUT)
+  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
+  dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
+  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, grad_state, dtypes)
+  return y, residuals
+
+
+def _tn_bwd(precision, out_dtype, recipe, residuals, g):
+  q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, grad_state, (x_proto, w_proto) = residuals
+  del out_dtype
+  bwd = recipe.bwd_dtype
+  scale_g, new_g = _role_scale(g, "grad", bwd, recipe, grad_state)
+  sinv_g = _scaling.scale_inverse(scale_g)
+  q_g = _quantize.cast_with_scale(g, scale_g, bwd)
+  q_gt = _quantize.cast_with_scale(_swap_last(g), scale_g, bwd)
+  dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision)  # (.., M, K)
+  dw = _swap_last(_tn_dot(q_xt, q_gt, sinv_g * sinv_x, w_proto.dtype, precision))  # (.., N, K)
+  return dx, dw, {**new_fwd_state, **new_g}
+
+
+_tn_vjp.defvjp(_tn_fwd, _tn_bwd)

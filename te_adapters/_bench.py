@@ -1,0 +1,259 @@
+"""``python -m te_adapters bench``: fwd+bwd step times of quantized GEMMs against bf16 and peers.
+
+Every variant runs ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` with
+``loss(variables, x) = sum(f32(y) * f32(dy))`` for a fixed output gradient ``dy`` (TE's
+speedometer loss), on the same inputs; times are medians over repeats of several steps, each
+repeat ended by ``block_until_ready``. For each variant the compiled HLO's cuBLASLt FP8 GEMMs are
+counted (GPU only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+import te_adapters as ta
+from te_adapters import core
+from te_adapters import linen as ta_linen
+
+_DN = (((1,), (0,)), ((), ()))
+
+
+def _timed(step: Callable, args, steps: int, repeats: int) -> tuple[float, float]:
+  out = step(*args)
+  jax.block_until_ready(out)
+  for _ in range(2):
+    jax.block_until_ready(step(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(steps):
+      out = step(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / steps * 1e3)
+  return float(np.median(times)), float(np.max(times) - np.min(times))
+
+
+def _count_cublas_fp8(step, args) -> int | None:
+  if jax.default_backend() != "gpu":
+    return None
+  return core.count_fp8_cublas_gemms(step.lower(*args).compile().as_text())
+
+
+def _speedometer(apply_fn):
+  # dy is an argument, not a closed-over constant XLA would fold into the program.
+  def loss(variables, x, dy):
+    y = apply_fn(variables, x)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def _linen_variants(make_model, recipes, include_flax=True):
+  """(name, model) pairs: bf16, ours through Linen per recipe, Flax's fp8 op."""
+  out = [("bf16", make_model(lambda: None))]
+  for label, recipe in recipes:
+    out.append((f"linen {label}", make_model(ta_linen.make_dot_general_cls(recipe))))
+  if include_flax:
+    out.append(("flax Fp8DirectDotGeneralOp", make_model(nn.Fp8DirectDotGeneralOp)))
+  return out
+
+
+class _DenseBlock(nn.Module):
+  """Seed 000's FlaxDenseBlock (one bias-free Dense computed in bf16)."""
+
+  features: int
+  dtype: jnp.dtype = jnp.bfloat16
+  dot_general_cls: Callable = lambda: None
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(self.features, use_bias=False, dtype=self.dtype,
+                    dot_general=self.dot_general_cls())(x)
+
+
+def _make_dense(features):
+  return lambda dot_general_cls: _DenseBlock(features, dot_general_cls=dot_general_cls)
+
+
+def _core_variant(recipe, w_shape):
+  """The core called directly: params {'w': f32}, computed in bf16 like nn.Dense(dtype=bf16)."""
+  state = core.init_state(recipe)
+
+  def apply_fn(variables, x):
+    w = variables["w"].astype(jnp.bfloat16)
+    dn = (((x.ndim - 1,), (0,)), ((), ()))
+    return core.dot_general(x, w, dn, recipe=recipe, state=variables.get("state") or None)
+
+  def init(key):
+    v = {"w": nn.initializers.lecun_normal()(key, w_shape, jnp.float32)}
+    if state:
+      v["state"] = state
+    return v
+  return apply_fn, init
+
+
+def bench_dense(batch, seq, hidden, out_features, steps, repeats, recipes, log) -> list[dict]:
+  k_init, k_x, k_dy = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(k_x, (batch, seq, hidden)).astype(jnp.bfloat16)
+  dy = jax.random.normal(k_dy, (batch, seq, out_features)).astype(jnp.bfloat16)
+  rows = []
+  variants = []
+  for name, model in _linen_variants(_make_dense(out_features), recipes):
+    variants.append((name, model.apply, model.init(k_init, x)))
+  for label, recipe in recipes:
+    apply_fn, init = _core_variant(recipe, (hidden, out_features))
+    variants.append((f"core {label}", apply_fn, init(k_init)))
+  for extra in _adapter_variants(hidden, out_features, recipes, k_init, x):
+    variants.append(extra)
+  for name, apply_fn, variables in variants:
+    step = _speedometer(apply_fn)
+    ms, spread = _timed(step, (variables, x, dy), steps, repeats)
+    rows.append(dict(case="seed000 dense", variant=name, ms=ms, spread_ms=spread,
+                     cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
+    log(rows[-1])
+    del step
+  return rows
+
+
+def _adapter_variants(hidden, out_features, recipes, key, x):
+  """NNX and Haiku adapters, when they exist, wrapped as (name, apply_fn, variables)."""
+  out = []
+  try:
+    from flax import nnx
+
+    from te_adapters import nnx as ta_nnx
+    if hasattr(ta_nnx, "Linear"):
+      for label, recipe in recipes:
+        model = ta_nnx.Linear(hidden, out_features, use_bias=False, dtype=jnp.bfloat16,
+                              recipe=recipe, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        def apply_fn(variables, x, graphdef=graphdef):
+          return nnx.merge(graphdef, variables)(x)
+        out.append((f"nnx {label}", apply_fn, state))
+  except ImportError:
+    pass
+  try:
+    import haiku as hk
+
+    from te_adapters import haiku as ta_hk
+    if hasattr(ta_hk, "Linear"):
+      for label, recipe in recipes:
+        def fwd(x, recipe=recipe):
+          return ta_hk.Linear(out_features, with_bias=False, recipe=recipe)(
+              x.astype(jnp.bfloat16))
+        f = hk.transform_with_state(fwd)
+        params, state = f.init(key, x)
+        params = jax.tree_util.tree_map(lambda a: a, params)
+        def apply_fn(variables, x, f=f):
+          p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), variables[0])
+          return f.apply(p, variables[1], None, x)[0]
+        out.append((f"haiku {label}", apply_fn, (params, state)))
+  except ImportError:
+    pass
+  return out
+
+
+def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
+  from te_adapters._seed_layer import FlaxTransformerLayer
+
+  batch, seq, hidden, ffn, heads = size
+  key = jax.random.PRNGKey(42)
+  x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
+  dy = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
+  label_dtype = "dtype unset" if dtype is None else "dtype bf16"
+  rows = []
+
+  def make(cls):
+    kw = {} if dtype is None else {"dtype": dtype}
+    return FlaxTransformerLayer(hidden_size=hidden, ffn_hidden_size=ffn,
+                                num_attention_heads=heads, dot_general_cls=cls, **kw)
+
+  for name, model in _linen_variants(make, recipes):
+    variables = model.init(key, x, deterministic=True)
+    apply_fn = lambda v, x, model=model: model.apply(v, x, deterministic=True)
+    step = _speedometer(apply_fn)
+    ms, spread = _timed(step, (variables, x, dy), steps, repeats)
+    rows.append(dict(case=f"seed001 layer ({label_dtype})", variant=name, ms=ms,
+                     spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
+    log(rows[-1])
+  return rows
+
+
+def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
+  rows = []
+  for m, k, n in shapes:
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(m + k + n), 3)
+    x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (k, n)).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (m, n)).astype(jnp.bfloat16)
+    for label, recipe in [("bf16", None), *recipes]:
+      state = core.init_state(recipe) if recipe is not None else {}
+      def loss(w, state, x, dy, recipe=recipe):
+        y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+      step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+      args = (w, state, x, dy)
+      ms, spread = _timed(step, args, steps, repeats)
+      rows.append(dict(case=f"gemm {m}x{k}x{n}", variant=f"core {label}", ms=ms,
+                       spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, args)))
+      log(rows[-1])
+  return rows
+
+
+def format_table(rows: list[dict]) -> str:
+  lines = [f"{'case':<30}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'FP8 GEMMs':>11}"]
+  base = {r["case"]: r["ms"] for r in rows if r["variant"] in ("bf16", "core bf16")}
+  for r in rows:
+    ratio = base.get(r["case"], float("nan")) / r["ms"]
+    fp8 = "-" if r["cublas_fp8"] is None else str(r["cublas_fp8"])
+    lines.append(f"{r['case']:<30}{r['variant']:<36}{r['ms']:>9.2f}{ratio:>8.2f}x{fp8:>11}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  on_gpu = jax.default_backend() == "gpu"
+  p = argparse.ArgumentParser(prog="python -m te_adapters bench", description=__doc__)
+  p.add_argument("--cases", default="dense,layer,sweep", help="comma list: dense,layer,sweep")
+  p.add_argument("--steps", type=int, default=20 if on_gpu else 2)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--json", default=None, help="write the rows here")
+  p.add_argument("--full-size", action=argparse.BooleanOptionalAction, default=on_gpu,
+                 help="seed sizes (default on GPU); small sizes otherwise")
+  args = p.parse_args(argv)
+  recipes = [("current", ta.Float8CurrentScaling()),
+             ("delayed", ta.DelayedScaling(amax_history_len=1024))]
+  log = lambda r: print(f"  {r['case']:<30}{r['variant']:<36}{r['ms']:9.2f} ms", flush=True)
+  rows = []
+  cases = args.cases.split(",")
+  if args.full_size:
+    dense, layer = (8, 2048, 8192, 32768), (4, 2048, 4096, 16384, 32)
+    sweep = [(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)] + [
+        (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 4096, 1024)]
+  else:
+    dense, layer = (2, 64, 256, 512), (2, 64, 128, 256, 4)
+    sweep = [(128, 256, 256), (256, 256, 512)]
+  if "dense" in cases:
+    rows += bench_dense(*dense, args.steps, args.repeats, recipes, log)
+  if "layer" in cases:
+    rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer)
+    rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer)
+  if "sweep" in cases:
+    rows += bench_sweep(sweep, args.steps, args.repeats, recipes, log)
+  device = jax.devices()[0]
+  meta = dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
+              python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+  import flax
+  meta["flax"] = flax.__version__
+  print(f"\n{meta}\n")
+  print(format_table(rows))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(meta=meta, rows=rows), f, indent=1)

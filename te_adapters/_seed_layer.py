@@ -1,0 +1,100 @@
+"""Seed 001's FlaxTransformerLayer for the benchmark, with one addition: a ``dtype`` field
+(default None, which is the seed's layer exactly) passed to every Dense and LayerNorm."""
+
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+
+class FlaxDenseBlock(nn.Module):
+  """One linear layer. ``dot_general_cls`` lets us swap the GEMM impl."""
+
+  features: int
+  dtype: jnp.dtype = jnp.bfloat16
+  dot_general_cls: callable = lambda: None
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(
+      features=self.features,
+      use_bias=False,
+      dtype=self.dtype,
+      dot_general=self.dot_general_cls(),
+    )(x)
+
+
+class FlaxMLP(nn.Module):
+  hidden_size: int
+  ffn_hidden_size: int
+  dot_general_cls: callable = lambda: None
+  dtype: jnp.dtype | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(
+      features=self.ffn_hidden_size,
+      use_bias=True,
+      dtype=self.dtype,
+      dot_general=self.dot_general_cls(),
+    )(x)
+    x = nn.gelu(x, approximate=True)
+    x = nn.Dense(
+      features=self.hidden_size, use_bias=True, dtype=self.dtype, dot_general=self.dot_general_cls()
+    )(x)
+    return x
+
+
+class FlaxTransformerLayer(nn.Module):
+  hidden_size: int
+  ffn_hidden_size: int
+  num_attention_heads: int
+  layernorm_eps: float = 1e-5
+  attention_dropout: float = 0.1
+  dot_general_cls: callable = lambda: None
+  dtype: jnp.dtype | None = None
+
+  def setup(self):
+    self.kv_channels = self.hidden_size // self.num_attention_heads
+
+  @nn.compact
+  def __call__(self, x, attention_mask: jnp.ndarray | None = None, deterministic: bool = False):
+    if attention_mask is None:
+      attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
+    res = x
+    x = nn.LayerNorm(epsilon=self.layernorm_eps, dtype=self.dtype)(x)
+    qkv = nn.Dense(
+      features=3 * self.hidden_size,
+      use_bias=True,
+      dtype=self.dtype,
+      dot_general=self.dot_general_cls(),
+    )(x)
+    qkv = qkv.reshape(qkv.shape[0], qkv.shape[1], self.num_attention_heads, 3 * self.kv_channels)
+    q, k, v = jnp.split(qkv, 3, axis=3)
+    dropout_rng = None
+    if not deterministic and self.attention_dropout > 0:
+      dropout_rng = self.make_rng("dropout")
+    x = nn.dot_product_attention(
+      query=q,
+      key=k,
+      value=v,
+      mask=attention_mask,
+      dropout_rng=dropout_rng,
+      dropout_rate=self.attention_dropout,
+      deterministic=deterministic,
+      broadcast_dropout=True,
+    )
+    x = x.reshape(x.shape[0], x.shape[1], self.hidden_size)
+    x = nn.Dense(
+      features=self.hidden_size, use_bias=True, dtype=self.dtype, dot_general=self.dot_general_cls()
+    )(x)
+    x = res + x
+    res = x
+    x = nn.LayerNorm(epsilon=self.layernorm_eps, dtype=self.dtype)(x)
+    mlp = FlaxMLP(
+      hidden_size=self.hidden_size,
+      ffn_hidden_size=self.ffn_hidden_size,
+      dot_general_cls=self.dot_general_cls,
+      dtype=self.dtype,
+    )
+    x = mlp(x)
+    return x + res
