@@ -25,7 +25,8 @@ def run(name, apply_fn, variables):
   ms, spread = _bench._timed(step, (variables, x, dy), steps, 3)
   rows.append(dict(case="seed000 dense", variant=name, ms=ms, spread_ms=spread,
                    cublas_fp8=_bench._count_cublas_fp8(step, (variables, x, dy))))
-  print(f"  {name:<40}{ms:9.2f} ms (spread {spread:.2f})", flush=True)
+  print(f"  {name:<40}{ms:9.2f} ms (spread {spread:.2f}, compile+first step "
+        f"{_bench._timed.last_compile_s:.0f} s) {rows[-1]['cublas_fp8']}", flush=True)
 
 
 make = _bench._make_dense(out)

@@ -67,7 +67,7 @@ def run(m: int, k: int, n: int, repeats: int = 5, warmup_steps: int = 3) -> list
     cublas = None
     if jax.default_backend() == "gpu":
       hlo = step_jit.lower(x, w, dy, state).compile().as_text()
-      cublas = core.count_fp8_cublas_gemms(hlo)
+      cublas = "{}/{}".format(*core.count_fp8_gemms(hlo))
     rows.append(
         dict(
             recipe=label,
@@ -88,7 +88,7 @@ def format_table(rows: list[dict]) -> str:
   for r in rows:
     fp8 = f"{r['fp8_dots']} in jaxpr"
     if r["cublas_fp8"] is not None:
-      fp8 += f", {r['cublas_fp8']} cuBLASLt f8 in HLO"
+      fp8 += f", FP8/other in compiled HLO {r['cublas_fp8']}"
     lines.append(
         f"{r['recipe']:<22}{r['ms']:>9.3f}{r['err_y']:>9.4f}{r['err_dx']:>9.4f}"
         f"{r['err_dw']:>9.4f}  {fp8}"

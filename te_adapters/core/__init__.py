@@ -8,7 +8,9 @@ from te_adapters.core._gemm import dot_general
 from te_adapters.core._inspect import (
     count_fp8_cublas_gemms,
     count_fp8_dot_generals,
+    count_fp8_gemms,
     dot_general_operand_dtypes,
+    hlo_dot_operand_types,
 )
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._recipes import (
@@ -54,11 +56,13 @@ __all__ = [
     "compute_scale",
     "count_fp8_cublas_gemms",
     "count_fp8_dot_generals",
+    "count_fp8_gemms",
     "delayed_update",
     "dequantize",
     "dot_general",
     "dot_general_operand_dtypes",
     "fp8_max",
+    "hlo_dot_operand_types",
     "init_state",
     "quantize",
     "save_quantized_gemms",

@@ -50,3 +50,36 @@ def count_fp8_dot_generals(fn: Callable, *args, **kwargs) -> tuple[int, int]:
 def count_fp8_cublas_gemms(hlo_text: str) -> int:
   """Number of cuBLASLt FP8 GEMM custom calls in compiled GPU HLO text."""
   return len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo_text))
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+)\[")
+_DOT_ARGS = re.compile(r"\bdot\(([^)]*)\)")
+
+
+def hlo_dot_operand_types(hlo_text: str) -> list[tuple[str, str]]:
+  """Operand element types of every ``dot`` instruction left in compiled HLO text.
+
+  On GPU, dots that XLA did not turn into cuBLAS calls remain as ``dot`` instructions inside
+  (Triton) GEMM fusions; their operand types show whether they run in FP8.
+  """
+  types = {}
+  for line in hlo_text.splitlines():
+    if m := _DEF.match(line):
+      types[m.group(1)] = m.group(2)
+  out = []
+  for line in hlo_text.splitlines():
+    if " dot(" not in line or not (m := _DOT_ARGS.search(line)):
+      continue
+    names = [a.strip().split()[-1].lstrip("%") for a in m.group(1).split(",")[:2]]
+    out.append(tuple(types.get(n, "?") for n in names))
+  return out
+
+
+def count_fp8_gemms(hlo_text: str) -> tuple[int, int]:
+  """``(FP8 GEMMs, other GEMMs)`` in compiled HLO: cuBLASLt FP8 calls plus FP8 fused dots
+  against cuBLAS calls and dots of other types."""
+  fp8_dots = sum(a.startswith("f8") and b.startswith("f8") for a, b in hlo_dot_operand_types(
+      hlo_text))
+  other_dots = len(hlo_dot_operand_types(hlo_text)) - fp8_dots
+  other_calls = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', hlo_text))
+  return count_fp8_cublas_gemms(hlo_text) + fp8_dots, other_dots + other_calls
