@@ -1,0 +1,64 @@
+"""Per-kernel GPU time of one seed-000 Dense fwd+bwd step, from a JAX profiler (perfetto) trace.
+
+Usage: python bench/profile_step.py OUT_DIR [variant ...]; variants: bf16, flax, current, delayed.
+Prints, per variant, the kernels sorted by time per step, and writes the compiled HLO.
+"""
+
+import glob
+import gzip
+import json
+import os
+import sys
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+
+import te_adapters as ta
+import te_adapters.linen
+from te_adapters import _bench
+
+out_dir = sys.argv[1]
+variants = sys.argv[2:] or ["bf16", "delayed"]
+small = os.environ.get("PROFILE_SMALL") == "1"
+batch, seq, hidden, out = (2, 64, 256, 512) if small else (8, 2048, 8192, 32768)
+k_init, k_x, k_dy = jax.random.split(jax.random.PRNGKey(0), 3)
+x = jax.random.normal(k_x, (batch, seq, hidden)).astype(jnp.bfloat16)
+dy = jax.random.normal(k_dy, (batch, seq, out)).astype(jnp.bfloat16)
+classes = {"bf16": lambda: None, "flax": _bench.nn.Fp8DirectDotGeneralOp,
+           "current": ta.linen.make_dot_general_cls(ta.Float8CurrentScaling()),
+           "delayed": ta.linen.make_dot_general_cls(ta.DelayedScaling())}
+steps = 3
+for name in variants:
+  model = _bench._make_dense(out)(classes[name])
+  variables = model.init(k_init, x)
+  step = _bench._speedometer(model.apply)
+  compiled = step.lower(variables, x, dy).compile()
+  with open(os.path.join(out_dir, f"hlo_{name}.txt"), "w") as f:
+    f.write(compiled.as_text())
+  for _ in range(3):
+    jax.block_until_ready(step(variables, x, dy))
+  trace_dir = os.path.join("/tmp", f"trace_{name}")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(steps):
+      r = step(variables, x, dy)
+    jax.block_until_ready(r)
+  (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  pid_names = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+  per_kernel = defaultdict(float)
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e:
+      continue
+    if "/device:GPU" not in pid_names.get(e["pid"], ""):
+      continue
+    per_kernel[e["name"]] += e["dur"] / steps / 1e3  # ms per step
+  total = sum(per_kernel.values())
+  if not per_kernel:
+    print("no GPU kernel events; process names in trace:", sorted(set(pid_names.values()))[:20])
+  print(f"\n== {name}: {total:.2f} ms of GPU kernels per step (device tracks, may double count)")
+  for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:18]:
+    print(f"  {v:8.3f} ms  {k[:110]}")
