@@ -34,12 +34,12 @@ for name, cls in [("bf16", lambda: None), ("flax Fp8DirectDotGeneralOp",
                                             _bench.nn.Fp8DirectDotGeneralOp)]:
   model = make(cls)
   run(name, model.apply, model.init(k_init, x))
-for layout in ("tn", "xla"):
-  for output in ("f32", "direct"):
-    os.environ["TE_ADAPTERS_GEMM_LAYOUT"] = layout
+for output in ("f32", "direct", "mixed"):
+  for transpose in ("cast", "fp8"):
     os.environ["TE_ADAPTERS_GEMM_OUTPUT"] = output
+    os.environ["TE_ADAPTERS_TRANSPOSE"] = transpose
     for label, recipe in [("current", ta.Float8CurrentScaling()),
                           ("delayed", ta.DelayedScaling())]:
       model = make(ta.linen.make_dot_general_cls(recipe))
-      run(f"linen {label} layout={layout} out={output}", model.apply, model.init(k_init, x))
+      run(f"{label} out={output} t={transpose}", model.apply, model.init(k_init, x))
 print(_bench.format_table(rows))

@@ -51,8 +51,13 @@ def test_core_emits_three_fp8_cublas_gemms_and_matches_float64(recipe, rel):
 def test_linen_dense_emits_fp8_gemms(recipe):
   model = nn.Dense(256, use_bias=False, dtype=jnp.bfloat16,
                    dot_general=ta_linen.make_dot_general_cls(recipe)())
-  x = jnp.ones((4, 64, 512), jnp.bfloat16)
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 64, 512)).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(2), (4, 64, 256)).astype(jnp.bfloat16)
   variables = model.init(jax.random.PRNGKey(0), x)
-  step = jax.jit(jax.grad(lambda v, x: jnp.sum(model.apply(v, x).astype(jnp.float32))))
-  hlo = step.lower(variables, x).compile().as_text()
+
+  def loss(v, x, dy):
+    return jnp.sum(model.apply(v, x).astype(jnp.float32) * dy.astype(jnp.float32))
+
+  step = jax.jit(jax.value_and_grad(loss))
+  hlo = step.lower(variables, x, dy).compile().as_text()
   assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)

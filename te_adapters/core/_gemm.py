@@ -103,17 +103,26 @@ def _layout() -> str:
   return value
 
 
-def _output_mode() -> str:
-  # Internal benchmarking knob: "f32" accumulates the FP8 GEMM into float32 and rescales there;
-  # "direct" asks the GEMM for the output dtype and rescales in it.
-  value = os.environ.get("TE_ADAPTERS_GEMM_OUTPUT", "f32")
-  if value not in ("f32", "direct"):
-    raise ValueError(f"TE_ADAPTERS_GEMM_OUTPUT must be 'f32' or 'direct', got {value!r}")
+def _knob(name: str, default: str, allowed: tuple[str, ...]) -> str:
+  # Internal benchmarking knobs, read at trace time (see bench/layouts.py).
+  value = os.environ.get(name, default)
+  if value not in allowed:
+    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
   return value
 
 
-def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision):
-  if _output_mode() == "direct":
+def _output_mode(gemm: str = "fwd") -> str:
+  # "f32": the FP8 GEMM accumulates into float32, rescaled there, then cast.
+  # "direct": the GEMM emits the output dtype and is rescaled in it.
+  # "mixed": direct for the forward and dgrad GEMMs, f32 for wgrad.
+  mode = _knob("TE_ADAPTERS_GEMM_OUTPUT", "f32", ("f32", "direct", "mixed"))
+  if mode == "mixed":
+    return "f32" if gemm == "wgrad" else "direct"
+  return mode
+
+
+def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd"):
+  if _output_mode(gemm) == "direct":
     out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
     return out * scale_inv.reshape(()).astype(out_dtype)
   out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
@@ -235,11 +244,19 @@ def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
 
 
-def _tn_dot(a, b, scale_inv, out_dtype, precision):
+def _tn_dot(a, b, scale_inv, out_dtype, precision, gemm):
   """``a (.., P, C) . b (.., Q, C)^T``: both operands contracting-last."""
   batch = tuple(range(a.ndim - 2))
   dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
-  return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision)
+  return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm)
+
+
+def _cast_both(x, scale, q_dtype):
+  """FP8 copies of ``x`` and of ``x`` with its last two dims swapped."""
+  q = _quantize.cast_with_scale(x, scale, q_dtype)
+  if _knob("TE_ADAPTERS_TRANSPOSE", "cast", ("cast", "fp8")) == "fp8":
+    return q, _swap_last(q)  # transpose the 1-byte copy
+  return q, _quantize.cast_with_scale(_swap_last(x), scale, q_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -253,14 +270,13 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe):
   scale_x, new_x = _role_scale(x3, "x", fwd, recipe, state)
   scale_w, new_w = _role_scale(w3, "kernel", fwd, recipe, state)
   sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
-  q_x = _quantize.cast_with_scale(x3, scale_x, fwd)
-  q_w = _quantize.cast_with_scale(w3, scale_w, fwd)
-  # Transposed copies for the backward GEMMs, cast from the high-precision input.
-  q_xt, sinv_xt = _name_fp8(_quantize.cast_with_scale(_swap_last(x3), scale_x, fwd), sinv_x,
-                            _remat.QUANTIZED_X)
-  q_wt, sinv_wt = _name_fp8(_quantize.cast_with_scale(_swap_last(w3), scale_w, fwd), sinv_w,
-                            _remat.QUANTIZED_KERNEL)
-  y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision)
+  # Each operand in both orientations: this one for the forward GEMM, the transposed copy
+  # (kept for the backward pass) for wgrad (x) and dgrad (kernel).
+  q_x, q_xt = _cast_both(x3, scale_x, fwd)
+  q_w, q_wt = _cast_both(w3, scale_w, fwd)
+  q_xt, sinv_xt = _name_fp8(q_xt, sinv_x, _remat.QUANTIZED_X)
+  q_wt, sinv_wt = _name_fp8(q_wt, sinv_w, _remat.QUANTIZED_KERNEL)
+  y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision, "fwd")
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
@@ -274,10 +290,10 @@ def _tn_bwd(precision, out_dtype, recipe, residuals, g):
   bwd = recipe.bwd_dtype
   scale_g, new_g = _role_scale(g, "grad", bwd, recipe, grad_state)
   sinv_g = _scaling.scale_inverse(scale_g)
-  q_g = _quantize.cast_with_scale(g, scale_g, bwd)
-  q_gt = _quantize.cast_with_scale(_swap_last(g), scale_g, bwd)
-  dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision)  # (.., M, K)
-  dw = _swap_last(_tn_dot(q_xt, q_gt, sinv_g * sinv_x, w_proto.dtype, precision))  # (.., N, K)
+  q_g, q_gt = _cast_both(g, scale_g, bwd)
+  dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision, "dgrad")  # (.., M, K)
+  dw = _tn_dot(q_xt, q_gt, sinv_g * sinv_x, w_proto.dtype, precision, "wgrad")  # (.., K, N)
+  dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
   return dx, dw, {**new_fwd_state, **new_g}
 
 
