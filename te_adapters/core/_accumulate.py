@@ -14,14 +14,16 @@ typed PRNG keys; it is private API, so everything that touches it lives in this 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core as jax_core
 from jax._src import dtypes as jax_dtypes
 
-__all__ = ["MAX_F32", "MIN_F32", "to_accumulating", "to_float32", "is_accumulating"]
+__all__ = ["MAX_F32", "SCALE_F32", "to_accumulating", "to_float32", "is_accumulating"]
 
 
 class _AccumulatingRules:
@@ -39,14 +41,20 @@ class _AccumulatingRules:
     dt = x.dtype
     xf = lax.convert_element_type(x, np.float32)
     yf = lax.convert_element_type(y, np.float32)
-    combined = lax.max(xf, yf) if dt.combine == "max" else lax.min(xf, yf)
+    if dt.combine == "max":
+      combined = lax.max(xf, yf)
+    else:
+      # Scales: a use that updated its scale contributes it (> 0); a use that kept the old scale
+      # contributes -old_scale. Updated scales combine by min (the largest amax wins) and beat
+      # kept ones; kept ones are all the same -old_scale.
+      both_updated = (xf > 0) & (yf > 0)
+      combined = lax.select(both_updated, lax.min(xf, yf), lax.max(xf, yf))
     return lax.convert_element_type(combined, dt)
 
   @staticmethod
   def zero(dtype):
-    # The identity of the combine rule, so a use that contributes nothing changes nothing.
-    fill = -np.inf if dtype.combine == "max" else np.inf
-    return lax.convert_element_type(np.array(fill, np.float32), dtype)
+    # Loses against every contribution, so a use that contributes nothing changes nothing.
+    return lax.convert_element_type(np.array(-np.inf, np.float32), dtype)
 
   @staticmethod
   def tangent_dtype(dtype):
@@ -90,7 +98,7 @@ class AccumulatingFloat32(jax_dtypes.ExtendedDType):
 
 
 MAX_F32 = AccumulatingFloat32("max")
-MIN_F32 = AccumulatingFloat32("min")
+SCALE_F32 = AccumulatingFloat32("scale")
 
 
 def _register_eager_adder():
@@ -112,13 +120,50 @@ def is_accumulating(x) -> bool:
 
 
 def to_accumulating(x, combine: str):
-  """Casts a float32 array to the dtype whose cotangents combine by ``combine``."""
+  """Casts a float32 array to the dtype whose cotangents combine by ``combine``.
+
+  ``combine`` is ``"max"`` (amax histories) or ``"scale"`` (scales, see ``encode_scale``). The
+  gradient that flows back to the float32 input is decoded: kept scales become positive again,
+  and a leaf no use contributed to gets zeros (as without this cast).
+  """
   if is_accumulating(x):
     return x
   x = jax.numpy.asarray(x)
   if x.dtype != np.float32:
     raise TypeError(f"recipe state must be float32, got an array of dtype {x.dtype}")
-  return lax.convert_element_type(x, MAX_F32 if combine == "max" else MIN_F32)
+  return _cast_in(x, MAX_F32 if combine == "max" else SCALE_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cast_in(x, dtype):
+  return lax.convert_element_type(x, dtype)
+
+
+def _cast_in_fwd(x, dtype):
+  return _cast_in(x, dtype), None
+
+
+def _cast_in_bwd(dtype, _, ct):
+  ct = lax.convert_element_type(ct, np.float32)
+  unused = jnp.isneginf(ct)  # the combine rule's zero: no use contributed
+  if dtype.combine == "scale":
+    ct = jnp.abs(ct)  # a kept scale arrives as -old_scale
+  return (jnp.where(unused, 0.0, ct),)
+
+
+_cast_in.defvjp(_cast_in_fwd, _cast_in_bwd)
+
+
+def encode_scale(new_scale, updated, old_scale, reference):
+  """The cotangent a use returns for a scale leaf shaped like ``reference``.
+
+  Plain float32: the new scale. Accumulating: the new scale where it was updated, else
+  ``-old_scale``, so that combining uses lets updated scales win (see ``_AccumulatingRules.add``).
+  """
+  if is_accumulating(reference):
+    value = jnp.where(updated, new_scale, -jnp.abs(old_scale))
+    return lax.convert_element_type(value, reference.dtype)
+  return new_scale
 
 
 def to_float32(x):

@@ -115,7 +115,7 @@ def _output_mode(gemm: str = "fwd") -> str:
   # "f32": the FP8 GEMM accumulates into float32, rescaled there, then cast.
   # "direct": the GEMM emits the output dtype and is rescaled in it.
   # "mixed": direct for the forward and dgrad GEMMs, f32 for wgrad.
-  mode = _knob("TE_ADAPTERS_GEMM_OUTPUT", "f32", ("f32", "direct", "mixed"))
+  mode = _knob("TE_ADAPTERS_GEMM_OUTPUT", "mixed", ("f32", "direct", "mixed"))
   if mode == "mixed":
     return "f32" if gemm == "wgrad" else "direct"
   return mode
@@ -148,11 +148,13 @@ def _role_scale(x, role, q_dtype, recipe, state):
   if isinstance(recipe, DelayedScaling):
     scale = _accumulate.to_float32(state[f"{role}_scale"])
     history = _accumulate.to_float32(state[f"{role}_amax_history"])
-    new_scale, new_history = _scaling.delayed_update(
+    new_scale, new_history, updated = _scaling.delayed_update_and_flag(
         a, scale, history, limit, recipe.margin, recipe.amax_compute_algo
     )
     new = {
-        f"{role}_scale": _accumulate.like(new_scale, state[f"{role}_scale"]),
+        f"{role}_scale": _accumulate.encode_scale(
+            new_scale, updated, scale, state[f"{role}_scale"]
+        ),
         f"{role}_amax_history": _accumulate.like(
             new_history, state[f"{role}_amax_history"]
         ),

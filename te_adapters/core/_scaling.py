@@ -46,11 +46,19 @@ def delayed_update(
   Returns:
     ``(new_scale, new_history)``, float32 of shapes (1,) and (L,).
   """
-  history = amax_history.at[0].set(amax_value[0])
-  window_amax = jnp.max(history) if algo == "max" else history[0]
-  new_scale = compute_scale(window_amax.reshape(1), max_value, scale, margin)
-  new_history = jnp.roll(history, -1).at[0].set(0.0)
+  new_scale, new_history, _ = delayed_update_and_flag(
+      amax_value, scale, amax_history, max_value, margin, algo)
   return new_scale, new_history
+
+
+def delayed_update_and_flag(amax_value, scale, amax_history, max_value, margin, algo):
+  """``delayed_update`` plus a bool (1,): whether the scale was updated (not kept)."""
+  history = amax_history.at[0].set(amax_value[0])
+  window_amax = (jnp.max(history) if algo == "max" else history[0]).reshape(1)
+  updated = (window_amax > 0) & jnp.isfinite(window_amax)
+  new_scale = compute_scale(window_amax, max_value, scale, margin)
+  new_history = jnp.roll(history, -1).at[0].set(0.0)
+  return new_scale, new_history, updated
 
 
 def scale_inverse(scale: jnp.ndarray) -> jnp.ndarray:

@@ -101,14 +101,16 @@ def with_max_grad(state):
       state = te_adapters.core.with_max_grad(state)
       ...
 
-  Amax histories then combine by max and scales by min (the scale of the largest amax). The values
-  are unchanged, and the gradient with respect to the float32 state stays float32. Works on any
+  Amax histories then combine by max, and scales take the value of the use with the largest
+  amax (a use that kept its old scale, for a zero or non-finite amax, gives way to one that
+  updated it). The values are unchanged, and the gradient with respect to the float32 state stays
+  float32. Works on any
   pytree of recipe state (one GEMM's dict, or a nested tree of them); leaves whose name ends in
   ``scale`` are treated as scales.
   """
 
   def convert(path, leaf):
-    return _accumulate.to_accumulating(leaf, "min" if _is_scale_name(path) else "max")
+    return _accumulate.to_accumulating(leaf, "scale" if _is_scale_name(path) else "max")
 
   return jax.tree_util.tree_map_with_path(convert, state)
 

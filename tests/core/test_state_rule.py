@@ -55,6 +55,47 @@ def test_two_uses_give_the_larger_amax_not_a_sum():
   np.testing.assert_array_equal(summed["x_amax_history"], [0, 0, 0, 7.0])
 
 
+def test_reuse_where_one_use_keeps_its_scale():
+  # First step: the history is empty; one use sees an all-zero x (keeps scale 1), the other an
+  # amax of 2 (updates to 448/2). One use seeing the larger amax gives 224, not 1.
+  state = core.init_state(RECIPE)
+  w = _probe(1.0, (32, 16))
+  zeros, x = jnp.zeros((16, 32)), _probe(2.0, (16, 32), seed=3)
+
+  def loss(w, state):
+    state = core.with_max_grad(state)
+    return (jnp.sum(core.dot_general(zeros, w, DN, recipe=RECIPE, state=state))
+            + jnp.sum(core.dot_general(x, w, DN, recipe=RECIPE, state=state)))
+
+  for order in (False, True):
+    fn = (lambda w, s: loss(w, s)) if not order else jax.jit(loss)
+    new = jax.grad(fn, argnums=1)(w, state)
+    np.testing.assert_array_equal(new["x_scale"], [np.float32(448.0) / np.float32(2.0)])
+    np.testing.assert_array_equal(new["x_amax_history"], [0, 0, 0, 2.0])
+
+  # Both uses keep the scale (all-zero x twice): the old scale comes back, positive.
+  state = dict(state, x_scale=jnp.float32([5.0]))
+  def loss_zero(w, state):
+    state = core.with_max_grad(state)
+    return sum(jnp.sum(core.dot_general(zeros, w, DN, recipe=RECIPE, state=state))
+               for _ in range(2))
+  new = jax.grad(loss_zero, argnums=1)(w, state)
+  np.testing.assert_array_equal(new["x_scale"], [5.0])
+
+
+def test_with_max_grad_on_unused_state_gives_zero_gradient():
+  state = core.init_state(RECIPE)
+
+  def loss(w, state):
+    state = core.with_max_grad(state)
+    used = core.dot_general(_probe(1.0, (16, 32)), w, DN, recipe=RECIPE, state=state["a"])
+    return jnp.sum(used)
+  states = {"a": state, "b": dict(state, x_scale=jnp.float32([3.0]))}
+  new = jax.grad(loss, argnums=1)(_probe(1.0, (32, 16)), states)
+  jax.tree_util.tree_map(lambda g: np.testing.assert_array_equal(g, np.zeros_like(g)), new["b"])
+  np.testing.assert_array_equal(core.updated_state(states, new)["b"]["x_scale"], [3.0])
+
+
 def test_scan_over_stacked_per_layer_state():
   n_layers = 3
   states = jax.tree_util.tree_map(lambda a: jnp.stack([a] * n_layers), core.init_state(RECIPE))
