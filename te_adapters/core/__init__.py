@@ -6,6 +6,7 @@ with a custom VJP whose state gradient is the next step's state.
 
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
+from te_adapters.core._ragged import init_ragged_state, ragged_dot
 from te_adapters.core._recipes import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -51,8 +52,10 @@ __all__ = [
     "dequantize",
     "dot_general",
     "fp8_max",
+    "init_ragged_state",
     "init_state",
     "quantize",
+    "ragged_dot",
     "save_quantized_gemms",
     "save_quantized_operands",
     "state_names",
