@@ -166,16 +166,6 @@ def test_delayed_state_after_several_steps():
   np.testing.assert_array_equal(state["x_scale"][1], 1.0)
 
 
-def test_forward_only_call_leaves_state_unchanged():
-  recipe = ta.DelayedScaling(amax_history_len=2)
-  state = core.init_ragged_state(recipe, 2)
-  x, w = jnp.ones((8, 16)), jnp.ones((2, 16, 16))
-  y = jax.jit(lambda s: core.ragged_dot(x, w, jnp.array([3, 5]), recipe=recipe, state=s))(state)
-  assert y.shape == (8, 16)
-  for v in state.values():  # the state is an input; only the gradient carries a new one
-    assert float(jnp.sum(v)) in (0.0, 2.0)
-
-
 def test_per_group_scales_protect_a_small_expert(rel):
   """Expert 3's kernel and group 3's rows are 1e5 below the rest; per-tensor scales fail."""
   rng = np.random.default_rng(3)
@@ -210,8 +200,6 @@ def test_fp8_operands_reach_the_ragged_gemms():
   jaxpr = jax.make_jaxpr(train_step.__wrapped__, static_argnums=(5,))(
       x, w, {}, jnp.array([16, 16]), dy, recipe
   )
-  text = str(jaxpr)
-  found = re.findall(r"ragged_dot_general\[[^\]]*\]\s+(\w+)\s+(\w+)", text)
   operand_types = []
   for eqn in _all_eqns(jaxpr.jaxpr):
     if eqn.primitive.name == "ragged_dot_general":
@@ -222,7 +210,7 @@ def test_fp8_operands_reach_the_ragged_gemms():
           ("float8_e5m2", "float8_e4m3fn"),  # dgrad
           ("float8_e4m3fn", "float8_e5m2"),  # wgrad
       ]
-  ), (operand_types, found)
+  ), operand_types
 
 
 def _all_eqns(jaxpr):

@@ -64,6 +64,11 @@ def test_training_step_updates_params_and_recipe_state(rel):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
   dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+  # Evaluation (no gradient) leaves the recipe state as it was.
+  before = nnx.to_pure_dict(nnx.state(model, RecipeState))
+  nnx.jit(lambda m, x: m(x, SIZES))(model, x)
+  after = nnx.to_pure_dict(nnx.state(model, RecipeState))
+  jax.tree.map(np.testing.assert_array_equal, before, after)
   kernels = []
   for _ in range(3):
     kernels.append(np.asarray(model.kernel[...]))
