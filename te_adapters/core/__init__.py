@@ -13,6 +13,7 @@ from te_adapters.core._inspect import (
     hlo_dot_operand_types,
 )
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
+from te_adapters.core._ragged import init_ragged_state, ragged_dot
 from te_adapters.core._recipes import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -63,8 +64,10 @@ __all__ = [
     "dot_general_operand_dtypes",
     "fp8_max",
     "hlo_dot_operand_types",
+    "init_ragged_state",
     "init_state",
     "quantize",
+    "ragged_dot",
     "save_quantized_gemms",
     "save_quantized_operands",
     "state_names",

@@ -1,0 +1,190 @@
+"""Grouped GEMM (MoE expert layer) speed: ours in bf16 and FP8 vs jax.lax.ragged_dot vs a loop.
+
+Times one training step of the grouped GEMM, forward and backward with a given output gradient
+(``jax.value_and_grad`` of ``vdot(y, dy)`` with respect to x, the expert kernels and the recipe
+state), jitted, ``block_until_ready`` after every step, the median over ``--repeats`` runs of
+``--iters`` steps each. Variants:
+
+- ``lax_bf16``: ``jax.lax.ragged_dot`` in bf16 (its own VJP).
+- ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)``.
+- ``ours_current``, ``ours_delayed``: ``te_adapters.core.ragged_dot`` with FP8 current / delayed
+  scaling (HYBRID).
+- ``loop_bf16``: a dense loop over experts, ``sum_g mask_g * (x @ W[g])`` in bf16 (G times the
+  FLOPs; what one writes without a grouped GEMM).
+- ``loop_current``: the same loop with ``te_adapters.core.dot_general`` FP8 current scaling.
+
+TFLOP/s counts the useful work, 6*M*K*N per step (the forward, dgrad and wgrad GEMMs), whatever
+a variant really computes. The table also says whether the compiled step has an FP8 GEMM
+(a ``__cublas$lt$matmul$f8`` call on GPU, an f8 ``dot`` elsewhere), and the relative error of the
+forward output against ``lax_bf16``'s.
+
+Usage (on the GPU):
+  python bench/ragged.py --tokens 16384 --k 4096 --n 14336 --groups 8 64
+  python bench/ragged.py --groups 8 --variants lax_bf16 ours_current
+Quick check on CPU:
+  python bench/ragged.py --tokens 512 --k 128 --n 128 --groups 4 --iters 1 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import te_adapters as ta
+from te_adapters import core
+
+VARIANTS = ("lax_bf16", "ours_bf16", "ours_current", "ours_delayed", "loop_bf16", "loop_current")
+
+
+def _loop_over_experts(x, w, group_sizes, recipe):
+  """``sum_g mask_g * (x @ W[g])``: every expert multiplies every token."""
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  rows = jnp.arange(x.shape[0])[:, None]
+  y = jnp.zeros((x.shape[0], w.shape[2]), x.dtype)
+  for g in range(w.shape[0]):
+    mask = (rows >= starts[g]) & (rows < ends[g])
+    if recipe is None:
+      yg = x @ w[g]
+    else:
+      yg = core.dot_general(x, w[g], (((1,), (0,)), ((), ())), recipe=recipe)
+    y = y + jnp.where(mask, yg, jnp.zeros((), yg.dtype)).astype(x.dtype)
+  return y
+
+
+def make_forward(variant: str, num_groups: int):
+  """Returns ``(forward(x, w, group_sizes, state) -> y, initial state)``."""
+  if variant == "lax_bf16":
+    return (lambda x, w, gs, st: jax.lax.ragged_dot(x, w, gs)), {}
+  if variant == "ours_bf16":
+    return (lambda x, w, gs, st: core.ragged_dot(x, w, gs, recipe=None)), {}
+  if variant in ("ours_current", "ours_delayed"):
+    recipe = ta.Float8CurrentScaling() if variant == "ours_current" else ta.DelayedScaling()
+    state = core.init_ragged_state(recipe, num_groups)
+
+    def forward(x, w, gs, st):
+      return core.ragged_dot(x, w, gs, recipe=recipe, state=st)
+
+    return forward, state
+  if variant == "loop_bf16":
+    return (lambda x, w, gs, st: _loop_over_experts(x, w, gs, None)), {}
+  if variant == "loop_current":
+    recipe = ta.Float8CurrentScaling()
+    return (lambda x, w, gs, st: _loop_over_experts(x, w, gs, recipe)), {}
+  raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def make_step(forward):
+  def loss(x, w, state, gs, dy):
+    return jnp.vdot(forward(x, w, gs, state).astype(jnp.float32), dy.astype(jnp.float32))
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def has_fp8_gemm(hlo: str) -> bool:
+  if "__cublas$lt$matmul$f8" in hlo:
+    return True
+  # Elsewhere (CPU, or a GPU that would run the FP8 dot in another way): a dot of f8 operands.
+  return bool(re.search(r"= \w+\[[^\]]*\][^=]*\bdot\(f8e\w+", hlo))
+
+
+def time_step(step, args, iters: int, repeats: int, warmup: int) -> list[float]:
+  for _ in range(warmup):
+    jax.block_until_ready(step(*args))
+  runs = []
+  for _ in range(repeats):
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(step(*args))
+      times.append(time.perf_counter() - t0)
+    runs.append(statistics.median(times))
+  return runs
+
+
+def routed_group_sizes(key, tokens: int, num_groups: int, routing: str) -> jax.Array:
+  if routing == "random":
+    experts = jax.random.randint(key, (tokens,), 0, num_groups)
+  elif routing == "balanced":
+    experts = jnp.arange(tokens) % num_groups
+  else:  # "skewed": expert j gets about 1/j^2 of the tokens
+    p = 1.0 / jnp.arange(1, num_groups + 1) ** 2
+    experts = jax.random.choice(key, num_groups, (tokens,), p=p / p.sum())
+  return jnp.bincount(experts, length=num_groups).astype(jnp.int32)
+
+
+def bench_groups(args, num_groups: int) -> None:
+  m, k, n = args.tokens, args.k, args.n
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  dtype = jnp.dtype(args.dtype)
+  x = jax.random.normal(keys[0], (m, k), dtype)
+  w = (jax.random.normal(keys[1], (num_groups, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+  dy = jax.random.normal(keys[2], (m, n), dtype)
+  gs = routed_group_sizes(keys[3], m, num_groups, args.routing)
+  sizes = np.asarray(gs)
+  print(f"\n## G={num_groups}: M={m} K={k} N={n} {args.dtype}, {args.routing} routing, "
+        f"group sizes min {sizes.min()} max {sizes.max()} (sum {sizes.sum()})")
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print("| variant | ms/step (median) | runs (ms) | useful TFLOP/s | vs lax_bf16 | FP8 GEMM | "
+        "fwd err vs lax_bf16 |")
+  print("|---|---|---|---|---|---|---|")
+  flops = 6.0 * m * k * n
+  reference = None
+  base_ms = None
+  for variant in args.variants:
+    try:
+      forward, state = make_forward(variant, num_groups)
+      step = make_step(forward)
+      call_args = (x, w, state, gs, dy)
+      hlo = step.lower(*call_args).compile().as_text()
+      fp8 = "yes" if has_fp8_gemm(hlo) else "no"
+      y = jax.jit(forward)(x, w, gs, state)
+      if reference is None and variant == "lax_bf16":
+        reference = np.asarray(y, np.float32)
+      err = "-"
+      if reference is not None:
+        yf = np.asarray(y, np.float32)
+        err = f"{np.linalg.norm(yf - reference) / np.linalg.norm(reference):.4f}"
+      runs = time_step(step, call_args, args.iters, args.repeats, args.warmup)
+    except Exception as e:  # report and go on (an out-of-memory loop must not hide the rest)
+      msg = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+      print(f"| {variant} | failed: {type(e).__name__}: {msg} | | | | | |")
+      continue
+    ms = statistics.median(runs) * 1e3
+    if variant == "lax_bf16":
+      base_ms = ms
+    speedup = f"{base_ms / ms:.2f}x" if base_ms else "-"
+    runs_ms = ", ".join(f"{r * 1e3:.2f}" for r in runs)
+    print(f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
+          f"{fp8} | {err} |")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--tokens", type=int, default=16384, help="M, rows routed to the experts")
+  p.add_argument("--k", type=int, default=4096, help="K, input features")
+  p.add_argument("--n", type=int, default=14336, help="N, output features per expert")
+  p.add_argument("--groups", type=int, nargs="+", default=[8, 64], help="G values to run")
+  p.add_argument("--dtype", default="bfloat16", help="dtype of x, kernels and dy")
+  p.add_argument("--routing", choices=("random", "balanced", "skewed"), default="random")
+  p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+  p.add_argument("--iters", type=int, default=10, help="timed steps per run")
+  p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
+  p.add_argument("--warmup", type=int, default=2)
+  args = p.parse_args(argv)
+  if "lax_bf16" in args.variants:  # the reference runs first
+    args.variants = ["lax_bf16"] + [v for v in args.variants if v != "lax_bf16"]
+  for g in args.groups:
+    bench_groups(args, g)
+
+
+if __name__ == "__main__":
+  main()

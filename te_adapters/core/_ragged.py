@@ -1,0 +1,419 @@
+"""Grouped GEMM for mixture-of-experts: a quantized ``ragged_dot`` with a custom VJP.
+
+``lhs`` [M, K] holds the rows of G groups one after another (group g has ``group_sizes[g]`` rows;
+rows past ``sum(group_sizes)`` belong to no group), ``rhs`` [G, K, N] holds one kernel per group,
+and row ``i`` of the output is ``lhs[i] @ rhs[group(i)]`` (zero for rows past the groups).
+
+Every quantity here is computed on the device from ``group_sizes``: the row-to-group map, the
+per-group amaxes and scales. Nothing is copied to the host and nothing waits for it, so the op
+runs under ``jit`` with group sizes produced by a router. The three GEMMs are
+``jax.lax.ragged_dot_general`` calls with FP8 operands, so their speed is that of XLA's lowering:
+XLA's GPU compiler (its ``RaggedDotRewriter``) expands a ragged dot into a dense dot over a
+group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs.
+
+Scales are **per group** for every role: the rows of group g (x, and the output gradient) share
+one scale, and expert g's kernel has its own. Measured on CPU with ``bench/ragged_scales.py``
+(current scaling, HYBRID, M=4096, K=N=256, G=8; normwise relative error against float64, per-group
+vs per-tensor scales):
+
+- N(0,1) data, random routing: fwd 0.0374 vs 0.0374, dgrad 0.0589 vs 0.0589, wgrad 0.0589 vs
+  0.0589. The same, since every group has about the same amax.
+- One expert's kernel scaled by 1e-3 or more: the same. By 1e-4: that expert's fwd 0.037 vs
+  0.064 and dgrad 0.059 vs 0.079; by 1e-5: 0.037 vs 0.58 and 0.059 vs 0.58.
+- x rows of group j scaled by gates spread from 1 down to 1e-3: the same; down to 1e-5: the
+  smallest group's fwd 0.037 vs 0.52 and wgrad 0.059 vs 0.52. Output gradients scaled the same
+  way stay equal (E5M2's range covers 1e-5).
+- Delayed scaling (history 16) over 12 steps with skewed routing (the rarest expert gets 1% of
+  the tokens): that expert's fwd 0.0375 vs 0.0374, dgrad 0.0593 vs 0.0590. A per-group history
+  does not hurt small groups.
+
+So per-group scales match per-tensor ones on ordinary data and keep a group whose values are
+1e4 or more below the others' from falling into FP8's subnormals. They cost no extra pass over
+memory (a segment-max over the row amaxes, and a per-row factor on the GEMM output where a
+per-tensor scale needs a scalar one), and under expert parallelism a per-expert amax needs no
+collective across expert shards. The state of ``DelayedScaling`` therefore holds one scale and one
+amax history per group: ``{role}_scale`` (G, 1) and ``{role}_amax_history`` (G, L), that is, G
+stacked copies of one GEMM's state (slice g is what ``dot_general`` would keep for expert g).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from te_adapters.core import _accumulate, _quantize, _remat, _scaling
+from te_adapters.core._recipes import DelayedScaling, check_recipe
+from te_adapters.core._state import ROLES
+
+__all__ = ["ragged_dot", "init_ragged_state", "check_ragged_state"]
+
+# Row i of lhs (or of the output gradient) times kernel group(i); contracting the output
+# gradient's N with the kernel's N gives dx; contracting the ragged rows gives one dW per group.
+_FWD_DIMS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (1,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,),
+)
+_DGRAD_DIMS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(0,),
+)
+_WGRAD_DIMS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())),
+    lhs_ragged_dimensions=(0,),
+    rhs_group_dimensions=(),
+)
+
+# cuBLAS FP8 GEMMs need the contracting and output feature sizes to be multiples of 16.
+_FP8_ALIGNMENT = 16
+
+
+def init_ragged_state(recipe, num_groups: int) -> dict[str, jax.Array]:
+  """The initial state of one grouped GEMM (``ragged_dot``) with ``num_groups`` groups.
+
+  For ``DelayedScaling``: ``{x,kernel,grad}_scale`` float32 (G, 1), ones, and
+  ``{x,kernel,grad}_amax_history`` float32 (G, L), zeros; slice ``g`` of each is the state of
+  expert g. ``{}`` for stateless recipes.
+
+  Args:
+    recipe: a recipe instance.
+    num_groups: G, the number of groups (experts).
+
+  Returns:
+    A dict of float32 arrays (empty for stateless recipes).
+
+  Example:
+    >>> import te_adapters as ta
+    >>> s = ta.core.init_ragged_state(ta.DelayedScaling(amax_history_len=4), 8)
+    >>> s["x_scale"].shape, s["x_amax_history"].shape
+    ((8, 1), (8, 4))
+  """
+  recipe = check_recipe(recipe)
+  num_groups = _check_num_groups(num_groups)
+  return {
+      name: jnp.full(shape, 1.0 if name.endswith("_scale") else 0.0, jnp.float32)
+      for name, shape in _expected_shapes(recipe, num_groups).items()
+  }
+
+
+def _check_num_groups(num_groups) -> int:
+  if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)):
+    raise TypeError(f"num_groups must be an int, got {num_groups!r}")
+  if num_groups < 1:
+    raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+  return int(num_groups)
+
+
+def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
+  if not isinstance(recipe, DelayedScaling):
+    return {}
+  shapes = {}
+  for role in ROLES:
+    shapes[f"{role}_scale"] = (num_groups, 1)
+    shapes[f"{role}_amax_history"] = (num_groups, recipe.amax_history_len)
+  return shapes
+
+
+def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int) -> dict:
+  """Validates the state of a grouped GEMM against ``recipe``; raises naming the mismatch."""
+  expected = _expected_shapes(recipe, num_groups)
+  if state is None:
+    if expected:
+      raise ValueError(
+          f"{type(recipe).__name__} keeps state: pass "
+          f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
+      )
+    return {}
+  if not isinstance(state, Mapping):
+    raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
+  missing = sorted(set(expected) - set(state))
+  extra = sorted(set(state) - set(expected))
+  if missing or extra:
+    raise ValueError(
+        f"state does not match {recipe!r} for a grouped GEMM: missing {missing}, "
+        f"unexpected {extra}"
+    )
+  for name, shape in expected.items():
+    leaf = state[name]
+    if tuple(np.shape(leaf)) != shape:
+      hint = ""
+      if tuple(np.shape(leaf)) in ((1,), (recipe.amax_history_len,)):
+        hint = " (this is one GEMM's state; use init_ragged_state(recipe, num_groups))"
+      raise ValueError(
+          f"state[{name!r}] has shape {tuple(np.shape(leaf))} but {num_groups} groups under "
+          f"{recipe!r} need {shape}{hint}"
+      )
+    dtype = getattr(leaf, "dtype", None)
+    if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
+      raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
+  return dict(state)
+
+
+def ragged_dot(
+    lhs,
+    rhs,
+    group_sizes,
+    precision=None,
+    preferred_element_type=None,
+    group_offset=None,
+    *,
+    recipe,
+    state=None,
+):
+  """``jax.lax.ragged_dot`` with FP8 operands, per ``recipe``: the grouped GEMM of an MoE layer.
+
+  Has ``jax.lax.ragged_dot``'s signature plus keywords, so
+  ``functools.partial(ragged_dot, recipe=r, state=s)`` replaces it. Group sizes stay on the
+  device (no host transfer or synchronisation), so they may come from a router under ``jit``.
+  The VJP computes dgrad grouped like the forward pass and one weight gradient per group; an
+  empty group gets zero output rows and a zero weight gradient.
+
+  Scales are per group (see the module docstring for the measurements behind that choice).
+
+  Args:
+    lhs: [M, K] rows of all groups, group by group (real floating point).
+    rhs: [G, K, N] one kernel per group (real floating point).
+    group_sizes: [G] integers on the device, non-negative with ``sum(group_sizes) <= M``; rows
+      past the sum give zero output rows (and zero gradient).
+    precision: passed to the GEMMs (FP8 GEMMs accumulate in float32 whatever it says).
+    preferred_element_type: output dtype; default as ``jax.lax.ragged_dot`` would give.
+    group_offset: must be ``None`` (sharded group offsets are not supported).
+    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``), or ``None`` for a plain
+      ``jax.lax.ragged_dot`` in the operands' precision.
+    state: this GEMM's recipe state (``init_ragged_state(recipe, G)``); ``None`` for stateless
+      recipes.
+
+  Returns:
+    [M, N], with the dtype ``jax.lax.ragged_dot`` gives. Under differentiation, the gradient with
+    respect to ``state`` is the state for the next step.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> x, w = jnp.ones((32, 16)), jnp.ones((2, 16, 16))
+    >>> gs = jnp.array([8, 16], jnp.int32)  # rows 24..31 belong to no group
+    >>> y = ta.core.ragged_dot(x, w, gs, recipe=ta.Float8CurrentScaling())
+    >>> round(float(y[0, 0]), 4), float(y[31, 0])
+    (16.0, 0.0)
+  """
+  _quantize.check_float_operand("lhs", lhs)
+  _quantize.check_float_operand("rhs", rhs)
+  lhs = jnp.asarray(lhs)
+  rhs = jnp.asarray(rhs)
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be 2-D [M, K], got shape {lhs.shape}")
+  if rhs.ndim != 3:
+    raise ValueError(f"rhs must be 3-D [G, K, N], got shape {rhs.shape}")
+  if lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(
+        f"contracting sizes differ: lhs {lhs.shape} has K={lhs.shape[1]}, rhs {rhs.shape} has "
+        f"K={rhs.shape[1]}"
+    )
+  group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
+  if group_offset is not None:
+    raise NotImplementedError("group_offset is not supported; pass group_offset=None")
+  if recipe is None:
+    if state:
+      raise ValueError("state was given but recipe is None")
+    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
+  recipe = check_recipe(recipe)
+  _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
+  state = check_ragged_state(recipe, state, rhs.shape[0])
+  out_dtype = jax.eval_shape(
+      functools.partial(
+          lax.ragged_dot, precision=precision, preferred_element_type=preferred_element_type
+      ),
+      lhs,
+      rhs,
+      group_sizes,
+  ).dtype
+  operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  return _fp8_ragged_dot(
+      lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
+      "group",
+  )
+
+
+def _check_group_sizes(group_sizes, num_groups: int) -> jax.Array:
+  if not hasattr(group_sizes, "dtype"):
+    group_sizes = np.asarray(group_sizes)
+  dtype = np.dtype(group_sizes.dtype)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"group_sizes must be an integer array, got dtype {dtype}")
+  group_sizes = jnp.asarray(group_sizes)
+  if group_sizes.shape != (num_groups,):
+    raise ValueError(
+        f"group_sizes must have shape ({num_groups},), one size per group of rhs, got "
+        f"{group_sizes.shape}"
+    )
+  return group_sizes.astype(jnp.int32)
+
+
+def _check_fp8_sizes(k: int, n: int) -> None:
+  bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % _FP8_ALIGNMENT]
+  if bad:
+    raise ValueError(
+        f"FP8 grouped GEMMs need K and N to be multiples of {_FP8_ALIGNMENT}; got "
+        f"{', '.join(bad)}. Pad the features, or pass recipe=None for a high-precision GEMM."
+    )
+
+
+def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+  """The group of each row, [num_rows] int32; ``G`` for rows past ``sum(group_sizes)``."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  rows = jnp.arange(num_rows, dtype=jnp.int32)
+  # The number of groups that end at or before each row: an [M, G] compare, cheap for MoE G.
+  return jnp.sum(rows[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
+def _per_row(values: jax.Array, ids: jax.Array, fill: float) -> jax.Array:
+  """``values[ids]`` for per-group ``values`` [G]; ``fill`` for rows past the groups."""
+  return jnp.concatenate([values, jnp.full((1,), fill, values.dtype)])[ids]
+
+
+def _group_amax(x: jax.Array, ids: jax.Array, num_groups: int) -> jax.Array:
+  """max |x| over each group's rows, float32 [G]: 0 for an empty group, NaN if a row has NaN."""
+  row_amax = jnp.max(jnp.abs(x), axis=1).astype(jnp.float32)
+  row_nan = jnp.any(jnp.isnan(x), axis=1)
+  # A masked [M, G] reduction rather than a scatter: M rows would contend for G slots.
+  member = ids[:, None] == jnp.arange(num_groups, dtype=ids.dtype)[None, :]
+  amax = jnp.max(jnp.where(member, row_amax[:, None], 0.0), axis=0)
+  has_nan = jnp.any(member & row_nan[:, None], axis=0)
+  return jnp.where(has_nan, jnp.float32(jnp.nan), amax)
+
+
+def _expert_amax(w: jax.Array) -> jax.Array:
+  amax = jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32)
+  return jnp.where(jnp.any(jnp.isnan(w), axis=(1, 2)), jnp.float32(jnp.nan), amax)
+
+
+def _to_tensor_amax(amax: jax.Array) -> jax.Array:
+  # One amax for all groups (the per-tensor alternative, kept for measurements).
+  total = jnp.where(jnp.any(jnp.isnan(amax)), jnp.float32(jnp.nan), jnp.max(amax))
+  return jnp.broadcast_to(total, amax.shape)
+
+
+def _role_scales(amax, role, q_dtype, recipe, state):
+  """Per-group scales [G] for one role; returns (scale, new state entries for the role)."""
+  limit = _scaling.fp8_max(q_dtype)
+  if not isinstance(recipe, DelayedScaling):
+    return _scaling.compute_scale(amax, limit, 1.0), {}
+  scale_ref = state[f"{role}_scale"]
+  history_ref = state[f"{role}_amax_history"]
+  update = functools.partial(
+      _scaling.delayed_update_and_flag,
+      max_value=limit,
+      margin=recipe.margin,
+      algo=recipe.amax_compute_algo,
+  )
+  old_scale = _accumulate.to_float32(scale_ref)
+  new_scale, new_history, updated = jax.vmap(update)(
+      amax[:, None], old_scale, _accumulate.to_float32(history_ref)
+  )
+  new = {
+      f"{role}_scale": _accumulate.encode_scale(new_scale, updated, old_scale, scale_ref),
+      f"{role}_amax_history": _accumulate.like(new_history, history_ref),
+  }
+  # Delayed scaling quantizes with the stored scale; the new one is for the next step.
+  return _accumulate.to_float32(scale_ref)[:, 0], new
+
+
+def _quantize_rows(x, ids, num_groups, role, q_dtype, recipe, state, granularity):
+  """Quantizes [M, F] rows with their group's scale; rows past the groups become 0."""
+  amax = _group_amax(x, ids, num_groups)
+  if granularity == "tensor":
+    amax = _to_tensor_amax(amax)
+  scale, new = _role_scales(amax, role, q_dtype, recipe, state)
+  limit = _scaling.fp8_max(q_dtype)
+  scaled = x.astype(jnp.float32) * _per_row(scale, ids, 1.0)[:, None]
+  data = jnp.clip(scaled, -limit, limit).astype(q_dtype)
+  data = jnp.where((ids < num_groups)[:, None], data, jnp.zeros((), q_dtype))
+  return data, _scaling.scale_inverse(scale), new
+
+
+def _quantize_experts(w, role, q_dtype, recipe, state, granularity):
+  amax = _expert_amax(w)
+  if granularity == "tensor":
+    amax = _to_tensor_amax(amax)
+  scale, new = _role_scales(amax, role, q_dtype, recipe, state)
+  limit = _scaling.fp8_max(q_dtype)
+  scaled = w.astype(jnp.float32) * scale[:, None, None]
+  data = jnp.clip(scaled, -limit, limit).astype(q_dtype)
+  return data, _scaling.scale_inverse(scale), new
+
+
+def _checkpoint_quantized(data, scale_inv, name):
+  """Tags a quantized operand for remat policies, saving its FP8 data as raw bytes.
+
+  ``jax.checkpoint`` rounds every saved floating-point residual with
+  ``reduce_precision(exponent_bits, mantissa_bits)`` taken from ``finfo``; for float8_e4m3fn
+  that is IEEE-style E4M3, whose largest finite value is 240, so saved values from 256 to 448
+  would become NaN. Integer residuals are left alone.
+  """
+  bits = lax.bitcast_convert_type(data, jnp.uint8)
+  bits, scale_inv = checkpoint_name((bits, scale_inv), name)
+  return lax.bitcast_convert_type(bits, data.dtype), scale_inv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _fp8_ragged_dot(
+    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
+):
+  y, _ = _fp8_fwd(
+      lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
+  )
+  return y
+
+
+def _fp8_fwd(
+    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
+):
+  del operand_dtypes
+  num_groups = rhs.shape[0]
+  ids = row_groups(group_sizes, lhs.shape[0])
+  q_x, sinv_x, new_x = _quantize_rows(
+      lhs, ids, num_groups, "x", recipe.fwd_dtype, recipe, state, granularity
+  )
+  q_w, sinv_w, new_w = _quantize_experts(
+      rhs, "kernel", recipe.fwd_dtype, recipe, state, granularity
+  )
+  q_x, sinv_x = _checkpoint_quantized(q_x, sinv_x, _remat.QUANTIZED_X)
+  q_w, sinv_w = _checkpoint_quantized(q_w, sinv_w, _remat.QUANTIZED_KERNEL)
+  y = lax.ragged_dot_general(
+      q_x, q_w, group_sizes, _FWD_DIMS, precision=precision, preferred_element_type=jnp.float32
+  )
+  y = (y * _per_row(sinv_x * sinv_w, ids, 0.0)[:, None]).astype(out_dtype)
+  y = checkpoint_name(y, _remat.GEMM_OUTPUT)
+  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
+  residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {**new_x, **new_w}, grad_state)
+  return y, residuals
+
+
+def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, residuals, g):
+  q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, grad_state = residuals
+  lhs_dtype, rhs_dtype = operand_dtypes
+  del out_dtype
+  num_groups = q_w.shape[0]
+  ids = row_groups(group_sizes, q_x.shape[0])
+  q_g, sinv_g, new_g = _quantize_rows(
+      g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, grad_state, granularity
+  )
+  dx = lax.ragged_dot_general(
+      q_g, q_w, group_sizes, _DGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
+  )
+  dx = (dx * _per_row(sinv_g * sinv_w, ids, 0.0)[:, None]).astype(lhs_dtype)
+  dw = lax.ragged_dot_general(
+      q_x, q_g, group_sizes, _WGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
+  )
+  dw = (dw * (sinv_x * sinv_g)[:, None, None]).astype(rhs_dtype)
+  return dx, dw, None, {**new_fwd_state, **new_g}
+
+
+_fp8_ragged_dot.defvjp(_fp8_fwd, _fp8_bwd)
