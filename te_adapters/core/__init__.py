@@ -8,8 +8,11 @@ from te_adapters.core._gemm import dot_general
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._recipes import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
     check_recipe,
 )
@@ -35,9 +38,12 @@ from te_adapters.core._state import (
 __all__ = [
     "CHECKPOINT_NAMES",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "GEMM_OUTPUT",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "QUANTIZED_KERNEL",
     "QUANTIZED_X",
     "Recipe",
