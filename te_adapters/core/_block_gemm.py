@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import _block_scaled, _remat
@@ -134,6 +135,24 @@ def _quantize_fwd_operands(lhs, rhs, layout, recipe):
   return x3, w3, qx, qw
 
 
+def _name_quantized(t, name):
+  """Tags the leaves of a quantized tensor with a checkpoint name, narrow floats as their bits.
+
+  Remat may pass saved floating-point residuals through ``reduce_precision`` with the dtype's
+  exponent and mantissa widths, whose IEEE rules have no room for the top binade of
+  ``float8_e4m3fn`` (448 becomes NaN) or ``float8_e8m0fnu``. Bitcasts are free in XLA.
+  """
+
+  def name_leaf(leaf):
+    bits = {8: jnp.uint8, 4: jnp.uint4}.get(jnp.finfo(leaf.dtype).bits)
+    if leaf.dtype == jnp.float32 or bits is None:
+      return checkpoint_name(leaf, name)
+    named = checkpoint_name(lax.bitcast_convert_type(leaf, bits), name)
+    return lax.bitcast_convert_type(named, leaf.dtype)
+
+  return jax.tree.map(name_leaf, t)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe):
   del rng, operands
@@ -166,8 +185,8 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
     qw_t = _block_scaled.quantize_trailing(
       jnp.swapaxes(w3, 1, 2), operand_spec(recipe, "kernel"), what="rhs (kernel)"
     )
-  qx_t = checkpoint_name(qx_t, _remat.QUANTIZED_X)
-  qw_t = checkpoint_name(qw_t, _remat.QUANTIZED_KERNEL)
+  qx_t = _name_quantized(qx_t, _remat.QUANTIZED_X)
+  qw_t = _name_quantized(qw_t, _remat.QUANTIZED_KERNEL)
   return y, (qx_t, qw_t, rng)
 
 
