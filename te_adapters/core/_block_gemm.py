@@ -99,22 +99,32 @@ class _Layout:
     """Raises a ValueError naming the dimension a recipe's blocks cannot tile."""
     (lc, rc), _ = self.dn
     name = type(recipe).__name__
-    sizes = [("K", self.k, f"the contracting size K (lhs dims {tuple(lc)}, rhs dims {tuple(rc)})")]
-    kernel = operand_spec(recipe, "kernel")
-    if backward or len(kernel.block_shape) == 2:
-      sizes.append(("N", self.n, f"the rhs free size N (rhs dims {tuple(self.rhs_free)})"))
-    if backward or len(operand_spec(recipe, "x").block_shape) == 2:
-      sizes.append(("M", self.m, f"the lhs free size M (lhs dims {tuple(self.lhs_free)})"))
-    block = kernel.block_size
-    for dim, size, text in sizes:
+    x_tiled = len(operand_spec(recipe, "x").block_shape) == 2
+    w_tiled = len(operand_spec(recipe, "kernel").block_shape) == 2
+    block = operand_spec(recipe, "kernel").block_size
+    tiles = f"{block}x{block} tiles"
+    checks = [
+      (
+        "K",
+        self.k,
+        f"the contracting size K (lhs dims {tuple(lc)}, rhs dims {tuple(rc)})",
+        "the forward GEMM quantizes both operands in blocks along K",
+      )
+    ]
+    if backward or w_tiled:
+      why = "the dgrad GEMM quantizes the gradient and the kernel in blocks along N"
+      if not backward:
+        why = f"the kernel is quantized in {tiles} over (N, K)"
+      checks.append(("N", self.n, f"the rhs free size N (rhs dims {tuple(self.rhs_free)})", why))
+    if backward or x_tiled:
+      why = "the wgrad GEMM quantizes x and the gradient in blocks along M"
+      if operand_spec(recipe, "x", wgrad=True).rht:
+        why += " (and applies the 16-point random Hadamard transform along M)"
+      if not backward:
+        why = f"x is quantized in {tiles} over (M, K)"
+      checks.append(("M", self.m, f"the lhs free size M (lhs dims {tuple(self.lhs_free)})", why))
+    for _, size, text, why in checks:
       if size % block:
-        why = {
-          "K": "the forward GEMM quantizes both operands in blocks along K",
-          "N": "the dgrad GEMM quantizes the gradient and the kernel in blocks along N",
-          "M": "the wgrad GEMM quantizes x and the gradient in blocks along M",
-        }[dim]
-        if dim == "M" and operand_spec(recipe, "x", wgrad=True).rht:
-          why += " (and applies the 16-point random Hadamard transform along M)"
         raise ValueError(f"{name}: {text} is {size}, which is not a multiple of {block}; {why}")
 
 

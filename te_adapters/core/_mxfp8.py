@@ -52,14 +52,6 @@ def _block_exponent(block_amax, fp8_max: float) -> jax.Array:
   return jnp.where(tiny, scaled, direct)
 
 
-def _pow2_of_byte(e, sign: int) -> jax.Array:
-  """float32 ``2**(sign * (e - 127))`` for an E8M0 byte; NaN for 0xFF; no subnormal operands."""
-  k = sign * (e.astype(jnp.int32) - 127)
-  # 2**-127 (byte 0 decoded, or byte 254 inverted) is subnormal: build 2**-126 and halve it.
-  value = _block.exp2(jnp.maximum(k, -126)) * jnp.where(k < -126, 0.5, 1.0).astype(jnp.float32)
-  return jnp.where(e == 0xFF, jnp.float32(jnp.nan), value)
-
-
 def dequantize_values(data, scale_inv, block_shape=(BLOCK,)) -> jax.Array:
   """float32 ``data * 2**(e-127)`` per block, from E8M0 ``scale_inv`` (one per block)."""
   e = lax.bitcast_convert_type(scale_inv, jnp.uint8) if scale_inv.dtype != np.uint8 else scale_inv
@@ -79,8 +71,10 @@ def quantize(x, q_dtype):
   fp8_max = float(jnp.finfo(q_dtype).max)
   block_amax = _block.block_amax(x, (BLOCK,))
   e = _block_exponent(block_amax, fp8_max)
-  multiplier = _block.expand_scales(_pow2_of_byte(e, -1), (BLOCK,))
   # Multiplying by 2**(127-e) equals TE's division by 2**(e-127): both are exact scalings.
-  data = jnp.clip(x.astype(jnp.float32) * multiplier, -fp8_max, fp8_max).astype(q_dtype)
+  k = _block.expand_scales(127 - e.astype(jnp.int32), (BLOCK,))
+  nan = _block.expand_scales(e == 0xFF, (BLOCK,))
+  scaled = _block.scale_by_pow2(x.astype(jnp.float32), k, nan=nan)
+  data = jnp.clip(scaled, -fp8_max, fp8_max).astype(q_dtype)
   scale_inv = lax.bitcast_convert_type(e, jnp.float8_e8m0fnu)
   return data, scale_inv, _block.global_amax(block_amax)
