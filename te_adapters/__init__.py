@@ -7,8 +7,11 @@
 from te_adapters import core
 from te_adapters.core import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
     dequantize,
     dot_general,
@@ -20,8 +23,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "Recipe",
     "core",
     "dequantize",

@@ -16,8 +16,11 @@ from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
 from te_adapters.core._recipes import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
     check_recipe,
 )
@@ -43,9 +46,12 @@ from te_adapters.core._state import (
 __all__ = [
     "CHECKPOINT_NAMES",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "GEMM_OUTPUT",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "QUANTIZED_KERNEL",
     "QUANTIZED_X",
     "Recipe",

@@ -21,7 +21,14 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _accumulate, _dimension_numbers, _quantize, _remat, _scaling
+from te_adapters.core import (
+    _accumulate,
+    _block_gemm,
+    _dimension_numbers,
+    _quantize,
+    _remat,
+    _scaling,
+)
 from te_adapters.core._recipes import DelayedScaling, check_recipe
 from te_adapters.core._state import ROLES, check_state
 
@@ -37,8 +44,9 @@ def dot_general(
     *,
     recipe,
     state=None,
+    rng=None,
 ):
-  """``jax.lax.dot_general`` with FP8 operands, per ``recipe``.
+  """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
   Drops into anything that takes a ``dot_general``, for example
   ``functools.partial(dot_general, recipe=r, state=s)``.
@@ -48,11 +56,15 @@ def dot_general(
     rhs: the ``kernel`` (real floating point).
     dimension_numbers: as for ``lax.dot_general``: any contracting and batch dimensions.
     precision: passed to the FP8 ``lax.dot_general`` (FP8 GEMMs accumulate in float32 whatever it
-      says).
+      says); block-scaled recipes always accumulate in float32 and do not use it.
     preferred_element_type: output dtype; default as ``lax.dot_general`` would give.
-    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``), or ``None`` for a plain
+    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``,
+      ``NVFP4BlockScaling``, ``Float8BlockScaling``), or ``None`` for a plain
       ``lax.dot_general``.
     state: this GEMM's recipe state (``init_state(recipe)``); ``None`` for stateless recipes.
+    rng: a PRNG key for the stochastic rounding of the gradient, required when differentiating
+      under ``NVFP4BlockScaling`` unless ``disable_stochastic_rounding``; use a fresh key per step
+      and per GEMM. Must be ``None`` for recipes that do not use it (``recipe.uses_rng``).
 
   Returns:
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
@@ -73,9 +85,12 @@ def dot_general(
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
+    if rng is not None:
+      raise ValueError("rng was given but recipe is None")
     return lax.dot_general(lhs, rhs, dn, precision, preferred_element_type)
   recipe = check_recipe(recipe)
   state = check_state(recipe, state)
+  rng = _block_gemm.check_rng(recipe, rng)
   out_dtype = jax.eval_shape(
       functools.partial(
           lax.dot_general,
@@ -86,6 +101,8 @@ def dot_general(
       lhs,
       rhs,
   ).dtype
+  if recipe.block_scaled:
+    return _block_gemm.block_dot_general(lhs, rhs, dn, out_dtype, recipe, rng)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   if _layout() == "tn":
     return _tn_dot_general(lhs, rhs, state, dn, precision, np.dtype(out_dtype), recipe)

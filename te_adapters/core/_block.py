@@ -1,0 +1,109 @@
+"""Shared helpers of the block-scaled formats: block views, block amaxes, scale broadcasting.
+
+A block shape is a tuple that covers the trailing axes of a tensor: ``(32,)`` is 1x32 blocks along
+the last axis, ``(16, 16)`` is 16x16 tiles over the last two axes. Scales of a tensor of shape
+``(..., R, C)`` with block shape ``(br, bc)`` have shape ``(..., R // br, C // bc)``: one value per
+block, never broadcast (so the row of a tile's scale is always ``row // br``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+  "block_shape_of",
+  "check_divisible",
+  "block_amax",
+  "global_amax",
+  "expand_scales",
+  "exp2",
+  "scale_by_pow2",
+  "f32_max",
+]
+
+
+def check_divisible(shape, block_shape, what: str) -> None:
+  """Raises a ValueError naming the axis when a trailing axis is not a multiple of its block."""
+  for i, b in enumerate(block_shape):
+    axis = len(shape) - len(block_shape) + i
+    if shape[axis] % b:
+      raise ValueError(
+        f"{what}: axis {axis} has size {shape[axis]}, which is not a multiple of the block "
+        f"size {b} (block shape {tuple(block_shape)} over the trailing axes of {tuple(shape)})"
+      )
+
+
+def block_shape_of(data_shape, scale_shape) -> tuple[int, ...]:
+  """The block shape over the trailing axes, from the data and one-scale-per-block shapes."""
+  ratios = [d // s for d, s in zip(data_shape, scale_shape, strict=True)]
+  lead = 0
+  while lead < len(ratios) - 1 and ratios[lead] == 1:
+    lead += 1
+  return tuple(ratios[lead:])
+
+
+def _blocked(x, block_shape):
+  """``x`` with each blocked axis split into (blocks, block), and the axes to reduce over."""
+  n = len(block_shape)
+  lead = x.shape[: x.ndim - n]
+  new_shape = list(lead)
+  reduce_axes = []
+  for i, b in enumerate(block_shape):
+    size = x.shape[x.ndim - n + i]
+    new_shape += [size // b, b]
+    reduce_axes.append(len(new_shape) - 1)
+  return x.reshape(new_shape), tuple(reduce_axes)
+
+
+def block_amax(x, block_shape) -> jax.Array:
+  """float32 ``max(|x|)`` of each block (NaN when the block holds a NaN).
+
+  XLA's max propagates NaN (unless a backend is run with its "fast min/max" flag), so a block
+  holding a NaN gets a NaN amax; the tests check it.
+  """
+  xb, axes = _blocked(jnp.abs(x.astype(jnp.float32)), block_shape)
+  return jnp.max(xb, axis=axes)
+
+
+def global_amax(block_amaxes) -> jax.Array:
+  """float32 (1,) ``max`` of the block amaxes, i.e. ``max(|x|)``; NaN if any block is NaN."""
+  return jnp.max(block_amaxes).astype(jnp.float32).reshape(1)
+
+
+def expand_scales(scales, block_shape) -> jax.Array:
+  """Repeats one-per-block ``scales`` to one per element (tile ``i`` covers rows ``i*b..``)."""
+  n = len(block_shape)
+  for i, b in enumerate(block_shape):
+    scales = jnp.repeat(scales, b, axis=scales.ndim - n + i)
+  return scales
+
+
+def exp2(k) -> jax.Array:
+  """float32 ``2**k`` for integer ``k`` in [-126, 127], built from the exponent bits.
+
+  Powers of two built this way never pass through subnormal arithmetic, which XLA flushes to
+  zero on CPU and GPU.
+  """
+  k = jnp.asarray(k, jnp.int32)
+  return lax.bitcast_convert_type(((k + 127) << 23).astype(jnp.uint32), jnp.float32)
+
+
+def scale_by_pow2(x, k, nan=None) -> jax.Array:
+  """float32 ``x * 2**k`` for integer ``k`` in [-127, 127]; NaN where ``nan`` is set.
+
+  Below ``2**-126`` the factor is applied in two exact steps, so a product that is a normal
+  float32 is computed exactly even though the factor alone is subnormal.
+  """
+  k = jnp.asarray(k, jnp.int32)
+  small = k < -126
+  out = (x * exp2(jnp.where(small, k + 64, k))) * exp2(jnp.where(small, -64, 0))
+  if nan is not None:
+    out = jnp.where(nan, jnp.float32(jnp.nan), out)
+  return out
+
+
+def f32_max() -> float:
+  return float(np.finfo(np.float32).max)

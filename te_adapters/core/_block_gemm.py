@@ -1,0 +1,224 @@
+"""The block-scaled ``dot_general`` (MXFP8, NVFP4, FP8 1x128/128x128) with its custom VJP.
+
+Both operands are brought to the layout of ``jax.nn.scaled_matmul``: ``x`` as ``(B, M, K)`` and the
+kernel as ``(B, N, K)`` (batch dims first, then the free dims, then the contracting dims, each
+group flattened). Every GEMM then contracts the last axes of its operands, with blocks along
+them:
+
+- forward ``y = x · W``: x in blocks along K, W along K (or in tiles);
+- dgrad ``dx = g · W``: g ``(B, M, N)`` along N, W as ``(B, K, N)`` along N;
+- wgrad ``dW = g · x``: g as ``(B, N, M)`` and x as ``(B, K, M)``, along M (NVFP4: after the
+  random Hadamard transform, which cancels in the product).
+
+Each 1-D copy is quantized from the high-precision tensor; a tiled operand is quantized once
+and transposed (its tiles are the same either way). The backward copies of x and W are made
+in the forward pass and saved (checkpoint names ``QUANTIZED_X``, ``QUANTIZED_KERNEL``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from te_adapters.core import _block_scaled, _remat
+from te_adapters.core._block_scaled import operand_spec
+
+__all__ = ["block_dot_general", "check_rng"]
+
+
+def check_rng(recipe, rng):
+  """Validates ``rng`` for ``recipe``; returns it as a typed PRNG key (or None)."""
+  name = type(recipe).__name__
+  if rng is None:
+    return None
+  if not getattr(recipe, "uses_rng", False):
+    raise ValueError(
+      f"rng was given but {name} does not use one (only NVFP4BlockScaling with stochastic "
+      "rounding does); pass rng=None"
+    )
+  dtype = getattr(rng, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if rng.shape != ():
+      raise ValueError(f"rng must be a single PRNG key, got a key array of shape {rng.shape}")
+    return rng
+  rng = jnp.asarray(rng)
+  if rng.dtype != np.uint32 or rng.shape != (2,):
+    raise TypeError(
+      "rng must be a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), got an "
+      f"array of dtype {rng.dtype} and shape {rng.shape}"
+    )
+  return jax.random.wrap_key_data(rng)
+
+
+class _Layout:
+  """The canonical (B, rows, K) views of the two operands for one set of dimension numbers."""
+
+  def __init__(self, dn, lhs_shape, rhs_shape):
+    (lc, rc), (lb, rb) = dn
+    self.lhs_free = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+    self.rhs_free = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+    self.lhs_perm = tuple(lb) + tuple(self.lhs_free) + tuple(lc)
+    self.rhs_perm = tuple(rb) + tuple(self.rhs_free) + tuple(rc)
+    self.batch_shape = tuple(lhs_shape[d] for d in lb)
+    self.lhs_free_shape = tuple(lhs_shape[d] for d in self.lhs_free)
+    self.rhs_free_shape = tuple(rhs_shape[d] for d in self.rhs_free)
+    self.b = math.prod(self.batch_shape)
+    self.m = math.prod(self.lhs_free_shape)
+    self.n = math.prod(self.rhs_free_shape)
+    self.k = math.prod(lhs_shape[d] for d in lc)
+    self.lhs_shape, self.rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
+    self.dn = dn
+
+  def lhs3(self, lhs):
+    return jnp.transpose(lhs, self.lhs_perm).reshape(self.b, self.m, self.k)
+
+  def rhs3(self, rhs):
+    return jnp.transpose(rhs, self.rhs_perm).reshape(self.b, self.n, self.k)
+
+  def out(self, y3):
+    return y3.reshape(self.batch_shape + self.lhs_free_shape + self.rhs_free_shape)
+
+  def out3(self, g):
+    return g.reshape(self.b, self.m, self.n)
+
+  def lhs_from3(self, d3):
+    shape = tuple(self.lhs_shape[d] for d in self.lhs_perm)
+    return jnp.transpose(d3.reshape(shape), np.argsort(self.lhs_perm))
+
+  def rhs_from3(self, d3):
+    shape = tuple(self.rhs_shape[d] for d in self.rhs_perm)
+    return jnp.transpose(d3.reshape(shape), np.argsort(self.rhs_perm))
+
+  def check(self, recipe, *, backward: bool):
+    """Raises a ValueError naming the dimension a recipe's blocks cannot tile."""
+    (lc, rc), _ = self.dn
+    name = type(recipe).__name__
+    x_tiled = len(operand_spec(recipe, "x").block_shape) == 2
+    w_tiled = len(operand_spec(recipe, "kernel").block_shape) == 2
+    block = operand_spec(recipe, "kernel").block_size
+    tiles = f"{block}x{block} tiles"
+    checks = [
+      (
+        "K",
+        self.k,
+        f"the contracting size K (lhs dims {tuple(lc)}, rhs dims {tuple(rc)})",
+        "the forward GEMM quantizes both operands in blocks along K",
+      )
+    ]
+    if backward or w_tiled:
+      why = "the dgrad GEMM quantizes the gradient and the kernel in blocks along N"
+      if not backward:
+        why = f"the kernel is quantized in {tiles} over (N, K)"
+      checks.append(("N", self.n, f"the rhs free size N (rhs dims {tuple(self.rhs_free)})", why))
+    if backward or x_tiled:
+      why = "the wgrad GEMM quantizes x and the gradient in blocks along M"
+      if operand_spec(recipe, "x", wgrad=True).rht:
+        why += " (and applies the 16-point random Hadamard transform along M)"
+      if not backward:
+        why = f"x is quantized in {tiles} over (M, K)"
+      checks.append(("M", self.m, f"the lhs free size M (lhs dims {tuple(self.lhs_free)})", why))
+    for _, size, text, why in checks:
+      if size % block:
+        raise ValueError(f"{name}: {text} is {size}, which is not a multiple of {block}; {why}")
+
+
+def block_dot_general(lhs, rhs, dn, out_dtype, recipe, rng):
+  """``lax.dot_general(lhs, rhs, dn)`` under a block recipe; ``rng`` feeds stochastic rounding."""
+  layout = _Layout(dn, lhs.shape, rhs.shape)
+  layout.check(recipe, backward=False)
+  # Static facts the backward pass needs: operand shapes (for the layout) and dtypes.
+  operands = ((tuple(lhs.shape), np.dtype(lhs.dtype)), (tuple(rhs.shape), np.dtype(rhs.dtype)))
+  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out_dtype), operands, recipe)
+
+
+def _quantize_fwd_operands(lhs, rhs, layout, recipe):
+  x3, w3 = layout.lhs3(lhs), layout.rhs3(rhs)
+  x_spec, w_spec = operand_spec(recipe, "x"), operand_spec(recipe, "kernel")
+  qx = _block_scaled.quantize_trailing(x3, x_spec, what="lhs (x)")
+  qw = _block_scaled.quantize_trailing(w3, w_spec, what="rhs (kernel)")
+  return x3, w3, qx, qw
+
+
+def _name_quantized(t, name):
+  """Tags the leaves of a quantized tensor with a checkpoint name, narrow floats as their bits.
+
+  Remat may pass saved floating-point residuals through ``reduce_precision`` with the dtype's
+  exponent and mantissa widths, whose IEEE rules have no room for the top binade of
+  ``float8_e4m3fn`` (448 becomes NaN) or ``float8_e8m0fnu``. Bitcasts are free in XLA.
+  """
+
+  def name_leaf(leaf):
+    bits = {8: jnp.uint8, 4: jnp.uint4}.get(jnp.finfo(leaf.dtype).bits)
+    if leaf.dtype == jnp.float32 or bits is None:
+      return checkpoint_name(leaf, name)
+    named = checkpoint_name(lax.bitcast_convert_type(leaf, bits), name)
+    return lax.bitcast_convert_type(named, leaf.dtype)
+
+  return jax.tree.map(name_leaf, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe):
+  del rng, operands
+  layout = _Layout(dn, lhs.shape, rhs.shape)
+  _, _, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe)
+  return layout.out(_block_scaled.gemm(qx, qw)).astype(out_dtype)
+
+
+def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
+  del operands
+  layout = _Layout(dn, lhs.shape, rhs.shape)
+  layout.check(recipe, backward=True)
+  if recipe.uses_rng and rng is None:
+    raise ValueError(
+      f"{type(recipe).__name__} rounds the gradient stochastically: pass rng=<PRNG key> to "
+      "dot_general (a fresh key per step), or use disable_stochastic_rounding=True"
+    )
+  x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe)
+  y = layout.out(_block_scaled.gemm(qx, qw)).astype(out_dtype)
+  y = checkpoint_name(y, _remat.GEMM_OUTPUT)
+  # The backward copies: blocks along M for x (wgrad) and along N for the kernel (dgrad).
+  x_spec = operand_spec(recipe, "x", wgrad=True)
+  if len(x_spec.block_shape) == 2:
+    qx_t = _block_scaled.transpose_tiles(qx)
+  else:
+    qx_t = _block_scaled.quantize_trailing(jnp.swapaxes(x3, 1, 2), x_spec, what="lhs (x)")
+  if len(operand_spec(recipe, "kernel").block_shape) == 2:
+    qw_t = _block_scaled.transpose_tiles(qw)
+  else:
+    qw_t = _block_scaled.quantize_trailing(
+      jnp.swapaxes(w3, 1, 2), operand_spec(recipe, "kernel"), what="rhs (kernel)"
+    )
+  qx_t = _name_quantized(qx_t, _remat.QUANTIZED_X)
+  qw_t = _name_quantized(qw_t, _remat.QUANTIZED_KERNEL)
+  return y, (qx_t, qw_t, rng)
+
+
+def _block_bwd(dn, out_dtype, operands, recipe, residuals, g):
+  del out_dtype
+  qx_t, qw_t, rng = residuals
+  (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
+  layout = _Layout(dn, lhs_shape, rhs_shape)
+  g3 = layout.out3(g)
+  g_spec = operand_spec(recipe, "grad")
+  # One key, two random streams: the dgrad copy (0) and the wgrad copy (1) of the gradient.
+  qg = _block_scaled.quantize_trailing(g3, g_spec, rng, stream=0, what="output gradient")
+  g_wspec = operand_spec(recipe, "grad", wgrad=True)
+  if len(g_wspec.block_shape) == 2:
+    qg_t = _block_scaled.transpose_tiles(qg)
+  else:
+    qg_t = _block_scaled.quantize_trailing(
+      jnp.swapaxes(g3, 1, 2), g_wspec, rng, stream=1, what="output gradient"
+    )
+  dx = layout.lhs_from3(_block_scaled.gemm(qg, qw_t)).astype(lhs_dtype)
+  dw = layout.rhs_from3(_block_scaled.gemm(qg_t, qx_t)).astype(rhs_dtype)
+  return dx, dw, None
+
+
+_block_vjp.defvjp(_block_fwd, _block_bwd)

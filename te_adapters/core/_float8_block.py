@@ -1,0 +1,115 @@
+"""FP8 block scaling (DeepSeek-style 1x128 / 128x128), with TE's common scale rule.
+
+Per block: ``scale = fp8_max / block_amax`` (float32, round to nearest); 1 when the amax is 0,
+infinite or NaN; the largest finite value of the input dtype when the division overflows; with
+power-of-two scales the mantissa bits of the scale are cleared (rounding it down, so the block
+never saturates). ``data = cast(clip(x * scale, ±fp8_max))``, ``scale_inv = 1 / scale``.
+
+The GEMM is the formulation of Hopper kernels for this recipe: one FP8 GEMM per 128-wide slice of
+the contracting dimension, whose float32 partial sum is multiplied by the two operands' scales
+for that slice and accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_adapters.core import _block
+
+__all__ = ["BLOCK", "compute_scale", "quantize", "dequantize_values", "gemm"]
+
+BLOCK = 128
+# Partial sums of several K slices are formed at once up to this many float32 elements.
+_PARTIALS_BUDGET = 1 << 26
+
+
+def compute_scale(block_amax, fp8_max: float, power_2: bool, value_for_inf: float) -> jax.Array:
+  """TE's ``compute_scale_from_amax`` for block scaling (epsilon 0), elementwise in float32."""
+  block_amax = jnp.asarray(block_amax, jnp.float32)
+  scale = jnp.float32(fp8_max) / block_amax
+  scale = jnp.where(jnp.isinf(scale), jnp.float32(value_for_inf), scale)
+  if power_2:
+    bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFF800000)
+    scale = lax.bitcast_convert_type(bits, jnp.float32)
+  bad = (block_amax == 0) | jnp.isinf(block_amax) | jnp.isnan(block_amax)
+  return jnp.where(bad, jnp.float32(1.0), scale)
+
+
+def quantize(x, block_shape, q_dtype, power_2: bool):
+  """FP8 blocks of ``block_shape`` (``(128,)`` or ``(128, 128)``) over the trailing axes of ``x``.
+
+  Returns:
+    ``(data, scale_inv, amax)``: ``q_dtype`` data shaped like ``x``, float32 ``1 / scale`` per
+    block, and the float32 ``max(|x|)`` of shape (1,).
+  """
+  fp8_max = float(jnp.finfo(q_dtype).max)
+  value_for_inf = float(jnp.finfo(x.dtype).max)
+  block_amax = _block.block_amax(x, block_shape)
+  scale = compute_scale(block_amax, fp8_max, power_2, value_for_inf)
+  scaled = x.astype(jnp.float32) * _block.expand_scales(scale, block_shape)
+  data = jnp.clip(scaled, -fp8_max, fp8_max).astype(q_dtype)
+  scale_inv = (jnp.float32(1.0) / scale).astype(jnp.float32)
+  return data, scale_inv, _block.global_amax(block_amax)
+
+
+def dequantize_values(data, scale_inv, block_shape) -> jax.Array:
+  """float32 ``data * scale_inv`` per block."""
+  return data.astype(jnp.float32) * _block.expand_scales(scale_inv, block_shape)
+
+
+def _row_scales(scale_inv, block_shape, rows: int) -> jax.Array:
+  """Scales as (B, rows, K // 128): one per row and K slice (a tile's scale on each of its rows)."""
+  if len(block_shape) == 2:
+    scale_inv = jnp.repeat(scale_inv, block_shape[0], axis=1)
+  assert scale_inv.shape[1] == rows
+  return scale_inv
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+  limit = max(1, min(n, limit))
+  return max(d for d in range(1, limit + 1) if n % d == 0)
+
+
+def gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Array:
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` float32 from block-scaled FP8 operands.
+
+  Both operands have blocks of 128 along K (``a_block``/``b_block`` are ``(128,)`` or
+  ``(128, 128)``). The FP8 data go into ``lax.dot_general`` unchanged, one 128-wide K slice per
+  partial product; scales multiply the float32 partial sums.
+  """
+  batch, m, k = a_data.shape
+  n = b_data.shape[1]
+  slices = k // BLOCK
+  sa = _row_scales(a_scale_inv, a_block, m)  # (B, M, KS)
+  sb = _row_scales(b_scale_inv, b_block, n)  # (B, N, KS)
+  qa = a_data.reshape(batch, m, slices, BLOCK)
+  qb = b_data.reshape(batch, n, slices, BLOCK)
+  dims = (((3,), (3,)), ((0, 2), (0, 2)))
+
+  def partial_sums(qa_c, qb_c, sa_c, sb_c):
+    # (B, c, M, N): one FP8 GEMM per K slice, then the slice's scales on the partial sums.
+    p = lax.dot_general(qa_c, qb_c, dims, preferred_element_type=jnp.float32)
+    scales = (
+      jnp.transpose(sa_c, (0, 2, 1))[..., :, None] * jnp.transpose(sb_c, (0, 2, 1))[..., None, :]
+    )
+    return jnp.sum(p * scales, axis=1)
+
+  chunk = _largest_divisor_at_most(slices, _PARTIALS_BUDGET // max(1, batch * m * n))
+  if chunk == slices:
+    return partial_sums(qa, qb, sa, sb)
+  steps = slices // chunk
+
+  def split(t, axis):
+    t = jnp.moveaxis(t, axis, 0)
+    return t.reshape(steps, chunk, *t.shape[1:])
+
+  def body(acc, xs):
+    qa_c, qb_c, sa_c, sb_c = (jnp.moveaxis(t, 0, 2) for t in xs)
+    return acc + partial_sums(qa_c, qb_c, sa_c, sb_c), None
+
+  xs = (split(qa, 2), split(qb, 2), split(sa, 2), split(sb, 2))
+  init = jnp.zeros((batch, m, n), jnp.float32)
+  out, _ = lax.scan(body, init, xs)
+  return out

@@ -1,0 +1,150 @@
+"""NVFP4: E2M1 values with an E4M3 scale per 16-element block and a float32 tensor scale.
+
+TE's numerics (``te_jax_reference.md`` §1.6), for a tensor with global amax ``A``::
+
+  S_enc  = min(6 * 448 / A, FLT_MAX), or 1 when A == 0 or S_enc == 0
+  sdec_b = e4m3(min(block_amax / 6 * S_enc, FLT_MAX))         (stored block scale)
+  enc_b  = min(1 / (f32(sdec_b) * (1 / S_enc)), FLT_MAX)
+  q      = e2m1(clip(x * enc_b, -6, 6))                        (nearest-even, or stochastic)
+  x     ~= f32(q) * f32(sdec_b) * (A / (6 * 448))
+
+Blocks are 1x16 along the last axis or 16x16 tiles over the last two axes (weights). The tile
+scales are kept one per tile, so a tile's rows always use that tile's scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_adapters.core import _block
+
+__all__ = [
+  "BLOCK",
+  "E2M1_VALUES",
+  "RHT_SIGNS",
+  "apply_rht",
+  "dequantize_values",
+  "global_factor",
+  "invert_rht",
+  "quantize",
+  "random_seed",
+  "rht_matrix",
+  "stochastic_round_e2m1",
+]
+
+BLOCK = 16
+FP4_MAX = 6.0
+SCALE_MAX = 448.0
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+# TE's fixed sign vector of the random Hadamard transform (bit i of its mask set iff s_i = -1).
+RHT_SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], np.float32)
+
+
+def _encode_scale(global_amax) -> jax.Array:
+  """``S_enc`` from the global amax, float32 of shape (1,)."""
+  s_enc = jnp.minimum(jnp.float32(FP4_MAX * SCALE_MAX) / global_amax, jnp.float32(_block.f32_max()))
+  return jnp.where((global_amax == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
+
+
+def global_factor(global_amax) -> jax.Array:
+  """The per-tensor dequantization factor ``A / (6 * 448)``, float32 of shape (1,)."""
+  return global_amax.astype(jnp.float32) / jnp.float32(FP4_MAX * SCALE_MAX)
+
+
+def random_seed(key, stream: int = 0) -> jax.Array:
+  """The uint32[4] Philox seed of one stochastic-rounding stream of a PRNG key.
+
+  ``stream`` tells apart the copies rounded with one key (the two gradient copies of a GEMM).
+  """
+  words = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+  words = jnp.concatenate([words, jnp.zeros((4,), jnp.uint32)])[:4]
+  return words.at[3].set(words[3] ^ jnp.uint32(0x9E3779B9 * (stream + 1) & 0xFFFFFFFF))
+
+
+def stochastic_round_e2m1(v, seed) -> jax.Array:
+  """Rounds float32 ``v`` (|v| <= 6) to one of its two neighbouring E2M1 values, unbiasedly.
+
+  ``|v|`` in ``[lo, hi]`` goes up to ``hi`` with probability ``(|v| - lo) / (hi - lo)``; values
+  on the grid stay. The uniform numbers come from XLA's Philox generator seeded with ``seed``
+  (uint32[4], see ``random_seed``), so a seed always gives the same rounding on a backend.
+  Returns float32 values on the E2M1 grid.
+  """
+  a = jnp.abs(v)
+  # E2M1 spacing is 0.5 below 2, 1 below 4 and 2 up to 6.
+  step = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
+  lo = jnp.minimum(jnp.floor(a / step) * step, jnp.float32(FP4_MAX))
+  hi = jnp.minimum(lo + step, jnp.float32(FP4_MAX))
+  frac = jnp.where(hi > lo, (a - lo) / step, 0.0)
+  _, bits = lax.rng_bit_generator(
+    seed, v.shape, dtype=jnp.uint32, algorithm=lax.RandomAlgorithm.RNG_PHILOX
+  )
+  u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)  # uniform on [0, 1)
+  return jnp.sign(v) * jnp.where(u < frac, hi, lo)
+
+
+def quantize(x, block_shape, seed=None):
+  """NVFP4 quantization of ``x`` with the given block shape (``(16,)`` or ``(16, 16)``).
+
+  Args:
+    x: real floating-point array; its trailing axes must be multiples of the block shape.
+    block_shape: ``(16,)`` for 1x16 blocks along the last axis, ``(16, 16)`` for tiles over the
+      last two axes.
+    seed: uint32[4] seed for stochastic rounding (``random_seed``), or None for
+      round-to-nearest-even.
+
+  Returns:
+    ``(data, scale_inv, amax)``: ``float4_e2m1fn`` data shaped like ``x``, ``float8_e4m3fn``
+    block scales (one per block), and the float32 global amax of shape (1,).
+  """
+  xf = x.astype(jnp.float32)
+  block_amax = _block.block_amax(xf, block_shape)
+  a = _block.global_amax(block_amax)
+  s_enc = _encode_scale(a)
+  # The JAX reference forces the e4m3 rounding of this product (it must not fuse away).
+  sdec = jnp.minimum(block_amax / jnp.float32(FP4_MAX) * s_enc, jnp.float32(_block.f32_max()))
+  sdec = jnp.clip(sdec, -SCALE_MAX, SCALE_MAX).astype(jnp.float8_e4m3fn)
+  enc = 1.0 / (sdec.astype(jnp.float32) * (jnp.float32(1.0) / s_enc))
+  enc = jnp.minimum(enc, jnp.float32(_block.f32_max()))
+  v = jnp.clip(xf * _block.expand_scales(enc, block_shape), -FP4_MAX, FP4_MAX)
+  if seed is not None:
+    v = stochastic_round_e2m1(v, seed)
+  return v.astype(jnp.float4_e2m1fn), sdec, a
+
+
+def dequantize_values(data, scale_inv, block_shape) -> jax.Array:
+  """float32 ``data * block scale`` (without the global factor ``A / (6 * 448)``)."""
+  return data.astype(jnp.float32) * _block.expand_scales(scale_inv.astype(jnp.float32), block_shape)
+
+
+def rht_matrix() -> jax.Array:
+  """The 16x16 transform ``diag(RHT_SIGNS) @ Hadamard16 / 4`` in bfloat16 (orthogonal)."""
+  i = np.arange(BLOCK)
+  popcount = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
+  hadamard = np.where(popcount % 2 == 0, 1.0, -1.0).astype(np.float32)
+  return jnp.asarray(RHT_SIGNS[:, None] * hadamard / 4.0, jnp.bfloat16)
+
+
+def _transform(x, matrix) -> jax.Array:
+  """``x`` in 16-element blocks along its last axis, times ``matrix``, in float32."""
+  blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+  out = jnp.einsum(
+    "...i,ij->...j", blocks, matrix.astype(jnp.float32), precision=lax.Precision.HIGHEST
+  )
+  return out.reshape(x.shape)
+
+
+def apply_rht(x) -> jax.Array:
+  """The random Hadamard transform of 16-element blocks along the last axis, in bfloat16.
+
+  As in TE the input is taken in bfloat16 and each block row is multiplied by ``rht_matrix()``
+  (products exact, sums in float32, result rounded to bfloat16).
+  """
+  return _transform(x.astype(jnp.bfloat16), rht_matrix()).astype(jnp.bfloat16)
+
+
+def invert_rht(y) -> jax.Array:
+  """The inverse transform in float32 (the matrix is orthogonal: its inverse is its transpose)."""
+  return _transform(y, rht_matrix().T)
