@@ -118,6 +118,15 @@ def _quantize_role(x, role, q_dtype, recipe, state):
   return data, _scaling.scale_inverse(scale), new
 
 
+def _checkpoint_quantized(data, scale_inv, name):
+  # jax.checkpoint passes saved float residuals through reduce_precision(finfo(dtype)), which is
+  # not the identity for float8_e4m3fn (subnormals flush to 0, values >= 256 become NaN); the
+  # FP8 bytes are named as uint8 so they are saved exactly.
+  bits = lax.bitcast_convert_type(data, jnp.uint8)
+  bits, scale_inv = checkpoint_name((bits, scale_inv), name)
+  return lax.bitcast_convert_type(bits, data.dtype), scale_inv
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _fp8_dot_general(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
   y, _ = _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe)
@@ -128,8 +137,8 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
   del operand_dtypes
   q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state)
   q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state)
-  q_x, sinv_x = checkpoint_name((q_x, sinv_x), _remat.QUANTIZED_X)
-  q_w, sinv_w = checkpoint_name((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
+  q_x, sinv_x = _checkpoint_quantized(q_x, sinv_x, _remat.QUANTIZED_X)
+  q_w, sinv_w = _checkpoint_quantized(q_w, sinv_w, _remat.QUANTIZED_KERNEL)
   y = _scaled_dot(q_x, q_w, dn, sinv_x * sinv_w, out_dtype, precision)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
