@@ -7,6 +7,7 @@ from te_adapters.linen._module import (
     QuantizedDotGeneral,
     make_dot_general_cls,
 )
+from te_adapters.linen._ragged import make_ragged_dot_cls
 from te_adapters.linen._train_state import TrainState, with_max_grad
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "QuantizedDotGeneral",
     "TrainState",
     "make_dot_general_cls",
+    "make_ragged_dot_cls",
     "with_max_grad",
 ]

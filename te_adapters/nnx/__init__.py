@@ -1,5 +1,35 @@
-"""Flax NNX adapter of te_adapters."""
+"""Flax NNX adapter of te_adapters.
 
+Drop-in quantized layers (``Linear``, ``LinearGeneral``, ``Einsum``), the quantized operations
+they use (``DotGeneral``, ``EinsumOp``, usable in any NNX layer that takes ``dot_general=`` or
+``einsum_op=``), ``quantize_model`` to convert an existing model, and training helpers.
+
+A training step::
+
+  loss, (grads, state_grads) = te_adapters.nnx.value_and_grad(loss_fn)(model, batch)
+  optimizer.update(model, grads)
+  te_adapters.nnx.update_recipe_state(model, state_grads)
+"""
+
+from te_adapters.nnx._convert import QuantizeReport, quantize_model
+from te_adapters.nnx._experts import GroupedLinear
+from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
+from te_adapters.nnx._ops import DotGeneral, EinsumOp
+from te_adapters.nnx._train import grad, recipe_state, update_recipe_state, value_and_grad
 from te_adapters.nnx._variables import RecipeState
 
-__all__ = ["RecipeState"]
+__all__ = [
+    "DotGeneral",
+    "Einsum",
+    "EinsumOp",
+    "GroupedLinear",
+    "Linear",
+    "LinearGeneral",
+    "QuantizeReport",
+    "RecipeState",
+    "grad",
+    "quantize_model",
+    "recipe_state",
+    "update_recipe_state",
+    "value_and_grad",
+]

@@ -1,0 +1,127 @@
+"""Converting the linear layers of an existing NNX model to quantized GEMMs, in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from te_adapters import core
+from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral, einsum_gemm_dims
+from te_adapters.nnx._ops import GEMM_DIM_MULTIPLE, DotGeneral, EinsumOp, _RecipeOp
+
+__all__ = ["QuantizeReport", "quantize_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeReport:
+  """What ``quantize_model`` did.
+
+  Attributes:
+    quantized: paths (``"blocks/0/mlp"``) of the layers now quantized.
+    skipped: ``(path, reason)`` of each linear layer left as it was.
+  """
+
+  quantized: tuple[str, ...]
+  skipped: tuple[tuple[str, str], ...]
+
+  def __str__(self) -> str:
+    lines = [f"quantized {len(self.quantized)} layer(s), skipped {len(self.skipped)}"]
+    lines += [f"  quantized {path}" for path in self.quantized]
+    lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
+    return "\n".join(lines)
+
+
+def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | None]:
+  """``(slot, kernel_ndim, (K, N), reason_to_skip)`` of an NNX linear layer."""
+  if isinstance(layer, nnx.Linear):
+    if layer.dot_general is not lax.dot_general:
+      return "dot_general", None, None, "it has a custom dot_general"
+    return "dot_general", 2, (layer.in_features, layer.out_features), None
+  if isinstance(layer, nnx.LinearGeneral):
+    if layer.dot_general is not None or layer.dot_general_cls is not None:
+      return "dot_general", None, None, "it has a custom dot_general"
+    ndim = len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
+    return "dot_general", ndim, (math.prod(layer.in_features), math.prod(layer.out_features)), None
+  if layer.einsum_op is not jnp.einsum:
+    return "einsum_op", None, None, "it has a custom einsum_op"
+  if layer.einsum_str is None:
+    return "einsum_op", None, None, "its equation is given at call time"
+  dims = einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
+  if dims is None:
+    return "einsum_op", None, None, f"its equation {layer.einsum_str!r} is not one GEMM"
+  return "einsum_op", len(layer.kernel_shape), dims, None
+
+
+def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> QuantizeReport:
+  """Makes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model`` use
+  quantized GEMMs, in place, keeping their parameters.
+
+  Each converted layer gets a ``DotGeneral`` (or ``EinsumOp``) submodule in its ``dot_general``
+  (``einsum_op``) slot, holding fresh recipe state; for layers stacked by ``nnx.vmap`` (for
+  ``nnx.scan``) the state is stacked the same way. Layers stay as they are, and are listed in the
+  report, when the filter excludes them, when the GEMM's K or N is not a multiple of 16, when they
+  already have a custom ``dot_general`` / ``einsum_op`` (a quantized one included), or when an
+  Einsum's equation cannot be checked.
+
+  Args:
+    model: the NNX model, changed in place.
+    recipe: a te_adapters recipe.
+    filter: an NNX filter called with ``(path, layer)`` selecting the layers to quantize (for
+      example ``nnx.PathContains("mlp")``, or a function); default every linear layer.
+
+  Returns:
+    A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons).
+
+  Example:
+    >>> import te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(64, 10, rngs=nnx.Rngs(1)))
+    >>> report = ta_nnx.quantize_model(model, ta.Float8CurrentScaling())
+    >>> report.quantized, report.skipped[0][0]
+    (('layers/0',), 'layers/1')
+  """
+  recipe = core.check_recipe(recipe)
+  predicate = nnx.filterlib.to_predicate(filter) if filter is not None else None
+  layers = [
+      (path, node)
+      for path, node in nnx.iter_graph(model)
+      if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
+  ]
+  quantized, skipped = [], []
+  for path, layer in layers:
+    name = "/".join(str(p) for p in path) or "."
+    if predicate is not None and not predicate(path, layer):
+      skipped.append((name, "excluded by the filter"))
+      continue
+    slot, ndim, dims, reason = _gemm_plan(layer)
+    if isinstance(getattr(layer, slot), _RecipeOp):
+      skipped.append((name, "it is already quantized"))
+      continue
+    if reason is not None:
+      skipped.append((name, reason))
+      continue
+    k, n = dims
+    if k % GEMM_DIM_MULTIPLE or n % GEMM_DIM_MULTIPLE:
+      skipped.append(
+          (name, f"GEMM size K={k}, N={n} is not a multiple of {GEMM_DIM_MULTIPLE}")
+      )
+      continue
+    kernel = layer.kernel.get_value()
+    stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
+    op = (EinsumOp if slot == "einsum_op" else DotGeneral)(recipe)
+    for state_name in core.state_names(recipe):
+      variable = getattr(op, state_name)
+      value = variable.get_value()
+      variable.set_value(jnp.broadcast_to(value, stack_shape + value.shape))
+    # The slot held a function (static); mark the submodule as data so NNX tracks its state.
+    setattr(layer, slot, nnx.data(op))
+    if isinstance(layer, (Linear, LinearGeneral, Einsum)):
+      layer.recipe = recipe  # a te_adapters layer built with recipe=None
+    quantized.append(name)
+  return QuantizeReport(quantized=tuple(quantized), skipped=tuple(skipped))

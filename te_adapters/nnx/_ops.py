@@ -1,0 +1,214 @@
+"""Quantized GEMM operations as NNX modules that own their recipe state.
+
+An NNX layer that takes ``dot_general=`` (``nnx.Linear``, ``nnx.LinearGeneral``) or
+``einsum_op=`` (``nnx.Einsum``) calls these modules in place of ``lax.dot_general`` /
+``jnp.einsum``. Because the operation is a submodule, its ``RecipeState`` variables follow the
+layer through ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``nnx.scan``, ``nnx.vmap`` and
+``nnx.remat`` like any other variable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import opt_einsum
+from flax import nnx
+
+from te_adapters import core
+from te_adapters.nnx._variables import RecipeState
+
+__all__ = ["DotGeneral", "EinsumOp", "GEMM_DIM_MULTIPLE"]
+
+# FP8 GEMMs need the contracting and output-feature sizes to be multiples of 16.
+GEMM_DIM_MULTIPLE = 16
+
+
+def check_gemm_dims(k: int, n: int, what: str) -> None:
+  """Raises a ValueError naming ``what`` if K or N is not a multiple of ``GEMM_DIM_MULTIPLE``."""
+  bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % GEMM_DIM_MULTIPLE]
+  if bad:
+    raise ValueError(
+        f"{what}: FP8 GEMMs need the contracting size K and the output-feature size N to be "
+        f"multiples of {GEMM_DIM_MULTIPLE}, got {', '.join(bad)}; keep this layer unquantized "
+        "(recipe=None)"
+    )
+
+
+def _check_out_sharding(out_sharding) -> None:
+  if out_sharding is not None:
+    raise NotImplementedError(
+        "out_sharding is not supported by quantized GEMMs yet; shard the inputs instead, or "
+        "use recipe=None for this layer"
+    )
+
+
+class _RecipeOp(nnx.Module):
+  """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names."""
+
+  def __init__(self, recipe: core.Recipe):
+    self.recipe = core.check_recipe(recipe)
+    for name, value in core.init_state(self.recipe).items():
+      setattr(self, name, RecipeState(value))
+
+  def recipe_state(self) -> dict[str, jax.Array]:
+    """The current recipe state as a dict ``{name: array}`` (empty for stateless recipes)."""
+    return {name: getattr(self, name).get_value() for name in core.state_names(self.recipe)}
+
+  def _dot(self, lhs, rhs, dimension_numbers, precision, preferred_element_type):
+    (_, rc), (_, rb) = dimension_numbers
+    rhs_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+    k = math.prod(rhs.shape[d] for d in rc)
+    n = math.prod(rhs.shape[d] for d in rhs_free)
+    check_gemm_dims(k, n, f"{type(self).__name__} with kernel shape {tuple(rhs.shape)}")
+    return core.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision,
+        preferred_element_type,
+        recipe=self.recipe,
+        state=self.recipe_state(),
+    )
+
+
+class DotGeneral(_RecipeOp):
+  """A quantized ``dot_general`` for any NNX layer that takes ``dot_general=``.
+
+  The first operand is the activation ``x`` and the second the ``kernel``, as in
+  ``nnx.Linear`` and ``nnx.LinearGeneral``. The recipe state lives in ``RecipeState`` variables
+  of this module (``x_scale``, ``x_amax_history``, ...; none for stateless recipes).
+
+  Args:
+    recipe: a te_adapters recipe (``DelayedScaling``, ``Float8CurrentScaling``).
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> layer = nnx.Linear(32, 16, dot_general=ta_nnx.DotGeneral(ta.Float8CurrentScaling()),
+    ...                    rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((4, 32))).shape
+    (4, 16)
+  """
+
+  def __call__(
+      self,
+      lhs: jax.Array,
+      rhs: jax.Array,
+      dimension_numbers,
+      precision=None,
+      preferred_element_type=None,
+      out_sharding=None,
+  ) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, ...)`` with FP8 operands (``out_sharding`` must be None)."""
+    _check_out_sharding(out_sharding)
+    return self._dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def _einsum_labels(einsum_str: str, inputs, kernel) -> tuple[str, str, str]:
+  operands, output, _ = opt_einsum.parser.parse_einsum_input((einsum_str, inputs, kernel))
+  in_labels, kernel_labels = operands.split(",")
+  return in_labels, kernel_labels, output
+
+
+def _check_einsum(einsum_str, in_labels, kernel_labels, out_labels, inputs, kernel) -> None:
+  """Refuses equations that ``jnp.einsum`` would reduce before its GEMM (with a clear message)."""
+  for what, labels in (("input", in_labels), ("kernel", kernel_labels)):
+    if len(set(labels)) != len(labels):
+      raise ValueError(
+          f"Einsum {einsum_str!r}: a label repeats in the {what} ({labels}); a quantized "
+          "einsum needs one GEMM without diagonals"
+      )
+  lonely = [c for c in in_labels if c not in kernel_labels and c not in out_labels]
+  lonely += [c for c in kernel_labels if c not in in_labels and c not in out_labels]
+  if lonely:
+    raise ValueError(
+        f"Einsum {einsum_str!r}: label(s) {lonely} are summed over one operand only; a quantized "
+        "einsum needs every summed label in both the input and the kernel"
+    )
+  for c in set(in_labels) & set(kernel_labels):
+    a, b = inputs.shape[in_labels.index(c)], kernel.shape[kernel_labels.index(c)]
+    if a != b:
+      raise ValueError(
+          f"Einsum {einsum_str!r}: label {c!r} has size {a} in the input but {b} in the kernel"
+      )
+
+
+class EinsumOp(_RecipeOp):
+  """A quantized ``jnp.einsum`` for ``nnx.Einsum(einsum_op=...)``: the GEMM goes through
+  ``jnp.einsum(..., _dot_general=...)``.
+
+  The first operand is the input ``x`` and the second the ``kernel``. ``jnp.einsum`` may hand
+  the kernel to its ``dot_general`` first; the roles are matched by labels and shapes, so the
+  ``x_*`` state always belongs to the input.
+
+  Args:
+    recipe: a te_adapters recipe (``DelayedScaling``, ``Float8CurrentScaling``).
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> layer = nnx.Einsum("btd,dhk->bthk", (32, 2, 16),
+    ...                    einsum_op=ta_nnx.EinsumOp(ta.Float8CurrentScaling()), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 4, 32))).shape
+    (2, 4, 2, 16)
+  """
+
+  def __call__(
+      self,
+      einsum_str: str,
+      inputs: jax.Array,
+      kernel: jax.Array,
+      precision=None,
+      preferred_element_type=None,
+      out_sharding=None,
+  ) -> jax.Array:
+    """``jnp.einsum(einsum_str, inputs, kernel, ...)`` with one FP8 GEMM."""
+    _check_out_sharding(out_sharding)
+    inputs, kernel = jnp.asarray(inputs), jnp.asarray(kernel)
+    in_labels, k_labels, out_labels = _einsum_labels(einsum_str, inputs, kernel)
+    _check_einsum(einsum_str, in_labels, k_labels, out_labels, inputs, kernel)
+
+    def matches(a, b, dims, a_labels, b_labels, a_shape, b_shape) -> bool:
+      (ac, bc), (ab, bb) = dims
+      return (
+          tuple(a.shape) == tuple(a_shape)
+          and tuple(b.shape) == tuple(b_shape)
+          and all(a_labels[i] == b_labels[j] for i, j in zip((*ac, *ab), (*bc, *bb), strict=True))
+      )
+
+    def dot_general(a, b, dims, precision=None, preferred_element_type=None, **kwargs: Any):
+      _check_out_sharding(kwargs.pop("out_sharding", None))
+      (ac, bc), (ab, bb) = dims
+      x_first = matches(a, b, dims, in_labels, k_labels, inputs.shape, kernel.shape)
+      kernel_first = matches(a, b, dims, k_labels, in_labels, kernel.shape, inputs.shape)
+      if x_first == kernel_first:
+        raise ValueError(
+            f"Einsum {einsum_str!r}: cannot tell the input from the kernel in the GEMM that "
+            "jnp.einsum formed; use distinct labels or shapes for the two operands"
+        )
+      if x_first:
+        return self._dot(a, b, dims, precision, preferred_element_type)
+      # jnp.einsum put the kernel first: compute with x first, then restore its output layout
+      # (batch, kernel free, x free).
+      out = self._dot(b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type)
+      n_batch = len(ab)
+      n_x_free = b.ndim - len(bc) - n_batch
+      n_k_free = a.ndim - len(ac) - n_batch
+      batch = list(range(n_batch))
+      x_free = list(range(n_batch, n_batch + n_x_free))
+      k_free = list(range(n_batch + n_x_free, n_batch + n_x_free + n_k_free))
+      return jnp.transpose(out, batch + k_free + x_free)
+
+    return jnp.einsum(
+        einsum_str,
+        inputs,
+        kernel,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        _dot_general=dot_general,
+    )
