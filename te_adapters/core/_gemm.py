@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _accumulate, _dimension_numbers, _quantize, _remat, _scaling
+from te_adapters.core import _accumulate, _batching, _dimension_numbers, _quantize, _remat, _scaling
 from te_adapters.core._recipes import DelayedScaling, check_recipe
 from te_adapters.core._state import ROLES, check_state
 
@@ -128,25 +128,26 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
   del operand_dtypes
   q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state)
   q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state)
-  q_x, sinv_x = checkpoint_name((q_x, sinv_x), _remat.QUANTIZED_X)
-  q_w, sinv_w = checkpoint_name((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
+  q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
+  q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   y = _scaled_dot(q_x, q_w, dn, sinv_x * sinv_w, out_dtype, precision)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  residuals = (q_x, sinv_x, q_w, sinv_w, {**new_x, **new_w}, grad_state)
+  residuals = (q_x, sinv_x, q_w, sinv_w, {**new_x, **new_w}, state)
   return y, residuals
 
 
 def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, residuals, g):
-  q_x, sinv_x, q_w, sinv_w, new_fwd_state, grad_state = residuals
+  q_x, sinv_x, q_w, sinv_w, new_fwd_state, state = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
+  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, grad_state)
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
   dx = jnp.transpose(_scaled_dot(q_g, q_w, dims, sinv_g * sinv_w, lhs_dtype, precision), perm)
   dims, perm = _dimension_numbers.transpose_rhs(dn, q_x.ndim, q_w.ndim)
   dw = jnp.transpose(_scaled_dot(q_g, q_x, dims, sinv_g * sinv_x, rhs_dtype, precision), perm)
-  new_state = {**new_fwd_state, **new_g}
+  # Under vmap with unmapped state, reduce the per-example states (max/min) instead of summing.
+  new_state = _batching.combine_over_batch({**new_fwd_state, **new_g}, state)
   return dx, dw, new_state
 
 
