@@ -11,7 +11,7 @@ The task is to continue sequences that repeat a random block of tokens: the firs
 unpredictable, every later token can be copied from one period back, so the loss can fall well
 below ``log(vocab)``. The FP8 loss curves should track the bf16 one.
 
-    python examples/train_haiku.py            # a few minutes on a CPU, seconds on a GPU
+    python examples/train_haiku.py            # minutes on a CPU
     python examples/train_haiku.py --tiny     # a few seconds; what CI runs
 """
 

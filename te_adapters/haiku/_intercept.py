@@ -61,7 +61,7 @@ def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
   return None
 
 
-class quantize(contextlib.ContextDecorator):  # noqa: N801 - used like a function
+class quantize(contextlib.ContextDecorator):  # lower case: used like a function
   """Makes every ``hk.Linear`` called in its scope compute with ``recipe``, with no model edits.
 
   Works as a context manager or a decorator around the function given to ``hk.transform`` (or
@@ -69,10 +69,13 @@ class quantize(contextlib.ContextDecorator):  # noqa: N801 - used like a functio
   ``hk.Linear`` keeps its parameters (``w``, ``b``: same names, shapes and initialisers) and, for a
   stateful recipe, gets recipe state with ``hk.get_state`` under its own name, exactly like
   ``te_adapters.haiku.Linear``. A layer that cannot be quantized (dims not multiples of 16,
-  non-float input) or that ``module_filter`` rejects stays in high precision, is listed in the
-  report's ``skipped`` with the reason, and triggers a warning. Subclasses of ``hk.Linear`` that
-  override ``__call__`` are left alone unless they call ``hk.Linear.__call__``. The innermost
-  scope wins; ``quantize(None)`` keeps its scope in high precision.
+  non-float input) stays in high precision, is listed in the report's ``skipped`` with the reason
+  and triggers a warning; one that ``module_filter`` rejects is listed there too, without a
+  warning. ``te_adapters.haiku.Linear`` layers keep their own recipe. Subclasses of
+  ``hk.Linear`` that override ``__call__`` are left alone unless they call
+  ``hk.Linear.__call__``. The innermost scope wins; ``quantize(None)`` keeps its scope in high
+  precision. Other method interceptors registered inside this scope do not see the quantized
+  layers' calls.
 
   Args:
     recipe: the recipe for the intercepted layers, or ``None`` for none.

@@ -15,6 +15,7 @@ __all__ = ["Linear"]
 # Stateless current scaling is the default (recipes are frozen, so one instance is shared safely).
 _DEFAULT_RECIPE = core.Float8CurrentScaling()
 
+
 def linear_forward(
     module: hk.Linear, inputs: jax.Array, precision: lax.Precision | None, recipe
 ) -> jax.Array:
@@ -48,6 +49,14 @@ def linear_forward(
         )
         for name in core.state_names(recipe)
     }
+    cast = sorted({str(v.dtype) for v in state.values()
+                   if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})
+    if cast:
+      raise TypeError(
+          f"{module.module_name}: recipe state must stay float32, but a Haiku state getter cast "
+          f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
+          "use a stateless recipe (Float8CurrentScaling) with such policies"
+      )
   dims = (((inputs.ndim - 1,), (0,)), ((), ()))
   out = core.dot_general(inputs, w, dims, precision, recipe=recipe, state=state)
 

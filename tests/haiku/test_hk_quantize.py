@@ -13,6 +13,7 @@ from te_adapters import core
 from te_adapters import haiku as ta_hk
 
 CURRENT = ta.Float8CurrentScaling()
+DELAYED = ta.DelayedScaling(amax_history_len=4)
 DN = (((1,), (0,)), ((), ()))
 W_INIT = hk.initializers.RandomNormal(0.25)
 
@@ -112,6 +113,23 @@ def test_attention_projections_filter_nesting_and_own_linear():
 
   plain, quantized = plain_and_quantized(params, x)
   assert np.max(np.abs(np.asarray(quantized) - np.asarray(plain))) > 1e-3
+
+
+def test_haiku_mixed_precision_policies():
+  jmp = pytest.importorskip("jmp")
+  x = jnp.ones((8, 32))
+  hk.mixed_precision.set_policy(hk.Linear, jmp.get_policy("p=f32,c=bf16,o=f32"))
+  try:
+    f = hk.transform_with_state(ta_hk.quantize(CURRENT)(lambda x: hk.Linear(32)(x)))
+    params, state = jax.eval_shape(f.init, jax.random.key(0), x)
+    assert params["linear"]["w"].dtype == jnp.float32  # the policy's parameter dtype
+    assert jax.eval_shape(f.apply, params, state, None, x)[0].dtype == jnp.float32
+    # The policy's state getter would cast recipe state to bf16: refused, not silently rounded.
+    f = hk.transform_with_state(ta_hk.quantize(DELAYED)(lambda x: hk.Linear(32)(x)))
+    with pytest.raises(TypeError, match="recipe state must stay float32.*mixed_precision"):
+      jax.eval_shape(f.init, jax.random.key(0), x)
+  finally:
+    hk.mixed_precision.clear_policy(hk.Linear)
 
 
 def test_bad_arguments():
