@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
     _accumulate,
+    _batching,
     _block_gemm,
     _dimension_numbers,
     _quantize,
@@ -146,18 +147,6 @@ def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd"):
   return (out * scale_inv.reshape(())).astype(out_dtype)
 
 
-def _name_fp8(data, scale_inv, name):
-  """Tags an FP8 tensor and its scale_inv with a checkpoint name.
-
-  The FP8 data is named through its uint8 bit pattern: JAX's remat passes saved floating-point
-  residuals through ``reduce_precision``, whose IEEE-style E4M3 rounding turns float8_e4m3fn
-  values above 240 into inf (seen with jax 0.10.2). Bitcasts are free in XLA.
-  """
-  bits = lax.bitcast_convert_type(data, jnp.uint8)
-  bits, scale_inv = checkpoint_name((bits, scale_inv), name)
-  return lax.bitcast_convert_type(bits, data.dtype), scale_inv
-
-
 def _role_scale(x, role, q_dtype, recipe, state):
   """The scale one operand is quantized with; returns (scale, new state entries for the role)."""
   limit = _scaling.fp8_max(q_dtype)
@@ -199,25 +188,26 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
   del operand_dtypes
   q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state)
   q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state)
-  q_x, sinv_x = _name_fp8(q_x, sinv_x, _remat.QUANTIZED_X)
-  q_w, sinv_w = _name_fp8(q_w, sinv_w, _remat.QUANTIZED_KERNEL)
+  q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
+  q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   y = _scaled_dot(q_x, q_w, dn, sinv_x * sinv_w, out_dtype, precision)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  residuals = (q_x, sinv_x, q_w, sinv_w, {**new_x, **new_w}, grad_state)
+  residuals = (q_x, sinv_x, q_w, sinv_w, {**new_x, **new_w}, state)
   return y, residuals
 
 
 def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, residuals, g):
-  q_x, sinv_x, q_w, sinv_w, new_fwd_state, grad_state = residuals
+  q_x, sinv_x, q_w, sinv_w, new_fwd_state, state = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
+  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, grad_state)
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
   dx = jnp.transpose(_scaled_dot(q_g, q_w, dims, sinv_g * sinv_w, lhs_dtype, precision), perm)
   dims, perm = _dimension_numbers.transpose_rhs(dn, q_x.ndim, q_w.ndim)
   dw = jnp.transpose(_scaled_dot(q_g, q_x, dims, sinv_g * sinv_x, rhs_dtype, precision), perm)
-  new_state = {**new_fwd_state, **new_g}
+  new_state = _batching.combine_over_batch(
+      {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
   return dx, dw, new_state
 
 
@@ -293,19 +283,19 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe):
   # (kept for the backward pass) for wgrad (x) and dgrad (kernel).
   q_x, q_xt = _cast_both(x3, scale_x, fwd)
   q_w, q_wt = _cast_both(w3, scale_w, fwd)
-  q_xt, sinv_xt = _name_fp8(q_xt, sinv_x, _remat.QUANTIZED_X)
-  q_wt, sinv_wt = _name_fp8(q_wt, sinv_w, _remat.QUANTIZED_KERNEL)
+  q_xt, sinv_xt = _remat.name_quantized((q_xt, sinv_x), _remat.QUANTIZED_X)
+  q_wt, sinv_wt = _remat.name_quantized((q_wt, sinv_w), _remat.QUANTIZED_KERNEL)
   y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision, "fwd")
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
-  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, grad_state, dtypes)
+  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, state, dtypes)
   return y, residuals
 
 
 def _tn_bwd(precision, out_dtype, recipe, residuals, g):
-  q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, grad_state, (x_proto, w_proto) = residuals
+  q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, (x_proto, w_proto) = residuals
   del out_dtype
+  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   bwd = recipe.bwd_dtype
   scale_g, new_g = _role_scale(g, "grad", bwd, recipe, grad_state)
   sinv_g = _scaling.scale_inverse(scale_g)
@@ -313,7 +303,19 @@ def _tn_bwd(precision, out_dtype, recipe, residuals, g):
   dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision, "dgrad")  # (.., M, K)
   dw = _tn_dot(q_xt, q_gt, sinv_g * sinv_x, w_proto.dtype, precision, "wgrad")  # (.., K, N)
   dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
-  return dx, dw, {**new_fwd_state, **new_g}
+  new_state = _batching.combine_over_batch(
+      {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
+  return dx, dw, new_state
+
+
+def _rescale(recipe, role, history, old_history, old_scale):
+  """The scale TE's rule gives after ``old_history`` -> ``history`` (for ``_batching``)."""
+  limit = _scaling.fp8_max(recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype)
+  current = history[-1:]  # the step's amax sits at the end after the roll
+  window = current if recipe.amax_compute_algo == "most_recent" else jnp.maximum(
+      current, jnp.max(old_history[1:], initial=0.0, keepdims=True)[:1])
+  updated = (window > 0) & jnp.isfinite(window)
+  return _scaling.compute_scale(window, limit, old_scale, recipe.margin), updated
 
 
 _tn_vjp.defvjp(_tn_fwd, _tn_bwd)

@@ -349,19 +349,6 @@ def _quantize_experts(w, role, q_dtype, recipe, state, granularity):
   return data, _scaling.scale_inverse(scale), new
 
 
-def _checkpoint_quantized(data, scale_inv, name):
-  """Tags a quantized operand for remat policies, saving its FP8 data as raw bytes.
-
-  ``jax.checkpoint`` rounds every saved floating-point residual with
-  ``reduce_precision(exponent_bits, mantissa_bits)`` taken from ``finfo``; for float8_e4m3fn
-  that is IEEE-style E4M3, whose largest finite value is 240, so saved values from 256 to 448
-  would become NaN. Integer residuals are left alone.
-  """
-  bits = lax.bitcast_convert_type(data, jnp.uint8)
-  bits, scale_inv = checkpoint_name((bits, scale_inv), name)
-  return lax.bitcast_convert_type(bits, data.dtype), scale_inv
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _fp8_ragged_dot(
     lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
@@ -384,8 +371,8 @@ def _fp8_fwd(
   q_w, sinv_w, new_w = _quantize_experts(
       rhs, "kernel", recipe.fwd_dtype, recipe, state, granularity
   )
-  q_x, sinv_x = _checkpoint_quantized(q_x, sinv_x, _remat.QUANTIZED_X)
-  q_w, sinv_w = _checkpoint_quantized(q_w, sinv_w, _remat.QUANTIZED_KERNEL)
+  q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
+  q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   y = lax.ragged_dot_general(
       q_x, q_w, group_sizes, _FWD_DIMS, precision=precision, preferred_element_type=jnp.float32
   )

@@ -1,3 +1,28 @@
-"""Haiku adapter of te_adapters."""
+"""Haiku adapter of te_adapters.
 
-__all__: list[str] = []
+* ``Linear``: ``hk.Linear`` with a quantized GEMM; recipe state in ``hk.get_state``.
+* ``quantize(recipe)``: quantizes the ``hk.Linear`` layers of an existing model, unedited.
+* ``value_grad_and_state``: a training step's loss, parameter grads and new state, with recipe
+  state from the gradient and ordinary state (``hk.BatchNorm``) from ``apply``.
+"""
+
+from te_adapters.haiku._experts import GroupedLinear
+from te_adapters.haiku._intercept import QuantizeReport, quantize
+from te_adapters.haiku._linear import Linear
+from te_adapters.haiku._train import (
+    RECIPE_STATE_NAMES,
+    merge_state,
+    split_state,
+    value_grad_and_state,
+)
+
+__all__ = [
+    "GroupedLinear",
+    "RECIPE_STATE_NAMES",
+    "Linear",
+    "QuantizeReport",
+    "merge_state",
+    "quantize",
+    "split_state",
+    "value_grad_and_state",
+]

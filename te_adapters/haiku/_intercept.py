@@ -1,0 +1,146 @@
+"""Quantizes every ``hk.Linear`` of an existing model through Haiku's method interception."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+
+import haiku as hk
+import jax.numpy as jnp
+
+from te_adapters import core
+from te_adapters.haiku import _linear
+
+__all__ = ["QuantizeReport", "quantize"]
+
+# FP8 GEMMs need the contracting and output dims to be multiples of 16 (TE asserts K % 16).
+_FP8_ALIGNMENT = 16
+
+_EXCLUDED = "excluded by module_filter"
+
+# The recipes of the `quantize` scopes active on this thread, innermost last.
+_active = threading.local()
+
+
+def _scopes() -> list:
+  if not hasattr(_active, "scopes"):
+    _active.scopes = []
+  return _active.scopes
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+  """What a ``quantize`` scope did, filled in while the model is traced.
+
+  Attributes:
+    quantized: names of the ``hk.Linear`` modules computed with the recipe, in call order.
+    skipped: module name -> why it stayed in high precision.
+  """
+
+  quantized: list[str] = dataclasses.field(default_factory=list)
+  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
+  name = module.module_name
+  if module_filter is not None and not module_filter(name):
+    return _EXCLUDED
+  dtype = getattr(inputs, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return f"input dtype {dtype} is not floating point"
+  shape = getattr(inputs, "shape", ())
+  if not shape:
+    return "scalar input"
+  for what, size in (("input size", shape[-1]), ("output size", module.output_size)):
+    if size % _FP8_ALIGNMENT:
+      return f"{what} {size} is not a multiple of {_FP8_ALIGNMENT}"
+  return None
+
+
+class quantize(contextlib.ContextDecorator):  # lower case: used like a function
+  """Makes every ``hk.Linear`` called in its scope compute with ``recipe``, with no model edits.
+
+  Works as a context manager or a decorator around the function given to ``hk.transform`` (or
+  around the code that calls it; it must be active while the model is traced). Each intercepted
+  ``hk.Linear`` keeps its parameters (``w``, ``b``: same names, shapes and initialisers) and, for a
+  stateful recipe, gets recipe state with ``hk.get_state`` under its own name, exactly like
+  ``te_adapters.haiku.Linear``. A layer that cannot be quantized (dims not multiples of 16,
+  non-float input) stays in high precision, is listed in the report's ``skipped`` with the reason
+  and triggers a warning; one that ``module_filter`` rejects is listed there too, without a
+  warning. ``te_adapters.haiku.Linear`` layers keep their own recipe. Subclasses of
+  ``hk.Linear`` that override ``__call__`` are left alone unless they call
+  ``hk.Linear.__call__``. The innermost scope wins; ``quantize(None)`` keeps its scope in high
+  precision. Other method interceptors registered inside this scope do not see the quantized
+  layers' calls.
+
+  Args:
+    recipe: the recipe for the intercepted layers, or ``None`` for none.
+    module_filter: optional ``f(module_name) -> bool``; layers for which it is false stay in high
+      precision.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import haiku as ta_hk
+    >>> q = ta_hk.quantize(ta.Float8CurrentScaling())
+    >>> f = hk.transform(q(lambda x: hk.nets.MLP([32, 16])(x)))
+    >>> params = f.init(jax.random.key(0), jnp.ones((4, 16)))
+    >>> q.report.quantized
+    ['mlp/~/linear_0', 'mlp/~/linear_1']
+  """
+
+  def __init__(
+      self, recipe: core.Recipe | None, *, module_filter: Callable[[str], bool] | None = None
+  ):
+    self.recipe = None if recipe is None else core.check_recipe(recipe)
+    if module_filter is not None and not callable(module_filter):
+      raise TypeError(f"module_filter must be callable, got {type(module_filter).__name__}")
+    self.module_filter = module_filter
+    self.report = QuantizeReport()
+    self._stack = contextlib.ExitStack()
+    self._depth = 0
+
+  def __enter__(self) -> QuantizeReport:
+    if self._depth == 0:
+      self._stack.enter_context(hk.intercept_methods(self._intercept))
+    self._depth += 1
+    _scopes().append(self)
+    return self.report
+
+  def __exit__(self, *exc) -> None:
+    _scopes().pop()
+    self._depth -= 1
+    if self._depth == 0:
+      self._stack.close()
+
+  def _intercept(self, next_f, args, kwargs, context):
+    module = context.module
+    if (
+        context.method_name != "__call__"
+        or context.orig_class is not hk.Linear
+        or isinstance(module, _linear.Linear)
+        or _scopes()[-1] is not self
+    ):
+      return next_f(*args, **kwargs)
+    if self.recipe is None:
+      return next_f(*args, **kwargs)
+    inputs = args[0] if args else kwargs.get("inputs")
+    reason = _skip_reason(module, inputs, self.module_filter)
+    name = module.module_name
+    if reason is not None:
+      if name not in self.report.skipped:
+        self.report.skipped[name] = reason
+        if reason != _EXCLUDED:  # the user asked for that one
+          warnings.warn(f"te_adapters: {name} stays in high precision: {reason}", stacklevel=2)
+      return next_f(*args, **kwargs)
+    if name not in self.report.quantized:
+      self.report.quantized.append(name)
+    call = functools.partial(_linear.linear_forward, module, recipe=self.recipe)
+    return _call_like_linear(call, *args, **kwargs)
+
+
+def _call_like_linear(call, inputs, *, precision=None):
+  return call(inputs, precision)

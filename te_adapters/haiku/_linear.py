@@ -1,0 +1,133 @@
+"""A quantized drop-in for ``hk.Linear``: same parameters, recipe state in ``hk.get_state``."""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_adapters import core
+
+__all__ = ["Linear"]
+
+# Stateless current scaling is the default (recipes are frozen, so one instance is shared safely).
+_DEFAULT_RECIPE = core.Float8CurrentScaling()
+
+
+def linear_forward(
+    module: hk.Linear, inputs: jax.Array, precision: lax.Precision | None, recipe
+) -> jax.Array:
+  """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
+
+  Must run inside ``module``'s method (directly or from a method interceptor), so parameters and
+  state are created under the module's name. Parameter names, shapes, dtypes and initialisers are
+  those of ``hk.Linear``; recipe state uses TE's names (``x_scale``, ``x_amax_history``, ...).
+  """
+  if not inputs.shape:
+    raise ValueError("Input must not be scalar.")
+  inputs = jnp.asarray(inputs)
+  if recipe is not None and not jnp.issubdtype(inputs.dtype, jnp.floating):
+    raise TypeError(
+        f"{module.module_name}: a quantized Linear needs floating-point inputs, got {inputs.dtype}"
+    )
+  input_size = module.input_size = inputs.shape[-1]
+  dtype = inputs.dtype
+
+  w_init = module.w_init
+  if w_init is None:
+    w_init = hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(input_size))
+  w = hk.get_parameter("w", [input_size, module.output_size], dtype, init=w_init)
+
+  state = None
+  if recipe is not None:
+    initial = core.init_state(recipe)
+    state = {
+        name: hk.get_state(
+            name, initial[name].shape, initial[name].dtype, init=_constant(initial[name])
+        )
+        for name in core.state_names(recipe)
+    }
+    cast = sorted({str(v.dtype) for v in state.values()
+                   if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})
+    if cast:
+      raise TypeError(
+          f"{module.module_name}: recipe state must stay float32, but a Haiku state getter cast "
+          f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
+          "use a stateless recipe (Float8CurrentScaling) with such policies"
+      )
+  dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+  out = core.dot_general(inputs, w, dims, precision, recipe=recipe, state=state)
+
+  if module.with_bias:
+    b = hk.get_parameter("b", [module.output_size], dtype, init=module.b_init)
+    out = out + jnp.broadcast_to(b, out.shape)
+  return out
+
+
+def _constant(value):
+  def init(shape, dtype):
+    del shape, dtype
+    return value
+
+  return init
+
+
+class Linear(hk.Linear):
+  """``hk.Linear`` with a quantized GEMM (FP8 per ``recipe``).
+
+  Takes every argument of ``hk.Linear`` and creates the same parameters (``w`` of shape
+  ``[input_size, output_size]``, ``b`` of shape ``[output_size]``, same default initialisers and
+  dtypes), so parameters and checkpoints are interchangeable with ``hk.Linear``. ``recipe=None``
+  computes exactly what ``hk.Linear`` computes.
+
+  A stateful recipe (``DelayedScaling``) keeps its state with ``hk.get_state`` under the module's
+  name, with TE's names (``x_scale``, ``x_amax_history``, ``kernel_*``, ``grad_*``), so the
+  function must be transformed with ``hk.transform_with_state``. The new state comes out of the
+  gradient with respect to the state: train with ``te_adapters.haiku.value_grad_and_state``.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import haiku as ta_hk
+    >>> f = hk.transform_with_state(lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling())(x))
+    >>> params, state = f.init(jax.random.key(0), jnp.ones((4, 32)))
+    >>> sorted(state["linear"])[:2], params["linear"]["w"].shape
+    (['grad_amax_history', 'grad_scale'], (32, 16))
+  """
+
+  def __init__(
+      self,
+      output_size: int,
+      with_bias: bool = True,
+      w_init: hk.initializers.Initializer | None = None,
+      b_init: hk.initializers.Initializer | None = None,
+      name: str | None = None,
+      *,
+      recipe: core.Recipe | None = _DEFAULT_RECIPE,
+  ):
+    """Constructs the quantized Linear module.
+
+    Args:
+      output_size: output dimensionality.
+      with_bias: whether to add a bias to the output.
+      w_init: initializer of ``w``; default truncated normal with stddev ``1 / sqrt(fan_in)``.
+      b_init: initializer of ``b``; default zeros.
+      name: name of the module (default ``"linear"``, as for ``hk.Linear``).
+      recipe: the quantization recipe (default ``te_adapters.Float8CurrentScaling()``), or
+        ``None`` for the unquantized ``hk.Linear`` computation.
+    """
+    super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
+    self.recipe = None if recipe is None else core.check_recipe(recipe)
+
+  def __call__(self, inputs: jax.Array, *, precision: lax.Precision | None = None) -> jax.Array:
+    """Computes ``inputs @ w + b`` with the GEMM quantized per the recipe.
+
+    Args:
+      inputs: a floating-point array of shape ``[..., input_size]``.
+      precision: passed to the GEMM, as for ``hk.Linear``.
+
+    Returns:
+      An array of shape ``[..., output_size]`` with the dtype of ``inputs``.
+    """
+    return linear_forward(self, inputs, precision, self.recipe)
