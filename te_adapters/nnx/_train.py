@@ -61,15 +61,6 @@ def _with_max_grad_state(f, argnums: tuple[int, ...]):
   return wrapped
 
 
-def _is_state_summed_error(e: Exception) -> bool:
-  # Under vmap, JAX sums the cotangents of a custom VJP's unmapped inputs; the max-combining
-  # state dtype has no sum, and JAX says so in one of these ways.
-  message = str(e)
-  return "abstract method sum" in message or any(
-      name in message for name in ("float32_max_grad", "float32_min_grad")
-  )
-
-
 def _split_grads(grads, wrt):
   if not isinstance(grads, nnx.State):
     return grads, None
@@ -97,18 +88,7 @@ def _grad_general(f, argnums, has_aux, wrt, return_value, **kwargs):
 
   @functools.wraps(f)
   def grad_fn(*args, **fkwargs):
-    try:
-      out = inner(*args, **fkwargs)
-    except (NotImplementedError, TypeError) as e:
-      if not _is_state_summed_error(e):
-        raise
-      raise NotImplementedError(
-          "the recipe state of a quantized layer would be summed over a mapped axis: a layer "
-          "with DelayedScaling state ran inside nnx.vmap (or a similar map) with its state not "
-          "mapped (in_axes=None), and the per-example new states cannot be combined. Map the "
-          "layer over a stacked copy (in_axes=0), or use a stateless recipe "
-          "(Float8CurrentScaling) for this layer"
-      ) from e
+    out = inner(*args, **fkwargs)
     if return_value:
       value, grads = out
       return value, split(grads)

@@ -261,6 +261,12 @@ def test_vmap_over_stacked_models_keeps_per_model_state():
   np.testing.assert_allclose(ensemble.dot_general.x_scale[...][:, 0], [224.0, E4M3_MAX / 3])
 
 
+def _state_leaf(tree, name):
+  (leaf,) = [v for p, v in jax.tree_util.tree_leaves_with_path(tree)
+             if name in jax.tree_util.keystr(p)]
+  return np.asarray(leaf)
+
+
 def test_vmap_with_broadcast_layer():
   xs = jnp.stack([_normal(0, (8, 32), 2.0), _normal(1, (8, 32), 3.0)])
   per_example = nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))
@@ -270,10 +276,14 @@ def test_vmap_with_broadcast_layer():
   ys = nnx.jit(per_example)(model, xs)
   np.testing.assert_allclose(ys[1], nnx.jit(lambda m, x: m(x))(model, xs[1]), rtol=1e-6)
 
-  # Delayed scaling state cannot be combined across examples: a clear error.
-  model = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="would be summed over a mapped axis"):
-    nnx.jit(ta_nnx.grad(lambda m, xs: jnp.sum(per_example(m, xs))))(model, xs)
+  # Delayed scaling: the broadcast layer's new state is that of one GEMM over the whole batch.
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  model = ta_nnx.Linear(32, 16, recipe=recipe, rngs=nnx.Rngs(0))
+  _, state_grads = nnx.jit(ta_nnx.grad(lambda m, xs: jnp.sum(per_example(m, xs))))(model, xs)
+  _, whole = nnx.jit(ta_nnx.grad(lambda m, xs: jnp.sum(m(xs.reshape(16, 32)))))(model, xs)
+  jax.tree.map(np.testing.assert_array_equal, state_grads, whole)
+  np.testing.assert_array_equal(
+      _state_leaf(state_grads, "x_amax_history")[-1], np.abs(np.asarray(xs)).max())
 
 
 def test_split_merge_and_plain_dict_round_trip():
