@@ -248,16 +248,16 @@ def _ffi_cast(ndim, q_dtype, rowwise, colwise, with_amax):
   @cast.def_vmap
   def _cast_vmap(axis_size, in_batched, x, scale):
     x_batched, scale_batched = in_batched
-    out_batched = [rowwise, colwise, with_amax]
+    out_batched = (rowwise, colwise, with_amax)
     if x_batched and not scale_batched and not with_amax:
       # One scale for every element: the batch dim is one more leading dim for the kernel
       # (which only swaps the last two). A 1-D input gains a row dim that is dropped after.
       outs = call(x, scale)
-      return outs, out_batched
+      return tuple(outs), out_batched
     x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
     scale = scale if scale_batched else jnp.broadcast_to(scale, (axis_size, *scale.shape))
     outs = jax.lax.map(lambda args: cast(*args), (x, scale))
-    return outs, [True, True, True]
+    return tuple(outs), (True, True, True)
 
   return cast
 
