@@ -76,8 +76,8 @@ def backend(platform: str | None = None) -> str:
   if value == "ffi":
     if not ffi_available(platform):
       raise RuntimeError(
-          f"{BACKEND_ENV}=ffi but the te_adapters extension is not built for {platform!r}; "
-          "reinstall with a C++ compiler (and a CUDA compiler for GPUs), or unset the variable"
+        f"{BACKEND_ENV}=ffi but the te_adapters extension is not built for {platform!r}; "
+        "reinstall with a C++ compiler (and a CUDA compiler for GPUs), or unset the variable"
       )
     return "ffi"
   return "ffi" if platform == "gpu" and ffi_available("gpu") else "jax"
@@ -123,8 +123,7 @@ def _use_ffi(x, requested: str | None) -> bool:
     choice = requested
     if requested == "ffi" and not ffi_available(jax.default_backend()):
       raise RuntimeError(
-          f"backend='ffi' but the te_adapters extension is not built for "
-          f"{jax.default_backend()!r}"
+        f"backend='ffi' but the te_adapters extension is not built for {jax.default_backend()!r}"
       )
   else:
     raise ValueError(f"backend must be 'jax', 'ffi' or None, got {requested!r}")
@@ -133,20 +132,20 @@ def _use_ffi(x, requested: str | None) -> bool:
   ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES and _single_device(x)
   if requested == "ffi" and np.dtype(x.dtype) not in _FFI_INPUT_DTYPES:
     raise ValueError(
-        f"the FFI cast takes float32, bfloat16 or float16 inputs, got {np.dtype(x.dtype)}"
+      f"the FFI cast takes float32, bfloat16 or float16 inputs, got {np.dtype(x.dtype)}"
     )
   return ok
 
 
 def cast_transpose(
-    x: jax.Array,
-    scale: jax.Array,
-    q_dtype,
-    *,
-    rowwise: bool = True,
-    colwise: bool = True,
-    with_amax: bool = False,
-    backend: str | None = None,
+  x: jax.Array,
+  scale: jax.Array,
+  q_dtype,
+  *,
+  rowwise: bool = True,
+  colwise: bool = True,
+  with_amax: bool = False,
+  backend: str | None = None,
 ):
   """FP8 copies of ``x`` (as is, and with its last two dims swapped) with one scale, in one pass.
 
@@ -233,12 +232,12 @@ def _ffi_cast(ndim, q_dtype, rowwise, colwise, with_amax):
   def call(x, scale):
     t_shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if x.ndim >= 2 else (0,)
     outs = (
-        jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
-        jax.ShapeDtypeStruct(t_shape, q_dtype) if colwise else _empty(q_dtype),
-        jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+      jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+      jax.ShapeDtypeStruct(t_shape, q_dtype) if colwise else _empty(q_dtype),
+      jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
     )
     return jax.ffi.ffi_call(_CAST_TARGET, outs)(
-        x, scale, rowwise=rowwise, colwise=colwise, compute_amax=with_amax
+      x, scale, rowwise=rowwise, colwise=colwise, compute_amax=with_amax
     )
 
   @jax.custom_batching.custom_vmap

@@ -14,7 +14,7 @@ import te_adapters as ta
 from te_adapters.core import _cast_transpose as ct
 
 needs_ext = pytest.mark.skipif(
-    not ct.ffi_available("cpu"), reason="te_adapters extension not built (pure-JAX install)"
+  not ct.ffi_available("cpu"), reason="te_adapters extension not built (pure-JAX install)"
 )
 IN_DTYPES = (np.float32, jnp.bfloat16, np.float16)
 Q_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -131,13 +131,13 @@ def test_vmap_matches_per_example_calls():
   scales = jnp.array([[1.0], [4.0], [0.25]], jnp.float32)
   one = jnp.array([2.0], jnp.float32)
   f = lambda be, amax: (
-      lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=amax, backend=be)
+    lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=amax, backend=be)
   )
   for be_ax, args in (((0, None), (x, one)), ((0, 0), (x, scales)), ((None, 0), (x[0], scales))):
     for with_amax in (False, True):
       got = jax.jit(jax.vmap(f("ffi", with_amax), in_axes=be_ax))(*args)
       want = jax.vmap(f("jax", with_amax), in_axes=be_ax)(*args)
-      for g, w in zip(got, want):
+      for g, w in zip(got, want, strict=False):
         if w is not None:
           np.testing.assert_array_equal(_bits(g), _bits(w))
   got = jax.vmap(lambda v: ct.amax(v, backend="ffi"))(x)
@@ -153,8 +153,9 @@ def _dense_step(recipe, backend_env, monkeypatch):
 
   def loss_fn(w, state, x):
     state = ta.core.with_max_grad(state)
-    y = ta.core.dot_general(x, w.astype(x.dtype), (((2,), (0,)), ((), ())), recipe=recipe,
-                            state=state)
+    y = ta.core.dot_general(
+      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), recipe=recipe, state=state
+    )
     return jnp.sum(y.astype(jnp.float32) ** 2) / y.size
 
   @jax.jit
@@ -173,7 +174,7 @@ def _dense_step(recipe, backend_env, monkeypatch):
 
 @needs_ext
 @pytest.mark.parametrize(
-    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)], ids=str
+  "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)], ids=str
 )
 def test_dot_general_grad_identical_through_ffi(recipe, monkeypatch):
   """A jitted value_and_grad step of the core GEMM: same loss, grads and state on both paths."""
@@ -181,7 +182,7 @@ def test_dot_general_grad_identical_through_ffi(recipe, monkeypatch):
   jax_out, jax_hlo = _dense_step(recipe, "jax", monkeypatch)
   assert "te_adapters_cast_transpose" in ffi_hlo
   assert "te_adapters_cast_transpose" not in jax_hlo
-  for (l1, g1, s1), (l2, g2, s2) in zip(ffi_out, jax_out):
+  for (l1, g1, s1), (l2, g2, s2) in zip(ffi_out, jax_out, strict=False):
     np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
     np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), s1, s2)
@@ -218,8 +219,11 @@ def test_backend_env(monkeypatch):
 def _run(code, env_extra):
   env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", **env_extra}
   proc = subprocess.run(
-      [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-      timeout=300,
+    [sys.executable, "-c", textwrap.dedent(code)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
@@ -228,7 +232,7 @@ def _run(code, env_extra):
 def test_pure_jax_fallback_without_extension():
   """The package with its extension modules hidden: imports, computes, and says why ffi fails."""
   out = _run(
-      """
+    """
       import sys, importlib.abc
       class Hide(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
@@ -256,7 +260,7 @@ def test_pure_jax_fallback_without_extension():
         assert "not built" in str(e), e
       print("fallback-ok")
       """,
-      {},
+    {},
   )
   assert "fallback-ok" in out
 
@@ -265,7 +269,7 @@ def test_pure_jax_fallback_without_extension():
 def test_sharded_operands_do_not_gather():
   """Under jit on 4 devices, sharded inputs take the pure-JAX path: no all-gather, same bits."""
   out = _run(
-      """
+    """
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import NamedSharding, PartitionSpec as P
       from te_adapters.core import _cast_transpose as ct
@@ -287,6 +291,6 @@ def test_sharded_operands_do_not_gather():
       assert q.sharding.spec[0] == "d"
       print("sharded-ok")
       """,
-      {"TE_ADAPTERS_BACKEND": "ffi", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    {"TE_ADAPTERS_BACKEND": "ffi", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
   )
   assert "sharded-ok" in out
