@@ -25,6 +25,7 @@ from te_adapters.core import (
     _accumulate,
     _batching,
     _block_gemm,
+    _cast_transpose,
     _dimension_numbers,
     _quantize,
     _remat,
@@ -147,10 +148,13 @@ def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd"):
   return (out * scale_inv.reshape(())).astype(out_dtype)
 
 
-def _role_scale(x, role, q_dtype, recipe, state):
-  """The scale one operand is quantized with; returns (scale, new state entries for the role)."""
+def _role_scale(x, role, q_dtype, recipe, state, a=None):
+  """The scale one operand is quantized with; returns (scale, new state entries for the role).
+
+  ``a``: the operand's amax when already computed (by a fused cast), else computed here.
+  """
   limit = _scaling.fp8_max(q_dtype)
-  a = _scaling.amax(x)
+  a = _scaling.amax(x) if a is None else a
   if isinstance(recipe, DelayedScaling):
     scale = _accumulate.to_float32(state[f"{role}_scale"])
     history = _accumulate.to_float32(state[f"{role}_amax_history"])
@@ -260,12 +264,29 @@ def _tn_dot(a, b, scale_inv, out_dtype, precision, gemm):
   return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm)
 
 
-def _cast_both(x, scale, q_dtype):
-  """FP8 copies of ``x`` and of ``x`` with its last two dims swapped."""
-  q = _quantize.cast_with_scale(x, scale, q_dtype)
+def _cast_both(x, scale, q_dtype, with_amax=False):
+  """FP8 copies of ``x`` and of ``x`` with its last two dims swapped (and the amax of ``x``).
+
+  One pass over ``x``: the FFI kernel or XLA's fusion, per ``TE_ADAPTERS_BACKEND``.
+  """
   if _knob("TE_ADAPTERS_TRANSPOSE", "cast", ("cast", "fp8")) == "fp8":
-    return q, _swap_last(q)  # transpose the 1-byte copy
-  return q, _quantize.cast_with_scale(_swap_last(x), scale, q_dtype)
+    q = _quantize.cast_with_scale(x, scale, q_dtype)
+    return q, _swap_last(q), (_scaling.amax(x) if with_amax else None)  # transpose 1-byte copy
+  return _cast_transpose.cast_transpose(x, scale, q_dtype, with_amax=with_amax)
+
+
+def _quantize_both(x, role, q_dtype, recipe, state):
+  """Both FP8 orientations of one operand; returns (q, q_t, scale, new state entries)."""
+  if isinstance(recipe, DelayedScaling):
+    # The stored scale is known before the pass, so the amax comes out of the cast itself.
+    scale = _accumulate.to_float32(state[f"{role}_scale"])
+    q, q_t, a = _cast_both(x, scale, q_dtype, with_amax=True)
+    _, new = _role_scale(x, role, q_dtype, recipe, state, a)
+  else:
+    # Current scaling: an amax pass, then the cast.
+    scale, new = _role_scale(x, role, q_dtype, recipe, state, _cast_transpose.amax(x))
+    q, q_t, _ = _cast_both(x, scale, q_dtype)
+  return q, q_t, scale, new
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -276,13 +297,11 @@ def _tn_vjp(x3, w3, state, precision, out_dtype, recipe):
 
 def _tn_fwd(x3, w3, state, precision, out_dtype, recipe):
   fwd = recipe.fwd_dtype
-  scale_x, new_x = _role_scale(x3, "x", fwd, recipe, state)
-  scale_w, new_w = _role_scale(w3, "kernel", fwd, recipe, state)
-  sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
   # Each operand in both orientations: this one for the forward GEMM, the transposed copy
   # (kept for the backward pass) for wgrad (x) and dgrad (kernel).
-  q_x, q_xt = _cast_both(x3, scale_x, fwd)
-  q_w, q_wt = _cast_both(w3, scale_w, fwd)
+  q_x, q_xt, scale_x, new_x = _quantize_both(x3, "x", fwd, recipe, state)
+  q_w, q_wt, scale_w, new_w = _quantize_both(w3, "kernel", fwd, recipe, state)
+  sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
   q_xt, sinv_xt = _remat.name_quantized((q_xt, sinv_x), _remat.QUANTIZED_X)
   q_wt, sinv_wt = _remat.name_quantized((q_wt, sinv_w), _remat.QUANTIZED_KERNEL)
   y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision, "fwd")
@@ -297,9 +316,8 @@ def _tn_bwd(precision, out_dtype, recipe, residuals, g):
   del out_dtype
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   bwd = recipe.bwd_dtype
-  scale_g, new_g = _role_scale(g, "grad", bwd, recipe, grad_state)
+  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state)
   sinv_g = _scaling.scale_inverse(scale_g)
-  q_g, q_gt = _cast_both(g, scale_g, bwd)
   dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision, "dgrad")  # (.., M, K)
   dw = _tn_dot(q_xt, q_gt, sinv_g * sinv_x, w_proto.dtype, precision, "wgrad")  # (.., K, N)
   dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose

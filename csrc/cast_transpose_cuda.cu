@@ -1,0 +1,325 @@
+// CUDA XLA FFI handlers (Hopper): per-tensor FP8 cast that reads the input once and writes, as
+// asked, the FP8 copy, the FP8 copy with the last two dims swapped, and the amax; and a separate
+// amax pass (current scaling).
+//
+// The input is viewed as (batch, rows, cols). Each block owns a 64x64 tile: 16-byte loads along
+// the row, the FP8 codes staged in shared memory, then 16-byte stores of the transposed tile.
+// Float32 -> FP8 uses the hardware conversion (cvt.rn.satfinite), which is what XLA emits for the
+// pure-JAX path on sm_89+; the clip before it keeps NaN like XLA's NaN-propagating min/max.
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fp8_convert.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_adapters {
+namespace {
+
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+constexpr int kSmemStride = kTile + 1;  // odd stride: column reads hit distinct banks
+
+template <typename In>
+__device__ __forceinline__ float to_float(In v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_float<uint16_t>(uint16_t v) {  // bfloat16 bits
+  return __uint_as_float(static_cast<uint32_t>(v) << 16);
+}
+struct Half {
+  uint16_t bits;
+};
+template <>
+__device__ __forceinline__ float to_float<Half>(Half v) {
+  return __half2float(__ushort_as_half(v.bits));
+}
+
+template <OutType kOut>
+__device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
+  const float c = scale_and_clip(v, scale, fp8_limit(kOut));
+  constexpr __nv_fp8_interpretation_t kind = kOut == OutType::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(c, __NV_SATFINITE, kind));
+}
+
+// Non-negative floats order like their bit patterns, so an unsigned max of |v|'s bits is the
+// amax. NaN (bits above +inf) is clamped to +inf, like the pure-JAX amax.
+__device__ __forceinline__ uint32_t abs_bits(float v) {
+  return min(__float_as_uint(v) & 0x7fffffffu, 0x7f800000u);
+}
+
+__device__ __forceinline__ void block_amax(uint32_t acc, uint32_t* out) {
+  __shared__ uint32_t warp_max[kThreads / 32];
+  acc = __reduce_max_sync(0xffffffffu, acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_max[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < kThreads / 32 ? warp_max[lane] : 0u;
+    acc = __reduce_max_sync(0xffffffffu, acc);
+    if (lane == 0) atomicMax(out, acc);
+  }
+}
+
+struct Shape {
+  int64_t batch, rows, cols, tiles_r, tiles_c;
+};
+
+// kVec: rows % 16 == 0 and cols * sizeof(In) % 16 == 0, so every full tile takes the vector path.
+template <typename In, OutType kOut, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const In* __restrict__ x, const float* __restrict__ scale_ptr,
+                          uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                          uint32_t* __restrict__ amax, Shape s) {
+  __shared__ uint8_t tile[kTile * kSmemStride];
+  const int64_t t = blockIdx.x;
+  const int64_t tiles_per_batch = s.tiles_r * s.tiles_c;
+  const int64_t b = t / tiles_per_batch;
+  const int64_t r0 = (t % tiles_per_batch) / s.tiles_c * kTile;
+  const int64_t c0 = (t % tiles_per_batch) % s.tiles_c * kTile;
+  const In* xb = x + b * s.rows * s.cols;
+  const float scale = *scale_ptr;
+  const bool full = r0 + kTile <= s.rows && c0 + kTile <= s.cols;
+  uint32_t acc = 0;
+
+  if (kVec && full) {
+    constexpr int kV = 16 / sizeof(In);  // elements per 16-byte load
+    constexpr int kPerRow = kTile / kV;
+    constexpr int kIters = kTile * kPerRow / kThreads;
+    uint4 raw[kIters];
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {  // issue every load before using any
+      const int l = i * kThreads + threadIdx.x;
+      const int r = l / kPerRow, cv = l % kPerRow;
+      raw[i] = __ldg(reinterpret_cast<const uint4*>(xb + (r0 + r) * s.cols + c0 + cv * kV));
+    }
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int l = i * kThreads + threadIdx.x;
+      const int r = l / kPerRow, cv = l % kPerRow;
+      const In* vals = reinterpret_cast<const In*>(&raw[i]);
+      uint8_t codes[kV];
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        const float v = to_float<In>(vals[k]);
+        acc = max(acc, abs_bits(v));
+        codes[k] = to_fp8<kOut>(v, scale);
+        tile[r * kSmemStride + cv * kV + k] = codes[k];
+      }
+      if (q != nullptr) {
+        uint8_t* dst = q + (b * s.rows + r0 + r) * s.cols + c0 + cv * kV;
+        if constexpr (kV == 8) {
+          uint2 w;
+          memcpy(&w, codes, 8);
+          *reinterpret_cast<uint2*>(dst) = w;
+        } else {
+          uint32_t w;
+          memcpy(&w, codes, 4);
+          *reinterpret_cast<uint32_t*>(dst) = w;
+        }
+      }
+    }
+    if (qt != nullptr) {
+      __syncthreads();
+      // Transposed tile: 64 output rows (one per input column) of 64 bytes, 16 bytes a thread.
+      const int c = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16;
+      uint8_t out[16];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) out[k] = tile[(rs + k) * kSmemStride + c];
+      uint4 w;
+      memcpy(&w, out, 16);
+      *reinterpret_cast<uint4*>(qt + (b * s.cols + c0 + c) * s.rows + r0 + rs) = w;
+    }
+  } else {
+    for (int l = threadIdx.x; l < kTile * kTile; l += kThreads) {
+      const int r = l / kTile, c = l % kTile;
+      if (r0 + r < s.rows && c0 + c < s.cols) {
+        const float v = to_float<In>(xb[(r0 + r) * s.cols + c0 + c]);
+        acc = max(acc, abs_bits(v));
+        const uint8_t code = to_fp8<kOut>(v, scale);
+        tile[r * kSmemStride + c] = code;
+        if (q != nullptr) q[(b * s.rows + r0 + r) * s.cols + c0 + c] = code;
+      }
+    }
+    if (qt != nullptr) {
+      __syncthreads();
+      for (int l = threadIdx.x; l < kTile * kTile; l += kThreads) {
+        const int c = l / kTile, r = l % kTile;
+        if (r0 + r < s.rows && c0 + c < s.cols) {
+          qt[(b * s.cols + c0 + c) * s.rows + r0 + r] = tile[r * kSmemStride + c];
+        }
+      }
+    }
+  }
+  if (amax != nullptr) block_amax(acc, amax);
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const In* __restrict__ x, int64_t n, bool vec, uint32_t* __restrict__ amax) {
+  constexpr int kV = 16 / sizeof(In);
+  uint32_t acc = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t start = 0;
+  if (vec) {
+    const int64_t nv = n / kV;
+    for (int64_t i = blockIdx.x * kThreads + threadIdx.x; i < nv; i += stride) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x) + i);
+      const In* vals = reinterpret_cast<const In*>(&raw);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) acc = max(acc, abs_bits(to_float<In>(vals[k])));
+    }
+    start = nv * kV;
+  }
+  for (int64_t i = start + blockIdx.x * kThreads + threadIdx.x; i < n; i += stride) {
+    acc = max(acc, abs_bits(to_float<In>(x[i])));
+  }
+  block_amax(acc, amax);
+}
+
+ffi::Error cuda_error(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <typename In, OutType kOut>
+void launch_cast(cudaStream_t stream, const void* x, const float* scale, uint8_t* q, uint8_t* qt,
+                 uint32_t* amax, const Shape& s) {
+  const bool vec = s.rows % 16 == 0 && (s.cols * sizeof(In)) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                   (q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0) &&
+                   (qt == nullptr || reinterpret_cast<uintptr_t>(qt) % 16 == 0);
+  const int64_t blocks = s.batch * s.tiles_r * s.tiles_c;
+  if (blocks == 0) return;
+  const In* xi = static_cast<const In*>(x);
+  if (vec) {
+    cast_transpose_kernel<In, kOut, true><<<blocks, kThreads, 0, stream>>>(xi, scale, q, qt, amax, s);
+  } else {
+    cast_transpose_kernel<In, kOut, false><<<blocks, kThreads, 0, stream>>>(xi, scale, q, qt, amax, s);
+  }
+}
+
+template <typename In>
+void launch_cast_in(cudaStream_t stream, OutType ot, const void* x, const float* scale, uint8_t* q,
+                    uint8_t* qt, uint32_t* amax, const Shape& s) {
+  if (ot == OutType::kE4M3) {
+    launch_cast<In, OutType::kE4M3>(stream, x, scale, q, qt, amax, s);
+  } else {
+    launch_cast<In, OutType::kE5M2>(stream, x, scale, q, qt, amax, s);
+  }
+}
+
+ffi::Error CastTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                             ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                             ffi::Result<ffi::Buffer<ffi::F32>> amax, bool rowwise, bool colwise,
+                             bool compute_amax) {
+  const auto dims = x.dimensions();
+  if (dims.size() == 0) return ffi::Error::InvalidArgument("input must have rank >= 1");
+  if (colwise && dims.size() < 2) {
+    return ffi::Error::InvalidArgument("the transposed copy needs rank >= 2");
+  }
+  Shape s{1, 1, dims.back(), 0, 0};
+  if (dims.size() >= 2) s.rows = dims[dims.size() - 2];
+  for (size_t i = 0; i + 2 < dims.size(); ++i) s.batch *= dims[i];
+  s.tiles_r = (s.rows + kTile - 1) / kTile;
+  s.tiles_c = (s.cols + kTile - 1) / kTile;
+  const ffi::DataType qtype = rowwise ? q->element_type() : qt->element_type();
+  OutType ot;
+  if (qtype == ffi::DataType::F8E4M3FN) {
+    ot = OutType::kE4M3;
+  } else if (qtype == ffi::DataType::F8E5M2) {
+    ot = OutType::kE5M2;
+  } else {
+    return ffi::Error::InvalidArgument("output dtype must be float8_e4m3fn or float8_e5m2");
+  }
+  const size_t n = x.element_count();
+  if ((rowwise && q->element_count() != n) || (colwise && qt->element_count() != n)) {
+    return ffi::Error::InvalidArgument("output sizes do not match the input");
+  }
+  if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
+  uint8_t* qp = rowwise ? static_cast<uint8_t*>(q->untyped_data()) : nullptr;
+  uint8_t* qtp = colwise ? static_cast<uint8_t*>(qt->untyped_data()) : nullptr;
+  uint32_t* ap = nullptr;
+  if (compute_amax) {
+    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
+    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
+    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
+  }
+  const float* sp = scale.typed_data();
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      launch_cast_in<float>(stream, ot, x.untyped_data(), sp, qp, qtp, ap, s);
+      break;
+    case ffi::DataType::BF16:
+      launch_cast_in<uint16_t>(stream, ot, x.untyped_data(), sp, qp, qtp, ap, s);
+      break;
+    case ffi::DataType::F16:
+      launch_cast_in<Half>(stream, ot, x.untyped_data(), sp, qp, qtp, ap, s);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("input dtype must be float32, bfloat16 or float16");
+  }
+  return cuda_error("te_adapters cast_transpose kernel");
+}
+
+template <typename In>
+void launch_amax(cudaStream_t stream, const void* x, int64_t n, uint32_t* amax) {
+  const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const int64_t want = (n / (16 / sizeof(In)) + kThreads - 1) / kThreads;
+  const int blocks = static_cast<int>(want < 1 ? 1 : (want > 2048 ? 2048 : want));
+  amax_kernel<In><<<blocks, kThreads, 0, stream>>>(static_cast<const In*>(x), n, vec, amax);
+}
+
+ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                    ffi::Result<ffi::Buffer<ffi::F32>> amax) {
+  if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
+  uint32_t* ap = reinterpret_cast<uint32_t*>(amax->typed_data());
+  cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (n == 0) return cuda_error("te_adapters amax memset");
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      launch_amax<float>(stream, x.untyped_data(), n, ap);
+      break;
+    case ffi::DataType::BF16:
+      launch_amax<uint16_t>(stream, x.untyped_data(), n, ap);
+      break;
+    case ffi::DataType::F16:
+      launch_amax<Half>(stream, x.untyped_data(), n, ap);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("input dtype must be float32, bfloat16 or float16");
+  }
+  return cuda_error("te_adapters amax kernel");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CastTransposeCuda, CastTransposeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("rowwise")
+                                  .Attr<bool>("colwise")
+                                  .Attr<bool>("compute_amax"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AmaxCuda, AmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+}  // namespace te_adapters

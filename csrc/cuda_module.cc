@@ -1,0 +1,20 @@
+// nanobind module exposing the CUDA FFI handlers (defined in cast_transpose_cuda.cu).
+#include "nanobind/nanobind.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace te_adapters {
+extern "C" XLA_FFI_Error* CastTransposeCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
+}  // namespace te_adapters
+
+NB_MODULE(_csrc_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["te_adapters_cast_transpose"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::CastTransposeCuda));
+    d["te_adapters_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::AmaxCuda));
+    return d;
+  });
+}

@@ -1,0 +1,295 @@
+"""The FFI cast kernels against the pure-JAX reference: bit-identical, under jit, vmap and grad."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_adapters as ta
+from te_adapters.core import _cast_transpose as ct
+
+needs_ext = pytest.mark.skipif(
+  not ct.ffi_available("cpu"), reason="te_adapters extension not built (pure-JAX install)"
+)
+IN_DTYPES = (np.float32, jnp.bfloat16, np.float16)
+Q_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bits(a):
+  a = np.asarray(a)
+  return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+def _nasty(shape, dtype, seed):
+  """N(0,1) at mixed magnitudes, plus +-inf, NaN, zeros, values past the FP8 range, tiny values."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * rng.choice([1e-6, 1e-2, 1.0, 300.0, 1e5], shape)
+  flat = x.reshape(-1)
+  specials = [np.inf, -np.inf, 0.0, -0.0, 7e4, -7e4, 1e-30]
+  flat[: min(len(specials), flat.size)] = specials[: flat.size]
+  return x.astype(dtype)
+
+
+def _both(x, scale, q_dtype, **kw):
+  f = lambda be: jax.jit(lambda x, s: ct.cast_transpose(x, s, q_dtype, backend=be, **kw))(x, scale)
+  return f("ffi"), f("jax")
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(37,), (5, 3), (2, 33, 65), (2, 3, 17, 40)], ids=str)
+def test_bit_identical_to_jax(dtype, q_dtype, shape):
+  x = _nasty(shape, dtype, seed=len(shape))
+  scale = jnp.array([3.7], jnp.float32)
+  colwise = len(shape) >= 2
+  (q, q_t, a), (rq, rq_t, ra) = _both(x, scale, q_dtype, colwise=colwise, with_amax=True)
+  assert q.dtype == q_dtype and q.shape == x.shape
+  np.testing.assert_array_equal(_bits(q), _bits(rq))
+  if colwise:
+    assert q_t.shape == np.swapaxes(x, -1, -2).shape
+    np.testing.assert_array_equal(_bits(q_t), _bits(rq_t))
+  np.testing.assert_array_equal(_bits(a), _bits(ra))
+  assert float(a[0]) == np.inf  # the +inf planted in x
+  # The same values through the stand-alone amax kernel.
+  np.testing.assert_array_equal(_bits(ct.amax(x, backend="ffi")), _bits(ra))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, np.float16), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_16_bit_input(dtype, q_dtype):
+  """All 65536 bit patterns (subnormals, NaNs, infs included) at scales that hit every rounding."""
+  x = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(dtype).reshape(256, 256)
+  for s in (1.0, 448.0 / 3.0, 2.0**-7, 1e6):
+    (q, q_t, _), (rq, rq_t, _) = _both(x, jnp.array([s], jnp.float32), q_dtype)
+    np.testing.assert_array_equal(_bits(q), _bits(rq))
+    np.testing.assert_array_equal(_bits(q_t), _bits(rq_t))
+
+
+@needs_ext
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_float32_rounding_ties_and_subnormals(q_dtype):
+  """Float32 at, just off and around every FP8 midpoint, and in the FP8 subnormal range."""
+  codes = np.arange(256, dtype=np.uint8).view(q_dtype).astype(np.float64)
+  codes = np.unique(codes[np.isfinite(codes)])
+  mids = ((codes[:-1] + codes[1:]) / 2).astype(np.float32)
+  near = [mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), -mids]
+  rng = np.random.default_rng(0)
+  rand = (rng.uniform(-1, 1, 40000) * 2.0 ** rng.integers(-24, 17, 40000)).astype(np.float32)
+  x = np.concatenate([*near, rand, np.array([1e-40, -1e-40, 2e-38], np.float32)])
+  x = np.pad(x, (0, (-x.size) % 64)).reshape(-1, 64)
+  (q, q_t, a), (rq, rq_t, ra) = _both(x, jnp.ones((1,), jnp.float32), q_dtype, with_amax=True)
+  np.testing.assert_array_equal(_bits(q), _bits(rq))
+  np.testing.assert_array_equal(_bits(q_t), _bits(rq_t))
+  np.testing.assert_array_equal(_bits(a), _bits(ra))
+  # And both are round-to-nearest-even (ml_dtypes' cast) inside the FP8 range, away from the
+  # float32 denormals that XLA:CPU flushes to zero.
+  limit = float(jnp.finfo(q_dtype).max)
+  normal = (np.abs(x) >= np.finfo(np.float32).tiny) & (np.abs(x) <= limit)
+  np.testing.assert_array_equal(_bits(q)[normal], _bits(x.astype(q_dtype))[normal])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_nan_propagates(dtype):
+  """A NaN gives NaN data (sign kept, as XLA does) and an infinite amax, like the pure-JAX path."""
+  x = _nasty((3, 40, 48), dtype, seed=5)
+  x[1, 7, 9] = np.nan
+  x[2, 0, 1] = -np.nan
+  scale = jnp.array([0.5], jnp.float32)
+  (q, q_t, a), (rq, rq_t, ra) = _both(x, scale, jnp.float8_e4m3fn, with_amax=True)
+  np.testing.assert_array_equal(_bits(q), _bits(rq))
+  np.testing.assert_array_equal(_bits(q_t), _bits(rq_t))
+  assert _bits(q)[1, 7, 9] == 0x7F and _bits(q)[2, 0, 1] == 0xFF
+  np.testing.assert_array_equal(a, ra)
+  assert np.isposinf(a[0]) and np.isposinf(ct.amax(x, backend="ffi")[0])
+  np.testing.assert_array_equal(ct.amax(x, backend="jax"), a)
+
+
+@needs_ext
+def test_rowwise_colwise_amax_subsets():
+  x = _nasty((4, 24, 40), jnp.bfloat16, seed=1)
+  s = jnp.array([2.0], jnp.float32)
+  q, q_t, a = ct.cast_transpose(x, s, jnp.float8_e5m2, rowwise=False, backend="ffi")
+  assert q is None and a is None
+  np.testing.assert_array_equal(_bits(q_t), _bits(_both(x, s, jnp.float8_e5m2)[1][1]))
+  q, q_t, a = ct.cast_transpose(x, s, jnp.float8_e5m2, colwise=False, backend="ffi")
+  assert q_t is None and a is None and q.shape == x.shape
+
+
+@needs_ext
+def test_vmap_matches_per_example_calls():
+  x = _nasty((3, 8, 24, 16), jnp.bfloat16, seed=2)
+  scales = jnp.array([[1.0], [4.0], [0.25]], jnp.float32)
+  one = jnp.array([2.0], jnp.float32)
+  f = lambda be, amax: (
+    lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=amax, backend=be)
+  )
+  for be_ax, args in (((0, None), (x, one)), ((0, 0), (x, scales)), ((None, 0), (x[0], scales))):
+    for with_amax in (False, True):
+      got = jax.jit(jax.vmap(f("ffi", with_amax), in_axes=be_ax))(*args)
+      want = jax.vmap(f("jax", with_amax), in_axes=be_ax)(*args)
+      for g, w in zip(got, want, strict=False):
+        if w is not None:
+          np.testing.assert_array_equal(_bits(g), _bits(w))
+  got = jax.vmap(lambda v: ct.amax(v, backend="ffi"))(x)
+  np.testing.assert_array_equal(_bits(got), _bits(jax.vmap(lambda v: ct.amax(v, backend="jax"))(x)))
+
+
+def _dense_step(recipe, backend_env, monkeypatch):
+  monkeypatch.setenv("TE_ADAPTERS_BACKEND", backend_env)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
+  state = ta.core.init_state(recipe)
+
+  def loss_fn(w, state, x):
+    state = ta.core.with_max_grad(state)
+    y = ta.core.dot_general(
+      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), recipe=recipe, state=state
+    )
+    return jnp.sum(y.astype(jnp.float32) ** 2) / y.size
+
+  @jax.jit
+  def step(w, state, x):
+    loss, (gw, gs) = jax.value_and_grad(loss_fn, argnums=(0, 1))(w, state, x)
+    return loss, gw, ta.core.updated_state(state, gs)
+
+  out = []
+  for _ in range(3):
+    loss, gw, state = step(w, state, x)
+    out.append((loss, gw, state))
+    x = x * 1.5
+  hlo = step.lower(w, state, x).as_text()
+  return out, hlo
+
+
+@needs_ext
+@pytest.mark.parametrize(
+  "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)], ids=str
+)
+def test_dot_general_grad_identical_through_ffi(recipe, monkeypatch):
+  """A jitted value_and_grad step of the core GEMM: same loss, grads and state on both paths."""
+  ffi_out, ffi_hlo = _dense_step(recipe, "ffi", monkeypatch)
+  jax_out, jax_hlo = _dense_step(recipe, "jax", monkeypatch)
+  assert "te_adapters_cast_transpose" in ffi_hlo
+  assert "te_adapters_cast_transpose" not in jax_hlo
+  for (l1, g1, s1), (l2, g2, s2) in zip(ffi_out, jax_out, strict=False):
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), s1, s2)
+  if isinstance(recipe, ta.DelayedScaling):
+    hist = np.asarray(ffi_out[-1][2]["x_amax_history"])
+    assert hist[-1] > hist[-2] > hist[-3] > 0  # x grew by 1.5x each step
+
+
+def test_bad_input_errors():
+  x = jnp.ones((4, 8), jnp.float32)
+  with pytest.raises(ValueError, match="one element"):
+    ct.cast_transpose(x, jnp.ones((2,)), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="rank >= 2"):
+    ct.cast_transpose(jnp.ones((8,)), jnp.ones((1,)), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
+    ct.cast_transpose(x, jnp.ones((1,)), jnp.bfloat16)
+  with pytest.raises(TypeError, match="floating-point"):
+    ct.cast_transpose(jnp.ones((4, 8), jnp.int32), jnp.ones((1,)), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="backend must be"):
+    ct.cast_transpose(x, jnp.ones((1,)), jnp.float8_e4m3fn, backend="cuda")
+
+
+def test_backend_env(monkeypatch):
+  monkeypatch.setenv("TE_ADAPTERS_BACKEND", "triton")
+  with pytest.raises(ValueError, match="TE_ADAPTERS_BACKEND must be"):
+    ct.backend("cpu")
+  monkeypatch.setenv("TE_ADAPTERS_BACKEND", "jax")
+  assert ct.backend("cpu") == "jax"
+  monkeypatch.delenv("TE_ADAPTERS_BACKEND")
+  assert ct.backend("cpu") == "jax"  # FFI by default only on GPU
+  assert ct.backend("tpu") == "jax"
+
+
+def _run(code, env_extra):
+  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", **env_extra}
+  proc = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(code)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc.stdout
+
+
+def test_pure_jax_fallback_without_extension():
+  """The package with its extension modules hidden: imports, computes, and says why ffi fails."""
+  out = _run(
+    """
+      import sys, importlib.abc
+      class Hide(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+          if name.startswith("te_adapters._csrc"):
+            raise ImportError("hidden")
+      sys.meta_path.insert(0, Hide())
+      import jax, jax.numpy as jnp, numpy as np, te_adapters as ta
+      from te_adapters.core import _cast_transpose as ct
+      assert not ct.ffi_available("cpu") and not ct.ffi_available("gpu")
+      assert ct.backend("cpu") == "jax" and ct.backend("gpu") == "jax"
+      x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
+      w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 16)), jnp.float32)
+      f = lambda w: ta.core.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                        recipe=ta.Float8CurrentScaling()).sum()
+      y, g = jax.value_and_grad(f)(w)
+      ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+      assert abs(float(y) - ref.sum()) / np.abs(ref).sum() < 0.05, (float(y), ref.sum())
+      assert "custom_call" not in jax.jit(jax.grad(f)).lower(w).as_text()
+      import os
+      os.environ["TE_ADAPTERS_BACKEND"] = "ffi"
+      try:
+        ct.backend("cpu")
+        raise SystemExit("forcing ffi without the extension did not fail")
+      except RuntimeError as e:
+        assert "not built" in str(e), e
+      print("fallback-ok")
+      """,
+    {},
+  )
+  assert "fallback-ok" in out
+
+
+@needs_ext
+def test_sharded_operands_do_not_gather():
+  """Under jit on 4 devices, sharded inputs take the pure-JAX path: no all-gather, same bits."""
+  out = _run(
+    """
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from te_adapters.core import _cast_transpose as ct
+      mesh = jax.make_mesh((4,), ("d",))
+      x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64, 32)), jnp.bfloat16)
+      x = jax.device_put(x, NamedSharding(mesh, P("d")))
+      s = jnp.array([2.0], jnp.float32)
+      f = jax.jit(lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=True))
+      hlo = f.lower(x, s).compile().as_text()
+      assert "all-gather" not in hlo, hlo
+      assert "te_adapters_cast_transpose" not in hlo
+      got = f(x, s)
+      want = ct.cast_transpose(np.asarray(x), s, jnp.float8_e4m3fn, with_amax=True, backend="jax")
+      for g, w in zip(got, want):
+        assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+      assert got[0].sharding.spec[0] == "d"
+      # Outside jit a sharded array is seen as such and also takes the pure-JAX path.
+      q, _, _ = ct.cast_transpose(x, s, jnp.float8_e4m3fn)
+      assert q.sharding.spec[0] == "d"
+      print("sharded-ok")
+      """,
+    {"TE_ADAPTERS_BACKEND": "ffi", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+  )
+  assert "sharded-ok" in out
