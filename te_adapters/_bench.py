@@ -151,11 +151,10 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
     if hasattr(ta_hk, "Linear"):
       for label, recipe in recipes:
         def fwd(x, recipe=recipe):
-          return ta_hk.Linear(out_features, with_bias=False, recipe=recipe)(
-              x.astype(jnp.bfloat16))
+          return ta_hk.Linear(out_features, with_bias=False, recipe=recipe)(x)
         f = hk.transform_with_state(fwd)
-        params, state = f.init(key, x)
-        params = jax.tree_util.tree_map(lambda a: a, params)
+        # float32 parameters (initialised from a float32 input), computed in bf16 like nn.Dense.
+        params, state = f.init(key, x.astype(jnp.float32))
         def apply_fn(variables, x, f=f):
           p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), variables[0])
           return f.apply(p, variables[1], None, x)[0]
