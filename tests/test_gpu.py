@@ -58,6 +58,6 @@ def test_linen_dense_emits_fp8_gemms(recipe):
   def loss(v, x, dy):
     return jnp.sum(model.apply(v, x).astype(jnp.float32) * dy.astype(jnp.float32))
 
-  step = jax.jit(jax.value_and_grad(loss))
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # dgrad too
   hlo = step.lower(variables, x, dy).compile().as_text()
   assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)

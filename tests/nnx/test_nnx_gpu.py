@@ -37,6 +37,6 @@ def test_training_step_runs_fp8_gemms(recipe, remat):
     return grads, nnx.state(m)
 
   hlo = jax.jit(step).lower(state, x).compile().as_text()
-  # Forward, dgrad and wgrad: three FP8 GEMMs, none of them dequantized to a bf16/f32 GEMM.
+  # Forward and wgrad (the input's gradient is not asked for, so XLA drops dgrad), all FP8.
   fp8, other = ta.core.count_fp8_gemms(hlo)
-  assert fp8 >= 3 and other == 0, ta.core.hlo_dot_operand_types(hlo)
+  assert fp8 >= 2 and other == 0, ta.core.hlo_dot_operand_types(hlo)
