@@ -35,6 +35,7 @@ from te_adapters.core._remat import (
     save_quantized_operands,
 )
 from te_adapters.core._scaling import compute_scale, delayed_update, fp8_max
+from te_adapters.core._sharding import Collective, hlo_collectives
 from te_adapters.core._state import (
     check_state,
     init_state,
@@ -45,6 +46,7 @@ from te_adapters.core._state import (
 
 __all__ = [
     "CHECKPOINT_NAMES",
+    "Collective",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
@@ -69,6 +71,7 @@ __all__ = [
     "dot_general",
     "dot_general_operand_dtypes",
     "fp8_max",
+    "hlo_collectives",
     "hlo_dot_operand_types",
     "init_ragged_state",
     "init_state",

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _block_scaled, _remat
+from te_adapters.core import _block_scaled, _remat, _sharding
 from te_adapters.core._block_scaled import operand_spec
 
 __all__ = ["block_dot_general", "check_rng"]
@@ -197,12 +197,14 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
     )
   qx_t = _name_quantized(qx_t, _remat.QUANTIZED_X)
   qw_t = _name_quantized(qw_t, _remat.QUANTIZED_KERNEL)
-  return y, (qx_t, qw_t, rng)
+  # Inside shard_map: the primals' varying mesh axes, for the cotangents' sums (else None).
+  witness = (_sharding.type_witness(lhs), _sharding.type_witness(rhs))
+  return y, (qx_t, qw_t, rng, witness)
 
 
 def _block_bwd(dn, out_dtype, operands, recipe, residuals, g):
   del out_dtype
-  qx_t, qw_t, rng = residuals
+  qx_t, qw_t, rng, witness = residuals
   (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
   layout = _Layout(dn, lhs_shape, rhs_shape)
   g3 = layout.out3(g)
@@ -218,6 +220,8 @@ def _block_bwd(dn, out_dtype, operands, recipe, residuals, g):
     )
   dx = layout.lhs_from3(_block_scaled.gemm(qg, qw_t)).astype(lhs_dtype)
   dw = layout.rhs_from3(_block_scaled.gemm(qg_t, qx_t)).astype(rhs_dtype)
+  dx = _sharding.match_cotangent(dx, witness[0])
+  dw = _sharding.match_cotangent(dw, witness[1])
   return dx, dw, None
 
 

@@ -30,6 +30,7 @@ from te_adapters.core import (
     _quantize,
     _remat,
     _scaling,
+    _sharding,
 )
 from te_adapters.core._recipes import DelayedScaling, check_recipe
 from te_adapters.core._state import ROLES, check_state
@@ -47,6 +48,9 @@ def dot_general(
     recipe,
     state=None,
     rng=None,
+    out_sharding=None,
+    amax_axes=None,
+    kernel_all_gather=None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -67,6 +71,20 @@ def dot_general(
     rng: a PRNG key for the stochastic rounding of the gradient, required when differentiating
       under ``NVFP4BlockScaling`` unless ``disable_stochastic_rounding``; use a fresh key per step
       and per GEMM. Must be ``None`` for recipes that do not use it (``recipe.uses_rng``).
+    out_sharding: as for ``lax.dot_general`` (needed with Explicit mesh axes when a contracting
+      dimension is sharded, e.g. row-parallel tensor parallelism).
+    amax_axes: inside ``shard_map``, the mesh axes over which each operand's amax is
+      max-reduced so that all devices share one scale: an axis name, a sequence of names, or a
+      dict by role (``"x"``, ``"kernel"``, ``"grad"``). ``None`` (default): every manual axis the
+      operand varies over, less those its DelayedScaling state varies over (a pipeline axis
+      with per-stage state); with ``shard_map(check_vma=False)``, every manual axis. ``()``
+      keeps per-shard scales (stateless recipes only). Under ``jit`` amaxes are global anyway.
+    kernel_all_gather: FSDP. A ``PartitionSpec`` (or ``NamedSharding``) naming, per kernel
+      dimension, the mesh axes the kernel is sharded over; the kernel is quantized shard by shard
+      and the FP8 shards are all-gathered for the GEMM, and its gradient is reduce-scattered back.
+      Works under ``jit`` (mesh from ``jax.set_mesh`` or the ``NamedSharding``) and inside
+      ``shard_map``.
+
 
   Returns:
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
@@ -83,13 +101,21 @@ def dot_general(
   _quantize.check_float_operand("rhs", rhs)
   lhs = jnp.asarray(lhs)
   rhs = jnp.asarray(rhs)
-  dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
     if rng is not None:
       raise ValueError("rng was given but recipe is None")
-    return lax.dot_general(lhs, rhs, dn, precision, preferred_element_type)
+    if amax_axes is not None or kernel_all_gather is not None:
+      raise ValueError("amax_axes and kernel_all_gather need a recipe; recipe is None")
+    dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    return lax.dot_general(
+        lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
+    )
+  plan = _sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
+  # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
+  gemm_rhs = _sharding.gathered_kernel_type(rhs, plan)
+  dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
   recipe = check_recipe(recipe)
   state = check_state(recipe, state)
   rng = _block_gemm.check_rng(recipe, rng)
@@ -99,17 +125,21 @@ def dot_general(
           dimension_numbers=dn,
           precision=precision,
           preferred_element_type=preferred_element_type,
+          out_sharding=out_sharding,
       ),
       lhs,
-      rhs,
+      gemm_rhs,
   ).dtype
   if recipe.block_scaled:
+    _sharding.check_block_scaled(recipe, plan, lhs, rhs)
     return _block_gemm.block_dot_general(lhs, rhs, dn, out_dtype, recipe, rng)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   if _layout() == "tn":
-    return _tn_dot_general(lhs, rhs, state, dn, precision, np.dtype(out_dtype), recipe)
+    return _tn_dot_general(
+        lhs, rhs, state, dn, precision, np.dtype(out_dtype), recipe, plan, gemm_rhs.shape
+    )
   return _fp8_dot_general(
-      lhs, rhs, state, dn, precision, np.dtype(out_dtype), operand_dtypes, recipe
+      lhs, rhs, state, dn, precision, np.dtype(out_dtype), operand_dtypes, recipe, plan
   )
 
 
@@ -140,21 +170,34 @@ def _output_mode(gemm: str = "fwd") -> str:
   return mode
 
 
-def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd"):
+def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd", out_sharding=None):
   if _output_mode(gemm) == "direct":
-    out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
+    out = lax.dot_general(
+        a, b, dims, precision=precision, preferred_element_type=out_dtype,
+        out_sharding=out_sharding,
+    )
     return out * scale_inv.reshape(()).astype(out_dtype)
-  out = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+  out = lax.dot_general(
+      a, b, dims, precision=precision, preferred_element_type=jnp.float32,
+      out_sharding=out_sharding,
+  )
   return (out * scale_inv.reshape(())).astype(out_dtype)
 
 
-def _role_scale(x, role, q_dtype, recipe, state, a=None):
+def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
   """The scale one operand is quantized with; returns (scale, new state entries for the role).
 
-  ``a``: the operand's amax when already computed (by a fused cast), else computed here.
+  ``a``: the operand's amax when already computed (by a fused cast), else computed here. On a
+  mesh it is made global first (``_sharding.global_amax``).
   """
   limit = _scaling.fp8_max(q_dtype)
   a = _scaling.amax(x) if a is None else a
+  state_varying = None
+  if isinstance(recipe, DelayedScaling):
+    state_varying = _sharding.varying_axes(state[f"{role}_scale"]) | _sharding.varying_axes(
+        state[f"{role}_amax_history"]
+    )
+  a = _sharding.global_amax(a, x, role, plan, state_varying)
   if isinstance(recipe, DelayedScaling):
     scale = _accumulate.to_float32(state[f"{role}_scale"])
     history = _accumulate.to_float32(state[f"{role}_amax_history"])
@@ -175,43 +218,60 @@ def _role_scale(x, role, q_dtype, recipe, state, a=None):
   return scale, new
 
 
-def _quantize_role(x, role, q_dtype, recipe, state):
+def _quantize_role(x, role, q_dtype, recipe, state, plan):
   """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
-  scale, new = _role_scale(x, role, q_dtype, recipe, state)
+  scale, new = _role_scale(x, role, q_dtype, recipe, state, plan)
   data = _quantize.cast_with_scale(x, scale, q_dtype)
   return data, _scaling.scale_inverse(scale), new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _fp8_dot_general(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
-  y, _ = _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fp8_dot_general(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan):
+  y, _ = _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan)
   return y
 
 
-def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe):
+def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan):
   del operand_dtypes
-  q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state)
-  q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state)
+  q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state, plan)
+  q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state, plan)
   q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
+  # With kernel_all_gather this is the FP8 shard; a remat policy that saves it and not the rest
+  # re-gathers the kernel in the backward pass (ZeRO-3 memory).
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
-  y = _scaled_dot(q_x, q_w, dn, sinv_x * sinv_w, out_dtype, precision)
+  q_w_full = _sharding.gather_kernel(q_w, plan)
+  y = _scaled_dot(
+      q_x, q_w_full, dn, sinv_x * sinv_w, out_dtype, precision, out_sharding=plan.out_sharding
+  )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  residuals = (q_x, sinv_x, q_w, sinv_w, {**new_x, **new_w}, state)
+  # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
+  witness = jax.tree_util.tree_map(_sharding.type_witness, (lhs, rhs, state))
+  gathered = None if q_w_full is q_w else q_w_full
+  residuals = (q_x, sinv_x, q_w, gathered, sinv_w, {**new_x, **new_w}, state, witness)
   return y, residuals
 
 
-def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, residuals, g):
-  q_x, sinv_x, q_w, sinv_w, new_fwd_state, state = residuals
+def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, residuals, g):
+  q_x, sinv_x, q_w, q_w_full, sinv_w, new_fwd_state, state, witness = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, grad_state)
+  q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, grad_state, plan)
+  q_w_full = q_w if q_w_full is None else q_w_full
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
-  dx = jnp.transpose(_scaled_dot(q_g, q_w, dims, sinv_g * sinv_w, lhs_dtype, precision), perm)
+  out_sharding = _sharding.transposed_out_sharding(q_x, perm)
+  sinv = sinv_g * sinv_w
+  dx = _scaled_dot(q_g, q_w_full, dims, sinv, lhs_dtype, precision, "dgrad", out_sharding)
+  dx = _sharding.match_cotangent(jnp.transpose(dx, perm), witness[0])
   dims, perm = _dimension_numbers.transpose_rhs(dn, q_x.ndim, q_w.ndim)
-  dw = jnp.transpose(_scaled_dot(q_g, q_x, dims, sinv_g * sinv_x, rhs_dtype, precision), perm)
+  out_sharding = _sharding.transposed_out_sharding(q_w, perm)
+  dw_dtype = _sharding.wgrad_dtype(rhs_dtype, witness[1])
+  dw = _scaled_dot(q_g, q_x, dims, sinv_g * sinv_x, dw_dtype, precision, "wgrad", out_sharding)
+  dw = _sharding.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
+  dw = _sharding.match_cotangent(dw, witness[1]).astype(rhs_dtype)
   new_state = _batching.combine_over_batch(
       {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
+  new_state = {k: _sharding.match_cotangent(v, witness[2][k]) for k, v in new_state.items()}
   return dx, dw, new_state
 
 
@@ -245,11 +305,19 @@ def _canonical_plan(dn, lhs_shape, rhs_shape):
   return lhs_perm, rhs_perm, lead + (m, k), lead + (n, k), out_shape
 
 
-def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe):
-  lhs_perm, rhs_perm, x3_shape, w3_shape, out_shape = _canonical_plan(dn, lhs.shape, rhs.shape)
+def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gemm_rhs_shape):
+  lhs_perm, rhs_perm, x3_shape, w3_shape, out_shape = _canonical_plan(
+      dn, lhs.shape, gemm_rhs_shape
+  )
+  # The kernel's own shape: inside shard_map with kernel_all_gather, that of its shard.
+  (_, rc), (_, rb) = dn
+  rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+  local = (math.prod(rhs.shape[d] for d in rf), math.prod(rhs.shape[d] for d in rc))
+  w3_shape = w3_shape[:-2] + local
+  plan = _sharding.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
   x3 = jnp.transpose(lhs, lhs_perm).reshape(x3_shape)
   w3 = jnp.transpose(rhs, rhs_perm).reshape(w3_shape)
-  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe)
+  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan)
   return y3.reshape(out_shape)
 
 
@@ -257,11 +325,11 @@ def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
 
 
-def _tn_dot(a, b, scale_inv, out_dtype, precision, gemm):
+def _tn_dot(a, b, scale_inv, out_dtype, precision, gemm, out_sharding=None):
   """``a (.., P, C) . b (.., Q, C)^T``: both operands contracting-last."""
   batch = tuple(range(a.ndim - 2))
   dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
-  return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm)
+  return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm, out_sharding)
 
 
 def _cast_both(x, scale, q_dtype, with_amax=False):
@@ -275,54 +343,80 @@ def _cast_both(x, scale, q_dtype, with_amax=False):
   return _cast_transpose.cast_transpose(x, scale, q_dtype, with_amax=with_amax)
 
 
-def _quantize_both(x, role, q_dtype, recipe, state):
+def _quantize_both(x, role, q_dtype, recipe, state, plan):
   """Both FP8 orientations of one operand; returns (q, q_t, scale, new state entries)."""
   if isinstance(recipe, DelayedScaling):
     # The stored scale is known before the pass, so the amax comes out of the cast itself.
     scale = _accumulate.to_float32(state[f"{role}_scale"])
     q, q_t, a = _cast_both(x, scale, q_dtype, with_amax=True)
-    _, new = _role_scale(x, role, q_dtype, recipe, state, a)
+    _, new = _role_scale(x, role, q_dtype, recipe, state, plan, a)
   else:
     # Current scaling: an amax pass, then the cast.
-    scale, new = _role_scale(x, role, q_dtype, recipe, state, _cast_transpose.amax(x))
+    scale, new = _role_scale(x, role, q_dtype, recipe, state, plan, _cast_transpose.amax(x))
     q, q_t, _ = _cast_both(x, scale, q_dtype)
   return q, q_t, scale, new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _tn_vjp(x3, w3, state, precision, out_dtype, recipe):
-  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan):
+  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan)
   return y
 
 
-def _tn_fwd(x3, w3, state, precision, out_dtype, recipe):
+def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan):
   fwd = recipe.fwd_dtype
   # Each operand in both orientations: this one for the forward GEMM, the transposed copy
   # (kept for the backward pass) for wgrad (x) and dgrad (kernel).
-  q_x, q_xt, scale_x, new_x = _quantize_both(x3, "x", fwd, recipe, state)
-  q_w, q_wt, scale_w, new_w = _quantize_both(w3, "kernel", fwd, recipe, state)
+  q_x, q_xt, scale_x, new_x = _quantize_both(x3, "x", fwd, recipe, state, plan)
+  shard = None
+  if plan.kernel_all_gather is None:
+    q_w, q_wt, scale_w, new_w = _quantize_both(w3, "kernel", fwd, recipe, state, plan)
+  else:
+    # FSDP: the FP8 shard is cast, named (a remat policy that saves only it gathers again in
+    # the backward pass) and all-gathered; the gathered kernel is transposed in FP8.
+    scale_w, new_w = _role_scale(w3, "kernel", fwd, recipe, state, plan)
+    shard = _quantize.cast_with_scale(w3, scale_w, fwd)
   sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
   q_xt, sinv_xt = _remat.name_quantized((q_xt, sinv_x), _remat.QUANTIZED_X)
-  q_wt, sinv_wt = _remat.name_quantized((q_wt, sinv_w), _remat.QUANTIZED_KERNEL)
-  y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision, "fwd")
+  if shard is None:
+    q_wt, sinv_wt = _remat.name_quantized((q_wt, sinv_w), _remat.QUANTIZED_KERNEL)
+  else:
+    shard, sinv_wt = _remat.name_quantized((shard, sinv_w), _remat.QUANTIZED_KERNEL)
+    q_w = _sharding.gather_kernel(shard, plan)
+    q_wt = _swap_last(q_w)
+  y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision, "fwd", plan.out_sharding)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
-  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, state, dtypes)
+  # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
+  witness = jax.tree_util.tree_map(_sharding.type_witness, (x3, w3, state))
+  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, state, dtypes, shard, witness)
   return y, residuals
 
 
-def _tn_bwd(precision, out_dtype, recipe, residuals, g):
-  q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, (x_proto, w_proto) = residuals
+def _tn_bwd(precision, out_dtype, recipe, plan, residuals, g):
+  q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, protos, shard, witness = residuals
+  x_proto, w_proto = protos
   del out_dtype
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   bwd = recipe.bwd_dtype
-  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state)
+  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state, plan)
   sinv_g = _scaling.scale_inverse(scale_g)
-  dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision, "dgrad")  # (.., M, K)
-  dw = _tn_dot(q_xt, q_gt, sinv_g * sinv_x, w_proto.dtype, precision, "wgrad")  # (.., K, N)
+  swap = tuple(range(q_xt.ndim - 2)) + (q_xt.ndim - 1, q_xt.ndim - 2)
+  # With Explicit mesh axes each cotangent gets its primal's sharding.
+  dx_sharding = _sharding.transposed_out_sharding(q_xt, swap)
+  w3_layout = q_wt if shard is None else shard
+  dw_sharding = _sharding.transposed_out_sharding(w3_layout, swap if shard is not None else None)
+  dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision, "dgrad", dx_sharding)
+  dw_dtype = _sharding.wgrad_dtype(w_proto.dtype, witness[1])
+  dw = _tn_dot(q_xt, q_gt, sinv_g * sinv_x, dw_dtype, precision, "wgrad", dw_sharding)
   dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
+  dw = _sharding.scatter_kernel_grad(dw, shard, plan)
+  # Inside shard_map: sums over the mesh axes a primal is replicated on (pvary's transpose).
+  dx = _sharding.match_cotangent(dx, witness[0])  # (.., M, K)
+  dw = _sharding.match_cotangent(dw, witness[1]).astype(w_proto.dtype)
   new_state = _batching.combine_over_batch(
       {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
+  new_state = {k: _sharding.match_cotangent(v, witness[2][k]) for k, v in new_state.items()}
   return dx, dw, new_state
 
 

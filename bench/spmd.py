@@ -1,0 +1,217 @@
+"""Seed 000's Dense on several devices: DP, TP and FSDP, bf16 against FP8, against one device.
+
+The layer is seed 000's ``FlaxDenseBlock`` written functionally: ``y = x @ bf16(W)`` with x
+(batch, seq, hidden) in bf16 and W (hidden, features) float32 parameters computed in bf16, no bias.
+One step is forward plus backward with a given output gradient (``jax.vjp``), as in TE's
+speedometer; each step is synchronised (``block_until_ready``) and timed with ``perf_counter``.
+
+Plans (n = --devices):
+  single  one device
+  dp      x, dy sharded on batch; W replicated                      (data parallel)
+  tp      W column-parallel P(None, "tp"); x replicated; dy, y on features
+  tp_row  W row-parallel P("tp", None); x sharded on hidden; y summed over tp
+  fsdp    x, dy sharded on batch; W sharded on hidden P("fsdp", None) and gathered for the GEMM
+
+Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
+``current+fp8_gather`` (``kernel_all_gather``: the FP8 kernel shard is what is all-gathered).
+
+Scaling efficiency is strong scaling: ``t(single) / (n * t(plan))`` for the same variant and the
+same global shapes. The second table lists what the compiled HLO holds: FP8 GEMMs against other
+GEMMs (core.count_fp8_gemms) and the all-gathers (dtype and bytes per step).
+
+Usage (two GPUs, seed 000's sizes):
+  python bench/spmd.py --devices 2
+Quick check on CPU (virtual devices, tiny sizes):
+  python bench/spmd.py --cpu-devices 4 --devices 4 --batch 4 --seq 64 --hidden 256 \\
+      --features 512 --iters 2 --trials 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=8192)
+  p.add_argument("--features", type=int, default=32768)
+  p.add_argument("--devices", type=int, default=None, help="devices per plan (default: all)")
+  p.add_argument("--plans", default="single,dp,tp,tp_row,fsdp")
+  p.add_argument("--variants", default="bf16,current,delayed,current+fp8_gather")
+  p.add_argument("--iters", type=int, default=20, help="timed steps per trial")
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--trials", type=int, default=3, help="the median over trials is reported")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="run on this many virtual CPU devices (sets XLA_FLAGS; for a dry run)")
+  return p.parse_args(argv)
+
+
+ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
+if ARGS is not None and ARGS.cpu_devices:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (
+      f"{os.environ.get('XLA_FLAGS', '')} "
+      f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
+  ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from te_adapters import core  # noqa: E402
+
+DN = (((2,), (0,)), ((), ()))
+
+# plan -> (mesh axis, x spec, W spec, dy spec)
+PLANS = {
+    "single": (None, P(), P(), P()),
+    "dp": ("dp", P("dp"), P(), P("dp")),
+    "tp": ("tp", P(), P(None, "tp"), P(None, None, "tp")),
+    "tp_row": ("tp", P(None, None, "tp"), P("tp", None), P()),
+    "fsdp": ("fsdp", P("fsdp"), P("fsdp", None), P("fsdp")),
+}
+
+
+def _recipe(variant):
+  name = variant.split("+")[0]
+  return {
+      "bf16": None,
+      "current": core.Float8CurrentScaling(),
+      "delayed": core.DelayedScaling(amax_history_len=1024),
+  }[name]
+
+
+def make_step(variant, plan, mesh):
+  """The jitted fwd+bwd step ``(x, W, state, dy) -> (y, dx, dW, new state)``."""
+  recipe = _recipe(variant)
+  _, x_spec, w_spec, dy_spec = PLANS[plan]
+  kw = {}
+  if variant.endswith("+fp8_gather"):
+    kw["kernel_all_gather"] = NamedSharding(mesh, w_spec)
+
+  def constrain(a, spec):
+    return a if mesh is None else jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+  def step(x, w, state, dy):
+    def layer(x, w, state):
+      return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe,
+                              state=state or None, **kw)
+
+    y, vjp = jax.vjp(layer, x, w, state)
+    dx, dw, new_state = vjp(dy)
+    # Outputs laid out like their inputs (FSDP keeps W's gradient sharded like W).
+    return constrain(y, dy_spec), constrain(dx, x_spec), constrain(dw, w_spec), new_state
+
+  return jax.jit(step)
+
+
+def _time(fn, args, iters, warmup, trials):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  per_trial = []
+  for _ in range(trials):
+    times = []
+    for _ in range(iters):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - start)
+    per_trial.append(float(np.mean(times)))
+  return float(np.median(per_trial)) * 1e3
+
+
+def hlo_summary(text):
+  """``"FP8 GEMMs/other GEMMs"`` and the all-gathers (dtype: bytes) of compiled HLO text."""
+  fp8, other = core.count_fp8_gemms(text)
+  gemms = f"{fp8}/{other}"
+  itemsize = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
+  gathers = {}
+  for c in core.hlo_collectives(text):
+    if c.op != "all-gather":
+      continue
+    dtype, shape = c.arrays[-1]  # the gathered result
+    gathers[dtype] = gathers.get(dtype, 0) + itemsize.get(dtype, 0) * int(np.prod(shape))
+  return gemms, gathers
+
+
+def run(args):
+  devices = jax.devices()
+  n = args.devices or len(devices)
+  if n > len(devices):
+    raise SystemExit(f"--devices {n} but only {len(devices)} devices are present")
+  b, s, h, f = args.batch, args.seq, args.hidden, args.features
+  kx, kw, kd = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (b, s, h), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (h, f), jnp.float32) * (h**-0.5)
+  dy = jax.random.normal(kd, (b, s, f), jnp.float32).astype(jnp.bfloat16)
+  flops = 6.0 * b * s * h * f  # three GEMMs
+  variants = args.variants.split(",")
+  rows = []
+  for plan in args.plans.split(","):
+    axis, x_spec, w_spec, dy_spec = PLANS[plan]
+    mesh = None
+    if axis is not None:
+      mesh = jax.make_mesh((n,), (axis,), devices=devices[:n], axis_types=(AxisType.Auto,))
+    for variant in variants:
+      if variant.endswith("+fp8_gather") and plan != "fsdp":
+        continue
+      recipe = _recipe(variant)
+      state = core.init_state(recipe) if recipe is not None else {}
+      if mesh is None:
+        put = lambda a, spec: jax.device_put(a, devices[0])
+      else:
+        put = lambda a, spec, mesh=mesh: jax.device_put(a, NamedSharding(mesh, spec))
+      call_args = (put(x, x_spec), put(w, w_spec), put(state, P()), put(dy, dy_spec))
+      step = make_step(variant, plan, mesh)
+      if mesh is None:
+        compiled = step.lower(*call_args).compile()
+      else:
+        with jax.set_mesh(mesh):
+          compiled = step.lower(*call_args).compile()
+      ms = _time(compiled, call_args, args.iters, args.warmup, args.trials)
+      gemms, gathers = hlo_summary(compiled.as_text())
+      rows.append(dict(plan=plan, n=1 if mesh is None else n, variant=variant, ms=ms,
+                       tflops=flops / (ms * 1e-3) / 1e12 / (1 if mesh is None else n),
+                       gemms=gemms, gathers=gathers))
+  return rows
+
+
+def format_tables(rows):
+  single = {r["variant"]: r["ms"] for r in rows if r["plan"] == "single"}
+  bf16 = {r["plan"]: r["ms"] for r in rows if r["variant"] == "bf16"}
+  head = (f"{'plan':<8}{'devices':>8}  {'variant':<20}{'step ms':>9}{'TFLOP/s/dev':>13}"
+          f"{'vs bf16':>9}{'scaling eff':>13}")
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    vs_bf16 = bf16.get(r["plan"], float("nan")) / r["ms"]
+    base = single.get(r["variant"].split("+")[0])
+    eff = "" if base is None or r["plan"] == "single" else f"{base / (r['n'] * r['ms']):.2f}"
+    lines.append(f"{r['plan']:<8}{r['n']:>8}  {r['variant']:<20}{r['ms']:>9.3f}"
+                 f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}")
+  lines += ["", f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"]
+  for r in rows:
+    gathers = ", ".join(f"{d}: {v / 2**20:.1f}" for d, v in sorted(r["gathers"].items())) or "-"
+    lines.append(f"{r['plan']:<8}{r['variant']:<22}{r['gemms']:>16}  {gathers}")
+  return "\n".join(lines)
+
+
+def main():
+  args = ARGS
+  dev = jax.devices()[0]
+  print(f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
+        f"{args.devices or jax.device_count()}; jax {jax.__version__}")
+  print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ W ({args.hidden}, {args.features}) "
+        f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, median of "
+        f"{args.trials} trials\n")
+  print(format_tables(run(args)))
+
+
+if __name__ == "__main__":
+  main()

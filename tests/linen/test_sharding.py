@@ -1,0 +1,139 @@
+"""Seed 000 section 4 through the Linen adapter: FlaxDenseBlock on a DP=2 x TP=2 mesh.
+
+Column-parallel, as in the seed: kernel ``P(None, "tp")``, x ``P("dp", None, None)``, output
+gradient ``P("dp", None, "tp")``, built with ``Mesh(create_device_mesh((2, 2)), ("dp", "tp"))``.
+No ``MeshResource``: ``jax.set_mesh`` and the arrays' shardings are all there is. Runs under
+``jax.jit`` and inside ``shard_map`` on virtual CPU devices (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_adapters as ta
+from te_adapters import core
+from te_adapters import linen as ta_linen
+from tests.linen.seed_models import FlaxDenseBlock
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 4,
+    reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
+)
+
+OWG = ta_linen.OVERWRITE_WITH_GRADIENT
+BATCH, SEQ, HIDDEN, FEATURES = 4, 16, 64, 64
+STEPS = 3
+RECIPES = [ta.DelayedScaling(amax_history_len=4), ta.Float8CurrentScaling()]
+
+
+def _data():
+  k = jax.random.split(jax.random.PRNGKey(0), 2)
+  x = jax.random.normal(k[0], (BATCH, SEQ, HIDDEN)).astype(jnp.bfloat16)
+  dy = jax.random.normal(k[1], (BATCH, SEQ, FEATURES)).astype(jnp.bfloat16)
+  return x, dy
+
+
+def _model(recipe, features=FEATURES):
+  return FlaxDenseBlock(features=features, dot_general_cls=ta_linen.make_dot_general_cls(recipe))
+
+
+def _loss(model, variables, x, dy):
+  y = model.apply(variables, x)
+  return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+
+def _train(step, variables, x, dy):
+  """STEPS steps, recipe state replaced by its gradient; returns y, grads and the states."""
+  states = []
+  for _ in range(STEPS):
+    y, (g_vars, g_x) = step(variables, x, dy)
+    if OWG in g_vars:
+      variables = {**variables, OWG: g_vars[OWG]}
+      states.append(g_vars[OWG])
+  return y, g_vars["params"], g_x, states
+
+
+@functools.cache
+def _reference(recipe):
+  model = _model(recipe)
+  x, dy = _data()
+  variables = model.init(jax.random.PRNGKey(1), x)
+  step = jax.jit(jax.value_and_grad(functools.partial(_loss, model), argnums=(0, 1), has_aux=True))
+  step_fn = lambda v, x, dy: (lambda out: (out[0][1], out[1]))(step(v, x, dy))
+  return variables, jax.tree_util.tree_map(np.asarray, _train(step_fn, variables, x, dy))
+
+
+def _seed_mesh():
+  devices = mesh_utils.create_device_mesh((2, 2), devices=jax.devices()[:4])
+  return Mesh(devices, axis_names=("dp", "tp"))
+
+
+def _compare(result, reference, rel):
+  y, g_params, g_x, states = result
+  ref_y, ref_params, ref_x, ref_states = reference
+  # dx sums bf16 partial products over tp (to bf16 rounding); the rest as on one device.
+  assert rel(y, ref_y) < 1e-5 and rel(g_x, ref_x) < 1e-2
+  kernel = lambda g: g["Dense_0"]["kernel"]
+  assert rel(kernel(g_params), kernel(ref_params)) < 1e-5
+  assert len(states) == len(ref_states)
+  for got, want in zip(states, ref_states, strict=True):  # bit-identical recipe state
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(got), want)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_seed_000_dp_tp_under_jit_matches_single_device(recipe, rel):
+  variables, reference = _reference(recipe)
+  mesh = _seed_mesh()
+  x, dy = _data()
+  kernel = variables["params"]["Dense_0"]["kernel"]
+  sharded = {
+      **variables,
+      "params": {"Dense_0": {"kernel": jax.device_put(kernel, NamedSharding(mesh, P(None, "tp")))}},
+  }
+  if OWG in variables:
+    sharded[OWG] = jax.device_put(variables[OWG], NamedSharding(mesh, P()))
+  xs = jax.device_put(x, NamedSharding(mesh, P("dp", None, None)))
+  dys = jax.device_put(dy, NamedSharding(mesh, P("dp", None, "tp")))
+  model = _model(recipe)
+  grad_fn = jax.value_and_grad(functools.partial(_loss, model), argnums=(0, 1), has_aux=True)
+  step = jax.jit(lambda v, x, dy: (lambda out: (out[0][1], out[1]))(grad_fn(v, x, dy)))
+  with jax.set_mesh(mesh):
+    compiled = step.lower(sharded, xs, dys).compile()
+    result = _train(compiled, sharded, xs, dys)
+  text = compiled.as_text()
+  _compare(result, reference, rel)
+  y = result[0]
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp")), 3)
+  ops = {c.op for c in core.hlo_collectives(text)}
+  assert ops == {"all-reduce"}, ops  # amaxes, dx over tp, dW over dp; no gather of activations
+
+
+def test_seed_000_dp_tp_inside_shard_map_matches_single_device(rel):
+  """The Linen layer applied per device: each holds FEATURES / 2 output columns."""
+  recipe = RECIPES[0]
+  variables, reference = _reference(recipe)
+  mesh = _seed_mesh()
+  x, dy = _data()
+  local_model = _model(recipe, features=FEATURES // 2)
+
+  def body(variables, x, dy):
+    loss, y = _loss(local_model, variables, x, dy)
+    return lax.psum(loss, ("dp", "tp")), y
+
+  var_specs = {"params": {"Dense_0": {"kernel": P(None, "tp")}}, OWG: P()}
+  mapped = jax.shard_map(
+      body, mesh=mesh, in_specs=(var_specs, P("dp"), P("dp", None, "tp")),
+      out_specs=(P(), P("dp", None, "tp")),
+  )
+  grad_fn = jax.value_and_grad(mapped, argnums=(0, 1), has_aux=True)
+  step = jax.jit(lambda v, x, dy: (lambda out: (out[0][1], out[1]))(grad_fn(v, x, dy)))
+  _compare(_train(step, variables, x, dy), reference, rel)
