@@ -158,8 +158,9 @@ def cast_transpose(
     q_dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
     rowwise: return the FP8 copy of ``x``.
     colwise: return the FP8 copy of ``swapaxes(x, -1, -2)``.
-    with_amax: also return ``max(|x|)`` (float32, shape (1,), inf if any element is NaN or inf), read in
-      the same pass (delayed scaling quantizes with a stored scale and records the amax).
+    with_amax: also return ``max(|x|)`` (float32, shape (1,), inf if any element is NaN or
+      inf), read in the same pass (delayed scaling quantizes with a stored scale and records
+      the amax).
     backend: ``"jax"``, ``"ffi"`` or ``None`` (``TE_ADAPTERS_BACKEND`` and the platform decide).
 
   Returns:
