@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import te_adapters as ta
 from te_adapters import core
 from te_adapters import linen as ta_linen
-from tests.linen.seed_models import FlaxDenseBlock
+from te_adapters._seed_layer import FlaxDenseBlock
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4,
