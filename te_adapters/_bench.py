@@ -23,6 +23,7 @@ from flax import linen as nn
 import te_adapters as ta
 from te_adapters import core
 from te_adapters import linen as ta_linen
+from te_adapters._seed_layer import FlaxDenseBlock
 
 _DN = (((1,), (0,)), ((), ()))
 
@@ -70,21 +71,8 @@ def _linen_variants(make_model, recipes, include_flax=True):
   return out
 
 
-class _DenseBlock(nn.Module):
-  """Seed 000's FlaxDenseBlock (one bias-free Dense computed in bf16)."""
-
-  features: int
-  dtype: jnp.dtype = jnp.bfloat16
-  dot_general_cls: Callable = lambda: None
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(self.features, use_bias=False, dtype=self.dtype,
-                    dot_general=self.dot_general_cls())(x)
-
-
 def _make_dense(features):
-  return lambda dot_general_cls: _DenseBlock(features, dot_general_cls=dot_general_cls)
+  return lambda dot_general_cls: FlaxDenseBlock(features, dot_general_cls=dot_general_cls)
 
 
 def _core_variant(recipe, w_shape):
