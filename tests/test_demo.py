@@ -21,3 +21,14 @@ def test_demo_rows_at_tiny_size():
 def test_command_line_usage_error():
   out = subprocess.run([sys.executable, "-m", "te_adapters"], capture_output=True, text=True)
   assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_bench_sweep_rows_and_table():
+  from te_adapters import _bench, core
+
+  recipes = [("current", core.Float8CurrentScaling())]
+  rows = _bench.bench_sweep([(32, 64, 32)], steps=1, repeats=1, recipes=recipes, log=lambda r: None)
+  assert [r["variant"] for r in rows] == ["core bf16", "core current"]
+  assert all(r["ms"] > 0 and r["case"] == "gemm 32x64x32" for r in rows)
+  table = _bench.format_table(rows)
+  assert "core current" in table and "x" in table.splitlines()[-1]
