@@ -29,6 +29,7 @@ import optax
 import pytest
 
 import te_adapters as ta
+from tests.conftest import rel_err as rel
 
 M, K, N = 128, 256, 128
 DN = (((1,), (0,)), ((), ()))
@@ -57,10 +58,6 @@ ABSOLUTE_BOUNDS = {
 }
 
 
-def rel(a, r) -> float:
-  a = np.asarray(a, np.float64)
-  r = np.asarray(r, np.float64)
-  return float(np.linalg.norm(a - r) / np.linalg.norm(r))
 
 
 @functools.cache

@@ -11,6 +11,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters.core import _block_scaled
+from tests.conftest import rel_err as _rel
 
 pytestmark = [
   pytest.mark.gpu,
@@ -33,9 +34,6 @@ def _on_cpu(x):
   return jax.device_put(x, jax.devices("cpu")[0])
 
 
-def _rel(a, r):
-  a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
-  return np.linalg.norm(a - r) / np.linalg.norm(r)
 
 
 def test_float8_block_gemms_are_fp8_cublas_gemms():

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core
+from tests.conftest import rel_err as _rel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,9 +47,6 @@ def _step(recipe, **kw):
   return jax.jit(step)
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize(
