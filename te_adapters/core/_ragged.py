@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _accumulate, _quantize, _remat, _scaling
+from te_adapters.core import _accumulate, _quantize, _remat, _scaling, _state
 from te_adapters.core._recipes import DelayedScaling, check_recipe
 from te_adapters.core._state import ROLES
 
@@ -132,29 +132,22 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
           f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
       )
     return {}
-  if not isinstance(state, Mapping):
-    raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
-  missing = sorted(set(expected) - set(state))
-  extra = sorted(set(state) - set(expected))
-  if missing or extra:
-    raise ValueError(
-        f"state does not match {recipe!r} for a grouped GEMM: missing {missing}, "
-        f"unexpected {extra}"
+
+  def bad_shape(name, got, shape):
+    hint = ""
+    if got in ((1,), (recipe.amax_history_len,)):
+      hint = " (this is one GEMM's state; use init_ragged_state(recipe, num_groups))"
+    return (
+        f"state[{name!r}] has shape {got} but {num_groups} groups under {recipe!r} need "
+        f"{shape}{hint}"
     )
-  for name, shape in expected.items():
-    leaf = state[name]
-    if tuple(np.shape(leaf)) != shape:
-      hint = ""
-      if tuple(np.shape(leaf)) in ((1,), (recipe.amax_history_len,)):
-        hint = " (this is one GEMM's state; use init_ragged_state(recipe, num_groups))"
-      raise ValueError(
-          f"state[{name!r}] has shape {tuple(np.shape(leaf))} but {num_groups} groups under "
-          f"{recipe!r} need {shape}{hint}"
-      )
-    dtype = getattr(leaf, "dtype", None)
-    if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
-      raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
-  return dict(state)
+
+  return _state.check_leaves(
+      state,
+      expected,
+      mismatch=f"state does not match {recipe!r} for a grouped GEMM",
+      bad_shape=bad_shape,
+  )
 
 
 def ragged_dot(

@@ -66,20 +66,32 @@ def check_state(recipe, state: Mapping[str, Any] | None) -> State:
           f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
       )
     return {}
+  return check_leaves(
+      state,
+      expected,
+      mismatch=f"state does not match {recipe!r}",
+      bad_shape=lambda name, got, shape: (
+          f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
+      ),
+  )
+
+
+def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
+  """Checks a state dict's names, shapes (against ``expected``) and float32 leaves.
+
+  ``mismatch`` starts the message for wrong names; ``bad_shape(name, got, shape)`` gives the
+  message for a wrong shape. Returns the state as a dict.
+  """
   if not isinstance(state, Mapping):
     raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
   missing = sorted(set(expected) - set(state))
   extra = sorted(set(state) - set(expected))
   if missing or extra:
-    raise ValueError(
-        f"state does not match {recipe!r}: missing {missing}, unexpected {extra}"
-    )
+    raise ValueError(f"{mismatch}: missing {missing}, unexpected {extra}")
   for name, shape in expected.items():
     leaf = state[name]
     if tuple(np.shape(leaf)) != shape:
-      raise ValueError(
-          f"state[{name!r}] has shape {tuple(np.shape(leaf))} but {recipe!r} needs {shape}"
-      )
+      raise ValueError(bad_shape(name, tuple(np.shape(leaf)), shape))
     dtype = getattr(leaf, "dtype", None)
     if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
       raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
