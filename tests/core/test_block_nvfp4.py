@@ -128,6 +128,21 @@ def test_round_trip_is_idempotent(role, axis, rht):
   np.testing.assert_array_equal(np.asarray(t2.amax), np.asarray(t.amax))
 
 
+def test_round_e2m1_is_nearest_even_on_every_float32_in_range():
+  # Every float32 with |v| <= 6 whose bits step by 2**8 (all ties and their neighbours are hit:
+  # E2M1 ties sit on float32 values with at most 4 significant bits), against ml_dtypes' cast.
+  bits = np.arange(0, np.float32(6.0).view(np.uint32) + 1, 256, dtype=np.uint32)
+  v = np.concatenate([bits.view(np.float32), -bits.view(np.float32)])
+  ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+  v = np.concatenate([v, ties, -ties, np.nextafter(ties, 0), np.nextafter(ties, 7)])
+  got = np.asarray(jax.jit(_nvfp4.round_e2m1)(v))
+  want = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+  # Ties go to the even mantissa.
+  np.testing.assert_array_equal(np.asarray(_nvfp4.round_e2m1(ties)), [0, 1, 1, 2, 2, 4, 4])
+
+
 def test_stochastic_rounding_probabilities():
   v = np.array([0.0, 0.5, 6.0, -3.0, 2.6, -0.1, 4.5, 5.999], np.float32)
   lo = np.array([0.0, 0.5, 6.0, -3.0, 2.0, 0.0, 4.0, 4.0], np.float32)
