@@ -10,7 +10,8 @@ Each step is ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` with
 ``block_until_ready`` after every call; the table gives the median of several repeats. It also
 counts the FP8 cuBLASLt GEMMs in the compiled program, so an FP8 path that silently fell back to
 a bf16 GEMM shows up. On Hopper, MXFP8 and NVFP4 run emulated (bf16 GEMMs of the dequantized
-values) and ``Float8BlockScaling`` runs one FP8 GEMM per 128-wide K slice.
+values) and ``Float8BlockScaling`` runs cuBLASLt's block-scaled FP8 GEMM when the extension has it
+(``TE_ADAPTERS_BLOCK_GEMM=xla``: one FP8 GEMM per 128-wide K slice instead).
 """
 
 from __future__ import annotations
@@ -83,14 +84,16 @@ def main():
   device = jax.devices()[0]
   print(f"device: {device.device_kind}; jax {jax.__version__}; {datetime.date.today()}")
   print(f"x {b}x{s}x{h} bf16, kernel {h}x{f} float32 (computed in bf16), fwd + bwd\n")
-  print("| variant | ms | vs bf16 | FP8 cuBLASLt GEMMs |")
+  print("| variant | ms | vs bf16 | FP8 GEMMs (cuBLASLt + block kernel) |")
   print("|---|---|---|---|")
   base = None
   for name in args.variants:
     step = make_step(VARIANTS[name], dn)
     step_args = (kernel, x, dy, key)
     hlo = step.lower(*step_args).compile().as_text()
-    fp8_gemms = hlo.count("__cublas$lt$matmul$f8")
+    fp8_gemms = hlo.count("__cublas$lt$matmul$f8") + hlo.count(
+      'custom_call_target="te_adapters_block_gemm"'
+    )
     ms = time_step(step, step_args, args.iters, args.repeats)
     base = ms if name == "bf16" else base
     ratio = f"{base / ms:.2f}x" if base else "-"

@@ -7,6 +7,9 @@ namespace nb = nanobind;
 namespace te_adapters {
 extern "C" XLA_FFI_Error* CastTransposeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
+#ifdef TE_ADAPTERS_BLOCK_GEMM
+extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
+#endif
 }  // namespace te_adapters
 
 NB_MODULE(_csrc_cuda, m) {
@@ -15,6 +18,9 @@ NB_MODULE(_csrc_cuda, m) {
     d["te_adapters_cast_transpose"] =
         nb::capsule(reinterpret_cast<void*>(te_adapters::CastTransposeCuda));
     d["te_adapters_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::AmaxCuda));
+#ifdef TE_ADAPTERS_BLOCK_GEMM
+    d["te_adapters_block_gemm"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockGemmCuda));
+#endif
     return d;
   });
 }

@@ -81,6 +81,17 @@ def expand_scales(scales, block_shape) -> jax.Array:
   return scales
 
 
+def keep_narrow(x) -> jax.Array:
+  """``x``, a narrow-float array that was just rounded, kept as it is for whatever reads it.
+
+  XLA's GPU compiler drops a narrowing conversion that is converted back (float32 -> float8 ->
+  float32 becomes the float32 input: its "excess precision" simplification, on by default), which
+  hands the unrounded values to the ops that read them; seen on an H100 with jax 0.11.2 for
+  float8_e4m3fn. An optimization barrier between the two conversions keeps the rounding.
+  """
+  return lax.optimization_barrier(x)
+
+
 def exp2(k) -> jax.Array:
   """float32 ``2**k`` for integer ``k`` in [-126, 127], built from the exponent bits.
 

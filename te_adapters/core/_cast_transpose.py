@@ -129,6 +129,8 @@ def _use_ffi(x, requested: str | None) -> bool:
     raise ValueError(f"backend must be 'jax', 'ffi' or None, got {requested!r}")
   if choice == "jax":
     return False
+  # A program placed on the host CPU of a GPU machine calls the same target on the CPU platform.
+  ffi_available("cpu")
   ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES and _single_device(x)
   if requested == "ffi" and np.dtype(x.dtype) not in _FFI_INPUT_DTYPES:
     raise ValueError(

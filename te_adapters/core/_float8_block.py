@@ -7,20 +7,40 @@ never saturates). ``data = cast(clip(x * scale, ±fp8_max))``, ``scale_inv = 1 /
 
 The GEMM is the formulation of Hopper kernels for this recipe: one FP8 GEMM per 128-wide slice of
 the contracting dimension, whose float32 partial sum is multiplied by the two operands' scales
-for that slice and accumulated in float32.
+for that slice and accumulated in float32. On a Hopper GPU with the extension's CUDA part built,
+cuBLASLt's block-scaled FP8 GEMM (cuBLAS 12.9+) runs it as one kernel (``csrc/block_gemm_cuda.cc``);
+elsewhere, and where cuBLAS cannot take the operands, XLA runs the formulation above.
+``TE_ADAPTERS_BLOCK_GEMM=xla`` forces the XLA formulation, ``=cublas`` requires cuBLASLt (an
+error where it cannot run).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from te_adapters.core import _block
+from te_adapters.core import _block, _cast_transpose
 
-__all__ = ["BLOCK", "compute_scale", "quantize", "dequantize_values", "gemm"]
+__all__ = [
+  "BLOCK",
+  "GEMM_ENV",
+  "compute_scale",
+  "cublas_gemm_available",
+  "quantize",
+  "dequantize_values",
+  "gemm",
+]
 
 BLOCK = 128
+GEMM_ENV = "TE_ADAPTERS_BLOCK_GEMM"
+_CUBLAS_TARGET = "te_adapters_block_gemm"
+_WORKSPACE_BYTES = 32 * 1024 * 1024
 # Partial sums of several K slices are formed at once up to this many float32 elements.
 _PARTIALS_BUDGET = 1 << 26
 
@@ -56,7 +76,7 @@ def quantize(x, block_shape, q_dtype, power_2: bool):
 
 def dequantize_values(data, scale_inv, block_shape) -> jax.Array:
   """float32 ``data * scale_inv`` per block."""
-  return data.astype(jnp.float32) * _block.expand_scales(scale_inv, block_shape)
+  return _block.keep_narrow(data).astype(jnp.float32) * _block.expand_scales(scale_inv, block_shape)
 
 
 def _row_scales(scale_inv, block_shape, rows: int) -> jax.Array:
@@ -72,13 +92,96 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
   return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
+@functools.cache
+def _cublas_registered() -> bool:
+  if not _cast_transpose.ffi_available("gpu"):
+    return False
+  try:
+    module = importlib.import_module("te_adapters._csrc_cuda")
+  except ImportError:
+    return False
+  return _CUBLAS_TARGET in module.registrations()
+
+
+def cublas_gemm_available() -> bool:
+  """Whether cuBLASLt's block-scaled FP8 GEMM is built here and the devices are Hopper GPUs."""
+  if jax.default_backend() != "gpu" or not _cublas_registered():
+    return False
+  try:
+    capabilities = {str(d.compute_capability) for d in jax.local_devices()}
+  except AttributeError:
+    return False
+  # cuBLAS runs the 1x128 / 128x128 modes on compute capability 9.0 only.
+  return capabilities == {"9.0"}
+
+
+def _gemm_choice() -> str:
+  choice = os.environ.get(GEMM_ENV, "auto")
+  if choice not in ("auto", "cublas", "xla"):
+    raise ValueError(f"{GEMM_ENV} must be 'auto', 'cublas' or 'xla', got {choice!r}")
+  return choice
+
+
+def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
+  """Why cuBLASLt cannot run this GEMM (None: it can)."""
+  if not cublas_gemm_available():
+    return "cuBLASLt's block-scaled GEMM is not built here or the GPU is not a Hopper GPU"
+  if len(a_block) == 2 and len(b_block) == 2:
+    return "cuBLAS has no GEMM with 128x128 tiles on both operands"
+  m, n = a_data.shape[1], b_data.shape[1]
+  if m % 16 or n % 16:
+    return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n}"
+  if not (_cast_transpose._single_device(a_data) and _cast_transpose._single_device(b_data)):
+    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  return None
+
+
+def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
+  """Block scales in cuBLAS's layout (see ``csrc/block_gemm_cuda.cc``), one batch entry each."""
+  if len(block) == 1:  # (B, rows, K/128) -> (B, K/128, rows rounded up to 4)
+    s = jnp.swapaxes(scale_inv, 1, 2)
+    return jnp.pad(s, ((0, 0), (0, 0), (0, -rows % 4)))
+  # (B, rows/128, K/128) -> K/128 rounded up to 4
+  return jnp.pad(scale_inv, ((0, 0), (0, 0), (0, -scale_inv.shape[2] % 4)))
+
+
+def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Array:
+  batch, m, _ = a_data.shape
+  n = b_data.shape[1]
+  outs = (
+    jax.ShapeDtypeStruct((batch, m, n), jnp.float32),
+    jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
+  )
+  y, _ = jax.ffi.ffi_call(_CUBLAS_TARGET, outs, vmap_method="sequential")(
+    a_data,
+    b_data,
+    _cublas_scales(a_scale_inv.astype(jnp.float32), a_block, m),
+    _cublas_scales(b_scale_inv.astype(jnp.float32), b_block, n),
+    lhs_mode=np.int32(len(a_block)),
+    rhs_mode=np.int32(len(b_block)),
+  )
+  return y
+
+
 def gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` float32 from block-scaled FP8 operands.
 
   Both operands have blocks of 128 along K (``a_block``/``b_block`` are ``(128,)`` or
-  ``(128, 128)``). The FP8 data go into ``lax.dot_general`` unchanged, one 128-wide K slice per
-  partial product; scales multiply the float32 partial sums.
+  ``(128, 128)``). cuBLASLt's block-scaled GEMM where it runs (see the module docstring);
+  otherwise the FP8 data go into ``lax.dot_general`` unchanged, one 128-wide K slice per
+  partial product, and the scales multiply the float32 partial sums.
   """
+  choice = _gemm_choice()
+  if choice != "xla":
+    refusal = _cublas_refusal(a_data, a_block, b_data, b_block)
+    if refusal is None:
+      return _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)
+    if choice == "cublas":
+      raise RuntimeError(f"{GEMM_ENV}=cublas, but {refusal}")
+  return _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)
+
+
+def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Array:
   batch, m, k = a_data.shape
   n = b_data.shape[1]
   slices = k // BLOCK

@@ -57,7 +57,7 @@ def dequantize_values(data, scale_inv, block_shape=(BLOCK,)) -> jax.Array:
   e = lax.bitcast_convert_type(scale_inv, jnp.uint8) if scale_inv.dtype != np.uint8 else scale_inv
   k = _block.expand_scales(e.astype(jnp.int32) - 127, block_shape)
   nan = _block.expand_scales(e == 0xFF, block_shape)
-  return _block.scale_by_pow2(data.astype(jnp.float32), k, nan=nan)
+  return _block.scale_by_pow2(_block.keep_narrow(data).astype(jnp.float32), k, nan=nan)
 
 
 def quantize(x, q_dtype):

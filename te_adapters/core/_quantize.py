@@ -229,5 +229,7 @@ def dequantize(t: ScaledTensor, dtype=None) -> jax.Array:
     if t.scaling_mode not in _block_scaled.BLOCK_MODES:
       raise ValueError(f"unknown scaling mode {t.scaling_mode!r}")
     return _block_scaled.dequantize(t, dtype)
-  out = t.data.astype(jnp.float32) * t.scale_inv.reshape(())
+  from te_adapters.core import _block
+
+  out = _block.keep_narrow(t.data).astype(jnp.float32) * t.scale_inv.reshape(())
   return out.astype(dtype)

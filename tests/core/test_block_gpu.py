@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core import _block_scaled
+from te_adapters.core import _block_scaled, _float8_block
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -34,9 +34,11 @@ def _on_cpu(x):
   return jax.device_put(x, jax.devices("cpu")[0])
 
 
-
-
-def test_float8_block_gemms_are_fp8_cublas_gemms():
+@pytest.mark.parametrize("gemm", ["cublas", "xla"])
+def test_float8_block_gemms_are_fp8_gemms(gemm, monkeypatch):
+  if gemm == "cublas" and not _float8_block.cublas_gemm_available():
+    pytest.skip("cuBLASLt's block-scaled GEMM is not built or the GPU is not a Hopper GPU")
+  monkeypatch.setenv(_float8_block.GEMM_ENV, gemm)
   recipe = ta.Float8BlockScaling()
   x = jnp.asarray(_data((256, 512), 0), jnp.bfloat16)
   w = jnp.asarray(_data((512, 256), 1), jnp.bfloat16)
@@ -48,7 +50,11 @@ def test_float8_block_gemms_are_fp8_cublas_gemms():
 
   compiled = jax.jit(run).lower(x, w, g).compile()
   hlo = compiled.as_text()
-  assert "__cublas$lt$matmul$f8" in hlo, "no FP8 cuBLASLt GEMM in the compiled program"
+  if gemm == "cublas":
+    # fwd (1x128 x 128x128), dgrad (1x128 x 128x128), wgrad (1x128 x 1x128): one kernel each.
+    assert hlo.count('custom_call_target="te_adapters_block_gemm"') == 3, hlo
+  else:
+    assert "__cublas$lt$matmul$f8" in hlo, "no FP8 cuBLASLt GEMM in the compiled program"
   y, dx, dw = compiled(x, w, g)
   x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
   bound = 1.15 * np.sqrt(2) * 0.0265
@@ -96,3 +102,56 @@ def test_native_scaled_matmul_matches_emulation(recipe, monkeypatch):
   monkeypatch.setenv(_block_scaled.GEMM_ENV, "emulated")
   emulated = np.asarray(jax.jit(lambda x, w: f(x, w) + 0)(x, w))
   assert _rel(native, emulated) < 1e-5
+
+
+@pytest.mark.skipif(
+  not _float8_block.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
+)
+@pytest.mark.parametrize("blocks", [(1, 2), (1, 1), (2, 1)], ids=["1dx2d", "1dx1d", "2dx1d"])
+def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatch):
+  # Scales that are not powers of two, blocks whose amaxes differ, two batch entries, and an M
+  # that is not a multiple of 128 where the lhs has 1-D blocks.
+  m = 272 if blocks[0] == 1 else 256
+  n, k = 384, 640
+  rng = np.random.default_rng(7)
+  a = rng.standard_normal((2, m, k)) * np.exp2(rng.integers(-6, 6, (2, m, k // 128))).repeat(128, 2)
+  b = rng.standard_normal((2, n, k)) * np.exp2(rng.integers(-6, 6, (2, n, 1)))
+  shapes = {1: (128,), 2: (128, 128)}
+  qa = _float8_block.quantize(
+    jnp.asarray(a, jnp.float32), shapes[blocks[0]], jnp.float8_e4m3fn, False
+  )
+  qb = _float8_block.quantize(
+    jnp.asarray(b, jnp.float32), shapes[blocks[1]], jnp.float8_e5m2, False
+  )
+  args = (qa[0], qa[1], qb[0], qb[1])
+
+  def compiled():
+    # A new function each time: the GEMM choice is read when tracing, and jit caches traces.
+    f = lambda a, sa, b, sb: _float8_block.gemm(a, sa, shapes[blocks[0]], b, sb, shapes[blocks[1]])
+    return jax.jit(f).lower(*args).compile()
+
+  cublas = compiled()
+  assert "te_adapters_block_gemm" in cublas.as_text()
+  got = np.asarray(cublas(*args), np.float64)
+  monkeypatch.setenv(_float8_block.GEMM_ENV, "xla")
+  xla = compiled()
+  assert "te_adapters_block_gemm" not in xla.as_text()
+  want = np.asarray(xla(*args), np.float64)
+  # The same FP8 products, summed in float32 in another order.
+  assert _rel(got, want) < 1e-5
+  # And against float64 of the dequantized operands: Hopper's FP8 tensor cores sum each 128-wide
+  # block in reduced precision (1.0e-4 measured on an H100); a wrong scale layout is off by O(1).
+  da = np.asarray(_float8_block.dequantize_values(qa[0], qa[1], shapes[blocks[0]]), np.float64)
+  db = np.asarray(_float8_block.dequantize_values(qb[0], qb[1], shapes[blocks[1]]), np.float64)
+  assert _rel(got, np.einsum("bmk,bnk->bmn", da, db)) < 1e-3
+
+
+def test_float8_block_cublas_refusals(monkeypatch):
+  t = jnp.zeros((1, 256, 256), jnp.float8_e4m3fn)
+  s2 = jnp.ones((1, 2, 2), jnp.float32)
+  monkeypatch.setenv(_float8_block.GEMM_ENV, "cublas")
+  with pytest.raises(RuntimeError, match="128x128 tiles on both operands"):
+    _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128))
+  monkeypatch.setenv(_float8_block.GEMM_ENV, "bogus")
+  with pytest.raises(ValueError, match="TE_ADAPTERS_BLOCK_GEMM must be"):
+    _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128))

@@ -7,6 +7,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters.core import _cast_transpose as ct
+from tests.conftest import rel_err as _rel
 
 pytestmark = [
   pytest.mark.gpu,
@@ -69,7 +70,10 @@ def test_cuda_dense_grad_identical(recipe, monkeypatch):
     state = ta.core.init_state(recipe)
 
     def loss(w, state):
-      y = ta.core.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=recipe, state=state)
+      y = ta.core.dot_general(
+        x, w, (((2,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, recipe=recipe,
+        state=state,
+      )
       return jnp.sum(y.astype(jnp.float32) ** 2)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -83,9 +87,10 @@ def test_cuda_dense_grad_identical(recipe, monkeypatch):
   # Forward and wgrad (x is a constant here, so no dgrad GEMM), both FP8.
   assert ta.core.count_fp8_gemms(hlo_ffi) == (2, 0)
   # The quantized operands are bit-identical (test_cuda_bit_identical); the two programs are
-  # compiled separately, and cuBLAS autotuning may pick GEMM algorithms that sum in another order.
-  np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(g1, np.float32), np.asarray(g2, np.float32), rtol=1e-5,
-                             atol=1e-6 * float(np.max(np.abs(np.asarray(g2, np.float32)))))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5),
+  # compiled separately, and cuBLAS autotuning may pick GEMM algorithms that sum in another order
+  # (with float32 promotion, HIGHEST: ~1e-4 from the exact sum on an H100; without it, the fast
+  # accumulation of DEFAULT, two algorithms' losses differed by 0.4%).
+  np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-4)
+  assert _rel(np.asarray(g1, np.float32), np.asarray(g2, np.float64)) < 3e-4
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=3e-4),
                s1, s2)
