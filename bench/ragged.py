@@ -9,6 +9,8 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 - ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)``.
 - ``ours_current``, ``ours_delayed``: ``te_adapters.core.ragged_dot`` with FP8 current / delayed
   scaling (HYBRID).
+- ``ours_mxfp8``: ``te_adapters.core.ragged_dot`` with ``MXFP8BlockScaling`` (E4M3; the GEMMs
+  are emulated on dequantized bf16 values, so its "FP8 GEMM" column says no).
 - ``loop_bf16``: a dense loop over experts, ``sum_g mask_g * (x @ W[g])`` in bf16 (G times the
   FLOPs; what one writes without a grouped GEMM).
 - ``loop_current``: the same loop with ``te_adapters.core.dot_general`` FP8 current scaling.
@@ -18,11 +20,17 @@ a variant really computes. The table also says whether the compiled step has an 
 (a ``__cublas$lt$matmul$f8`` call on GPU, an f8 ``dot`` elsewhere), and the relative error of the
 forward output against ``lax_bf16``'s.
 
+``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``) is short for
+``--variants lax_bf16 ours_bf16 ours_NAME``.
+
 Usage (on the GPU):
   python bench/ragged.py --tokens 16384 --k 4096 --n 14336 --groups 8 64
   python bench/ragged.py --groups 8 --variants lax_bf16 ours_current
+  python bench/ragged.py --groups 8 64 --recipe mxfp8
 Quick check on CPU:
   python bench/ragged.py --tokens 512 --k 128 --n 128 --groups 4 --iters 1 --repeats 1
+  python bench/ragged.py --tokens 200 --k 64 --n 64 --groups 3 --recipe mxfp8 --iters 1 \
+    --repeats 1 --warmup 0
 """
 
 from __future__ import annotations
@@ -40,7 +48,20 @@ import numpy as np
 import te_adapters as ta
 from te_adapters import core
 
-VARIANTS = ("lax_bf16", "ours_bf16", "ours_current", "ours_delayed", "loop_bf16", "loop_current")
+VARIANTS = (
+  "lax_bf16",
+  "ours_bf16",
+  "ours_current",
+  "ours_delayed",
+  "ours_mxfp8",
+  "loop_bf16",
+  "loop_current",
+)
+RECIPES = {
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(),
+  "mxfp8": ta.MXFP8BlockScaling(),
+}
 
 
 def _loop_over_experts(x, w, group_sizes, recipe):
@@ -65,8 +86,8 @@ def make_forward(variant: str, num_groups: int):
     return (lambda x, w, gs, st: jax.lax.ragged_dot(x, w, gs)), {}
   if variant == "ours_bf16":
     return (lambda x, w, gs, st: core.ragged_dot(x, w, gs, recipe=None)), {}
-  if variant in ("ours_current", "ours_delayed"):
-    recipe = ta.Float8CurrentScaling() if variant == "ours_current" else ta.DelayedScaling()
+  if variant.startswith("ours_") and variant[5:] in RECIPES:
+    recipe = RECIPES[variant[5:]]
     state = core.init_ragged_state(recipe, num_groups)
 
     def forward(x, w, gs, st):
@@ -175,11 +196,20 @@ def main(argv=None):
   p.add_argument("--groups", type=int, nargs="+", default=[8, 64], help="G values to run")
   p.add_argument("--dtype", default="bfloat16", help="dtype of x, kernels and dy")
   p.add_argument("--routing", choices=("random", "balanced", "skewed"), default="random")
-  p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+  p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                 help="variants to time (default: all)")
+  p.add_argument("--recipe", choices=tuple(RECIPES),
+                 help="short for --variants lax_bf16 ours_bf16 ours_RECIPE")
   p.add_argument("--iters", type=int, default=10, help="timed steps per run")
   p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
   p.add_argument("--warmup", type=int, default=2)
   args = p.parse_args(argv)
+  if args.recipe and args.variants:
+    p.error("give --recipe or --variants, not both")
+  if args.recipe:
+    args.variants = ["lax_bf16", "ours_bf16", f"ours_{args.recipe}"]
+  elif not args.variants:
+    args.variants = list(VARIANTS)
   if "lax_bf16" in args.variants:  # the reference runs first
     args.variants = ["lax_bf16"] + [v for v in args.variants if v != "lax_bf16"]
   for g in args.groups:

@@ -39,6 +39,7 @@ __all__ = [
   "transpose_tiles",
   "gemm",
   "native_gemm_available",
+  "emulation_dtype",
 ]
 
 BLOCK_MODES = ("mxfp8", "nvfp4", "nvfp4_rht", "float8_block")
@@ -193,7 +194,8 @@ def _row_scales(t: ScaledTensor) -> jax.Array:
   return scales
 
 
-def _emulation_dtype():
+def emulation_dtype():
+  """The dtype emulated block-scaled GEMMs multiply dequantized values in."""
   # Dequantized NVFP4 values (<= 6 significant bits) and MXFP8 values are exact in bfloat16
   # (MXFP8 down to 2**-126), which runs at full speed on GPUs; CPUs are faster in float32.
   return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -215,7 +217,7 @@ def gemm(a: ScaledTensor, b: ScaledTensor) -> jax.Array:
       a.data, b.data, _row_scales(a), _row_scales(b), preferred_element_type=jnp.float32
     )
   else:
-    dtype = _emulation_dtype()
+    dtype = emulation_dtype()
     out = lax.dot_general(
       _values(a).astype(dtype),
       _values(b).astype(dtype),

@@ -10,6 +10,7 @@ runs under ``jit`` with group sizes produced by a router. The three GEMMs are
 ``jax.lax.ragged_dot_general`` calls with FP8 operands, so their speed is that of XLA's lowering:
 XLA's GPU compiler (its ``RaggedDotRewriter``) expands a ragged dot into a dense dot over a
 group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs.
+``MXFP8BlockScaling`` (block scales, no state) is in ``_ragged_mxfp8``.
 
 Scales are **per group** for every role: the rows of group g (x, and the output gradient) share
 one scale, and expert g's kernel has its own. Measured on CPU with ``bench/ragged_scales.py``
@@ -48,8 +49,9 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _accumulate, _quantize, _remat, _scaling, _state
-from te_adapters.core._recipes import DelayedScaling, check_recipe
+from te_adapters.core import _accumulate, _quantize, _ragged_mxfp8, _remat, _scaling, _state
+from te_adapters.core._grouping import row_groups
+from te_adapters.core._recipes import DelayedScaling, MXFP8BlockScaling, check_recipe
 from te_adapters.core._state import ROLES
 
 __all__ = ["ragged_dot", "init_ragged_state", "check_ragged_state"]
@@ -96,12 +98,29 @@ def init_ragged_state(recipe, num_groups: int) -> dict[str, jax.Array]:
     >>> s["x_scale"].shape, s["x_amax_history"].shape
     ((8, 1), (8, 4))
   """
-  recipe = check_recipe(recipe)
+  recipe = check_ragged_recipe(recipe)
   num_groups = _check_num_groups(num_groups)
   return {
       name: jnp.full(shape, 1.0 if name.endswith("_scale") else 0.0, jnp.float32)
       for name, shape in _expected_shapes(recipe, num_groups).items()
   }
+
+
+_SUPPORTED = (
+    "DelayedScaling, Float8CurrentScaling and MXFP8BlockScaling (or recipe=None for a "
+    "high-precision GEMM)"
+)
+
+
+def check_ragged_recipe(recipe):
+  """``check_recipe`` for grouped GEMMs: also refuses the recipes ``ragged_dot`` lacks."""
+  recipe = check_recipe(recipe)
+  if recipe.block_scaled and not isinstance(recipe, MXFP8BlockScaling):
+    raise NotImplementedError(
+        f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support "
+        f"{_SUPPORTED}"
+    )
+  return recipe
 
 
 def _check_num_groups(num_groups) -> int:
@@ -169,18 +188,32 @@ def ragged_dot(
   The VJP computes dgrad grouped like the forward pass and one weight gradient per group; an
   empty group gets zero output rows and a zero weight gradient.
 
-  Scales are per group (see the module docstring for the measurements behind that choice).
+  Per-tensor recipes: scales are per group (see the module docstring for the measurements
+  behind that choice).
+
+  ``MXFP8BlockScaling``: each GEMM quantizes both operands in blocks of 32 along the dimension it
+  contracts, each copy from the high-precision input, with TE's E8M0 round-up rule, exactly as
+  ``dot_general`` does. Forward: lhs rows in 1x32 blocks along K, each expert's kernel in
+  blocks along K. Dgrad: the output gradient along N, each kernel along N. Wgrad contracts the
+  rows of each group, so lhs and the output gradient are quantized in blocks of 32 rows that
+  never cross a group boundary: each group's blocks start at its first row, and its last block
+  is completed with zero rows (the result equals padding every group with zeros to a multiple
+  of 32, as TE's MXFP8 grouped GEMM requires, and dropping the padding afterwards; group sizes
+  need not be multiples of 32). K must be a multiple of 32, and N too when differentiating. No
+  state. The GEMMs are emulated (dequantized values, float32 accumulation); see
+  ``_ragged_mxfp8``. ``NVFP4BlockScaling`` and ``Float8BlockScaling`` are not implemented.
 
   Args:
     lhs: [M, K] rows of all groups, group by group (real floating point).
     rhs: [G, K, N] one kernel per group (real floating point).
     group_sizes: [G] integers on the device, non-negative with ``sum(group_sizes) <= M``; rows
       past the sum give zero output rows (and zero gradient).
-    precision: passed to the GEMMs (FP8 GEMMs accumulate in float32 whatever it says).
+    precision: passed to the GEMMs (FP8 GEMMs accumulate in float32 whatever it says); the
+      emulated MXFP8 GEMMs always accumulate in float32 and do not use it.
     preferred_element_type: output dtype; default as ``jax.lax.ragged_dot`` would give.
     group_offset: must be ``None`` (sharded group offsets are not supported).
-    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``), or ``None`` for a plain
-      ``jax.lax.ragged_dot`` in the operands' precision.
+    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``), or
+      ``None`` for a plain ``jax.lax.ragged_dot`` in the operands' precision.
     state: this GEMM's recipe state (``init_ragged_state(recipe, G)``); ``None`` for stateless
       recipes.
 
@@ -216,8 +249,9 @@ def ragged_dot(
     if state:
       raise ValueError("state was given but recipe is None")
     return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
-  recipe = check_recipe(recipe)
-  _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
+  recipe = check_ragged_recipe(recipe)
+  if not recipe.block_scaled:
+    _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
   state = check_ragged_state(recipe, state, rhs.shape[0])
   out_dtype = jax.eval_shape(
       functools.partial(
@@ -227,6 +261,8 @@ def ragged_dot(
       rhs,
       group_sizes,
   ).dtype
+  if recipe.block_scaled:
+    return _ragged_mxfp8.mxfp8_ragged_dot(lhs, rhs, group_sizes, out_dtype, recipe)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return _fp8_ragged_dot(
       lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
@@ -256,14 +292,6 @@ def _check_fp8_sizes(k: int, n: int) -> None:
         f"FP8 grouped GEMMs need K and N to be multiples of {_FP8_ALIGNMENT}; got "
         f"{', '.join(bad)}. Pad the features, or pass recipe=None for a high-precision GEMM."
     )
-
-
-def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-  """The group of each row, [num_rows] int32; ``G`` for rows past ``sum(group_sizes)``."""
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  rows = jnp.arange(num_rows, dtype=jnp.int32)
-  # The number of groups that end at or before each row: an [M, G] compare, cheap for MoE G.
-  return jnp.sum(rows[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
 def _per_row(values: jax.Array, ids: jax.Array, fill: float) -> jax.Array:

@@ -98,3 +98,34 @@ def test_no_recipe_and_errors():
     bad.init(jax.random.key(1), jnp.ones((2, M, K)))
   with pytest.raises(TypeError, match="recipe instance"):
     hk.transform(lambda: GroupedLinear(G, N, recipe=ta.DelayedScaling)).init(None)
+
+
+def test_mxfp8_trains_with_no_state_and_the_core_numerics():
+  """MXFP8 (stateless): no hk state; two SGD steps; the output is core.ragged_dot's."""
+  recipe = ta.MXFP8BlockScaling()
+  f = hk.transform_with_state(lambda x: GroupedLinear(G, 32, recipe=recipe)(x, SIZES))
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  target = jnp.tanh(jnp.asarray(rng.standard_normal((M, 32)), jnp.float32))
+  params, state = jax.jit(f.init)(jax.random.key(2), x)
+  assert state == {}
+
+  @jax.jit
+  def step(params):
+    def loss(params):
+      y, _ = f.apply(params, state, None, x)
+      return jnp.mean((y[:56] - target[:56]) ** 2), y
+
+    (value, y), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, y, grads, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+
+  losses = []
+  for _ in range(3):
+    w = params["grouped_linear"]["w"]
+    value, y, grads, params = step(params)
+    losses.append(float(value))
+  assert losses[2] < losses[0], losses
+  np.testing.assert_array_equal(grads["grouped_linear"]["w"][1], 0.0)  # the empty expert
+  np.testing.assert_array_equal(y[56:], 0.0)
+  want = jax.jit(core.ragged_dot, static_argnames="recipe")(x, w, SIZES, recipe=recipe)
+  np.testing.assert_array_equal(y, want)

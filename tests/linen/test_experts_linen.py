@@ -16,10 +16,12 @@ SIZES = np.array([20, 0, 28, 8], np.int32)  # group 1 empty, rows 56..63 in no g
 
 class Experts(nn.Module):
   recipe: ta.Recipe | None
+  features: int = N
 
   @nn.compact
   def __call__(self, x, group_sizes):
-    w = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), (G, K, N))
+    shape = (G, K, self.features)
+    w = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape)
     return make_ragged_dot_cls(self.recipe)(name="ragged_dot")(x, w, group_sizes)
 
 
@@ -101,3 +103,35 @@ def test_drop_in_signature_and_errors():
   with pytest.raises(ValueError, match=r"rhs must be 3-D"):
     init = make_ragged_dot_cls(ta.DelayedScaling())().init
     jax.eval_shape(init, jax.random.key(0), x, jnp.ones((16, 16)), gs)
+
+
+def test_mxfp8_trains_with_no_state_and_the_core_numerics():
+  """MXFP8 (stateless): no recipe collection; two SGD steps; the output is core.ragged_dot's."""
+  recipe = ta.MXFP8BlockScaling()
+  model = Experts(recipe, features=32)  # MXFP8 blocks of 32 along K and N
+  x, _ = data(0)
+  target = np.tanh(data(1)[0])  # [M, 32]
+  variables = jax.jit(model.init)(jax.random.key(0), jnp.asarray(x), jnp.asarray(SIZES))
+  assert list(variables) == ["params"]
+
+  @jax.jit
+  def step(variables):
+    def loss(variables):
+      y = model.apply(variables, jnp.asarray(x), jnp.asarray(SIZES))
+      return jnp.mean((y[:56] - target[:56]) ** 2), y
+
+    (value, y), grads = jax.value_and_grad(loss, has_aux=True)(variables)
+    return value, y, grads, jax.tree.map(lambda p, g: p - 0.5 * g, variables, grads)
+
+  losses = []
+  for _ in range(3):
+    kernel = variables["params"]["kernel"]
+    value, y, grads, variables = step(variables)
+    losses.append(float(value))
+  assert losses[2] < losses[0], losses
+  np.testing.assert_array_equal(grads["params"]["kernel"][1], 0.0)  # the empty expert
+  np.testing.assert_array_equal(y[56:], 0.0)
+  want = jax.jit(core.ragged_dot, static_argnames="recipe")(
+      jnp.asarray(x), kernel, jnp.asarray(SIZES), recipe=recipe
+  )
+  np.testing.assert_array_equal(y, want)

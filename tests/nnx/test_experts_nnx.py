@@ -95,3 +95,40 @@ def test_no_recipe_is_lax_ragged_dot_and_dtype_promotion():
   want = jax.lax.ragged_dot(x.astype(jnp.bfloat16), layer.kernel[...].astype(jnp.bfloat16), SIZES)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(y, want)
+
+
+def test_mxfp8_trains_with_no_recipe_state_and_the_core_numerics():
+  """MXFP8 (stateless): no RecipeState; two optimizer steps; the output is core.ragged_dot's."""
+  recipe = ta.MXFP8BlockScaling()
+  model = GroupedLinear(G, K, 32, recipe=recipe, rngs=nnx.Rngs(4))  # blocks of 32 on K and N
+  assert not nnx.to_pure_dict(nnx.state(model, RecipeState))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  target = jnp.tanh(jnp.asarray(rng.standard_normal((M, 32)), jnp.float32))
+
+  @nnx.jit
+  def step(model, optimizer):
+    def loss_fn(model):
+      y = model(x, SIZES)
+      return jnp.mean((y[:56] - target[:56]) ** 2), y
+
+    (loss, y), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return loss, y, grads
+
+  losses = []
+  for _ in range(3):
+    kernel = model.kernel[...]
+    loss, y, grads = step(model, optimizer)
+    losses.append(float(loss))
+  assert losses[2] < losses[0], losses
+  np.testing.assert_array_equal(grads["kernel"][...][1], 0.0)  # the empty expert
+  np.testing.assert_array_equal(y[56:], 0.0)
+  want = jax.jit(core.ragged_dot, static_argnames="recipe")(x, kernel, SIZES, recipe=recipe)
+  np.testing.assert_array_equal(y, want)
+
+
+def test_unsupported_block_recipes_fail_at_construction():
+  with pytest.raises(NotImplementedError, match="does not implement NVFP4BlockScaling"):
+    GroupedLinear(G, K, 32, recipe=ta.NVFP4BlockScaling(), rngs=nnx.Rngs(0))
