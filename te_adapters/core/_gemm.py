@@ -367,8 +367,10 @@ def _quantize_both(x, role, q_dtype, recipe, state, plan):
     q, q_t, a = _cast_both(x, scale, q_dtype, with_amax=True)
     _, new = _role_scale(x, role, q_dtype, recipe, state, plan, a)
   else:
-    # Current scaling: an amax pass, then the cast.
-    amax_backend = None if _knob("TE_ADAPTERS_AMAX", "ffi", ("ffi", "jax")) == "ffi" else "jax"
+    # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
+    # kernel (seed 000 Dense on an H100: 22.17-22.32 ms against 22.38-22.67 ms), and it can fuse
+    # into the op that produces x, so it is the default.
+    amax_backend = None if _knob("TE_ADAPTERS_AMAX", "jax", ("ffi", "jax")) == "ffi" else "jax"
     amax = _cast_transpose.amax(x, backend=amax_backend)
     scale, new = _role_scale(x, role, q_dtype, recipe, state, plan, amax)
     q, q_t, _ = _cast_both(x, scale, q_dtype)
