@@ -168,7 +168,7 @@ def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe):
   del rng, operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
   _, _, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe)
-  return layout.out(_block_scaled.gemm(qx, qw)).astype(out_dtype)
+  return layout.out(_block_scaled.gemm(qx, qw, out_dtype)).astype(out_dtype)
 
 
 def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
@@ -181,7 +181,7 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
       "dot_general (a fresh key per step), or use disable_stochastic_rounding=True"
     )
   x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe)
-  y = layout.out(_block_scaled.gemm(qx, qw)).astype(out_dtype)
+  y = layout.out(_block_scaled.gemm(qx, qw, out_dtype)).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   # The backward copies: blocks along M for x (wgrad) and along N for the kernel (dgrad).
   x_spec = operand_spec(recipe, "x", wgrad=True)
@@ -218,8 +218,8 @@ def _block_bwd(dn, out_dtype, operands, recipe, residuals, g):
     qg_t = _block_scaled.quantize_trailing(
       jnp.swapaxes(g3, 1, 2), g_wspec, rng, stream=1, what="output gradient"
     )
-  dx = layout.lhs_from3(_block_scaled.gemm(qg, qw_t)).astype(lhs_dtype)
-  dw = layout.rhs_from3(_block_scaled.gemm(qg_t, qx_t)).astype(rhs_dtype)
+  dx = layout.lhs_from3(_block_scaled.gemm(qg, qw_t, lhs_dtype)).astype(lhs_dtype)
+  dw = layout.rhs_from3(_block_scaled.gemm(qg_t, qx_t, rhs_dtype)).astype(rhs_dtype)
   dx = _sharding.match_cotangent(dx, witness[0])
   dw = _sharding.match_cotangent(dw, witness[1])
   return dx, dw, None

@@ -201,8 +201,11 @@ def emulation_dtype():
   return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
 
 
-def gemm(a: ScaledTensor, b: ScaledTensor) -> jax.Array:
-  """``(B, M, K) x (B, N, K) -> (B, M, N)`` in float32 from block-scaled operands.
+def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32) -> jax.Array:
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled operands, float32 sums.
+
+  The result is float32, or ``out_dtype`` where the GEMM kernel writes that dtype itself (FP8
+  block scaling on cuBLASLt writes bfloat16); callers cast it to ``out_dtype``.
 
   Blocks run along K in both operands. FP8 block scaling runs FP8 GEMMs per 128-wide K slice.
   MXFP8/NVFP4 run ``jax.nn.scaled_matmul`` where the device has it, and otherwise a GEMM of the
@@ -210,7 +213,7 @@ def gemm(a: ScaledTensor, b: ScaledTensor) -> jax.Array:
   """
   if a.scaling_mode == "float8_block":
     return _float8_block.gemm(
-      a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b)
+      a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype
     )
   if native_gemm_available(a.scaling_mode):
     out = jax.nn.scaled_matmul(

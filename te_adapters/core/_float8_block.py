@@ -145,11 +145,14 @@ def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
   return jnp.pad(scale_inv, ((0, 0), (0, 0), (0, -scale_inv.shape[2] % 4)))
 
 
-def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Array:
+def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype):
   batch, m, _ = a_data.shape
   n = b_data.shape[1]
+  # cuBLASLt writes bfloat16 itself (rounding the float32 sums once); other dtypes are cast from
+  # its float32 output.
+  dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
   outs = (
-    jax.ShapeDtypeStruct((batch, m, n), jnp.float32),
+    jax.ShapeDtypeStruct((batch, m, n), dtype),
     jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
   )
   y, _ = jax.ffi.ffi_call(_CUBLAS_TARGET, outs, vmap_method="sequential")(
@@ -163,8 +166,13 @@ def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> 
   return y
 
 
-def gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Array:
-  """``(B, M, K) x (B, N, K) -> (B, M, N)`` float32 from block-scaled FP8 operands.
+def gemm(
+  a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype=jnp.float32
+) -> jax.Array:
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled FP8 operands, float32 sums.
+
+  The result is float32, or bfloat16 when ``out_dtype`` is bfloat16 and cuBLASLt runs the GEMM
+  (it writes the rounded output itself).
 
   Both operands have blocks of 128 along K (``a_block``/``b_block`` are ``(128,)`` or
   ``(128, 128)``). cuBLASLt's block-scaled GEMM where it runs (see the module docstring);
@@ -175,7 +183,7 @@ def gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax.Arra
   if choice != "xla":
     refusal = _cublas_refusal(a_data, a_block, b_data, b_block)
     if refusal is None:
-      return _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)
+      return _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype)
     if choice == "cublas":
       raise RuntimeError(f"{GEMM_ENV}=cublas, but {refusal}")
   return _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)

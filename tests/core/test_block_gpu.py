@@ -133,6 +133,14 @@ def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatc
   cublas = compiled()
   assert "te_adapters_block_gemm" in cublas.as_text()
   got = np.asarray(cublas(*args), np.float64)
+  # A bfloat16 output is written by the kernel: the float32 sums rounded once.
+  as_bf16 = jax.jit(
+    lambda a, sa, b, sb: _float8_block.gemm(
+      a, sa, shapes[blocks[0]], b, sb, shapes[blocks[1]], jnp.bfloat16
+    )
+  )(*args)
+  assert as_bf16.dtype == jnp.bfloat16
+  assert _rel(np.asarray(as_bf16, np.float64), got) < 2e-3
   monkeypatch.setenv(_float8_block.GEMM_ENV, "xla")
   xla = compiled()
   assert "te_adapters_block_gemm" not in xla.as_text()
