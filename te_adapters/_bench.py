@@ -239,6 +239,9 @@ def format_table(rows: list[dict]) -> str:
   if any(r["variant"].endswith(_DEFAULT_THRESHOLD) for r in rows):
     lines.append(f"\ndefault threshold, {slower} than bf16: {', '.join(slow) or 'none'}")
     lines.append(f"default threshold, {slower} than forced FP8: {', '.join(unused) or 'none'}")
+    backend = jax.default_backend()
+    if not core.DEFAULT_SIZE_THRESHOLD.applies_to(backend):
+      lines.append(f"(the default threshold does not apply on {backend}: every GEMM ran in FP8)")
   return "\n".join(lines)
 
 
