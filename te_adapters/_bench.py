@@ -252,6 +252,8 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=20 if on_gpu else 2)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, help="write the rows here")
+  p.add_argument("--shapes", default=None,
+                 help="GEMM sweep shapes instead of the built-in ones: comma list of MxKxN")
   p.add_argument("--full-size", action=argparse.BooleanOptionalAction, default=on_gpu,
                  help="seed sizes (default on GPU); small sizes otherwise")
   args = p.parse_args(argv)
@@ -275,6 +277,8 @@ def main(argv=None) -> None:
   if "layer" in cases:
     rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer)
     rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer)
+  if args.shapes:
+    sweep = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
   if "sweep" in cases:
     rows += bench_sweep(sweep, args.steps, args.repeats, recipes, log)
   device = jax.devices()[0]
