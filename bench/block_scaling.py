@@ -43,7 +43,7 @@ def make_step(recipe, dn):
       y = jax.lax.dot_general(x, k, dn)
     else:
       rng = key if recipe.uses_rng else None
-      y = ta.core.dot_general(x, k, dn, recipe=recipe, rng=rng)
+      y = ta.core.dot_general(x, k, dn, recipe=recipe, rng=rng, threshold=None)
     return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32))
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))

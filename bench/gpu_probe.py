@@ -15,7 +15,8 @@ for m, k, n in [(256, 512, 384), (8, 512, 384), (24, 512, 384), (256, 40, 384), 
                 (256, 512, 24), (100, 200, 300), (4096, 4096, 4096)]:
   x = jnp.ones((m, k), jnp.bfloat16)
   w = jnp.ones((k, n), jnp.bfloat16)
-  f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=recipe)
+  f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=recipe,
+                                                                       threshold=None)
                                             .astype(jnp.float32)), argnums=(0, 1)))
   hlo = f.lower(x, w).compile().as_text()
   fp8, other = core.count_fp8_gemms(hlo)

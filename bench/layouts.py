@@ -40,6 +40,6 @@ for output in ("f32", "direct", "mixed"):
     os.environ["TE_ADAPTERS_TRANSPOSE"] = transpose
     for label, recipe in [("current", ta.Float8CurrentScaling()),
                           ("delayed", ta.DelayedScaling())]:
-      model = make(ta.linen.make_dot_general_cls(recipe))
+      model = make(ta.linen.make_dot_general_cls(recipe, threshold=None))
       run(f"{label} out={output} t={transpose}", model.apply, model.init(k_init, x))
 print(_bench.format_table(rows))

@@ -26,8 +26,8 @@ k_init, k_x, k_dy = jax.random.split(jax.random.PRNGKey(0), 3)
 x = jax.random.normal(k_x, (batch, seq, hidden)).astype(jnp.bfloat16)
 dy = jax.random.normal(k_dy, (batch, seq, out)).astype(jnp.bfloat16)
 classes = {"bf16": lambda: None, "flax": _bench.nn.Fp8DirectDotGeneralOp,
-           "current": ta.linen.make_dot_general_cls(ta.Float8CurrentScaling()),
-           "delayed": ta.linen.make_dot_general_cls(ta.DelayedScaling())}
+           "current": ta.linen.make_dot_general_cls(ta.Float8CurrentScaling(), threshold=None),
+           "delayed": ta.linen.make_dot_general_cls(ta.DelayedScaling(), threshold=None)}
 steps = 3
 for name in variants:
   model = _bench._make_dense(out)(classes[name])

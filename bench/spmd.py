@@ -103,7 +103,7 @@ def make_step(variant, plan, mesh):
   def step(x, w, state, dy):
     def layer(x, w, state):
       return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe,
-                              state=state or None, **kw)
+                              state=state or None, threshold=None, **kw)
 
     y, vjp = jax.vjp(layer, x, w, state)
     dx, dw, new_state = vjp(dy)

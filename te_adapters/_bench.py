@@ -5,6 +5,10 @@ Every variant runs ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` with
 speedometer loss), on the same inputs; times are medians over repeats of several steps, each
 repeat ended by ``block_until_ready``. For each variant the compiled HLO's cuBLASLt FP8 GEMMs are
 counted (GPU only).
+
+Every FP8 variant forces FP8 (``threshold=None``); the GEMM sweep adds variants with the default
+size threshold (``core.DEFAULT_SIZE_THRESHOLD``), and the table flags every point more than 3%
+slower than bf16 (the threshold's goal) and every point where the threshold gave up FP8 speed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from te_adapters import linen as ta_linen
 from te_adapters._seed_layer import FlaxDenseBlock
 
 _DN = (((1,), (0,)), ((), ()))
+# A variant more than this much slower than bf16 is flagged.
+_SLOWER_TOLERANCE = 1.03
+_DEFAULT_THRESHOLD = " (default threshold)"
 
 
 def _timed(step: Callable, args, steps: int, repeats: int) -> tuple[float, float]:
@@ -65,7 +72,8 @@ def _linen_variants(make_model, recipes, include_flax=True):
   """(name, model) pairs: bf16, ours through Linen per recipe, Flax's fp8 op."""
   out = [("bf16", make_model(lambda: None))]
   for label, recipe in recipes:
-    out.append((f"linen {label}", make_model(ta_linen.make_dot_general_cls(recipe))))
+    cls = ta_linen.make_dot_general_cls(recipe, threshold=None)
+    out.append((f"linen {label}", make_model(cls)))
   if include_flax:
     out.append(("flax Fp8DirectDotGeneralOp", make_model(nn.Fp8DirectDotGeneralOp)))
   return out
@@ -82,7 +90,9 @@ def _core_variant(recipe, w_shape):
   def apply_fn(variables, x):
     w = variables["w"].astype(jnp.bfloat16)
     dn = (((x.ndim - 1,), (0,)), ((), ()))
-    return core.dot_general(x, w, dn, recipe=recipe, state=variables.get("state") or None)
+    return core.dot_general(
+        x, w, dn, recipe=recipe, state=variables.get("state") or None, threshold=None
+    )
 
   def init(key):
     v = {"w": nn.initializers.lecun_normal()(key, w_shape, jnp.float32)}
@@ -125,7 +135,7 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
     if hasattr(ta_nnx, "Linear"):
       for label, recipe in recipes:
         model = ta_nnx.Linear(hidden, out_features, use_bias=False, dtype=jnp.bfloat16,
-                              recipe=recipe, rngs=nnx.Rngs(0))
+                              recipe=recipe, threshold=None, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         def apply_fn(variables, x, graphdef=graphdef):
           return nnx.merge(graphdef, variables)(x)
@@ -139,7 +149,7 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
     if hasattr(ta_hk, "Linear"):
       for label, recipe in recipes:
         def fwd(x, recipe=recipe):
-          return ta_hk.Linear(out_features, with_bias=False, recipe=recipe)(x)
+          return ta_hk.Linear(out_features, with_bias=False, recipe=recipe, threshold=None)(x)
         f = hk.transform_with_state(fwd)
         # float32 parameters (initialised from a float32 input), computed in bf16 like nn.Dense.
         params, state = f.init(key, x.astype(jnp.float32))
@@ -179,16 +189,22 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
 
 
 def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
+  """x (M, K) @ w (K, N) per shape: bf16, each recipe forced to FP8, each with the default
+  size threshold."""
   rows = []
+  variants = [("bf16", None, None)]
+  for label, recipe in recipes:
+    variants += [(label, recipe, None),
+                 (label + _DEFAULT_THRESHOLD, recipe, core.DEFAULT_SIZE_THRESHOLD)]
   for m, k, n in shapes:
     kx, kw, kd = jax.random.split(jax.random.PRNGKey(m + k + n), 3)
     x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
     w = jax.random.normal(kw, (k, n)).astype(jnp.bfloat16)
     dy = jax.random.normal(kd, (m, n)).astype(jnp.bfloat16)
-    for label, recipe in [("bf16", None), *recipes]:
+    for label, recipe, threshold in variants:
       state = core.init_state(recipe) if recipe is not None else {}
-      def loss(w, state, x, dy, recipe=recipe):
-        y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None)
+      def loss(w, state, x, dy, recipe=recipe, threshold=threshold):
+        y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None, threshold=threshold)
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
       step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
       args = (w, state, x, dy)
@@ -200,12 +216,32 @@ def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-  lines = [f"{'case':<30}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'FP8/other GEMMs':>17}"]
+  """The rows as a table; ``>3% slower`` flags a variant more than 3% slower than bf16. Below
+  it, a summary of the default-threshold variants of the GEMM sweep."""
+  slower = f">{round((_SLOWER_TOLERANCE - 1) * 100)}% slower"
+  lines = [f"{'case':<30}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'FP8/other GEMMs':>17}"
+           f"  {slower}"]
   base = {r["case"]: r["ms"] for r in rows if r["variant"] in ("bf16", "core bf16")}
+  ms = {(r["case"], r["variant"]): r["ms"] for r in rows}
+  slow, unused = [], []
   for r in rows:
-    ratio = base.get(r["case"], float("nan")) / r["ms"]
+    bf16 = base.get(r["case"], float("nan"))
+    is_slow = r["ms"] > _SLOWER_TOLERANCE * bf16
     fp8 = "-" if r["cublas_fp8"] is None else str(r["cublas_fp8"])
-    lines.append(f"{r['case']:<30}{r['variant']:<36}{r['ms']:>9.2f}{ratio:>8.2f}x{fp8:>17}")
+    lines.append(f"{r['case']:<30}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x"
+                 f"{fp8:>17}  {'SLOWER' if is_slow else ''}".rstrip())
+    if r["variant"].endswith(_DEFAULT_THRESHOLD):
+      forced = ms.get((r["case"], r["variant"][: -len(_DEFAULT_THRESHOLD)]))
+      if is_slow:
+        slow.append(f"{r['case']} {r['variant']}")
+      if forced is not None and r["ms"] > _SLOWER_TOLERANCE * forced:
+        unused.append(f"{r['case']} {r['variant']}")
+  if any(r["variant"].endswith(_DEFAULT_THRESHOLD) for r in rows):
+    lines.append(f"\ndefault threshold, {slower} than bf16: {', '.join(slow) or 'none'}")
+    lines.append(f"default threshold, {slower} than forced FP8: {', '.join(unused) or 'none'}")
+    backend = jax.default_backend()
+    if not core.DEFAULT_SIZE_THRESHOLD.applies_to(backend):
+      lines.append(f"(the default threshold does not apply on {backend}: every GEMM ran in FP8)")
   return "\n".join(lines)
 
 
@@ -216,6 +252,8 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=20 if on_gpu else 2)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, help="write the rows here")
+  p.add_argument("--shapes", default=None,
+                 help="GEMM sweep shapes instead of the built-in ones: comma list of MxKxN")
   p.add_argument("--full-size", action=argparse.BooleanOptionalAction, default=on_gpu,
                  help="seed sizes (default on GPU); small sizes otherwise")
   args = p.parse_args(argv)
@@ -227,7 +265,10 @@ def main(argv=None) -> None:
   if args.full_size:
     dense, layer = (8, 2048, 8192, 32768), (4, 2048, 4096, 16384, 32)
     sweep = [(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)] + [
-        (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 4096, 1024)]
+        (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 4096, 1024),
+        # Around the default size threshold (M*K*N = 4096**3, min dim 2048), from both sides.
+        (2048, 8192, 8192), (1024, 8192, 8192), (8192, 2048, 2048), (4096, 4096, 2048),
+        (16384, 1024, 1024)]
   else:
     dense, layer = (2, 64, 256, 512), (2, 64, 128, 256, 4)
     sweep = [(128, 256, 256), (256, 256, 512)]
@@ -236,6 +277,8 @@ def main(argv=None) -> None:
   if "layer" in cases:
     rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer)
     rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer)
+  if args.shapes:
+    sweep = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
   if "sweep" in cases:
     rows += bench_sweep(sweep, args.steps, args.repeats, recipes, log)
   device = jax.devices()[0]

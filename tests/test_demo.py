@@ -28,7 +28,25 @@ def test_bench_sweep_rows_and_table():
 
   recipes = [("current", core.Float8CurrentScaling())]
   rows = _bench.bench_sweep([(32, 64, 32)], steps=1, repeats=1, recipes=recipes, log=lambda r: None)
-  assert [r["variant"] for r in rows] == ["core bf16", "core current"]
+  assert [r["variant"] for r in rows] == [
+      "core bf16", "core current", "core current (default threshold)"]
   assert all(r["ms"] > 0 and r["case"] == "gemm 32x64x32" for r in rows)
   table = _bench.format_table(rows)
-  assert "core current" in table and "x" in table.splitlines()[-1]
+  assert "core current" in table and "x" in table.splitlines()[3]
+
+
+def test_bench_table_flags_points_slower_than_bf16():
+  from te_adapters import _bench
+
+  case = "gemm 1024x1024x1024"
+  rows = [dict(case=case, variant=v, ms=ms, spread_ms=0.0, cublas_fp8=None) for v, ms in [
+      ("core bf16", 1.0), ("core current", 1.5), ("core current (default threshold)", 1.02),
+      ("core delayed", 0.9), ("core delayed (default threshold)", 1.2)]]
+  lines = _bench.format_table(rows).splitlines()
+  assert lines[0].endswith(">3% slower")
+  assert [line.endswith("SLOWER") for line in lines[1:6]] == [False, True, False, False, True]
+  summary = lines[lines.index("") + 1:]
+  assert summary[0] == (f"default threshold, >3% slower than bf16: {case} core delayed "
+                        "(default threshold)")
+  assert summary[1] == (f"default threshold, >3% slower than forced FP8: {case} core delayed "
+                        "(default threshold)")

@@ -1,5 +1,8 @@
 """On a GPU with FP8 GEMMs: every recipe and adapter compiles to cuBLASLt FP8 GEMMs, and the
-device's numerics match float64. Skipped elsewhere."""
+device's numerics match float64; the default size threshold keeps small GEMMs in bf16. Skipped
+elsewhere."""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +36,7 @@ def test_core_emits_three_fp8_cublas_gemms_and_matches_float64(recipe, rel):
   state = core.init_state(recipe)
 
   def loss(x, w, state, dy):
-    y = core.dot_general(x, w, DN, recipe=recipe, state=state or None)
+    y = core.dot_general(x, w, DN, recipe=recipe, state=state or None, threshold=None)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -50,7 +53,7 @@ def test_core_emits_three_fp8_cublas_gemms_and_matches_float64(recipe, rel):
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: type(r).__name__)
 def test_linen_dense_emits_fp8_gemms(recipe):
   model = nn.Dense(256, use_bias=False, dtype=jnp.bfloat16,
-                   dot_general=ta_linen.make_dot_general_cls(recipe)())
+                   dot_general=ta_linen.make_dot_general_cls(recipe, threshold=None)())
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 64, 512)).astype(jnp.bfloat16)
   dy = jax.random.normal(jax.random.PRNGKey(2), (4, 64, 256)).astype(jnp.bfloat16)
   variables = model.init(jax.random.PRNGKey(0), x)
@@ -61,3 +64,30 @@ def test_linen_dense_emits_fp8_gemms(recipe):
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # dgrad too
   hlo = step.lower(variables, x, dy).compile().as_text()
   assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: type(r).__name__)
+def test_default_threshold_quantizes_large_gemms_only(recipe):
+  state = core.init_state(recipe)
+
+  def compiled_hlo(m, k, n):
+    def loss(x, w, state, dy):
+      y = core.dot_general(x, w, DN, recipe=recipe, state=state or None)
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    shapes = [(m, k), (k, n), (m, n)]
+    x, w, dy = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes)
+    return step.lower(x, w, state, dy).compile().as_text()
+
+  assert core.runs_in_fp8((8192, 8192), (8192, 8192), DN)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", core.HighPrecisionGemmWarning)
+    hlo = compiled_hlo(8192, 8192, 8192)
+  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+  assert not core.runs_in_fp8((1024, 1024), (1024, 1024), DN)
+  with pytest.warns(core.HighPrecisionGemmWarning, match="M=1024, K=1024, N=1024"):
+    hlo = compiled_hlo(1024, 1024, 1024)
+  fp8, other = core.count_fp8_gemms(hlo)
+  assert fp8 == 0 and core.count_fp8_cublas_gemms(hlo) == 0 and other >= 3, (
+      core.hlo_dot_operand_types(hlo))

@@ -1,7 +1,8 @@
 """The functional core of te_adapters: pure JAX, no framework imports.
 
 Recipes, recipe state as explicit pytrees, quantize/dequantize, and a quantized ``dot_general``
-with a custom VJP whose state gradient is the next step's state.
+with a custom VJP whose state gradient is the next step's state. GEMMs too small for FP8 to pay
+stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in_fp8``).
 """
 
 from te_adapters.core._gemm import dot_general
@@ -43,23 +44,34 @@ from te_adapters.core._state import (
     updated_state,
     with_max_grad,
 )
+from te_adapters.core._threshold import (
+    DEFAULT_SIZE_THRESHOLD,
+    HighPrecisionGemmWarning,
+    SizeThreshold,
+    check_threshold,
+    runs_in_fp8,
+)
 
 __all__ = [
     "CHECKPOINT_NAMES",
     "Collective",
+    "DEFAULT_SIZE_THRESHOLD",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
     "GEMM_OUTPUT",
+    "HighPrecisionGemmWarning",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "QUANTIZED_KERNEL",
     "QUANTIZED_X",
     "Recipe",
     "ScaledTensor",
+    "SizeThreshold",
     "check_recipe",
     "check_state",
+    "check_threshold",
     "checkpoint_dots_and_quantized_gemms",
     "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
     "compute_scale",
@@ -77,6 +89,7 @@ __all__ = [
     "init_state",
     "quantize",
     "ragged_dot",
+    "runs_in_fp8",
     "save_quantized_gemms",
     "save_quantized_operands",
     "state_names",

@@ -31,9 +31,12 @@ from te_adapters.core import (
     _remat,
     _scaling,
     _sharding,
+    _threshold,
 )
+from te_adapters.core._accumulate import is_accumulating
 from te_adapters.core._recipes import DelayedScaling, check_recipe
 from te_adapters.core._state import ROLES, check_state
+from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
 
 __all__ = ["dot_general"]
 
@@ -51,6 +54,7 @@ def dot_general(
     out_sharding=None,
     amax_axes=None,
     kernel_all_gather=None,
+    threshold=DEFAULT_SIZE_THRESHOLD,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -87,7 +91,13 @@ def dot_general(
       and the FP8 shards are all-gathered for the GEMM, and its gradient is reduce-scattered back.
       Works under ``jit`` (mesh from ``jax.set_mesh`` or the ``NamedSharding``) and inside
       ``shard_map``.
-
+    threshold: a ``SizeThreshold``: GEMMs below it (by default: on GPU only, small ones, see
+      ``DEFAULT_SIZE_THRESHOLD``) are slower in FP8 than in high precision and run as
+      ``lax.dot_general`` on the unquantized operands instead, with a
+      ``HighPrecisionGemmWarning`` at trace time (``runs_in_fp8`` tells in advance). ``rng`` and
+      ``amax_axes`` are unused then, ``kernel_all_gather`` gathers the unquantized kernel, and
+      the state gradient is the unchanged state (under ``with_max_grad``: no contribution, so
+      ``updated_state`` keeps the state). ``None``: always quantize.
 
   Returns:
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
@@ -104,6 +114,7 @@ def dot_general(
   _quantize.check_float_operand("rhs", rhs)
   lhs = jnp.asarray(lhs)
   rhs = jnp.asarray(rhs)
+  threshold = _threshold.check_threshold(threshold)
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
@@ -135,6 +146,11 @@ def dot_general(
   ).dtype
   if recipe.block_scaled:
     _sharding.check_block_scaled(recipe, plan, lhs, rhs)
+  m, k, n = _threshold.gemm_mkn(lhs.shape, gemm_rhs.shape, dn)
+  dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
+  if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
+    return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+  if recipe.block_scaled:
     return _block_gemm.block_dot_general(lhs, rhs, dn, out_dtype, recipe, rng)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   if _layout() == "tn":
@@ -144,6 +160,48 @@ def dot_general(
   return _fp8_dot_general(
       lhs, rhs, state, dn, precision, np.dtype(out_dtype), operand_dtypes, recipe, plan
   )
+
+
+def _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan):
+  """The GEMM below the size threshold: ``lax.dot_general`` on the unquantized operands."""
+  # FSDP inside shard_map: the kernel is a shard, gathered (and its gradient reduce-scattered by
+  # autodiff) in high precision; under jit the gather is a sharding constraint.
+  rhs = _sharding.gather_kernel(rhs, plan)
+  y = lax.dot_general(
+      lhs, rhs, dn, precision, preferred_element_type, out_sharding=plan.out_sharding
+  )
+  y = checkpoint_name(y, _remat.GEMM_OUTPUT)
+  return _keep_state(y, state) if state else y
+
+
+@jax.custom_vjp
+def _keep_state(y, state):
+  """``y``, with the state's gradient set to the unchanged state (its "new state")."""
+  del state
+  return y
+
+
+def _keep_state_fwd(y, state):
+  return y, (state, jax.tree_util.tree_map(_sharding.type_witness, state))
+
+
+def _keep_state_bwd(residuals, g):
+  state, witness = residuals
+  new_state = {k: _unchanged(v) for k, v in state.items()}
+  new_state = {k: _sharding.match_cotangent(v, witness[k]) for k, v in new_state.items()}
+  return g, new_state
+
+
+def _unchanged(leaf):
+  # Under with_max_grad the identity of the max/scale combination (-inf): this use contributes
+  # nothing, so other uses of the state win, and alone it decodes to zero, which updated_state
+  # reads as "keep the old state". Plain float32: the old value itself.
+  if is_accumulating(leaf):
+    return lax.convert_element_type(jnp.full(leaf.shape, -jnp.inf, jnp.float32), leaf.dtype)
+  return leaf
+
+
+_keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
 
 
 def _layout() -> str:

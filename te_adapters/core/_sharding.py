@@ -435,11 +435,12 @@ def gathered_kernel_type(kernel, plan: SpmdPlan):
 
 
 def gather_kernel(q, plan: SpmdPlan):
-  """All-gathers the FP8 kernel shard ``q`` over ``plan.kernel_all_gather``, as bytes."""
+  """All-gathers the kernel shard ``q`` over ``plan.kernel_all_gather``; FP8 as bytes."""
   if plan.kernel_all_gather is None:
     return q
   mode = _gather_mode(plan, q)
-  u = lax.bitcast_convert_type(q, jnp.uint8)
+  as_bytes = np.dtype(q.dtype).itemsize == 1
+  u = lax.bitcast_convert_type(q, jnp.uint8) if as_bytes else q
   if mode == "manual":
     _check_manual_gather(u, plan)
     for d, axes in enumerate(plan.kernel_all_gather):
@@ -450,7 +451,7 @@ def gather_kernel(q, plan: SpmdPlan):
   else:
     u = lax.with_sharding_constraint(u, _constraint(plan, _shard_spec(plan)))
     u = lax.with_sharding_constraint(u, _constraint(plan, _gathered_spec(plan)))
-  return lax.bitcast_convert_type(u, q.dtype)
+  return lax.bitcast_convert_type(u, q.dtype) if as_bytes else u
 
 
 def scatter_kernel_grad(dw, shard, plan: SpmdPlan):

@@ -81,6 +81,9 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
     recipe: the recipe for the intercepted layers, or ``None`` for none.
     module_filter: optional ``f(module_name) -> bool``; layers for which it is false stay in high
       precision.
+    threshold: passed to ``core.dot_general`` by every intercepted layer: GEMMs below this
+      ``SizeThreshold`` stay in high precision (default ``core.DEFAULT_SIZE_THRESHOLD``, with a
+      ``core.HighPrecisionGemmWarning``); ``None`` quantizes every GEMM.
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
@@ -93,9 +96,14 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
   """
 
   def __init__(
-      self, recipe: core.Recipe | None, *, module_filter: Callable[[str], bool] | None = None
+      self,
+      recipe: core.Recipe | None,
+      *,
+      module_filter: Callable[[str], bool] | None = None,
+      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
   ):
     self.recipe = None if recipe is None else core.check_recipe(recipe)
+    self.threshold = core.check_threshold(threshold)
     if module_filter is not None and not callable(module_filter):
       raise TypeError(f"module_filter must be callable, got {type(module_filter).__name__}")
     self.module_filter = module_filter
@@ -138,7 +146,9 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
       return next_f(*args, **kwargs)
     if name not in self.report.quantized:
       self.report.quantized.append(name)
-    call = functools.partial(_linear.linear_forward, module, recipe=self.recipe)
+    call = functools.partial(
+        _linear.linear_forward, module, recipe=self.recipe, threshold=self.threshold
+    )
     return _call_like_linear(call, *args, **kwargs)
 
 

@@ -17,7 +17,11 @@ _DEFAULT_RECIPE = core.Float8CurrentScaling()
 
 
 def linear_forward(
-    module: hk.Linear, inputs: jax.Array, precision: lax.Precision | None, recipe
+    module: hk.Linear,
+    inputs: jax.Array,
+    precision: lax.Precision | None,
+    recipe,
+    threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
 ) -> jax.Array:
   """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
 
@@ -58,7 +62,9 @@ def linear_forward(
           "use a stateless recipe (Float8CurrentScaling) with such policies"
       )
   dims = (((inputs.ndim - 1,), (0,)), ((), ()))
-  out = core.dot_general(inputs, w, dims, precision, recipe=recipe, state=state)
+  out = core.dot_general(
+      inputs, w, dims, precision, recipe=recipe, state=state, threshold=threshold
+  )
 
   if module.with_bias:
     b = hk.get_parameter("b", [module.output_size], dtype, init=module.b_init)
@@ -105,6 +111,7 @@ class Linear(hk.Linear):
       name: str | None = None,
       *,
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
   ):
     """Constructs the quantized Linear module.
 
@@ -116,9 +123,12 @@ class Linear(hk.Linear):
       name: name of the module (default ``"linear"``, as for ``hk.Linear``).
       recipe: the quantization recipe (default ``te_adapters.Float8CurrentScaling()``), or
         ``None`` for the unquantized ``hk.Linear`` computation.
+      threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in
+        high precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
     """
     super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
     self.recipe = None if recipe is None else core.check_recipe(recipe)
+    self.threshold = core.check_threshold(threshold)
 
   def __call__(self, inputs: jax.Array, *, precision: lax.Precision | None = None) -> jax.Array:
     """Computes ``inputs @ w + b`` with the GEMM quantized per the recipe.
@@ -130,4 +140,4 @@ class Linear(hk.Linear):
     Returns:
       An array of shape ``[..., output_size]`` with the dtype of ``inputs``.
     """
-    return linear_forward(self, inputs, precision, self.recipe)
+    return linear_forward(self, inputs, precision, self.recipe, self.threshold)

@@ -22,6 +22,7 @@ class QuantizedDotGeneral(nn.Module):
   """
 
   recipe: Any = None
+  threshold: Any = core.DEFAULT_SIZE_THRESHOLD
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -37,10 +38,11 @@ class QuantizedDotGeneral(nn.Module):
         preferred_element_type,
         recipe=self.recipe,
         state=state or None,
+        threshold=self.threshold,
     )
 
 
-def make_dot_general_cls(recipe) -> type[nn.Module]:
+def make_dot_general_cls(recipe, *, threshold=core.DEFAULT_SIZE_THRESHOLD) -> type[nn.Module]:
   """A Linen module class whose instances run ``dot_general`` quantized by ``recipe``.
 
   Used as in TransformerEngine's JAX tutorials:
@@ -50,30 +52,37 @@ def make_dot_general_cls(recipe) -> type[nn.Module]:
 
   Args:
     recipe: a te_adapters recipe.
+    threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
+      precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
 
   Returns:
     A subclass of ``nn.Module`` taking no required constructor arguments.
   """
   recipe = core.check_recipe(recipe)
+  threshold = core.check_threshold(threshold)
   name = f"{type(recipe).__name__}DotGeneral"
-  return type(name, (QuantizedDotGeneral,), {"__annotations__": {"recipe": Any}, "recipe": recipe})
+  fields = {"recipe": recipe, "threshold": threshold}
+  annotations = dict.fromkeys(fields, Any)
+  return type(name, (QuantizedDotGeneral,), {"__annotations__": annotations, **fields})
 
 
 def _with_recipe_dot_general(module):
   if module.recipe is not None:
     current = module.dot_general_cls
     if isinstance(current, type) and issubclass(current, QuantizedDotGeneral):
-      if current.recipe == module.recipe:
+      if current.recipe == module.recipe and current.threshold == module.threshold:
         return  # a clone of a module already set up
     if module.dot_general is not None or current is not None:
       raise ValueError(f"{type(module).__name__}: give either recipe or dot_general, not both")
-    object.__setattr__(module, "dot_general_cls", make_dot_general_cls(module.recipe))
+    cls = make_dot_general_cls(module.recipe, threshold=module.threshold)
+    object.__setattr__(module, "dot_general_cls", cls)
 
 
 class Dense(nn.Dense):
   """``flax.linen.Dense`` with a ``recipe``: same parameters, the GEMM quantized by the recipe.
 
   ``recipe=None`` is exactly ``nn.Dense``. Recipe state lives in ``_overwrite_with_gradient``.
+  ``threshold`` goes to ``core.dot_general`` (GEMMs below it stay in high precision).
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -85,6 +94,7 @@ class Dense(nn.Dense):
   """
 
   recipe: Any = None
+  threshold: Any = core.DEFAULT_SIZE_THRESHOLD
 
   def __post_init__(self):
     _with_recipe_dot_general(self)
@@ -92,9 +102,11 @@ class Dense(nn.Dense):
 
 
 class DenseGeneral(nn.DenseGeneral):
-  """``flax.linen.DenseGeneral`` with a ``recipe`` (same fields and parameters plus ``recipe``)."""
+  """``flax.linen.DenseGeneral`` with a ``recipe`` and a ``threshold`` (same fields and
+  parameters plus those two)."""
 
   recipe: Any = None
+  threshold: Any = core.DEFAULT_SIZE_THRESHOLD
 
   def __post_init__(self):
     _with_recipe_dot_general(self)

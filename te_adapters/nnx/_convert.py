@@ -56,7 +56,13 @@ def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | No
   return "einsum_op", len(layer.kernel_shape), dims, None
 
 
-def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> QuantizeReport:
+def quantize_model(
+    model: nnx.Module,
+    recipe: core.Recipe,
+    *,
+    filter=None,
+    threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+) -> QuantizeReport:
   """Makes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model`` use
   quantized GEMMs, in place, keeping their parameters.
 
@@ -72,6 +78,9 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
     recipe: a te_adapters recipe.
     filter: an NNX filter called with ``(path, layer)`` selecting the layers to quantize (for
       example ``nnx.PathContains("mlp")``, or a function); default every linear layer.
+    threshold: passed to ``core.dot_general`` by every converted layer: GEMMs below this
+      ``SizeThreshold`` stay in high precision (default ``core.DEFAULT_SIZE_THRESHOLD``);
+      ``None`` quantizes every GEMM.
 
   Returns:
     A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons).
@@ -87,6 +96,7 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
     (('layers/0',), 'layers/1')
   """
   recipe = core.check_recipe(recipe)
+  threshold = core.check_threshold(threshold)
   predicate = nnx.filterlib.to_predicate(filter) if filter is not None else None
   layers = [
       (path, node)
@@ -114,7 +124,7 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
       continue
     kernel = layer.kernel.get_value()
     stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
-    op = (EinsumOp if slot == "einsum_op" else DotGeneral)(recipe)
+    op = (EinsumOp if slot == "einsum_op" else DotGeneral)(recipe, threshold=threshold)
     for state_name in core.state_names(recipe):
       variable = getattr(op, state_name)
       value = variable.get_value()
@@ -123,5 +133,6 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
     setattr(layer, slot, nnx.data(op))
     if isinstance(layer, (Linear, LinearGeneral, Einsum)):
       layer.recipe = recipe  # a te_adapters layer built with recipe=None
+      layer.threshold = threshold
     quantized.append(name)
   return QuantizeReport(quantized=tuple(quantized), skipped=tuple(skipped))

@@ -29,7 +29,7 @@ __all__ = ["Linear", "LinearGeneral", "Einsum"]
 _DEFAULT_RECIPE = core.Float8CurrentScaling()
 
 
-def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str):
+def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, threshold):
   if recipe is None:
     return given
   if given is not default:
@@ -37,7 +37,7 @@ def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str):
         f"{layer}: pass either recipe= or a custom {arg_name}=, not both (recipe={recipe!r} "
         f"replaces the {arg_name})"
     )
-  return op_cls(recipe)
+  return op_cls(recipe, threshold=threshold)
 
 
 class Linear(nnx.Linear):
@@ -54,6 +54,8 @@ class Linear(nnx.Linear):
     out_features: the number of output features (a multiple of 16 when quantized).
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.Linear``, numerically identical.
+    threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
+      precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
     **others: as for ``flax.nnx.Linear``. ``dot_general`` cannot be combined with a recipe.
 
   Example:
@@ -86,11 +88,12 @@ class Linear(nnx.Linear):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
   ):
     if recipe is not None:
       check_gemm_dims(in_features, out_features, f"Linear({in_features}, {out_features})")
     dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear"
+        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear", threshold
     )
     super().__init__(
         in_features,
@@ -109,6 +112,7 @@ class Linear(nnx.Linear):
         bias_metadata=bias_metadata,
     )
     self.recipe = recipe
+    self.threshold = threshold
 
 
 class LinearGeneral(nnx.LinearGeneral):
@@ -124,6 +128,7 @@ class LinearGeneral(nnx.LinearGeneral):
       quantized.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.LinearGeneral``.
+    threshold: as for ``Linear``.
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
 
@@ -157,6 +162,7 @@ class LinearGeneral(nnx.LinearGeneral):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
   ):
     if recipe is not None:
       if dot_general_cls is not None:
@@ -165,7 +171,7 @@ class LinearGeneral(nnx.LinearGeneral):
       n = math.prod(nnx_linear._canonicalize_tuple(out_features))
       check_gemm_dims(k, n, f"LinearGeneral({in_features}, {out_features})")
     dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral"
+        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral", threshold
     )
     super().__init__(
         in_features,
@@ -187,6 +193,7 @@ class LinearGeneral(nnx.LinearGeneral):
         bias_metadata=bias_metadata,
     )
     self.recipe = recipe
+    self.threshold = threshold
 
 
 def einsum_gemm_dims(einsum_str: str, kernel_shape: Shape) -> tuple[int, int] | None:
@@ -231,6 +238,7 @@ class Einsum(nnx.Einsum):
     bias_shape: the bias shape, or ``None`` for no bias.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.Einsum``.
+    threshold: as for ``Linear``.
     **others: as for ``flax.nnx.Einsum``. ``einsum_op`` cannot be combined with a recipe.
 
   Example:
@@ -260,12 +268,15 @@ class Einsum(nnx.Einsum):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
   ):
     if recipe is not None and einsum_str is not None:
       dims = einsum_gemm_dims(einsum_str, kernel_shape)
       if dims is not None:
         check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
-    einsum_op = _quantized_op(EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum")
+    einsum_op = _quantized_op(
+        EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum", threshold
+    )
     super().__init__(
         einsum_str,
         kernel_shape,
@@ -283,3 +294,4 @@ class Einsum(nnx.Einsum):
         bias_metadata=bias_metadata,
     )
     self.recipe = recipe
+    self.threshold = threshold

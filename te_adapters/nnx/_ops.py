@@ -48,8 +48,14 @@ def _check_out_sharding(out_sharding) -> None:
 class _RecipeOp(nnx.Module):
   """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names."""
 
-  def __init__(self, recipe: core.Recipe):
+  def __init__(
+      self,
+      recipe: core.Recipe,
+      *,
+      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+  ):
     self.recipe = core.check_recipe(recipe)
+    self.threshold = core.check_threshold(threshold)
     for name, value in core.init_state(self.recipe).items():
       setattr(self, name, RecipeState(value))
 
@@ -71,6 +77,7 @@ class _RecipeOp(nnx.Module):
         preferred_element_type,
         recipe=self.recipe,
         state=self.recipe_state(),
+        threshold=self.threshold,
     )
 
 
@@ -83,6 +90,8 @@ class DotGeneral(_RecipeOp):
 
   Args:
     recipe: a te_adapters recipe (``DelayedScaling``, ``Float8CurrentScaling``).
+    threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
+      precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -147,6 +156,7 @@ class EinsumOp(_RecipeOp):
 
   Args:
     recipe: a te_adapters recipe (``DelayedScaling``, ``Float8CurrentScaling``).
+    threshold: as for ``DotGeneral``.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta

@@ -41,7 +41,7 @@ def _step(recipe, **kw):
   def step(x, w, state, dy):
     def layer(x, w, state):
       return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state or None,
-                              **kw)
+                              threshold=None, **kw)
     y, vjp = jax.vjp(layer, x, w, state)
     return (y, *vjp(dy))
   return jax.jit(step)

@@ -72,7 +72,7 @@ def test_cuda_dense_grad_identical(recipe, monkeypatch):
     def loss(w, state):
       y = ta.core.dot_general(
         x, w, (((2,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, recipe=recipe,
-        state=state,
+        state=state, threshold=None,
       )
       return jnp.sum(y.astype(jnp.float32) ** 2)
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()])
 def test_step_runs_fp8_gemms(recipe, remat_policy):
   def block(x):
-    return ta_hk.Linear(256, recipe=recipe)(x)
+    return ta_hk.Linear(256, recipe=recipe, threshold=None)(x)
 
   def forward(x):
     layer = hk.remat(block, policy=remat_policy) if remat_policy else block

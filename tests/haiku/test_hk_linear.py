@@ -1,5 +1,7 @@
 """te_adapters.haiku.Linear: parity with hk.Linear, FP8 numerics, delayed-scaling state."""
 
+import dataclasses
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -233,3 +235,26 @@ def test_errors_name_the_problem():
                        x, with_state=True)
   with pytest.raises(ValueError, match=r"x_amax_history.*\(4,\).*needs \(8,\)"):
     jax.eval_shape(f8.apply, params, state, None, x)
+
+
+def test_threshold_is_passed_to_the_core():
+  below = dataclasses.replace(ta.core.DEFAULT_SIZE_THRESHOLD, platforms=("cpu",))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.bfloat16)
+  plain = hk.transform(lambda x: hk.Linear(16)(x))
+  params = plain.init(jax.random.key(0), x)
+  y_ref = plain.apply(params, None, x)
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  state = {"linear": init_state(recipe)}
+  ours = hk.transform_with_state(lambda x: ta_hk.Linear(16, recipe=recipe, threshold=below)(x))
+  q = ta_hk.quantize(recipe, threshold=below)
+  intercepted = hk.transform_with_state(q(lambda x: hk.Linear(16)(x)))
+  for f in (ours, intercepted):
+    with pytest.warns(ta.core.HighPrecisionGemmWarning, match="M=4, K=32, N=16"):
+      y, _ = f.apply(params, state, None, x)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+  forced = hk.transform_with_state(lambda x: ta_hk.Linear(16, recipe=recipe, threshold=None)(x))
+  assert ta.core.count_fp8_dot_generals(
+      lambda p, s, x: forced.apply(p, s, None, x), params, state, x) == (1, 1)
+  assert ta_hk.quantize(recipe).threshold == ta.core.DEFAULT_SIZE_THRESHOLD
+  with pytest.raises(TypeError, match="threshold must be"):
+    ta_hk.quantize(recipe, threshold=1)

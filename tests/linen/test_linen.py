@@ -1,5 +1,8 @@
 """The Linen adapter: seed usage, TE variable names, state threading, scan, remat, train state."""
 
+import dataclasses
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +220,28 @@ def test_seed_001_transformer_layer_trains(recipe):
   if recipe.stateful:
     meta = state.recipe_state["DelayedScalingDotGeneral_0"]
     assert float(meta["x_amax_history"][-1]) > 0 and float(meta["grad_amax_history"][-1]) > 0
+
+
+def test_threshold_is_passed_to_the_core():
+  below = dataclasses.replace(core.DEFAULT_SIZE_THRESHOLD, platforms=("cpu",))
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 64)).astype(jnp.bfloat16)
+  ref = nn.Dense(32, dtype=jnp.bfloat16)
+  variables = ref.init(jax.random.PRNGKey(0), x)
+  cls = ta_linen.make_dot_general_cls(recipe, threshold=below)
+  assert cls.threshold == below and ta_linen.make_dot_general_cls(recipe).threshold == (
+      core.DEFAULT_SIZE_THRESHOLD)
+  layers = [nn.Dense(32, dtype=jnp.bfloat16, dot_general=cls()),
+            ta_linen.Dense(32, dtype=jnp.bfloat16, recipe=recipe, threshold=below),
+            ta_linen.DenseGeneral(32, dtype=jnp.bfloat16, recipe=recipe, threshold=below)]
+  for layer in layers:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+      v = {**variables, OWG: layer.init(jax.random.PRNGKey(0), x)[OWG]}
+    with pytest.warns(core.HighPrecisionGemmWarning, match="M=32, K=64, N=32"):
+      np.testing.assert_array_equal(layer.apply(v, x), ref.apply(variables, x))
+  forced = ta_linen.Dense(32, dtype=jnp.bfloat16, recipe=recipe, threshold=None)
+  v = forced.init(jax.random.PRNGKey(0), x)
+  assert core.count_fp8_dot_generals(forced.apply, v, x) == (1, 1)
+  with pytest.raises(TypeError, match="threshold must be"):
+    ta_linen.make_dot_general_cls(recipe, threshold=2**36)

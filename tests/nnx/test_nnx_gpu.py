@@ -19,7 +19,8 @@ pytestmark = pytest.mark.gpu
 def test_training_step_runs_fp8_gemms(recipe, remat):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
-  model = ta_nnx.Linear(256, 512, recipe=recipe, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(256, 512, recipe=recipe, threshold=None, dtype=jnp.bfloat16,
+                        rngs=nnx.Rngs(0))
   x = jnp.ones((64, 256), jnp.bfloat16)
 
   def loss(m, x):

@@ -1,5 +1,6 @@
 """te_adapters.nnx layers: parity with their NNX counterparts, FP8 numerics, errors."""
 
+import dataclasses
 import inspect
 
 import jax
@@ -222,3 +223,28 @@ def test_bad_arguments_are_refused():
   lonely = ta_nnx.Einsum("ijm,jk->ik", (16, 16), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"\['m'\] are summed over one operand"):
     lonely(jnp.ones((16, 16, 4)))
+
+
+def test_threshold_is_passed_to_the_core():
+  below = dataclasses.replace(ta.core.DEFAULT_SIZE_THRESHOLD, platforms=("cpu",))
+  for index, (build, x_shape) in enumerate(_builders()):
+    ours = build(PAIRS[index][0], recipe=DELAYED, threshold=below, dtype=jnp.bfloat16)
+    theirs = build(PAIRS[index][1], dtype=jnp.bfloat16)
+    op = ours.einsum_op if index == 2 else ours.dot_general
+    assert op.threshold == below and ours.threshold == below
+    x = _normal(index, x_shape)
+    with pytest.warns(ta.core.HighPrecisionGemmWarning, match="threshold=None"):
+      np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(theirs(x)))
+  forced = ta_nnx.Linear(32, 48, recipe=DELAYED, threshold=None, rngs=nnx.Rngs(0))
+  assert ta.core.count_fp8_dot_generals(lambda x: forced(x), _normal(0, (4, 32))) == (1, 1)
+  assert ta_nnx.Linear(32, 48, rngs=nnx.Rngs(0)).dot_general.threshold == (
+      ta.core.DEFAULT_SIZE_THRESHOLD)
+  with pytest.raises(TypeError, match="threshold must be"):
+    ta_nnx.DotGeneral(DELAYED, threshold="small")
+  model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
+                         nnx.Einsum("bd,dk->bk", (64, 16), rngs=nnx.Rngs(0)))
+  ta_nnx.quantize_model(model, DELAYED, threshold=below)
+  assert model.layers[0].dot_general.threshold == model.layers[1].einsum_op.threshold == below
+  model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)))
+  ta_nnx.quantize_model(model, DELAYED)
+  assert model.layers[0].dot_general.threshold == ta.core.DEFAULT_SIZE_THRESHOLD
