@@ -9,13 +9,22 @@ counted (GPU only).
 Every FP8 variant forces FP8 (``threshold=None``); the GEMM sweep adds variants with the default
 size threshold (``core.DEFAULT_SIZE_THRESHOLD``), and the table flags every point more than 3%
 slower than bf16 (the threshold's goal) and every point where the threshold gave up FP8 speed.
+
+A one-GEMM step of a small sweep point takes less GPU time than the host needs to launch it, so
+its wall time measures the launch (and grows with every array passed, such as DelayedScaling's
+state). On GPUs the sweep therefore also reports, for points under 2 ms, the GPU time per step:
+the sum of the step's kernel times in a JAX profiler trace. The flags use it where it exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
+import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -188,6 +197,29 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
   return rows
 
 
+def _gpu_ms(step, args, steps: int) -> float | None:
+  """GPU kernel time per step (ms) from a JAX profiler trace; None off GPU or without events."""
+  if jax.default_backend() != "gpu":
+    return None
+  jax.block_until_ready(step(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(steps):
+        out = step(*args)
+      jax.block_until_ready(out)
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+      return None
+    with gzip.open(paths[0]) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  total_us = sum(e["dur"] for e in events
+                 if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids)
+  return total_us / steps / 1e3 if total_us else None
+
+
 def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
   """x (M, K) @ w (K, N) per shape: bf16, each recipe forced to FP8, each with the default
   size threshold."""
@@ -209,8 +241,10 @@ def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
       step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
       args = (w, state, x, dy)
       ms, spread = _timed(step, args, steps, repeats)
+      gpu_ms = _gpu_ms(step, args, 10) if ms < 2.0 else None
       rows.append(dict(case=f"gemm {m}x{k}x{n}", variant=f"core {label}", ms=ms,
-                       spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, args)))
+                       spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, args),
+                       gpu_ms=gpu_ms))
       log(rows[-1])
   return rows
 
@@ -219,22 +253,31 @@ def format_table(rows: list[dict]) -> str:
   """The rows as a table; ``>3% slower`` flags a variant more than 3% slower than bf16. Below
   it, a summary of the default-threshold variants of the GEMM sweep."""
   slower = f">{round((_SLOWER_TOLERANCE - 1) * 100)}% slower"
-  lines = [f"{'case':<30}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'FP8/other GEMMs':>17}"
-           f"  {slower}"]
+  lines = [f"{'case':<30}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'GPU ms':>9}{'vs bf16':>9}"
+           f"{'FP8/other GEMMs':>17}  {slower}"]
+
+  def judged(r):  # GPU time where both it and its case's bf16 row have one, else wall time
+    return "gpu_ms" if r.get("gpu_ms") and gpu_base.get(r["case"]) else "ms"
+
   base = {r["case"]: r["ms"] for r in rows if r["variant"] in ("bf16", "core bf16")}
-  ms = {(r["case"], r["variant"]): r["ms"] for r in rows}
+  gpu_base = {r["case"]: r.get("gpu_ms") for r in rows if r["variant"] in ("bf16", "core bf16")}
+  by_key = {(r["case"], r["variant"]): r for r in rows}
   slow, unused = [], []
   for r in rows:
     bf16 = base.get(r["case"], float("nan"))
-    is_slow = r["ms"] > _SLOWER_TOLERANCE * bf16
+    key = judged(r)
+    ref = (gpu_base if key == "gpu_ms" else base).get(r["case"], float("nan"))
+    is_slow = r[key] > _SLOWER_TOLERANCE * ref
     fp8 = "-" if r["cublas_fp8"] is None else str(r["cublas_fp8"])
-    lines.append(f"{r['case']:<30}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x"
+    gpu = (f"{r['gpu_ms']:>9.3f}{gpu_base[r['case']] / r['gpu_ms']:>8.2f}x"
+           if key == "gpu_ms" else f"{'-':>9}{'-':>9}")
+    lines.append(f"{r['case']:<30}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x{gpu}"
                  f"{fp8:>17}  {'SLOWER' if is_slow else ''}".rstrip())
     if r["variant"].endswith(_DEFAULT_THRESHOLD):
-      forced = ms.get((r["case"], r["variant"][: -len(_DEFAULT_THRESHOLD)]))
+      forced = by_key.get((r["case"], r["variant"][: -len(_DEFAULT_THRESHOLD)]))
       if is_slow:
         slow.append(f"{r['case']} {r['variant']}")
-      if forced is not None and r["ms"] > _SLOWER_TOLERANCE * forced:
+      if forced is not None and r[key] > _SLOWER_TOLERANCE * forced.get(key, float("inf")):
         unused.append(f"{r['case']} {r['variant']}")
   if any(r["variant"].endswith(_DEFAULT_THRESHOLD) for r in rows):
     lines.append(f"\ndefault threshold, {slower} than bf16: {', '.join(slow) or 'none'}")

@@ -168,9 +168,11 @@ def apply_rht(x) -> jax.Array:
   """The random Hadamard transform of 16-element blocks along the last axis, in bfloat16.
 
   As in TE the input is taken in bfloat16 and each block row is multiplied by ``rht_matrix()``
-  (products exact, sums in float32, result rounded to bfloat16).
+  (products exact, sums in float32, result rounded to bfloat16). Both bfloat16 roundings are kept
+  on GPUs, whose compiler would otherwise skip them (``_block.keep_narrow``).
   """
-  return _transform(x.astype(jnp.bfloat16), rht_matrix()).astype(jnp.bfloat16)
+  x = _block.keep_narrow(x.astype(jnp.bfloat16))
+  return _block.keep_narrow(_transform(x, rht_matrix()).astype(jnp.bfloat16))
 
 
 def invert_rht(y) -> jax.Array:
