@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block
+from te_adapters.core import _block, _sharding
 
 __all__ = [
   "BLOCK",
@@ -85,7 +85,7 @@ def stochastic_round_e2m1(v, seed) -> jax.Array:
   return jnp.sign(v) * jnp.where(u < frac, hi, lo)
 
 
-def quantize(x, block_shape, seed=None):
+def quantize(x, block_shape, seed=None, reduce_amax=None):
   """NVFP4 quantization of ``x`` with the given block shape (``(16,)`` or ``(16, 16)``).
 
   Args:
@@ -94,6 +94,8 @@ def quantize(x, block_shape, seed=None):
       last two axes.
     seed: uint32[4] seed for stochastic rounding (``random_seed``), or None for
       round-to-nearest-even.
+    reduce_amax: maps the amax of ``x`` to that of the tensor ``x`` is a shard of (inside
+      ``shard_map``: a max over devices); None when ``x`` is the whole tensor.
 
   Returns:
     ``(data, scale_inv, amax)``: ``float4_e2m1fn`` data shaped like ``x``, ``float8_e4m3fn``
@@ -102,6 +104,8 @@ def quantize(x, block_shape, seed=None):
   xf = x.astype(jnp.float32)
   block_amax = _block.block_amax(xf, block_shape)
   a = _block.global_amax(block_amax)
+  if reduce_amax is not None:
+    a = reduce_amax(a)
   s_enc = _encode_scale(a)
   # The JAX reference forces the e4m3 rounding of this product (it must not fuse away).
   sdec = jnp.minimum(block_amax / jnp.float32(FP4_MAX) * s_enc, jnp.float32(_block.f32_max()))
@@ -129,11 +133,11 @@ def rht_matrix() -> jax.Array:
 
 def _transform(x, matrix) -> jax.Array:
   """``x`` in 16-element blocks along its last axis, times ``matrix``, in float32."""
-  blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+  blocks = _sharding.reshape(x.astype(jnp.float32), (*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK))
   out = jnp.einsum(
     "...i,ij->...j", blocks, matrix.astype(jnp.float32), precision=lax.Precision.HIGHEST
   )
-  return out.reshape(x.shape)
+  return _sharding.reshape(out, x.shape)
 
 
 def apply_rht(x) -> jax.Array:
