@@ -17,13 +17,19 @@ _DEFAULT_RECIPE = core.Float8CurrentScaling()
 
 
 def linear_forward(
-    module: hk.Linear, inputs: jax.Array, precision: lax.Precision | None, recipe
+    module: hk.Linear,
+    inputs: jax.Array,
+    precision: lax.Precision | None,
+    recipe,
+    amax_axes=None,
+    kernel_all_gather=None,
 ) -> jax.Array:
   """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
 
   Must run inside ``module``'s method (directly or from a method interceptor), so parameters and
   state are created under the module's name. Parameter names, shapes, dtypes and initialisers are
   those of ``hk.Linear``; recipe state uses TE's names (``x_scale``, ``x_amax_history``, ...).
+  A recipe that rounds stochastically draws its key with ``hk.next_rng_key()``.
   """
   if not inputs.shape:
     raise ValueError("Input must not be scalar.")
@@ -58,12 +64,36 @@ def linear_forward(
           "use a stateless recipe (Float8CurrentScaling) with such policies"
       )
   dims = (((inputs.ndim - 1,), (0,)), ((), ()))
-  out = core.dot_general(inputs, w, dims, precision, recipe=recipe, state=state)
+  out = core.dot_general(
+      inputs,
+      w,
+      dims,
+      precision,
+      recipe=recipe,
+      state=state,
+      rng=_rounding_key(module, recipe),
+      amax_axes=amax_axes,
+      kernel_all_gather=kernel_all_gather,
+  )
 
   if module.with_bias:
     b = hk.get_parameter("b", [module.output_size], dtype, init=module.b_init)
     out = out + jnp.broadcast_to(b, out.shape)
   return out
+
+
+def _rounding_key(module: hk.Module, recipe):
+  """A fresh key from Haiku's RNG sequence when ``recipe`` rounds stochastically, else None."""
+  if recipe is None or not recipe.uses_rng:
+    return None
+  key = hk.maybe_next_rng_key()
+  if key is None:
+    raise ValueError(
+        f"{module.module_name}: {type(recipe).__name__} rounds the gradient stochastically and "
+        "draws a key per call with hk.next_rng_key(), but apply was given rng=None: pass a PRNG "
+        "key to apply (a fresh one per step), or use disable_stochastic_rounding=True"
+    )
+  return key
 
 
 def _constant(value):
@@ -86,6 +116,8 @@ class Linear(hk.Linear):
   name, with TE's names (``x_scale``, ``x_amax_history``, ``kernel_*``, ``grad_*``), so the
   function must be transformed with ``hk.transform_with_state``. The new state comes out of the
   gradient with respect to the state: train with ``te_adapters.haiku.value_grad_and_state``.
+  A recipe that rounds stochastically (``NVFP4BlockScaling``) draws a key per call with
+  ``hk.next_rng_key()``, so ``apply`` needs an ``rng`` (a fresh one per step).
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
@@ -105,6 +137,8 @@ class Linear(hk.Linear):
       name: str | None = None,
       *,
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      amax_axes=None,
+      kernel_all_gather=None,
   ):
     """Constructs the quantized Linear module.
 
@@ -116,9 +150,15 @@ class Linear(hk.Linear):
       name: name of the module (default ``"linear"``, as for ``hk.Linear``).
       recipe: the quantization recipe (default ``te_adapters.Float8CurrentScaling()``), or
         ``None`` for the unquantized ``hk.Linear`` computation.
+      amax_axes: passed to ``core.dot_general`` (inside ``shard_map``: the mesh axes each amax
+        is max-reduced over).
+      kernel_all_gather: passed to ``core.dot_general`` (FSDP: the sharding of ``w``, gathered
+        as FP8).
     """
     super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
     self.recipe = None if recipe is None else core.check_recipe(recipe)
+    self.amax_axes = amax_axes
+    self.kernel_all_gather = kernel_all_gather
 
   def __call__(self, inputs: jax.Array, *, precision: lax.Precision | None = None) -> jax.Array:
     """Computes ``inputs @ w + b`` with the GEMM quantized per the recipe.
@@ -130,4 +170,6 @@ class Linear(hk.Linear):
     Returns:
       An array of shape ``[..., output_size]`` with the dtype of ``inputs``.
     """
-    return linear_forward(self, inputs, precision, self.recipe)
+    return linear_forward(
+        self, inputs, precision, self.recipe, self.amax_axes, self.kernel_all_gather
+    )

@@ -11,7 +11,14 @@ from jax import lax
 
 from te_adapters import core
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral, einsum_gemm_dims
-from te_adapters.nnx._ops import GEMM_DIM_MULTIPLE, DotGeneral, EinsumOp, _RecipeOp
+from te_adapters.nnx._ops import (
+    GEMM_DIM_MULTIPLE,
+    SR_RNG,
+    DotGeneral,
+    EinsumOp,
+    _RecipeOp,
+    source_stream,
+)
 
 __all__ = ["QuantizeReport", "quantize_model"]
 
@@ -56,7 +63,15 @@ def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | No
   return "einsum_op", len(layer.kernel_shape), dims, None
 
 
-def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> QuantizeReport:
+def quantize_model(
+    model: nnx.Module,
+    recipe: core.Recipe,
+    *,
+    filter=None,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    amax_axes=None,
+    kernel_all_gather=None,
+) -> QuantizeReport:
   """Makes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model`` use
   quantized GEMMs, in place, keeping their parameters.
 
@@ -67,11 +82,19 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
   already have a custom ``dot_general`` / ``einsum_op`` (a quantized one included), or when an
   Einsum's equation cannot be checked.
 
+  A recipe that rounds stochastically (``NVFP4BlockScaling``) needs ``rngs``: each converted
+  layer gets a stream of its own from its ``"sr_rng"`` (or ``"default"``) stream, stacked like
+  the state for stacked layers, and draws a fresh key from it at each call.
+
   Args:
     model: the NNX model, changed in place.
     recipe: a te_adapters recipe.
     filter: an NNX filter called with ``(path, layer)`` selecting the layers to quantize (for
       example ``nnx.PathContains("mlp")``, or a function); default every linear layer.
+    rngs: an ``nnx.Rngs`` or ``nnx.RngStream``, required when ``recipe.uses_rng``; unused
+      otherwise.
+    amax_axes, kernel_all_gather: passed to ``core.dot_general`` by every converted layer
+      (SPMD: the mesh axes amaxes are reduced over inside ``shard_map``; FSDP's FP8 gather).
 
   Returns:
     A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons).
@@ -87,6 +110,12 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
     (('layers/0',), 'layers/1')
   """
   recipe = core.check_recipe(recipe)
+  if recipe.uses_rng and source_stream(rngs) is None:
+    raise ValueError(
+        f"quantize_model: {type(recipe).__name__} rounds the gradient stochastically, so every "
+        f"converted layer needs a key stream: pass rngs=nnx.Rngs({SR_RNG}=seed) (an Rngs with a "
+        f"{SR_RNG!r} or 'default' stream), or use disable_stochastic_rounding=True"
+    )
   predicate = nnx.filterlib.to_predicate(filter) if filter is not None else None
   layers = [
       (path, node)
@@ -114,7 +143,9 @@ def quantize_model(model: nnx.Module, recipe: core.Recipe, *, filter=None) -> Qu
       continue
     kernel = layer.kernel.get_value()
     stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
-    op = (EinsumOp if slot == "einsum_op" else DotGeneral)(recipe)
+    op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
+    op = op_cls(recipe, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather)
+    op.set_rngs(rngs, stack_shape)
     for state_name in core.state_names(recipe):
       variable = getattr(op, state_name)
       value = variable.get_value()

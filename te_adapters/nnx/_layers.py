@@ -22,22 +22,31 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn, Shape
 from jax import lax
 
 from te_adapters import core
-from te_adapters.nnx._ops import DotGeneral, EinsumOp, check_gemm_dims
+from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, check_gemm_dims
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
 _DEFAULT_RECIPE = core.Float8CurrentScaling()
 
 
-def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str):
+def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **spmd):
   if recipe is None:
+    if any(v is not None for v in spmd.values()):
+      raise ValueError(f"{layer}: amax_axes and kernel_all_gather need a recipe")
     return given
   if given is not default:
     raise ValueError(
         f"{layer}: pass either recipe= or a custom {arg_name}=, not both (recipe={recipe!r} "
         f"replaces the {arg_name})"
     )
-  return op_cls(recipe)
+  # The rounding stream is forked after the parameters are drawn (see _attach_rngs).
+  return op_cls(recipe, **spmd)
+
+
+def _attach_rngs(op, rngs) -> None:
+  # After the NNX parent drew the parameters, so they equal those of the NNX layer.
+  if isinstance(op, _RecipeOp):
+    op.set_rngs(rngs)
 
 
 class Linear(nnx.Linear):
@@ -49,11 +58,18 @@ class Linear(nnx.Linear):
   ``dot_general`` submodule (``layer.dot_general.x_scale``, ...), which
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches.
 
+  Under a recipe that rounds stochastically (``NVFP4BlockScaling``), the layer keeps an RNG
+  stream of its own, forked from the ``"sr_rng"`` stream of ``rngs`` (or its ``"default"``
+  one), and each call draws a fresh key from it; ``layer(x, rngs=...)`` (an ``nnx.Rngs``,
+  ``nnx.RngStream`` or key) overrides it for that call, as for ``nnx.Dropout``.
+
   Args:
     in_features: the number of input features (a multiple of 16 when quantized).
     out_features: the number of output features (a multiple of 16 when quantized).
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.Linear``, numerically identical.
+    amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD: the mesh axes amaxes are
+      reduced over inside ``shard_map``; FSDP's FP8 kernel all-gather).
     **others: as for ``flax.nnx.Linear``. ``dot_general`` cannot be combined with a recipe.
 
   Example:
@@ -86,11 +102,14 @@ class Linear(nnx.Linear):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      amax_axes: tp.Any = None,
+      kernel_all_gather: tp.Any = None,
   ):
     if recipe is not None:
       check_gemm_dims(in_features, out_features, f"Linear({in_features}, {out_features})")
     dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear"
+        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear",
+        amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
     )
     super().__init__(
         in_features,
@@ -109,13 +128,20 @@ class Linear(nnx.Linear):
         bias_metadata=bias_metadata,
     )
     self.recipe = recipe
+    _attach_rngs(self.dot_general, rngs)
+
+  def __call__(self, inputs, out_sharding=None, *, rngs=None):
+    """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
+    with call_rngs(rngs):
+      return super().__call__(inputs, out_sharding=out_sharding)
 
 
 class LinearGeneral(nnx.LinearGeneral):
   """``nnx.LinearGeneral`` with a quantized GEMM.
 
   Takes every argument of ``flax.nnx.LinearGeneral`` with the same defaults and creates the same
-  parameters. The recipe state lives in the ``dot_general`` submodule, as for ``Linear``.
+  parameters. The recipe state and the rounding stream live in the ``dot_general`` submodule,
+  as for ``Linear``.
 
   Args:
     in_features: int or tuple of input features; their product is a multiple of 16 when
@@ -124,6 +150,7 @@ class LinearGeneral(nnx.LinearGeneral):
       quantized.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.LinearGeneral``.
+    amax_axes, kernel_all_gather: as for ``Linear``.
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
 
@@ -157,6 +184,8 @@ class LinearGeneral(nnx.LinearGeneral):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      amax_axes: tp.Any = None,
+      kernel_all_gather: tp.Any = None,
   ):
     if recipe is not None:
       if dot_general_cls is not None:
@@ -165,7 +194,8 @@ class LinearGeneral(nnx.LinearGeneral):
       n = math.prod(nnx_linear._canonicalize_tuple(out_features))
       check_gemm_dims(k, n, f"LinearGeneral({in_features}, {out_features})")
     dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral"
+        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral",
+        amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
     )
     super().__init__(
         in_features,
@@ -187,6 +217,12 @@ class LinearGeneral(nnx.LinearGeneral):
         bias_metadata=bias_metadata,
     )
     self.recipe = recipe
+    _attach_rngs(self.dot_general, rngs)
+
+  def __call__(self, inputs, out_sharding=None, *, rngs=None):
+    """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
+    with call_rngs(rngs):
+      return super().__call__(inputs, out_sharding=out_sharding)
 
 
 def einsum_gemm_dims(einsum_str: str, kernel_shape: Shape) -> tuple[int, int] | None:
@@ -220,9 +256,10 @@ class Einsum(nnx.Einsum):
   """``nnx.Einsum`` with a quantized GEMM, through ``jnp.einsum(..., _dot_general=...)``.
 
   Takes every argument of ``flax.nnx.Einsum`` with the same defaults and creates the same
-  parameters. The recipe state lives in the ``einsum_op`` submodule (``layer.einsum_op.x_scale``,
-  ...). The equation must contract the input with the kernel in one GEMM: no label repeated in an
-  operand, and every summed label present in both operands.
+  parameters. The recipe state (and the rounding stream, as for ``Linear``) lives in the
+  ``einsum_op`` submodule (``layer.einsum_op.x_scale``, ...). The equation must contract the
+  input with the kernel in one GEMM: no label repeated in an operand, and every summed label
+  present in both operands.
 
   Args:
     einsum_str: the equation, input first and kernel second (``None`` to give it at call time).
@@ -231,6 +268,7 @@ class Einsum(nnx.Einsum):
     bias_shape: the bias shape, or ``None`` for no bias.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.Einsum``.
+    amax_axes, kernel_all_gather: as for ``Linear``.
     **others: as for ``flax.nnx.Einsum``. ``einsum_op`` cannot be combined with a recipe.
 
   Example:
@@ -260,12 +298,17 @@ class Einsum(nnx.Einsum):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
+      amax_axes: tp.Any = None,
+      kernel_all_gather: tp.Any = None,
   ):
     if recipe is not None and einsum_str is not None:
       dims = einsum_gemm_dims(einsum_str, kernel_shape)
       if dims is not None:
         check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
-    einsum_op = _quantized_op(EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum")
+    einsum_op = _quantized_op(
+        EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum",
+        amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
+    )
     super().__init__(
         einsum_str,
         kernel_shape,
@@ -283,3 +326,9 @@ class Einsum(nnx.Einsum):
         bias_metadata=bias_metadata,
     )
     self.recipe = recipe
+    _attach_rngs(self.einsum_op, rngs)
+
+  def __call__(self, inputs, einsum_str=None, out_sharding=None, *, rngs=None):
+    """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
+    with call_rngs(rngs):
+      return super().__call__(inputs, einsum_str, out_sharding=out_sharding)
