@@ -1,5 +1,8 @@
 """Which GEMM shapes get cuBLASLt FP8 GEMMs on this GPU (counts per fwd+bwd step; 3 = all)."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 
@@ -8,7 +11,6 @@ from te_adapters import core
 
 DN = (((1,), (0,)), ((), ()))
 recipe = ta.Float8CurrentScaling()
-import os, sys
 out_dir = sys.argv[1] if len(sys.argv) > 1 else None
 print(f"{'M':>6}{'K':>6}{'N':>6}  cuBLASLt-f8  FP8/other GEMMs  fused dot operand types")
 for m, k, n in [(256, 512, 384), (8, 512, 384), (24, 512, 384), (256, 40, 384), (256, 512, 40),

@@ -13,12 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from te_adapters.core import _sharding
+
 __all__ = [
   "block_shape_of",
   "check_divisible",
   "block_amax",
   "global_amax",
   "expand_scales",
+  "repeat",
   "exp2",
   "scale_by_pow2",
   "f32_max",
@@ -55,7 +58,7 @@ def _blocked(x, block_shape):
     size = x.shape[x.ndim - n + i]
     new_shape += [size // b, b]
     reduce_axes.append(len(new_shape) - 1)
-  return x.reshape(new_shape), tuple(reduce_axes)
+  return _sharding.reshape(x, new_shape), tuple(reduce_axes)
 
 
 def block_amax(x, block_shape) -> jax.Array:
@@ -73,11 +76,21 @@ def global_amax(block_amaxes) -> jax.Array:
   return jnp.max(block_amaxes).astype(jnp.float32).reshape(1)
 
 
+def repeat(x, repeats: int, axis: int) -> jax.Array:
+  """``jnp.repeat(x, repeats, axis)`` (scalar ``repeats``), sharding-aware under Explicit mesh
+  axes: each element is broadcast to ``repeats`` copies beside it, then the two axes merge."""
+  axis = axis % x.ndim
+  wide = jnp.broadcast_to(
+    jnp.expand_dims(x, axis + 1), x.shape[: axis + 1] + (repeats,) + x.shape[axis + 1 :]
+  )
+  return _sharding.reshape(wide, x.shape[:axis] + (x.shape[axis] * repeats,) + x.shape[axis + 1 :])
+
+
 def expand_scales(scales, block_shape) -> jax.Array:
   """Repeats one-per-block ``scales`` to one per element (tile ``i`` covers rows ``i*b..``)."""
   n = len(block_shape)
   for i, b in enumerate(block_shape):
-    scales = jnp.repeat(scales, b, axis=scales.ndim - n + i)
+    scales = repeat(scales, b, scales.ndim - n + i)
   return scales
 
 

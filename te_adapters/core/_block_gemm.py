@@ -17,6 +17,7 @@ in the forward pass and saved (checkpoint names ``QUANTIZED_X``, ``QUANTIZED_KER
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -75,29 +76,55 @@ class _Layout:
     self.lhs_shape, self.rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
     self.dn = dn
 
+  # The reshapes name their output sharding under Explicit mesh axes (_sharding.reshape).
+
   def lhs3(self, lhs):
-    return jnp.transpose(lhs, self.lhs_perm).reshape(self.b, self.m, self.k)
+    return _sharding.reshape(jnp.transpose(lhs, self.lhs_perm), (self.b, self.m, self.k))
 
   def rhs3(self, rhs):
-    return jnp.transpose(rhs, self.rhs_perm).reshape(self.b, self.n, self.k)
+    return _sharding.reshape(jnp.transpose(rhs, self.rhs_perm), (self.b, self.n, self.k))
+
+  @property
+  def out_shape(self):
+    return self.batch_shape + self.lhs_free_shape + self.rhs_free_shape
 
   def out(self, y3):
-    return y3.reshape(self.batch_shape + self.lhs_free_shape + self.rhs_free_shape)
+    return _sharding.reshape(y3, self.out_shape)
 
   def out3(self, g):
-    return g.reshape(self.b, self.m, self.n)
+    return _sharding.reshape(g, (self.b, self.m, self.n))
 
   def lhs_from3(self, d3):
     shape = tuple(self.lhs_shape[d] for d in self.lhs_perm)
-    return jnp.transpose(d3.reshape(shape), np.argsort(self.lhs_perm))
+    return jnp.transpose(_sharding.reshape(d3, shape), np.argsort(self.lhs_perm))
 
   def rhs_from3(self, d3):
     shape = tuple(self.rhs_shape[d] for d in self.rhs_perm)
-    return jnp.transpose(d3.reshape(shape), np.argsort(self.rhs_perm))
+    return jnp.transpose(_sharding.reshape(d3, shape), np.argsort(self.rhs_perm))
 
-  def check(self, recipe, *, backward: bool):
-    """Raises a ValueError naming the dimension a recipe's blocks cannot tile."""
+  def _shards(self, lhs, rhs) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """Under Explicit mesh axes, per GEMM dim (M, N, K): the device count and mesh axes."""
+    (lc, _), _ = self.dn
+    out = {}
+    groups = (("M", lhs, self.lhs_free), ("K", lhs, lc), ("N", rhs, self.rhs_free))
+    for letter, operand, dims in groups:
+      sharding = _sharding.explicit_sharding(operand)
+      if sharding is None:
+        continue
+      sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
+      entries = [sharding.spec[d] for d in dims]
+      axes = tuple(a for e in entries for a in ((e,) if isinstance(e, str) else (e or ())))
+      out[letter] = (math.prod(sizes[a] for a in axes), axes)
+    return out
+
+  def check(self, recipe, *, backward: bool, lhs=None, rhs=None):
+    """Raises a ValueError naming the dimension a recipe's blocks cannot tile.
+
+    With ``lhs`` and ``rhs`` sharded over Explicit mesh axes, each device's part must hold whole
+    blocks too.
+    """
     (lc, rc), _ = self.dn
+    shards = {} if lhs is None else self._shards(lhs, rhs)
     name = type(recipe).__name__
     x_tiled = len(operand_spec(recipe, "x").block_shape) == 2
     w_tiled = len(operand_spec(recipe, "kernel").block_shape) == 2
@@ -123,26 +150,57 @@ class _Layout:
       if not backward:
         why = f"x is quantized in {tiles} over (M, K)"
       checks.append(("M", self.m, f"the lhs free size M (lhs dims {tuple(self.lhs_free)})", why))
-    for _, size, text, why in checks:
+    for letter, size, text, why in checks:
       if size % block:
         raise ValueError(f"{name}: {text} is {size}, which is not a multiple of {block}; {why}")
+      count, axes = shards.get(letter, (1, ()))
+      if (size // count) % block:
+        raise ValueError(
+          f"{name}: {text} is {size}, split over {count} devices (mesh axes {axes}): "
+          f"{size // count} per device, which is not a multiple of {block}; {why}"
+        )
 
 
-def block_dot_general(lhs, rhs, dn, out_dtype, recipe, rng):
-  """``lax.dot_general(lhs, rhs, dn)`` under a block recipe; ``rng`` feeds stochastic rounding."""
+def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan):
+  """``lax.dot_general(lhs, rhs, dn)`` under a block recipe; ``rng`` feeds stochastic rounding.
+
+  ``out``: the ``ShapeDtypeStruct`` that ``lax.dot_general`` gives (its dtype, and under Explicit
+  mesh axes its sharding). ``plan``: the ``SpmdPlan`` (amax axes for NVFP4 inside shard_map).
+  """
   layout = _Layout(dn, lhs.shape, rhs.shape)
-  layout.check(recipe, backward=False)
+  layout.check(recipe, backward=False, lhs=lhs, rhs=rhs)
   # Static facts the backward pass needs: operand shapes (for the layout) and dtypes.
   operands = ((tuple(lhs.shape), np.dtype(lhs.dtype)), (tuple(rhs.shape), np.dtype(rhs.dtype)))
-  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out_dtype), operands, recipe)
+  # Explicit mesh axes: the forward GEMM's output sharding, in the (B, M, N) layout.
+  y3_sharding = _sharding.reshaped_sharding(
+    _sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n)
+  )
+  plan = dataclasses.replace(plan, out_sharding=y3_sharding)
+  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out.dtype), operands, recipe, plan)
 
 
-def _quantize_fwd_operands(lhs, rhs, layout, recipe):
+def _amax_reducer(x, role, plan):
+  """For NVFP4 inside shard_map: the global amax of ``x``'s tensor from its shard's."""
+  return functools.partial(_sharding.global_amax, x=x, role=role, plan=plan, state_varying=None)
+
+
+def _quantize(x, spec, role, plan, key=None, stream=0, what="x"):
+  return _block_scaled.quantize_trailing(
+    x, spec, key, stream=stream, what=what, reduce_amax=_amax_reducer(x, role, plan)
+  )
+
+
+def _quantize_fwd_operands(lhs, rhs, layout, recipe, plan):
   x3, w3 = layout.lhs3(lhs), layout.rhs3(rhs)
   x_spec, w_spec = operand_spec(recipe, "x"), operand_spec(recipe, "kernel")
-  qx = _block_scaled.quantize_trailing(x3, x_spec, what="lhs (x)")
-  qw = _block_scaled.quantize_trailing(w3, w_spec, what="rhs (kernel)")
+  qx = _quantize(x3, x_spec, "x", plan, what="lhs (x)")
+  qw = _quantize(w3, w_spec, "kernel", plan, what="rhs (kernel)")
   return x3, w3, qx, qw
+
+
+def _swapped_sharding(t):
+  """Explicit axes: the sharding of the (B, P, Q) tensor whose (B, Q, P) copy ``t`` holds."""
+  return _sharding.transposed_out_sharding(t.data, (0, 2, 1))
 
 
 def _name_quantized(t, name):
@@ -163,37 +221,37 @@ def _name_quantized(t, name):
   return jax.tree.map(name_leaf, t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan):
   del rng, operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
-  _, _, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe)
-  return layout.out(_block_scaled.gemm(qx, qw, out_dtype)).astype(out_dtype)
+  _, _, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
+  return layout.out(_block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding)).astype(out_dtype)
 
 
-def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
+def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan):
   del operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
-  layout.check(recipe, backward=True)
+  layout.check(recipe, backward=True, lhs=lhs, rhs=rhs)
   if recipe.uses_rng and rng is None:
     raise ValueError(
       f"{type(recipe).__name__} rounds the gradient stochastically: pass rng=<PRNG key> to "
       "dot_general (a fresh key per step), or use disable_stochastic_rounding=True"
     )
-  x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe)
-  y = layout.out(_block_scaled.gemm(qx, qw, out_dtype)).astype(out_dtype)
+  x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
+  y = layout.out(_block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding)).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   # The backward copies: blocks along M for x (wgrad) and along N for the kernel (dgrad).
   x_spec = operand_spec(recipe, "x", wgrad=True)
   if len(x_spec.block_shape) == 2:
     qx_t = _block_scaled.transpose_tiles(qx)
   else:
-    qx_t = _block_scaled.quantize_trailing(jnp.swapaxes(x3, 1, 2), x_spec, what="lhs (x)")
+    qx_t = _quantize(jnp.swapaxes(x3, 1, 2), x_spec, "x", plan, what="lhs (x)")
   if len(operand_spec(recipe, "kernel").block_shape) == 2:
     qw_t = _block_scaled.transpose_tiles(qw)
   else:
-    qw_t = _block_scaled.quantize_trailing(
-      jnp.swapaxes(w3, 1, 2), operand_spec(recipe, "kernel"), what="rhs (kernel)"
+    qw_t = _quantize(
+      jnp.swapaxes(w3, 1, 2), operand_spec(recipe, "kernel"), "kernel", plan, what="rhs (kernel)"
     )
   qx_t = _name_quantized(qx_t, _remat.QUANTIZED_X)
   qw_t = _name_quantized(qw_t, _remat.QUANTIZED_KERNEL)
@@ -202,26 +260,32 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe):
   return y, (qx_t, qw_t, rng, witness)
 
 
-def _block_bwd(dn, out_dtype, operands, recipe, residuals, g):
+def _block_bwd(dn, out_dtype, operands, recipe, plan, residuals, g):
   del out_dtype
   qx_t, qw_t, rng, witness = residuals
   (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
   layout = _Layout(dn, lhs_shape, rhs_shape)
   g3 = layout.out3(g)
   g_spec = operand_spec(recipe, "grad")
+  # Inside shard_map each shard of the gradient rounds with its own key.
+  rng = _sharding.shard_key(rng, g3)
   # One key, two random streams: the dgrad copy (0) and the wgrad copy (1) of the gradient.
-  qg = _block_scaled.quantize_trailing(g3, g_spec, rng, stream=0, what="output gradient")
+  qg = _quantize(g3, g_spec, "grad", plan, rng, stream=0, what="output gradient")
   g_wspec = operand_spec(recipe, "grad", wgrad=True)
   if len(g_wspec.block_shape) == 2:
     qg_t = _block_scaled.transpose_tiles(qg)
   else:
-    qg_t = _block_scaled.quantize_trailing(
-      jnp.swapaxes(g3, 1, 2), g_wspec, rng, stream=1, what="output gradient"
+    qg_t = _quantize(
+      jnp.swapaxes(g3, 1, 2), g_wspec, "grad", plan, rng, stream=1, what="output gradient"
     )
-  dx = layout.lhs_from3(_block_scaled.gemm(qg, qw_t, lhs_dtype)).astype(lhs_dtype)
-  dw = layout.rhs_from3(_block_scaled.gemm(qg_t, qx_t, rhs_dtype)).astype(rhs_dtype)
-  dx = _sharding.match_cotangent(dx, witness[0])
-  dw = _sharding.match_cotangent(dw, witness[1])
+  # Explicit axes: each cotangent gets its primal's sharding (as x3 and w3 had). Inside
+  # shard_map a cotangent is summed over the mesh axes its primal is replicated on, in float32.
+  dx_dtype = lhs_dtype if witness[0] is None else jnp.float32
+  dw_dtype = rhs_dtype if witness[1] is None else jnp.float32
+  dx3 = _block_scaled.gemm(qg, qw_t, dx_dtype, _swapped_sharding(qx_t))
+  dw3 = _block_scaled.gemm(qg_t, qx_t, dw_dtype, _swapped_sharding(qw_t))
+  dx = _sharding.match_cotangent(layout.lhs_from3(dx3), witness[0]).astype(lhs_dtype)
+  dw = _sharding.match_cotangent(layout.rhs_from3(dw3), witness[1]).astype(rhs_dtype)
   return dx, dw, None
 
 

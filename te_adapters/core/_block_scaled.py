@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _float8_block, _mxfp8, _nvfp4
+from te_adapters.core import _block, _float8_block, _mxfp8, _nvfp4, _sharding
 from te_adapters.core._quantize import ScaledTensor
 from te_adapters.core._recipes import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
@@ -93,7 +93,7 @@ def operand_spec(recipe, role: str, *, wgrad: bool = False) -> OperandSpec:
 
 
 def quantize_trailing(
-  x, spec: OperandSpec, key=None, *, stream: int = 0, what: str = "x"
+  x, spec: OperandSpec, key=None, *, stream: int = 0, what: str = "x", reduce_amax=None
 ) -> ScaledTensor:
   """Quantizes ``x`` with blocks over its trailing axes (``spec.block_shape``).
 
@@ -103,6 +103,8 @@ def quantize_trailing(
     key: PRNG key for stochastic rounding; required iff ``spec.stochastic``.
     stream: which random stream of ``key`` to use (copies rounded with one key differ in it).
     what: how to name ``x`` in errors.
+    reduce_amax: for NVFP4, maps the amax of ``x`` to that of the whole tensor when ``x`` is a
+      shard of it (``shard_map``); the other formats' scales are per block and do not use it.
   """
   if x.ndim < len(spec.block_shape):
     raise ValueError(
@@ -121,7 +123,7 @@ def quantize_trailing(
       x = _nvfp4.apply_rht(x)
       mode = "nvfp4_rht"
     seed = _nvfp4.random_seed(key, stream) if spec.stochastic else None
-    data, scale_inv, amax = _nvfp4.quantize(x, spec.block_shape, seed)
+    data, scale_inv, amax = _nvfp4.quantize(x, spec.block_shape, seed, reduce_amax)
   else:
     data, scale_inv, amax = _float8_block.quantize(x, spec.block_shape, spec.q_dtype, spec.power_2)
   return ScaledTensor(data, scale_inv, amax, scaling_mode=mode, dq_dtype=dq_dtype)
@@ -190,7 +192,7 @@ def _row_scales(t: ScaledTensor) -> jax.Array:
   bs = _block_shape(t)
   scales = t.scale_inv
   if len(bs) == 2:
-    scales = jnp.repeat(scales, bs[0], axis=-2)
+    scales = _block.repeat(scales, bs[0], axis=-2)
   return scales
 
 
@@ -201,7 +203,7 @@ def emulation_dtype():
   return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
 
 
-def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32) -> jax.Array:
+def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=None) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled operands, float32 sums.
 
   The result is float32, or ``out_dtype`` where the GEMM kernel writes that dtype itself (FP8
@@ -209,12 +211,14 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32) -> jax.Array:
 
   Blocks run along K in both operands. FP8 block scaling runs FP8 GEMMs per 128-wide K slice.
   MXFP8/NVFP4 run ``jax.nn.scaled_matmul`` where the device has it, and otherwise a GEMM of the
-  dequantized values (the same quantized values, accumulated in float32).
+  dequantized values (the same quantized values, accumulated in float32). ``out_sharding``: the
+  output's ``NamedSharding`` under Explicit mesh axes (needed when K is sharded), else None.
   """
   if a.scaling_mode == "float8_block":
-    return _float8_block.gemm(
+    out = _float8_block.gemm(
       a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype
     )
+    return _sharding.match_sharding(out, out_sharding)
   if native_gemm_available(a.scaling_mode):
     out = jax.nn.scaled_matmul(
       a.data, b.data, _row_scales(a), _row_scales(b), preferred_element_type=jnp.float32
@@ -227,6 +231,7 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32) -> jax.Array:
       (((2,), (2,)), ((0,), (0,))),
       precision=lax.Precision.HIGHEST,
       preferred_element_type=jnp.float32,
+      out_sharding=out_sharding,
     )
   fa, fb = _tensor_factor(a), _tensor_factor(b)
   if fa is not None:

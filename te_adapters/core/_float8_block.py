@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _cast_transpose
+from te_adapters.core import _block, _cast_transpose, _sharding
 
 __all__ = [
   "BLOCK",
@@ -82,7 +82,7 @@ def dequantize_values(data, scale_inv, block_shape) -> jax.Array:
 def _row_scales(scale_inv, block_shape, rows: int) -> jax.Array:
   """Scales as (B, rows, K // 128): one per row and K slice (a tile's scale on each of its rows)."""
   if len(block_shape) == 2:
-    scale_inv = jnp.repeat(scale_inv, block_shape[0], axis=1)
+    scale_inv = _block.repeat(scale_inv, block_shape[0], axis=1)
   assert scale_inv.shape[1] == rows
   return scale_inv
 
@@ -195,8 +195,8 @@ def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax
   slices = k // BLOCK
   sa = _row_scales(a_scale_inv, a_block, m)  # (B, M, KS)
   sb = _row_scales(b_scale_inv, b_block, n)  # (B, N, KS)
-  qa = a_data.reshape(batch, m, slices, BLOCK)
-  qb = b_data.reshape(batch, n, slices, BLOCK)
+  qa = _sharding.reshape(a_data, (batch, m, slices, BLOCK))
+  qb = _sharding.reshape(b_data, (batch, n, slices, BLOCK))
   dims = (((3,), (3,)), ((0, 2), (0, 2)))
 
   def partial_sums(qa_c, qb_c, sa_c, sb_c):
@@ -214,7 +214,7 @@ def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax
 
   def split(t, axis):
     t = jnp.moveaxis(t, axis, 0)
-    return t.reshape(steps, chunk, *t.shape[1:])
+    return _sharding.reshape(t, (steps, chunk, *t.shape[1:]))
 
   def body(acc, xs):
     qa_c, qb_c, sa_c, sb_c = (jnp.moveaxis(t, 0, 2) for t in xs)

@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from te_adapters.core import (
     _accumulate,
     _batching,
+    _block,
     _block_gemm,
     _cast_transpose,
     _dimension_numbers,
@@ -78,6 +79,8 @@ def dot_general(
     rng: a PRNG key for the stochastic rounding of the gradient, required when differentiating
       under ``NVFP4BlockScaling`` unless ``disable_stochastic_rounding``; use a fresh key per step
       and per GEMM. Must be ``None`` for recipes that do not use it (``recipe.uses_rng``).
+      Inside ``shard_map`` each shard folds its index along the mesh axes the gradient varies
+      over into the key, so shards round with different random bits.
     out_sharding: as for ``lax.dot_general`` (needed with Explicit mesh axes when a contracting
       dimension is sharded, e.g. row-parallel tensor parallelism).
     amax_axes: inside ``shard_map``, the mesh axes over which each operand's amax is
@@ -86,6 +89,8 @@ def dot_general(
       operand varies over, less those its DelayedScaling state varies over (a pipeline axis
       with per-stage state); with ``shard_map(check_vma=False)``, every manual axis. ``()``
       keeps per-shard scales (stateless recipes only). Under ``jit`` amaxes are global anyway.
+      NVFP4's per-tensor amax is reduced the same way; MXFP8 and FP8 block scales are per block
+      and need no reduction (each shard must hold whole blocks).
     kernel_all_gather: FSDP. A ``PartitionSpec`` (or ``NamedSharding``) naming, per kernel
       dimension, the mesh axes the kernel is sharded over; the kernel is quantized shard by shard
       and the FP8 shards are all-gathered for the GEMM, and its gradient is reduce-scattered back.
@@ -127,13 +132,15 @@ def dot_general(
         lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
     )
   plan = _sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
+  recipe = check_recipe(recipe)
+  if recipe.block_scaled:
+    _sharding.check_block_scaled(recipe, plan)
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = _sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
-  recipe = check_recipe(recipe)
   state = check_state(recipe, state)
   rng = _block_gemm.check_rng(recipe, rng)
-  out_dtype = jax.eval_shape(
+  out = jax.eval_shape(
       functools.partial(
           lax.dot_general,
           dimension_numbers=dn,
@@ -143,15 +150,14 @@ def dot_general(
       ),
       lhs,
       gemm_rhs,
-  ).dtype
-  if recipe.block_scaled:
-    _sharding.check_block_scaled(recipe, plan, lhs, rhs)
+  )
+  out_dtype = out.dtype
   m, k, n = _threshold.gemm_mkn(lhs.shape, gemm_rhs.shape, dn)
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
   if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
     return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
   if recipe.block_scaled:
-    return _block_gemm.block_dot_general(lhs, rhs, dn, out_dtype, recipe, rng)
+    return _block_gemm.block_dot_general(lhs, rhs, dn, out, recipe, rng, plan)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   if _layout() == "tn":
     return _tn_dot_general(
@@ -257,6 +263,10 @@ def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd", out_sha
         out_sharding=out_sharding,
     )
     if mode == "direct32":
+      # The barrier keeps the GEMM's rounding to out_dtype, which XLA would otherwise drop in
+      # some fusions and not in others (its "excess precision"), so results would depend on
+      # how a program is fused or sharded.
+      out = _block.keep_narrow(out) if np.dtype(out_dtype).itemsize < 4 else out
       return (out.astype(jnp.float32) * scale_inv.reshape(())).astype(out_dtype)
     return out * scale_inv.reshape(()).astype(out_dtype)
   out = lax.dot_general(

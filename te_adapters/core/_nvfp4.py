@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block
+from te_adapters.core import _block, _sharding
 
 __all__ = [
   "BLOCK",
@@ -106,7 +106,7 @@ def stochastic_round_e2m1(v, seed) -> jax.Array:
   return jnp.sign(v) * jnp.where(u < frac, hi, lo)
 
 
-def quantize(x, block_shape, seed=None):
+def quantize(x, block_shape, seed=None, reduce_amax=None):
   """NVFP4 quantization of ``x`` with the given block shape (``(16,)`` or ``(16, 16)``).
 
   Args:
@@ -115,6 +115,8 @@ def quantize(x, block_shape, seed=None):
       last two axes.
     seed: uint32[4] seed for stochastic rounding (``random_seed``), or None for
       round-to-nearest-even.
+    reduce_amax: maps the amax of ``x`` to that of the tensor ``x`` is a shard of (inside
+      ``shard_map``: a max over devices); None when ``x`` is the whole tensor.
 
   Returns:
     ``(data, scale_inv, amax)``: ``float4_e2m1fn`` data shaped like ``x``, ``float8_e4m3fn``
@@ -123,6 +125,8 @@ def quantize(x, block_shape, seed=None):
   xf = x.astype(jnp.float32)
   block_amax = _block.block_amax(xf, block_shape)
   a = _block.global_amax(block_amax)
+  if reduce_amax is not None:
+    a = reduce_amax(a)
   s_enc = _encode_scale(a)
   # The JAX reference forces the e4m3 rounding of this product (it must not fuse away).
   sdec = jnp.minimum(block_amax / jnp.float32(FP4_MAX) * s_enc, jnp.float32(_block.f32_max()))
@@ -153,15 +157,14 @@ def _transform(x, matrix) -> jax.Array:
 
   The matrix entries are +-1/4, so every product is exact; the 16 products of an output are
   summed in a fixed pairwise order (not by a GEMM, whose order is the backend's), so every
-  backend gives the same bits. A GEMM's order differed on 0.02% of the rounded elements between
-  an H100 and the CPU.
+  backend gives the same bits.
   """
-  blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+  blocks = _sharding.reshape(x.astype(jnp.float32), (*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK))
   terms = blocks[..., :, None] * matrix.astype(jnp.float32)  # (..., i, j)
   while terms.shape[-2] > 1:
     half = terms.shape[-2] // 2
     terms = terms[..., :half, :] + terms[..., half:, :]
-  return terms[..., 0, :].reshape(x.shape)
+  return _sharding.reshape(terms[..., 0, :], x.shape)
 
 
 def apply_rht(x) -> jax.Array:

@@ -78,12 +78,16 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
   layers' calls.
 
   Args:
-    recipe: the recipe for the intercepted layers, or ``None`` for none.
+    recipe: the recipe for the intercepted layers, or ``None`` for none. One that rounds
+      stochastically draws a key per layer call with ``hk.next_rng_key()`` (``apply`` needs an
+      ``rng``).
     module_filter: optional ``f(module_name) -> bool``; layers for which it is false stay in high
       precision.
     threshold: passed to ``core.dot_general`` by every intercepted layer: GEMMs below this
       ``SizeThreshold`` stay in high precision (default ``core.DEFAULT_SIZE_THRESHOLD``, with a
       ``core.HighPrecisionGemmWarning``); ``None`` quantizes every GEMM.
+    amax_axes, kernel_all_gather: passed to ``core.dot_general`` by every quantized layer (SPMD:
+      the mesh axes amaxes are reduced over inside ``shard_map``; FSDP's FP8 gather of ``w``).
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
@@ -101,9 +105,13 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
       *,
       module_filter: Callable[[str], bool] | None = None,
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      amax_axes=None,
+      kernel_all_gather=None,
   ):
     self.recipe = None if recipe is None else core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
+    self.amax_axes = amax_axes
+    self.kernel_all_gather = kernel_all_gather
     if module_filter is not None and not callable(module_filter):
       raise TypeError(f"module_filter must be callable, got {type(module_filter).__name__}")
     self.module_filter = module_filter
@@ -147,7 +155,12 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
     if name not in self.report.quantized:
       self.report.quantized.append(name)
     call = functools.partial(
-        _linear.linear_forward, module, recipe=self.recipe, threshold=self.threshold
+        _linear.linear_forward,
+        module,
+        recipe=self.recipe,
+        threshold=self.threshold,
+        amax_axes=self.amax_axes,
+        kernel_all_gather=self.kernel_all_gather,
     )
     return _call_like_linear(call, *args, **kwargs)
 

@@ -22,12 +22,15 @@ def linear_forward(
     precision: lax.Precision | None,
     recipe,
     threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
 ) -> jax.Array:
   """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
 
   Must run inside ``module``'s method (directly or from a method interceptor), so parameters and
   state are created under the module's name. Parameter names, shapes, dtypes and initialisers are
   those of ``hk.Linear``; recipe state uses TE's names (``x_scale``, ``x_amax_history``, ...).
+  A recipe that rounds stochastically draws its key with ``hk.next_rng_key()``.
   """
   if not inputs.shape:
     raise ValueError("Input must not be scalar.")
@@ -63,13 +66,36 @@ def linear_forward(
       )
   dims = (((inputs.ndim - 1,), (0,)), ((), ()))
   out = core.dot_general(
-      inputs, w, dims, precision, recipe=recipe, state=state, threshold=threshold
+      inputs,
+      w,
+      dims,
+      precision,
+      recipe=recipe,
+      state=state,
+      rng=_rounding_key(module, recipe),
+      threshold=threshold,
+      amax_axes=amax_axes,
+      kernel_all_gather=kernel_all_gather,
   )
 
   if module.with_bias:
     b = hk.get_parameter("b", [module.output_size], dtype, init=module.b_init)
     out = out + jnp.broadcast_to(b, out.shape)
   return out
+
+
+def _rounding_key(module: hk.Module, recipe):
+  """A fresh key from Haiku's RNG sequence when ``recipe`` rounds stochastically, else None."""
+  if recipe is None or not recipe.uses_rng:
+    return None
+  key = hk.maybe_next_rng_key()
+  if key is None:
+    raise ValueError(
+        f"{module.module_name}: {type(recipe).__name__} rounds the gradient stochastically and "
+        "draws a key per call with hk.next_rng_key(), but apply was given rng=None: pass a PRNG "
+        "key to apply (a fresh one per step), or use disable_stochastic_rounding=True"
+    )
+  return key
 
 
 def _constant(value):
@@ -92,6 +118,8 @@ class Linear(hk.Linear):
   name, with TE's names (``x_scale``, ``x_amax_history``, ``kernel_*``, ``grad_*``), so the
   function must be transformed with ``hk.transform_with_state``. The new state comes out of the
   gradient with respect to the state: train with ``te_adapters.haiku.value_grad_and_state``.
+  A recipe that rounds stochastically (``NVFP4BlockScaling``) draws a key per call with
+  ``hk.next_rng_key()``, so ``apply`` needs an ``rng`` (a fresh one per step).
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
@@ -112,6 +140,8 @@ class Linear(hk.Linear):
       *,
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      amax_axes=None,
+      kernel_all_gather=None,
   ):
     """Constructs the quantized Linear module.
 
@@ -125,10 +155,16 @@ class Linear(hk.Linear):
         ``None`` for the unquantized ``hk.Linear`` computation.
       threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in
         high precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
+      amax_axes: passed to ``core.dot_general`` (inside ``shard_map``: the mesh axes each amax
+        is max-reduced over).
+      kernel_all_gather: passed to ``core.dot_general`` (FSDP: the sharding of ``w``, gathered
+        as FP8).
     """
     super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
     self.recipe = None if recipe is None else core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
+    self.amax_axes = amax_axes
+    self.kernel_all_gather = kernel_all_gather
 
   def __call__(self, inputs: jax.Array, *, precision: lax.Precision | None = None) -> jax.Array:
     """Computes ``inputs @ w + b`` with the GEMM quantized per the recipe.
@@ -140,4 +176,7 @@ class Linear(hk.Linear):
     Returns:
       An array of shape ``[..., output_size]`` with the dtype of ``inputs``.
     """
-    return linear_forward(self, inputs, precision, self.recipe, self.threshold)
+    return linear_forward(
+        self, inputs, precision, self.recipe, self.threshold, self.amax_axes,
+        self.kernel_all_gather,
+    )

@@ -2,6 +2,7 @@
 
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,
+    SR_RNG,
     Dense,
     DenseGeneral,
     QuantizedDotGeneral,
@@ -15,6 +16,7 @@ __all__ = [
     "Dense",
     "DenseGeneral",
     "QuantizedDotGeneral",
+    "SR_RNG",
     "TrainState",
     "make_dot_general_cls",
     "make_ragged_dot_cls",

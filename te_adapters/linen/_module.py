@@ -8,10 +8,26 @@ import flax.linen as nn
 
 from te_adapters import core
 
-__all__ = ["OVERWRITE_WITH_GRADIENT", "make_dot_general_cls", "Dense", "DenseGeneral"]
+__all__ = ["OVERWRITE_WITH_GRADIENT", "SR_RNG", "make_dot_general_cls", "Dense", "DenseGeneral"]
 
 # The collection that holds recipe state; its gradient is its new value (the name Flax and TE use).
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+# The RNG stream stochastic rounding draws its keys from (TE's name).
+SR_RNG = "sr_rng"
+
+
+def _sr_rng(module: nn.Module, recipe):
+  """A fresh key from the ``sr_rng`` stream when ``recipe`` rounds stochastically, else None."""
+  if recipe is None or not recipe.uses_rng:
+    return None
+  # make_rng falls back to the "params" stream (Flax's rule), which init always has.
+  if not (module.has_rng(SR_RNG) or module.has_rng("params")):
+    raise ValueError(
+        f"{type(recipe).__name__} rounds the gradient stochastically and draws a key per call "
+        f"from the Linen RNG stream {SR_RNG!r}: pass rngs={{{SR_RNG!r}: key}} to apply (a fresh "
+        "key per step), or use disable_stochastic_rounding=True"
+    )
+  return module.make_rng(SR_RNG)
 
 
 class QuantizedDotGeneral(nn.Module):
@@ -19,10 +35,14 @@ class QuantizedDotGeneral(nn.Module):
 
   Holds the recipe state of one GEMM in the ``_overwrite_with_gradient`` collection, with TE's
   variable names (``x_scale``, ``x_amax_history``, ...). Use ``make_dot_general_cls(recipe)``.
+  Under a recipe that rounds stochastically (``recipe.uses_rng``), each call draws a key from
+  the RNG stream ``"sr_rng"``: pass ``rngs={"sr_rng": key}`` to ``apply``.
   """
 
   recipe: Any = None
   threshold: Any = core.DEFAULT_SIZE_THRESHOLD
+  amax_axes: Any = None
+  kernel_all_gather: Any = None
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -39,10 +59,15 @@ class QuantizedDotGeneral(nn.Module):
         recipe=self.recipe,
         state=state or None,
         threshold=self.threshold,
+        rng=_sr_rng(self, self.recipe),
+        amax_axes=self.amax_axes,
+        kernel_all_gather=self.kernel_all_gather,
     )
 
 
-def make_dot_general_cls(recipe, *, threshold=core.DEFAULT_SIZE_THRESHOLD) -> type[nn.Module]:
+def make_dot_general_cls(
+    recipe, *, threshold=core.DEFAULT_SIZE_THRESHOLD, amax_axes=None, kernel_all_gather=None
+) -> type[nn.Module]:
   """A Linen module class whose instances run ``dot_general`` quantized by ``recipe``.
 
   Used as in TransformerEngine's JAX tutorials:
@@ -51,7 +76,12 @@ def make_dot_general_cls(recipe, *, threshold=core.DEFAULT_SIZE_THRESHOLD) -> ty
     y = nn.Dense(features, dot_general=cls())(x)
 
   Args:
-    recipe: a te_adapters recipe.
+    recipe: a te_adapters recipe. One that rounds stochastically (``NVFP4BlockScaling``) draws
+      a key per call from the RNG stream ``"sr_rng"``: ``apply(..., rngs={"sr_rng": key})``.
+    amax_axes: passed to ``core.dot_general`` (inside ``shard_map``: the mesh axes each amax is
+      max-reduced over).
+    kernel_all_gather: passed to ``core.dot_general`` (FSDP: the kernel's sharding, gathered as
+      FP8).
     threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
       precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
 
@@ -61,28 +91,43 @@ def make_dot_general_cls(recipe, *, threshold=core.DEFAULT_SIZE_THRESHOLD) -> ty
   recipe = core.check_recipe(recipe)
   threshold = core.check_threshold(threshold)
   name = f"{type(recipe).__name__}DotGeneral"
-  fields = {"recipe": recipe, "threshold": threshold}
+  fields = {
+      "recipe": recipe,
+      "threshold": threshold,
+      "amax_axes": amax_axes,
+      "kernel_all_gather": kernel_all_gather,
+  }
   annotations = dict.fromkeys(fields, Any)
   return type(name, (QuantizedDotGeneral,), {"__annotations__": annotations, **fields})
 
 
 def _with_recipe_dot_general(module):
   if module.recipe is not None:
+    spmd = {
+        "threshold": module.threshold,
+        "amax_axes": module.amax_axes,
+        "kernel_all_gather": module.kernel_all_gather,
+    }
     current = module.dot_general_cls
     if isinstance(current, type) and issubclass(current, QuantizedDotGeneral):
-      if current.recipe == module.recipe and current.threshold == module.threshold:
+      if current.recipe == module.recipe and all(
+          getattr(current, k) == v for k, v in spmd.items()
+      ):
         return  # a clone of a module already set up
     if module.dot_general is not None or current is not None:
       raise ValueError(f"{type(module).__name__}: give either recipe or dot_general, not both")
-    cls = make_dot_general_cls(module.recipe, threshold=module.threshold)
-    object.__setattr__(module, "dot_general_cls", cls)
+    object.__setattr__(module, "dot_general_cls", make_dot_general_cls(module.recipe, **spmd))
+  elif module.amax_axes is not None or module.kernel_all_gather is not None:
+    raise ValueError(f"{type(module).__name__}: amax_axes and kernel_all_gather need a recipe")
 
 
 class Dense(nn.Dense):
   """``flax.linen.Dense`` with a ``recipe``: same parameters, the GEMM quantized by the recipe.
 
-  ``recipe=None`` is exactly ``nn.Dense``. Recipe state lives in ``_overwrite_with_gradient``.
-  ``threshold`` goes to ``core.dot_general`` (GEMMs below it stay in high precision).
+  ``recipe=None`` is exactly ``nn.Dense``. Recipe state lives in ``_overwrite_with_gradient``;
+  ``threshold`` (GEMMs below it stay in high precision), ``amax_axes`` and ``kernel_all_gather``
+  go to ``core.dot_general``; a recipe that rounds stochastically draws keys from the RNG stream
+  ``"sr_rng"``.
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -95,6 +140,8 @@ class Dense(nn.Dense):
 
   recipe: Any = None
   threshold: Any = core.DEFAULT_SIZE_THRESHOLD
+  amax_axes: Any = None
+  kernel_all_gather: Any = None
 
   def __post_init__(self):
     _with_recipe_dot_general(self)
@@ -102,11 +149,13 @@ class Dense(nn.Dense):
 
 
 class DenseGeneral(nn.DenseGeneral):
-  """``flax.linen.DenseGeneral`` with a ``recipe`` and a ``threshold`` (same fields and
-  parameters plus those two)."""
+  """``flax.linen.DenseGeneral`` with a ``recipe`` (same fields and parameters plus ``recipe``,
+  ``threshold``, ``amax_axes`` and ``kernel_all_gather``, as for ``Dense``)."""
 
   recipe: Any = None
   threshold: Any = core.DEFAULT_SIZE_THRESHOLD
+  amax_axes: Any = None
+  kernel_all_gather: Any = None
 
   def __post_init__(self):
     _with_recipe_dot_general(self)

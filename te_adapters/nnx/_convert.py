@@ -11,7 +11,14 @@ from jax import lax
 
 from te_adapters import core
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral, einsum_gemm_dims
-from te_adapters.nnx._ops import GEMM_DIM_MULTIPLE, DotGeneral, EinsumOp, _RecipeOp
+from te_adapters.nnx._ops import (
+    GEMM_DIM_MULTIPLE,
+    SR_RNG,
+    DotGeneral,
+    EinsumOp,
+    _RecipeOp,
+    source_stream,
+)
 
 __all__ = ["QuantizeReport", "quantize_model"]
 
@@ -62,6 +69,9 @@ def quantize_model(
     *,
     filter=None,
     threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    amax_axes=None,
+    kernel_all_gather=None,
 ) -> QuantizeReport:
   """Makes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model`` use
   quantized GEMMs, in place, keeping their parameters.
@@ -73,6 +83,10 @@ def quantize_model(
   already have a custom ``dot_general`` / ``einsum_op`` (a quantized one included), or when an
   Einsum's equation cannot be checked.
 
+  A recipe that rounds stochastically (``NVFP4BlockScaling``) needs ``rngs``: each converted
+  layer gets a stream of its own from its ``"sr_rng"`` (or ``"default"``) stream, stacked like
+  the state for stacked layers, and draws a fresh key from it at each call.
+
   Args:
     model: the NNX model, changed in place.
     recipe: a te_adapters recipe.
@@ -81,6 +95,10 @@ def quantize_model(
     threshold: passed to ``core.dot_general`` by every converted layer: GEMMs below this
       ``SizeThreshold`` stay in high precision (default ``core.DEFAULT_SIZE_THRESHOLD``);
       ``None`` quantizes every GEMM.
+    rngs: an ``nnx.Rngs`` or ``nnx.RngStream``, required when ``recipe.uses_rng``; unused
+      otherwise.
+    amax_axes, kernel_all_gather: passed to ``core.dot_general`` by every converted layer
+      (SPMD: the mesh axes amaxes are reduced over inside ``shard_map``; FSDP's FP8 gather).
 
   Returns:
     A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons).
@@ -97,6 +115,12 @@ def quantize_model(
   """
   recipe = core.check_recipe(recipe)
   threshold = core.check_threshold(threshold)
+  if recipe.uses_rng and source_stream(rngs) is None:
+    raise ValueError(
+        f"quantize_model: {type(recipe).__name__} rounds the gradient stochastically, so every "
+        f"converted layer needs a key stream: pass rngs=nnx.Rngs({SR_RNG}=seed) (an Rngs with a "
+        f"{SR_RNG!r} or 'default' stream), or use disable_stochastic_rounding=True"
+    )
   predicate = nnx.filterlib.to_predicate(filter) if filter is not None else None
   layers = [
       (path, node)
@@ -124,7 +148,11 @@ def quantize_model(
       continue
     kernel = layer.kernel.get_value()
     stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
-    op = (EinsumOp if slot == "einsum_op" else DotGeneral)(recipe, threshold=threshold)
+    op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
+    op = op_cls(
+        recipe, threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather
+    )
+    op.set_rngs(rngs, stack_shape)
     for state_name in core.state_names(recipe):
       variable = getattr(op, state_name)
       value = variable.get_value()

@@ -22,22 +22,31 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn, Shape
 from jax import lax
 
 from te_adapters import core
-from te_adapters.nnx._ops import DotGeneral, EinsumOp, check_gemm_dims
+from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, check_gemm_dims
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
 _DEFAULT_RECIPE = core.Float8CurrentScaling()
 
 
-def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, threshold):
+def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **options):
   if recipe is None:
+    if options.get("amax_axes") is not None or options.get("kernel_all_gather") is not None:
+      raise ValueError(f"{layer}: amax_axes and kernel_all_gather need a recipe")
     return given
   if given is not default:
     raise ValueError(
         f"{layer}: pass either recipe= or a custom {arg_name}=, not both (recipe={recipe!r} "
         f"replaces the {arg_name})"
     )
-  return op_cls(recipe, threshold=threshold)
+  # The rounding stream is forked after the parameters are drawn (see _attach_rngs).
+  return op_cls(recipe, **options)
+
+
+def _attach_rngs(op, rngs) -> None:
+  # After the NNX parent drew the parameters, so they equal those of the NNX layer.
+  if isinstance(op, _RecipeOp):
+    op.set_rngs(rngs)
 
 
 class Linear(nnx.Linear):
@@ -49,6 +58,11 @@ class Linear(nnx.Linear):
   ``dot_general`` submodule (``layer.dot_general.x_scale``, ...), which
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches.
 
+  Under a recipe that rounds stochastically (``NVFP4BlockScaling``), the layer keeps an RNG
+  stream of its own, forked from the ``"sr_rng"`` stream of ``rngs`` (or its ``"default"``
+  one), and each call draws a fresh key from it; ``layer(x, rngs=...)`` (an ``nnx.Rngs``,
+  ``nnx.RngStream`` or key) overrides it for that call, as for ``nnx.Dropout``.
+
   Args:
     in_features: the number of input features (a multiple of 16 when quantized).
     out_features: the number of output features (a multiple of 16 when quantized).
@@ -56,6 +70,8 @@ class Linear(nnx.Linear):
       ``nnx.Linear``, numerically identical.
     threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
       precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
+    amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD: the mesh axes amaxes are
+      reduced over inside ``shard_map``; FSDP's FP8 kernel all-gather).
     **others: as for ``flax.nnx.Linear``. ``dot_general`` cannot be combined with a recipe.
 
   Example:
@@ -89,11 +105,14 @@ class Linear(nnx.Linear):
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      amax_axes: tp.Any = None,
+      kernel_all_gather: tp.Any = None,
   ):
     if recipe is not None:
       check_gemm_dims(in_features, out_features, f"Linear({in_features}, {out_features})")
     dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear", threshold
+        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear",
+        threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
     )
     super().__init__(
         in_features,
@@ -113,13 +132,20 @@ class Linear(nnx.Linear):
     )
     self.recipe = recipe
     self.threshold = threshold
+    _attach_rngs(self.dot_general, rngs)
+
+  def __call__(self, inputs, out_sharding=None, *, rngs=None):
+    """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
+    with call_rngs(rngs):
+      return super().__call__(inputs, out_sharding=out_sharding)
 
 
 class LinearGeneral(nnx.LinearGeneral):
   """``nnx.LinearGeneral`` with a quantized GEMM.
 
   Takes every argument of ``flax.nnx.LinearGeneral`` with the same defaults and creates the same
-  parameters. The recipe state lives in the ``dot_general`` submodule, as for ``Linear``.
+  parameters. The recipe state and the rounding stream live in the ``dot_general`` submodule,
+  as for ``Linear``.
 
   Args:
     in_features: int or tuple of input features; their product is a multiple of 16 when
@@ -128,7 +154,7 @@ class LinearGeneral(nnx.LinearGeneral):
       quantized.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.LinearGeneral``.
-    threshold: as for ``Linear``.
+    threshold, amax_axes, kernel_all_gather: as for ``Linear``.
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
 
@@ -163,6 +189,8 @@ class LinearGeneral(nnx.LinearGeneral):
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      amax_axes: tp.Any = None,
+      kernel_all_gather: tp.Any = None,
   ):
     if recipe is not None:
       if dot_general_cls is not None:
@@ -171,7 +199,8 @@ class LinearGeneral(nnx.LinearGeneral):
       n = math.prod(nnx_linear._canonicalize_tuple(out_features))
       check_gemm_dims(k, n, f"LinearGeneral({in_features}, {out_features})")
     dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral", threshold
+        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral",
+        threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
     )
     super().__init__(
         in_features,
@@ -194,6 +223,12 @@ class LinearGeneral(nnx.LinearGeneral):
     )
     self.recipe = recipe
     self.threshold = threshold
+    _attach_rngs(self.dot_general, rngs)
+
+  def __call__(self, inputs, out_sharding=None, *, rngs=None):
+    """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
+    with call_rngs(rngs):
+      return super().__call__(inputs, out_sharding=out_sharding)
 
 
 def einsum_gemm_dims(einsum_str: str, kernel_shape: Shape) -> tuple[int, int] | None:
@@ -227,9 +262,10 @@ class Einsum(nnx.Einsum):
   """``nnx.Einsum`` with a quantized GEMM, through ``jnp.einsum(..., _dot_general=...)``.
 
   Takes every argument of ``flax.nnx.Einsum`` with the same defaults and creates the same
-  parameters. The recipe state lives in the ``einsum_op`` submodule (``layer.einsum_op.x_scale``,
-  ...). The equation must contract the input with the kernel in one GEMM: no label repeated in an
-  operand, and every summed label present in both operands.
+  parameters. The recipe state (and the rounding stream, as for ``Linear``) lives in the
+  ``einsum_op`` submodule (``layer.einsum_op.x_scale``, ...). The equation must contract the
+  input with the kernel in one GEMM: no label repeated in an operand, and every summed label
+  present in both operands.
 
   Args:
     einsum_str: the equation, input first and kernel second (``None`` to give it at call time).
@@ -238,7 +274,7 @@ class Einsum(nnx.Einsum):
     bias_shape: the bias shape, or ``None`` for no bias.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.Einsum``.
-    threshold: as for ``Linear``.
+    threshold, amax_axes, kernel_all_gather: as for ``Linear``.
     **others: as for ``flax.nnx.Einsum``. ``einsum_op`` cannot be combined with a recipe.
 
   Example:
@@ -269,13 +305,16 @@ class Einsum(nnx.Einsum):
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      amax_axes: tp.Any = None,
+      kernel_all_gather: tp.Any = None,
   ):
     if recipe is not None and einsum_str is not None:
       dims = einsum_gemm_dims(einsum_str, kernel_shape)
       if dims is not None:
         check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
     einsum_op = _quantized_op(
-        EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum", threshold
+        EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum",
+        threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
     )
     super().__init__(
         einsum_str,
@@ -295,3 +334,9 @@ class Einsum(nnx.Einsum):
     )
     self.recipe = recipe
     self.threshold = threshold
+    _attach_rngs(self.einsum_op, rngs)
+
+  def __call__(self, inputs, einsum_str=None, out_sharding=None, *, rngs=None):
+    """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
+    with call_rngs(rngs):
+      return super().__call__(inputs, einsum_str, out_sharding=out_sharding)

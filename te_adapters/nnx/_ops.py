@@ -9,21 +9,75 @@ layer through ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``nnx.scan``, ``nnx.vmap
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import opt_einsum
 from flax import nnx
+from flax.core.frozen_dict import FrozenDict
 
 from te_adapters import core
 from te_adapters.nnx._variables import RecipeState
 
-__all__ = ["DotGeneral", "EinsumOp", "GEMM_DIM_MULTIPLE"]
+__all__ = ["DotGeneral", "EinsumOp", "GEMM_DIM_MULTIPLE", "SR_RNG"]
 
 # FP8 GEMMs need the contracting and output-feature sizes to be multiples of 16.
 GEMM_DIM_MULTIPLE = 16
+# The RNG stream stochastic rounding draws its keys from (TE's name; "default" when absent).
+SR_RNG = "sr_rng"
+# rngs= given to a quantized layer's __call__, for its GEMM op (the NNX parent calls the op).
+_CALL_RNGS: contextvars.ContextVar = contextvars.ContextVar("te_adapters_nnx_rngs", default=None)
+
+
+def source_stream(rngs) -> nnx.RngStream | None:
+  """The stream of ``rngs`` stochastic rounding draws from: an ``nnx.Rngs``'s ``"sr_rng"``
+  stream (else its ``"default"`` one, else None), an ``nnx.RngStream`` itself, or None."""
+  if rngs is None:
+    return None
+  if isinstance(rngs, nnx.Rngs):
+    try:
+      return rngs[SR_RNG]
+    except KeyError:
+      return None
+  if not isinstance(rngs, nnx.RngStream):
+    raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None, got {type(rngs)}")
+  return rngs
+
+
+def sr_stream(rngs, stack_shape: tuple[int, ...] = ()) -> nnx.RngStream | None:
+  """A stream of its own for one GEMM's stochastic rounding, from ``source_stream(rngs)``.
+
+  Forked (or split to ``stack_shape`` for layers stacked by ``nnx.vmap``) as ``nnx.Dropout``
+  does, so layers built from one ``Rngs`` draw different keys.
+  """
+  stream = source_stream(rngs)
+  if stream is None:
+    return None
+  return stream.split(stack_shape) if stack_shape else stream.fork()
+
+
+def _hashable(value):
+  """``value`` with dicts frozen and lists made tuples (amax_axes by role, spec lists)."""
+  if isinstance(value, Mapping):
+    return FrozenDict({k: _hashable(v) for k, v in value.items()})
+  if isinstance(value, list):
+    return tuple(_hashable(v) for v in value)
+  return value
+
+
+@contextlib.contextmanager
+def call_rngs(rngs):
+  """Within it, the quantized op called next draws its rounding key from ``rngs``."""
+  token = _CALL_RNGS.set(rngs)
+  try:
+    yield
+  finally:
+    _CALL_RNGS.reset(token)
 
 
 def check_gemm_dims(k: int, n: int, what: str) -> None:
@@ -46,24 +100,63 @@ def _check_out_sharding(out_sharding) -> None:
 
 
 class _RecipeOp(nnx.Module):
-  """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names."""
+  """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names.
+
+  A recipe that rounds stochastically (``recipe.uses_rng``) also gets an RNG stream of its own
+  (``self.rngs``, see ``sr_stream``); each call draws one key from it.
+  """
 
   def __init__(
       self,
       recipe: core.Recipe,
       *,
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      rngs: nnx.Rngs | nnx.RngStream | None = None,
+      amax_axes: Any = None,
+      kernel_all_gather: Any = None,
   ):
     self.recipe = core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
     for name, value in core.init_state(self.recipe).items():
       setattr(self, name, RecipeState(value))
+    # Static attributes of the graph: hashable, so nnx.jit can key its cache on them.
+    self.amax_axes = _hashable(amax_axes)
+    self.kernel_all_gather = _hashable(kernel_all_gather)
+    self.rngs = nnx.data(None)
+    self.set_rngs(rngs)
+
+  def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:
+    """Gives the op its rounding stream from ``rngs`` (``sr_stream``), if the recipe uses one."""
+    if self.recipe.uses_rng:
+      stream = sr_stream(rngs, stack_shape)
+      self.rngs = nnx.data(None) if stream is None else stream
+
+  def _rounding_key(self, rngs):
+    """The key for this call's stochastic rounding (None when the recipe does not use one)."""
+    if not self.recipe.uses_rng:
+      return None
+    if rngs is None:
+      rngs = _CALL_RNGS.get()
+    if rngs is None:
+      rngs = self.rngs
+    if rngs is None:
+      raise ValueError(
+          f"{type(self.recipe).__name__} rounds the gradient stochastically and needs a key per "
+          f"call from the {SR_RNG!r} stream: build the layer with rngs=nnx.Rngs({SR_RNG}=...) (a "
+          "'default' stream works too), or call it with rngs=...; or use "
+          "disable_stochastic_rounding=True"
+      )
+    if isinstance(rngs, nnx.Rngs):
+      return rngs[SR_RNG]()
+    if isinstance(rngs, nnx.RngStream):
+      return rngs()
+    return rngs  # a key
 
   def recipe_state(self) -> dict[str, jax.Array]:
     """The current recipe state as a dict ``{name: array}`` (empty for stateless recipes)."""
     return {name: getattr(self, name).get_value() for name in core.state_names(self.recipe)}
 
-  def _dot(self, lhs, rhs, dimension_numbers, precision, preferred_element_type):
+  def _dot(self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None):
     (_, rc), (_, rb) = dimension_numbers
     rhs_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
     k = math.prod(rhs.shape[d] for d in rc)
@@ -78,6 +171,9 @@ class _RecipeOp(nnx.Module):
         recipe=self.recipe,
         state=self.recipe_state(),
         threshold=self.threshold,
+        rng=self._rounding_key(rngs),
+        amax_axes=self.amax_axes,
+        kernel_all_gather=self.kernel_all_gather,
     )
 
 
@@ -89,9 +185,13 @@ class DotGeneral(_RecipeOp):
   of this module (``x_scale``, ``x_amax_history``, ...; none for stateless recipes).
 
   Args:
-    recipe: a te_adapters recipe (``DelayedScaling``, ``Float8CurrentScaling``).
+    recipe: a te_adapters recipe.
     threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
       precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
+    rngs: for a recipe that rounds stochastically (``NVFP4BlockScaling``): the op keeps a stream
+      of its own from ``rngs``'s ``"sr_rng"`` (or ``"default"``) stream, and draws one key per
+      call; a call may pass ``rngs=`` (an ``nnx.Rngs``, ``nnx.RngStream`` or key) instead.
+    amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD).
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -111,10 +211,12 @@ class DotGeneral(_RecipeOp):
       precision=None,
       preferred_element_type=None,
       out_sharding=None,
+      *,
+      rngs=None,
   ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, ...)`` with FP8 operands (``out_sharding`` must be None)."""
     _check_out_sharding(out_sharding)
-    return self._dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    return self._dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs)
 
 
 def _einsum_labels(einsum_str: str, inputs, kernel) -> tuple[str, str, str]:
@@ -155,8 +257,8 @@ class EinsumOp(_RecipeOp):
   ``x_*`` state always belongs to the input.
 
   Args:
-    recipe: a te_adapters recipe (``DelayedScaling``, ``Float8CurrentScaling``).
-    threshold: as for ``DotGeneral``.
+    recipe: a te_adapters recipe.
+    threshold, rngs, amax_axes, kernel_all_gather: as for ``DotGeneral``.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -176,6 +278,8 @@ class EinsumOp(_RecipeOp):
       precision=None,
       preferred_element_type=None,
       out_sharding=None,
+      *,
+      rngs=None,
   ) -> jax.Array:
     """``jnp.einsum(einsum_str, inputs, kernel, ...)`` with one FP8 GEMM."""
     _check_out_sharding(out_sharding)
@@ -202,10 +306,10 @@ class EinsumOp(_RecipeOp):
             "jnp.einsum formed; use distinct labels or shapes for the two operands"
         )
       if x_first:
-        return self._dot(a, b, dims, precision, preferred_element_type)
+        return self._dot(a, b, dims, precision, preferred_element_type, rngs)
       # jnp.einsum put the kernel first: compute with x first, then restore its output layout
       # (batch, kernel free, x free).
-      out = self._dot(b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type)
+      out = self._dot(b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type, rngs)
       n_batch = len(ab)
       n_x_free = b.ndim - len(bc) - n_batch
       n_k_free = a.ndim - len(ac) - n_batch

@@ -385,11 +385,124 @@ def test_block_scaled_inside_shard_map_matches_single_device(recipe, rel):
   _check_block(recipe, mapped(*_put(mesh, plan, *_block_data())), rel)
 
 
-def test_nvfp4_inside_shard_map_is_refused():
-  mesh = COLUMN.mesh(AxisType.Auto)
-  x, w, _ = _block_data()
-  with pytest.raises(NotImplementedError, match="NVFP4BlockScaling inside shard_map"):
-    _trace_in_shard_map(_sum_gemm(recipe=BLOCK_RECIPES[1]), mesh, (P("dp"), P()), (x, w))
+DP = Plan("dp2", (("dp", 2),), P("dp"), P(), P("dp"))  # data parallel: only dW sums over devices
+
+
+def _block_grads_f32_kernel(x, w, dy, rng=None, *, recipe, **kw):
+  """y, dx, dW with a float32 kernel (float32 dW, so sums over devices show at full precision)."""
+  y, vjp = jax.vjp(lambda x, w: core.dot_general(x, w, DN, recipe=recipe, rng=rng, **kw), x, w)
+  return (y, *vjp(dy.astype(y.dtype)))
+
+
+def _assert_same(got, want, names, rel):
+  """Bit-identical, except ``names`` that sum partial products over devices (float32 order)."""
+  for name, a, b in zip(("y", "dx", "dW"), got, want, strict=True):
+    if name in names:
+      assert rel(a, b) < 1e-6, (name, rel(a, b))
+    else:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+EXPLICIT_BLOCK_CASES = [(r, DP) for r in BLOCK_RECIPES] + [(BLOCK_RECIPES[2], ROW)]
+
+
+@pytest.mark.parametrize(
+    "recipe, plan", EXPLICIT_BLOCK_CASES,
+    ids=[f"{type(r).__name__}-{p.name}" for r, p in EXPLICIT_BLOCK_CASES],
+)
+def test_block_scaled_with_explicit_axes_matches_single_device(recipe, plan, rel):
+  """The block layout's reshapes name their shardings under Explicit axes (JAX requires it)."""
+  mesh = plan.mesh(AxisType.Explicit)
+  x, w, dy = _block_data()
+  kw = {"out_sharding": P("dp", None, None)} if plan.row_parallel else {}
+  fn = functools.partial(_block_grads_f32_kernel, recipe=recipe)
+  ref = jax.jit(fn)(x, w, dy)
+  with jax.set_mesh(mesh):
+    got = jax.jit(functools.partial(fn, **kw))(*_put(mesh, plan, x, w, dy))
+  # Data parallel: y and dx are computed row by row as on one device; dW sums over dp.
+  # Row parallel: y sums over tp, dW over dp.
+  _assert_same(got, ref, ("y", "dW") if plan.row_parallel else ("dW",), rel)
+  y_spec = P("dp", None, None) if plan.row_parallel else plan.dy
+  for a, spec in zip(got, (y_spec, plan.x, plan.w), strict=True):
+    assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim), (a.sharding, spec)
+
+
+def test_block_scaled_with_explicit_axes_needs_whole_blocks_per_device():
+  plan = Plan("dp4", (("dp", 4),), P("dp"), P(), P("dp"))
+  mesh = plan.mesh(AxisType.Explicit)
+  x, w, dy = _put(mesh, plan, *_block_data())
+  fn = functools.partial(_block_grads_f32_kernel, recipe=BLOCK_RECIPES[2])
+  # M = 256 over 4 devices: 64 rows each, but the wgrad copies have blocks of 128 along M.
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=(
+      r"Float8BlockScaling: the lhs free size M .* is 256, split over 4 devices \(mesh axes "
+      r"\('dp',\)\): 64 per device, which is not a multiple of 128")):
+    jax.eval_shape(fn, x, w, dy)
+
+
+def test_reshape_spec_keeps_each_group_s_major_sharding():
+  sizes = {"dp": 2, "tp": 4}
+  spec = _sharding.reshape_spec((4, 64, 256), P("dp", None, "tp"), (1, 256, 8, 32), sizes)
+  assert spec == P(None, "dp", "tp", None)
+  assert _sharding.reshape_spec((1, 256, 8), P(None, "dp", "tp"), (4, 64, 8), sizes) == P(
+      "dp", None, "tp"
+  )
+  with pytest.raises(ValueError, match=r"only the first of them may be sharded"):
+    _sharding.reshape_spec((4, 64, 256), P(None, "dp"), (256, 256), sizes)
+  with pytest.raises(ValueError, match=r"cannot hold the 4 shards"):
+    _sharding.reshape_spec((8, 16), P("tp"), (2, 64), sizes)
+
+
+NVFP4_RN = BLOCK_RECIPES[1]
+NVFP4_SR = ta.NVFP4BlockScaling()
+
+
+def _nvfp4_shard_map(plan, recipe, **kw):
+  mesh = plan.mesh()
+  fn = functools.partial(_block_grads_f32_kernel, recipe=recipe, **kw)
+  if recipe.uses_rng:
+    body, in_specs = fn, (plan.x, plan.w, plan.dy, P())
+  else:
+    body, in_specs = (lambda x, w, dy: fn(x, w, dy)), (plan.x, plan.w, plan.dy)
+  mapped = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=in_specs, out_specs=(plan.dy, plan.x, plan.w)
+  ))
+  return mesh, mapped
+
+
+@pytest.mark.parametrize("plan", [DP, COLUMN], ids=lambda p: p.name)
+def test_nvfp4_inside_shard_map_matches_single_device(plan, rel):
+  """The per-tensor amax of NVFP4's two-level scaling is max-reduced over the devices."""
+  x, w, dy = _block_data()
+  # Outliers on one shard only: without the reduction that shard would scale differently.
+  x = x.at[0, 3, 5].set(40.0)
+  dy = dy.at[3, 60, 200].set(-30.0)
+  ref = jax.jit(functools.partial(_block_grads_f32_kernel, recipe=NVFP4_RN))(x, w, dy)
+  mesh, mapped = _nvfp4_shard_map(plan, NVFP4_RN, amax_axes=tuple(n for n, _ in plan.axes))
+  got = mapped(*_put(mesh, plan, x, w, dy))
+  # Sums over devices: dW over dp; with TP also dx over tp.
+  _assert_same(got, ref, ("dW",) if plan is DP else ("dx", "dW"), rel)
+
+
+def test_nvfp4_stochastic_rounding_inside_shard_map_uses_a_key_per_shard():
+  """Each shard folds its index into the key: same data on two shards rounds differently, and
+  a given key always gives the same result."""
+  plan = DP
+  x, w, dy = _block_data()
+  half = lambda a: jnp.concatenate([a[:1]] * a.shape[0])  # every dp shard holds the same rows
+  x, dy = half(x), half(dy)
+  args = _put(plan.mesh(), plan, x, w, dy)
+  _, mapped = _nvfp4_shard_map(plan, NVFP4_SR)
+  key = jax.random.key(7)
+  first, again, other = mapped(*args, key), mapped(*args, key), mapped(*args, jax.random.key(8))
+  for a, b in zip(first, again, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  dx = np.asarray(first[1], np.float32)
+  assert np.all(np.isfinite(dx)) and not np.array_equal(dx[0], dx[1])  # shards 0 and 1 differ
+  assert not np.array_equal(dx, np.asarray(other[1], np.float32))  # another key, other bits
+  # Round to nearest: the shards agree, so only the keys made them differ.
+  _, mapped_rn = _nvfp4_shard_map(plan, NVFP4_RN)
+  dx_rn = np.asarray(mapped_rn(*args)[1], np.float32)
+  np.testing.assert_array_equal(dx_rn[0], dx_rn[1])
 
 
 # --------------------------------------------------------------------------- quantized operands
@@ -626,8 +739,8 @@ def test_error_kernel_all_gather_over_an_axis_the_kernel_is_not_sharded_over():
         ({"amax_axes": 3}, TypeError, "amax_axes must be a mesh axis name"),
         ({"amax_axes": {"y": "dp"}}, ValueError, "amax_axes keys must be among"),
         ({"recipe": None, "amax_axes": "dp"}, ValueError, "need a recipe"),
-        ({"recipe": ta.MXFP8BlockScaling(), "amax_axes": "dp"}, NotImplementedError,
-         "per-tensor FP8 recipes"),
+        ({"recipe": ta.MXFP8BlockScaling(), "kernel_all_gather": P("fsdp", None)},
+         NotImplementedError, "per-tensor FP8 recipes"),
     ],
 )
 def test_bad_spmd_arguments(kwargs, error, match):

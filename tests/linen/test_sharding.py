@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from jax import lax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
@@ -23,6 +24,7 @@ import te_adapters as ta
 from te_adapters import core
 from te_adapters import linen as ta_linen
 from te_adapters._seed_layer import FlaxDenseBlock
+from tests import spmd_checks
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4,
@@ -137,3 +139,68 @@ def test_seed_000_dp_tp_inside_shard_map_matches_single_device(rel):
   grad_fn = jax.value_and_grad(mapped, argnums=(0, 1), has_aux=True)
   step = jax.jit(lambda v, x, dy: (lambda out: (out[0][1], out[1]))(grad_fn(v, x, dy)))
   _compare(_train(step, variables, x, dy), reference, rel)
+
+
+# --------------------------------------------------------------------------- SPMD keywords
+
+
+def test_dense_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device():
+  model = ta_linen.Dense(32, recipe=spmd_checks.RECIPE, amax_axes="dp")
+  x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
+  variables = model.init(jax.random.PRNGKey(0), x)
+
+  def loss(variables, x, dy):
+    y = model.apply(variables, x)
+    return jnp.sum(y * dy), y
+
+  steps = spmd_checks.compare_with_one_device(
+      loss, variables, lambda v, g: {**v, OWG: g[OWG]}, x, dy
+  )
+  _, grads = steps[-1]
+  (state,) = grads[OWG].values()
+  assert float(state["x_amax_history"][-1]) == 7.0  # the global amax
+
+
+def test_dense_with_kernel_all_gather_gathers_fp8_bytes(rel):
+  """FSDP: the kernel sharded over fsdp is quantized per shard and gathered as uint8."""
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  recipe = ta.Float8CurrentScaling()
+  model = ta_linen.Dense(64, recipe=recipe, kernel_all_gather=P("fsdp", None))
+  x, dy = spmd_checks.random((16, 64), 0), spmd_checks.random((16, 64), 1)
+
+  def grads(model, variables, x, dy):
+    return jax.grad(lambda v, x: jnp.sum(model.apply(v, x) * dy), argnums=(0, 1))(variables, x)
+
+  one_device = ta_linen.Dense(64, recipe=recipe)  # the same parameters, no gather
+  variables = one_device.init(jax.random.PRNGKey(0), x)
+  ref = jax.jit(functools.partial(grads, one_device))(variables, x, dy)
+  with jax.set_mesh(mesh):
+    kernel = variables["params"]["kernel"]
+    placed = {"params": {
+        "kernel": jax.device_put(kernel, NamedSharding(mesh, P("fsdp", None))),
+        "bias": jax.device_put(variables["params"]["bias"], NamedSharding(mesh, P())),
+    }}
+    args = (placed, jax.device_put(x, NamedSharding(mesh, P("fsdp"))), dy)
+    compiled, gathers = spmd_checks.fsdp_gathers(functools.partial(grads, model), args)
+    got = compiled(*args)
+  assert gathers == [("u8", kernel.shape)]  # one FP8 gather of the whole kernel, nothing else
+  g_kernel = got[0]["params"]["kernel"]
+  assert g_kernel.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp", None)), 2)
+  assert rel(g_kernel, ref[0]["params"]["kernel"]) < 1e-5 and rel(got[1], ref[1]) < 1e-6
+
+
+def _dense_general(x, **kw):
+  model = ta_linen.DenseGeneral(16, recipe=ta.Float8CurrentScaling(), **kw)
+  return model.init_with_output(jax.random.PRNGKey(0), x)[0]
+
+
+def _dot_general_cls(x, **kw):
+  cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling(), **kw)
+  return nn.Dense(16, dot_general=cls()).init_with_output(jax.random.PRNGKey(0), x)[0]
+
+
+@pytest.mark.parametrize(
+    "apply", [_dense_general, _dot_general_cls], ids=lambda f: f.__name__.strip("_")
+)
+def test_spmd_keywords_reach_the_core(apply):
+  spmd_checks.assert_spmd_keywords_reach_the_core(apply)
