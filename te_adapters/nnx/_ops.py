@@ -94,8 +94,8 @@ def check_gemm_dims(k: int, n: int, what: str) -> None:
 def _check_out_sharding(out_sharding) -> None:
   if out_sharding is not None:
     raise NotImplementedError(
-        "out_sharding is not supported by quantized GEMMs yet; shard the inputs instead, or "
-        "use recipe=None for this layer"
+        "out_sharding is not supported where jnp.einsum puts the kernel first in the quantized "
+        "GEMM; write the einsum with the input first, or use recipe=None for this layer"
     )
 
 
@@ -156,7 +156,10 @@ class _RecipeOp(nnx.Module):
     """The current recipe state as a dict ``{name: array}`` (empty for stateless recipes)."""
     return {name: getattr(self, name).get_value() for name in core.state_names(self.recipe)}
 
-  def _dot(self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None):
+  def _dot(
+      self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,
+      out_sharding=None,
+  ):
     (_, rc), (_, rb) = dimension_numbers
     rhs_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
     k = math.prod(rhs.shape[d] for d in rc)
@@ -174,6 +177,7 @@ class _RecipeOp(nnx.Module):
         rng=self._rounding_key(rngs),
         amax_axes=self.amax_axes,
         kernel_all_gather=self.kernel_all_gather,
+        out_sharding=out_sharding,
     )
 
 
@@ -214,9 +218,11 @@ class DotGeneral(_RecipeOp):
       *,
       rngs=None,
   ) -> jax.Array:
-    """``lax.dot_general(lhs, rhs, ...)`` with FP8 operands (``out_sharding`` must be None)."""
-    _check_out_sharding(out_sharding)
-    return self._dot(lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs)
+    """``lax.dot_general(lhs, rhs, ...)`` with FP8 operands; ``out_sharding`` as for it (with
+    Explicit mesh axes, e.g. row-parallel layers whose contracting dimension is sharded)."""
+    return self._dot(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs, out_sharding
+    )
 
 
 def _einsum_labels(einsum_str: str, inputs, kernel) -> tuple[str, str, str]:
@@ -296,7 +302,7 @@ class EinsumOp(_RecipeOp):
       )
 
     def dot_general(a, b, dims, precision=None, preferred_element_type=None, **kwargs: Any):
-      _check_out_sharding(kwargs.pop("out_sharding", None))
+      out_sharding = kwargs.pop("out_sharding", None)
       (ac, bc), (ab, bb) = dims
       x_first = matches(a, b, dims, in_labels, k_labels, inputs.shape, kernel.shape)
       kernel_first = matches(a, b, dims, k_labels, in_labels, kernel.shape, inputs.shape)
@@ -306,7 +312,8 @@ class EinsumOp(_RecipeOp):
             "jnp.einsum formed; use distinct labels or shapes for the two operands"
         )
       if x_first:
-        return self._dot(a, b, dims, precision, preferred_element_type, rngs)
+        return self._dot(a, b, dims, precision, preferred_element_type, rngs, out_sharding)
+      _check_out_sharding(out_sharding)
       # jnp.einsum put the kernel first: compute with x first, then restore its output layout
       # (batch, kernel free, x free).
       out = self._dot(b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type, rngs)

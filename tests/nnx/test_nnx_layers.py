@@ -214,9 +214,6 @@ def test_bad_arguments_are_refused():
     ta_nnx.Linear(32, 16, recipe="fp8", rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="recipe instance"):
     ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling, rngs=nnx.Rngs(0))
-  layer = ta_nnx.Linear(32, 16, rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="out_sharding"):
-    layer(jnp.ones((2, 32)), out_sharding=object())
   repeated = ta_nnx.Einsum("iij,jk->ik", (16, 16), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="repeats in the input"):
     repeated(jnp.ones((16, 16, 16)))

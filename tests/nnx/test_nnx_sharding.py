@@ -2,8 +2,10 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
@@ -67,3 +69,39 @@ def test_spmd_keywords_are_static_and_hashable():
   mapped = jax.shard_map(nnx.jit(lambda layer, x: layer(x)), mesh=spmd_checks.dp_mesh(),
                          in_specs=(P(), P("dp")), out_specs=P("dp"))
   assert mapped(layer, x).shape == (16, 16)
+
+
+def test_row_parallel_linear_with_out_sharding_on_an_explicit_mesh():
+  # The contracting dim is sharded over "tp": with Explicit axes the GEMM needs out_sharding,
+  # which the layer passes to the core. Output, gradients and new state against one device.
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  layer = ta_nnx.Linear(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(layer)
+  x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
+
+  def step(state, x, dy, out_sharding=None):
+    def loss(state):
+      y = nnx.merge(graphdef, state)(x, out_sharding=out_sharding)
+      return jnp.sum(y * dy), y
+
+    return jax.value_and_grad(loss, has_aux=True)(state)
+
+  (_, ref_y), ref_grads = jax.jit(step)(state, x, dy)
+  mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    # The (64, 32) kernel is the only 2-D leaf: rows over "tp"; bias and recipe state replicated.
+    sharded = jax.tree.map(
+        lambda v: jax.device_put(v, NamedSharding(mesh, P("tp", None) if v.ndim == 2 else P())),
+        state,
+    )
+    xs = jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))
+    dys = jax.device_put(dy, NamedSharding(mesh, P("dp", None)))
+    (_, y), grads = jax.jit(step, static_argnums=3)(sharded, xs, dys, P("dp", None))
+  assert y.sharding.spec == P("dp", None)
+  # The row-parallel sum adds the two K halves across devices: float32 reassociation only.
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-6, atol=1e-6)
+  for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
+    got = dict(jax.tree_util.tree_leaves_with_path(grads))[path]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
