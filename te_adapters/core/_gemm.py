@@ -407,10 +407,12 @@ def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gem
   local = (math.prod(rhs.shape[d] for d in rf), math.prod(rhs.shape[d] for d in rc))
   w3_shape = w3_shape[:-2] + local
   plan = _sharding.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
-  x3 = jnp.transpose(lhs, lhs_perm).reshape(x3_shape)
-  w3 = jnp.transpose(rhs, rhs_perm).reshape(w3_shape)
+  # Under Explicit mesh axes the reshapes name their output sharding (a clear error where a
+  # merge would split a sharded dimension's shards).
+  x3 = _sharding.reshape(jnp.transpose(lhs, lhs_perm), x3_shape)
+  w3 = _sharding.reshape(jnp.transpose(rhs, rhs_perm), w3_shape)
   y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan)
-  return y3.reshape(out_shape)
+  return _sharding.reshape(y3, out_shape)
 
 
 def _swap_last(a):

@@ -748,3 +748,16 @@ def test_bad_spmd_arguments(kwargs, error, match):
   kwargs = {"recipe": CURRENT, **kwargs}
   with pytest.raises(error, match=match):
     core.dot_general(x, w, DN, **kwargs)
+
+
+def test_explicit_merge_of_two_sharded_dims_is_refused_by_name():
+  # x's batch and sequence dims are both sharded; the GEMM merges them into M, which would split
+  # the "tp" shards: a ValueError that names the dims, not a failure inside JAX.
+  mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.ones((4, 8, 64), jnp.float32), NamedSharding(mesh, P("dp", "tp")))
+    w = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(mesh, P()))
+    f = jax.jit(lambda x, w: core.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=CURRENT))
+    with pytest.raises(ValueError, match=r"only the first of them may be sharded"):
+      f(x, w)
