@@ -15,9 +15,10 @@ against the first install: all of tests/core and tests/csrc, the Flax Linen adap
 (tests/linen) and tests/test_demo.py, about 70% of the suite's time. (The whole suite would
 double CI's test time; the NNX and Haiku adapters reach the cast only through the core GEMM.)
 They run from a directory holding only copies of ``tests/``, ``examples/`` and pyproject.toml,
-with ``PYTHONPATH`` the install alone, so the checkout's ``te_adapters`` cannot be imported. The
-run must import every ``te_adapters`` module from the install, find the extension unavailable,
-skip the FFI-vs-JAX tests for the missing extension (not fail or error them), and exit 0.
+with ``PYTHONPATH`` the install and a sitecustomize that drops an editable install's import hook,
+so the checkout's ``te_adapters`` cannot be imported. The run must import every ``te_adapters``
+module from the install, find the extension unavailable, skip the FFI-vs-JAX tests for the
+missing extension (not fail or error them), and exit 0.
 """
 
 import json
@@ -43,6 +44,29 @@ _BUILD_TOOLS = {
   "cmake": find_spec("cmake") is not None or shutil.which("cmake") is not None,
   "ninja or make": any((find_spec("ninja"), shutil.which("ninja"), shutil.which("make"))),
 }
+# An editable install (scikit-build-core's redirect) imports te_adapters through a finder at the
+# front of sys.meta_path, ahead of PYTHONPATH. This sitecustomize, first on the nested run's
+# PYTHONPATH and so loaded by every Python process of it, drops each finder that claims
+# te_adapters, then runs the sitecustomize it shadows, if any.
+_SITECUSTOMIZE = """
+import importlib.machinery, importlib.util, os, sys
+
+for _finder in list(sys.meta_path):
+  if isinstance(_finder, type):  # the built-in, frozen and path finders are classes
+    continue
+  try:
+    _claims = _finder.find_spec("te_adapters", None) is not None
+  except Exception:
+    _claims = False
+  if _claims:
+    sys.meta_path.remove(_finder)
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _rest)
+if _spec is not None and _spec.loader is not None:
+  _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+"""
 # The probe, a conftest.py beside the copied tests: what the nested run really imported.
 _PROBE = """
 import json, os, sys
@@ -179,8 +203,12 @@ def test_install_without_extension(tmp_path):
     shutil.copytree(src / name, run / name)
   shutil.copy2(src / "pyproject.toml", run / "pyproject.toml")  # pytest's markers and options
   (run / "conftest.py").write_text(_PROBE)
+  hooks = tmp_path / "hooks"
+  hooks.mkdir()
+  (hooks / "sitecustomize.py").write_text(_SITECUSTOMIZE)
   probe, junit = tmp_path / "probe.json", tmp_path / "junit.xml"
-  env = _env(PYTHONPATH=str(off), TE_ADAPTERS_INSTALL_PROBE=str(probe), **{NESTED_ENV: "1"})
+  path = os.pathsep.join([str(hooks), str(off)])
+  env = _env(PYTHONPATH=path, TE_ADAPTERS_INSTALL_PROBE=str(probe), **{NESTED_ENV: "1"})
   cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"]
   try:
     proc = subprocess.run(
