@@ -219,7 +219,9 @@ def test_backend_env(monkeypatch):
 
 
 def _run(code, env_extra):
-  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", **env_extra}
+  # The checkout first, then the caller's path (where an installed te_adapters may be).
+  path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+  env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", **env_extra}
   proc = subprocess.run(
     [sys.executable, "-c", textwrap.dedent(code)],
     env=env,
