@@ -4,12 +4,8 @@ Usage: python bench/profile_step.py OUT_DIR [variant ...]; variants: bf16, flax,
 Prints, per variant, the kernels sorted by time per step, and writes the compiled HLO.
 """
 
-import glob
-import gzip
-import json
 import os
 import sys
-from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -38,27 +34,10 @@ for name in variants:
     f.write(compiled.as_text())
   for _ in range(3):
     jax.block_until_ready(step(variables, x, dy))
-  trace_dir = os.path.join("/tmp", f"trace_{name}")
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    for _ in range(steps):
-      r = step(variables, x, dy)
-    jax.block_until_ready(r)
-  (path,) = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-  with gzip.open(path) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  pid_names = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"}
-  per_kernel = defaultdict(float)
-  for e in events:
-    if e.get("ph") != "X" or "dur" not in e:
-      continue
-    if "/device:GPU" not in pid_names.get(e["pid"], ""):
-      continue
-    per_kernel[e["name"]] += e["dur"] / steps / 1e3  # ms per step
+  per_kernel = _bench.gpu_kernel_ms(step, (variables, x, dy), steps)
   total = sum(per_kernel.values())
   if not per_kernel:
-    print("no GPU kernel events; process names in trace:", sorted(set(pid_names.values()))[:20])
+    print("no GPU kernel events in the profiler trace")
   print(f"\n== {name}: {total:.2f} ms of GPU kernels per step (device tracks, may double count)")
   for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:18]:
     print(f"  {v:8.3f} ms  {k[:110]}")

@@ -197,10 +197,11 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
   return rows
 
 
-def _gpu_ms(step, args, steps: int) -> float | None:
-  """GPU kernel time per step (ms) from a JAX profiler trace; None off GPU or without events."""
+def gpu_kernel_ms(step, args, steps: int) -> dict[str, float]:
+  """GPU time per step (ms) of each kernel of ``step(*args)``, from a JAX profiler trace of
+  ``steps`` calls after one warm-up call; empty off GPU or when the trace has no GPU events."""
   if jax.default_backend() != "gpu":
-    return None
+    return {}
   jax.block_until_ready(step(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -209,15 +210,22 @@ def _gpu_ms(step, args, steps: int) -> float | None:
       jax.block_until_ready(out)
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
-      return None
+      return {}
     with gzip.open(paths[0]) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
               and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-  total_us = sum(e["dur"] for e in events
-                 if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids)
-  return total_us / steps / 1e3 if total_us else None
+  per_kernel: dict[str, float] = {}
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids:
+      per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"] / steps / 1e3
+  return per_kernel
+
+
+def _gpu_ms(step, args, steps: int) -> float | None:
+  """GPU kernel time per step (ms); None off GPU or without events."""
+  return sum(gpu_kernel_ms(step, args, steps).values()) or None
 
 
 def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:

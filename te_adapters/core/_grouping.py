@@ -10,8 +10,31 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-__all__ = ["row_groups", "GroupPadding", "group_padding", "padded_rows"]
+__all__ = [
+  "ROWS_TIMES_GROUP_KERNEL_DIMS",
+  "PER_GROUP_WGRAD_DIMS",
+  "row_groups",
+  "GroupPadding",
+  "group_padding",
+  "padded_rows",
+]
+
+# Rows [M, C] times one kernel per group stored as [G, F, C], contracting C: the dgrad of a
+# grouped GEMM (C = N), and its forward pass when the kernel copy has K last.
+ROWS_TIMES_GROUP_KERNEL_DIMS = lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(((1,), (2,)), ((), ())),
+  lhs_ragged_dimensions=(0,),
+  rhs_group_dimensions=(0,),
+)
+# Rows [M, K] and [M, N] contracted over their rows group by group: one [K, N] weight gradient
+# per group.
+PER_GROUP_WGRAD_DIMS = lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(((0,), (0,)), ((), ())),
+  lhs_ragged_dimensions=(0,),
+  rhs_group_dimensions=(),
+)
 
 
 def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _scaling
+from te_adapters.core import _block, _scaling
 
 __all__ = ["ScaledTensor", "quantize", "dequantize"]
 
@@ -229,7 +229,5 @@ def dequantize(t: ScaledTensor, dtype=None) -> jax.Array:
     if t.scaling_mode not in _block_scaled.BLOCK_MODES:
       raise ValueError(f"unknown scaling mode {t.scaling_mode!r}")
     return _block_scaled.dequantize(t, dtype)
-  from te_adapters.core import _block
-
   out = _block.keep_narrow(t.data).astype(jnp.float32) * t.scale_inv.reshape(())
   return out.astype(dtype)

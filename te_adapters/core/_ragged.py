@@ -49,7 +49,15 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _accumulate, _quantize, _ragged_mxfp8, _remat, _scaling, _state
+from te_adapters.core import (
+    _accumulate,
+    _grouping,
+    _quantize,
+    _ragged_mxfp8,
+    _remat,
+    _scaling,
+    _state,
+)
 from te_adapters.core._grouping import row_groups
 from te_adapters.core._recipes import DelayedScaling, MXFP8BlockScaling, check_recipe
 from te_adapters.core._state import ROLES
@@ -63,16 +71,8 @@ _FWD_DIMS = lax.RaggedDotDimensionNumbers(
     lhs_ragged_dimensions=(0,),
     rhs_group_dimensions=(0,),
 )
-_DGRAD_DIMS = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(0,),
-)
-_WGRAD_DIMS = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((0,), (0,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(),
-)
+_DGRAD_DIMS = _grouping.ROWS_TIMES_GROUP_KERNEL_DIMS
+_WGRAD_DIMS = _grouping.PER_GROUP_WGRAD_DIMS
 
 # cuBLAS FP8 GEMMs need the contracting and output feature sizes to be multiples of 16.
 _FP8_ALIGNMENT = 16

@@ -43,20 +43,9 @@ from te_adapters.core._quantize import ScaledTensor
 __all__ = ["mxfp8_ragged_dot", "check_sizes", "forward_operands", "gradient_operands"]
 
 BLOCK = _mxfp8.BLOCK
-
-# Rows [M, C] times one kernel per group stored as [G, F, C]: the forward pass (C = K) and dgrad
-# (C = N) both contract the kernel copy's last axis, the one its blocks run along.
-_ROWS_DIMS = lax.RaggedDotDimensionNumbers(
-  dot_dimension_numbers=(((1,), (2,)), ((), ())),
-  lhs_ragged_dimensions=(0,),
-  rhs_group_dimensions=(0,),
-)
-# Padded rows [P, K] and [P, N], contracted group by group: one [K, N] weight gradient per group.
-_WGRAD_DIMS = lax.RaggedDotDimensionNumbers(
-  dot_dimension_numbers=(((0,), (0,)), ((), ())),
-  lhs_ragged_dimensions=(0,),
-  rhs_group_dimensions=(),
-)
+# The forward pass (C = K) and dgrad (C = N) both contract the kernel copy's last axis.
+_ROWS_DIMS = _grouping.ROWS_TIMES_GROUP_KERNEL_DIMS
+_WGRAD_DIMS = _grouping.PER_GROUP_WGRAD_DIMS
 
 
 def check_sizes(recipe, k: int, n: int | None = None) -> None:
