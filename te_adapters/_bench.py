@@ -1,4 +1,5 @@
-"""``python -m te_adapters bench``: fwd+bwd step times of quantized GEMMs against bf16 and peers.
+"""``python -m te_adapters bench``: fwd+bwd step times of quantized GEMMs against bf16 and peers
+(Flax's fp8 op, and Qwix's FP8 quantized training when Qwix imports).
 
 Every variant runs ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` with
 ``loss(variables, x) = sum(f32(y) * f32(dy))`` for a fixed output gradient ``dy`` (TE's
@@ -14,11 +15,14 @@ A one-GEMM step of a small sweep point takes less GPU time than the host needs t
 its wall time measures the launch (and grows with every array passed, such as DelayedScaling's
 state). On GPUs the sweep therefore also reports, for points under 2 ms, the GPU time per step:
 the sum of the step's kernel times in a JAX profiler trace. The flags use it where it exists.
+In the sweep, DelayedScaling's state is fed back and donated from step to step, as a training
+step does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import gzip
 import json
@@ -36,7 +40,9 @@ from flax import linen as nn
 import te_adapters as ta
 from te_adapters import core
 from te_adapters import linen as ta_linen
+from te_adapters._bench_qwix import qwix_variants
 from te_adapters._seed_layer import FlaxDenseBlock
+from te_adapters.core import MMParams
 
 _DN = (((1,), (0,)), ((), ()))
 # A variant more than this much slower than bf16 is flagged.
@@ -85,6 +91,7 @@ def _linen_variants(make_model, recipes, include_flax=True):
     out.append((f"linen {label}", make_model(cls)))
   if include_flax:
     out.append(("flax Fp8DirectDotGeneralOp", make_model(nn.Fp8DirectDotGeneralOp)))
+    out += qwix_variants(make_model)
   return out
 
 
@@ -92,15 +99,20 @@ def _make_dense(features):
   return lambda dot_general_cls: FlaxDenseBlock(features, dot_general_cls=dot_general_cls)
 
 
-def _core_variant(recipe, w_shape):
-  """The core called directly: params {'w': f32}, computed in bf16 like nn.Dense(dtype=bf16)."""
+def _core_variant(recipe, w_shape, kernel_dtype=jnp.bfloat16):
+  """The core called directly: params {'w': f32}, bf16 output like nn.Dense(dtype=bf16).
+
+  ``kernel_dtype`` bf16: the kernel is copied to bf16 first, the work nn.Dense does.
+  float32: the stored kernel goes straight into the FP8 cast (as TE's dense quantizes it),
+  with ``preferred_element_type=bf16``, which saves that copy.
+  """
   state = core.init_state(recipe)
 
   def apply_fn(variables, x):
-    w = variables["w"].astype(jnp.bfloat16)
     dn = (((x.ndim - 1,), (0,)), ((), ()))
     return core.dot_general(
-        x, w, dn, recipe=recipe, state=variables.get("state") or None, threshold=None
+        x, variables["w"].astype(kernel_dtype), dn, preferred_element_type=jnp.bfloat16,
+        recipe=recipe, state=variables.get("state") or None, threshold=None,
     )
 
   def init(key):
@@ -119,9 +131,18 @@ def bench_dense(batch, seq, hidden, out_features, steps, repeats, recipes, log) 
   variants = []
   for name, model in _linen_variants(_make_dense(out_features), recipes):
     variants.append((name, model.apply, model.init(k_init, x)))
-  for label, recipe in recipes:
-    apply_fn, init = _core_variant(recipe, (hidden, out_features))
-    variants.append((f"core {label}", apply_fn, init(k_init)))
+  # The core doing nn.Dense's work (a bf16 copy of the kernel first), then with the float32
+  # kernel straight into the cast, then also with fast sums in dgrad and wgrad (what TE's JAX
+  # layer and Flax's fp8 op do).
+  fast = MMParams(use_split_accumulator=False)
+  for suffix, kernel_dtype, fast_sums in [("", jnp.bfloat16, False),
+                                          (", f32 kernel", jnp.float32, False),
+                                          (", f32 kernel, fast sums", jnp.float32, True)]:
+    for label, recipe in recipes:
+      if fast_sums:
+        recipe = dataclasses.replace(recipe, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+      apply_fn, init = _core_variant(recipe, (hidden, out_features), kernel_dtype)
+      variants.append((f"core {label}{suffix}", apply_fn, init(k_init)))
   for extra in _adapter_variants(hidden, out_features, recipes, k_init, x):
     variants.append(extra)
   for name, apply_fn, variables in variants:
@@ -246,15 +267,31 @@ def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
       def loss(w, state, x, dy, recipe=recipe, threshold=threshold):
         y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None, threshold=threshold)
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-      step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+      jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)),
+                       donate_argnums=(1,) if state else ())
+      step = _feed_state_back(jitted, state) if state else jitted
       args = (w, state, x, dy)
       ms, spread = _timed(step, args, steps, repeats)
       gpu_ms = _gpu_ms(step, args, 10) if ms < 2.0 else None
       rows.append(dict(case=f"gemm {m}x{k}x{n}", variant=f"core {label}", ms=ms,
-                       spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, args),
+                       spread_ms=spread, cublas_fp8=_count_cublas_fp8(jitted, args),
                        gpu_ms=gpu_ms))
       log(rows[-1])
   return rows
+
+
+def _feed_state_back(jitted, state):
+  """A training step's handling of the recipe state: each step's new state (the state's
+  gradient) is the next step's state, and the old one is donated. (Without donation XLA must
+  copy a state that a small, high-precision GEMM leaves unchanged into a new buffer: a 6-8 us
+  memcpy on an H100, a quarter of a 1024^3 step.)"""
+  current = [jax.tree_util.tree_map(jnp.copy, state)]
+
+  def step(w, _state, x, dy):
+    out = jitted(w, current[0], x, dy)
+    current[0] = out[1][1]
+    return out
+  return step
 
 
 def format_table(rows: list[dict]) -> str:

@@ -50,3 +50,29 @@ def test_bench_table_flags_points_slower_than_bf16():
                         "(default threshold)")
   assert summary[1] == (f"default threshold, >3% slower than forced FP8: {case} core delayed "
                         "(default threshold)")
+
+
+def test_bench_qwix_variants_quantize_what_their_names_say():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import pytest
+
+  pytest.importorskip("qwix")
+  from te_adapters import _bench, core
+  from te_adapters._bench_qwix import qwix_variants
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 64)).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 128)).astype(jnp.bfloat16)
+  variants = dict(qwix_variants(_bench._make_dense(128)))
+  assert set(variants) == {"qwix fp8 (fwd GEMM only)", "qwix fp8 (fwd+dgrad+wgrad GEMMs)"}
+  fp8 = ("float8_e4m3fn", "float8_e5m2")
+  expected = {"qwix fp8 (fwd GEMM only)": 1, "qwix fp8 (fwd+dgrad+wgrad GEMMs)": 3}
+  for name, model in variants.items():
+    variables = model.init(jax.random.PRNGKey(2), x)
+    step = _bench._speedometer(model.apply)
+    pairs = core.dot_general_operand_dtypes(step, variables, x, dy)
+    assert sum(a in fp8 and b in fp8 for a, b in pairs) == expected[name], (name, pairs)
+    loss, (grads, dx) = step(variables, x, dy)
+    leaves = [loss, dx, *jax.tree_util.tree_leaves(grads)]
+    assert all(np.all(np.isfinite(np.asarray(v, np.float32))) for v in leaves)

@@ -162,6 +162,7 @@ def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out
     _cublas_scales(b_scale_inv.astype(jnp.float32), b_block, n),
     lhs_mode=np.int32(len(a_block)),
     rhs_mode=np.int32(len(b_block)),
+    fast_accum=np.int32(0),
   )
   return y
 

@@ -5,6 +5,14 @@ quantized once to the recipe's backward dtype: ``dx = q(g) · q(kernel)^T`` and
 ``dkernel = q(x)^T · q(g)``, each rescaled. The FP8 arrays themselves go into the GEMMs (no
 quantize-dequantize pattern for XLA to recognise), so a GPU that has FP8 GEMMs runs them.
 
+On a Hopper GPU with the extension's CUDA part built, each GEMM (both operands contracting-last)
+runs through the extension's cuBLASLt call, as TE's does: both scales in the epilogue, one
+rounding of the float32 sums to the output dtype, and the accumulation the recipe's
+``MMParams`` ask for. Elsewhere (CPU, sharded operands, other GPUs, odd sizes) XLA runs
+``lax.dot_general`` on the FP8 arrays and the output is rescaled in float32 after it.
+``TE_ADAPTERS_FP8_GEMM=xla`` forces XLA's; ``=cublas`` requires the extension's (an error where
+it cannot run).
+
 Recipe state travels through the gradient channel: the cotangent returned for ``state`` is the
 state for the next step ("overwrite with gradient").
 """
@@ -28,6 +36,7 @@ from te_adapters.core import (
     _block_gemm,
     _cast_transpose,
     _dimension_numbers,
+    _float8_block,
     _quantize,
     _remat,
     _scaling,
@@ -66,11 +75,12 @@ def dot_general(
     lhs: the activation ``x`` (real floating point).
     rhs: the ``kernel`` (real floating point).
     dimension_numbers: as for ``lax.dot_general``: any contracting and batch dimensions.
-    precision: the forward FP8 GEMM's ``lax.dot_general`` precision. On Hopper, ``DEFAULT``
-      lets cuBLASLt accumulate FP8 products in the tensor cores' reduced precision ("fast
-      accumulation"); ``HIGHEST`` promotes the sums to float32 as they go. The dgrad and wgrad
-      GEMMs always use ``HIGHEST``, as TE does (its split accumulator for both). Block-scaled
-      recipes promote per 128-wide (or 32/16-wide) block and do not use it.
+    precision: the ``lax.dot_general`` precision of each per-tensor FP8 GEMM whose recipe
+      ``MMParams`` do not ask for a split accumulator (by default the forward GEMM). On Hopper,
+      ``DEFAULT`` lets cuBLASLt accumulate FP8 products in the tensor cores' reduced precision
+      ("fast accumulation"); ``HIGHEST`` promotes the sums to float32 as they go, which is what a
+      split accumulator (by default dgrad and wgrad) gets. Block-scaled recipes promote per
+      128-wide (or 32/16-wide) block and do not use it.
     preferred_element_type: output dtype; default as ``lax.dot_general`` would give.
     recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``,
       ``NVFP4BlockScaling``, ``Float8BlockScaling``), or ``None`` for a plain
@@ -234,6 +244,9 @@ def _output_mode(gemm: str = "fwd") -> str:
   #   output dtype first, which biases every output by up to 2**-9 in bfloat16 (a 0.4% change of
   #   sum(y**2) in a test): kept only to measure it.
   # "mixed" / "mixed32": direct / direct32 for the forward and dgrad GEMMs, f32 for wgrad.
+  # (Dequantized operands, float32 convert times scale, which XLA rewrites into one FP8 GEMM
+  # with both scales in its epilogue, fail for bfloat16 outputs on jax 0.11.2: XLA takes a
+  # float32 x float32 -> bfloat16 dot to be unsupported by cuBLASLt before its FP8 rewrite.)
   mode = _knob(
     "TE_ADAPTERS_GEMM_OUTPUT", "mixed32", ("f32", "direct", "direct32", "mixed", "mixed32")
   )
@@ -242,21 +255,76 @@ def _output_mode(gemm: str = "fwd") -> str:
   return mode
 
 
-def _gemm_precision(precision, gemm: str):
-  # XLA runs an FP8 cuBLASLt GEMM with fast accumulation when its precision is DEFAULT. On an
-  # H100 (jax 0.11.2) a K=16384 FP8 product erred 3.1e-3 (normwise) from the exact sum with
-  # DEFAULT and 1.3e-4 with HIGHEST, which ran 6% slower at 8192^3. The backward GEMMs, whose K is
-  # the token count, promote their sums like TE's; the forward GEMM follows the caller.
-  if gemm == "fwd":
-    return precision
-  if _knob("TE_ADAPTERS_BWD_ACCUMULATION", "split", ("split", "fast")) == "fast":
-    return precision
-  return lax.Precision.HIGHEST
+def _gemm_precision(precision, gemm: str, recipe):
+  # XLA runs an FP8 cuBLASLt GEMM with fast accumulation when its precision is DEFAULT, and
+  # promotes the sums to float32 with HIGHEST: the recipe's MMParams choose, per GEMM; without a
+  # split accumulator the caller's precision decides.
+  params = getattr(recipe, {"fwd": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad",
+                            "wgrad": "fp8_gemm_wgrad"}[gemm])
+  return lax.Precision.HIGHEST if params.use_split_accumulator else precision
 
 
-def _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm="fwd", out_sharding=None):
-  precision = _gemm_precision(precision, gemm)
+FP8_GEMM_ENV = "TE_ADAPTERS_FP8_GEMM"
+_CUBLAS_OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+
+
+def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
+  """Why the extension's cuBLASLt GEMM cannot run ``a (.., M, K) . b (.., N, K)^T`` (None: it
+  can). XLA runs it then."""
+  if not _float8_block.cublas_gemm_available():
+    return "the extension's cuBLASLt GEMM is not built here or the GPU is not a Hopper GPU"
+  if np.dtype(out_dtype) not in _CUBLAS_OUT_DTYPES:
+    return f"it writes bfloat16, float16 or float32, not {np.dtype(out_dtype)}"
+  m, n, k = a.shape[-2], b.shape[-2], a.shape[-1]
+  if m % 16 or n % 16 or k % 16:
+    return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k}"
+  if out_sharding is not None or not (
+      _cast_transpose._single_device(a) and _cast_transpose._single_device(b)):
+    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  return None
+
+
+def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
+  """``a (.., M, K) . b (.., N, K)^T * sinv_a * sinv_b`` by cuBLASLt: both scales in the
+  epilogue, one rounding to ``out_dtype`` (TE's GEMM)."""
+  lead = a.shape[:-2]
+  (m, k), n = a.shape[-2:], b.shape[-2]
+  # 2-D operands go in as they are: a reshape between the call and a cast of its output (the
+  # float32 wgrad cast to bf16 and back to a float32 parameter's dtype) stops XLA from dropping
+  # that round trip.
+  batch = (math.prod(lead),) if lead else ()
+  # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
+  pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
+  fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
+  outs = (jax.ShapeDtypeStruct((*batch, m, n), out_dtype),
+          jax.ShapeDtypeStruct((_float8_block._WORKSPACE_BYTES,), jnp.uint8))
+  y, _ = jax.ffi.ffi_call(_float8_block._CUBLAS_TARGET, outs, vmap_method="sequential")(
+      a.reshape(*batch, m, k), b.reshape(*batch, n, k),
+      sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
+      lhs_mode=np.int32(0), rhs_mode=np.int32(0), fast_accum=np.int32(fast),
+  )
+  return y.reshape(*lead, m, n) if lead else y
+
+
+def _scaled_dot(a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, out_sharding=None):
+  """``(a * sinv_a) . (b * sinv_b)`` for FP8 ``a``, ``b``; ``scales_inv = (sinv_a, sinv_b)``."""
+  precision = _gemm_precision(precision, gemm, recipe)
+  sinv_a, sinv_b = scales_inv
+  choice = _knob(FP8_GEMM_ENV, "auto", ("auto", "cublas", "xla"))
+  batch = tuple(range(a.ndim - 2))
+  if choice != "xla" and dims == (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)):
+    refusal = _cublas_refusal(a, b, out_dtype, out_sharding)
+    if refusal is None:
+      # wgrad: float32, then cast. Where the caller casts the gradient back to a float32
+      # parameter (nn.Dense computing in bf16), XLA drops the bf16 round trip, and the
+      # parameter's gradient is the GEMM's float32 output, with no pass of its own.
+      gemm_dtype = jnp.float32 if gemm == "wgrad" else out_dtype
+      y = _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision)
+      return y.astype(out_dtype)
+    if choice == "cublas":
+      raise RuntimeError(f"{FP8_GEMM_ENV}=cublas, but {refusal}")
   mode = _output_mode(gemm)
+  scale_inv = sinv_a * sinv_b
   if mode in ("direct", "direct32"):
     out = lax.dot_general(
         a, b, dims, precision=precision, preferred_element_type=out_dtype,
@@ -333,7 +401,8 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, 
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   q_w_full = _sharding.gather_kernel(q_w, plan)
   y = _scaled_dot(
-      q_x, q_w_full, dn, sinv_x * sinv_w, out_dtype, precision, out_sharding=plan.out_sharding
+      q_x, q_w_full, dn, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe,
+      out_sharding=plan.out_sharding,
   )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
@@ -352,13 +421,16 @@ def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, residuals, 
   q_w_full = q_w if q_w_full is None else q_w_full
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
   out_sharding = _sharding.transposed_out_sharding(q_x, perm)
-  sinv = sinv_g * sinv_w
-  dx = _scaled_dot(q_g, q_w_full, dims, sinv, lhs_dtype, precision, "dgrad", out_sharding)
+  dx = _scaled_dot(
+      q_g, q_w_full, dims, (sinv_g, sinv_w), lhs_dtype, precision, "dgrad", recipe, out_sharding
+  )
   dx = _sharding.match_cotangent(jnp.transpose(dx, perm), witness[0])
   dims, perm = _dimension_numbers.transpose_rhs(dn, q_x.ndim, q_w.ndim)
   out_sharding = _sharding.transposed_out_sharding(q_w, perm)
   dw_dtype = _sharding.wgrad_dtype(rhs_dtype, witness[1])
-  dw = _scaled_dot(q_g, q_x, dims, sinv_g * sinv_x, dw_dtype, precision, "wgrad", out_sharding)
+  dw = _scaled_dot(
+      q_g, q_x, dims, (sinv_g, sinv_x), dw_dtype, precision, "wgrad", recipe, out_sharding
+  )
   dw = _sharding.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
   dw = _sharding.match_cotangent(dw, witness[1]).astype(rhs_dtype)
   new_state = _batching.combine_over_batch(
@@ -407,11 +479,21 @@ def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gem
   local = (math.prod(rhs.shape[d] for d in rf), math.prod(rhs.shape[d] for d in rc))
   w3_shape = w3_shape[:-2] + local
   plan = _sharding.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
+  # A kernel stored contracting-first (a Dense kernel (K, N)) goes in as it is, as wk (B, K, N):
+  # the cast writes both orientations anyway, so a transpose here would be a pass for nothing
+  # (1 GB of float32 read and written for seed 000's kernel).
+  identity = tuple(range(rhs.ndim))
+  kernel_kn = (
+      plan.kernel_all_gather is None and rhs_perm != identity and (*rb, *rc, *rf) == identity
+  )
   # Under Explicit mesh axes the reshapes name their output sharding (a clear error where a
   # merge would split a sharded dimension's shards).
   x3 = _sharding.reshape(jnp.transpose(lhs, lhs_perm), x3_shape)
-  w3 = _sharding.reshape(jnp.transpose(rhs, rhs_perm), w3_shape)
-  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan)
+  if kernel_kn:
+    w3 = _sharding.reshape(rhs, w3_shape[:-2] + local[::-1])
+  else:
+    w3 = _sharding.reshape(jnp.transpose(rhs, rhs_perm), w3_shape)
+  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn)
   return _sharding.reshape(y3, out_shape)
 
 
@@ -419,11 +501,11 @@ def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
 
 
-def _tn_dot(a, b, scale_inv, out_dtype, precision, gemm, out_sharding=None):
+def _tn_dot(a, b, scales_inv, out_dtype, precision, gemm, recipe, out_sharding=None):
   """``a (.., P, C) . b (.., Q, C)^T``: both operands contracting-last."""
   batch = tuple(range(a.ndim - 2))
   dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
-  return _scaled_dot(a, b, dims, scale_inv, out_dtype, precision, gemm, out_sharding)
+  return _scaled_dot(a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, out_sharding)
 
 
 def _cast_both(x, scale, q_dtype, with_amax=False):
@@ -455,13 +537,14 @@ def _quantize_both(x, role, q_dtype, recipe, state, plan):
   return q, q_t, scale, new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan):
-  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn):
+  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn)
   return y
 
 
-def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan):
+def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn):
+  """``kernel_kn``: ``w3`` is (.., K, N), not (.., N, K) (its two FP8 copies trade places)."""
   fwd = recipe.fwd_dtype
   # Each operand in both orientations: this one for the forward GEMM, the transposed copy
   # (kept for the backward pass) for wgrad (x) and dgrad (kernel).
@@ -469,6 +552,8 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan):
   shard = None
   if plan.kernel_all_gather is None:
     q_w, q_wt, scale_w, new_w = _quantize_both(w3, "kernel", fwd, recipe, state, plan)
+    if kernel_kn:
+      q_w, q_wt = q_wt, q_w
   else:
     # FSDP: the FP8 shard is cast, named (a remat policy that saves only it gathers again in
     # the backward pass) and all-gathered; the gathered kernel is transposed in FP8.
@@ -482,7 +567,7 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan):
     shard, sinv_wt = _remat.name_quantized((shard, sinv_w), _remat.QUANTIZED_KERNEL)
     q_w = _sharding.gather_kernel(shard, plan)
     q_wt = _swap_last(q_w)
-  y = _tn_dot(q_x, q_w, sinv_x * sinv_w, out_dtype, precision, "fwd", plan.out_sharding)
+  y = _tn_dot(q_x, q_w, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe, plan.out_sharding)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
@@ -491,7 +576,7 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan):
   return y, residuals
 
 
-def _tn_bwd(precision, out_dtype, recipe, plan, residuals, g):
+def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, residuals, g):
   q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, protos, shard, witness = residuals
   x_proto, w_proto = protos
   del out_dtype
@@ -504,10 +589,15 @@ def _tn_bwd(precision, out_dtype, recipe, plan, residuals, g):
   dx_sharding = _sharding.transposed_out_sharding(q_xt, swap)
   w3_layout = q_wt if shard is None else shard
   dw_sharding = _sharding.transposed_out_sharding(w3_layout, swap if shard is not None else None)
-  dx = _tn_dot(q_g, q_wt, sinv_g * sinv_w, x_proto.dtype, precision, "dgrad", dx_sharding)
+  dx = _tn_dot(
+      q_g, q_wt, (sinv_g, sinv_w), x_proto.dtype, precision, "dgrad", recipe, dx_sharding
+  )
   dw_dtype = _sharding.wgrad_dtype(w_proto.dtype, witness[1])
-  dw = _tn_dot(q_xt, q_gt, sinv_g * sinv_x, dw_dtype, precision, "wgrad", dw_sharding)
-  dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
+  dw = _tn_dot(
+      q_xt, q_gt, (sinv_x, sinv_g), dw_dtype, precision, "wgrad", recipe, dw_sharding
+  )
+  if not kernel_kn:
+    dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
   dw = _sharding.scatter_kernel_grad(dw, shard, plan)
   # Inside shard_map: sums over the mesh axes a primal is replicated on (pvary's transpose).
   dx = _sharding.match_cotangent(dx, witness[0])  # (.., M, K)

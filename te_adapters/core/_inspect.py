@@ -30,12 +30,23 @@ def _walk(jaxpr):
       yield from _walk(sub)
 
 
+# The extension's cuBLASLt FP8 GEMM (per-tensor and block-scaled), called through the FFI.
+_FFI_GEMM_TARGET = "te_adapters_block_gemm"
+
+
+def _is_gemm(eqn) -> bool:
+  if eqn.primitive.name == "dot_general":
+    return True
+  return eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == _FFI_GEMM_TARGET
+
+
 def dot_general_operand_dtypes(fn: Callable, *args, **kwargs) -> list[tuple[str, str]]:
-  """The operand dtypes of every ``dot_general`` in ``fn``'s jaxpr (sub-jaxprs included)."""
+  """The operand dtypes of every GEMM in ``fn``'s jaxpr (sub-jaxprs included): each
+  ``dot_general``, and each call of the extension's cuBLASLt FP8 GEMM (used on Hopper GPUs)."""
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
   out = []
   for eqn in _walk(closed.jaxpr):
-    if eqn.primitive.name == "dot_general":
+    if _is_gemm(eqn):
       out.append(tuple(str(np.dtype(v.aval.dtype)) for v in eqn.invars[:2]))
   return out
 
@@ -48,8 +59,10 @@ def count_fp8_dot_generals(fn: Callable, *args, **kwargs) -> tuple[int, int]:
 
 
 def count_fp8_cublas_gemms(hlo_text: str) -> int:
-  """Number of cuBLASLt FP8 GEMM custom calls in compiled GPU HLO text."""
-  return len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo_text))
+  """Number of cuBLASLt FP8 GEMM custom calls in compiled GPU HLO text: XLA's, and the
+  extension's (whose operands are always FP8)."""
+  xla = re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo_text)
+  return len(xla) + hlo_text.count(f'custom_call_target="{_FFI_GEMM_TARGET}"')
 
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+)\[")

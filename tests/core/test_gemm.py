@@ -197,3 +197,45 @@ def test_nan_in_operand_propagates_to_output_not_to_scale(rows):
   for role in ("x", "kernel", "grad"):
     assert np.isfinite(np.asarray(new[f"{role}_scale"])).all()
   np.testing.assert_array_equal(new["x_scale"], state["x_scale"])
+
+
+def _gemm_precisions(recipe, precision=None):
+  """{"fwd"|"dgrad"|"wgrad": the precision each FP8 dot_general of one fwd+bwd was given}."""
+  from te_adapters.core import _inspect
+
+  x, w = _data([(16, 32), (32, 48)])
+  def loss(x, w):
+    y = core.dot_general(x, w, DN, precision, recipe=recipe, state=core.init_state(recipe) or None)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+  by_shape = {(16, 48): "fwd", (16, 32): "dgrad", (32, 48): "wgrad"}
+  out = {}
+  for eqn in _inspect._walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr):
+    if eqn.primitive.name == "dot_general":
+      assert "float8" in str(eqn.invars[0].aval.dtype)
+      p = eqn.params["precision"]
+      p = None if p is None else p[0] if isinstance(p, tuple) else p
+      out[by_shape[tuple(eqn.outvars[0].aval.shape)]] = p
+  assert sorted(out) == ["dgrad", "fwd", "wgrad"], out
+  return out
+
+
+@pytest.mark.parametrize("cls", [ta.Float8CurrentScaling, ta.DelayedScaling])
+def test_mm_params_choose_each_gemms_accumulation(cls):
+  highest, fast = jax.lax.Precision.HIGHEST, ta.MMParams(use_split_accumulator=False)
+  # TE's recipe defaults: fast sums forward, float32-promoted sums in dgrad and wgrad.
+  assert _gemm_precisions(cls()) == {"fwd": None, "dgrad": highest, "wgrad": highest}
+  assert _gemm_precisions(cls(fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)) == {
+      "fwd": None, "dgrad": None, "wgrad": None}
+  split_fwd = cls(fp8_gemm_fprop=ta.MMParams(), fp8_gemm_wgrad=fast)
+  assert _gemm_precisions(split_fwd) == {"fwd": highest, "dgrad": highest, "wgrad": None}
+  # Without a split accumulator the caller's precision decides.
+  assert _gemm_precisions(cls(fp8_gemm_dgrad=fast), highest)["dgrad"] == highest
+
+
+def test_mm_params_are_checked():
+  with pytest.raises(TypeError, match="fp8_gemm_wgrad must be a te_adapters.MMParams"):
+    ta.Float8CurrentScaling(fp8_gemm_wgrad=True)
+  with pytest.raises(TypeError, match="use_split_accumulator must be a bool"):
+    ta.MMParams(use_split_accumulator=1)
+  recipe = ta.DelayedScaling(fp8_gemm_dgrad=ta.MMParams(False))
+  assert hash(recipe) == hash(ta.DelayedScaling(fp8_gemm_dgrad=ta.MMParams(False)))
