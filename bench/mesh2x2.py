@@ -1,0 +1,382 @@
+"""Seed 000 section 4: the Dense on a 2x2 mesh (DP x column-parallel TP) through every adapter.
+
+The layer is seed 000's: x (batch, seq, hidden) bf16 @ kernel (hidden, features), float32
+parameters computed in bf16, no bias. One step is ``jax.jit(jax.value_and_grad(loss))`` with
+TE's speedometer loss ``sum(f32(y) * f32(dy))`` for a given output gradient dy, differentiated
+with respect to the parameters, the recipe state (DelayedScaling: the gradient is the new state,
+fed back as the next step's state and donated) and x.
+
+Frameworks (each with its own layer and parameter init):
+  linen  seed 000's FlaxDenseBlock: nn.Dense(dtype=bf16, dot_general=make_dot_general_cls(...))
+  nnx    nnx.Linear (bf16) / te_adapters.nnx.Linear(recipe=...), split with nnx.split
+  haiku  hk.Linear (bf16) / te_adapters.haiku.Linear(recipe=...), parameters cast to bf16
+Variants: bf16 (the plain layer), current (Float8CurrentScaling), delayed (DelayedScaling,
+amax_history_len=1024); every FP8 GEMM is forced (threshold=None).
+
+The mesh is jax.make_mesh((2, 2), ("dp", "tp")) over the first 4 devices: x P("dp", None, None),
+dy and y P("dp", None, "tp"), kernel and its gradient P(None, "tp") (column parallel), dx like x,
+recipe state replicated P(). The same step also runs on the first device alone with the same
+global shapes. Times are the median over trials of the mean of ``iters`` steps, each step ended
+by block_until_ready. Scaling efficiency is strong scaling, t(1 device) / (4 * t(2x2)).
+
+Checks: y, dx and dW of the mesh run against the one-device run of the same framework and
+variant (normwise relative error, flagged above 1e-2), and the new recipe state (DelayedScaling),
+all at the second step (so DelayedScaling uses scales from the first step's amaxes). The
+compiled mesh program's FP8/other GEMMs (core.count_fp8_gemms, GPU only) and collectives.
+
+Usage (4 GPUs, seed 000's sizes):
+  python bench/mesh2x2.py --json mesh2x2.json
+Dry run on CPU (4 virtual devices, tiny sizes):
+  python bench/mesh2x2.py --cpu-devices 4 --batch 4 --seq 64 --hidden 256 --features 512 \\
+      --iters 2 --trials 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=8192)
+  p.add_argument("--features", type=int, default=32768)
+  p.add_argument("--frameworks", default="linen,nnx,haiku")
+  p.add_argument("--variants", default="bf16,current,delayed")
+  p.add_argument("--iters", type=int, default=20, help="timed steps per trial")
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--trials", type=int, default=3, help="the median over trials is reported")
+  p.add_argument("--json", default=None, help="write the header and rows here")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="run on this many virtual CPU devices (sets XLA_FLAGS; for a dry run)")
+  return p.parse_args(argv)
+
+
+ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
+if ARGS is not None and ARGS.cpu_devices:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (
+      f"{os.environ.get('XLA_FLAGS', '')} "
+      f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
+  ).strip()
+
+import flax  # noqa: E402
+import haiku as hk  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import te_adapters as ta  # noqa: E402
+from te_adapters import core  # noqa: E402
+from te_adapters import haiku as ta_hk  # noqa: E402
+from te_adapters import linen as ta_linen  # noqa: E402
+from te_adapters import nnx as ta_nnx  # noqa: E402
+from te_adapters._seed_layer import FlaxDenseBlock  # noqa: E402
+
+MESH_SHAPE, MESH_AXES = (2, 2), ("dp", "tp")
+X_SPEC = P("dp", None, None)
+DY_SPEC = P("dp", None, "tp")  # also y's
+KERNEL_SPEC = P(None, "tp")  # column parallel; also dW's
+FLAG_ABOVE = 1e-2
+CHECK_STEP = 2  # outputs compared at this step (DelayedScaling: scales from earlier amaxes)
+TE_REFERENCE = "TE (GB200s, published): 5.52 ms bf16, 3.71 ms MXFP8"
+
+
+def _recipe(variant):
+  return {
+      "bf16": None,
+      "current": ta.Float8CurrentScaling(),
+      "delayed": ta.DelayedScaling(amax_history_len=1024),
+  }[variant]
+
+
+@dataclasses.dataclass
+class Model:
+  """A layer as ``apply(params, state, x) -> y`` with its float32 params and recipe state."""
+
+  apply: Callable[[Any, Any, jax.Array], jax.Array]
+  params: Any
+  state: Any
+
+
+def build_linen(variant, hidden, features, x_init) -> Model:
+  del hidden
+  recipe = _recipe(variant)
+  if recipe is None:
+    cls = lambda: None  # nn.Dense's own dot_general
+  else:
+    cls = ta_linen.make_dot_general_cls(recipe, threshold=None)
+  model = FlaxDenseBlock(features, dot_general_cls=cls)
+  variables = dict(model.init(jax.random.PRNGKey(1), x_init))
+  owg = ta_linen.OVERWRITE_WITH_GRADIENT
+
+  def apply(params, state, x):
+    variables = {"params": params, owg: state} if state else {"params": params}
+    return model.apply(variables, x)
+
+  return Model(apply, variables["params"], variables.get(owg, {}))
+
+
+def build_nnx(variant, hidden, features, x_init) -> Model:
+  del x_init
+  recipe = _recipe(variant)
+  kw = dict(use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  if recipe is None:
+    layer = nnx.Linear(hidden, features, **kw)
+  else:
+    layer = ta_nnx.Linear(hidden, features, recipe=recipe, threshold=None, **kw)
+  graphdef, params, state = nnx.split(layer, nnx.Param, ta_nnx.RecipeState)
+
+  def apply(params, state, x):
+    return nnx.merge(graphdef, params, state)(x)
+
+  return Model(apply, params, state)
+
+
+def build_haiku(variant, hidden, features, x_init) -> Model:
+  del hidden
+  recipe = _recipe(variant)
+
+  def forward(x):
+    if recipe is None:
+      return hk.Linear(features, with_bias=False)(x)
+    return ta_hk.Linear(features, with_bias=False, recipe=recipe, threshold=None)(x)
+
+  f = hk.transform_with_state(forward)
+  # float32 parameters (initialised from a float32 input), computed in bf16 like nn.Dense.
+  params, state = f.init(jax.random.PRNGKey(1), x_init.astype(jnp.float32))
+
+  def apply(params, state, x):
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    # The recipe state's new value is its gradient; apply's returned state is not used.
+    return f.apply(bf16, state, None, x)[0]
+
+  return Model(apply, params, state)
+
+
+BUILDERS = {"linen": build_linen, "nnx": build_nnx, "haiku": build_haiku}
+
+
+def _param_spec(a):
+  return KERNEL_SPEC if a.ndim == 2 else P()  # the kernel is the only 2-D parameter
+
+
+def make_step(model: Model, mesh, donate_state: bool):
+  """``(params, state, x, dy) -> ((loss, y), (d params, new state, dx))``, jitted."""
+
+  def loss(params, state, x, dy):
+    y = model.apply(params, state, x)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+  grad_fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+  kw = {"donate_argnums": (1,)} if donate_state else {}
+  if mesh is not None:
+    named = lambda spec: NamedSharding(mesh, spec)
+    kw["out_shardings"] = (
+        (named(P()), named(DY_SPEC)),
+        (jax.tree.map(lambda a: named(_param_spec(a)), model.params),
+         jax.tree.map(lambda a: named(P()), model.state),
+         named(X_SPEC)),
+    )
+  return jax.jit(grad_fn, **kw)
+
+
+def _time(step_once, iters, warmup, trials):
+  for _ in range(warmup):
+    jax.block_until_ready(step_once())
+  per_trial = []
+  for _ in range(trials):
+    times = []
+    for _ in range(iters):
+      start = time.perf_counter()
+      jax.block_until_ready(step_once())
+      times.append(time.perf_counter() - start)
+    per_trial.append(float(np.mean(times)))
+  return float(np.median(per_trial)) * 1e3
+
+
+def hlo_summary(text):
+  """FP8/other GEMMs (GPU only, else None) and the collectives of compiled HLO text."""
+  gemms = None
+  if jax.default_backend() == "gpu":
+    fp8, other = core.count_fp8_gemms(text)
+    gemms = f"{fp8}/{other}"
+  counts, gathered = {}, {}
+  for c in core.hlo_collectives(text):
+    counts[c.op] = counts.get(c.op, 0) + 1
+    if c.op == "all-gather":
+      dtype, shape = c.arrays[-1]
+      itemsize = 1 if dtype in ("u8", "s8") or dtype.startswith("f8") else int(
+          jnp.dtype({"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}.get(
+              dtype, jnp.float32)).itemsize)
+      gathered[dtype] = gathered.get(dtype, 0) + itemsize * int(np.prod(shape))
+  return gemms, counts, gathered
+
+
+def run_one(model: Model, x, dy, mesh, args):
+  """Compiles and runs the step on ``mesh`` (None: the first device alone).
+
+  Returns ``(ms, outputs at CHECK_STEP, compiled HLO text)``; outputs are y, dx, dW (device
+  arrays) and the new recipe state (host arrays).
+  """
+  if mesh is None:
+    dev = jax.devices()[0]
+    put = lambda a, spec: jax.device_put(a, dev, may_alias=False)
+    ctx = contextlib.nullcontext()
+  else:
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec), may_alias=False)
+    ctx = jax.set_mesh(mesh)
+  stateful = bool(jax.tree.leaves(model.state))
+  # Copies (may_alias=False): the state is donated, and the model's arrays serve both runs.
+  with ctx:
+    params = jax.tree.map(lambda a: put(a, _param_spec(a)), model.params)
+    state = jax.tree.map(lambda a: put(a, P()), model.state)
+    xs, dys = put(x, X_SPEC), put(dy, DY_SPEC)
+    step = make_step(model, mesh, donate_state=stateful)
+    compiled = step.lower(params, state, xs, dys).compile()
+    current = [state]
+
+    def step_once():
+      out = compiled(params, current[0], xs, dys)
+      current[0] = out[1][1]  # the recipe state's gradient is the next step's state
+      return out
+
+    for _ in range(CHECK_STEP):
+      (_, y), (g_params, new_state, dx) = step_once()
+    (dw,) = jax.tree.leaves(g_params)
+    checked = dict(y=y, dx=dx, dw=dw, state=jax.device_get(new_state))
+    ms = _time(step_once, args.iters, args.warmup, args.trials)
+  return ms, checked, compiled.as_text()
+
+
+@jax.jit
+def _rel_err(a, b):
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(jnp.square(a - b))) / jnp.sqrt(jnp.sum(jnp.square(b)))
+
+
+def compare(mesh_out, one_out):
+  """Normwise relative errors of the mesh's y, dx, dW against one device's; the recipe state's
+  largest relative error over its arrays (0.0: bit-identical; None: no state)."""
+  dev = jax.devices()[0]
+  errs = {}
+  for key in ("y", "dx", "dw"):
+    errs[key] = float(_rel_err(jax.device_put(mesh_out[key], dev), one_out[key]))
+  got, want = jax.tree.leaves(mesh_out["state"]), jax.tree.leaves(one_out["state"])
+  if not want:
+    errs["state"] = None
+  else:
+    state_errs = []
+    for g, w in zip(got, want, strict=True):
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      norm = np.linalg.norm(w)
+      state_errs.append(float(np.linalg.norm(g - w) / norm) if norm else float(np.abs(g).max()))
+    errs["state"] = max(state_errs)
+  return errs
+
+
+def run(args, log=print):
+  devices = jax.devices()
+  n = int(np.prod(MESH_SHAPE))
+  if len(devices) < n:
+    raise SystemExit(f"a 2x2 mesh needs {n} devices; {len(devices)} present "
+                     "(on CPU: --cpu-devices 4)")
+  mesh = jax.make_mesh(MESH_SHAPE, MESH_AXES, devices=devices[:n],
+                       axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  b, s, h, f = args.batch, args.seq, args.hidden, args.features
+  kx, kd = jax.random.split(jax.random.PRNGKey(0), 2)
+  x = jax.random.normal(kx, (b, s, h), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (b, s, f), jnp.float32).astype(jnp.bfloat16)
+  x_init = x[:1, :16]  # parameter shapes depend only on the last dimension
+  flops = 6.0 * b * s * h * f  # three GEMMs
+  rows = []
+  for framework in args.frameworks.split(","):
+    for variant in args.variants.split(","):
+      start = time.perf_counter()
+      model = BUILDERS[framework](variant, h, f, x_init)
+      ms1, one_out, _ = run_one(model, x, dy, None, args)
+      ms4, mesh_out, text = run_one(model, x, dy, mesh, args)
+      errs = compare(mesh_out, one_out)
+      del one_out, mesh_out
+      gemms, collectives, gathered = hlo_summary(text)
+      rows.append(dict(
+          framework=framework, variant=variant, ms_1=ms1, ms_2x2=ms4, speedup=ms1 / ms4,
+          efficiency=ms1 / (n * ms4), tflops_per_dev_2x2=flops / (ms4 * 1e-3) / 1e12 / n,
+          rel_y=errs["y"], rel_dx=errs["dx"], rel_dw=errs["dw"], rel_state=errs["state"],
+          gemms=gemms, collectives=collectives, all_gather_bytes=gathered,
+          flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
+      ))
+      log(f"  {framework:<6}{variant:<9}1 device {ms1:9.3f} ms   2x2 {ms4:9.3f} ms   "
+          f"({time.perf_counter() - start:.1f} s)")
+  return rows
+
+
+def format_table(rows):
+  bf16 = {r["framework"]: r["ms_2x2"] for r in rows if r["variant"] == "bf16"}
+  head = (f"{'framework':<10}{'variant':<9}{'1 dev ms':>10}{'2x2 ms':>10}{'speedup':>9}"
+          f"{'eff':>6}{'vs bf16':>9}{'rel y':>10}{'rel dx':>10}{'rel dW':>10}{'state':>10}"
+          f"{'FP8/other':>11}  collectives (mesh)")
+  lines = [head, "-" * len(head)]
+  fmt_err = lambda v: f"{'-':>10}" if v is None else f"{v:>10.1e}"
+  for r in rows:
+    vs = bf16.get(r["framework"])
+    vs = f"{vs / r['ms_2x2']:>8.2f}x" if vs else f"{'-':>9}"
+    coll = ", ".join(f"{op} x{k}" for op, k in sorted(r["collectives"].items())) or "none"
+    if r["all_gather_bytes"]:
+      coll += " (gathered " + ", ".join(
+          f"{d}: {v / 2**20:.1f} MiB" for d, v in sorted(r["all_gather_bytes"].items())) + ")"
+    lines.append(
+        f"{r['framework']:<10}{r['variant']:<9}{r['ms_1']:>10.3f}{r['ms_2x2']:>10.3f}"
+        f"{r['speedup']:>8.2f}x{r['efficiency']:>6.2f}{vs}{fmt_err(r['rel_y'])}"
+        f"{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}{fmt_err(r['rel_state'])}"
+        f"{r['gemms'] or '-':>11}  {coll}{'  CHECK' if r['flagged'] else ''}")
+  flagged = [f"{r['framework']} {r['variant']}" for r in rows if r["flagged"]]
+  lines.append("")
+  lines.append(f"relative error above {FLAG_ABOVE:g} (mesh against one device): "
+               f"{', '.join(flagged) or 'none'}")
+  return "\n".join(lines)
+
+
+def main():
+  args = ARGS
+  dev = jax.devices()[0]
+  meta = dict(
+      date=time.strftime("%Y-%m-%d"), device=f"{dev.platform} {dev.device_kind}",
+      device_count=jax.device_count(), jax=jax.__version__, flax=flax.__version__,
+      haiku=hk.__version__, python=platform.python_version(),
+      shape=dict(batch=args.batch, seq=args.seq, hidden=args.hidden, features=args.features),
+      iters=args.iters, warmup=args.warmup, trials=args.trials,
+  )
+  print(f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
+        f"(mesh 2x2 over the first 4); jax {meta['jax']}, flax {meta['flax']}, "
+        f"haiku {meta['haiku']}, python {meta['python']}")
+  print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
+        f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
+        f"mean of {args.iters} steps, median of {args.trials} trials")
+  print(f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
+        f"recipe state {P()}; errors at step {CHECK_STEP} against the first device alone\n")
+  rows = run(args)
+  print()
+  print(format_table(rows))
+  print(f"\nreference, seed 000 section 4 shape: {TE_REFERENCE}")
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(dict(meta=meta, te_reference=TE_REFERENCE, rows=rows), fh, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
