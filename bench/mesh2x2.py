@@ -62,13 +62,11 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multidevice import time_steps, use_cpu_devices  # noqa: E402
+
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
-if ARGS is not None and ARGS.cpu_devices:
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = (
-      f"{os.environ.get('XLA_FLAGS', '')} "
-      f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
-  ).strip()
+use_cpu_devices(ARGS and ARGS.cpu_devices)
 
 import flax  # noqa: E402
 import haiku as hk  # noqa: E402
@@ -194,20 +192,6 @@ def make_step(model: Model, mesh, donate_state: bool):
   return jax.jit(grad_fn, **kw)
 
 
-def _time(step_once, iters, warmup, trials):
-  for _ in range(warmup):
-    jax.block_until_ready(step_once())
-  per_trial = []
-  for _ in range(trials):
-    times = []
-    for _ in range(iters):
-      start = time.perf_counter()
-      jax.block_until_ready(step_once())
-      times.append(time.perf_counter() - start)
-    per_trial.append(float(np.mean(times)))
-  return float(np.median(per_trial)) * 1e3
-
-
 def hlo_summary(text):
   """FP8/other GEMMs (GPU only, else None) and the collectives of compiled HLO text."""
   gemms = None
@@ -258,7 +242,7 @@ def run_one(model: Model, x, dy, mesh, args):
       (_, y), (g_params, new_state, dx) = step_once()
     (dw,) = jax.tree.leaves(g_params)
     checked = dict(y=y, dx=dx, dw=dw, state=jax.device_get(new_state))
-    ms = _time(step_once, args.iters, args.warmup, args.trials)
+    ms = time_steps(step_once, args.iters, args.warmup, args.trials)
   return ms, checked, compiled.as_text()
 
 

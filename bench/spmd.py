@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
-import time
 
 
 def _parse(argv):
@@ -52,13 +52,11 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multidevice import time_steps, use_cpu_devices  # noqa: E402
+
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
-if ARGS is not None and ARGS.cpu_devices:
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  os.environ["XLA_FLAGS"] = (
-      f"{os.environ.get('XLA_FLAGS', '')} "
-      f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
-  ).strip()
+use_cpu_devices(ARGS and ARGS.cpu_devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -113,20 +111,6 @@ def make_step(variant, plan, mesh):
   return jax.jit(step)
 
 
-def _time(fn, args, iters, warmup, trials):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  per_trial = []
-  for _ in range(trials):
-    times = []
-    for _ in range(iters):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - start)
-    per_trial.append(float(np.mean(times)))
-  return float(np.median(per_trial)) * 1e3
-
-
 def hlo_summary(text):
   """``"FP8 GEMMs/other GEMMs"`` and the all-gathers (dtype: bytes) of compiled HLO text."""
   fp8, other = core.count_fp8_gemms(text)
@@ -175,7 +159,7 @@ def run(args):
       else:
         with jax.set_mesh(mesh):
           compiled = step.lower(*call_args).compile()
-      ms = _time(compiled, call_args, args.iters, args.warmup, args.trials)
+      ms = time_steps(functools.partial(compiled, *call_args), args.iters, args.warmup, args.trials)
       gemms, gathers = hlo_summary(compiled.as_text())
       rows.append(dict(plan=plan, n=1 if mesh is None else n, variant=variant, ms=ms,
                        tflops=flops / (ms * 1e-3) / 1e12 / (1 if mesh is None else n),

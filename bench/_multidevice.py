@@ -1,0 +1,35 @@
+"""What bench/spmd.py and bench/mesh2x2.py share: the CPU dry run's virtual devices (set before
+JAX is imported) and the timing of synchronised steps."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def use_cpu_devices(count: int | None) -> None:
+  """With ``count``: run on that many virtual CPU devices. Call before importing JAX."""
+  if count:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    ).strip()
+
+
+def time_steps(step_once, iters: int, warmup: int, trials: int) -> float:
+  """ms per step: the median over ``trials`` of the mean of ``iters`` steps, each step ended by
+  ``block_until_ready``, after ``warmup`` steps."""
+  import jax
+  import numpy as np
+
+  for _ in range(warmup):
+    jax.block_until_ready(step_once())
+  per_trial = []
+  for _ in range(trials):
+    times = []
+    for _ in range(iters):
+      start = time.perf_counter()
+      jax.block_until_ready(step_once())
+      times.append(time.perf_counter() - start)
+    per_trial.append(float(np.mean(times)))
+  return float(np.median(per_trial)) * 1e3
