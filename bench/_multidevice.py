@@ -7,6 +7,19 @@ import os
 import time
 
 
+def add_common_arguments(p) -> None:
+  """Seed 000's shape, and the timing and dry-run flags of both scripts."""
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=8192)
+  p.add_argument("--features", type=int, default=32768)
+  p.add_argument("--iters", type=int, default=20, help="timed steps per trial")
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--trials", type=int, default=3, help="the median over trials is reported")
+  p.add_argument("--cpu-devices", type=int, default=None,
+                 help="run on this many virtual CPU devices (sets XLA_FLAGS; for a dry run)")
+
+
 def use_cpu_devices(count: int | None) -> None:
   """With ``count``: run on that many virtual CPU devices. Call before importing JAX."""
   if count:

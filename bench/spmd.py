@@ -34,26 +34,18 @@ import functools
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multidevice import add_common_arguments, time_steps, use_cpu_devices  # noqa: E402
+
 
 def _parse(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--seq", type=int, default=2048)
-  p.add_argument("--hidden", type=int, default=8192)
-  p.add_argument("--features", type=int, default=32768)
   p.add_argument("--devices", type=int, default=None, help="devices per plan (default: all)")
   p.add_argument("--plans", default="single,dp,tp,tp_row,fsdp")
   p.add_argument("--variants", default="bf16,current,delayed,current+fp8_gather")
-  p.add_argument("--iters", type=int, default=20, help="timed steps per trial")
-  p.add_argument("--warmup", type=int, default=5)
-  p.add_argument("--trials", type=int, default=3, help="the median over trials is reported")
-  p.add_argument("--cpu-devices", type=int, default=None,
-                 help="run on this many virtual CPU devices (sets XLA_FLAGS; for a dry run)")
+  add_common_arguments(p)
   return p.parse_args(argv)
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multidevice import time_steps, use_cpu_devices  # noqa: E402
 
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
 use_cpu_devices(ARGS and ARGS.cpu_devices)
