@@ -1,0 +1,36 @@
+"""bench/mesh2x2.py's dry run: seed 000's Dense on a 2x2 mesh of virtual CPU devices through
+every adapter, each against the same program on one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_mesh2x2_dry_run_matches_one_device(tmp_path):
+  out = tmp_path / "mesh.json"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "mesh2x2.py"), "--cpu-devices", "4",
+         "--batch", "4", "--seq", "32", "--hidden", "128", "--features", "256", "--iters", "1",
+         "--trials", "1", "--warmup", "1", "--json", str(out)]
+  done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["framework"], r["variant"]) for r in rows} == {
+      (f, v) for f in ("linen", "nnx", "haiku") for v in ("bf16", "current", "delayed")}
+  for r in rows:
+    assert not r["flagged"], r
+    assert r["rel_y"] == 0.0, r
+    if r["variant"] == "bf16":
+      # dx and dW are sums over shards of bf16 partial products on the mesh.
+      assert r["rel_dx"] < 1e-2 and r["rel_dw"] < 1e-2, r
+    else:
+      # FP8: the same quantized operands and state; only the order of the float32 sums differs
+      # (the dx partial sums over the tp shards). A wrong scale or shard would be O(1e-2) and up.
+      assert r["rel_dx"] < 1e-4 and r["rel_dw"] < 1e-4, r
+      assert r["rel_state"] in (None, 0.0), r
+    assert np.isfinite(r["ms_1"]) and np.isfinite(r["ms_2x2"])
