@@ -21,9 +21,8 @@ Qwix passes the float8 arrays themselves to ``jax.lax.dot_general`` (with
 scales afterwards; it does not dequantize before the GEMM. Whether XLA then emits a cuBLASLt
 FP8 GEMM is up to XLA.
 
-The returned models keep the caller's Linen interface: ``init(key, x)`` returns the variables
-and ``apply(variables, x)`` returns the output array, any Qwix state collections being handled
-inside.
+The returned models are Linen modules, used like the bf16 one: with these rules (dynamic
+scales) Qwix adds no variable collections, so ``apply(variables, x)`` returns the output array.
 """
 
 from __future__ import annotations
@@ -32,26 +31,6 @@ import jax.numpy as jnp
 
 _FWD_ONLY = "qwix fp8 (fwd GEMM only)"
 _FWD_BWD = "qwix fp8 (fwd+dgrad+wgrad GEMMs)"
-
-
-class _QwixModel:
-  """A Qwix-quantized Linen module behind ``init(key, x)`` / ``apply(variables, x)``."""
-
-  def __init__(self, module):
-    self.module = module
-
-  def init(self, key, *args, **kwargs):
-    return self.module.init(key, *args, **kwargs)
-
-  def apply(self, variables, *args, **kwargs):
-    # The rules below (dynamic scales) make only "params". A rule with act_static_scale would
-    # add "quant_stats" (with an int32 count, which a gradient over all variables rejects):
-    # it is updated as mutable here, and only the output returned.
-    extra = [c for c in variables if c != "params"]
-    if not extra:
-      return self.module.apply(variables, *args, **kwargs)
-    out, _ = self.module.apply(variables, *args, mutable=extra, **kwargs)
-    return out
 
 
 def _rule(qwix, bwd_qtype):
@@ -77,5 +56,5 @@ def qwix_variants(make_model) -> list[tuple[str, object]]:
   out = []
   for name, bwd_qtype in ((_FWD_ONLY, None), (_FWD_BWD, jnp.float8_e5m2)):
     provider = qwix.QtProvider([_rule(qwix, bwd_qtype)])
-    out.append((name, _QwixModel(qwix.quantize_model(make_model(lambda: None), provider))))
+    out.append((name, qwix.quantize_model(make_model(lambda: None), provider)))
   return out

@@ -31,6 +31,7 @@ __all__ = [
   "BLOCK",
   "GEMM_ENV",
   "compute_scale",
+  "cublas_call",
   "cublas_gemm_available",
   "quantize",
   "dequantize_values",
@@ -145,26 +146,38 @@ def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
   return jnp.pad(scale_inv, ((0, 0), (0, 0), (0, -scale_inv.shape[2] % 4)))
 
 
-def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype):
-  batch, m, _ = a_data.shape
-  n = b_data.shape[1]
-  # cuBLASLt writes bfloat16 itself (rounding the float32 sums once); other dtypes are cast from
-  # its float32 output.
-  dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+  """The extension's cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times
+  ``b (.., N, K)`` into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim.
+
+  Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
+  Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (``_cublas_scales``).
+  """
   outs = (
-    jax.ShapeDtypeStruct((batch, m, n), dtype),
+    jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), out_dtype),
     jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
   )
   y, _ = jax.ffi.ffi_call(_CUBLAS_TARGET, outs, vmap_method="sequential")(
+    a, b, a_scales, b_scales,
+    lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
+  )
+  return y
+
+
+def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype):
+  m, n = a_data.shape[1], b_data.shape[1]
+  # cuBLASLt writes bfloat16 itself (rounding the float32 sums once); other dtypes are cast from
+  # its float32 output.
+  dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+  return cublas_call(
     a_data,
     b_data,
     _cublas_scales(a_scale_inv.astype(jnp.float32), a_block, m),
     _cublas_scales(b_scale_inv.astype(jnp.float32), b_block, n),
-    lhs_mode=np.int32(len(a_block)),
-    rhs_mode=np.int32(len(b_block)),
-    fast_accum=np.int32(0),
+    dtype,
+    lhs_mode=len(a_block),
+    rhs_mode=len(b_block),
   )
-  return y
 
 
 def gemm(

@@ -296,12 +296,10 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
   pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
-  outs = (jax.ShapeDtypeStruct((*batch, m, n), out_dtype),
-          jax.ShapeDtypeStruct((_float8_block._WORKSPACE_BYTES,), jnp.uint8))
-  y, _ = jax.ffi.ffi_call(_float8_block._CUBLAS_TARGET, outs, vmap_method="sequential")(
+  y = _float8_block.cublas_call(
       a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
-      lhs_mode=np.int32(0), rhs_mode=np.int32(0), fast_accum=np.int32(fast),
+      out_dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast,
   )
   return y.reshape(*lead, m, n) if lead else y
 

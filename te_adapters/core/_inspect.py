@@ -9,6 +9,8 @@ import jax
 import numpy as np
 from jax.extend import core as jax_core
 
+from te_adapters.core import _float8_block
+
 __all__ = ["dot_general_operand_dtypes", "count_fp8_dot_generals", "count_fp8_cublas_gemms"]
 
 _FP8_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -31,7 +33,7 @@ def _walk(jaxpr):
 
 
 # The extension's cuBLASLt FP8 GEMM (per-tensor and block-scaled), called through the FFI.
-_FFI_GEMM_TARGET = "te_adapters_block_gemm"
+_FFI_GEMM_TARGET = _float8_block._CUBLAS_TARGET
 
 
 def _is_gemm(eqn) -> bool:
