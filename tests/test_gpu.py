@@ -30,51 +30,48 @@ def _data(m, k, n, dtype=jnp.bfloat16):
           jax.random.normal(kd, (m, n)).astype(dtype))
 
 
+def _train_core(recipe, x, w, dy, **kwargs):
+  """Three fwd+bwd steps of the core's dot_general, threading the state, after checking that the
+  compiled step has three FP8 GEMMs and no other. Returns the compiled HLO and y, dx, dw."""
+  state = core.init_state(recipe)
+
+  def loss(x, w, state, dy):
+    y = core.dot_general(x, w, DN, recipe=recipe, state=state or None, threshold=None, **kwargs)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  hlo = step.lower(x, w, state, dy).compile().as_text()
+  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+  for _ in range(3):
+    (_, y), (dx, dw, new_state) = step(x, w, state, dy)
+    state = core.updated_state(state, new_state) if state else state
+  return hlo, y, dx, dw
+
+
+def _assert_fp8_errors(rel, x, w, dy, y, dx, dw):
+  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+  errs = rel(y, x64 @ w64), rel(dx, dy64 @ w64.T), rel(dw, x64.T @ dy64)
+  assert 0.01 < errs[0] < 0.05 and 0.01 < errs[1] < 0.08 and 0.01 < errs[2] < 0.08, errs
+
+
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: type(r).__name__)
 def test_float32_kernel_goes_straight_into_fp8(recipe, rel):
   # A float32 Dense kernel (K, N) with bf16 activations and a bf16 output: three FP8 GEMMs, the
   # kernel gradient in float32, and no float32 transpose of the kernel before its cast.
   x, _, dy = _data(256, 512, 384)
   w = jax.random.normal(jax.random.PRNGKey(1), (512, 384), jnp.float32)
-  state = core.init_state(recipe)
-
-  def loss(x, w, state, dy):
-    y = core.dot_general(x, w, DN, preferred_element_type=jnp.bfloat16, recipe=recipe,
-                         state=state or None, threshold=None)
-    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
-
-  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-  hlo = step.lower(x, w, state, dy).compile().as_text()
-  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+  hlo, y, dx, dw = _train_core(recipe, x, w, dy, preferred_element_type=jnp.bfloat16)
   assert not [ln for ln in hlo.splitlines()
               if "f32[384,512]" in ln and (" transpose(" in ln or " copy(" in ln)]
-  for _ in range(3):
-    (_, y), (dx, dw, new_state) = step(x, w, state, dy)
-    state = core.updated_state(state, new_state) if state else state
   assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
-  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
-  errs = rel(y, x64 @ w64), rel(dx, dy64 @ w64.T), rel(dw, x64.T @ dy64)
-  assert 0.01 < errs[0] < 0.05 and 0.01 < errs[1] < 0.08 and 0.01 < errs[2] < 0.08, errs
+  _assert_fp8_errors(rel, x, w, dy, y, dx, dw)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: f"{type(r).__name__}-{r.fp8_format.name}")
 def test_core_emits_three_fp8_cublas_gemms_and_matches_float64(recipe, rel):
   x, w, dy = _data(256, 512, 384)
-  state = core.init_state(recipe)
-
-  def loss(x, w, state, dy):
-    y = core.dot_general(x, w, DN, recipe=recipe, state=state or None, threshold=None)
-    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
-
-  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-  hlo = step.lower(x, w, state, dy).compile().as_text()
-  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
-  for _ in range(3):
-    (_, y), (dx, dw, new_state) = step(x, w, state, dy)
-    state = core.updated_state(state, new_state) if state else state
-  x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
-  errs = rel(y, x64 @ w64), rel(dx, dy64 @ w64.T), rel(dw, x64.T @ dy64)
-  assert 0.01 < errs[0] < 0.05 and 0.01 < errs[1] < 0.08 and 0.01 < errs[2] < 0.08, errs
+  _, y, dx, dw = _train_core(recipe, x, w, dy)
+  _assert_fp8_errors(rel, x, w, dy, y, dx, dw)
 
 
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: type(r).__name__)
