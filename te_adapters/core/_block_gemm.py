@@ -161,6 +161,49 @@ class _Layout:
         )
 
 
+def check_operands(lhs, rhs, dn, recipe):
+  """Raises the forward GEMM's ValueError where ``recipe``'s blocks cannot tile the operands."""
+  _Layout(dn, lhs.shape, rhs.shape).check(recipe, backward=False, lhs=lhs, rhs=rhs)
+
+
+def _check_backward(dn, lhs_shape, rhs_shape, recipe, no_rng):
+  """Raises what the block recipe's backward pass would: untileable M or N, a missing key."""
+  _Layout(dn, lhs_shape, rhs_shape).check(recipe, backward=True)
+  _check_grad_rng(recipe, no_rng)
+
+
+def _check_grad_rng(recipe, no_rng):
+  if recipe.uses_rng and no_rng:
+    raise ValueError(
+      f"{type(recipe).__name__} rounds the gradient stochastically: pass rng=<PRNG key> to "
+      "dot_general (a fresh key per step), or use disable_stochastic_rounding=True"
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def checked_under_grad(y, dn, lhs_shape, rhs_shape, recipe, no_rng):
+  """``y``; under differentiation, first the checks of the block recipe's backward pass.
+
+  A GEMM below the size threshold runs in high precision and needs none of them, but the same
+  input must get the same error at every size.
+  """
+  del dn, lhs_shape, rhs_shape, recipe, no_rng
+  return y
+
+
+def _checked_fwd(y, dn, lhs_shape, rhs_shape, recipe, no_rng):
+  _check_backward(dn, lhs_shape, rhs_shape, recipe, no_rng)
+  return y, None
+
+
+def _checked_bwd(dn, lhs_shape, rhs_shape, recipe, no_rng, residuals, g):
+  del dn, lhs_shape, rhs_shape, recipe, no_rng, residuals
+  return (g,)
+
+
+checked_under_grad.defvjp(_checked_fwd, _checked_bwd)
+
+
 def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan):
   """``lax.dot_general(lhs, rhs, dn)`` under a block recipe; ``rng`` feeds stochastic rounding.
 
@@ -233,11 +276,7 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan):
   del operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
   layout.check(recipe, backward=True, lhs=lhs, rhs=rhs)
-  if recipe.uses_rng and rng is None:
-    raise ValueError(
-      f"{type(recipe).__name__} rounds the gradient stochastically: pass rng=<PRNG key> to "
-      "dot_general (a fresh key per step), or use disable_stochastic_rounding=True"
-    )
+  _check_grad_rng(recipe, rng is None)
   x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
   y = layout.out(_block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding)).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)

@@ -145,6 +145,8 @@ def dot_general(
   recipe = check_recipe(recipe)
   if recipe.block_scaled:
     _sharding.check_block_scaled(recipe, plan)
+  else:
+    _sharding.check_amax_axes(plan)
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = _sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
@@ -162,10 +164,17 @@ def dot_general(
       gemm_rhs,
   )
   out_dtype = out.dtype
+  # What the recipe cannot take is refused before the size decides the precision, so bad input
+  # gets the same error at every size (the backward's checks under differentiation).
+  if recipe.block_scaled:
+    _block_gemm.check_operands(lhs, rhs, dn, recipe)
   m, k, n = _threshold.gemm_mkn(lhs.shape, gemm_rhs.shape, dn)
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
   if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
-    return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+    y = _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+    if recipe.block_scaled:
+      y = _block_gemm.checked_under_grad(y, dn, lhs.shape, gemm_rhs.shape, recipe, rng is None)
+    return y
   if recipe.block_scaled:
     return _block_gemm.block_dot_general(lhs, rhs, dn, out, recipe, rng, plan)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))

@@ -275,6 +275,11 @@ def check_block_scaled(recipe, plan: SpmdPlan) -> None:
         f"{type(recipe).__name__}: kernel_all_gather is implemented for per-tensor FP8 recipes "
         "(DelayedScaling, Float8CurrentScaling) only"
     )
+  check_amax_axes(plan)
+
+
+def check_amax_axes(plan: SpmdPlan) -> None:
+  """Raises where ``amax_axes`` names a mesh axis that the current mesh lacks."""
   for role, axes in zip(_ROLES, plan.amax_axes, strict=True):
     if axes is not None:
       _check_axis_names(axes, f"amax_axes for {role!r}")
