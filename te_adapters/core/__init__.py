@@ -50,6 +50,7 @@ from te_adapters.core._threshold import (
     HighPrecisionGemmWarning,
     SizeThreshold,
     check_threshold,
+    high_precision_reason,
     runs_in_fp8,
 )
 
@@ -91,6 +92,7 @@ __all__ = [
     "init_state",
     "quantize",
     "ragged_dot",
+    "high_precision_reason",
     "runs_in_fp8",
     "save_quantized_gemms",
     "save_quantized_operands",

@@ -24,6 +24,7 @@ __all__ = [
     "SizeThreshold",
     "check_threshold",
     "gemm_mkn",
+    "high_precision_reason",
     "runs_in_fp8",
 ]
 
@@ -160,6 +161,39 @@ def runs_in_fp8(
   if threshold is None:
     return True
   return threshold.allows_fp8(m, k, n, jax.default_backend() if backend is None else backend)
+
+
+def high_precision_reason(
+    threshold: SizeThreshold | None,
+    k: int,
+    n: int,
+    m: int | None = None,
+    backend: str | None = None,
+) -> str | None:
+  """Why a GEMM with a (K, N) kernel stays in high precision under ``threshold``, or None.
+
+  With ``m``, for that GEMM; without, for every M (a layer whose kernel alone keeps it below the
+  threshold), so that a conversion can say so before the model runs.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> t = ta.core.DEFAULT_SIZE_THRESHOLD
+    >>> ta.core.high_precision_reason(t, 128, 256, backend="gpu")[:52]
+    'K=128, N=256: below the size threshold (FP8 only whe'
+    >>> ta.core.high_precision_reason(t, 4096, 4096, backend="gpu") is None
+    True
+  """
+  threshold = check_threshold(threshold)
+  backend = jax.default_backend() if backend is None else backend
+  if threshold is None or not threshold.applies_to(backend):
+    return None
+  if m is None:
+    if min(k, n) >= threshold.min_dim:
+      return None  # a large enough M runs in FP8
+    return f"K={k}, N={n}: below the size threshold ({threshold.rule()}) for any M"
+  if threshold.allows_fp8(m, k, n, backend):
+    return None
+  return f"M={m}, K={k}, N={n}: below the size threshold ({threshold.rule()})"
 
 
 def keeps_high_precision(threshold, m, k, n, recipe, dtype, stacklevel: int) -> bool:

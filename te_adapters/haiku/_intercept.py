@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -39,10 +40,13 @@ class QuantizeReport:
   Attributes:
     quantized: names of the ``hk.Linear`` modules computed with the recipe, in call order.
     skipped: module name -> why it stayed in high precision.
+    high_precision: name of a quantized module -> why its GEMM ran in high precision all the
+      same: below the size threshold on this backend (``threshold=None`` quantizes it).
   """
 
   quantized: list[str] = dataclasses.field(default_factory=list)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+  high_precision: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
@@ -154,6 +158,10 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
       return next_f(*args, **kwargs)
     if name not in self.report.quantized:
       self.report.quantized.append(name)
+    m = math.prod(inputs.shape[:-1])
+    why = core.high_precision_reason(self.threshold, inputs.shape[-1], module.output_size, m)
+    if why is not None:
+      self.report.high_precision.setdefault(name, why)
     call = functools.partial(
         _linear.linear_forward,
         module,

@@ -30,15 +30,23 @@ class QuantizeReport:
   Attributes:
     quantized: paths (``"blocks/0/mlp"``) of the layers now quantized.
     skipped: ``(path, reason)`` of each linear layer left as it was.
+    high_precision: ``(path, reason)`` of each quantized layer whose kernel alone keeps every
+      GEMM below the size threshold on the JAX backend of the conversion: it computes in high
+      precision there whatever its input (``threshold=None`` quantizes it).
   """
 
   quantized: tuple[str, ...]
   skipped: tuple[tuple[str, str], ...]
+  high_precision: tuple[tuple[str, str], ...] = ()
 
   def __str__(self) -> str:
     lines = [f"quantized {len(self.quantized)} layer(s), skipped {len(self.skipped)}"]
+    if self.high_precision:
+      every = " (all of them)" if len(self.high_precision) == len(self.quantized) else ""
+      lines[0] += f"; {len(self.high_precision)} of the quantized{every} stay in high precision"
     lines += [f"  quantized {path}" for path in self.quantized]
     lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
+    lines += [f"  high precision {path}: {reason}" for path, reason in self.high_precision]
     return "\n".join(lines)
 
 
@@ -101,7 +109,8 @@ def quantize_model(
       (SPMD: the mesh axes amaxes are reduced over inside ``shard_map``; FSDP's FP8 gather).
 
   Returns:
-    A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons).
+    A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons), and the
+    quantized layers that the size threshold keeps in high precision on this backend.
 
   Example:
     >>> import te_adapters as ta
@@ -127,7 +136,7 @@ def quantize_model(
       for path, node in nnx.iter_graph(model)
       if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
   ]
-  quantized, skipped = [], []
+  quantized, skipped, high_precision = [], [], []
   for path, layer in layers:
     name = "/".join(str(p) for p in path) or "."
     if predicate is not None and not predicate(path, layer):
@@ -163,4 +172,8 @@ def quantize_model(
       layer.recipe = recipe  # a te_adapters layer built with recipe=None
       layer.threshold = threshold
     quantized.append(name)
-  return QuantizeReport(quantized=tuple(quantized), skipped=tuple(skipped))
+    if (why := core.high_precision_reason(threshold, k, n)) is not None:
+      high_precision.append((name, why))
+  return QuantizeReport(
+      quantized=tuple(quantized), skipped=tuple(skipped), high_precision=tuple(high_precision)
+  )

@@ -32,7 +32,7 @@ def _mlp(x):
 def test_mlp_is_quantized_without_edits(rel):
   x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
   plain = hk.transform(_mlp)
-  q = ta_hk.quantize(CURRENT)
+  q = ta_hk.quantize(CURRENT, threshold=None)
   quantized = hk.transform(q(_mlp))
 
   def reference(p, x):
@@ -40,7 +40,7 @@ def test_mlp_is_quantized_without_edits(rel):
     h = x
     for i in range(2):
       w, b = p[f"mlp/~/linear_{i}"]["w"], p[f"mlp/~/linear_{i}"]["b"]
-      h = jax.nn.relu(core.dot_general(h, w, DN, recipe=CURRENT) + b)
+      h = jax.nn.relu(core.dot_general(h, w, DN, threshold=None, recipe=CURRENT) + b)
     return h @ p["mlp/~/linear_2"]["w"] + p["mlp/~/linear_2"]["b"]
 
   @jax.jit
@@ -66,7 +66,7 @@ def test_delayed_scaling_state_under_the_linear_names():
   x = np.random.default_rng(1).normal(size=(8, 16)).astype(np.float32)
   r = ta.DelayedScaling(amax_history_len=4)
   model = hk.transform_with_state(
-      ta_hk.quantize(r)(lambda x: hk.nets.MLP([32, 32, 10], w_init=_np_init(1))(x)))
+      ta_hk.quantize(r, threshold=None)(lambda x: hk.nets.MLP([32, 32, 10], w_init=_np_init(1))(x)))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the 10-wide layer's warning is tested above
     params, state = jax.jit(model.init)(None, x)
@@ -90,12 +90,13 @@ def test_attention_projections_filter_nesting_and_own_linear():
 
   def forward(x):
     h = hk.MultiHeadAttention(2, 16, w_init=_np_init(2))(x, x, x)
-    with ta_hk.quantize(None):  # an inner scope wins: this layer stays in high precision
+    with ta_hk.quantize(None,
+                        threshold=None):  # an inner scope wins: this layer stays in high precision
       h = hk.Linear(32, w_init=_np_init(3), name="kept")(h)
     h = ta_hk.Linear(32, w_init=_np_init(4), recipe=None, name="own")(h)  # a te_adapters layer
     return hk.Linear(16, w_init=_np_init(5), name="head")(h)
 
-  q = ta_hk.quantize(CURRENT, module_filter=lambda name: name != "head")
+  q = ta_hk.quantize(CURRENT, module_filter=lambda name: name != "head", threshold=None)
   with q as report:
     params = jax.jit(hk.transform(forward).init)(None, x)
   assert report is q.report
@@ -108,7 +109,7 @@ def test_attention_projections_filter_nesting_and_own_linear():
   @jax.jit
   def plain_and_quantized(params, x):
     plain = hk.transform(forward).apply(params, None, x)
-    with ta_hk.quantize(CURRENT, module_filter=lambda name: name != "head"):
+    with ta_hk.quantize(CURRENT, module_filter=lambda name: name != "head", threshold=None):
       return plain, hk.transform(forward).apply(params, None, x)
 
   plain, quantized = plain_and_quantized(params, x)
@@ -120,12 +121,12 @@ def test_haiku_mixed_precision_policies():
   x = jnp.ones((8, 32))
   hk.mixed_precision.set_policy(hk.Linear, jmp.get_policy("p=f32,c=bf16,o=f32"))
   try:
-    f = hk.transform_with_state(ta_hk.quantize(CURRENT)(lambda x: hk.Linear(32)(x)))
+    f = hk.transform_with_state(ta_hk.quantize(CURRENT, threshold=None)(lambda x: hk.Linear(32)(x)))
     params, state = jax.eval_shape(f.init, jax.random.key(0), x)
     assert params["linear"]["w"].dtype == jnp.float32  # the policy's parameter dtype
     assert jax.eval_shape(f.apply, params, state, None, x)[0].dtype == jnp.float32
     # The policy's state getter would cast recipe state to bf16: refused, not silently rounded.
-    f = hk.transform_with_state(ta_hk.quantize(DELAYED)(lambda x: hk.Linear(32)(x)))
+    f = hk.transform_with_state(ta_hk.quantize(DELAYED, threshold=None)(lambda x: hk.Linear(32)(x)))
     with pytest.raises(TypeError, match="recipe state must stay float32.*mixed_precision"):
       jax.eval_shape(f.init, jax.random.key(0), x)
   finally:
@@ -134,6 +135,28 @@ def test_haiku_mixed_precision_policies():
 
 def test_bad_arguments():
   with pytest.raises(TypeError, match="recipe must be"):
-    ta_hk.quantize("fp8")
+    ta_hk.quantize("fp8", threshold=None)
   with pytest.raises(TypeError, match="module_filter must be callable"):
-    ta_hk.quantize(CURRENT, module_filter="head")
+    ta_hk.quantize(CURRENT, module_filter="head", threshold=None)
+
+
+def test_report_names_the_gemms_the_threshold_kept_in_high_precision():
+  """The suite's default threshold applies on every platform (tests/conftest.py)."""
+  x = jnp.ones((4, 32), jnp.float32)
+
+  def forward(x):
+    return hk.Linear(64, name="small")(x)
+
+  for threshold, expected in ((core.DEFAULT_SIZE_THRESHOLD, ["small"]), (None, [])):
+    q = ta_hk.quantize(CURRENT, threshold=threshold)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+      hk.transform_with_state(q(forward)).init(jax.random.key(0), x)
+    assert q.report.quantized == ["small"]
+    assert list(q.report.high_precision) == expected
+  assert q.report.high_precision == {}
+  q = ta_hk.quantize(CURRENT)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+    hk.transform_with_state(q(forward)).init(jax.random.key(0), x)
+  assert q.report.high_precision["small"].startswith("M=4, K=32, N=64: below the size threshold")

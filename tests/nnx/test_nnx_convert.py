@@ -37,7 +37,7 @@ def test_quantize_model_converts_in_place_and_reports(rel):
   params_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
   recipe = ta.DelayedScaling(amax_history_len=8)
-  report = ta_nnx.quantize_model(model, recipe)
+  report = ta_nnx.quantize_model(model, recipe, threshold=None)
   assert report.quantized == ("mix", "proj", "up")
   skipped = dict(report.skipped)
   assert set(skipped) == {"custom", "small"}
@@ -71,7 +71,7 @@ def test_quantize_model_converts_in_place_and_reports(rel):
   np.testing.assert_allclose(up["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
 
   # Converting again changes nothing.
-  again = ta_nnx.quantize_model(model, recipe)
+  again = ta_nnx.quantize_model(model, recipe, threshold=None)
   assert again.quantized == ()
   assert dict(again.skipped)["up"] == "it is already quantized"
 
@@ -84,7 +84,7 @@ def test_quantize_model_filter_and_stacked_layers():
 
   model = nnx.Dict(stack=make(nnx.Rngs(0)), other=nnx.Linear(32, 16, rngs=nnx.Rngs(1)))
   report = ta_nnx.quantize_model(
-      model, ta.DelayedScaling(amax_history_len=4), filter=nnx.PathContains("stack")
+      model, ta.DelayedScaling(amax_history_len=4), filter=nnx.PathContains("stack"), threshold=None
   )
   assert report.quantized == ("stack",)
   assert report.skipped == (("other", "excluded by the filter"),)
@@ -110,4 +110,25 @@ def test_quantize_model_filter_and_stacked_layers():
 
 def test_quantize_model_refuses_bad_recipe():
   with pytest.raises(TypeError, match="recipe must be"):
-    ta_nnx.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), None)
+    ta_nnx.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), None, threshold=None)
+
+
+def test_report_names_the_layers_the_threshold_keeps_in_high_precision():
+  """The suite's default threshold applies on every platform (tests/conftest.py)."""
+  big = ta.core.SizeThreshold(min_mkn=1, min_dim=64, platforms=(jax.default_backend(),))
+
+  def model():
+    return nnx.Sequential(nnx.Linear(32, 128, rngs=nnx.Rngs(0)),
+                          nnx.Linear(128, 64, rngs=nnx.Rngs(1)))
+
+  report = ta_nnx.quantize_model(model(), ta.Float8CurrentScaling())
+  assert report.quantized == ("layers/0", "layers/1")
+  assert [p for p, _ in report.high_precision] == ["layers/0", "layers/1"]
+  assert "K=32, N=128: below the size threshold" in report.high_precision[0][1]
+  assert "2 of the quantized (all of them) stay in high precision" in str(report)
+  # min_dim 64: only the first layer's K=32 keeps it below for any M.
+  report = ta_nnx.quantize_model(model(), ta.Float8CurrentScaling(), threshold=big)
+  assert [p for p, _ in report.high_precision] == ["layers/0"]
+  assert "1 of the quantized stay" in str(report)
+  report = ta_nnx.quantize_model(model(), ta.Float8CurrentScaling(), threshold=None)
+  assert report.high_precision == () and "high precision" not in str(report)
