@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,19 @@ def _time(fn, args, repeats: int) -> float:
   return float(np.median(times)) * 1e3
 
 
-def run(m: int, k: int, n: int, repeats: int = 5, warmup_steps: int = 3) -> list[dict]:
-  """Times fwd+bwd of ``x @ w`` for bf16 and each FP8 recipe; errors are against float64."""
+def run(
+    m: int,
+    k: int,
+    n: int,
+    repeats: int = 5,
+    warmup_steps: int = 3,
+    threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+) -> list[dict]:
+  """Times fwd+bwd of ``x @ w`` for bf16 and each FP8 recipe; errors are against float64.
+
+  ``threshold`` is passed to ``core.dot_general``: with the default, a GEMM too small for FP8
+  to pay on a GPU runs in high precision there, and its row says so (``fp8_dots`` 0/3).
+  """
   kx, kw, kd = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
   w = jax.random.normal(kw, (k, n), jnp.float32).astype(jnp.bfloat16)
@@ -50,7 +62,9 @@ def run(m: int, k: int, n: int, repeats: int = 5, warmup_steps: int = 3) -> list
 
     def step(x, w, dy, state, recipe=recipe):
       def f(x, w, state):
-        y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None)
+        y = core.dot_general(
+            x, w, _DN, recipe=recipe, state=state or None, threshold=threshold
+        )
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
       (_, y), (dx, dw, new_state) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
@@ -103,9 +117,19 @@ def main(argv=None) -> None:
   p.add_argument("--k", type=int, default=8192 if on_gpu else 512, help="contracting size")
   p.add_argument("--n", type=int, default=8192 if on_gpu else 512, help="output features")
   p.add_argument("--repeats", type=int, default=10 if on_gpu else 3)
+  p.add_argument("--force-fp8", action="store_true",
+                 help="quantize whatever the size (threshold=None); by default a GEMM too small "
+                      "for FP8 to pay on a GPU runs in high precision there")
   args = p.parse_args(argv)
+  threshold = None if args.force_fp8 else core.DEFAULT_SIZE_THRESHOLD
   device = jax.devices()[0]
   print(f"device: {device.platform} {device.device_kind}; jax {jax.__version__}")
   print(f"x ({args.m}, {args.k}) @ w ({args.k}, {args.n}), bf16 inputs, fwd + bwd;")
   print("errors: normwise relative error against float64 of the same bf16 inputs\n")
-  print(format_table(run(args.m, args.k, args.n, args.repeats)))
+  with warnings.catch_warnings():  # the table and the note below say which rows stayed in bf16
+    warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+    rows = run(args.m, args.k, args.n, args.repeats, threshold=threshold)
+  print(format_table(rows))
+  if any(r["recipe"] != "bf16" and r["fp8_dots"].startswith("0/") for r in rows):
+    print(f"\nThe FP8 rows ran in high precision: this GEMM is below the size threshold "
+          f"({core.DEFAULT_SIZE_THRESHOLD.rule()}). --force-fp8 quantizes it anyway.")

@@ -1,11 +1,14 @@
 import subprocess
 import sys
 
-from te_adapters import _demo
+import jax
+import pytest
+
+from te_adapters import _demo, core
 
 
 def test_demo_rows_at_tiny_size():
-  rows = _demo.run(32, 64, 32, repeats=1, warmup_steps=2)
+  rows = _demo.run(32, 64, 32, repeats=1, warmup_steps=2, threshold=None)
   by_recipe = {r["recipe"]: r for r in rows}
   assert set(by_recipe) == {"bf16", "Float8CurrentScaling", "DelayedScaling"}
   assert by_recipe["bf16"]["fp8_dots"] == "0/3"
@@ -16,6 +19,25 @@ def test_demo_rows_at_tiny_size():
   assert by_recipe["bf16"]["err_y"] < 0.005
   table = _demo.format_table(rows)
   assert "DelayedScaling" in table and "in jaxpr" in table
+
+
+def test_demo_says_when_the_gemm_stays_in_high_precision():
+  # The suite's default threshold applies on every platform (tests/conftest.py).
+  with pytest.warns(core.HighPrecisionGemmWarning):
+    rows = _demo.run(32, 64, 32, repeats=1, warmup_steps=1)
+  assert [r["fp8_dots"] for r in rows] == ["0/3", "0/3", "0/3"]
+  assert all(r["err_y"] < 0.005 for r in rows)  # bf16 numerics in every row
+  out = subprocess.run([sys.executable, "-m", "te_adapters", "demo", "--m", "32", "--k", "64",
+                        "--n", "32", "--repeats", "1"], capture_output=True, text=True)
+  assert out.returncode == 0, out.stderr[-2000:]
+  below = "The FP8 rows ran in high precision" in out.stdout
+  # In a fresh process the shipped default applies on GPUs only.
+  assert below == (jax.default_backend() == "gpu"), out.stdout
+  forced = subprocess.run([sys.executable, "-m", "te_adapters", "demo", "--m", "32", "--k", "64",
+                           "--n", "32", "--repeats", "1", "--force-fp8"],
+                          capture_output=True, text=True)
+  assert forced.returncode == 0 and "3/3 in jaxpr" in forced.stdout, forced.stdout
+  assert "ran in high precision" not in forced.stdout
 
 
 def test_command_line_usage_error():
