@@ -36,7 +36,7 @@ def _decreasing(losses):
 
 def test_linen_dense_takes_a_block_recipe_unchanged():
   recipe = ta.MXFP8BlockScaling()
-  dot_general = functools.partial(ta.core.dot_general, recipe=recipe)
+  dot_general = functools.partial(ta.core.dot_general, threshold=None, recipe=recipe)
   model = nn.Sequential([nn.Dense(128, dot_general=dot_general), nn.tanh, nn.Dense(128)])
   x, target = _batch()
   params = model.init(jax.random.key(0), x)
@@ -66,7 +66,7 @@ class _NNXLinear(nnx.Module):
 
   def __call__(self, x):
     rng = self.rngs.sr_rng() if self.recipe.uses_rng else None
-    return ta.core.dot_general(x, self.kernel[...], DN, recipe=self.recipe, rng=rng)
+    return ta.core.dot_general(x, self.kernel[...], DN, threshold=None, recipe=self.recipe, rng=rng)
 
 
 def test_nnx_layer_with_nvfp4_stochastic_rounding():
@@ -96,7 +96,7 @@ def test_haiku_function_with_a_block_recipe():
   def forward(x):
     w = hk.get_parameter("w", (128, 128), init=hk.initializers.VarianceScaling())
     rng = hk.next_rng_key() if recipe.uses_rng else None
-    h = jnp.tanh(ta.core.dot_general(x, w, DN, recipe=recipe, rng=rng))
+    h = jnp.tanh(ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe, rng=rng))
     return hk.Linear(128)(h)
 
   model = hk.transform(forward)

@@ -167,7 +167,7 @@ def test_shape_errors_name_the_dimension():
   dn = (((1,), (0,)), ((), ()))
   recipe = ta.MXFP8BlockScaling()
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  fwd = lambda x, w: ta.core.dot_general(x, w, dn, recipe=recipe)
+  fwd = lambda x, w: ta.core.dot_general(x, w, dn, threshold=None, recipe=recipe)
   with pytest.raises(ValueError, match=r"contracting size K .* is 48, which is not a multiple of"):
     jax.eval_shape(fwd, f32(32, 48), f32(48, 32))
   # Forward-only (inference) needs only K; training also blocks along M and N.
@@ -196,7 +196,7 @@ def test_recipe_fields_and_errors():
   with pytest.raises(ValueError, match="rng was given"):
     jax.eval_shape(
       lambda x: ta.core.dot_general(
-        x, x, (((1,), (0,)), ((), ())), recipe=r, rng=jax.random.key(0)
+        x, x, (((1,), (0,)), ((), ())), threshold=None, recipe=r, rng=jax.random.key(0)
       ),
       x,
     )

@@ -205,8 +205,19 @@ def test_rht_copy_bitwise():
   xt = x.T.astype(ml_dtypes.bfloat16).astype(np.float64)
   transformed = (xt.reshape(32, 4, 16) @ h).reshape(32, 64).astype(ml_dtypes.bfloat16)
   data, sdec, a = ref_nvfp4(transformed.astype(np.float32), (16,))
-  np.testing.assert_array_equal(_f32(t.data), data.T)
   np.testing.assert_array_equal(_f32(t.scale_inv), sdec.T)
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(_f32(t.data), data.T)
+  else:
+    # XLA:GPU's float32 division is not correctly rounded (1 ulp seen on an H100), so a value
+    # that lands on a rounding boundary of E2M1 after scaling may round to the next value (2 of
+    # 2048 seen, 3 against 4). A wrong transform or scale moves most of them.
+    values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    step = lambda d: np.searchsorted(values, np.abs(d)) * np.sign(d)
+    got, want = _f32(t.data), data.T
+    differ = got != want
+    assert differ.mean() < 0.005, differ.sum()
+    assert np.all(np.abs(step(got) - step(want))[differ] == 1)
   assert float(t.amax[0]) == a
   d = _f32(_dequantize(t, jnp.float32))  # the transform is undone
   assert 0.05 < np.linalg.norm(d - x) / np.linalg.norm(x) < 0.15
@@ -218,7 +229,7 @@ def _grads():
   x, w, g = (rng.standard_normal(s).astype(np.float32) for s in ((32, 64), (64, 32), (32, 32)))
 
   def loss(x, w, key):
-    return jnp.sum(ta.core.dot_general(x, w, DN, recipe=RECIPE, rng=key) * g)
+    return jnp.sum(ta.core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, rng=key) * g)
 
   plain = jax.jit(jax.grad(loss, argnums=(0, 1)))
   remat = jax.jit(
@@ -244,7 +255,7 @@ def test_gradients_reproducible_for_a_key_and_under_remat():
 
 def test_errors_name_the_problem():
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  fwd = lambda x, w, key=None: ta.core.dot_general(x, w, DN, recipe=RECIPE, rng=key)
+  fwd = lambda x, w, key=None: ta.core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, rng=key)
   grad = jax.grad(lambda x, w, key=None: fwd(x, w, key).sum(), argnums=(0, 1))
   key = jax.random.key(0)
   with pytest.raises(
@@ -257,7 +268,7 @@ def test_errors_name_the_problem():
   assert jax.eval_shape(fwd, f32(16, 16), f32(16, 16)).shape == (16, 16)
   with pytest.raises(ValueError, match="pass rng="):
     jax.eval_shape(grad, f32(16, 16), f32(16, 16))
-  no_sr = lambda x, w: ta.core.dot_general(x, w, DN, recipe=RN_RECIPE, rng=key)
+  no_sr = lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=RN_RECIPE, rng=key)
   with pytest.raises(ValueError, match="rng was given"):
     jax.eval_shape(no_sr, f32(16, 16), f32(16, 16))
   with pytest.raises(TypeError, match="PRNG key"):

@@ -118,7 +118,9 @@ def test_rows_past_the_groups_give_zeros(recipe_name, rel):
   np.testing.assert_array_equal(np.asarray(y[70:]), 0.0)
   np.testing.assert_array_equal(np.asarray(dx[70:]), 0.0)
   np.testing.assert_array_equal(np.asarray(dw[1]), 0.0)
-  bound = 1e-5 if recipe is None else 0.08
+  # Without a recipe: float32 sums of 32 products on CPU; GPUs run float32 dots in TF32 by
+  # default (unit roundoff 2**-11; 3e-4 seen on an H100). A leak of the 1e30 rows is O(1e30).
+  bound = (1e-5 if jax.default_backend() == "cpu" else 2e-3) if recipe is None else 0.08
   assert rel(y[:70], y_ref[:70]) < bound
   assert rel(dx[:70], dx_ref[:70]) < bound
   assert rel(dw, dw_ref) < bound

@@ -48,7 +48,7 @@ def test_history_sequence_through_dot_general(algo, fmt, expected_divisors):
   @jax.jit
   def step(x, w, dy, state):
     def loss(x, w, state):
-      return jnp.sum(core.dot_general(x, w, DN, recipe=recipe, state=state) * dy)
+      return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state) * dy)
     return jax.grad(loss, argnums=2)(x, w, state)
 
   for a, hist, div in zip(amaxes, expected_histories, expected_divisors, strict=True):
@@ -79,7 +79,7 @@ def test_non_finite_amax_keeps_scale_and_quantizes_with_stored_scale():
   w = _probe(1.0, (32, 16))
 
   def loss(x, w, state):
-    return jnp.sum(core.dot_general(x, w, DN, recipe=recipe, state=state))
+    return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state))
 
   new = jax.grad(loss, argnums=2)(x, w, state)
   np.testing.assert_array_equal(new["x_scale"], [3.0])

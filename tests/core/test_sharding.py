@@ -91,7 +91,7 @@ def _loss_terms(x, w, state, dy, factor, **kw):
   recipe = kw.pop("recipe")
   # The step factor changes the activations' amax between steps.
   y = core.dot_general(
-      x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=recipe,
+      x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, threshold=None, recipe=recipe,
       state=state or None, **kw
   )
   return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
@@ -342,7 +342,8 @@ def _block_data():
 
 def _block_grads(x, w, dy, recipe):
   y, vjp = jax.vjp(
-      lambda x, w: core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe), x, w
+      lambda x, w: core.dot_general(x, w.astype(jnp.bfloat16), DN, threshold=None,
+                                    recipe=recipe), x, w
   )
   return (y, *vjp(dy))
 
@@ -390,7 +391,8 @@ DP = Plan("dp2", (("dp", 2),), P("dp"), P(), P("dp"))  # data parallel: only dW 
 
 def _block_grads_f32_kernel(x, w, dy, rng=None, *, recipe, **kw):
   """y, dx, dW with a float32 kernel (float32 dW, so sums over devices show at full precision)."""
-  y, vjp = jax.vjp(lambda x, w: core.dot_general(x, w, DN, recipe=recipe, rng=rng, **kw), x, w)
+  y, vjp = jax.vjp(lambda x, w: core.dot_general(x, w, DN, threshold=None, recipe=recipe, rng=rng,
+                                                 **kw), x, w)
   return (y, *vjp(dy.astype(y.dtype)))
 
 
@@ -574,7 +576,7 @@ def test_nan_on_one_shard_reaches_every_device():
 def _fsdp_grads(x, w, dy, recipe, gather, policy=None):
   def loss(x, w):
     kw = {"recipe": recipe, "kernel_all_gather": FSDP.gather} if gather else {"recipe": recipe}
-    y = core.dot_general(x, w.astype(jnp.bfloat16), DN, **kw)
+    y = core.dot_general(x, w.astype(jnp.bfloat16), DN, threshold=None, **kw)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
 
   if policy is not None:
@@ -635,8 +637,8 @@ def test_state_used_twice_inside_shard_map_combines_by_max():
 
   def twice(x, w, state):
     state = core.with_max_grad(state)
-    y1 = core.dot_general(x, w, DN, recipe=DELAYED, state=state)
-    y2 = core.dot_general(x * jnp.bfloat16(4), w, DN, recipe=DELAYED, state=state)
+    y1 = core.dot_general(x, w, DN, threshold=None, recipe=DELAYED, state=state)
+    y2 = core.dot_general(x * jnp.bfloat16(4), w, DN, threshold=None, recipe=DELAYED, state=state)
     return jnp.sum(y1.astype(jnp.float32)) + jnp.sum(y2.astype(jnp.float32))
 
   def body(x, w, state):
@@ -666,7 +668,7 @@ def _trace_in_shard_map(fn, mesh, in_specs, args, check_vma=True):
 
 def _sum_gemm(**kw):
   def fn(x, w, state=None):
-    y = core.dot_general(x, w, DN, state=state or None, **kw)
+    y = core.dot_general(x, w, DN, state=state or None, threshold=None, **kw)
     return lax.psum(jnp.sum(y), tuple(sorted(_sharding.varying_axes(jnp.sum(y)))))
   return fn
 
@@ -697,7 +699,7 @@ def test_error_delayed_scaling_in_shard_map_without_check_vma():
   state = core.init_state(DELAYED)
 
   def fn(x, w, state):
-    return jnp.sum(core.dot_general(x, w, DN, recipe=DELAYED, state=state))
+    return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=DELAYED, state=state))
 
   with pytest.raises(ValueError, match="check_vma=False"):
     _trace_in_shard_map(fn, mesh, (P("dp"), P(), P()), (x, w, state), check_vma=False)
@@ -707,7 +709,8 @@ def test_error_kernel_all_gather_without_mesh():
   x, w, _ = _data()
   with pytest.raises(ValueError, match="kernel_all_gather needs a mesh"):
     jax.make_jaxpr(
-        lambda x, w: core.dot_general(x, w, DN, recipe=CURRENT, kernel_all_gather=P("fsdp"))
+        lambda x, w: core.dot_general(x, w, DN, threshold=None, recipe=CURRENT,
+                                      kernel_all_gather=P("fsdp"))
     )(x, w)
 
 
@@ -725,7 +728,7 @@ def test_error_kernel_all_gather_over_an_axis_the_kernel_is_not_sharded_over():
     with pytest.raises(ValueError, match="kernel's sharding on that dim is None"):
       jax.make_jaxpr(
           lambda x, w: core.dot_general(
-              x, w, DN, recipe=CURRENT, kernel_all_gather=P(None, "fsdp")
+              x, w, DN, threshold=None, recipe=CURRENT, kernel_all_gather=P(None, "fsdp")
           )
       )(jax.device_put(x, NamedSharding(mesh, P("fsdp"))), ws)
 
@@ -758,6 +761,7 @@ def test_explicit_merge_of_two_sharded_dims_is_refused_by_name():
   with jax.set_mesh(mesh):
     x = jax.device_put(jnp.ones((4, 8, 64), jnp.float32), NamedSharding(mesh, P("dp", "tp")))
     w = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(mesh, P()))
-    f = jax.jit(lambda x, w: core.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=CURRENT))
+    f = jax.jit(lambda x, w: core.dot_general(x, w, (((2,), (0,)), ((), ())), threshold=None,
+                                              recipe=CURRENT))
     with pytest.raises(ValueError, match=r"only the first of them may be sharded"):
       f(x, w)

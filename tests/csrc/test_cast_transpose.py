@@ -12,6 +12,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters.core import _cast_transpose as ct
+from tests.conftest import assert_scales_equal, rel_err
 
 needs_ext = pytest.mark.skipif(
   not ct.ffi_available("cpu"), reason="te_adapters extension not built (pure-JAX install)"
@@ -99,7 +100,8 @@ def test_float32_rounding_ties_and_subnormals(q_dtype):
 @needs_ext
 @pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_nan_propagates(dtype):
-  """A NaN gives NaN data (sign kept, as XLA does) and an infinite amax, like the pure-JAX path."""
+  """A NaN gives NaN data (encoded as XLA does on the platform) and an infinite amax, like the
+  pure-JAX path."""
   x = _nasty((3, 40, 48), dtype, seed=5)
   x[1, 7, 9] = np.nan
   x[2, 0, 1] = -np.nan
@@ -107,7 +109,10 @@ def test_nan_propagates(dtype):
   (q, q_t, a), (rq, rq_t, ra) = _both(x, scale, jnp.float8_e4m3fn, with_amax=True)
   np.testing.assert_array_equal(_bits(q), _bits(rq))
   np.testing.assert_array_equal(_bits(q_t), _bits(rq_t))
-  assert _bits(q)[1, 7, 9] == 0x7F and _bits(q)[2, 0, 1] == 0xFF
+  # XLA:CPU keeps a NaN's sign (-NaN is 0xFF); on the GPU both XLA's convert and the CUDA
+  # kernel's conversion give every NaN as 0x7F (seen on an H100). Either way it stays a NaN.
+  negative_nan = 0xFF if jax.default_backend() == "cpu" else 0x7F
+  assert _bits(q)[1, 7, 9] == 0x7F and _bits(q)[2, 0, 1] == negative_nan
   np.testing.assert_array_equal(a, ra)
   assert np.isposinf(a[0]) and np.isposinf(ct.amax(x, backend="ffi")[0])
   np.testing.assert_array_equal(ct.amax(x, backend="jax"), a)
@@ -156,7 +161,7 @@ def _dense_step(recipe, backend_env, monkeypatch):
   def loss_fn(w, state, x):
     state = ta.core.with_max_grad(state)
     y = ta.core.dot_general(
-      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), recipe=recipe, state=state
+      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), threshold=None, recipe=recipe, state=state
     )
     return jnp.sum(y.astype(jnp.float32) ** 2) / y.size
 
@@ -185,9 +190,20 @@ def test_dot_general_grad_identical_through_ffi(recipe, monkeypatch):
   assert "te_adapters_cast_transpose" in ffi_hlo
   assert "te_adapters_cast_transpose" not in jax_hlo
   for (l1, g1, s1), (l2, g2, s2) in zip(ffi_out, jax_out, strict=False):
-    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
-    np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), s1, s2)
+    if jax.default_backend() == "cpu":
+      np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+      np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
+      jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), s1, s2)
+      continue
+    # On the GPU the kernel's scale (fp8_max / amax) is correctly rounded and XLA's up to 1 ulp
+    # off (conftest.SCALE_ULPS), so a value on an FP8 rounding boundary may round the other
+    # way: close, not identical. A wrong cast or scale is O(1).
+    assert rel_err(l1, l2) < 1e-3 and rel_err(g1, g2) < 1e-2, (rel_err(l1, l2), rel_err(g1, g2))
+    for name in s1:
+      if name.endswith("_scale"):
+        assert_scales_equal(s1[name], s2[name])
+      else:
+        np.testing.assert_allclose(np.asarray(s1[name]), np.asarray(s2[name]), rtol=1e-3)
   if isinstance(recipe, ta.DelayedScaling):
     hist = np.asarray(ffi_out[-1][2]["x_amax_history"])
     assert hist[-1] > hist[-2] > hist[-3] > 0  # x grew by 1.5x each step
@@ -250,7 +266,7 @@ def test_pure_jax_fallback_without_extension():
       x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
       w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 16)), jnp.float32)
       f = lambda w: ta.core.dot_general(x, w, (((1,), (0,)), ((), ())),
-                                        recipe=ta.Float8CurrentScaling()).sum()
+                                        threshold=None, recipe=ta.Float8CurrentScaling()).sum()
       y, g = jax.value_and_grad(f)(w)
       ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
       assert abs(float(y) - ref.sum()) / np.abs(ref).sum() < 0.05, (float(y), ref.sum())

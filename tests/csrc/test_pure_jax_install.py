@@ -207,7 +207,13 @@ def test_install_without_extension(tmp_path):
   hooks.mkdir()
   (hooks / "sitecustomize.py").write_text(_SITECUSTOMIZE)
   probe, junit = tmp_path / "probe.json", tmp_path / "junit.xml"
-  path = os.pathsep.join([str(hooks), str(off)])
+  # After the install: the caller's own PYTHONPATH entries (packages installed beside the
+  # interpreter's, such as dm-haiku on a machine that carries it), less the checkout itself.
+  inherited = [
+      p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+      if p and not Path(p).resolve().is_relative_to(ROOT.resolve())
+  ]
+  path = os.pathsep.join([str(hooks), str(off), *inherited])
   env = _env(PYTHONPATH=path, TE_ADAPTERS_INSTALL_PROBE=str(probe), **{NESTED_ENV: "1"})
   cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}"]
   try:

@@ -23,8 +23,8 @@ def _batch():
 
 def _forward(recipe):
   def forward(x):
-    h = jnp.tanh(ta_hk.Linear(32, recipe=recipe)(x))
-    with ta_hk.quantize(recipe):  # an unedited hk.Linear, quantized by interception
+    h = jnp.tanh(ta_hk.Linear(32, threshold=None, recipe=recipe)(x))
+    with ta_hk.quantize(recipe, threshold=None):  # an unedited hk.Linear, quantized by interception
       return hk.Linear(32)(h)
 
   return forward

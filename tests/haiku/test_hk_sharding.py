@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices 
 
 def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device():
   model = hk.transform_with_state(
-      lambda x: ta_hk.Linear(32, recipe=spmd_checks.RECIPE, amax_axes="dp")(x)
+      lambda x: ta_hk.Linear(32, threshold=None, recipe=spmd_checks.RECIPE, amax_axes="dp")(x)
   )
   x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
   params, state = model.init(jax.random.key(0), x)
@@ -34,11 +34,13 @@ def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device()
 
 
 def _linear(x, **kw):
-  return hk.transform(lambda x: ta_hk.Linear(16, **kw)(x)).init(jax.random.key(0), x)
+  return hk.transform(lambda x: ta_hk.Linear(16, threshold=None, **kw)(x)).init(jax.random.key(0),
+                                                                                x)
 
 
 def _quantize(x, **kw):
-  forward = ta_hk.quantize(ta.Float8CurrentScaling(), **kw)(lambda x: hk.Linear(16)(x))
+  forward = ta_hk.quantize(ta.Float8CurrentScaling(), threshold=None, **kw)(
+      lambda x: hk.Linear(16)(x))
   return hk.transform(forward).init(jax.random.key(0), x)
 
 

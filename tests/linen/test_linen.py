@@ -27,7 +27,8 @@ def _probe(amax, shape, seed=0):
 
 def test_seed_000_pattern_creates_te_variables():
   recipe = ta.DelayedScaling()
-  model = FlaxDenseBlock(features=32, dot_general_cls=ta_linen.make_dot_general_cls(recipe))
+  model = FlaxDenseBlock(features=32, dot_general_cls=ta_linen.make_dot_general_cls(recipe,
+                                                                                    threshold=None))
   x = jnp.ones((2, 16, 64), jnp.bfloat16)
   variables = model.init(jax.random.PRNGKey(0), x)
   assert sorted(variables) == [OWG, "params"]
@@ -40,14 +41,15 @@ def test_seed_000_pattern_creates_te_variables():
       for k, s in (("scale", (1,)), ("amax_history", (1024,)))}
   assert variables["params"]["Dense_0"]["kernel"].shape == (64, 32)
   # Stateless recipes add no collection.
-  cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling())
+  cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling(), threshold=None)
   model = FlaxDenseBlock(32, dot_general_cls=cls)
   assert sorted(model.init(jax.random.PRNGKey(0), x)) == ["params"]
 
 
 def test_numerics_against_float64(rel):
   model = FlaxDenseBlock(features=64, dtype=jnp.float32,
-                         dot_general_cls=ta_linen.make_dot_general_cls(ta.Float8CurrentScaling()))
+                         dot_general_cls=ta_linen.make_dot_general_cls(ta.Float8CurrentScaling(),
+                                                                       threshold=None))
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 16, 128))
   variables = model.init(jax.random.PRNGKey(0), x)
   dy = jax.random.normal(jax.random.PRNGKey(2), (4, 16, 64))
@@ -66,7 +68,8 @@ def test_numerics_against_float64(rel):
 def test_history_sequence_through_linen_train_steps():
   # te_jax_reference.md §11 items 1(b) and 6: three jitted train steps, state replaced by its grad.
   recipe = ta.DelayedScaling(amax_history_len=3)
-  model = nn.Dense(16, use_bias=False, dot_general=ta_linen.make_dot_general_cls(recipe)())
+  model = nn.Dense(16, use_bias=False, dot_general=ta_linen.make_dot_general_cls(recipe,
+                                                                                 threshold=None)())
   amaxes = [1.0, 4.0, 2.0, 0.5]
   xs = [_probe(a, (16, 32), seed=i) for i, a in enumerate(amaxes)]
   dys = [_probe(a, (16, 16), seed=10 + i) for i, a in enumerate(amaxes)]
@@ -99,7 +102,7 @@ def test_shared_layer_called_twice_takes_max():
   class Twice(nn.Module):
     @nn.compact
     def __call__(self, a, b):
-      layer = ta_linen.Dense(16, use_bias=False, recipe=recipe)
+      layer = ta_linen.Dense(16, use_bias=False, threshold=None, recipe=recipe)
       return layer(a), layer(b)
 
   model = Twice()
@@ -121,7 +124,7 @@ def test_nn_scan_stacks_per_layer_state_and_remat_matches():
   class Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):
-      h = jnp.tanh(ta_linen.Dense(32, recipe=recipe)(h))
+      h = jnp.tanh(ta_linen.Dense(32, threshold=None, recipe=recipe)(h))
       return h, None
 
   def stack(remat):
@@ -153,7 +156,8 @@ def test_nn_scan_stacks_per_layer_state_and_remat_matches():
 def test_dense_general_matches_flax_parameters_and_numerics(rel):
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 64))
   ref = nn.DenseGeneral(features=(4, 16), axis=-1)
-  ours = ta_linen.DenseGeneral(features=(4, 16), axis=-1, recipe=ta.Float8CurrentScaling())
+  ours = ta_linen.DenseGeneral(features=(4, 16), axis=-1, threshold=None,
+                               recipe=ta.Float8CurrentScaling())
   plain = ta_linen.DenseGeneral(features=(4, 16), axis=-1)
   v_ref = ref.init(jax.random.PRNGKey(0), x)
   v_ours = ours.init(jax.random.PRNGKey(0), x)
@@ -162,13 +166,13 @@ def test_dense_general_matches_flax_parameters_and_numerics(rel):
   e = rel(ours.apply(v_ref, x), np.asarray(ref.apply(v_ref, x), np.float64))
   assert 0.01 < e < 0.05
   with pytest.raises(ValueError, match="either recipe or dot_general"):
-    ta_linen.DenseGeneral(features=4, recipe=ta.Float8CurrentScaling(),
+    ta_linen.DenseGeneral(features=4, threshold=None, recipe=ta.Float8CurrentScaling(),
                           dot_general=jax.lax.dot_general).init(jax.random.PRNGKey(0), x)
 
 
 def test_train_state_keeps_recipe_state_out_of_optimizer():
   recipe = ta.DelayedScaling(amax_history_len=4)
-  model = ta_linen.Dense(16, recipe=recipe)
+  model = ta_linen.Dense(16, threshold=None, recipe=recipe)
   x = _probe(2.0, (16, 32))
   variables = model.init(jax.random.PRNGKey(0), x)
   tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2, weight_decay=0.5))
@@ -184,7 +188,7 @@ def test_train_state_keeps_recipe_state_out_of_optimizer():
 
 
 def test_forward_only_apply_does_not_change_state():
-  model = ta_linen.Dense(16, recipe=ta.DelayedScaling(amax_history_len=4))
+  model = ta_linen.Dense(16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4))
   x = _probe(2.0, (16, 32))
   variables = model.init(jax.random.PRNGKey(0), x)
   out, mutated = model.apply(variables, x, mutable=True)
@@ -196,7 +200,8 @@ def test_forward_only_apply_does_not_change_state():
 )
 def test_seed_001_transformer_layer_trains(recipe):
   layer = FlaxTransformerLayer(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                               dot_general_cls=ta_linen.make_dot_general_cls(recipe))
+                               dot_general_cls=ta_linen.make_dot_general_cls(recipe,
+                                                                             threshold=None))
   key = jax.random.PRNGKey(42)
   x = jax.random.normal(key, (2, 16, 64)).astype(jnp.bfloat16)
   target = jnp.roll(x, 1, axis=1).astype(jnp.float32)
@@ -223,7 +228,7 @@ def test_seed_001_transformer_layer_trains(recipe):
 
 
 def test_threshold_is_passed_to_the_core():
-  below = dataclasses.replace(core.DEFAULT_SIZE_THRESHOLD, platforms=("cpu",))
+  below = dataclasses.replace(core.DEFAULT_SIZE_THRESHOLD, platforms=(jax.default_backend(),))
   recipe = ta.DelayedScaling(amax_history_len=4)
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 64)).astype(jnp.bfloat16)
   ref = nn.Dense(32, dtype=jnp.bfloat16)

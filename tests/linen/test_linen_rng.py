@@ -26,7 +26,7 @@ class _Block(nn.Module):
 
   @nn.compact
   def __call__(self, h, _=None):
-    h = jnp.tanh(ta_linen.Dense(32, recipe=self.recipe)(h))
+    h = jnp.tanh(ta_linen.Dense(32, threshold=None, recipe=self.recipe)(h))
     return h, None
 
 
@@ -39,7 +39,7 @@ class _Model(nn.Module):
     stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0},
                     split_rngs={"params": True, "sr_rng": True}, length=2)
     h, _ = stack(self.recipe)(x, None)
-    cls = ta_linen.make_dot_general_cls(self.recipe)
+    cls = ta_linen.make_dot_general_cls(self.recipe, threshold=None)
     return nn.Dense(32, dot_general=cls())(h)
 
 
@@ -79,7 +79,7 @@ def test_nvfp4_draws_its_keys_from_sr_rng():
 
 
 def test_missing_sr_rng_is_an_error_naming_the_stream():
-  model = ta_linen.Dense(32, recipe=NVFP4)
+  model = ta_linen.Dense(32, threshold=None, recipe=NVFP4)
   x, _ = _batch()
   params = model.init(jax.random.key(1), x)  # init falls back to the params stream, as in Flax
   message = (
@@ -92,7 +92,8 @@ def test_missing_sr_rng_is_an_error_naming_the_stream():
 
 
 def test_recipe_without_stochastic_rounding_draws_no_key():
-  model = ta_linen.Dense(32, recipe=ta.NVFP4BlockScaling(disable_stochastic_rounding=True))
+  model = ta_linen.Dense(32, threshold=None,
+                         recipe=ta.NVFP4BlockScaling(disable_stochastic_rounding=True))
   x, _ = _batch()
   params = model.init(jax.random.key(1), x)
   grad = jax.jit(jax.grad(lambda p, **kw: jnp.sum(model.apply(p, x, **kw) ** 2)))

@@ -45,7 +45,8 @@ def _data():
 
 
 def _model(recipe, features=FEATURES):
-  return FlaxDenseBlock(features=features, dot_general_cls=ta_linen.make_dot_general_cls(recipe))
+  return FlaxDenseBlock(features=features, dot_general_cls=ta_linen.make_dot_general_cls(recipe,
+      threshold=None))
 
 
 def _loss(model, variables, x, dy):
@@ -145,7 +146,7 @@ def test_seed_000_dp_tp_inside_shard_map_matches_single_device(rel):
 
 
 def test_dense_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device():
-  model = ta_linen.Dense(32, recipe=spmd_checks.RECIPE, amax_axes="dp")
+  model = ta_linen.Dense(32, threshold=None, recipe=spmd_checks.RECIPE, amax_axes="dp")
   x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
   variables = model.init(jax.random.PRNGKey(0), x)
 
@@ -165,13 +166,13 @@ def test_dense_with_kernel_all_gather_gathers_fp8_bytes(rel):
   """FSDP: the kernel sharded over fsdp is quantized per shard and gathered as uint8."""
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
   recipe = ta.Float8CurrentScaling()
-  model = ta_linen.Dense(64, recipe=recipe, kernel_all_gather=P("fsdp", None))
+  model = ta_linen.Dense(64, threshold=None, recipe=recipe, kernel_all_gather=P("fsdp", None))
   x, dy = spmd_checks.random((16, 64), 0), spmd_checks.random((16, 64), 1)
 
   def grads(model, variables, x, dy):
     return jax.grad(lambda v, x: jnp.sum(model.apply(v, x) * dy), argnums=(0, 1))(variables, x)
 
-  one_device = ta_linen.Dense(64, recipe=recipe)  # the same parameters, no gather
+  one_device = ta_linen.Dense(64, threshold=None, recipe=recipe)  # the same parameters, no gather
   variables = one_device.init(jax.random.PRNGKey(0), x)
   ref = jax.jit(functools.partial(grads, one_device))(variables, x, dy)
   with jax.set_mesh(mesh):
@@ -190,12 +191,12 @@ def test_dense_with_kernel_all_gather_gathers_fp8_bytes(rel):
 
 
 def _dense_general(x, **kw):
-  model = ta_linen.DenseGeneral(16, recipe=ta.Float8CurrentScaling(), **kw)
+  model = ta_linen.DenseGeneral(16, threshold=None, recipe=ta.Float8CurrentScaling(), **kw)
   return model.init_with_output(jax.random.PRNGKey(0), x)[0]
 
 
 def _dot_general_cls(x, **kw):
-  cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling(), **kw)
+  cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling(), **kw, threshold=None)
   return nn.Dense(16, dot_general=cls()).init_with_output(jax.random.PRNGKey(0), x)[0]
 
 

@@ -91,7 +91,7 @@ def test_same_parameters_and_recipe_none_is_identical(index):
 
 def test_parameters_load_both_ways():
   theirs = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
-  ours = ta_nnx.Linear(32, 16, recipe=DELAYED, rngs=nnx.Rngs(1))
+  ours = ta_nnx.Linear(32, 16, threshold=None, recipe=DELAYED, rngs=nnx.Rngs(1))
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   _assert_trees_equal(_params(theirs), _params(ours))
   back = nnx.Linear(32, 16, rngs=nnx.Rngs(2))
@@ -109,7 +109,7 @@ def test_recipe_none_bf16_matches_nnx_linear():
 
 
 def test_state_variables_have_te_names_and_shapes():
-  layer = ta_nnx.Linear(32, 16, recipe=DELAYED, rngs=nnx.Rngs(0))
+  layer = ta_nnx.Linear(32, 16, threshold=None, recipe=DELAYED, rngs=nnx.Rngs(0))
   state = nnx.to_pure_dict(ta_nnx.recipe_state(layer))["dot_general"]
   assert set(state) == set(ta.core.state_names(DELAYED))
   for name, value in state.items():
@@ -132,18 +132,21 @@ def _reference_grads(x, w, g, contract):
 
 # (layer builder, input shape, equation of the same product on the kernel)
 NUMERICS_CASES = {
-    "Linear": (lambda r: ta_nnx.Linear(64, 48, use_bias=False, recipe=r, rngs=nnx.Rngs(0)),
+    "Linear": (lambda r: ta_nnx.Linear(64, 48, use_bias=False, threshold=None, recipe=r,
+                                       rngs=nnx.Rngs(0)),
                (4, 16, 64), "btk,kn->btn"),
     "LinearGeneral": (
-        lambda r: ta_nnx.LinearGeneral((4, 16), 32, axis=(-2, -1), use_bias=False, recipe=r,
+        lambda r: ta_nnx.LinearGeneral((4, 16), 32, axis=(-2, -1), use_bias=False, threshold=None,
+                                       recipe=r,
                                        rngs=nnx.Rngs(0)),
         (32, 4, 16), "bij,ijn->bn"),
     # jnp.einsum hands this layer's kernel to its dot_general first.
     "Einsum-kernel-first": (
-        lambda r: ta_nnx.Einsum("nta,hab->nthb", (2, 64, 32), recipe=r, rngs=nnx.Rngs(0)),
+        lambda r: ta_nnx.Einsum("nta,hab->nthb", (2, 64, 32), threshold=None, recipe=r,
+                                rngs=nnx.Rngs(0)),
         (4, 8, 64), "nta,hab->nthb"),
     "Einsum-input-first": (
-        lambda r: ta_nnx.Einsum("ij,jk->ik", (64, 32), recipe=r, rngs=nnx.Rngs(0)),
+        lambda r: ta_nnx.Einsum("ij,jk->ik", (64, 32), threshold=None, recipe=r, rngs=nnx.Rngs(0)),
         (64, 64), "ij,jk->ik"),
 }
 
@@ -194,7 +197,7 @@ def test_fp8_numerics_against_float64(case, recipe, rel):
 
 def test_dims_not_multiple_of_16_are_refused():
   with pytest.raises(ValueError, match="multiples of 16.*N=10"):
-    ta_nnx.Linear(32, 10, recipe=CURRENT, rngs=nnx.Rngs(0))
+    ta_nnx.Linear(32, 10, threshold=None, recipe=CURRENT, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="multiples of 16.*K=24"):
     ta_nnx.LinearGeneral((2, 12), 16, axis=(-2, -1), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="multiples of 16.*K=8"):
@@ -211,9 +214,9 @@ def test_bad_arguments_are_refused():
   with pytest.raises(ValueError, match="dot_general_cls"):
     ta_nnx.LinearGeneral(16, 16, dot_general_cls=object, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="recipe must be"):
-    ta_nnx.Linear(32, 16, recipe="fp8", rngs=nnx.Rngs(0))
+    ta_nnx.Linear(32, 16, threshold=None, recipe="fp8", rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match="recipe instance"):
-    ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling, rngs=nnx.Rngs(0))
+    ta_nnx.Linear(32, 16, threshold=None, recipe=ta.DelayedScaling, rngs=nnx.Rngs(0))
   repeated = ta_nnx.Einsum("iij,jk->ik", (16, 16), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="repeats in the input"):
     repeated(jnp.ones((16, 16, 16)))
@@ -223,7 +226,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_threshold_is_passed_to_the_core():
-  below = dataclasses.replace(ta.core.DEFAULT_SIZE_THRESHOLD, platforms=("cpu",))
+  below = dataclasses.replace(ta.core.DEFAULT_SIZE_THRESHOLD, platforms=(jax.default_backend(),))
   for index, (build, x_shape) in enumerate(_builders()):
     ours = build(PAIRS[index][0], recipe=DELAYED, threshold=below, dtype=jnp.bfloat16)
     theirs = build(PAIRS[index][1], dtype=jnp.bfloat16)

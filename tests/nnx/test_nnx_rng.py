@@ -34,7 +34,7 @@ def _kernel_grad(model, x, target, rngs=None):
 
 def test_linear_draws_a_fresh_key_per_call_from_its_stream():
   x, target = _batch()
-  layer = ta_nnx.Linear(32, 32, recipe=NVFP4, rngs=nnx.Rngs(0))
+  layer = ta_nnx.Linear(32, 32, threshold=None, recipe=NVFP4, rngs=nnx.Rngs(0))
   # The stream is forked after the parameters are drawn: they are nnx.Linear's.
   np.testing.assert_array_equal(
       np.asarray(layer.kernel[...]), np.asarray(nnx.Linear(32, 32, rngs=nnx.Rngs(0)).kernel[...])
@@ -51,7 +51,7 @@ def test_linear_draws_a_fresh_key_per_call_from_its_stream():
   assert np.all(np.isfinite(losses)), losses
   assert int(layer.dot_general.rngs.count[...]) == STEPS  # one key per call
   # Each call advances the stream: the same batch rounds differently at the next call ...
-  fresh = lambda: ta_nnx.Linear(32, 32, recipe=NVFP4, rngs=nnx.Rngs(0))
+  fresh = lambda: ta_nnx.Linear(32, 32, threshold=None, recipe=NVFP4, rngs=nnx.Rngs(0))
   a, b = fresh(), fresh()
   g_a1, g_a2 = _kernel_grad(a, x, target), _kernel_grad(a, x, target)
   g_b1 = _kernel_grad(b, x, target)
@@ -67,7 +67,8 @@ def test_linear_draws_a_fresh_key_per_call_from_its_stream():
 
 def test_missing_stream_is_an_error_naming_it():
   x, target = _batch()
-  layer = ta_nnx.Linear(32, 32, recipe=NVFP4, rngs=nnx.Rngs(params=0))  # no sr_rng, no default
+  layer = ta_nnx.Linear(32, 32, threshold=None, recipe=NVFP4,
+                        rngs=nnx.Rngs(params=0))  # no sr_rng, no default
   message = (
       "NVFP4BlockScaling rounds the gradient stochastically and needs a key per call from the "
       "'sr_rng' stream: build the layer with rngs=nnx.Rngs(sr_rng=...) (a 'default' stream "
@@ -82,7 +83,7 @@ def test_recipe_without_stochastic_rounding_keeps_no_stream():
   x, target = _batch()
   recipe = ta.NVFP4BlockScaling(disable_stochastic_rounding=True)
   rngs, plain = nnx.Rngs(0), nnx.Rngs(0)
-  layer = ta_nnx.Einsum("bd,dk->bk", (32, 32), rngs=rngs, recipe=recipe)
+  layer = ta_nnx.Einsum("bd,dk->bk", (32, 32), rngs=rngs, threshold=None, recipe=recipe)
   nnx.Einsum("bd,dk->bk", (32, 32), rngs=plain)
   assert layer.einsum_op.rngs is None
   assert int(rngs.default.count[...]) == int(plain.default.count[...])  # no key taken
@@ -102,8 +103,8 @@ def test_quantize_model_gives_each_layer_a_stream():
       "'default' stream), or use disable_stochastic_rounding=True"
   )
   with pytest.raises(ValueError, match=re.escape(message)):
-    ta_nnx.quantize_model(model, NVFP4)
-  report = ta_nnx.quantize_model(model, NVFP4, rngs=nnx.Rngs(sr_rng=3))
+    ta_nnx.quantize_model(model, NVFP4, threshold=None)
+  report = ta_nnx.quantize_model(model, NVFP4, rngs=nnx.Rngs(sr_rng=3), threshold=None)
   assert report.quantized == ("head", "stack")
   # Stacked layers get stacked streams, one key per layer, for nnx.scan.
   assert model["stack"].dot_general.rngs.key.shape == (2,)

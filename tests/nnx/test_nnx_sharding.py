@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices 
 
 
 def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device():
-  layer = ta_nnx.Linear(64, 32, recipe=spmd_checks.RECIPE, amax_axes="dp", rngs=nnx.Rngs(0))
+  layer = ta_nnx.Linear(64, 32, threshold=None, recipe=spmd_checks.RECIPE, amax_axes="dp",
+                        rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(layer)
   x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
 
@@ -35,21 +36,22 @@ def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device()
 
 
 def _linear_general(x, **kw):
-  return ta_nnx.LinearGeneral(32, 16, rngs=nnx.Rngs(0), **kw)(x)
+  return ta_nnx.LinearGeneral(32, 16, threshold=None, rngs=nnx.Rngs(0), **kw)(x)
 
 
 def _einsum(x, **kw):
-  return ta_nnx.Einsum("bd,dk->bk", (32, 16), rngs=nnx.Rngs(0), **kw)(x)
+  return ta_nnx.Einsum("bd,dk->bk", (32, 16), threshold=None, rngs=nnx.Rngs(0), **kw)(x)
 
 
 def _quantized_model(x, **kw):
   model = nnx.Sequential(nnx.Linear(32, 16, rngs=nnx.Rngs(0)))
-  ta_nnx.quantize_model(model, ta.Float8CurrentScaling(), **kw)
+  ta_nnx.quantize_model(model, ta.Float8CurrentScaling(), threshold=None, **kw)
   return model(x)
 
 
 def _ops(x, **kw):
-  layer = nnx.Linear(32, 16, dot_general=ta_nnx.DotGeneral(ta.Float8CurrentScaling(), **kw),
+  layer = nnx.Linear(32, 16, dot_general=ta_nnx.DotGeneral(ta.Float8CurrentScaling(),
+                                                           threshold=None, **kw),
                      rngs=nnx.Rngs(0))
   return layer(x)
 
@@ -75,7 +77,7 @@ def test_row_parallel_linear_with_out_sharding_on_an_explicit_mesh():
   # The contracting dim is sharded over "tp": with Explicit axes the GEMM needs out_sharding,
   # which the layer passes to the core. Output, gradients and new state against one device.
   recipe = ta.DelayedScaling(amax_history_len=4)
-  layer = ta_nnx.Linear(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+  layer = ta_nnx.Linear(64, 32, threshold=None, recipe=recipe, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(layer)
   x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
 
