@@ -476,6 +476,11 @@ def _canonical_plan(dn, lhs_shape, rhs_shape):
 
 
 def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gemm_rhs_shape):
+  # Contracting pairs in the input's dimension order (jnp.einsum may give them in another):
+  # merging (N, H) with N sharded keeps whole shards, merging (H, N) would split them.
+  (lc, rc), batch_dims = dn
+  pairs = sorted(zip(lc, rc, strict=True))
+  dn = ((tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)), batch_dims)
   lhs_perm, rhs_perm, x3_shape, w3_shape, out_shape = _canonical_plan(
       dn, lhs.shape, gemm_rhs_shape
   )
