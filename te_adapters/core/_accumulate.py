@@ -189,10 +189,10 @@ def to_accumulating_shared(x, combine: str):
   if len(_SHARED) >= _SHARED_LIMIT:
     _SHARED.clear()
 
-  def forget(ref, key=key):
-    current = _SHARED.get(key)
+  def forget(ref, key=key, shared=_SHARED):  # bound here: it may run at interpreter exit
+    current = shared.get(key)
     if current is not None and current[0] is ref:
-      del _SHARED[key]
+      shared.pop(key, None)
 
   _SHARED[key] = (weakref.ref(x, forget), cast)
   return cast
