@@ -92,12 +92,12 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
   calls them); it must be active while the model is traced, so wrap the function you ``jit``.
   Each converted layer keeps its parameters and gets a ``QuantizedDotGeneral`` child whose recipe
   state lives in the collection ``_overwrite_with_gradient``, exactly as with
-  ``nn.Dense(..., dot_general_cls=make_dot_general_cls(recipe))`` (``nn.MultiHeadDotProductAttention``
-  included: its projections are ``DenseGeneral``). Layers left in high precision are listed in
-  ``report.skipped`` with the reason: rejected by ``filter``, K or N not a multiple of 16 (with a
-  warning), a ``dot_general`` / ``dot_general_cls`` of their own, and GEMMs without a slot to
-  convert (``nn.Embed.attend``, the tied output projection; ``nn.Einsum``). The innermost scope
-  wins; ``quantize(None)`` keeps its scope in high precision.
+  ``nn.Dense(..., dot_general_cls=make_dot_general_cls(recipe))`` (the ``DenseGeneral``
+  projections of ``nn.MultiHeadDotProductAttention`` included). Layers left in high precision
+  are listed in ``report.skipped`` with the reason: rejected by ``filter``, K or N not a multiple
+  of 16 (with a warning), a ``dot_general`` / ``dot_general_cls`` of their own, and GEMMs
+  without a slot to convert (``nn.Embed.attend``, the tied output projection; ``nn.Einsum``).
+  The innermost scope wins; ``quantize(None)`` keeps its scope in high precision.
 
   Args:
     recipe: the recipe for the converted layers, or ``None`` for none.

@@ -61,7 +61,8 @@ def test_params_only_grad_warns_and_train_state_does_not():
 
 def test_dense_given_the_class_instead_of_an_instance_says_so():
   cls = ta_linen.make_dot_general_cls(RECIPE)
-  with pytest.raises(TypeError, match=r"pass an instance.*dot_general=DelayedScalingDotGeneral\(\)"):
+  message = r"pass an instance.*dot_general=DelayedScalingDotGeneral\(\)"
+  with pytest.raises(TypeError, match=message):
     nn.Dense(32, dot_general=cls).init(jax.random.key(0), jnp.ones((16, 32)))
   nn.Dense(32, dot_general=cls()).init(jax.random.key(0), jnp.ones((16, 32)))  # the fix works
 
