@@ -5,6 +5,7 @@ with a custom VJP whose state gradient is the next step's state. GEMMs too small
 stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in_fp8``).
 """
 
+from te_adapters.core._frozen import FrozenStateWarning
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._inspect import (
     count_fp8_cublas_gemms,
@@ -62,6 +63,7 @@ __all__ = [
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "FrozenStateWarning",
     "GEMM_OUTPUT",
     "HighPrecisionGemmWarning",
     "MMParams",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,14 @@ from jax import lax
 from jax._src import core as jax_core
 from jax._src import dtypes as jax_dtypes
 
-__all__ = ["MAX_F32", "SCALE_F32", "to_accumulating", "to_float32", "is_accumulating"]
+__all__ = [
+    "MAX_F32",
+    "SCALE_F32",
+    "to_accumulating",
+    "to_accumulating_shared",
+    "to_float32",
+    "is_accumulating",
+]
 
 
 class _AccumulatingRules:
@@ -140,18 +148,54 @@ def _cast_in(x, dtype):
 
 
 def _cast_in_fwd(x, dtype):
-  return _cast_in(x, dtype), None
+  return _cast_in(x, dtype), x
 
 
-def _cast_in_bwd(dtype, _, ct):
+def _cast_in_bwd(dtype, x, ct):
   ct = lax.convert_element_type(ct, np.float32)
-  unused = jnp.isneginf(ct)  # the combine rule's zero: no use contributed
+  kept = jnp.isneginf(ct)  # the combine rule's zero: every use kept the state as it was
   if dtype.combine == "scale":
     ct = jnp.abs(ct)  # a kept scale arrives as -old_scale
-  return (jnp.where(unused, 0.0, ct),)
+  return (jnp.where(kept, x, ct),)
 
 
 _cast_in.defvjp(_cast_in_fwd, _cast_in_bwd)
+
+
+# id(float32 tracer) -> (weak reference to it, its accumulating cast); see to_accumulating_shared.
+_SHARED: dict[int, tuple] = {}
+_SHARED_LIMIT = 1 << 14
+
+
+def to_accumulating_shared(x, combine: str):
+  """``to_accumulating(x, combine)``, cast once per traced array and shared by every use.
+
+  Under a plain ``jax.grad`` (or a framework's transform built on it) the cotangents of several
+  uses of one state leaf are summed where the leaf fans out. Casting each *use* would leave that
+  fan-out before the casts, so the uses would still sum; casting the leaf once, in the trace it
+  lives in, and handing every use the same cast array puts the fan-out after the cast, where
+  autodiff combines by max. A leaf closed over by a ``scan`` or ``remat`` body is cast outside
+  it, so the iterations combine by max too. Concrete arrays (nothing differentiates them) and
+  arrays already accumulating come back as they are.
+  """
+  if is_accumulating(x) or not isinstance(x, jax_core.Tracer):
+    return x
+  key = id(x)
+  entry = _SHARED.get(key)
+  if entry is not None and entry[0]() is x:
+    return entry[1]
+  with jax_core.set_current_trace(x._trace):
+    cast = to_accumulating(x, combine)
+  if len(_SHARED) >= _SHARED_LIMIT:
+    _SHARED.clear()
+
+  def forget(ref, key=key, shared=_SHARED):  # bound here: it may run at interpreter exit
+    current = shared.get(key)
+    if current is not None and current[0] is ref:
+      shared.pop(key, None)
+
+  _SHARED[key] = (weakref.ref(x, forget), cast)
+  return cast
 
 
 def encode_scale(new_scale, updated, old_scale, reference):

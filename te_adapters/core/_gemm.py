@@ -37,6 +37,7 @@ from te_adapters.core import (
     _cast_transpose,
     _dimension_numbers,
     _float8_block,
+    _frozen,
     _quantize,
     _remat,
     _scaling,
@@ -45,7 +46,7 @@ from te_adapters.core import (
 )
 from te_adapters.core._accumulate import is_accumulating
 from te_adapters.core._recipes import DelayedScaling, check_recipe
-from te_adapters.core._state import ROLES, check_state
+from te_adapters.core._state import ROLES, check_state, shared_max_grad
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
 
 __all__ = ["dot_general"]
@@ -151,6 +152,10 @@ def dot_general(
   gemm_rhs = _sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
   state = check_state(recipe, state)
+  if state:
+    # Every use of one traced state gets the same max-marked arrays, so a plain jax.grad
+    # combines several uses by max, never by sum (see core.with_max_grad).
+    state = shared_max_grad(state)
   rng = _block_gemm.check_rng(recipe, rng)
   out = jax.eval_shape(
       functools.partial(
@@ -177,6 +182,9 @@ def dot_general(
     return y
   if recipe.block_scaled:
     return _block_gemm.block_dot_general(lhs, rhs, dn, out, recipe, rng, plan)
+  if state:
+    # Under differentiation: warns at trace time when the state would stay frozen.
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   if _layout() == "tn":
     return _tn_dot_general(
@@ -218,9 +226,9 @@ def _keep_state_bwd(residuals, g):
 
 
 def _unchanged(leaf):
-  # Under with_max_grad the identity of the max/scale combination (-inf): this use contributes
-  # nothing, so other uses of the state win, and alone it decodes to zero, which updated_state
-  # reads as "keep the old state". Plain float32: the old value itself.
+  # Marked for max (always, under differentiation): the identity of the max/scale combination
+  # (-inf): this use contributes nothing, so other uses of the state win, and alone it decodes
+  # to the old state. Plain float32: the old value itself.
   if is_accumulating(leaf):
     return lax.convert_element_type(jnp.full(leaf.shape, -jnp.inf, jnp.float32), leaf.dtype)
   return leaf
@@ -477,6 +485,11 @@ def _canonical_plan(dn, lhs_shape, rhs_shape):
 
 
 def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gemm_rhs_shape):
+  # Contracting pairs in the input's dimension order (jnp.einsum may give them in another):
+  # merging (N, H) with N sharded keeps whole shards, merging (H, N) would split them.
+  (lc, rc), batch_dims = dn
+  pairs = sorted(zip(lc, rc, strict=True))
+  dn = ((tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)), batch_dims)
   lhs_perm, rhs_perm, x3_shape, w3_shape, out_shape = _canonical_plan(
       dn, lhs.shape, gemm_rhs_shape
   )

@@ -116,7 +116,10 @@ def with_max_grad(state):
   Amax histories then combine by max, and scales take the value of the use with the largest
   amax (a use that kept its old scale, for a zero or non-finite amax, gives way to one that
   updated it). The values are unchanged, and the gradient with respect to the float32 state stays
-  float32. Works on any
+  float32. ``dot_general`` marks the state it is given in the same way (once per traced array,
+  shared by all its uses), so a plain ``jax.grad`` already combines uses of one state passed
+  around unchanged; calling this first also covers state rebuilt between uses (sliced, stacked,
+  copied into a new array). Works on any
   pytree of recipe state (one GEMM's dict, or a nested tree of them); leaves whose name ends in
   ``scale`` are treated as scales.
   """
@@ -125,6 +128,16 @@ def with_max_grad(state):
     return _accumulate.to_accumulating(leaf, "scale" if _is_scale_name(path) else "max")
 
   return jax.tree_util.tree_map_with_path(convert, state)
+
+
+def shared_max_grad(state: State) -> State:
+  """One GEMM's state dict, marked as by ``with_max_grad`` once per traced leaf (see
+  ``_accumulate.to_accumulating_shared``): every use of one state in a trace gets the same marked
+  arrays, so a plain ``jax.grad`` combines the uses by max."""
+  return {
+      name: _accumulate.to_accumulating_shared(leaf, "scale" if name.endswith("scale") else "max")
+      for name, leaf in state.items()
+  }
 
 
 def updated_state(old_state, state_grads):

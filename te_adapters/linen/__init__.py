@@ -1,4 +1,5 @@
-"""Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral`` and a train state."""
+"""Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, ``quantize`` (an
+existing model, no edits) and a train state."""
 
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,
@@ -8,6 +9,7 @@ from te_adapters.linen._module import (
     QuantizedDotGeneral,
     make_dot_general_cls,
 )
+from te_adapters.linen._quantize import QuantizeReport, quantize
 from te_adapters.linen._ragged import make_ragged_dot_cls
 from te_adapters.linen._train_state import TrainState, with_max_grad
 
@@ -15,10 +17,12 @@ __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "Dense",
     "DenseGeneral",
+    "QuantizeReport",
     "QuantizedDotGeneral",
     "SR_RNG",
     "TrainState",
     "make_dot_general_cls",
     "make_ragged_dot_cls",
+    "quantize",
     "with_max_grad",
 ]

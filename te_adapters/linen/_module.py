@@ -44,6 +44,16 @@ class QuantizedDotGeneral(nn.Module):
   amax_axes: Any = None
   kernel_all_gather: Any = None
 
+  def __new__(cls, *args, **kwargs):
+    # nn.Dense(dot_general=cls) calls the class with the GEMM's operands (and precision=...).
+    if (args and hasattr(args[0], "shape")) or "precision" in kwargs:
+      raise TypeError(
+          f"{cls.__name__} is a module class and was called as a dot_general: pass an instance, "
+          f"nn.Dense(..., dot_general={cls.__name__}()), or the class itself as "
+          f"nn.Dense(..., dot_general_cls={cls.__name__})"
+      )
+    return super().__new__(cls)
+
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     state = {}

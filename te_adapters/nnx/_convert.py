@@ -50,6 +50,12 @@ class QuantizeReport:
     return "\n".join(lines)
 
 
+_UNREACHABLE_ATTEND = (
+    "not converted: {}.attend (a tied output projection) computes its GEMM outside any "
+    "dot_general slot, so it stays in high precision"
+)
+
+
 def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | None]:
   """``(slot, kernel_ndim, (K, N), reason_to_skip)`` of an NNX linear layer."""
   if isinstance(layer, nnx.Linear):
@@ -89,7 +95,8 @@ def quantize_model(
   ``nnx.scan``) the state is stacked the same way. Layers stay as they are, and are listed in the
   report, when the filter excludes them, when the GEMM's K or N is not a multiple of 16, when they
   already have a custom ``dot_general`` / ``einsum_op`` (a quantized one included), or when an
-  Einsum's equation cannot be checked.
+  Einsum's equation cannot be checked. Modules with an ``attend`` method (``nnx.Embed``, a model's
+  own tied embedding) are listed there too: that GEMM has no slot to convert.
 
   A recipe that rounds stochastically (``NVFP4BlockScaling``) needs ``rngs``: each converted
   layer gets a stream of its own from its ``"sr_rng"`` (or ``"default"``) stream, stacked like
@@ -137,6 +144,14 @@ def quantize_model(
       if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
   ]
   quantized, skipped, high_precision = [], [], []
+  for path, node in nnx.iter_graph(model):
+    # A tied embedding's output projection (nnx.Embed.attend, or a model's own Embedder.attend)
+    # computes a GEMM outside any dot_general slot: say so rather than count it as covered.
+    if not isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)) and callable(
+        getattr(node, "attend", None)
+    ):
+      name = "/".join(str(p) for p in path) or "."
+      skipped.append((name, _UNREACHABLE_ATTEND.format(type(node).__name__)))
   for path, layer in layers:
     name = "/".join(str(p) for p in path) or "."
     if predicate is not None and not predicate(path, layer):

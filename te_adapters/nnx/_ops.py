@@ -91,12 +91,21 @@ def check_gemm_dims(k: int, n: int, what: str) -> None:
     )
 
 
-def _check_out_sharding(out_sharding) -> None:
-  if out_sharding is not None:
-    raise NotImplementedError(
-        "out_sharding is not supported where jnp.einsum puts the kernel first in the quantized "
-        "GEMM; write the einsum with the input first, or use recipe=None for this layer"
+def _permuted_sharding(out_sharding, perm: list[int]):
+  """``out_sharding`` (a ``NamedSharding`` or ``PartitionSpec``) for an output whose dimension
+  ``i`` is dimension ``perm[i]`` of the one it was written for."""
+  if out_sharding is None:
+    return None
+  spec = getattr(out_sharding, "spec", out_sharding)
+  if not isinstance(spec, jax.sharding.PartitionSpec):
+    raise TypeError(
+        f"EinsumOp: out_sharding must be a NamedSharding or a PartitionSpec, got {out_sharding!r}"
     )
+  entries = tuple(spec) + (None,) * (len(perm) - len(spec))
+  permuted = jax.sharding.PartitionSpec(*(entries[p] for p in perm))
+  if isinstance(out_sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(out_sharding.mesh, permuted)
+  return permuted
 
 
 class _RecipeOp(nnx.Module):
@@ -287,8 +296,8 @@ class EinsumOp(_RecipeOp):
       *,
       rngs=None,
   ) -> jax.Array:
-    """``jnp.einsum(einsum_str, inputs, kernel, ...)`` with one FP8 GEMM."""
-    _check_out_sharding(out_sharding)
+    """``jnp.einsum(einsum_str, inputs, kernel, ...)`` with one FP8 GEMM; ``out_sharding`` as
+    for ``jnp.einsum`` (a model's own sharding annotations)."""
     inputs, kernel = jnp.asarray(inputs), jnp.asarray(kernel)
     in_labels, k_labels, out_labels = _einsum_labels(einsum_str, inputs, kernel)
     _check_einsum(einsum_str, in_labels, k_labels, out_labels, inputs, kernel)
@@ -313,14 +322,19 @@ class EinsumOp(_RecipeOp):
         )
       if x_first:
         return self._dot(a, b, dims, precision, preferred_element_type, rngs, out_sharding)
-      _check_out_sharding(out_sharding)
       # jnp.einsum put the kernel first: compute with x first, then restore its output layout
-      # (batch, kernel free, x free).
-      out = self._dot(b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type, rngs)
+      # (batch, kernel free, x free); out_sharding, given for that layout, is permuted to ours.
       n_batch = len(ab)
       n_x_free = b.ndim - len(bc) - n_batch
       n_k_free = a.ndim - len(ac) - n_batch
       batch = list(range(n_batch))
+      # Our output (batch, x free, k free) in terms of einsum's (batch, k free, x free).
+      ours = batch + [n_batch + n_k_free + i for i in range(n_x_free)]
+      ours += [n_batch + i for i in range(n_k_free)]
+      out = self._dot(
+          b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type, rngs,
+          _permuted_sharding(out_sharding, ours),
+      )
       x_free = list(range(n_batch, n_batch + n_x_free))
       k_free = list(range(n_batch + n_x_free, n_batch + n_x_free + n_k_free))
       return jnp.transpose(out, batch + k_free + x_free)
@@ -332,4 +346,5 @@ class EinsumOp(_RecipeOp):
         precision=precision,
         preferred_element_type=preferred_element_type,
         _dot_general=dot_general,
+        out_sharding=out_sharding,
     )
