@@ -57,15 +57,22 @@ class QuantizeReport:
     skipped: path -> why that GEMM stays in high precision (filtered out, sizes not multiples of
       16, a custom ``dot_general``, or a GEMM the conversion cannot reach such as
       ``nn.Embed.attend``).
+    high_precision: path of a quantized layer -> why its GEMM ran in high precision all the
+      same: below the size threshold on this backend (``threshold=None`` quantizes it).
   """
 
   quantized: list[str] = dataclasses.field(default_factory=list)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+  high_precision: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def __str__(self) -> str:
     lines = [f"quantized {len(self.quantized)} layer(s), skipped {len(self.skipped)}"]
+    if self.high_precision:
+      every = " (all of them)" if len(self.high_precision) == len(self.quantized) else ""
+      lines[0] += f"; {len(self.high_precision)} of the quantized{every} ran in high precision"
     lines += [f"  quantized {path}" for path in self.quantized]
     lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped.items()]
+    lines += [f"  high precision {path}: {why}" for path, why in self.high_precision.items()]
     return "\n".join(lines)
 
 
@@ -130,6 +137,7 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
     if filter is not None and not callable(filter):
       raise TypeError(f"filter must be callable, got {type(filter).__name__}")
     self.filter = filter
+    self.threshold = core.check_threshold(threshold)
     self.dot_general_cls = None
     if self.recipe is not None:
       self.dot_general_cls = make_dot_general_cls(
@@ -188,6 +196,9 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
       return next_fun(*args, **kwargs)
     if path not in self.report.quantized:
       self.report.quantized.append(path)
+    m = math.prod(jnp.shape(inputs)) // k
+    if (why := core.high_precision_reason(self.threshold, k, n, m)) is not None:
+      self.report.high_precision.setdefault(path, why)
     # Linen modules are frozen dataclasses; the slot is set for this call only.
     object.__setattr__(module, "dot_general_cls", self.dot_general_cls)
     try:

@@ -140,3 +140,22 @@ def test_quantize_none_and_filter_keep_layers_in_high_precision():
     assert q.report.skipped["MultiHeadDotProductAttention_0/query"] == "excluded by the filter"
     none = ta_linen.quantize(None)
     assert set(none(LM().init)(jax.random.key(0), tokens)) == {"params"}
+
+
+def test_quantize_report_names_the_gemms_the_threshold_kept_in_high_precision():
+  """The suite's default threshold applies on every platform (tests/conftest.py)."""
+  model = nn.Sequential([nn.Dense(64), nn.Dense(32)])
+  x = jnp.ones((4, 32), jnp.float32)
+  for threshold, expected in ((core.DEFAULT_SIZE_THRESHOLD, ["layers_0", "layers_1"]), (None, [])):
+    q = ta_linen.quantize(ta.Float8CurrentScaling(), threshold=threshold)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+      q(model.init)(jax.random.key(0), x)
+    assert len(q.report.quantized) == 2
+    assert [p.rsplit("/", 1)[-1] for p in q.report.high_precision] == expected
+  q = ta_linen.quantize(ta.Float8CurrentScaling())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+    q(model.init)(jax.random.key(0), x)
+  assert list(q.report.high_precision.values())[0].startswith("M=4, K=32, N=64: below the size")
+  assert "2 of the quantized (all of them) ran in high precision" in str(q.report)
