@@ -100,13 +100,12 @@ class SizeThreshold:
     )
 
 
-# From fwd+bwd timings of x @ w with bf16 inputs on an H200 (ms bf16 / FP8 current / FP8 delayed):
-# 2048**3: 0.09 / 0.12 / 0.14 and 4096x4096x1024: 0.15 / 0.18 / 0.19 (FP8 slower), 4096**3:
-# 0.56 / 0.48 / 0.44 and every larger size measured (FP8 faster). So FP8 from 4096**3 = 2**36 up;
-# sizes between 2**34 and 2**36 were not measured and stay in high precision. min_dim = 2048 keeps
-# skinny GEMMs (a few rows against a large kernel) out of FP8: the kernel's quantization costs
-# grow with K*N, not with the rows that would amortise it. Calibrate with the bench sweep
-# (``python -m te_adapters bench --cases sweep``).
+# From an H100 sweep of fwd+bwd GPU time of x @ w with bf16 inputs over M in 2048..131072 and
+# K, N in 1024..16384 (bench/RESULTS.md, 2026-11-25): every point with M*K*N >= 2**36 and all
+# dims >= 2048 ran faster in FP8 (1.10x-1.47x, both recipes); at 2**35 FP8 lost wherever M was
+# 2048 (0.91x-0.96x); with a dim of 1024 it lost at 1024x8192x8192 (0.80x) and 65536x1024x1024
+# (0.92x) and won elsewhere. So FP8 from 4096**3 = 2**36 up, and min_dim = 2048. Calibrate with
+# ``python -m te_adapters bench --cases sweep --shapes MxKxN,...``.
 DEFAULT_SIZE_THRESHOLD = SizeThreshold(min_mkn=4096**3, min_dim=2048, platforms=("gpu",))
 
 

@@ -123,8 +123,13 @@ def test_converted_model_plain_loop_matches_the_train_state_loop():
   _, plain = _train(plain=True)
   _, helper = _train(plain=False)
   assert jax.tree.structure(plain) == jax.tree.structure(helper)
+  # The same arithmetic in two programs: identical on CPU. On the GPU their FP8 sums may differ
+  # in the last bits (see FP8_GEMM_RTOL), which E5M2 gradients and three training steps grow to
+  # a few percent of an amax (3.4% seen on an H100). A sum of the two uses instead of their max
+  # is 2x.
+  rtol = 1e-6 if jax.default_backend() == "cpu" else 0.1
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(helper), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol)
   query = plain["MultiHeadDotProductAttention_0"]["query"]["DelayedScalingDotGeneral_0"]
   assert np.all(np.asarray(query["x_amax_history"])[-3:] > 0)
 

@@ -160,3 +160,29 @@ def test_gemma_shaped_model_plain_loop_under_its_sharding_matches_the_helper_loo
     np.testing.assert_allclose(np.asarray(got), np.asarray(value), rtol=1e-5, err_msg=str(path))
   history = reference["block"]["q"]["einsum_op"]["x_amax_history"]
   assert np.all(np.asarray(history)[-3:] > 0)  # the state did move
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: nnx.scan passes a broadcast layer's state into the scan body as an "
+    "argument, which the body cannot tell from any other input, so a plain nnx.grad sums the "
+    "iterations' amaxes (10.0 here); ta_nnx.value_and_grad (test_nnx_train.py) gives the max",
+)
+def test_plain_grad_through_scan_with_a_broadcast_layer_takes_the_max():
+  """nnx.scan hands the broadcast layer to every iteration; a plain nnx.grad over Param +
+  RecipeState should give the state of the iteration with the largest amax, not a sum."""
+  model = ta_nnx.Linear(32, 32, threshold=None, recipe=RECIPE, rngs=nnx.Rngs(0))
+  xs = jnp.stack([pl.X1 * 0 + a * jnp.sign(pl.X1) for a in (2.0, 5.0, 3.0)])
+
+  def loss(m):
+    @nnx.scan(in_axes=(None, 0), out_axes=0)
+    def body(m, x):
+      return m(x)
+
+    return jnp.sum(body(m, xs))
+
+  grads = nnx.jit(nnx.grad(loss, argnums=DIFF))(model)
+  state = nnx.to_pure_dict(nnx.state(grads, ta_nnx.RecipeState))["dot_general"]
+  history = np.asarray(state["x_amax_history"])
+  assert history[-1] == 5.0, history  # a sum over the iterations would be 10.0
+  np.testing.assert_allclose(state["x_scale"], [448.0 / 5.0], rtol=1e-6)
