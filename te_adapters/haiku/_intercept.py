@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-import threading
 import warnings
 from collections.abc import Callable
 
@@ -14,6 +12,7 @@ import haiku as hk
 import jax.numpy as jnp
 
 from te_adapters import core
+from te_adapters._scope import InterceptScope
 from te_adapters.haiku import _linear
 
 __all__ = ["QuantizeReport", "quantize"]
@@ -23,14 +22,6 @@ _FP8_ALIGNMENT = 16
 
 _EXCLUDED = "excluded by module_filter"
 
-# The recipes of the `quantize` scopes active on this thread, innermost last.
-_active = threading.local()
-
-
-def _scopes() -> list:
-  if not hasattr(_active, "scopes"):
-    _active.scopes = []
-  return _active.scopes
 
 
 @dataclasses.dataclass
@@ -65,7 +56,7 @@ def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
   return None
 
 
-class quantize(contextlib.ContextDecorator):  # lower case: used like a function
+class quantize(InterceptScope):  # lower case: used like a function
   """Makes every ``hk.Linear`` called in its scope compute with ``recipe``, with no model edits.
 
   Works as a context manager or a decorator around the function given to ``hk.transform`` (or
@@ -120,21 +111,9 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
       raise TypeError(f"module_filter must be callable, got {type(module_filter).__name__}")
     self.module_filter = module_filter
     self.report = QuantizeReport()
-    self._stack = contextlib.ExitStack()
-    self._depth = 0
 
-  def __enter__(self) -> QuantizeReport:
-    if self._depth == 0:
-      self._stack.enter_context(hk.intercept_methods(self._intercept))
-    self._depth += 1
-    _scopes().append(self)
-    return self.report
-
-  def __exit__(self, *exc) -> None:
-    _scopes().pop()
-    self._depth -= 1
-    if self._depth == 0:
-      self._stack.close()
+  def _interceptor(self):
+    return hk.intercept_methods(self._intercept)
 
   def _intercept(self, next_f, args, kwargs, context):
     module = context.module
@@ -142,7 +121,7 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
         context.method_name != "__call__"
         or context.orig_class is not hk.Linear
         or isinstance(module, _linear.Linear)
-        or _scopes()[-1] is not self
+        or not self.innermost()
     ):
       return next_f(*args, **kwargs)
     if self.recipe is None:

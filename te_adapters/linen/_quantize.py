@@ -8,10 +8,8 @@ layer creates a ``QuantizedDotGeneral`` child holding its recipe state in the co
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
 import warnings
 from collections.abc import Callable
 
@@ -19,6 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from te_adapters import core
+from te_adapters._scope import InterceptScope
 from te_adapters.linen._module import make_dot_general_cls
 
 __all__ = ["QuantizeReport", "quantize"]
@@ -38,13 +37,6 @@ _UNREACHABLE = {
     ),
 }
 
-_active = threading.local()
-
-
-def _scopes() -> list:
-  if not hasattr(_active, "scopes"):
-    _active.scopes = []
-  return _active.scopes
 
 
 @dataclasses.dataclass
@@ -91,7 +83,7 @@ def _gemm_sizes(module, inputs) -> tuple[int, int]:
   return math.prod(shape[a] for a in axis), math.prod(features)
 
 
-class quantize(contextlib.ContextDecorator):  # lower case: used like a function
+class quantize(InterceptScope):  # lower case: used like a function
   """Makes every ``nn.Dense`` and ``nn.DenseGeneral`` called in its scope compute with ``recipe``,
   with no edits to the model.
 
@@ -145,21 +137,9 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
           kernel_all_gather=kernel_all_gather,
       )
     self.report = QuantizeReport()
-    self._stack = contextlib.ExitStack()
-    self._depth = 0
 
-  def __enter__(self) -> QuantizeReport:
-    if self._depth == 0:
-      self._stack.enter_context(nn.intercept_methods(self._intercept))
-    self._depth += 1
-    _scopes().append(self)
-    return self.report
-
-  def __exit__(self, *exc) -> None:
-    _scopes().pop()
-    self._depth -= 1
-    if self._depth == 0:
-      self._stack.close()
+  def _interceptor(self):
+    return nn.intercept_methods(self._intercept)
 
   def _skip(self, path: str, reason: str) -> None:
     if path not in self.report.skipped:
@@ -169,7 +149,7 @@ class quantize(contextlib.ContextDecorator):  # lower case: used like a function
 
   def _intercept(self, next_fun, args, kwargs, context):
     module = context.module
-    if self.recipe is None or _scopes()[-1] is not self:
+    if self.recipe is None or not self.innermost():
       return next_fun(*args, **kwargs)
     for (cls, method), reason in _UNREACHABLE.items():
       if isinstance(module, cls) and context.method_name == method:
