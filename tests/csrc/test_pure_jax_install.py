@@ -11,9 +11,8 @@ directories, offline and with the build requirements of the test extra
   name a missing file, ``TE_ADAPTERS_CUDA=OFF``), which must fall back to the same pure-JAX files.
 
 Neither install may hold a compiled file. Then the tests of ``NESTED_SUITE`` run in a subprocess
-against the first install: all of tests/core and tests/csrc, the Flax Linen adapter's tests
-(tests/linen) and tests/test_demo.py, about 70% of the suite's time. (The whole suite would
-double CI's test time; the NNX and Haiku adapters reach the cast only through the core GEMM.)
+against the first install: all of tests/core and tests/csrc, and tests/test_demo.py. (The whole
+suite would double CI's test time; the adapters reach the cast only through the core GEMM.)
 They run from a directory holding only copies of ``tests/``, ``examples/`` and pyproject.toml,
 with ``PYTHONPATH`` the install and a sitecustomize that drops an editable install's import hook,
 so the checkout's ``te_adapters`` cannot be imported. The run must import every ``te_adapters``
@@ -33,7 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NESTED_SUITE = ("tests/core", "tests/csrc", "tests/linen", "tests/test_demo.py")
+NESTED_SUITE = ("tests/core", "tests/csrc", "tests/test_demo.py")
 # Set in the nested run, where this test would otherwise build and run itself again.
 NESTED_ENV = "TE_ADAPTERS_IN_INSTALL_TEST"
 MISSING = "/nonexistent/te_adapters-no-compiler"
