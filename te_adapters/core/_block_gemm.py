@@ -210,8 +210,7 @@ def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan):
   ``out``: the ``ShapeDtypeStruct`` that ``lax.dot_general`` gives (its dtype, and under Explicit
   mesh axes its sharding). ``plan``: the ``SpmdPlan`` (amax axes for NVFP4 inside shard_map).
   """
-  layout = _Layout(dn, lhs.shape, rhs.shape)
-  layout.check(recipe, backward=False, lhs=lhs, rhs=rhs)
+  layout = _Layout(dn, lhs.shape, rhs.shape)  # dot_general checked it (check_operands)
   # Static facts the backward pass needs: operand shapes (for the layout) and dtypes.
   operands = ((tuple(lhs.shape), np.dtype(lhs.dtype)), (tuple(rhs.shape), np.dtype(rhs.dtype)))
   # Explicit mesh axes: the forward GEMM's output sharding, in the (B, M, N) layout.

@@ -23,7 +23,6 @@ _FP8_ALIGNMENT = 16
 _EXCLUDED = "excluded by module_filter"
 
 
-
 @dataclasses.dataclass
 class QuantizeReport:
   """What a ``quantize`` scope did, filled in while the model is traced.

@@ -138,18 +138,14 @@ def quantize_model(
         f"{SR_RNG!r} or 'default' stream), or use disable_stochastic_rounding=True"
     )
   predicate = nnx.filterlib.to_predicate(filter) if filter is not None else None
-  layers = [
-      (path, node)
-      for path, node in nnx.iter_graph(model)
-      if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum))
-  ]
-  quantized, skipped, high_precision = [], [], []
+  layers, quantized, skipped, high_precision = [], [], [], []
   for path, node in nnx.iter_graph(model):
-    # A tied embedding's output projection (nnx.Embed.attend, or a model's own Embedder.attend)
-    # computes a GEMM outside any dot_general slot: say so rather than count it as covered.
-    if not isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)) and callable(
-        getattr(node, "attend", None)
-    ):
+    if isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
+      layers.append((path, node))
+    elif callable(getattr(node, "attend", None)):
+      # A tied embedding's output projection (nnx.Embed.attend, or a model's own
+      # Embedder.attend) computes a GEMM outside any dot_general slot: say so rather than count
+      # it as covered.
       name = "/".join(str(p) for p in path) or "."
       skipped.append((name, _UNREACHABLE_ATTEND.format(type(node).__name__)))
   for path, layer in layers:
