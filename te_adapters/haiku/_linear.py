@@ -9,6 +9,7 @@ import numpy as np
 from jax import lax
 
 from te_adapters import core
+from te_adapters.haiku._scan_check import refuse_state_in_hk_scan
 
 __all__ = ["Linear"]
 
@@ -64,6 +65,7 @@ def linear_forward(
           f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
           "use a stateless recipe (Float8CurrentScaling) with such policies"
       )
+    state = refuse_state_in_hk_scan(module.module_name, recipe, state)
   dims = (((inputs.ndim - 1,), (0,)), ((), ()))
   out = core.dot_general(
       inputs,

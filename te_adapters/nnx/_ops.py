@@ -22,6 +22,7 @@ from flax import nnx
 from flax.core.frozen_dict import FrozenDict
 
 from te_adapters import core
+from te_adapters.nnx._scan_check import refuse_shared_scan_state
 from te_adapters.nnx._variables import RecipeState
 
 __all__ = ["DotGeneral", "EinsumOp", "GEMM_DIM_MULTIPLE", "SR_RNG"]
@@ -181,7 +182,7 @@ class _RecipeOp(nnx.Module):
         precision,
         preferred_element_type,
         recipe=self.recipe,
-        state=self.recipe_state(),
+        state=refuse_shared_scan_state(self, self.recipe_state()),
         threshold=self.threshold,
         rng=self._rounding_key(rngs),
         amax_axes=self.amax_axes,

@@ -92,3 +92,24 @@ def test_no_warning_when_the_state_is_differentiated_or_forward_only():
     jax.grad(_loss_twice, argnums=(0, 1))(w, state)
     jax.jit(_loss_twice)(w, state)
     jax.grad(_loss_twice, argnums=1)(w, state)  # the state alone
+
+
+def test_state_carried_through_a_scan_combines_by_max_after_with_max_grad():
+  """A lax.scan that carries the state unchanged as its carry: marked with ``with_max_grad``
+  before the scan (the README's way out), the iterations combine by max, as one use would."""
+
+  def loss(w, state):
+    state = core.with_max_grad(state)
+
+    def body(state, xs):
+      x, dy = xs
+      return state, jnp.sum(_gemm(x, w, state) * dy)
+
+    xs = (jnp.stack([pl.X1, pl.X2]), jnp.stack([pl.DY1, pl.DY2]))
+    return jnp.sum(jax.lax.scan(body, state, xs)[1])
+
+  state = core.init_state(RECIPE)
+  _, g_state = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(pl.W0), state)
+  (expected,) = pl.reference_states([pl.W0])
+  for name in ("x_amax_history", "grad_amax_history", "x_scale", "grad_scale"):
+    np.testing.assert_allclose(np.asarray(g_state[name]), expected[name], rtol=1e-6, err_msg=name)

@@ -98,3 +98,70 @@ def test_attention_block_applied_twice_plain_loop_matches_the_helper_loop():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
   history = np.asarray(plain["multi_head_attention/query"]["x_amax_history"])
   assert np.all(history[-3:] > 0)
+
+
+_SCAN_XS = jnp.stack([pl.X1 * 0 + a * jnp.sign(pl.X1) for a in (2.0, 5.0, 3.0)])
+
+
+def _scanned(xs):
+  """One layer run on three inputs (amax 2, 5, 3) through hk.scan, which carries its state."""
+  layer = ta_hk.Linear(32, with_bias=False, recipe=RECIPE, threshold=None)
+
+  def body(carry, x):
+    return carry, layer(x)
+
+  return jnp.sum(hk.scan(body, 0.0, xs)[1])
+
+
+def test_plain_grad_over_state_inside_hk_scan_is_refused_at_trace_time():
+  """hk.scan carries the layer's state unchanged through the iterations, so a plain jax.grad
+  over it would add up their amaxes (10.0, not 5.0): tracing it raises and names the helper.
+  The forward pass and a gradient over the parameters alone still trace."""
+  model = hk.transform_with_state(_scanned)
+  params, state = model.init(jax.random.key(0), _SCAN_XS)
+
+  def loss(params, state):
+    return model.apply(params, state, None, _SCAN_XS)[0]
+
+  with pytest.raises(ValueError, match=r"hk\.scan.*add up.*value_grad_and_state"):
+    jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
+  assert np.isfinite(float(jax.jit(loss)(params, state)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", core.FrozenStateWarning)
+    grads = jax.jit(jax.grad(loss))(params, state)
+  assert np.all(np.isfinite(np.asarray(grads["linear"]["w"])))
+
+
+def test_helper_inside_hk_scan_takes_the_max():
+  model = hk.transform_with_state(_scanned)
+  params, state = model.init(jax.random.key(0), _SCAN_XS)
+
+  def loss(params, state):
+    return model.apply(params, state, None, _SCAN_XS)
+
+  _, _, _, new_state = jax.jit(ta_hk.value_grad_and_state(loss))(params, state)
+  history = np.asarray(new_state["linear"]["x_amax_history"])
+  assert history[-1] == 5.0, history  # a sum over the iterations would be 10.0
+  np.testing.assert_allclose(new_state["linear"]["x_scale"], [448.0 / 5.0], rtol=1e-6)
+
+
+def test_plain_grad_through_layer_stack_gives_each_layer_its_state():
+  """hk.layer_stack stacks the layers' state (one slice per iteration): the plain jax.grad is
+  allowed there, and each layer's history holds the amax of its own input."""
+
+  def stacked(xs):
+    @hk.layer_stack(3, with_per_layer_inputs=True)
+    def body(carry, x):
+      return carry, ta_hk.Linear(32, with_bias=False, recipe=RECIPE, threshold=None)(x)
+
+    return jnp.sum(body(jnp.zeros(()), xs)[1])
+
+  model = hk.transform_with_state(stacked)
+  params, state = model.init(jax.random.key(0), _SCAN_XS)
+
+  def loss(params, state):
+    return model.apply(params, state, None, _SCAN_XS)[0]
+
+  _, state_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
+  (layer_state,) = state_grads.values()
+  np.testing.assert_array_equal(np.asarray(layer_state["x_amax_history"])[:, -1], [2.0, 5.0, 3.0])

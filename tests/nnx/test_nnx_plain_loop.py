@@ -162,27 +162,80 @@ def test_gemma_shaped_model_plain_loop_under_its_sharding_matches_the_helper_loo
   assert np.all(np.asarray(history)[-3:] > 0)  # the state did move
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: nnx.scan passes a broadcast layer's state into the scan body as an "
-    "argument, which the body cannot tell from any other input, so a plain nnx.grad sums the "
-    "iterations' amaxes (10.0 here); ta_nnx.value_and_grad (test_nnx_train.py) gives the max",
-)
-def test_plain_grad_through_scan_with_a_broadcast_layer_takes_the_max():
-  """nnx.scan hands the broadcast layer to every iteration; a plain nnx.grad over Param +
-  RecipeState should give the state of the iteration with the largest amax, not a sum."""
-  model = ta_nnx.Linear(32, 32, threshold=None, recipe=RECIPE, rngs=nnx.Rngs(0))
-  xs = jnp.stack([pl.X1 * 0 + a * jnp.sign(pl.X1) for a in (2.0, 5.0, 3.0)])
+_SCAN_XS = jnp.stack([pl.X1 * 0 + a * jnp.sign(pl.X1) for a in (2.0, 5.0, 3.0)])
+
+
+def _scan_loss(how):
+  """A loss that runs one layer on each of three inputs (amax 2, 5, 3) through nnx.scan, the
+  layer handed to every iteration as ``how`` says."""
+  if how == "carry":
+
+    def loss(m):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+      def body(m, x):
+        return m, m(x)
+
+      return jnp.sum(body(m, _SCAN_XS)[1])
+
+    return loss
+  axes = None if how == "broadcast" else nnx.StateAxes({ta_nnx.RecipeState: None, ...: None})
 
   def loss(m):
-    @nnx.scan(in_axes=(None, 0), out_axes=0)
+    @nnx.scan(in_axes=(axes, 0), out_axes=0)
     def body(m, x):
       return m(x)
 
-    return jnp.sum(body(m, xs))
+    return jnp.sum(body(m, _SCAN_XS))
 
-  grads = nnx.jit(nnx.grad(loss, argnums=DIFF))(model)
-  state = nnx.to_pure_dict(nnx.state(grads, ta_nnx.RecipeState))["dot_general"]
+  return loss
+
+
+@pytest.mark.parametrize("how", ["broadcast", "carry", "state_axes"])
+def test_plain_grad_through_scan_over_one_layer_is_refused_at_trace_time(how):
+  """nnx.scan hands the layer's state to every iteration unchanged (in_axes None, nnx.Carry or
+  StateAxes None): JAX would add up the iterations' amaxes under a plain nnx.grad (10.0 here,
+  not 5.0), so tracing that gradient raises and names the way out; the forward pass and a grad
+  over the parameters alone still trace."""
+  model = ta_nnx.Linear(32, 32, threshold=None, recipe=RECIPE, rngs=nnx.Rngs(0))
+  loss = _scan_loss(how)
+  with pytest.raises(ValueError, match=r"nnx\.scan.*add up.*te_adapters\.nnx\.value_and_grad"):
+    nnx.jit(nnx.grad(loss, argnums=DIFF))(model)
+  assert np.isfinite(float(nnx.jit(loss)(model)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", core.FrozenStateWarning)
+    grads = nnx.jit(nnx.grad(loss))(model)
+  assert np.all(np.isfinite(np.asarray(grads["kernel"].get_value())))
+
+
+@pytest.mark.parametrize("how", ["broadcast", "carry", "state_axes"])
+def test_library_grad_through_scan_over_one_layer_takes_the_max(how):
+  """The library's value_and_grad marks the state before the scan: the new state is the one the
+  iteration with the largest amax (5.0) gives, as TE's rule asks."""
+  model = ta_nnx.Linear(32, 32, threshold=None, recipe=RECIPE, rngs=nnx.Rngs(0))
+  _, (_, state_grads) = nnx.jit(ta_nnx.value_and_grad(_scan_loss(how)))(model)
+  state = nnx.to_pure_dict(state_grads)["dot_general"]
   history = np.asarray(state["x_amax_history"])
   assert history[-1] == 5.0, history  # a sum over the iterations would be 10.0
   np.testing.assert_allclose(state["x_scale"], [448.0 / 5.0], rtol=1e-6)
+
+
+def test_plain_grad_through_scan_over_stacked_layers_gives_each_layer_its_state():
+  """Scanning over stacked layers (in_axes=0) gives each iteration its own state: the plain
+  nnx.grad is allowed there, and each layer's history holds the amax of its own input."""
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(key):
+    return ta_nnx.Linear(32, 32, threshold=None, recipe=RECIPE, rngs=nnx.Rngs(key))
+
+  model = make(jax.random.split(jax.random.key(0), 3))
+
+  def loss(m):
+    @nnx.scan(in_axes=(0, 0), out_axes=0)
+    def body(layer, x):
+      return layer(x)
+
+    return jnp.sum(body(m, _SCAN_XS))
+
+  grads = nnx.jit(nnx.grad(loss, argnums=DIFF))(model)
+  state = nnx.to_pure_dict(nnx.state(grads, ta_nnx.RecipeState))["dot_general"]
+  np.testing.assert_array_equal(np.asarray(state["x_amax_history"])[:, -1], [2.0, 5.0, 3.0])
