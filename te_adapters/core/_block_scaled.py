@@ -19,7 +19,6 @@ the last two.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +43,6 @@ __all__ = [
 
 BLOCK_MODES = ("mxfp8", "nvfp4", "nvfp4_rht", "float8_block")
 ROLES = ("x", "kernel", "grad")
-# "auto" (default): native block-scaled GEMMs where the device has them; "emulated"/"native" force.
-GEMM_ENV = "TE_ADAPTERS_BLOCK_GEMM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,20 +168,28 @@ def transpose_tiles(t: ScaledTensor) -> ScaledTensor:
 
 def native_gemm_available(mode: str) -> bool:
   """Whether ``jax.nn.scaled_matmul`` runs ``mode`` natively here (Blackwell GPUs, cuDNN)."""
-  choice = os.environ.get(GEMM_ENV, "auto")
-  if choice not in ("auto", "emulated", "native"):
-    raise ValueError(f"{GEMM_ENV} must be 'auto', 'emulated' or 'native', got {choice!r}")
-  if mode not in ("mxfp8", "nvfp4", "nvfp4_rht") or choice == "emulated":
-    return False
-  if choice == "native":
-    return True
-  if jax.default_backend() != "gpu":
+  if mode not in ("mxfp8", "nvfp4", "nvfp4_rht") or jax.default_backend() != "gpu":
     return False
   try:
     capabilities = [float(d.compute_capability) for d in jax.local_devices()]
   except (AttributeError, TypeError, ValueError):
     return False
   return bool(capabilities) and min(capabilities) >= 10.0
+
+
+def _use_native(mode: str, choice: str) -> bool:
+  """Whether ``mode``'s GEMM runs on ``jax.nn.scaled_matmul``, per ``GemmConfig.block_gemm``."""
+  if choice not in ("auto", "native", "xla"):
+    raise ValueError(f"block_gemm must be 'auto', 'native' or 'xla', got {choice!r}")
+  if choice == "xla":
+    return False
+  available = native_gemm_available(mode)
+  if choice == "native" and not available:
+    raise RuntimeError(
+      f"block_gemm='native', but {mode} has no native GEMM here (jax.nn.scaled_matmul runs it "
+      "on Blackwell GPUs only)"
+    )
+  return available
 
 
 def _row_scales(t: ScaledTensor) -> jax.Array:
@@ -203,7 +208,9 @@ def emulation_dtype():
   return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
 
 
-def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=None) -> jax.Array:
+def gemm(
+  a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=None, choice="auto"
+) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled operands, float32 sums.
 
   The result is float32, or ``out_dtype`` where the GEMM kernel writes that dtype itself (FP8
@@ -213,13 +220,15 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=N
   MXFP8/NVFP4 run ``jax.nn.scaled_matmul`` where the device has it, and otherwise a GEMM of the
   dequantized values (the same quantized values, accumulated in float32). ``out_sharding``: the
   output's ``NamedSharding`` under Explicit mesh axes (needed when K is sharded), else None.
+  ``choice``: the ``GemmConfig.block_gemm`` option.
   """
   if a.scaling_mode == "float8_block":
     out = _float8_block.gemm(
-      a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype
+      a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype,
+      choice,
     )
     return _sharding.match_sharding(out, out_sharding)
-  if native_gemm_available(a.scaling_mode):
+  if _use_native(a.scaling_mode, choice):
     out = jax.nn.scaled_matmul(
       a.data, b.data, _row_scales(a), _row_scales(b), preferred_element_type=jnp.float32
     )

@@ -3,13 +3,13 @@
 Two implementations with bit-identical results: the pure-JAX reference (XLA fuses it) and the
 XLA FFI kernels of ``csrc/`` (C++ on CPU, CUDA on Hopper), used when the extension is built.
 
-Which one runs is decided at trace time:
+The ``backend`` argument (``GemmConfig.backend`` for ``dot_general``) decides which one runs:
 
-- ``TE_ADAPTERS_BACKEND=jax``: always the pure-JAX path.
-- ``TE_ADAPTERS_BACKEND=ffi``: the FFI kernel wherever it applies (it is built for the platform,
-  the input is float32/bfloat16/float16 and not sharded over several devices); the pure-JAX path
-  elsewhere. Raises if the extension is not built for the platform at all.
-- unset: the FFI kernel on GPU when its CUDA part is built, the pure-JAX path otherwise.
+- ``"jax"``: always the pure-JAX path.
+- ``"ffi"``: the FFI kernel wherever it applies (it is built for the platform, the input is
+  float32/bfloat16/float16 and not sharded over several devices); the pure-JAX path elsewhere.
+  Raises if the extension is not built for the platform at all.
+- ``"auto"`` or ``None``: the FFI kernel on GPU when its CUDA part is built, pure JAX otherwise.
 
 Sharded operands: the kernels have no partitioning rules, so XLA would gather a sharded operand
 onto every device before calling them. The dispatcher therefore takes the pure-JAX path for any
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,6 @@ from te_adapters.core import _quantize, _scaling
 
 __all__ = ["amax", "backend", "cast_transpose", "ffi_available"]
 
-BACKEND_ENV = "TE_ADAPTERS_BACKEND"
 _CAST_TARGET = "te_adapters_cast_transpose"
 _AMAX_TARGET = "te_adapters_amax"
 _FFI_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -61,23 +59,27 @@ def ffi_available(platform: str) -> bool:
   return True
 
 
-def backend(platform: str | None = None) -> str:
+def backend(platform: str | None = None, requested: str | None = "auto") -> str:
   """The cast implementation used for ``platform`` (default: JAX's default backend).
 
+  Args:
+    platform: ``"cpu"``, ``"gpu"``, ...; ``None`` for JAX's default backend.
+    requested: ``"auto"`` (or ``None``), ``"jax"`` or ``"ffi"`` (see the module docstring).
+
   Returns:
-    ``"ffi"`` or ``"jax"``, per ``TE_ADAPTERS_BACKEND`` (see the module docstring).
+    ``"ffi"`` or ``"jax"``.
   """
   platform = platform or jax.default_backend()
-  value = os.environ.get(BACKEND_ENV, "")
-  if value not in ("", "jax", "ffi"):
-    raise ValueError(f"{BACKEND_ENV} must be 'jax' or 'ffi', got {value!r}")
-  if value == "jax":
+  requested = "auto" if requested is None else requested
+  if requested not in ("auto", "jax", "ffi"):
+    raise ValueError(f"backend must be 'auto', 'jax', 'ffi' or None, got {requested!r}")
+  if requested == "jax":
     return "jax"
-  if value == "ffi":
+  if requested == "ffi":
     if not ffi_available(platform):
       raise RuntimeError(
-        f"{BACKEND_ENV}=ffi but the te_adapters extension is not built for {platform!r}; "
-        "reinstall with a C++ compiler (and a CUDA compiler for GPUs), or unset the variable"
+        f"backend='ffi' but the te_adapters extension is not built for {platform!r}; "
+        "reinstall with a C++ compiler (and a CUDA compiler for GPUs), or choose 'auto'"
       )
     return "ffi"
   return "ffi" if platform == "gpu" and ffi_available("gpu") else "jax"
@@ -117,17 +119,7 @@ def _tracing_single_device() -> bool:
 
 
 def _use_ffi(x, requested: str | None) -> bool:
-  if requested is None:
-    choice = backend()
-  elif requested in ("jax", "ffi"):
-    choice = requested
-    if requested == "ffi" and not ffi_available(jax.default_backend()):
-      raise RuntimeError(
-        f"backend='ffi' but the te_adapters extension is not built for {jax.default_backend()!r}"
-      )
-  else:
-    raise ValueError(f"backend must be 'jax', 'ffi' or None, got {requested!r}")
-  if choice == "jax":
+  if backend(requested=requested) == "jax":
     return False
   # A program placed on the host CPU of a GPU machine calls the same target on the CPU platform.
   ffi_available("cpu")
@@ -163,7 +155,7 @@ def cast_transpose(
     with_amax: also return ``max(|x|)`` (float32, shape (1,), inf if any element is NaN or
       inf), read in the same pass (delayed scaling quantizes with a stored scale and records
       the amax).
-    backend: ``"jax"``, ``"ffi"`` or ``None`` (``TE_ADAPTERS_BACKEND`` and the platform decide).
+    backend: ``"jax"``, ``"ffi"``, or ``"auto"``/``None`` (the platform decides).
 
   Returns:
     ``(q, q_t, amax)``, with ``None`` for each output not asked for.
@@ -200,7 +192,7 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
 
   Args:
     x: a real floating-point array.
-    backend: ``"jax"``, ``"ffi"`` or ``None`` (as for ``cast_transpose``).
+    backend: ``"jax"``, ``"ffi"``, ``"auto"`` or ``None`` (as for ``cast_transpose``).
 
   Returns:
     float32 array of shape (1,).

@@ -10,7 +10,7 @@ the contracting dimension, whose float32 partial sum is multiplied by the two op
 for that slice and accumulated in float32. On a Hopper GPU with the extension's CUDA part built,
 cuBLASLt's block-scaled FP8 GEMM (cuBLAS 12.9+) runs it as one kernel (``csrc/block_gemm_cuda.cc``);
 elsewhere, and where cuBLAS cannot take the operands, XLA runs the formulation above.
-``TE_ADAPTERS_BLOCK_GEMM=xla`` forces the XLA formulation, ``=cublas`` requires cuBLASLt (an
+``GemmConfig(block_gemm="xla")`` forces the XLA formulation, ``"native"`` requires cuBLASLt (an
 error where it cannot run).
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,6 @@ from te_adapters.core import _block, _cast_transpose, _sharding
 
 __all__ = [
   "BLOCK",
-  "GEMM_ENV",
   "compute_scale",
   "cublas_call",
   "cublas_gemm_available",
@@ -39,7 +37,6 @@ __all__ = [
 ]
 
 BLOCK = 128
-GEMM_ENV = "TE_ADAPTERS_BLOCK_GEMM"
 _CUBLAS_TARGET = "te_adapters_block_gemm"
 _WORKSPACE_BYTES = 32 * 1024 * 1024
 # Partial sums of several K slices are formed at once up to this many float32 elements.
@@ -116,13 +113,6 @@ def cublas_gemm_available() -> bool:
   return capabilities == {"9.0"}
 
 
-def _gemm_choice() -> str:
-  choice = os.environ.get(GEMM_ENV, "auto")
-  if choice not in ("auto", "cublas", "xla"):
-    raise ValueError(f"{GEMM_ENV} must be 'auto', 'cublas' or 'xla', got {choice!r}")
-  return choice
-
-
 def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
   """Why cuBLASLt cannot run this GEMM (None: it can)."""
   if not cublas_gemm_available():
@@ -181,7 +171,8 @@ def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out
 
 
 def gemm(
-  a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype=jnp.float32
+  a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype=jnp.float32,
+  choice: str = "auto",
 ) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled FP8 operands, float32 sums.
 
@@ -191,15 +182,17 @@ def gemm(
   Both operands have blocks of 128 along K (``a_block``/``b_block`` are ``(128,)`` or
   ``(128, 128)``). cuBLASLt's block-scaled GEMM where it runs (see the module docstring);
   otherwise the FP8 data go into ``lax.dot_general`` unchanged, one 128-wide K slice per
-  partial product, and the scales multiply the float32 partial sums.
+  partial product, and the scales multiply the float32 partial sums. ``choice``: the
+  ``GemmConfig.block_gemm`` option (``"auto"``, ``"native"`` or ``"xla"``).
   """
-  choice = _gemm_choice()
+  if choice not in ("auto", "native", "xla"):
+    raise ValueError(f"block_gemm must be 'auto', 'native' or 'xla', got {choice!r}")
   if choice != "xla":
     refusal = _cublas_refusal(a_data, a_block, b_data, b_block)
     if refusal is None:
       return _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype)
-    if choice == "cublas":
-      raise RuntimeError(f"{GEMM_ENV}=cublas, but {refusal}")
+    if choice == "native":
+      raise RuntimeError(f"block_gemm='native', but {refusal}")
   return _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)
 
 
