@@ -20,43 +20,16 @@ the FFI kernel only when the program runs on a single device.
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _quantize, _scaling
+from te_adapters.core import _ffi, _quantize, _scaling
+from te_adapters.core._ffi import ffi_available
 
 __all__ = ["amax", "backend", "cast_transpose", "ffi_available"]
 
-_CAST_TARGET = "te_adapters_cast_transpose"
-_AMAX_TARGET = "te_adapters_amax"
 _FFI_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-# jax.default_backend() name -> (extension module, XLA platform name).
-_MODULES = {"cpu": ("te_adapters._csrc_cpu", "cpu"), "gpu": ("te_adapters._csrc_cuda", "CUDA")}
-
-
-@functools.cache
-def ffi_available(platform: str) -> bool:
-  """Whether the FFI kernels are built for ``platform`` (``"cpu"`` or ``"gpu"``) and registered.
-
-  Example:
-    >>> import te_adapters as ta
-    >>> isinstance(ta.core.ffi_available("cpu"), bool)
-    True
-  """
-  if platform not in _MODULES:
-    return False
-  module_name, xla_platform = _MODULES[platform]
-  try:
-    module = importlib.import_module(module_name)
-  except ImportError:
-    return False
-  for name, capsule in module.registrations().items():
-    jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
-  return True
 
 
 def backend(platform: str | None = None, requested: str | None = "auto") -> str:
@@ -85,45 +58,12 @@ def backend(platform: str | None = None, requested: str | None = "auto") -> str:
   return "ffi" if platform == "gpu" and ffi_available("gpu") else "jax"
 
 
-def _single_device(x) -> bool:
-  """False when ``x`` is known to be spread over several devices."""
-  sharding = getattr(x, "sharding", None)  # concrete arrays
-  if sharding is None:
-    try:
-      sharding = jax.typeof(x).sharding  # explicit-mode types under jit
-    except Exception:
-      sharding = None
-  if sharding is not None:
-    mesh = getattr(sharding, "mesh", None)
-    spec = getattr(sharding, "spec", None)
-    if mesh is not None and spec is not None and getattr(mesh, "size", 1) > 1:
-      if any(s is not None for s in spec):
-        return False
-    num = getattr(sharding, "num_devices", None)
-    if isinstance(num, int) and num > 1 and not getattr(sharding, "is_fully_replicated", True):
-      return False
-  # Under jit the sharding of a traced value is unknown: only a one-device program is safe.
-  if isinstance(x, jax.core.Tracer):
-    return jax.device_count() == 1 or _tracing_single_device()
-  return True
-
-
-def _tracing_single_device() -> bool:
-  # Inside a shard_map body every value is a per-device shard, so the kernel is safe there.
-  try:
-    from jax._src import core as jax_core
-
-    return bool(jax_core.get_axis_env().axis_sizes)
-  except Exception:
-    return False
-
-
 def _use_ffi(x, requested: str | None) -> bool:
   if backend(requested=requested) == "jax":
     return False
   # A program placed on the host CPU of a GPU machine calls the same target on the CPU platform.
   ffi_available("cpu")
-  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES and _single_device(x)
+  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES and _ffi.single_device(x)
   if requested == "ffi" and np.dtype(x.dtype) not in _FFI_INPUT_DTYPES:
     raise ValueError(
       f"the FFI cast takes float32, bfloat16 or float16 inputs, got {np.dtype(x.dtype)}"
@@ -180,7 +120,7 @@ def cast_transpose(
   if not (rowwise or colwise or with_amax):
     return None, None, None
   if _use_ffi(x, backend):
-    fn = _ffi_cast(x.ndim, q_dtype, rowwise, colwise, with_amax)
+    fn = _ffi.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax)
     q, q_t, a = fn(x, scale.reshape(1))
   else:
     q, q_t, a = _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax)
@@ -205,7 +145,7 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
   _quantize.check_float_operand("x", x)
   x = jnp.asarray(x)
   if x.size and _use_ffi(x, backend):
-    return _ffi_amax()(x)
+    return _ffi.amax_call()(x)
   return _scaling.amax(x)
 
 
@@ -214,60 +154,3 @@ def _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax):
   q_t = _quantize.cast_with_scale(jnp.swapaxes(x, -1, -2), scale, q_dtype) if colwise else None
   a = _scaling.amax(x) if with_amax else None
   return q, q_t, a
-
-
-def _empty(dtype):
-  return jax.ShapeDtypeStruct((0,), dtype)
-
-
-@functools.cache
-def _ffi_cast(ndim, q_dtype, rowwise, colwise, with_amax):
-  """The FFI cast for one configuration, batched under ``vmap`` without looping where it can."""
-
-  def call(x, scale):
-    t_shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if x.ndim >= 2 else (0,)
-    outs = (
-      jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
-      jax.ShapeDtypeStruct(t_shape, q_dtype) if colwise else _empty(q_dtype),
-      jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
-    )
-    return jax.ffi.ffi_call(_CAST_TARGET, outs)(
-      x, scale, rowwise=rowwise, colwise=colwise, compute_amax=with_amax
-    )
-
-  @jax.custom_batching.custom_vmap
-  def cast(x, scale):
-    return call(x, scale)
-
-  @cast.def_vmap
-  def _cast_vmap(axis_size, in_batched, x, scale):
-    x_batched, scale_batched = in_batched
-    out_batched = (rowwise, colwise, with_amax)
-    if x_batched and not scale_batched and not with_amax:
-      # One scale for every element: the batch dim is one more leading dim for the kernel
-      # (which only swaps the last two). A 1-D input gains a row dim that is dropped after.
-      outs = call(x, scale)
-      return tuple(outs), out_batched
-    x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-    scale = scale if scale_batched else jnp.broadcast_to(scale, (axis_size, *scale.shape))
-    outs = jax.lax.map(lambda args: cast(*args), (x, scale))
-    return tuple(outs), (True, True, True)
-
-  return cast
-
-
-@functools.cache
-def _ffi_amax():
-  def call(x):
-    return jax.ffi.ffi_call(_AMAX_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32))(x)
-
-  @jax.custom_batching.custom_vmap
-  def amax_fn(x):
-    return call(x)
-
-  @amax_fn.def_vmap
-  def _amax_vmap(axis_size, in_batched, x):
-    del axis_size, in_batched
-    return jax.lax.map(amax_fn, x), True
-
-  return amax_fn

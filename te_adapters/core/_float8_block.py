@@ -16,29 +16,22 @@ error where it cannot run).
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _cast_transpose, _sharding
+from te_adapters.core import _block, _ffi, _sharding
 
 __all__ = [
   "BLOCK",
   "compute_scale",
-  "cublas_call",
-  "cublas_gemm_available",
   "quantize",
   "dequantize_values",
   "gemm",
 ]
 
 BLOCK = 128
-_CUBLAS_TARGET = "te_adapters_block_gemm"
-_WORKSPACE_BYTES = 32 * 1024 * 1024
 # Partial sums of several K slices are formed at once up to this many float32 elements.
 _PARTIALS_BUDGET = 1 << 26
 
@@ -90,45 +83,23 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
   return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
-@functools.cache
-def _cublas_registered() -> bool:
-  if not _cast_transpose.ffi_available("gpu"):
-    return False
-  try:
-    module = importlib.import_module("te_adapters._csrc_cuda")
-  except ImportError:
-    return False
-  return _CUBLAS_TARGET in module.registrations()
-
-
-def cublas_gemm_available() -> bool:
-  """Whether cuBLASLt's block-scaled FP8 GEMM is built here and the devices are Hopper GPUs."""
-  if jax.default_backend() != "gpu" or not _cublas_registered():
-    return False
-  try:
-    capabilities = {str(d.compute_capability) for d in jax.local_devices()}
-  except AttributeError:
-    return False
-  # cuBLAS runs the 1x128 / 128x128 modes on compute capability 9.0 only.
-  return capabilities == {"9.0"}
-
-
 def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
   """Why cuBLASLt cannot run this GEMM (None: it can)."""
-  if not cublas_gemm_available():
+  if not _ffi.cublas_gemm_available():
     return "cuBLASLt's block-scaled GEMM is not built here or the GPU is not a Hopper GPU"
   if len(a_block) == 2 and len(b_block) == 2:
     return "cuBLAS has no GEMM with 128x128 tiles on both operands"
   m, n = a_data.shape[1], b_data.shape[1]
   if m % 16 or n % 16:
     return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n}"
-  if not (_cast_transpose._single_device(a_data) and _cast_transpose._single_device(b_data)):
+  if not (_ffi.single_device(a_data) and _ffi.single_device(b_data)):
     return "an operand is sharded over several devices (the kernel has no partitioning rule)"
   return None
 
 
 def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
-  """Block scales in cuBLAS's layout (see ``csrc/block_gemm_cuda.cc``), one batch entry each."""
+  """Block scales in cuBLAS's layout (see ``csrc/block_gemm_cuda.cc``), one batch entry each:
+  scale modes 1 (1x128 blocks) and 2 (128x128 tiles) of ``_ffi.gemm_call``."""
   if len(block) == 1:  # (B, rows, K/128) -> (B, K/128, rows rounded up to 4)
     s = jnp.swapaxes(scale_inv, 1, 2)
     return jnp.pad(s, ((0, 0), (0, 0), (0, -rows % 4)))
@@ -136,30 +107,12 @@ def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
   return jnp.pad(scale_inv, ((0, 0), (0, 0), (0, -scale_inv.shape[2] % 4)))
 
 
-def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
-  """The extension's cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times
-  ``b (.., N, K)`` into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim.
-
-  Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
-  Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (``_cublas_scales``).
-  """
-  outs = (
-    jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), out_dtype),
-    jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
-  )
-  y, _ = jax.ffi.ffi_call(_CUBLAS_TARGET, outs, vmap_method="sequential")(
-    a, b, a_scales, b_scales,
-    lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
-  )
-  return y
-
-
 def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype):
   m, n = a_data.shape[1], b_data.shape[1]
   # cuBLASLt writes bfloat16 itself (rounding the float32 sums once); other dtypes are cast from
   # its float32 output.
   dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
-  return cublas_call(
+  return _ffi.gemm_call(
     a_data,
     b_data,
     _cublas_scales(a_scale_inv.astype(jnp.float32), a_block, m),

@@ -35,7 +35,7 @@ from te_adapters.core import (
     _block_gemm,
     _cast_transpose,
     _dimension_numbers,
-    _float8_block,
+    _ffi,
     _frozen,
     _quantize,
     _remat,
@@ -272,7 +272,7 @@ _CUBLAS_OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jn
 def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   """Why the extension's cuBLASLt GEMM cannot run ``a (.., M, K) . b (.., N, K)^T`` (None: it
   can). XLA runs it then."""
-  if not _float8_block.cublas_gemm_available():
+  if not _ffi.cublas_gemm_available():
     return "the extension's cuBLASLt GEMM is not built here or the GPU is not a Hopper GPU"
   if np.dtype(out_dtype) not in _CUBLAS_OUT_DTYPES:
     return f"it writes bfloat16, float16 or float32, not {np.dtype(out_dtype)}"
@@ -280,7 +280,7 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   if m % 16 or n % 16 or k % 16:
     return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k}"
   if out_sharding is not None or not (
-      _cast_transpose._single_device(a) and _cast_transpose._single_device(b)):
+      _ffi.single_device(a) and _ffi.single_device(b)):
     return "an operand is sharded over several devices (the kernel has no partitioning rule)"
   return None
 
@@ -297,7 +297,7 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
   pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
-  y = _float8_block.cublas_call(
+  y = _ffi.gemm_call(
       a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
       out_dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast,

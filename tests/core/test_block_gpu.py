@@ -11,7 +11,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _block_scaled, _float8_block
+from te_adapters.core import _block_scaled, _ffi, _float8_block
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -36,7 +36,7 @@ def _on_cpu(x):
 
 
 def _skip_unless_cublas_runs_under_jit():
-  if not _float8_block.cublas_gemm_available():
+  if not _ffi.cublas_gemm_available():
     pytest.skip("cuBLASLt's block-scaled GEMM is not built or the GPU is not a Hopper GPU")
   if jax.device_count() > 1:
     # A traced operand's placement is unknown under jit when the host has several devices, so
@@ -154,7 +154,7 @@ def test_native_scaled_matmul_matches_emulation(recipe):
 
 
 @pytest.mark.skipif(
-  not _float8_block.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
+  not _ffi.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
 )
 @pytest.mark.parametrize("blocks", [(1, 2), (1, 1), (2, 1)], ids=["1dx2d", "1dx1d", "2dx1d"])
 def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks):
@@ -208,7 +208,7 @@ def test_float8_block_cublas_refusals():
   t = jnp.zeros((1, 256, 256), jnp.float8_e4m3fn)
   s2 = jnp.ones((1, 2, 2), jnp.float32)
   # Without the extension (a pure-JAX install) cuBLASLt is refused before the tiles are looked at.
-  why = "128x128 tiles on both operands" if _float8_block.cublas_gemm_available() else "not built"
+  why = "128x128 tiles on both operands" if _ffi.cublas_gemm_available() else "not built"
   with pytest.raises(RuntimeError, match=why):
     _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128), choice="native")
   with pytest.raises(ValueError, match="block_gemm must be"):

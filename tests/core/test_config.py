@@ -7,7 +7,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _block_scaled, _float8_block
+from te_adapters.core import _block_scaled, _ffi
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -73,7 +73,7 @@ def test_every_choice_computes_the_same_step(recipe, config, rel):
 
 
 def test_native_gemm_is_refused_where_it_cannot_run():
-  if _float8_block.cublas_gemm_available():
+  if _ffi.cublas_gemm_available():
     pytest.skip("the extension's cuBLASLt GEMM runs here")
   x = jnp.ones((32, 64))
   w = jnp.ones((64, 32))
@@ -88,7 +88,7 @@ def test_native_block_gemm_is_refused_where_it_cannot_run(recipe):
   if isinstance(recipe, ta.MXFP8BlockScaling):
     if _block_scaled.native_gemm_available("mxfp8"):
       pytest.skip("jax.nn.scaled_matmul runs MXFP8 here")
-  elif _float8_block.cublas_gemm_available():
+  elif _ffi.cublas_gemm_available():
     pytest.skip("cuBLASLt's block-scaled GEMM runs here")
   x = jnp.ones((128, 128))
   with pytest.raises(RuntimeError, match="block_gemm='native', but"):

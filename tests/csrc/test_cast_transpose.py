@@ -12,6 +12,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters.core import _cast_transpose as ct
+from te_adapters.core import _ffi
 from tests.conftest import assert_scales_equal, rel_err
 
 needs_ext = pytest.mark.skipif(
@@ -151,7 +152,7 @@ def test_vmap_matches_per_example_calls():
 def _dense_step(recipe, backend, monkeypatch):
   # The test session has several (virtual) devices, where a traced operand's sharding is
   # unknown and the core takes the pure-JAX path; this step is placed on one device.
-  monkeypatch.setattr(ct, "_single_device", lambda x: True)
+  monkeypatch.setattr(_ffi, "single_device", lambda x: True)
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
