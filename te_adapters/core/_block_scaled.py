@@ -26,8 +26,8 @@ import numpy as np
 from jax import lax
 
 from te_adapters.core import _block, _float8_block, _mxfp8, _nvfp4, _sharding
-from te_adapters.core._quantize import ScaledTensor
 from te_adapters.core._recipes import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from te_adapters.core._scaled_tensor import ScaledTensor
 
 __all__ = [
   "BLOCK_MODES",

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _ffi, _quantize, _scaling
+from te_adapters.core import _ffi, _scaled_tensor, _scaling
 from te_adapters.core._ffi import ffi_available
 
 __all__ = ["amax", "backend", "cast_transpose", "ffi_available"]
@@ -107,8 +107,8 @@ def cast_transpose(
     >>> q_t.shape, float(a[0])
     ((3, 2), 5.0)
   """
-  _quantize.check_float_operand("x", x)
-  q_dtype = _quantize.check_fp8_dtype(q_dtype)
+  _scaled_tensor.check_float_operand("x", x)
+  q_dtype = _scaled_tensor.check_fp8_dtype(q_dtype)
   x = jnp.asarray(x)
   scale = jnp.asarray(scale, jnp.float32)
   if scale.size != 1:
@@ -142,7 +142,7 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
     >>> float(ta.core.amax(jnp.array([1.0, -3.0]))[0])
     3.0
   """
-  _quantize.check_float_operand("x", x)
+  _scaled_tensor.check_float_operand("x", x)
   x = jnp.asarray(x)
   if x.size and _use_ffi(x, backend):
     return _ffi.amax_call()(x)
@@ -150,7 +150,7 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
 
 
 def _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax):
-  q = _quantize.cast_with_scale(x, scale, q_dtype) if rowwise else None
-  q_t = _quantize.cast_with_scale(jnp.swapaxes(x, -1, -2), scale, q_dtype) if colwise else None
+  q = _scaled_tensor.cast_with_scale(x, scale, q_dtype) if rowwise else None
+  q_t = _scaled_tensor.cast_with_scale(jnp.swapaxes(x, -1, -2), scale, q_dtype) if colwise else None
   a = _scaling.amax(x) if with_amax else None
   return q, q_t, a

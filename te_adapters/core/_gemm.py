@@ -37,8 +37,9 @@ from te_adapters.core import (
     _dimension_numbers,
     _ffi,
     _frozen,
-    _quantize,
     _remat,
+    _rng,
+    _scaled_tensor,
     _scaling,
     _sharding,
     _threshold,
@@ -129,8 +130,8 @@ def dot_general(
     >>> float(y[0, 0])
     32.0
   """
-  _quantize.check_float_operand("lhs", lhs)
-  _quantize.check_float_operand("rhs", rhs)
+  _scaled_tensor.check_float_operand("lhs", lhs)
+  _scaled_tensor.check_float_operand("rhs", rhs)
   lhs = jnp.asarray(lhs)
   rhs = jnp.asarray(rhs)
   threshold = _threshold.check_threshold(threshold)
@@ -160,7 +161,7 @@ def dot_general(
     # Every use of one traced state gets the same max-marked arrays, so a plain jax.grad
     # combines several uses by max, never by sum (see core.with_max_grad).
     state = shared_max_grad(state)
-  rng = _block_gemm.check_rng(recipe, rng)
+  rng = _rng.check_rng(recipe, rng)
   out = jax.eval_shape(
       functools.partial(
           lax.dot_general,
@@ -382,7 +383,7 @@ def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
 def _quantize_role(x, role, q_dtype, recipe, state, plan):
   """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
   scale, new = _role_scale(x, role, q_dtype, recipe, state, plan)
-  data = _quantize.cast_with_scale(x, scale, q_dtype)
+  data = _scaled_tensor.cast_with_scale(x, scale, q_dtype)
   return data, _scaling.scale_inverse(scale), new
 
 
@@ -528,7 +529,7 @@ def _cast_both(x, scale, q_dtype, config, with_amax=False):
   One pass over ``x``: the FFI kernel or XLA's fusion, per ``config.backend``.
   """
   if config.transpose == "fp8":
-    q = _quantize.cast_with_scale(x, scale, q_dtype)
+    q = _scaled_tensor.cast_with_scale(x, scale, q_dtype)
     return q, _swap_last(q), (_scaling.amax(x) if with_amax else None)  # transpose 1-byte copy
   return _cast_transpose.cast_transpose(
       x, scale, q_dtype, with_amax=with_amax, backend=config.backend
@@ -574,7 +575,7 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config
     # FSDP: the FP8 shard is cast, named (a remat policy that saves only it gathers again in
     # the backward pass) and all-gathered; the gathered kernel is transposed in FP8.
     scale_w, new_w = _role_scale(w3, "kernel", fwd, recipe, state, plan)
-    shard = _quantize.cast_with_scale(w3, scale_w, fwd)
+    shard = _scaled_tensor.cast_with_scale(w3, scale_w, fwd)
   sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
   q_xt, sinv_xt = _remat.name_quantized((q_xt, sinv_x), _remat.QUANTIZED_X)
   if shard is None:
