@@ -22,9 +22,12 @@ import numpy as np
 from jax import lax
 
 from te_adapters.core import _block, _ffi, _sharding
+from te_adapters.core._format import BlockFormat, OperandSpec
+from te_adapters.core._recipes import Float8BlockScaling
 
 __all__ = [
   "BLOCK",
+  "FORMAT",
   "compute_scale",
   "quantize",
   "dequantize_values",
@@ -184,3 +187,48 @@ def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax
   init = jnp.zeros((batch, m, n), jnp.float32)
   out, _ = lax.scan(body, init, xs)
   return out
+
+
+def operand_spec(recipe, role: str, wgrad: bool = False) -> OperandSpec:
+  """1x128 blocks or 128x128 tiles per role, as the recipe's ``*_block_scaling_dim`` say."""
+  del wgrad
+  dims = {
+    "x": recipe.x_block_scaling_dim,
+    "kernel": recipe.w_block_scaling_dim,
+    "grad": recipe.grad_block_scaling_dim,
+  }[role]
+  dtype = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
+  return OperandSpec("float8_block", (BLOCK,) * dims, dtype, power_2=recipe.power_2_scale)
+
+
+def quantize_operand(x, spec: OperandSpec, key=None, stream: int = 0, reduce_amax=None):
+  """``BlockFormat.quantize``: the scales are per block, so no key or amax reduction is used."""
+  del key, stream, reduce_amax
+  return (*quantize(x, spec.block_shape, spec.q_dtype, spec.power_2), "float8_block")
+
+
+def _block_shape(t) -> tuple[int, ...]:
+  return _block.block_shape_of(t.shape, t.scale_inv.shape)
+
+
+def dequantize_tensor(t, dtype) -> jax.Array:
+  """``BlockFormat.dequantize``."""
+  return dequantize_values(t.data, t.scale_inv, _block_shape(t)).astype(dtype)
+
+
+def tensor_gemm(a, b, out_dtype, out_sharding=None, choice: str = "auto") -> jax.Array:
+  """``BlockFormat.gemm``: ``gemm`` on the tensors' data and scales."""
+  out = gemm(
+    a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype, choice
+  )
+  return _sharding.match_sharding(out, out_sharding)
+
+
+FORMAT = BlockFormat(
+  Float8BlockScaling,
+  ("float8_block",),
+  operand_spec,
+  quantize_operand,
+  dequantize_tensor,
+  tensor_gemm,
+)
