@@ -29,7 +29,6 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-    _accumulate,
     _batching,
     _block,
     _block_gemm,
@@ -42,11 +41,12 @@ from te_adapters.core import (
     _scaled_tensor,
     _scaling,
     _sharding,
+    _tensor_scaling,
     _threshold,
 )
 from te_adapters.core._accumulate import is_accumulating
 from te_adapters.core._config import GemmConfig, check_config
-from te_adapters.core._recipes import DelayedScaling, check_recipe
+from te_adapters.core._recipes import check_recipe
 from te_adapters.core._state import ROLES, check_state, shared_max_grad
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
 
@@ -352,32 +352,11 @@ def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
   ``a``: the operand's amax when already computed (by a fused cast), else computed here. On a
   mesh it is made global first (``_sharding.global_amax``).
   """
+  scaling = _tensor_scaling.of(recipe)
   limit = _scaling.fp8_max(q_dtype)
   a = _scaling.amax(x) if a is None else a
-  state_varying = None
-  if isinstance(recipe, DelayedScaling):
-    state_varying = _sharding.varying_axes(state[f"{role}_scale"]) | _sharding.varying_axes(
-        state[f"{role}_amax_history"]
-    )
-  a = _sharding.global_amax(a, x, role, plan, state_varying)
-  if isinstance(recipe, DelayedScaling):
-    scale = _accumulate.to_float32(state[f"{role}_scale"])
-    history = _accumulate.to_float32(state[f"{role}_amax_history"])
-    new_scale, new_history, updated = _scaling.delayed_update_and_flag(
-        a, scale, history, limit, recipe.margin, recipe.amax_compute_algo
-    )
-    new = {
-        f"{role}_scale": _accumulate.encode_scale(
-            new_scale, updated, scale, state[f"{role}_scale"]
-        ),
-        f"{role}_amax_history": _accumulate.like(
-            new_history, state[f"{role}_amax_history"]
-        ),
-    }
-  else:
-    scale = _scaling.compute_scale(a, limit, 1.0)
-    new = {}
-  return scale, new
+  a = _sharding.global_amax(a, x, role, plan, scaling.state_varying(state, role))
+  return scaling.next_scale(recipe, a, state, role, limit)
 
 
 def _quantize_role(x, role, q_dtype, recipe, state, plan):
@@ -538,9 +517,10 @@ def _cast_both(x, scale, q_dtype, config, with_amax=False):
 
 def _quantize_both(x, role, q_dtype, recipe, state, plan, config):
   """Both FP8 orientations of one operand; returns (q, q_t, scale, new state entries)."""
-  if isinstance(recipe, DelayedScaling):
-    # The stored scale is known before the pass, so the amax comes out of the cast itself.
-    scale = _accumulate.to_float32(state[f"{role}_scale"])
+  scale = _tensor_scaling.of(recipe).stored_scale(state, role)
+  if scale is not None:
+    # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
+    # cast itself.
     q, q_t, a = _cast_both(x, scale, q_dtype, config, with_amax=True)
     _, new = _role_scale(x, role, q_dtype, recipe, state, plan, a)
   else:
