@@ -11,7 +11,7 @@ Each step is ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` with
 counts the FP8 cuBLASLt GEMMs in the compiled program, so an FP8 path that silently fell back to
 a bf16 GEMM shows up. On Hopper, MXFP8 and NVFP4 run emulated (bf16 GEMMs of the dequantized
 values) and ``Float8BlockScaling`` runs cuBLASLt's block-scaled FP8 GEMM when the extension has it
-(``TE_ADAPTERS_BLOCK_GEMM=xla``: one FP8 GEMM per 128-wide K slice instead).
+(``GemmConfig(block_gemm="xla")``: one FP8 GEMM per 128-wide K slice instead).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Seed 000's Dense step under each internal GEMM formulation (layout x output mode), in one
-process, beside bf16 and Flax's fp8 op. Usage: python bench/layouts.py [--small]"""
+"""Seed 000's Dense step under each internal GEMM formulation (the measurement-only fields of
+``GemmConfig``: output mode x transpose), in one process, beside bf16 and Flax's fp8 op.
+Usage: python bench/layouts.py [--small]"""
 
-import os
 import sys
 
 import jax
@@ -36,10 +36,9 @@ for name, cls in [("bf16", lambda: None), ("flax Fp8DirectDotGeneralOp",
   run(name, model.apply, model.init(k_init, x))
 for output in ("f32", "direct", "mixed"):
   for transpose in ("cast", "fp8"):
-    os.environ["TE_ADAPTERS_GEMM_OUTPUT"] = output
-    os.environ["TE_ADAPTERS_TRANSPOSE"] = transpose
+    config = ta.GemmConfig(output=output, transpose=transpose)
     for label, recipe in [("current", ta.Float8CurrentScaling()),
                           ("delayed", ta.DelayedScaling())]:
-      model = make(ta.linen.make_dot_general_cls(recipe, threshold=None))
+      model = make(ta.linen.make_dot_general_cls(recipe, threshold=None, config=config))
       run(f"{label} out={output} t={transpose}", model.apply, model.init(k_init, x))
 print(_bench.format_table(rows))

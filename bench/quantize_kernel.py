@@ -13,7 +13,7 @@ goes on):
    ``x * s`` of the same input (reads and writes every byte once: the device-to-device copy
    bandwidth it can reach). Bytes counted: input read + both FP8 copies written.
 3. Seed 000's Dense fwd+bwd step (x 8x2048x8192 bf16, kernel 8192x32768) through the core,
-   current and delayed scaling, with TE_ADAPTERS_BACKEND=jax and =ffi.
+   current and delayed scaling, with ``GemmConfig(backend="jax")`` and ``backend="ffi"``.
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ def dense_step(iters):
   ):
     for be in ("jax", "ffi"):
       try:
-        os.environ[ct.BACKEND_ENV] = be  # read at trace time
-        apply_fn, init = _bench._core_variant(recipe, (8192, 32768))
+        config = ta.GemmConfig(backend=be)
+        apply_fn, init = _bench._core_variant(recipe, (8192, 32768), config=config)
         step = _bench._speedometer(apply_fn)
         variables = init(k_init)
         hlo = step.lower(variables, x, dy).compile().as_text()
@@ -197,8 +197,6 @@ def dense_step(iters):
           (label, f"{be} ERROR {type(e).__name__}: {e}"[:80], float("nan"), float("nan"), None, 0)
         )
         traceback.print_exc(limit=3)
-      finally:
-        os.environ.pop(ct.BACKEND_ENV, None)
       print(f"  {rows[-1]}", flush=True)
   print(
     f"{'recipe':<10}{'backend':<12}{'ms':>9}{'spread':>9}{'FP8/other GEMMs':>17}"

@@ -99,7 +99,7 @@ def _make_dense(features):
   return lambda dot_general_cls: FlaxDenseBlock(features, dot_general_cls=dot_general_cls)
 
 
-def _core_variant(recipe, w_shape, kernel_dtype=jnp.bfloat16):
+def _core_variant(recipe, w_shape, kernel_dtype=jnp.bfloat16, config=None):
   """The core called directly: params {'w': f32}, bf16 output like nn.Dense(dtype=bf16).
 
   ``kernel_dtype`` bf16: the kernel is copied to bf16 first, the work nn.Dense does.
@@ -112,7 +112,7 @@ def _core_variant(recipe, w_shape, kernel_dtype=jnp.bfloat16):
     dn = (((x.ndim - 1,), (0,)), ((), ()))
     return core.dot_general(
         x, variables["w"].astype(kernel_dtype), dn, preferred_element_type=jnp.bfloat16,
-        recipe=recipe, state=variables.get("state") or None, threshold=None,
+        recipe=recipe, state=variables.get("state") or None, threshold=None, config=config,
     )
 
   def init(key):

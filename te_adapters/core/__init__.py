@@ -5,6 +5,7 @@ with a custom VJP whose state gradient is the next step's state. GEMMs too small
 stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in_fp8``).
 """
 
+from te_adapters.core._config import GemmConfig, check_config
 from te_adapters.core._frozen import FrozenStateWarning
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._inspect import (
@@ -65,6 +66,7 @@ __all__ = [
     "Format",
     "FrozenStateWarning",
     "GEMM_OUTPUT",
+    "GemmConfig",
     "HighPrecisionGemmWarning",
     "MMParams",
     "MXFP8BlockScaling",
@@ -74,6 +76,7 @@ __all__ = [
     "Recipe",
     "ScaledTensor",
     "SizeThreshold",
+    "check_config",
     "check_recipe",
     "check_state",
     "check_threshold",

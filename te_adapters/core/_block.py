@@ -25,6 +25,11 @@ __all__ = [
   "exp2",
   "scale_by_pow2",
   "f32_max",
+  "native_gemm_available",
+  "use_native_gemm",
+  "emulation_dtype",
+  "scaled_matmul",
+  "emulated_gemm",
 ]
 
 
@@ -131,3 +136,65 @@ def scale_by_pow2(x, k, nan=None) -> jax.Array:
 
 def f32_max() -> float:
   return float(np.finfo(np.float32).max)
+
+
+def native_gemm_available(mode: str) -> bool:
+  """Whether ``jax.nn.scaled_matmul`` runs ``mode`` natively here (Blackwell GPUs, cuDNN)."""
+  if mode not in ("mxfp8", "nvfp4", "nvfp4_rht") or jax.default_backend() != "gpu":
+    return False
+  try:
+    capabilities = [float(d.compute_capability) for d in jax.local_devices()]
+  except (AttributeError, TypeError, ValueError):
+    return False
+  return bool(capabilities) and min(capabilities) >= 10.0
+
+
+def use_native_gemm(mode: str, choice: str) -> bool:
+  """Whether ``mode``'s GEMM runs on ``jax.nn.scaled_matmul``, per ``GemmConfig.block_gemm``."""
+  if choice not in ("auto", "native", "xla"):
+    raise ValueError(f"block_gemm must be 'auto', 'native' or 'xla', got {choice!r}")
+  if choice == "xla":
+    return False
+  available = native_gemm_available(mode)
+  if choice == "native" and not available:
+    raise RuntimeError(
+      f"block_gemm='native', but {mode} has no native GEMM here (jax.nn.scaled_matmul runs it "
+      "on Blackwell GPUs only)"
+    )
+  return available
+
+
+def emulation_dtype():
+  """The dtype emulated block-scaled GEMMs multiply dequantized values in."""
+  # Dequantized NVFP4 values (<= 6 significant bits) and MXFP8 values are exact in bfloat16
+  # (MXFP8 down to 2**-126), which runs at full speed on GPUs; CPUs are faster in float32.
+  return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
+def _row_scales(t) -> jax.Array:
+  """Block scales as one row per data row (a tile's scale repeated on each of its rows)."""
+  bs = block_shape_of(t.data.shape, t.scale_inv.shape)
+  scales = t.scale_inv
+  if len(bs) == 2:
+    scales = repeat(scales, bs[0], axis=-2)
+  return scales
+
+
+def scaled_matmul(a, b) -> jax.Array:
+  """``jax.nn.scaled_matmul`` of two block-scaled ``(B, rows, K)`` tensors, float32 sums."""
+  return jax.nn.scaled_matmul(
+    a.data, b.data, _row_scales(a), _row_scales(b), preferred_element_type=jnp.float32
+  )
+
+
+def emulated_gemm(a_values, b_values, out_sharding=None) -> jax.Array:
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` of dequantized values, float32 sums."""
+  dtype = emulation_dtype()
+  return lax.dot_general(
+    a_values.astype(dtype),
+    b_values.astype(dtype),
+    (((2,), (2,)), ((0,), (0,))),
+    precision=lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+    out_sharding=out_sharding,
+  )

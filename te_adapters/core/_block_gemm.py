@@ -30,31 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from te_adapters.core import _block_scaled, _remat, _sharding
 from te_adapters.core._block_scaled import operand_spec
 
-__all__ = ["block_dot_general", "check_rng"]
-
-
-def check_rng(recipe, rng):
-  """Validates ``rng`` for ``recipe``; returns it as a typed PRNG key (or None)."""
-  name = type(recipe).__name__
-  if rng is None:
-    return None
-  if not getattr(recipe, "uses_rng", False):
-    raise ValueError(
-      f"rng was given but {name} does not use one (only NVFP4BlockScaling with stochastic "
-      "rounding does); pass rng=None"
-    )
-  dtype = getattr(rng, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    if rng.shape != ():
-      raise ValueError(f"rng must be a single PRNG key, got a key array of shape {rng.shape}")
-    return rng
-  rng = jnp.asarray(rng)
-  if rng.dtype != np.uint32 or rng.shape != (2,):
-    raise TypeError(
-      "rng must be a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), got an "
-      f"array of dtype {rng.dtype} and shape {rng.shape}"
-    )
-  return jax.random.wrap_key_data(rng)
+__all__ = ["block_dot_general"]
 
 
 class _Layout:
@@ -204,11 +180,12 @@ def _checked_bwd(dn, lhs_shape, rhs_shape, recipe, no_rng, residuals, g):
 checked_under_grad.defvjp(_checked_fwd, _checked_bwd)
 
 
-def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan):
+def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, choice="auto"):
   """``lax.dot_general(lhs, rhs, dn)`` under a block recipe; ``rng`` feeds stochastic rounding.
 
   ``out``: the ``ShapeDtypeStruct`` that ``lax.dot_general`` gives (its dtype, and under Explicit
   mesh axes its sharding). ``plan``: the ``SpmdPlan`` (amax axes for NVFP4 inside shard_map).
+  ``choice``: ``GemmConfig.block_gemm``, which GEMM kernel runs.
   """
   layout = _Layout(dn, lhs.shape, rhs.shape)  # dot_general checked it (check_operands)
   # Static facts the backward pass needs: operand shapes (for the layout) and dtypes.
@@ -218,7 +195,7 @@ def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan):
     _sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n)
   )
   plan = dataclasses.replace(plan, out_sharding=y3_sharding)
-  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out.dtype), operands, recipe, plan)
+  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out.dtype), operands, recipe, plan, choice)
 
 
 def _amax_reducer(x, role, plan):
@@ -263,21 +240,23 @@ def _name_quantized(t, name):
   return jax.tree.map(name_leaf, t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, choice):
   del rng, operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
   _, _, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
-  return layout.out(_block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding)).astype(out_dtype)
+  y3 = _block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding, choice)
+  return layout.out(y3).astype(out_dtype)
 
 
-def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan):
+def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, choice):
   del operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
   layout.check(recipe, backward=True, lhs=lhs, rhs=rhs)
   _check_grad_rng(recipe, rng is None)
   x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
-  y = layout.out(_block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding)).astype(out_dtype)
+  y3 = _block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding, choice)
+  y = layout.out(y3).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   # The backward copies: blocks along M for x (wgrad) and along N for the kernel (dgrad).
   x_spec = operand_spec(recipe, "x", wgrad=True)
@@ -298,7 +277,7 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan):
   return y, (qx_t, qw_t, rng, witness)
 
 
-def _block_bwd(dn, out_dtype, operands, recipe, plan, residuals, g):
+def _block_bwd(dn, out_dtype, operands, recipe, plan, choice, residuals, g):
   del out_dtype
   qx_t, qw_t, rng, witness = residuals
   (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
@@ -320,8 +299,8 @@ def _block_bwd(dn, out_dtype, operands, recipe, plan, residuals, g):
   # shard_map a cotangent is summed over the mesh axes its primal is replicated on, in float32.
   dx_dtype = lhs_dtype if witness[0] is None else jnp.float32
   dw_dtype = rhs_dtype if witness[1] is None else jnp.float32
-  dx3 = _block_scaled.gemm(qg, qw_t, dx_dtype, _swapped_sharding(qx_t))
-  dw3 = _block_scaled.gemm(qg_t, qx_t, dw_dtype, _swapped_sharding(qw_t))
+  dx3 = _block_scaled.gemm(qg, qw_t, dx_dtype, _swapped_sharding(qx_t), choice)
+  dw3 = _block_scaled.gemm(qg_t, qx_t, dw_dtype, _swapped_sharding(qw_t), choice)
   dx = _sharding.match_cotangent(layout.lhs_from3(dx3), witness[0]).astype(lhs_dtype)
   dw = _sharding.match_cotangent(layout.rhs_from3(dw3), witness[1]).astype(rhs_dtype)
   return dx, dw, None

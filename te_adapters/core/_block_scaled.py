@@ -19,20 +19,21 @@ the last two.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from te_adapters.core import _block, _float8_block, _mxfp8, _nvfp4, _sharding
-from te_adapters.core._quantize import ScaledTensor
-from te_adapters.core._recipes import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from te_adapters.core import _block, _float8_block, _mxfp8, _nvfp4
+from te_adapters.core._block import emulation_dtype, native_gemm_available
+from te_adapters.core._format import BlockFormat, OperandSpec
+from te_adapters.core._scaled_tensor import ScaledTensor
 
 __all__ = [
   "BLOCK_MODES",
+  "FORMATS",
   "OperandSpec",
+  "format_of",
   "operand_spec",
   "quantize_trailing",
   "dequantize",
@@ -42,54 +43,26 @@ __all__ = [
   "emulation_dtype",
 ]
 
-BLOCK_MODES = ("mxfp8", "nvfp4", "nvfp4_rht", "float8_block")
+# The block-scaled formats, one module each (see _format.BlockFormat).
+FORMATS: tuple[BlockFormat, ...] = (_mxfp8.FORMAT, _nvfp4.FORMAT, _float8_block.FORMAT)
+_BY_MODE = {mode: f for f in FORMATS for mode in f.scaling_modes}
+BLOCK_MODES = tuple(_BY_MODE)
 ROLES = ("x", "kernel", "grad")
-# "auto" (default): native block-scaled GEMMs where the device has them; "emulated"/"native" force.
-GEMM_ENV = "TE_ADAPTERS_BLOCK_GEMM"
 
 
-@dataclasses.dataclass(frozen=True)
-class OperandSpec:
-  """How one copy of one operand is quantized (static)."""
-
-  mode: str  # "mxfp8", "nvfp4" or "float8_block"
-  block_shape: tuple[int, ...]
-  q_dtype: np.dtype
-  rht: bool = False
-  stochastic: bool = False
-  power_2: bool = True
-
-  @property
-  def block_size(self) -> int:
-    return self.block_shape[-1]
+def format_of(recipe) -> BlockFormat:
+  """The format of a block-scaled recipe; a TypeError for any other recipe."""
+  for f in FORMATS:
+    if isinstance(recipe, f.recipe_type):
+      return f
+  raise TypeError(f"{type(recipe).__name__} is not a block-scaled recipe")
 
 
 def operand_spec(recipe, role: str, *, wgrad: bool = False) -> OperandSpec:
   """The quantization of ``role`` under a block recipe; ``wgrad`` marks the weight-gradient copy."""
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-  dtype = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
-  if isinstance(recipe, MXFP8BlockScaling):
-    return OperandSpec("mxfp8", (_mxfp8.BLOCK,), dtype)
-  if isinstance(recipe, NVFP4BlockScaling):
-    two_d = role == "kernel" and not recipe.disable_2d_quantization
-    return OperandSpec(
-      "nvfp4",
-      (_nvfp4.BLOCK,) * (2 if two_d else 1),
-      dtype,
-      rht=wgrad and role != "kernel" and not recipe.disable_rht,
-      stochastic=role == "grad" and not recipe.disable_stochastic_rounding,
-    )
-  if isinstance(recipe, Float8BlockScaling):
-    dims = {
-      "x": recipe.x_block_scaling_dim,
-      "kernel": recipe.w_block_scaling_dim,
-      "grad": recipe.grad_block_scaling_dim,
-    }[role]
-    return OperandSpec(
-      "float8_block", (_float8_block.BLOCK,) * dims, dtype, power_2=recipe.power_2_scale
-    )
-  raise TypeError(f"{type(recipe).__name__} is not a block-scaled recipe")
+  return format_of(recipe).operand_spec(recipe, role, wgrad)
 
 
 def quantize_trailing(
@@ -115,51 +88,13 @@ def quantize_trailing(
   if spec.stochastic and key is None:
     raise ValueError(f"{what}: stochastic rounding needs a PRNG key")
   dq_dtype = np.dtype(x.dtype)
-  mode = spec.mode
-  if spec.mode == "mxfp8":
-    data, scale_inv, amax = _mxfp8.quantize(x, spec.q_dtype)
-  elif spec.mode == "nvfp4":
-    if spec.rht:
-      x = _nvfp4.apply_rht(x)
-      mode = "nvfp4_rht"
-    seed = _nvfp4.random_seed(key, stream) if spec.stochastic else None
-    data, scale_inv, amax = _nvfp4.quantize(x, spec.block_shape, seed, reduce_amax)
-  else:
-    data, scale_inv, amax = _float8_block.quantize(x, spec.block_shape, spec.q_dtype, spec.power_2)
+  data, scale_inv, amax, mode = _BY_MODE[spec.mode].quantize(x, spec, key, stream, reduce_amax)
   return ScaledTensor(data, scale_inv, amax, scaling_mode=mode, dq_dtype=dq_dtype)
-
-
-def _block_shape(t: ScaledTensor) -> tuple[int, ...]:
-  return _block.block_shape_of(t.data.shape, t.scale_inv.shape)
-
-
-def _values(t: ScaledTensor) -> jax.Array:
-  """float32 ``data * block scale`` (NVFP4: without the tensor factor ``amax / (6 * 448)``)."""
-  bs = _block_shape(t)
-  if t.scaling_mode == "mxfp8":
-    return _mxfp8.dequantize_values(t.data, t.scale_inv, bs)
-  if t.scaling_mode in ("nvfp4", "nvfp4_rht"):
-    return _nvfp4.dequantize_values(t.data, t.scale_inv, bs)
-  return _float8_block.dequantize_values(t.data, t.scale_inv, bs)
-
-
-def _tensor_factor(t: ScaledTensor) -> jax.Array | None:
-  if t.scaling_mode in ("nvfp4", "nvfp4_rht"):
-    return _nvfp4.global_factor(t.amax).reshape(())
-  return None
 
 
 def dequantize(t: ScaledTensor, dtype) -> jax.Array:
   """The high-precision values of a block-scaled tensor (the RHT undone for ``nvfp4_rht``)."""
-  out = _values(t)
-  factor = _tensor_factor(t)
-  if factor is not None:
-    out = out * factor
-  if t.scaling_mode == "nvfp4_rht":
-    ratios = [d // s for d, s in zip(t.data.shape, t.scale_inv.shape, strict=True)]
-    axis = ratios.index(_nvfp4.BLOCK)
-    out = jnp.moveaxis(_nvfp4.invert_rht(jnp.moveaxis(out, axis, -1)), -1, axis)
-  return out.astype(dtype)
+  return _BY_MODE[t.scaling_mode].dequantize(t, dtype)
 
 
 def transpose_tiles(t: ScaledTensor) -> ScaledTensor:
@@ -169,41 +104,9 @@ def transpose_tiles(t: ScaledTensor) -> ScaledTensor:
   )
 
 
-def native_gemm_available(mode: str) -> bool:
-  """Whether ``jax.nn.scaled_matmul`` runs ``mode`` natively here (Blackwell GPUs, cuDNN)."""
-  choice = os.environ.get(GEMM_ENV, "auto")
-  if choice not in ("auto", "emulated", "native"):
-    raise ValueError(f"{GEMM_ENV} must be 'auto', 'emulated' or 'native', got {choice!r}")
-  if mode not in ("mxfp8", "nvfp4", "nvfp4_rht") or choice == "emulated":
-    return False
-  if choice == "native":
-    return True
-  if jax.default_backend() != "gpu":
-    return False
-  try:
-    capabilities = [float(d.compute_capability) for d in jax.local_devices()]
-  except (AttributeError, TypeError, ValueError):
-    return False
-  return bool(capabilities) and min(capabilities) >= 10.0
-
-
-def _row_scales(t: ScaledTensor) -> jax.Array:
-  """Block scales as one row per data row (a tile's scale repeated on each of its rows)."""
-  bs = _block_shape(t)
-  scales = t.scale_inv
-  if len(bs) == 2:
-    scales = _block.repeat(scales, bs[0], axis=-2)
-  return scales
-
-
-def emulation_dtype():
-  """The dtype emulated block-scaled GEMMs multiply dequantized values in."""
-  # Dequantized NVFP4 values (<= 6 significant bits) and MXFP8 values are exact in bfloat16
-  # (MXFP8 down to 2**-126), which runs at full speed on GPUs; CPUs are faster in float32.
-  return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-
-
-def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=None) -> jax.Array:
+def gemm(
+  a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=None, choice="auto"
+) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled operands, float32 sums.
 
   The result is float32, or ``out_dtype`` where the GEMM kernel writes that dtype itself (FP8
@@ -213,27 +116,6 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.float32, out_sharding=N
   MXFP8/NVFP4 run ``jax.nn.scaled_matmul`` where the device has it, and otherwise a GEMM of the
   dequantized values (the same quantized values, accumulated in float32). ``out_sharding``: the
   output's ``NamedSharding`` under Explicit mesh axes (needed when K is sharded), else None.
+  ``choice``: the ``GemmConfig.block_gemm`` option.
   """
-  if a.scaling_mode == "float8_block":
-    out = _float8_block.gemm(
-      a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype
-    )
-    return _sharding.match_sharding(out, out_sharding)
-  if native_gemm_available(a.scaling_mode):
-    out = jax.nn.scaled_matmul(
-      a.data, b.data, _row_scales(a), _row_scales(b), preferred_element_type=jnp.float32
-    )
-  else:
-    dtype = emulation_dtype()
-    out = lax.dot_general(
-      _values(a).astype(dtype),
-      _values(b).astype(dtype),
-      (((2,), (2,)), ((0,), (0,))),
-      precision=lax.Precision.HIGHEST,
-      preferred_element_type=jnp.float32,
-      out_sharding=out_sharding,
-    )
-  fa, fb = _tensor_factor(a), _tensor_factor(b)
-  if fa is not None:
-    out = out * (fa * fb)
-  return out
+  return _BY_MODE[a.scaling_mode].gemm(a, b, out_dtype, out_sharding, choice)

@@ -10,38 +10,31 @@ the contracting dimension, whose float32 partial sum is multiplied by the two op
 for that slice and accumulated in float32. On a Hopper GPU with the extension's CUDA part built,
 cuBLASLt's block-scaled FP8 GEMM (cuBLAS 12.9+) runs it as one kernel (``csrc/block_gemm_cuda.cc``);
 elsewhere, and where cuBLAS cannot take the operands, XLA runs the formulation above.
-``TE_ADAPTERS_BLOCK_GEMM=xla`` forces the XLA formulation, ``=cublas`` requires cuBLASLt (an
+``GemmConfig(block_gemm="xla")`` forces the XLA formulation, ``"native"`` requires cuBLASLt (an
 error where it cannot run).
 """
 
 from __future__ import annotations
-
-import functools
-import importlib
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _cast_transpose, _sharding
+from te_adapters.core import _block, _ffi, _sharding
+from te_adapters.core._format import BlockFormat, OperandSpec
+from te_adapters.core._recipes import Float8BlockScaling
 
 __all__ = [
   "BLOCK",
-  "GEMM_ENV",
+  "FORMAT",
   "compute_scale",
-  "cublas_call",
-  "cublas_gemm_available",
   "quantize",
   "dequantize_values",
   "gemm",
 ]
 
 BLOCK = 128
-GEMM_ENV = "TE_ADAPTERS_BLOCK_GEMM"
-_CUBLAS_TARGET = "te_adapters_block_gemm"
-_WORKSPACE_BYTES = 32 * 1024 * 1024
 # Partial sums of several K slices are formed at once up to this many float32 elements.
 _PARTIALS_BUDGET = 1 << 26
 
@@ -93,52 +86,23 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
   return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
-@functools.cache
-def _cublas_registered() -> bool:
-  if not _cast_transpose.ffi_available("gpu"):
-    return False
-  try:
-    module = importlib.import_module("te_adapters._csrc_cuda")
-  except ImportError:
-    return False
-  return _CUBLAS_TARGET in module.registrations()
-
-
-def cublas_gemm_available() -> bool:
-  """Whether cuBLASLt's block-scaled FP8 GEMM is built here and the devices are Hopper GPUs."""
-  if jax.default_backend() != "gpu" or not _cublas_registered():
-    return False
-  try:
-    capabilities = {str(d.compute_capability) for d in jax.local_devices()}
-  except AttributeError:
-    return False
-  # cuBLAS runs the 1x128 / 128x128 modes on compute capability 9.0 only.
-  return capabilities == {"9.0"}
-
-
-def _gemm_choice() -> str:
-  choice = os.environ.get(GEMM_ENV, "auto")
-  if choice not in ("auto", "cublas", "xla"):
-    raise ValueError(f"{GEMM_ENV} must be 'auto', 'cublas' or 'xla', got {choice!r}")
-  return choice
-
-
 def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
   """Why cuBLASLt cannot run this GEMM (None: it can)."""
-  if not cublas_gemm_available():
+  if not _ffi.cublas_gemm_available():
     return "cuBLASLt's block-scaled GEMM is not built here or the GPU is not a Hopper GPU"
   if len(a_block) == 2 and len(b_block) == 2:
     return "cuBLAS has no GEMM with 128x128 tiles on both operands"
   m, n = a_data.shape[1], b_data.shape[1]
   if m % 16 or n % 16:
     return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n}"
-  if not (_cast_transpose._single_device(a_data) and _cast_transpose._single_device(b_data)):
+  if not (_ffi.single_device(a_data) and _ffi.single_device(b_data)):
     return "an operand is sharded over several devices (the kernel has no partitioning rule)"
   return None
 
 
 def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
-  """Block scales in cuBLAS's layout (see ``csrc/block_gemm_cuda.cc``), one batch entry each."""
+  """Block scales in cuBLAS's layout (see ``csrc/block_gemm_cuda.cc``), one batch entry each:
+  scale modes 1 (1x128 blocks) and 2 (128x128 tiles) of ``_ffi.gemm_call``."""
   if len(block) == 1:  # (B, rows, K/128) -> (B, K/128, rows rounded up to 4)
     s = jnp.swapaxes(scale_inv, 1, 2)
     return jnp.pad(s, ((0, 0), (0, 0), (0, -rows % 4)))
@@ -146,30 +110,12 @@ def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
   return jnp.pad(scale_inv, ((0, 0), (0, 0), (0, -scale_inv.shape[2] % 4)))
 
 
-def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
-  """The extension's cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times
-  ``b (.., N, K)`` into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim.
-
-  Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
-  Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (``_cublas_scales``).
-  """
-  outs = (
-    jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), out_dtype),
-    jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
-  )
-  y, _ = jax.ffi.ffi_call(_CUBLAS_TARGET, outs, vmap_method="sequential")(
-    a, b, a_scales, b_scales,
-    lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
-  )
-  return y
-
-
 def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype):
   m, n = a_data.shape[1], b_data.shape[1]
   # cuBLASLt writes bfloat16 itself (rounding the float32 sums once); other dtypes are cast from
   # its float32 output.
   dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
-  return cublas_call(
+  return _ffi.gemm_call(
     a_data,
     b_data,
     _cublas_scales(a_scale_inv.astype(jnp.float32), a_block, m),
@@ -181,7 +127,8 @@ def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out
 
 
 def gemm(
-  a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype=jnp.float32
+  a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype=jnp.float32,
+  choice: str = "auto",
 ) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled FP8 operands, float32 sums.
 
@@ -191,15 +138,17 @@ def gemm(
   Both operands have blocks of 128 along K (``a_block``/``b_block`` are ``(128,)`` or
   ``(128, 128)``). cuBLASLt's block-scaled GEMM where it runs (see the module docstring);
   otherwise the FP8 data go into ``lax.dot_general`` unchanged, one 128-wide K slice per
-  partial product, and the scales multiply the float32 partial sums.
+  partial product, and the scales multiply the float32 partial sums. ``choice``: the
+  ``GemmConfig.block_gemm`` option (``"auto"``, ``"native"`` or ``"xla"``).
   """
-  choice = _gemm_choice()
+  if choice not in ("auto", "native", "xla"):
+    raise ValueError(f"block_gemm must be 'auto', 'native' or 'xla', got {choice!r}")
   if choice != "xla":
     refusal = _cublas_refusal(a_data, a_block, b_data, b_block)
     if refusal is None:
       return _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype)
-    if choice == "cublas":
-      raise RuntimeError(f"{GEMM_ENV}=cublas, but {refusal}")
+    if choice == "native":
+      raise RuntimeError(f"block_gemm='native', but {refusal}")
   return _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)
 
 
@@ -238,3 +187,48 @@ def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax
   init = jnp.zeros((batch, m, n), jnp.float32)
   out, _ = lax.scan(body, init, xs)
   return out
+
+
+def operand_spec(recipe, role: str, wgrad: bool = False) -> OperandSpec:
+  """1x128 blocks or 128x128 tiles per role, as the recipe's ``*_block_scaling_dim`` say."""
+  del wgrad
+  dims = {
+    "x": recipe.x_block_scaling_dim,
+    "kernel": recipe.w_block_scaling_dim,
+    "grad": recipe.grad_block_scaling_dim,
+  }[role]
+  dtype = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
+  return OperandSpec("float8_block", (BLOCK,) * dims, dtype, power_2=recipe.power_2_scale)
+
+
+def quantize_operand(x, spec: OperandSpec, key=None, stream: int = 0, reduce_amax=None):
+  """``BlockFormat.quantize``: the scales are per block, so no key or amax reduction is used."""
+  del key, stream, reduce_amax
+  return (*quantize(x, spec.block_shape, spec.q_dtype, spec.power_2), "float8_block")
+
+
+def _block_shape(t) -> tuple[int, ...]:
+  return _block.block_shape_of(t.shape, t.scale_inv.shape)
+
+
+def dequantize_tensor(t, dtype) -> jax.Array:
+  """``BlockFormat.dequantize``."""
+  return dequantize_values(t.data, t.scale_inv, _block_shape(t)).astype(dtype)
+
+
+def tensor_gemm(a, b, out_dtype, out_sharding=None, choice: str = "auto") -> jax.Array:
+  """``BlockFormat.gemm``: ``gemm`` on the tensors' data and scales."""
+  out = gemm(
+    a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype, choice
+  )
+  return _sharding.match_sharding(out, out_sharding)
+
+
+FORMAT = BlockFormat(
+  Float8BlockScaling,
+  ("float8_block",),
+  operand_spec,
+  quantize_operand,
+  dequantize_tensor,
+  tensor_gemm,
+)

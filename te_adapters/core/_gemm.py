@@ -10,8 +10,8 @@ runs through the extension's cuBLASLt call, as TE's does: both scales in the epi
 rounding of the float32 sums to the output dtype, and the accumulation the recipe's
 ``MMParams`` ask for. Elsewhere (CPU, sharded operands, other GPUs, odd sizes) XLA runs
 ``lax.dot_general`` on the FP8 arrays and the output is rescaled in float32 after it.
-``TE_ADAPTERS_FP8_GEMM=xla`` forces XLA's; ``=cublas`` requires the extension's (an error where
-it cannot run).
+``GemmConfig(fp8_gemm="xla")`` forces XLA's; ``"native"`` requires the extension's (an error
+where it cannot run).
 
 Recipe state travels through the gradient channel: the cotangent returned for ``state`` is the
 state for the next step ("overwrite with gradient").
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,22 +29,24 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-    _accumulate,
     _batching,
     _block,
     _block_gemm,
     _cast_transpose,
     _dimension_numbers,
-    _float8_block,
+    _ffi,
     _frozen,
-    _quantize,
     _remat,
+    _rng,
+    _scaled_tensor,
     _scaling,
     _sharding,
+    _tensor_scaling,
     _threshold,
 )
 from te_adapters.core._accumulate import is_accumulating
-from te_adapters.core._recipes import DelayedScaling, check_recipe
+from te_adapters.core._config import GemmConfig, check_config
+from te_adapters.core._recipes import check_recipe
 from te_adapters.core._state import ROLES, check_state, shared_max_grad
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
 
@@ -66,6 +67,7 @@ def dot_general(
     amax_axes=None,
     kernel_all_gather=None,
     threshold=DEFAULT_SIZE_THRESHOLD,
+    config: GemmConfig | None = None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -114,6 +116,8 @@ def dot_general(
       ``amax_axes`` are unused then, ``kernel_all_gather`` gathers the unquantized kernel, and
       the state gradient is the unchanged state (under ``with_max_grad``: no contribution, so
       ``updated_state`` keeps the state). ``None``: always quantize.
+    config: a ``GemmConfig``: which kernels cast and multiply (``None``: ``GemmConfig()``, the
+      fastest where each runs). It leaves the quantized values alone.
 
   Returns:
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
@@ -126,11 +130,12 @@ def dot_general(
     >>> float(y[0, 0])
     32.0
   """
-  _quantize.check_float_operand("lhs", lhs)
-  _quantize.check_float_operand("rhs", rhs)
+  _scaled_tensor.check_float_operand("lhs", lhs)
+  _scaled_tensor.check_float_operand("rhs", rhs)
   lhs = jnp.asarray(lhs)
   rhs = jnp.asarray(rhs)
   threshold = _threshold.check_threshold(threshold)
+  config = check_config(config)
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
@@ -156,7 +161,7 @@ def dot_general(
     # Every use of one traced state gets the same max-marked arrays, so a plain jax.grad
     # combines several uses by max, never by sum (see core.with_max_grad).
     state = shared_max_grad(state)
-  rng = _block_gemm.check_rng(recipe, rng)
+  rng = _rng.check_rng(recipe, rng)
   out = jax.eval_shape(
       functools.partial(
           lax.dot_general,
@@ -181,17 +186,17 @@ def dot_general(
       y = _block_gemm.checked_under_grad(y, dn, lhs.shape, gemm_rhs.shape, recipe, rng is None)
     return y
   if recipe.block_scaled:
-    return _block_gemm.block_dot_general(lhs, rhs, dn, out, recipe, rng, plan)
+    return _block_gemm.block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, config.block_gemm)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  if _layout() == "tn":
+  if config.layout == "tn":
     return _tn_dot_general(
-        lhs, rhs, state, dn, precision, np.dtype(out_dtype), recipe, plan, gemm_rhs.shape
+        lhs, rhs, state, dn, precision, np.dtype(out_dtype), recipe, plan, gemm_rhs.shape, config
     )
   return _fp8_dot_general(
-      lhs, rhs, state, dn, precision, np.dtype(out_dtype), operand_dtypes, recipe, plan
+      lhs, rhs, state, dn, precision, np.dtype(out_dtype), operand_dtypes, recipe, plan, config
   )
 
 
@@ -237,24 +242,7 @@ def _unchanged(leaf):
 _keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
 
 
-def _layout() -> str:
-  # Internal benchmarking knob: "tn" (default) puts every GEMM operand in contracting-last
-  # layout inside the VJP; "xla" leaves the operand layouts to XLA.
-  value = os.environ.get("TE_ADAPTERS_GEMM_LAYOUT", "tn")
-  if value not in ("tn", "xla"):
-    raise ValueError(f"TE_ADAPTERS_GEMM_LAYOUT must be 'tn' or 'xla', got {value!r}")
-  return value
-
-
-def _knob(name: str, default: str, allowed: tuple[str, ...]) -> str:
-  # Internal benchmarking knobs, read at trace time (see bench/layouts.py).
-  value = os.environ.get(name, default)
-  if value not in allowed:
-    raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-  return value
-
-
-def _output_mode(gemm: str = "fwd") -> str:
+def _output_mode(config: GemmConfig, gemm: str = "fwd") -> str:
   # "f32": the FP8 GEMM accumulates into float32, rescaled there, then cast (one rounding).
   # "direct32": the GEMM emits the output dtype, rescaled in float32 and rounded again.
   # "direct": the GEMM emits the output dtype and is rescaled in it. The scale is rounded to the
@@ -264,9 +252,7 @@ def _output_mode(gemm: str = "fwd") -> str:
   # (Dequantized operands, float32 convert times scale, which XLA rewrites into one FP8 GEMM
   # with both scales in its epilogue, fail for bfloat16 outputs on jax 0.11.2: XLA takes a
   # float32 x float32 -> bfloat16 dot to be unsupported by cuBLASLt before its FP8 rewrite.)
-  mode = _knob(
-    "TE_ADAPTERS_GEMM_OUTPUT", "mixed32", ("f32", "direct", "direct32", "mixed", "mixed32")
-  )
+  mode = config.output
   if mode in ("mixed", "mixed32"):
     return "f32" if gemm == "wgrad" else mode.replace("mixed", "direct")
   return mode
@@ -281,14 +267,13 @@ def _gemm_precision(precision, gemm: str, recipe):
   return lax.Precision.HIGHEST if params.use_split_accumulator else precision
 
 
-FP8_GEMM_ENV = "TE_ADAPTERS_FP8_GEMM"
 _CUBLAS_OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 
 
 def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   """Why the extension's cuBLASLt GEMM cannot run ``a (.., M, K) . b (.., N, K)^T`` (None: it
   can). XLA runs it then."""
-  if not _float8_block.cublas_gemm_available():
+  if not _ffi.cublas_gemm_available():
     return "the extension's cuBLASLt GEMM is not built here or the GPU is not a Hopper GPU"
   if np.dtype(out_dtype) not in _CUBLAS_OUT_DTYPES:
     return f"it writes bfloat16, float16 or float32, not {np.dtype(out_dtype)}"
@@ -296,7 +281,7 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   if m % 16 or n % 16 or k % 16:
     return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k}"
   if out_sharding is not None or not (
-      _cast_transpose._single_device(a) and _cast_transpose._single_device(b)):
+      _ffi.single_device(a) and _ffi.single_device(b)):
     return "an operand is sharded over several devices (the kernel has no partitioning rule)"
   return None
 
@@ -313,7 +298,7 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
   pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
-  y = _float8_block.cublas_call(
+  y = _ffi.gemm_call(
       a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
       out_dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast,
@@ -321,11 +306,13 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   return y.reshape(*lead, m, n) if lead else y
 
 
-def _scaled_dot(a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, out_sharding=None):
+def _scaled_dot(
+    a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, config, out_sharding=None
+):
   """``(a * sinv_a) . (b * sinv_b)`` for FP8 ``a``, ``b``; ``scales_inv = (sinv_a, sinv_b)``."""
   precision = _gemm_precision(precision, gemm, recipe)
   sinv_a, sinv_b = scales_inv
-  choice = _knob(FP8_GEMM_ENV, "auto", ("auto", "cublas", "xla"))
+  choice = config.fp8_gemm
   batch = tuple(range(a.ndim - 2))
   if choice != "xla" and dims == (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)):
     refusal = _cublas_refusal(a, b, out_dtype, out_sharding)
@@ -336,9 +323,9 @@ def _scaled_dot(a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, out_
       gemm_dtype = jnp.float32 if gemm == "wgrad" else out_dtype
       y = _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision)
       return y.astype(out_dtype)
-    if choice == "cublas":
-      raise RuntimeError(f"{FP8_GEMM_ENV}=cublas, but {refusal}")
-  mode = _output_mode(gemm)
+    if choice == "native":
+      raise RuntimeError(f"fp8_gemm='native', but {refusal}")
+  mode = _output_mode(config, gemm)
   scale_inv = sinv_a * sinv_b
   if mode in ("direct", "direct32"):
     out = lax.dot_general(
@@ -365,48 +352,29 @@ def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
   ``a``: the operand's amax when already computed (by a fused cast), else computed here. On a
   mesh it is made global first (``_sharding.global_amax``).
   """
+  scaling = _tensor_scaling.of(recipe)
   limit = _scaling.fp8_max(q_dtype)
   a = _scaling.amax(x) if a is None else a
-  state_varying = None
-  if isinstance(recipe, DelayedScaling):
-    state_varying = _sharding.varying_axes(state[f"{role}_scale"]) | _sharding.varying_axes(
-        state[f"{role}_amax_history"]
-    )
-  a = _sharding.global_amax(a, x, role, plan, state_varying)
-  if isinstance(recipe, DelayedScaling):
-    scale = _accumulate.to_float32(state[f"{role}_scale"])
-    history = _accumulate.to_float32(state[f"{role}_amax_history"])
-    new_scale, new_history, updated = _scaling.delayed_update_and_flag(
-        a, scale, history, limit, recipe.margin, recipe.amax_compute_algo
-    )
-    new = {
-        f"{role}_scale": _accumulate.encode_scale(
-            new_scale, updated, scale, state[f"{role}_scale"]
-        ),
-        f"{role}_amax_history": _accumulate.like(
-            new_history, state[f"{role}_amax_history"]
-        ),
-    }
-  else:
-    scale = _scaling.compute_scale(a, limit, 1.0)
-    new = {}
-  return scale, new
+  a = _sharding.global_amax(a, x, role, plan, scaling.state_varying(state, role))
+  return scaling.next_scale(recipe, a, state, role, limit)
 
 
 def _quantize_role(x, role, q_dtype, recipe, state, plan):
   """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
   scale, new = _role_scale(x, role, q_dtype, recipe, state, plan)
-  data = _quantize.cast_with_scale(x, scale, q_dtype)
+  data = _scaled_tensor.cast_with_scale(x, scale, q_dtype)
   return data, _scaling.scale_inverse(scale), new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _fp8_dot_general(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan):
-  y, _ = _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _fp8_dot_general(
+    lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan, config
+):
+  y, _ = _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan, config)
   return y
 
 
-def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan):
+def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, plan, config):
   del operand_dtypes
   q_x, sinv_x, new_x = _quantize_role(lhs, "x", recipe.fwd_dtype, recipe, state, plan)
   q_w, sinv_w, new_w = _quantize_role(rhs, "kernel", recipe.fwd_dtype, recipe, state, plan)
@@ -416,7 +384,7 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, 
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   q_w_full = _sharding.gather_kernel(q_w, plan)
   y = _scaled_dot(
-      q_x, q_w_full, dn, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe,
+      q_x, q_w_full, dn, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe, config,
       out_sharding=plan.out_sharding,
   )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
@@ -427,7 +395,7 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, 
   return y, residuals
 
 
-def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, residuals, g):
+def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, config, residuals, g):
   q_x, sinv_x, q_w, q_w_full, sinv_w, new_fwd_state, state, witness = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
@@ -437,14 +405,16 @@ def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, residuals, 
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
   out_sharding = _sharding.transposed_out_sharding(q_x, perm)
   dx = _scaled_dot(
-      q_g, q_w_full, dims, (sinv_g, sinv_w), lhs_dtype, precision, "dgrad", recipe, out_sharding
+      q_g, q_w_full, dims, (sinv_g, sinv_w), lhs_dtype, precision, "dgrad", recipe, config,
+      out_sharding,
   )
   dx = _sharding.match_cotangent(jnp.transpose(dx, perm), witness[0])
   dims, perm = _dimension_numbers.transpose_rhs(dn, q_x.ndim, q_w.ndim)
   out_sharding = _sharding.transposed_out_sharding(q_w, perm)
   dw_dtype = _sharding.wgrad_dtype(rhs_dtype, witness[1])
   dw = _scaled_dot(
-      q_g, q_x, dims, (sinv_g, sinv_x), dw_dtype, precision, "wgrad", recipe, out_sharding
+      q_g, q_x, dims, (sinv_g, sinv_x), dw_dtype, precision, "wgrad", recipe, config,
+      out_sharding,
   )
   dw = _sharding.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
   dw = _sharding.match_cotangent(dw, witness[1]).astype(rhs_dtype)
@@ -484,7 +454,9 @@ def _canonical_plan(dn, lhs_shape, rhs_shape):
   return lhs_perm, rhs_perm, lead + (m, k), lead + (n, k), out_shape
 
 
-def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gemm_rhs_shape):
+def _tn_dot_general(
+    lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gemm_rhs_shape, config
+):
   # Contracting pairs in the input's dimension order (jnp.einsum may give them in another):
   # merging (N, H) with N sharded keeps whole shards, merging (H, N) would split them.
   (lc, rc), batch_dims = dn
@@ -513,7 +485,7 @@ def _tn_dot_general(lhs, rhs, state, dn, precision, out_dtype, recipe, plan, gem
     w3 = _sharding.reshape(rhs, w3_shape[:-2] + local[::-1])
   else:
     w3 = _sharding.reshape(jnp.transpose(rhs, rhs_perm), w3_shape)
-  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn)
+  y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config)
   return _sharding.reshape(y3, out_shape)
 
 
@@ -521,64 +493,69 @@ def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
 
 
-def _tn_dot(a, b, scales_inv, out_dtype, precision, gemm, recipe, out_sharding=None):
+def _tn_dot(a, b, scales_inv, out_dtype, precision, gemm, recipe, config, out_sharding=None):
   """``a (.., P, C) . b (.., Q, C)^T``: both operands contracting-last."""
   batch = tuple(range(a.ndim - 2))
   dims = (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch))
-  return _scaled_dot(a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, out_sharding)
+  return _scaled_dot(
+      a, b, dims, scales_inv, out_dtype, precision, gemm, recipe, config, out_sharding
+  )
 
 
-def _cast_both(x, scale, q_dtype, with_amax=False):
+def _cast_both(x, scale, q_dtype, config, with_amax=False):
   """FP8 copies of ``x`` and of ``x`` with its last two dims swapped (and the amax of ``x``).
 
-  One pass over ``x``: the FFI kernel or XLA's fusion, per ``TE_ADAPTERS_BACKEND``.
+  One pass over ``x``: the FFI kernel or XLA's fusion, per ``config.backend``.
   """
-  if _knob("TE_ADAPTERS_TRANSPOSE", "cast", ("cast", "fp8")) == "fp8":
-    q = _quantize.cast_with_scale(x, scale, q_dtype)
+  if config.transpose == "fp8":
+    q = _scaled_tensor.cast_with_scale(x, scale, q_dtype)
     return q, _swap_last(q), (_scaling.amax(x) if with_amax else None)  # transpose 1-byte copy
-  return _cast_transpose.cast_transpose(x, scale, q_dtype, with_amax=with_amax)
+  return _cast_transpose.cast_transpose(
+      x, scale, q_dtype, with_amax=with_amax, backend=config.backend
+  )
 
 
-def _quantize_both(x, role, q_dtype, recipe, state, plan):
+def _quantize_both(x, role, q_dtype, recipe, state, plan, config):
   """Both FP8 orientations of one operand; returns (q, q_t, scale, new state entries)."""
-  if isinstance(recipe, DelayedScaling):
-    # The stored scale is known before the pass, so the amax comes out of the cast itself.
-    scale = _accumulate.to_float32(state[f"{role}_scale"])
-    q, q_t, a = _cast_both(x, scale, q_dtype, with_amax=True)
+  scale = _tensor_scaling.of(recipe).stored_scale(state, role)
+  if scale is not None:
+    # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
+    # cast itself.
+    q, q_t, a = _cast_both(x, scale, q_dtype, config, with_amax=True)
     _, new = _role_scale(x, role, q_dtype, recipe, state, plan, a)
   else:
     # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
     # kernel (seed 000 Dense on an H100: 22.17-22.32 ms against 22.38-22.67 ms), and it can fuse
     # into the op that produces x, so it is the default.
-    amax_backend = None if _knob("TE_ADAPTERS_AMAX", "jax", ("ffi", "jax")) == "ffi" else "jax"
+    amax_backend = config.backend if config.amax == "ffi" else "jax"
     amax = _cast_transpose.amax(x, backend=amax_backend)
     scale, new = _role_scale(x, role, q_dtype, recipe, state, plan, amax)
-    q, q_t, _ = _cast_both(x, scale, q_dtype)
+    q, q_t, _ = _cast_both(x, scale, q_dtype, config)
   return q, q_t, scale, new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn):
-  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config):
+  y, _ = _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config)
   return y
 
 
-def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn):
+def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config):
   """``kernel_kn``: ``w3`` is (.., K, N), not (.., N, K) (its two FP8 copies trade places)."""
   fwd = recipe.fwd_dtype
   # Each operand in both orientations: this one for the forward GEMM, the transposed copy
   # (kept for the backward pass) for wgrad (x) and dgrad (kernel).
-  q_x, q_xt, scale_x, new_x = _quantize_both(x3, "x", fwd, recipe, state, plan)
+  q_x, q_xt, scale_x, new_x = _quantize_both(x3, "x", fwd, recipe, state, plan, config)
   shard = None
   if plan.kernel_all_gather is None:
-    q_w, q_wt, scale_w, new_w = _quantize_both(w3, "kernel", fwd, recipe, state, plan)
+    q_w, q_wt, scale_w, new_w = _quantize_both(w3, "kernel", fwd, recipe, state, plan, config)
     if kernel_kn:
       q_w, q_wt = q_wt, q_w
   else:
     # FSDP: the FP8 shard is cast, named (a remat policy that saves only it gathers again in
     # the backward pass) and all-gathered; the gathered kernel is transposed in FP8.
     scale_w, new_w = _role_scale(w3, "kernel", fwd, recipe, state, plan)
-    shard = _quantize.cast_with_scale(w3, scale_w, fwd)
+    shard = _scaled_tensor.cast_with_scale(w3, scale_w, fwd)
   sinv_x, sinv_w = _scaling.scale_inverse(scale_x), _scaling.scale_inverse(scale_w)
   q_xt, sinv_xt = _remat.name_quantized((q_xt, sinv_x), _remat.QUANTIZED_X)
   if shard is None:
@@ -587,7 +564,9 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn):
     shard, sinv_wt = _remat.name_quantized((shard, sinv_w), _remat.QUANTIZED_KERNEL)
     q_w = _sharding.gather_kernel(shard, plan)
     q_wt = _swap_last(q_w)
-  y = _tn_dot(q_x, q_w, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe, plan.out_sharding)
+  y = _tn_dot(
+      q_x, q_w, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe, config, plan.out_sharding
+  )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
@@ -596,13 +575,13 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn):
   return y, residuals
 
 
-def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, residuals, g):
+def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, config, residuals, g):
   q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, protos, shard, witness = residuals
   x_proto, w_proto = protos
   del out_dtype
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   bwd = recipe.bwd_dtype
-  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state, plan)
+  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state, plan, config)
   sinv_g = _scaling.scale_inverse(scale_g)
   swap = tuple(range(q_xt.ndim - 2)) + (q_xt.ndim - 1, q_xt.ndim - 2)
   # With Explicit mesh axes each cotangent gets its primal's sharding.
@@ -610,11 +589,11 @@ def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, residuals, g):
   w3_layout = q_wt if shard is None else shard
   dw_sharding = _sharding.transposed_out_sharding(w3_layout, swap if shard is not None else None)
   dx = _tn_dot(
-      q_g, q_wt, (sinv_g, sinv_w), x_proto.dtype, precision, "dgrad", recipe, dx_sharding
+      q_g, q_wt, (sinv_g, sinv_w), x_proto.dtype, precision, "dgrad", recipe, config, dx_sharding
   )
   dw_dtype = _sharding.wgrad_dtype(w_proto.dtype, witness[1])
   dw = _tn_dot(
-      q_xt, q_gt, (sinv_x, sinv_g), dw_dtype, precision, "wgrad", recipe, dw_sharding
+      q_xt, q_gt, (sinv_x, sinv_g), dw_dtype, precision, "wgrad", recipe, config, dw_sharding
   )
   if not kernel_kn:
     dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.extend import core as jax_core
 
-from te_adapters.core import _float8_block
+from te_adapters.core import _ffi
 
 __all__ = ["dot_general_operand_dtypes", "count_fp8_dot_generals", "count_fp8_cublas_gemms"]
 
@@ -33,7 +33,7 @@ def _walk(jaxpr):
 
 
 # The extension's cuBLASLt FP8 GEMM (per-tensor and block-scaled), called through the FFI.
-_FFI_GEMM_TARGET = _float8_block._CUBLAS_TARGET
+_FFI_GEMM_TARGET = _ffi.GEMM_TARGET
 
 
 def _is_gemm(eqn) -> bool:

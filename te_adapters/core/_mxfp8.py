@@ -14,8 +14,10 @@ import numpy as np
 from jax import lax
 
 from te_adapters.core import _block
+from te_adapters.core._format import BlockFormat, OperandSpec
+from te_adapters.core._recipes import MXFP8BlockScaling
 
-__all__ = ["BLOCK", "e8m0_from_scale", "quantize", "dequantize_values"]
+__all__ = ["BLOCK", "FORMAT", "e8m0_from_scale", "quantize", "dequantize_values"]
 
 BLOCK = 32
 _TINY = 2.0**-64
@@ -78,3 +80,37 @@ def quantize(x, q_dtype):
   data = jnp.clip(scaled, -fp8_max, fp8_max).astype(q_dtype)
   scale_inv = lax.bitcast_convert_type(e, jnp.float8_e8m0fnu)
   return data, scale_inv, _block.global_amax(block_amax)
+
+
+def operand_spec(recipe, role: str, wgrad: bool = False) -> OperandSpec:
+  """Every operand in 1x32 blocks along the contracting dimension of its GEMM."""
+  del wgrad
+  return OperandSpec("mxfp8", (BLOCK,), recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype)
+
+
+def quantize_operand(x, spec: OperandSpec, key=None, stream: int = 0, reduce_amax=None):
+  """``BlockFormat.quantize``: the scales are per block, so no key or amax reduction is used."""
+  del key, stream, reduce_amax
+  return (*quantize(x, spec.q_dtype), "mxfp8")
+
+
+def _values(t) -> jax.Array:
+  return dequantize_values(t.data, t.scale_inv, _block.block_shape_of(t.shape, t.scale_inv.shape))
+
+
+def dequantize_tensor(t, dtype) -> jax.Array:
+  """``BlockFormat.dequantize``."""
+  return _values(t).astype(dtype)
+
+
+def tensor_gemm(a, b, out_dtype, out_sharding=None, choice: str = "auto") -> jax.Array:
+  """``BlockFormat.gemm``: ``jax.nn.scaled_matmul`` where the device has it, else emulated."""
+  del out_dtype
+  if _block.use_native_gemm("mxfp8", choice):
+    return _block.scaled_matmul(a, b)
+  return _block.emulated_gemm(_values(a), _values(b), out_sharding)
+
+
+FORMAT = BlockFormat(
+  MXFP8BlockScaling, ("mxfp8",), operand_spec, quantize_operand, dequantize_tensor, tensor_gemm
+)

@@ -20,6 +20,8 @@ import numpy as np
 from jax import lax
 
 from te_adapters.core import _block, _sharding
+from te_adapters.core._format import BlockFormat, OperandSpec
+from te_adapters.core._recipes import NVFP4BlockScaling
 
 __all__ = [
   "BLOCK",
@@ -182,3 +184,61 @@ def apply_rht(x) -> jax.Array:
 def invert_rht(y) -> jax.Array:
   """The inverse transform in float32 (the matrix is orthogonal: its inverse is its transpose)."""
   return _transform(y, rht_matrix().T)
+
+
+def operand_spec(recipe, role: str, wgrad: bool = False) -> OperandSpec:
+  """1x16 blocks (16x16 tiles for the kernel unless 2-D quantization is off); the random
+  Hadamard transform on the wgrad copies of x and grad; stochastic rounding of grad."""
+  dtype = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
+  two_d = role == "kernel" and not recipe.disable_2d_quantization
+  return OperandSpec(
+    "nvfp4",
+    (BLOCK,) * (2 if two_d else 1),
+    dtype,
+    rht=wgrad and role != "kernel" and not recipe.disable_rht,
+    stochastic=role == "grad" and not recipe.disable_stochastic_rounding,
+  )
+
+
+def quantize_operand(x, spec: OperandSpec, key=None, stream: int = 0, reduce_amax=None):
+  """``BlockFormat.quantize``; the transformed tensor's mode is ``"nvfp4_rht"``."""
+  mode = "nvfp4"
+  if spec.rht:
+    x = apply_rht(x)
+    mode = "nvfp4_rht"
+  seed = random_seed(key, stream) if spec.stochastic else None
+  return (*quantize(x, spec.block_shape, seed, reduce_amax), mode)
+
+
+def _values(t) -> jax.Array:
+  return dequantize_values(t.data, t.scale_inv, _block.block_shape_of(t.shape, t.scale_inv.shape))
+
+
+def dequantize_tensor(t, dtype) -> jax.Array:
+  """``BlockFormat.dequantize``: block scales, the tensor factor, and the RHT undone."""
+  out = _values(t) * global_factor(t.amax).reshape(())
+  if t.scaling_mode == "nvfp4_rht":
+    ratios = [d // s for d, s in zip(t.data.shape, t.scale_inv.shape, strict=True)]
+    axis = ratios.index(BLOCK)
+    out = jnp.moveaxis(invert_rht(jnp.moveaxis(out, axis, -1)), -1, axis)
+  return out.astype(dtype)
+
+
+def tensor_gemm(a, b, out_dtype, out_sharding=None, choice: str = "auto") -> jax.Array:
+  """``BlockFormat.gemm``: scaled_matmul or emulated, times both tensor factors."""
+  del out_dtype
+  if _block.use_native_gemm(a.scaling_mode, choice):
+    out = _block.scaled_matmul(a, b)
+  else:
+    out = _block.emulated_gemm(_values(a), _values(b), out_sharding)
+  return out * (global_factor(a.amax).reshape(()) * global_factor(b.amax).reshape(()))
+
+
+FORMAT = BlockFormat(
+  NVFP4BlockScaling,
+  ("nvfp4", "nvfp4_rht"),
+  operand_spec,
+  quantize_operand,
+  dequantize_tensor,
+  tensor_gemm,
+)

@@ -50,13 +50,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-    _accumulate,
-    _grouping,
-    _quantize,
-    _ragged_mxfp8,
-    _remat,
-    _scaling,
-    _state,
+  _accumulate,
+  _grouping,
+  _ragged_mxfp8,
+  _remat,
+  _scaled_tensor,
+  _scaling,
+  _state,
 )
 from te_adapters.core._grouping import row_groups
 from te_adapters.core._recipes import DelayedScaling, MXFP8BlockScaling, check_recipe
@@ -229,8 +229,8 @@ def ragged_dot(
     >>> round(float(y[0, 0]), 4), float(y[31, 0])
     (16.0, 0.0)
   """
-  _quantize.check_float_operand("lhs", lhs)
-  _quantize.check_float_operand("rhs", rhs)
+  _scaled_tensor.check_float_operand("lhs", lhs)
+  _scaled_tensor.check_float_operand("rhs", rhs)
   lhs = jnp.asarray(lhs)
   rhs = jnp.asarray(rhs)
   if lhs.ndim != 2:

@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import _block_scaled, _grouping, _mxfp8, _remat
 from te_adapters.core._block_scaled import operand_spec
-from te_adapters.core._quantize import ScaledTensor
+from te_adapters.core._scaled_tensor import ScaledTensor
 
 __all__ = ["mxfp8_ragged_dot", "check_sizes", "forward_operands", "gradient_operands"]
 

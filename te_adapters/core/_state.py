@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _accumulate
-from te_adapters.core._recipes import DelayedScaling, check_recipe
+from te_adapters.core import _accumulate, _tensor_scaling
+from te_adapters.core._recipes import check_recipe
 
 __all__ = ["ROLES", "init_state", "check_state", "with_max_grad", "updated_state"]
 
@@ -21,9 +21,7 @@ State = dict[str, Any]
 
 def state_names(recipe) -> tuple[str, ...]:
   """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes)."""
-  if isinstance(recipe, DelayedScaling):
-    return tuple(f"{role}_{kind}" for role in ROLES for kind in ("scale", "amax_history"))
-  return ()
+  return tuple(_tensor_scaling.of(recipe).state_shapes(recipe))
 
 
 def init_state(recipe) -> State:
@@ -38,23 +36,11 @@ def init_state(recipe) -> State:
     ['grad_amax_history', 'grad_scale']
   """
   recipe = check_recipe(recipe)
-  if not isinstance(recipe, DelayedScaling):
-    return {}
-  state = {}
-  for role in ROLES:
-    state[f"{role}_scale"] = jnp.ones((1,), jnp.float32)
-    state[f"{role}_amax_history"] = jnp.zeros((recipe.amax_history_len,), jnp.float32)
-  return state
+  return _tensor_scaling.of(recipe).init_state(recipe)
 
 
 def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
-  if isinstance(recipe, DelayedScaling):
-    shapes = {}
-    for role in ROLES:
-      shapes[f"{role}_scale"] = (1,)
-      shapes[f"{role}_amax_history"] = (recipe.amax_history_len,)
-    return shapes
-  return {}
+  return _tensor_scaling.of(recipe).state_shapes(recipe)
 
 
 def check_state(recipe, state: Mapping[str, Any] | None) -> State:

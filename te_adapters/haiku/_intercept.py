@@ -82,6 +82,8 @@ class quantize(InterceptScope):  # lower case: used like a function
       ``core.HighPrecisionGemmWarning``); ``None`` quantizes every GEMM.
     amax_axes, kernel_all_gather: passed to ``core.dot_general`` by every quantized layer (SPMD:
       the mesh axes amaxes are reduced over inside ``shard_map``; FSDP's FP8 gather of ``w``).
+    config: passed to ``core.dot_general`` by every quantized layer: a ``core.GemmConfig``, or
+      ``None`` for the default.
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
@@ -101,11 +103,13 @@ class quantize(InterceptScope):  # lower case: used like a function
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
+      config: core.GemmConfig | None = None,
   ):
     self.recipe = None if recipe is None else core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
     self.amax_axes = amax_axes
     self.kernel_all_gather = kernel_all_gather
+    self.config = core.check_config(config)
     if module_filter is not None and not callable(module_filter):
       raise TypeError(f"module_filter must be callable, got {type(module_filter).__name__}")
     self.module_filter = module_filter
@@ -147,6 +151,7 @@ class quantize(InterceptScope):  # lower case: used like a function
         threshold=self.threshold,
         amax_axes=self.amax_axes,
         kernel_all_gather=self.kernel_all_gather,
+        config=self.config,
     )
     return _call_like_linear(call, *args, **kwargs)
 

@@ -25,6 +25,7 @@ def linear_forward(
     threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
     amax_axes=None,
     kernel_all_gather=None,
+    config: core.GemmConfig | None = None,
 ) -> jax.Array:
   """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
 
@@ -78,6 +79,7 @@ def linear_forward(
       threshold=threshold,
       amax_axes=amax_axes,
       kernel_all_gather=kernel_all_gather,
+      config=config,
   )
 
   if module.with_bias:
@@ -144,6 +146,7 @@ class Linear(hk.Linear):
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
+      config: core.GemmConfig | None = None,
   ):
     """Constructs the quantized Linear module.
 
@@ -161,12 +164,15 @@ class Linear(hk.Linear):
         is max-reduced over).
       kernel_all_gather: passed to ``core.dot_general`` (FSDP: the sharding of ``w``, gathered
         as FP8).
+      config: passed to ``core.dot_general``: a ``core.GemmConfig``, or ``None`` for the
+        default.
     """
     super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
     self.recipe = None if recipe is None else core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
     self.amax_axes = amax_axes
     self.kernel_all_gather = kernel_all_gather
+    self.config = core.check_config(config)
 
   def __call__(self, inputs: jax.Array, *, precision: lax.Precision | None = None) -> jax.Array:
     """Computes ``inputs @ w + b`` with the GEMM quantized per the recipe.
@@ -180,5 +186,5 @@ class Linear(hk.Linear):
     """
     return linear_forward(
         self, inputs, precision, self.recipe, self.threshold, self.amax_axes,
-        self.kernel_all_gather,
+        self.kernel_all_gather, self.config,
     )

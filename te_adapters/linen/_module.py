@@ -43,6 +43,7 @@ class QuantizedDotGeneral(nn.Module):
   threshold: Any = core.DEFAULT_SIZE_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
+  config: Any = None
 
   def __new__(cls, *args, **kwargs):
     # nn.Dense(dot_general=cls) calls the class with the GEMM's operands (and precision=...).
@@ -72,11 +73,17 @@ class QuantizedDotGeneral(nn.Module):
         rng=_sr_rng(self, self.recipe),
         amax_axes=self.amax_axes,
         kernel_all_gather=self.kernel_all_gather,
+        config=self.config,
     )
 
 
 def make_dot_general_cls(
-    recipe, *, threshold=core.DEFAULT_SIZE_THRESHOLD, amax_axes=None, kernel_all_gather=None
+    recipe,
+    *,
+    threshold=core.DEFAULT_SIZE_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config=None,
 ) -> type[nn.Module]:
   """A Linen module class whose instances run ``dot_general`` quantized by ``recipe``.
 
@@ -94,6 +101,8 @@ def make_dot_general_cls(
       FP8).
     threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
       precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
+    config: passed to ``core.dot_general``: a ``core.GemmConfig`` (which kernels run), or
+      ``None`` for the default.
 
   Returns:
     A subclass of ``nn.Module`` taking no required constructor arguments.
@@ -106,6 +115,7 @@ def make_dot_general_cls(
       "threshold": threshold,
       "amax_axes": amax_axes,
       "kernel_all_gather": kernel_all_gather,
+      "config": core.check_config(config),
   }
   annotations = dict.fromkeys(fields, Any)
   return type(name, (QuantizedDotGeneral,), {"__annotations__": annotations, **fields})
@@ -117,6 +127,7 @@ def _with_recipe_dot_general(module):
         "threshold": module.threshold,
         "amax_axes": module.amax_axes,
         "kernel_all_gather": module.kernel_all_gather,
+        "config": core.check_config(module.config),
     }
     current = module.dot_general_cls
     if isinstance(current, type) and issubclass(current, QuantizedDotGeneral):
@@ -135,9 +146,9 @@ class Dense(nn.Dense):
   """``flax.linen.Dense`` with a ``recipe``: same parameters, the GEMM quantized by the recipe.
 
   ``recipe=None`` is exactly ``nn.Dense``. Recipe state lives in ``_overwrite_with_gradient``;
-  ``threshold`` (GEMMs below it stay in high precision), ``amax_axes`` and ``kernel_all_gather``
-  go to ``core.dot_general``; a recipe that rounds stochastically draws keys from the RNG stream
-  ``"sr_rng"``.
+  ``threshold`` (GEMMs below it stay in high precision), ``amax_axes``, ``kernel_all_gather`` and
+  ``config`` go to ``core.dot_general``; a recipe that rounds stochastically draws keys from the
+  RNG stream ``"sr_rng"``.
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -152,6 +163,7 @@ class Dense(nn.Dense):
   threshold: Any = core.DEFAULT_SIZE_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
+  config: Any = None
 
   def __post_init__(self):
     _with_recipe_dot_general(self)
@@ -160,12 +172,13 @@ class Dense(nn.Dense):
 
 class DenseGeneral(nn.DenseGeneral):
   """``flax.linen.DenseGeneral`` with a ``recipe`` (same fields and parameters plus ``recipe``,
-  ``threshold``, ``amax_axes`` and ``kernel_all_gather``, as for ``Dense``)."""
+  ``threshold``, ``amax_axes``, ``kernel_all_gather`` and ``config``, as for ``Dense``)."""
 
   recipe: Any = None
   threshold: Any = core.DEFAULT_SIZE_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
+  config: Any = None
 
   def __post_init__(self):
     _with_recipe_dot_general(self)

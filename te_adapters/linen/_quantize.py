@@ -105,6 +105,7 @@ class quantize(InterceptScope):  # lower case: used like a function
     threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
       precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
     amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD).
+    config: passed to ``core.dot_general``: a ``core.GemmConfig``, or ``None`` for the default.
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, te_adapters as ta
@@ -124,6 +125,7 @@ class quantize(InterceptScope):  # lower case: used like a function
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
+      config: core.GemmConfig | None = None,
   ):
     self.recipe = None if recipe is None else core.check_recipe(recipe)
     if filter is not None and not callable(filter):
@@ -134,7 +136,7 @@ class quantize(InterceptScope):  # lower case: used like a function
     if self.recipe is not None:
       self.dot_general_cls = make_dot_general_cls(
           self.recipe, threshold=threshold, amax_axes=amax_axes,
-          kernel_all_gather=kernel_all_gather,
+          kernel_all_gather=kernel_all_gather, config=config,
       )
     self.report = QuantizeReport()
 

@@ -86,6 +86,7 @@ def quantize_model(
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     amax_axes=None,
     kernel_all_gather=None,
+    config: core.GemmConfig | None = None,
 ) -> QuantizeReport:
   """Makes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model`` use
   quantized GEMMs, in place, keeping their parameters.
@@ -114,6 +115,8 @@ def quantize_model(
       otherwise.
     amax_axes, kernel_all_gather: passed to ``core.dot_general`` by every converted layer
       (SPMD: the mesh axes amaxes are reduced over inside ``shard_map``; FSDP's FP8 gather).
+    config: passed to ``core.dot_general`` by every converted layer: a ``core.GemmConfig``, or
+      ``None`` for the default.
 
   Returns:
     A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons), and the
@@ -131,6 +134,7 @@ def quantize_model(
   """
   recipe = core.check_recipe(recipe)
   threshold = core.check_threshold(threshold)
+  config = core.check_config(config)
   if recipe.uses_rng and source_stream(rngs) is None:
     raise ValueError(
         f"quantize_model: {type(recipe).__name__} rounds the gradient stochastically, so every "
@@ -170,7 +174,8 @@ def quantize_model(
     stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
     op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
     op = op_cls(
-        recipe, threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather
+        recipe, threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
+        config=config,
     )
     op.set_rngs(rngs, stack_shape)
     for state_name in core.state_names(recipe):

@@ -70,6 +70,7 @@ class Linear(nnx.Linear):
       ``nnx.Linear``, numerically identical.
     threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
       precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
+    config: passed to ``core.dot_general``: a ``core.GemmConfig``, or ``None`` for the default.
     amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD: the mesh axes amaxes are
       reduced over inside ``shard_map``; FSDP's FP8 kernel all-gather).
     **others: as for ``flax.nnx.Linear``. ``dot_general`` cannot be combined with a recipe.
@@ -107,12 +108,14 @@ class Linear(nnx.Linear):
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
       amax_axes: tp.Any = None,
       kernel_all_gather: tp.Any = None,
+      config: core.GemmConfig | None = None,
   ):
     if recipe is not None:
       check_gemm_dims(in_features, out_features, f"Linear({in_features}, {out_features})")
     dot_general = _quantized_op(
         DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear",
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
+        config=config,
     )
     super().__init__(
         in_features,
@@ -154,7 +157,7 @@ class LinearGeneral(nnx.LinearGeneral):
       quantized.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.LinearGeneral``.
-    threshold, amax_axes, kernel_all_gather: as for ``Linear``.
+    threshold, amax_axes, kernel_all_gather, config: as for ``Linear``.
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
 
@@ -191,6 +194,7 @@ class LinearGeneral(nnx.LinearGeneral):
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
       amax_axes: tp.Any = None,
       kernel_all_gather: tp.Any = None,
+      config: core.GemmConfig | None = None,
   ):
     if recipe is not None:
       if dot_general_cls is not None:
@@ -201,6 +205,7 @@ class LinearGeneral(nnx.LinearGeneral):
     dot_general = _quantized_op(
         DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral",
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
+        config=config,
     )
     super().__init__(
         in_features,
@@ -274,7 +279,7 @@ class Einsum(nnx.Einsum):
     bias_shape: the bias shape, or ``None`` for no bias.
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.Einsum``.
-    threshold, amax_axes, kernel_all_gather: as for ``Linear``.
+    threshold, amax_axes, kernel_all_gather, config: as for ``Linear``.
     **others: as for ``flax.nnx.Einsum``. ``einsum_op`` cannot be combined with a recipe.
 
   Example:
@@ -307,6 +312,7 @@ class Einsum(nnx.Einsum):
       threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
       amax_axes: tp.Any = None,
       kernel_all_gather: tp.Any = None,
+      config: core.GemmConfig | None = None,
   ):
     if recipe is not None and einsum_str is not None:
       dims = einsum_gemm_dims(einsum_str, kernel_shape)
@@ -315,6 +321,7 @@ class Einsum(nnx.Einsum):
     einsum_op = _quantized_op(
         EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum",
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
+        config=config,
     )
     super().__init__(
         einsum_str,

@@ -124,9 +124,11 @@ class _RecipeOp(nnx.Module):
       rngs: nnx.Rngs | nnx.RngStream | None = None,
       amax_axes: Any = None,
       kernel_all_gather: Any = None,
+      config: core.GemmConfig | None = None,
   ):
     self.recipe = core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
+    self.config = core.check_config(config)
     for name, value in core.init_state(self.recipe).items():
       setattr(self, name, RecipeState(value))
     # Static attributes of the graph: hashable, so nnx.jit can key its cache on them.
@@ -188,6 +190,7 @@ class _RecipeOp(nnx.Module):
         amax_axes=self.amax_axes,
         kernel_all_gather=self.kernel_all_gather,
         out_sharding=out_sharding,
+        config=self.config,
     )
 
 
@@ -206,6 +209,7 @@ class DotGeneral(_RecipeOp):
       of its own from ``rngs``'s ``"sr_rng"`` (or ``"default"``) stream, and draws one key per
       call; a call may pass ``rngs=`` (an ``nnx.Rngs``, ``nnx.RngStream`` or key) instead.
     amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD).
+    config: passed to ``core.dot_general``: a ``core.GemmConfig``, or ``None`` for the default.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -274,7 +278,7 @@ class EinsumOp(_RecipeOp):
 
   Args:
     recipe: a te_adapters recipe.
-    threshold, rngs, amax_axes, kernel_all_gather: as for ``DotGeneral``.
+    threshold, rngs, amax_axes, kernel_all_gather, config: as for ``DotGeneral``.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta

@@ -141,12 +141,12 @@ def test_gemm_applies_scales_to_each_k_slice(monkeypatch):
   np.testing.assert_allclose(chunked, out, rtol=1e-5, atol=1e-5 * np.abs(out).max())
 
 
-def test_fp8_operands_reach_the_dot(monkeypatch):
+def test_fp8_operands_reach_the_dot():
   """The lowered program multiplies FP8 arrays (no dequantize-then-dot pattern)."""
   # XLA's path (on Hopper the extension's cuBLASLt block-scaled GEMM replaces its dots).
-  monkeypatch.setenv("TE_ADAPTERS_BLOCK_GEMM", "xla")
+  config = ta.GemmConfig(block_gemm="xla")
   recipe = ta.Float8BlockScaling()
-  f = lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe)
+  f = lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe, config=config)
   x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
   text = jax.jit(jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))).lower(x, w).as_text()

@@ -11,7 +11,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _block_scaled, _float8_block
+from te_adapters.core import _block_scaled, _ffi, _float8_block
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -36,7 +36,7 @@ def _on_cpu(x):
 
 
 def _skip_unless_cublas_runs_under_jit():
-  if not _float8_block.cublas_gemm_available():
+  if not _ffi.cublas_gemm_available():
     pytest.skip("cuBLASLt's block-scaled GEMM is not built or the GPU is not a Hopper GPU")
   if jax.device_count() > 1:
     # A traced operand's placement is unknown under jit when the host has several devices, so
@@ -44,11 +44,11 @@ def _skip_unless_cublas_runs_under_jit():
     pytest.skip("several devices: under jit the block GEMM falls back to the XLA formulation")
 
 
-@pytest.mark.parametrize("gemm", ["cublas", "xla"])
-def test_float8_block_gemms_are_fp8_gemms(gemm, monkeypatch):
-  if gemm == "cublas":
+@pytest.mark.parametrize("gemm", ["native", "xla"])
+def test_float8_block_gemms_are_fp8_gemms(gemm):
+  if gemm == "native":
     _skip_unless_cublas_runs_under_jit()
-  monkeypatch.setenv(_float8_block.GEMM_ENV, gemm)
+  config = ta.GemmConfig(block_gemm=gemm)
   recipe = ta.Float8BlockScaling()
   x = jnp.asarray(_data((256, 512), 0), jnp.bfloat16)
   w = jnp.asarray(_data((512, 256), 1), jnp.bfloat16)
@@ -56,13 +56,14 @@ def test_float8_block_gemms_are_fp8_gemms(gemm, monkeypatch):
 
   def run(x, w, g):
     y, vjp = jax.vjp(
-      lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None), x, w
+      lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None, config=config),
+      x, w,
     )
     return (y, *vjp(g))
 
   compiled = jax.jit(run).lower(x, w, g).compile()
   hlo = compiled.as_text()
-  if gemm == "cublas":
+  if gemm == "native":
     # fwd (1x128 x 128x128), dgrad (1x128 x 128x128), wgrad (1x128 x 1x128): one kernel each.
     assert hlo.count('custom_call_target="te_adapters_block_gemm"') == 3, hlo
   else:
@@ -140,21 +141,23 @@ def test_nvfp4_stochastic_rounding_on_gpu():
   reason="needs jax.nn.scaled_matmul hardware (Blackwell)",
 )
 @pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2]], ids=["mxfp8", "nvfp4"])
-def test_native_scaled_matmul_matches_emulation(recipe, monkeypatch):
+def test_native_scaled_matmul_matches_emulation(recipe):
   x, w = _data((256, 512), 5), _data((512, 256), 6)
-  f = lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None)
+  f = lambda x, w, config=None: ta.core.dot_general(
+    x, w, DN, recipe=recipe, threshold=None, config=config
+  )
   native = np.asarray(jax.jit(f)(x, w))
   assert "cudnn" in jax.jit(f).lower(x, w).compile().as_text().lower()
-  monkeypatch.setenv(_block_scaled.GEMM_ENV, "emulated")
-  emulated = np.asarray(jax.jit(lambda x, w: f(x, w) + 0)(x, w))
+  xla = ta.GemmConfig(block_gemm="xla")
+  emulated = np.asarray(jax.jit(lambda x, w: f(x, w, xla))(x, w))
   assert _rel(native, emulated) < 1e-5
 
 
 @pytest.mark.skipif(
-  not _float8_block.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
+  not _ffi.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
 )
 @pytest.mark.parametrize("blocks", [(1, 2), (1, 1), (2, 1)], ids=["1dx2d", "1dx1d", "2dx1d"])
-def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatch):
+def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks):
   _skip_unless_cublas_runs_under_jit()
   # Scales that are not powers of two, blocks whose amaxes differ, two batch entries, and an M
   # that is not a multiple of 128 where the lhs has 1-D blocks.
@@ -172,9 +175,10 @@ def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatc
   )
   args = (qa[0], qa[1], qb[0], qb[1])
 
-  def compiled():
-    # A new function each time: the GEMM choice is read when tracing, and jit caches traces.
-    f = lambda a, sa, b, sb: _float8_block.gemm(a, sa, shapes[blocks[0]], b, sb, shapes[blocks[1]])
+  def compiled(choice="auto"):
+    f = lambda a, sa, b, sb: _float8_block.gemm(
+      a, sa, shapes[blocks[0]], b, sb, shapes[blocks[1]], choice=choice
+    )
     return jax.jit(f).lower(*args).compile()
 
   cublas = compiled()
@@ -188,8 +192,7 @@ def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatc
   )(*args)
   assert as_bf16.dtype == jnp.bfloat16
   assert _rel(np.asarray(as_bf16, np.float64), got) < 2e-3
-  monkeypatch.setenv(_float8_block.GEMM_ENV, "xla")
-  xla = compiled()
+  xla = compiled("xla")
   assert "te_adapters_block_gemm" not in xla.as_text()
   want = np.asarray(xla(*args), np.float64)
   # The same FP8 products, summed in float32 in another order.
@@ -201,14 +204,12 @@ def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks, monkeypatc
   assert _rel(got, np.einsum("bmk,bnk->bmn", da, db)) < 1e-3
 
 
-def test_float8_block_cublas_refusals(monkeypatch):
+def test_float8_block_cublas_refusals():
   t = jnp.zeros((1, 256, 256), jnp.float8_e4m3fn)
   s2 = jnp.ones((1, 2, 2), jnp.float32)
-  monkeypatch.setenv(_float8_block.GEMM_ENV, "cublas")
   # Without the extension (a pure-JAX install) cuBLASLt is refused before the tiles are looked at.
-  why = "128x128 tiles on both operands" if _float8_block.cublas_gemm_available() else "not built"
+  why = "128x128 tiles on both operands" if _ffi.cublas_gemm_available() else "not built"
   with pytest.raises(RuntimeError, match=why):
-    _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128))
-  monkeypatch.setenv(_float8_block.GEMM_ENV, "bogus")
-  with pytest.raises(ValueError, match="TE_ADAPTERS_BLOCK_GEMM must be"):
-    _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128))
+    _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128), choice="native")
+  with pytest.raises(ValueError, match="block_gemm must be"):
+    _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128), choice="cublas")

@@ -10,12 +10,12 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _float8_block, _gemm
+from te_adapters.core import _ffi
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        jax.default_backend() != "gpu" or not _float8_block.cublas_gemm_available(),
+        jax.default_backend() != "gpu" or not _ffi.cublas_gemm_available(),
         reason="needs a Hopper GPU and the extension's CUDA part",
     ),
 ]
@@ -23,11 +23,11 @@ pytestmark = [
 DN = (((1,), (0,)), ((), ()))
 
 
-def _step(recipe, x, w, dy):
+def _step(recipe, x, w, dy, config=None):
   state = core.init_state(recipe) or None
 
   def loss(x, w):
-    y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None)
+    y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None, config=config)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
@@ -68,8 +68,7 @@ def test_forward_is_the_exact_product_rounded_once(monkeypatch):
   assert np.array_equal(got[safe], ref[safe]), np.mean(got[safe] == ref[safe])
   # The XLA path rounds the GEMM's bf16 output a second time after scaling it (on CPU 11% of
   # these outputs then differ from the correctly rounded product).
-  monkeypatch.setenv(_gemm.FP8_GEMM_ENV, "xla")
-  (_, y_xla), _ = _step(recipe, x, w, dy)(x, w)
+  (_, y_xla), _ = _step(recipe, x, w, dy, ta.GemmConfig(fp8_gemm="xla"))(x, w)
   assert np.mean(np.asarray(y_xla, np.float64)[safe] == ref[safe]) < 0.99
 
 
@@ -84,14 +83,14 @@ def test_each_gemm_gets_the_recipes_accumulation():
     assert flags == expected, re.findall(r"fast_accum[^,}]*", hlo)
 
 
-def test_matches_the_xla_formulation(monkeypatch, rel):
+def test_matches_the_xla_formulation(rel):
   x, w, dy = _data(512, 1024, 768, seed=3)
   recipe = ta.DelayedScaling(amax_history_len=4)
   state = core.init_state(recipe)
 
-  def run():
+  def run(config=None):
     def loss(x, w, state):
-      y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None)
+      y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None, config=config)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     s, outs = state, None
@@ -101,8 +100,7 @@ def test_matches_the_xla_formulation(monkeypatch, rel):
     return outs[0][1], outs[1][0], outs[1][1], s
 
   cublas = run()
-  monkeypatch.setenv(_gemm.FP8_GEMM_ENV, "xla")
-  xla = run()
+  xla = run(ta.GemmConfig(fp8_gemm="xla"))
   # The same quantized operands and state; the outputs differ by the XLA path's second rounding.
   for a, b in zip(cublas[:3], xla[:3], strict=True):
     assert rel(a, b) < 4e-3
@@ -110,8 +108,8 @@ def test_matches_the_xla_formulation(monkeypatch, rel):
     np.testing.assert_array_equal(cublas[3][k], xla[3][k])
 
 
-def test_cublas_choice_refuses_what_it_cannot_run(monkeypatch):
-  monkeypatch.setenv(_gemm.FP8_GEMM_ENV, "cublas")
+def test_native_choice_refuses_what_it_cannot_run():
+  native = ta.GemmConfig(fp8_gemm="native")
   x, w, dy = _data(200, 512, 384)  # M = 200 is not a multiple of 16
   with pytest.raises(RuntimeError, match="multiples of 16"):
-    _step(ta.Float8CurrentScaling(), x, w, dy)(x, w)
+    _step(ta.Float8CurrentScaling(), x, w, dy, native)(x, w)

@@ -200,14 +200,14 @@ def test_nan_in_operand_propagates_to_output_not_to_scale(rows):
   np.testing.assert_array_equal(new["x_scale"], state["x_scale"])
 
 
-def _gemm_precisions(recipe, precision=None):
+def _gemm_precisions(recipe, precision=None, config=None):
   """{"fwd"|"dgrad"|"wgrad": the precision each FP8 dot_general of one fwd+bwd was given}."""
   from te_adapters.core import _inspect
 
   x, w = _data([(16, 32), (32, 48)])
   def loss(x, w):
     y = core.dot_general(x, w, DN, precision, threshold=None, recipe=recipe,
-                         state=core.init_state(recipe) or None)
+                         state=core.init_state(recipe) or None, config=config)
     return jnp.sum(y.astype(jnp.float32) ** 2)
   by_shape = {(16, 48): "fwd", (16, 32): "dgrad", (32, 48): "wgrad"}
   out = {}
@@ -222,19 +222,20 @@ def _gemm_precisions(recipe, precision=None):
 
 
 @pytest.mark.parametrize("cls", [ta.Float8CurrentScaling, ta.DelayedScaling])
-def test_mm_params_choose_each_gemms_accumulation(cls, monkeypatch):
+def test_mm_params_choose_each_gemms_accumulation(cls):
   # XLA's FP8 dot_generals, whose precision says how they sum (on Hopper the extension's
   # cuBLASLt GEMM replaces them by default; tests/core/test_fp8_gemm_gpu.py checks its flags).
-  monkeypatch.setenv("TE_ADAPTERS_FP8_GEMM", "xla")
+  xla = ta.GemmConfig(fp8_gemm="xla")
   highest, fast = jax.lax.Precision.HIGHEST, ta.MMParams(use_split_accumulator=False)
   # TE's recipe defaults: fast sums forward, float32-promoted sums in dgrad and wgrad.
-  assert _gemm_precisions(cls()) == {"fwd": None, "dgrad": highest, "wgrad": highest}
-  assert _gemm_precisions(cls(fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)) == {
+  assert _gemm_precisions(cls(), config=xla) == {"fwd": None, "dgrad": highest, "wgrad": highest}
+  assert _gemm_precisions(cls(fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast), config=xla) == {
       "fwd": None, "dgrad": None, "wgrad": None}
   split_fwd = cls(fp8_gemm_fprop=ta.MMParams(), fp8_gemm_wgrad=fast)
-  assert _gemm_precisions(split_fwd) == {"fwd": highest, "dgrad": highest, "wgrad": None}
+  assert _gemm_precisions(split_fwd, config=xla) == {
+      "fwd": highest, "dgrad": highest, "wgrad": None}
   # Without a split accumulator the caller's precision decides.
-  assert _gemm_precisions(cls(fp8_gemm_dgrad=fast), highest)["dgrad"] == highest
+  assert _gemm_precisions(cls(fp8_gemm_dgrad=fast), highest, xla)["dgrad"] == highest
 
 
 def test_mm_params_are_checked():

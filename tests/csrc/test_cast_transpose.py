@@ -12,6 +12,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters.core import _cast_transpose as ct
+from te_adapters.core import _ffi
 from tests.conftest import assert_scales_equal, rel_err
 
 needs_ext = pytest.mark.skipif(
@@ -148,11 +149,10 @@ def test_vmap_matches_per_example_calls():
   np.testing.assert_array_equal(_bits(got), _bits(jax.vmap(lambda v: ct.amax(v, backend="jax"))(x)))
 
 
-def _dense_step(recipe, backend_env, monkeypatch):
-  monkeypatch.setenv("TE_ADAPTERS_BACKEND", backend_env)
+def _dense_step(recipe, backend, monkeypatch):
   # The test session has several (virtual) devices, where a traced operand's sharding is
   # unknown and the core takes the pure-JAX path; this step is placed on one device.
-  monkeypatch.setattr(ct, "_single_device", lambda x: True)
+  monkeypatch.setattr(_ffi, "single_device", lambda x: True)
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
@@ -161,7 +161,8 @@ def _dense_step(recipe, backend_env, monkeypatch):
   def loss_fn(w, state, x):
     state = ta.core.with_max_grad(state)
     y = ta.core.dot_general(
-      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), threshold=None, recipe=recipe, state=state
+      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), threshold=None, recipe=recipe, state=state,
+      config=ta.GemmConfig(backend=backend),
     )
     return jnp.sum(y.astype(jnp.float32) ** 2) / y.size
 
@@ -225,15 +226,25 @@ def test_bad_input_errors():
     ct.cast_transpose(x, jnp.ones((1,)), jnp.float8_e4m3fn, backend="cuda")
 
 
-def test_backend_env(monkeypatch):
-  monkeypatch.setenv("TE_ADAPTERS_BACKEND", "triton")
-  with pytest.raises(ValueError, match="TE_ADAPTERS_BACKEND must be"):
-    ct.backend("cpu")
-  monkeypatch.setenv("TE_ADAPTERS_BACKEND", "jax")
-  assert ct.backend("cpu") == "jax"
-  monkeypatch.delenv("TE_ADAPTERS_BACKEND")
+def test_backend_choice():
+  with pytest.raises(ValueError, match="GemmConfig.backend must be"):
+    ta.GemmConfig(backend="triton")
+  with pytest.raises(ValueError, match="backend must be"):
+    ct.backend("cpu", "triton")
+  assert ct.backend("cpu", "jax") == "jax"
   assert ct.backend("cpu") == "jax"  # FFI by default only on GPU
   assert ct.backend("tpu") == "jax"
+  if ct.ffi_available("cpu"):
+    assert ct.backend("cpu", "ffi") == "ffi"
+
+
+def test_config_is_checked():
+  x = jnp.ones((16, 32))
+  with pytest.raises(TypeError, match="config must be a GemmConfig"):
+    ta.core.dot_general(x, x.T, (((1,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling(),
+                        config={"backend": "jax"})
+  with pytest.raises(ValueError, match="GemmConfig.fp8_gemm must be"):
+    ta.GemmConfig(fp8_gemm="cublas")
 
 
 def _run(code, env_extra):
@@ -273,10 +284,8 @@ def test_pure_jax_fallback_without_extension():
       ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
       assert abs(float(y) - ref.sum()) / np.abs(ref).sum() < 0.05, (float(y), ref.sum())
       assert "custom_call" not in jax.jit(jax.grad(f)).lower(w).as_text()
-      import os
-      os.environ["TE_ADAPTERS_BACKEND"] = "ffi"
       try:
-        ct.backend("cpu")
+        ct.backend("cpu", "ffi")
         raise SystemExit("forcing ffi without the extension did not fail")
       except RuntimeError as e:
         assert "not built" in str(e), e
@@ -299,7 +308,8 @@ def test_sharded_operands_do_not_gather():
       x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64, 32)), jnp.bfloat16)
       x = jax.device_put(x, NamedSharding(mesh, P("d")))
       s = jnp.array([2.0], jnp.float32)
-      f = jax.jit(lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=True))
+      f = jax.jit(lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=True,
+                                                  backend="ffi"))
       hlo = f.lower(x, s).compile().as_text()
       assert "all-gather" not in hlo, hlo
       assert "te_adapters_cast_transpose" not in hlo
@@ -309,10 +319,10 @@ def test_sharded_operands_do_not_gather():
         assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
       assert got[0].sharding.spec[0] == "d"
       # Outside jit a sharded array is seen as such and also takes the pure-JAX path.
-      q, _, _ = ct.cast_transpose(x, s, jnp.float8_e4m3fn)
+      q, _, _ = ct.cast_transpose(x, s, jnp.float8_e4m3fn, backend="ffi")
       assert q.sharding.spec[0] == "d"
       print("sharded-ok")
       """,
-    {"TE_ADAPTERS_BACKEND": "ffi", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
   )
   assert "sharded-ok" in out

@@ -60,19 +60,18 @@ def test_cuda_bit_identical(dtype, q_dtype, shape, specials):
 @pytest.mark.parametrize(
   "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)], ids=str
 )
-def test_cuda_dense_grad_identical(recipe, monkeypatch):
+def test_cuda_dense_grad_identical(recipe):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((4, 128, 256)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
 
   def run(be):
-    monkeypatch.setenv("TE_ADAPTERS_BACKEND", be)
     state = ta.core.init_state(recipe)
 
     def loss(w, state):
       y = ta.core.dot_general(
         x, w, (((2,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, recipe=recipe,
-        state=state, threshold=None,
+        state=state, threshold=None, config=ta.GemmConfig(backend=be),
       )
       return jnp.sum(y.astype(jnp.float32) ** 2)
 

@@ -160,3 +160,21 @@ def test_report_names_the_gemms_the_threshold_kept_in_high_precision():
     warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
     hk.transform_with_state(q(forward)).init(jax.random.key(0), x)
   assert q.report.high_precision["small"].startswith("M=4, K=32, N=64: below the size threshold")
+
+
+def test_config_reaches_the_core(monkeypatch):
+  seen = []
+  original = core.dot_general
+
+  def record(*args, config=None, **kwargs):
+    seen.append(config)
+    return original(*args, config=config, **kwargs)
+
+  monkeypatch.setattr(core, "dot_general", record)
+  config = ta.GemmConfig(backend="jax", fp8_gemm="xla")
+  x = jnp.ones((4, 32))
+  q = ta_hk.quantize(ta.Float8CurrentScaling(), threshold=None, config=config)
+  hk.transform(q(lambda x: hk.Linear(16)(x))).init(jax.random.key(0), x)
+  layer = lambda x: ta_hk.Linear(16, threshold=None, config=config)(x)
+  hk.transform(layer).init(jax.random.key(0), x)
+  assert seen == [config, config]

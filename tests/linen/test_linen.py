@@ -250,3 +250,27 @@ def test_threshold_is_passed_to_the_core():
   assert core.count_fp8_dot_generals(forced.apply, v, x) == (1, 1)
   with pytest.raises(TypeError, match="threshold must be"):
     ta_linen.make_dot_general_cls(recipe, threshold=2**36)
+
+
+def _recording_dot_general(monkeypatch):
+  """Replaces core.dot_general with a wrapper that records the config each call passes."""
+  seen = []
+  original = core.dot_general
+
+  def record(*args, config=None, **kwargs):
+    seen.append(config)
+    return original(*args, config=config, **kwargs)
+
+  monkeypatch.setattr(core, "dot_general", record)
+  return seen
+
+
+def test_config_reaches_the_core(monkeypatch):
+  seen = _recording_dot_general(monkeypatch)
+  config = ta.GemmConfig(backend="jax", fp8_gemm="xla")
+  x = jnp.ones((16, 32))
+  layer = ta_linen.Dense(16, recipe=ta.Float8CurrentScaling(), threshold=None, config=config)
+  layer.init(jax.random.PRNGKey(0), x)
+  q = ta_linen.quantize(ta.Float8CurrentScaling(), threshold=None, config=config)
+  q(nn.Dense(16).init)(jax.random.PRNGKey(0), x)
+  assert seen == [config, config]

@@ -248,3 +248,23 @@ def test_threshold_is_passed_to_the_core():
   model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)))
   ta_nnx.quantize_model(model, DELAYED)
   assert model.layers[0].dot_general.threshold == ta.core.DEFAULT_SIZE_THRESHOLD
+
+
+def test_config_reaches_the_core(monkeypatch):
+  from te_adapters import core
+
+  seen = []
+  original = core.dot_general
+
+  def record(*args, config=None, **kwargs):
+    seen.append(config)
+    return original(*args, config=config, **kwargs)
+
+  monkeypatch.setattr(core, "dot_general", record)
+  config = ta.GemmConfig(backend="jax", fp8_gemm="xla")
+  x = jnp.ones((4, 32))
+  ta_nnx.Linear(32, 16, rngs=nnx.Rngs(0), threshold=None, config=config)(x)
+  model = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+  ta_nnx.quantize_model(model, ta.Float8CurrentScaling(), threshold=None, config=config)
+  model(x)
+  assert seen == [config, config]

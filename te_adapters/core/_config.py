@@ -1,0 +1,78 @@
+"""How the quantized GEMMs run: implementation choices that leave a recipe's numerics alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["GemmConfig", "check_config"]
+
+_CHOICES = {
+  "backend": ("auto", "jax", "ffi"),
+  "fp8_gemm": ("auto", "native", "xla"),
+  "block_gemm": ("auto", "native", "xla"),
+  "layout": ("tn", "xla"),
+  "output": ("mixed32", "f32", "direct", "direct32", "mixed"),
+  "transpose": ("cast", "fp8"),
+  "amax": ("jax", "ffi"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Which kernels run a quantized GEMM; hashable, so it can be a static argument.
+
+  The defaults are the fastest choices measured (``bench/RESULTS.md``); every choice computes
+  the same quantized values.
+
+  Attributes:
+    backend: the per-tensor FP8 cast (and amax) kernel. ``"auto"``: the extension's FFI kernel on
+      GPUs where its CUDA part is built, pure JAX elsewhere. ``"jax"``: always pure JAX.
+      ``"ffi"``: the FFI kernel wherever it applies (an input of float32, bfloat16 or float16 not
+      sharded over several devices); an error where the extension is not built for the platform.
+    fp8_gemm: per-tensor FP8 GEMMs. ``"auto"``: the extension's cuBLASLt GEMM on Hopper GPUs
+      where it can run, XLA's ``dot_general`` on the FP8 arrays elsewhere. ``"native"``: the
+      extension's GEMM, an error where it cannot run. ``"xla"``: always XLA's.
+    block_gemm: block-scaled GEMMs. ``"auto"``: the device's block-scaled GEMM where it has one
+      (cuBLASLt for FP8 1x128/128x128 blocks on Hopper GPUs, ``jax.nn.scaled_matmul`` for MXFP8
+      and NVFP4 on Blackwell GPUs), XLA elsewhere. ``"native"``: the device's, an error where it
+      cannot run. ``"xla"``: one FP8 GEMM per 128-wide K slice for FP8 blocks, a GEMM of the
+      dequantized values for MXFP8 and NVFP4.
+    layout: measurement only. ``"tn"``: every per-tensor FP8 GEMM gets both operands
+      contracting-last; ``"xla"``: the operand layouts are left to XLA.
+    output: measurement only. How XLA's per-tensor FP8 GEMM writes its output: ``"f32"`` (float32
+      sums rescaled, one rounding), ``"direct32"`` (the output dtype, rescaled in float32),
+      ``"direct"`` (the output dtype, rescaled in it: biased by the scale's rounding),
+      ``"mixed32"``/``"mixed"``: direct32/direct for the forward and dgrad GEMMs, f32 for wgrad.
+    transpose: measurement only. ``"cast"``: one pass writes both FP8 orientations of an operand;
+      ``"fp8"``: the transposed copy is made from the FP8 one.
+    amax: measurement only. Current scaling's amax pass: ``"jax"`` (XLA's reduction, which can
+      fuse into the producer) or ``"ffi"`` (the extension's kernel, where ``backend`` allows it).
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.GemmConfig(fp8_gemm="xla").block_gemm
+    'auto'
+  """
+
+  backend: str = "auto"
+  fp8_gemm: str = "auto"
+  block_gemm: str = "auto"
+  layout: str = "tn"
+  output: str = "mixed32"
+  transpose: str = "cast"
+  amax: str = "jax"
+
+  def __post_init__(self):
+    for name, allowed in _CHOICES.items():
+      value = getattr(self, name)
+      if value not in allowed:
+        raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
+
+
+def check_config(config) -> GemmConfig:
+  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else."""
+  if config is None:
+    return GemmConfig()
+  if not isinstance(config, GemmConfig):
+    raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+  return config
