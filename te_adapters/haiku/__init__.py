@@ -6,6 +6,10 @@
   state from the gradient and ordinary state (``hk.BatchNorm``) from ``apply``.
 """
 
+from te_adapters._requires import require
+
+require("haiku", "te_adapters.haiku", "haiku")
+
 from te_adapters.haiku._experts import GroupedLinear
 from te_adapters.haiku._intercept import QuantizeReport, quantize
 from te_adapters.haiku._linear import Linear

@@ -96,7 +96,8 @@ def value_grad_and_state(
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
     >>> from te_adapters import haiku as ta_hk
     >>> model = hk.transform_with_state(
-    ...     lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4))(x))
+    ...     lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4),
+    ...                            threshold=None)(x))
     >>> x = jnp.ones((8, 32))
     >>> params, state = model.init(jax.random.key(0), x)
     >>> def loss_fn(params, state, x):

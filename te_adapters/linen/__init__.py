@@ -1,6 +1,10 @@
 """Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, ``quantize`` (an
 existing model, no edits) and a train state."""
 
+from te_adapters._requires import require
+
+require("flax", "te_adapters.linen", "flax")
+
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,

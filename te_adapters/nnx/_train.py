@@ -134,7 +134,7 @@ def value_and_grad(
     >>> from flax import nnx
     >>> from te_adapters import nnx as ta_nnx
     >>> model = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4),
-    ...                       rngs=nnx.Rngs(0))
+    ...                       threshold=None, rngs=nnx.Rngs(0))
     >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
     >>> loss, (grads, state_grads) = ta_nnx.value_and_grad(loss_fn)(model, jnp.ones((4, 32)))
