@@ -26,7 +26,7 @@ from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, che
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
-_DEFAULT_RECIPE = core.Float8CurrentScaling()
+_DEFAULT_RECIPE = core.DEFAULT_RECIPE
 
 
 def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **options):
@@ -104,7 +104,7 @@ class Linear(nnx.Linear):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes: tp.Any = None,
       kernel_all_gather: tp.Any = None,
   ):
@@ -188,7 +188,7 @@ class LinearGeneral(nnx.LinearGeneral):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes: tp.Any = None,
       kernel_all_gather: tp.Any = None,
   ):
@@ -304,7 +304,7 @@ class Einsum(nnx.Einsum):
       kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes: tp.Any = None,
       kernel_all_gather: tp.Any = None,
   ):

@@ -110,6 +110,9 @@ def value_and_grad(
 ) -> tp.Callable[..., tp.Any]:
   """``nnx.value_and_grad`` that also returns the new recipe state.
 
+  The training-helper shape every adapter shares (``te_adapters.linen.value_and_grad``,
+  ``te_adapters.haiku.value_and_grad``): ``(value, (param_grads, state))``.
+
   Differentiates ``f`` with respect to the ``wrt`` variables (default ``nnx.Param``) and the
   ``RecipeState`` variables of the graph arguments in ``argnums``. Several uses of one layer in
   ``f`` (a layer called twice, ``nnx.scan`` over broadcast state) combine into the state one use
