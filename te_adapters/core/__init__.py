@@ -21,6 +21,7 @@ from te_adapters.core._layer import (
     QuantizeReport,
     check_gemm_dims,
     check_kernel_gemm_dims,
+    einsum_gemm_dims,
     gemm_dims_refusal,
     kernel_gemm_dims,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "QuantizeReport",
     "check_gemm_dims",
     "check_kernel_gemm_dims",
+    "einsum_gemm_dims",
     "gemm_dims_refusal",
     "kernel_gemm_dims",
     "CHECKPOINT_NAMES",

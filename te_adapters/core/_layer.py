@@ -17,6 +17,7 @@ __all__ = [
     "QuantizeReport",
     "check_gemm_dims",
     "check_kernel_gemm_dims",
+    "einsum_gemm_dims",
     "gemm_dims_refusal",
     "kernel_gemm_dims",
 ]
@@ -83,6 +84,33 @@ def check_kernel_gemm_dims(recipe, kernel_shape, dimension_numbers, what: str) -
   if recipe is not None:
     k, n = kernel_gemm_dims(tuple(kernel_shape), dimension_numbers)
     check_gemm_dims(k, n, f"{what} with kernel shape {tuple(kernel_shape)}")
+
+
+def einsum_gemm_dims(einsum_str: str, kernel_shape) -> tuple[int, int] | None:
+  """``(K, N)`` of the GEMM of an Einsum layer, from its equation and kernel shape.
+
+  K multiplies the kernel dims summed with the input, N the kernel dims kept in the output
+  and absent from the input. ``None`` if the equation is not one GEMM of input and kernel (not
+  two operands, an ellipsis in the kernel, a repeated label, a label summed over one operand).
+  """
+  einsum_str = einsum_str.replace(" ", "")
+  if "->" not in einsum_str or einsum_str.count(",") != 1:
+    return None
+  operands, out_labels = einsum_str.split("->")
+  in_labels, k_labels = operands.split(",")
+  in_labels, out_labels = in_labels.replace(".", ""), out_labels.replace(".", "")
+  if "." in k_labels or len(k_labels) != len(kernel_shape):
+    return None
+  if len(set(k_labels)) != len(k_labels) or len(set(in_labels)) != len(in_labels):
+    return None
+  if any(c not in k_labels and c not in out_labels for c in in_labels) or any(
+      c not in in_labels and c not in out_labels for c in k_labels
+  ):
+    return None
+  sizes = dict(zip(k_labels, kernel_shape, strict=True))
+  k = math.prod(s for c, s in sizes.items() if c in in_labels and c not in out_labels)
+  n = math.prod(s for c, s in sizes.items() if c in out_labels and c not in in_labels)
+  return k, n
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ from flax import nnx
 from jax import lax
 
 from te_adapters import core
-from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral, einsum_gemm_dims
+from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
 from te_adapters.nnx._ops import (
     SR_RNG,
     DotGeneral,
@@ -44,7 +44,7 @@ def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | No
     return "einsum_op", None, None, "it has a custom einsum_op"
   if layer.einsum_str is None:
     return "einsum_op", None, None, "its equation is given at call time"
-  dims = einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
+  dims = core.einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
   if dims is None:
     return "einsum_op", None, None, f"its equation {layer.einsum_str!r} is not one GEMM"
   return "einsum_op", len(layer.kernel_shape), dims, None
