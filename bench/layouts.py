@@ -2,6 +2,7 @@
 ``GemmConfig``: output mode x transpose), in one process, beside bf16 and Flax's fp8 op.
 Usage: python bench/layouts.py [--small]"""
 
+import os
 import sys
 
 import jax
@@ -9,7 +10,9 @@ import jax.numpy as jnp
 
 import te_adapters as ta
 import te_adapters.linen
-from te_adapters import _bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import speed as _bench  # noqa: E402
 
 small = "--small" in sys.argv
 batch, seq, hidden, out = (2, 64, 256, 512) if small else (8, 2048, 8192, 32768)

@@ -68,13 +68,13 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from seed_layer import FlaxDenseBlock  # noqa: E402  (bench/, on sys.path above)
 
 import te_adapters as ta  # noqa: E402
 from te_adapters import core  # noqa: E402
 from te_adapters import haiku as ta_hk  # noqa: E402
 from te_adapters import linen as ta_linen  # noqa: E402
 from te_adapters import nnx as ta_nnx  # noqa: E402
-from te_adapters._seed_layer import FlaxDenseBlock  # noqa: E402
 
 MESH_SHAPE, MESH_AXES = (2, 2), ("dp", "tp")
 X_SPEC = P("dp", None, None)

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 import te_adapters as ta
 import te_adapters.linen
-from te_adapters import _bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import speed as _bench  # noqa: E402
 
 out_dir = sys.argv[1]
 variants = sys.argv[2:] or ["bf16", "delayed"]

@@ -171,7 +171,7 @@ def bandwidth(sizes_mb, iters):
 def dense_step(iters):
   print("\n== seed 000 Dense fwd+bwd step through the core ==", flush=True)
   import te_adapters as ta
-  from te_adapters import _bench
+  from bench import speed as _bench
 
   k_init, k_x, k_dy = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(k_x, (8, 2048, 8192)).astype(jnp.bfloat16)

@@ -1,6 +1,16 @@
-"""Command line: ``python -m te_adapters demo`` and ``python -m te_adapters bench``."""
+"""Command line: ``python -m te_adapters demo``, and ``python -m te_adapters bench`` from a source
+checkout (the benchmark lives in the repository's ``bench/``, outside the package)."""
 
 import sys
+from pathlib import Path
+
+
+def _checkout_root() -> Path | None:
+  """The source checkout this package was imported from (an editable install), else None."""
+  root = Path(__file__).resolve().parent.parent
+  if (root / "pyproject.toml").is_file() and (root / "bench" / "speed.py").is_file():
+    return root
+  return None
 
 
 def main(argv=None) -> int:
@@ -14,9 +24,16 @@ def main(argv=None) -> int:
 
     _demo.main(argv[1:])
   elif argv[0] == "bench":
-    from te_adapters import _bench
+    root = _checkout_root()
+    if root is None:
+      print("python -m te_adapters bench: the benchmark is not part of the installed package; "
+            "run `python -m bench` from the root of a source checkout "
+            "(or install one with `pip install -e .`)", file=sys.stderr)
+      return 2
+    sys.path.insert(0, str(root))
+    from bench import speed
 
-    _bench.main(argv[1:])
+    speed.main(argv[1:])
   return 0
 
 

@@ -15,6 +15,17 @@ from te_adapters.core._inspect import (
     dot_general_operand_dtypes,
     hlo_dot_operand_types,
 )
+from te_adapters.core._layer import (
+    DEFAULT_RECIPE,
+    DEFAULT_THRESHOLD,
+    GEMM_DIM_MULTIPLE,
+    QuantizeReport,
+    check_gemm_dims,
+    check_kernel_gemm_dims,
+    einsum_gemm_dims,
+    gemm_dims_refusal,
+    kernel_gemm_dims,
+)
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
 from te_adapters.core._recipes import (
@@ -57,6 +68,15 @@ from te_adapters.core._threshold import (
 )
 
 __all__ = [
+    "DEFAULT_RECIPE",
+    "DEFAULT_THRESHOLD",
+    "GEMM_DIM_MULTIPLE",
+    "QuantizeReport",
+    "check_gemm_dims",
+    "check_kernel_gemm_dims",
+    "einsum_gemm_dims",
+    "gemm_dims_refusal",
+    "kernel_gemm_dims",
     "CHECKPOINT_NAMES",
     "Collective",
     "DEFAULT_SIZE_THRESHOLD",

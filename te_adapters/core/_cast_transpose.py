@@ -101,9 +101,11 @@ def cast_transpose(
     ``(q, q_t, amax)``, with ``None`` for each output not asked for.
 
   Example:
-    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> import jax.numpy as jnp
+    >>> from te_adapters.core import _cast_transpose
     >>> x = jnp.arange(6.0).reshape(2, 3)
-    >>> q, q_t, a = ta.core.cast_transpose(x, jnp.ones((1,)), jnp.float8_e4m3fn, with_amax=True)
+    >>> q, q_t, a = _cast_transpose.cast_transpose(x, jnp.ones((1,)), jnp.float8_e4m3fn,
+    ...                                            with_amax=True)
     >>> q_t.shape, float(a[0])
     ((3, 2), 5.0)
   """
@@ -138,8 +140,9 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
     float32 array of shape (1,).
 
   Example:
-    >>> import jax.numpy as jnp, te_adapters as ta
-    >>> float(ta.core.amax(jnp.array([1.0, -3.0]))[0])
+    >>> import jax.numpy as jnp
+    >>> from te_adapters.core import _cast_transpose
+    >>> float(_cast_transpose.amax(jnp.array([1.0, -3.0]))[0])
     3.0
   """
   _scaled_tensor.check_float_operand("x", x)

@@ -105,7 +105,7 @@ class SizeThreshold:
 # dims >= 2048 ran faster in FP8 (1.10x-1.47x, both recipes); at 2**35 FP8 lost wherever M was
 # 2048 (0.91x-0.96x); with a dim of 1024 it lost at 1024x8192x8192 (0.80x) and 65536x1024x1024
 # (0.92x) and won elsewhere. So FP8 from 4096**3 = 2**36 up, and min_dim = 2048. Calibrate with
-# ``python -m te_adapters bench --cases sweep --shapes MxKxN,...``.
+# ``python -m bench --cases sweep --shapes MxKxN,...``.
 DEFAULT_SIZE_THRESHOLD = SizeThreshold(min_mkn=4096**3, min_dim=2048, platforms=("gpu",))
 
 

@@ -2,9 +2,15 @@
 
 * ``Linear``: ``hk.Linear`` with a quantized GEMM; recipe state in ``hk.get_state``.
 * ``quantize(recipe)``: quantizes the ``hk.Linear`` layers of an existing model, unedited.
-* ``value_grad_and_state``: a training step's loss, parameter grads and new state, with recipe
-  state from the gradient and ordinary state (``hk.BatchNorm``) from ``apply``.
+* ``value_and_grad``: a training step's ``(value, (param_grads, new_state))``, the shape of every
+  adapter's helper, with recipe state from the gradient and ordinary state (``hk.BatchNorm``)
+  from ``apply``; ``value_grad_and_state`` is the same step returning
+  ``(loss, aux, param_grads, new_state)``.
 """
+
+from te_adapters._requires import require
+
+require("haiku", "te_adapters.haiku", "haiku")
 
 from te_adapters.haiku._experts import GroupedLinear
 from te_adapters.haiku._intercept import QuantizeReport, quantize
@@ -13,6 +19,7 @@ from te_adapters.haiku._train import (
     RECIPE_STATE_NAMES,
     merge_state,
     split_state,
+    value_and_grad,
     value_grad_and_state,
 )
 
@@ -24,5 +31,6 @@ __all__ = [
     "merge_state",
     "quantize",
     "split_state",
+    "value_and_grad",
     "value_grad_and_state",
 ]

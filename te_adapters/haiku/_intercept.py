@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
@@ -17,26 +16,10 @@ from te_adapters.haiku import _linear
 
 __all__ = ["QuantizeReport", "quantize"]
 
-# FP8 GEMMs need the contracting and output dims to be multiples of 16 (TE asserts K % 16).
-_FP8_ALIGNMENT = 16
-
 _EXCLUDED = "excluded by module_filter"
 
 
-@dataclasses.dataclass
-class QuantizeReport:
-  """What a ``quantize`` scope did, filled in while the model is traced.
-
-  Attributes:
-    quantized: names of the ``hk.Linear`` modules computed with the recipe, in call order.
-    skipped: module name -> why it stayed in high precision.
-    high_precision: name of a quantized module -> why its GEMM ran in high precision all the
-      same: below the size threshold on this backend (``threshold=None`` quantizes it).
-  """
-
-  quantized: list[str] = dataclasses.field(default_factory=list)
-  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-  high_precision: dict[str, str] = dataclasses.field(default_factory=dict)
+QuantizeReport = core.QuantizeReport  # one report type for every adapter
 
 
 def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
@@ -49,10 +32,7 @@ def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
   shape = getattr(inputs, "shape", ())
   if not shape:
     return "scalar input"
-  for what, size in (("input size", shape[-1]), ("output size", module.output_size)):
-    if size % _FP8_ALIGNMENT:
-      return f"{what} {size} is not a multiple of {_FP8_ALIGNMENT}"
-  return None
+  return core.gemm_dims_refusal(shape[-1], module.output_size)
 
 
 class quantize(InterceptScope):  # lower case: used like a function
@@ -100,7 +80,7 @@ class quantize(InterceptScope):  # lower case: used like a function
       recipe: core.Recipe | None,
       *,
       module_filter: Callable[[str], bool] | None = None,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,

@@ -13,8 +13,8 @@ from te_adapters.haiku._scan_check import refuse_state_in_hk_scan
 
 __all__ = ["Linear"]
 
-# Stateless current scaling is the default (recipes are frozen, so one instance is shared safely).
-_DEFAULT_RECIPE = core.Float8CurrentScaling()
+# Every adapter's default recipe (stateless current scaling), from the core.
+_DEFAULT_RECIPE = core.DEFAULT_RECIPE
 
 
 def linear_forward(
@@ -22,7 +22,7 @@ def linear_forward(
     inputs: jax.Array,
     precision: lax.Precision | None,
     recipe,
-    threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+    threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
     amax_axes=None,
     kernel_all_gather=None,
     config: core.GemmConfig | None = None,
@@ -43,6 +43,8 @@ def linear_forward(
     )
   input_size = module.input_size = inputs.shape[-1]
   dtype = inputs.dtype
+  if recipe is not None:
+    core.check_gemm_dims(input_size, module.output_size, module.module_name)
 
   w_init = module.w_init
   if w_init is None:
@@ -143,7 +145,7 @@ class Linear(hk.Linear):
       name: str | None = None,
       *,
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,
@@ -159,7 +161,7 @@ class Linear(hk.Linear):
       recipe: the quantization recipe (default ``te_adapters.Float8CurrentScaling()``), or
         ``None`` for the unquantized ``hk.Linear`` computation.
       threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in
-        high precision (default ``core.DEFAULT_SIZE_THRESHOLD``); ``None`` quantizes every GEMM.
+        high precision (default ``core.DEFAULT_THRESHOLD``); ``None`` quantizes every GEMM.
       amax_axes: passed to ``core.dot_general`` (inside ``shard_map``: the mesh axes each amax
         is max-reduced over).
       kernel_all_gather: passed to ``core.dot_general`` (FSDP: the sharding of ``w``, gathered

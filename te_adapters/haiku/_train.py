@@ -9,7 +9,8 @@ import jax
 
 from te_adapters import core
 
-__all__ = ["RECIPE_STATE_NAMES", "split_state", "merge_state", "value_grad_and_state"]
+__all__ = [
+    "RECIPE_STATE_NAMES", "split_state", "merge_state", "value_and_grad", "value_grad_and_state"]
 
 # Naming convention: inside a module's Haiku state these names hold recipe state (TE's names).
 RECIPE_STATE_NAMES: frozenset[str] = frozenset(core.state_names(core.DelayedScaling()))
@@ -96,7 +97,8 @@ def value_grad_and_state(
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
     >>> from te_adapters import haiku as ta_hk
     >>> model = hk.transform_with_state(
-    ...     lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4))(x))
+    ...     lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4),
+    ...                            threshold=None)(x))
     >>> x = jnp.ones((8, 32))
     >>> params, state = model.init(jax.random.key(0), x)
     >>> def loss_fn(params, state, x):
@@ -140,5 +142,41 @@ def value_grad_and_state(
     (loss, (aux, new_other)), (param_grads, recipe_grads) = grad_fn(params, recipe_state)
     new_recipe = core.updated_state(recipe_state, recipe_grads)
     return loss, aux, param_grads, merge_state(new_recipe, new_other)
+
+  return step
+
+
+def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+  """``value_grad_and_state`` in the training-helper shape every adapter shares
+  (``te_adapters.nnx.value_and_grad``, ``te_adapters.linen.value_and_grad``).
+
+  ``loss_fn`` is as for ``value_grad_and_state``: ``loss_fn(params, state, *args, **kwargs)``
+  returns ``(loss, new_state)``, or ``(loss, (aux, new_state))`` with ``has_aux``.
+
+  Returns:
+    ``step(params, state, *args, **kwargs) -> (value, (param_grads, new_state))``: ``value`` is
+    ``loss`` (``(loss, aux)`` with ``has_aux``, as ``jax.value_and_grad`` gives it),
+    ``param_grads`` go to the optimizer and ``new_state`` is the next step's Haiku state (recipe
+    state from its gradient, the rest as ``apply`` returned it).
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import haiku as ta_hk
+    >>> model = hk.transform_with_state(lambda x: ta_hk.Linear(
+    ...     16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)(x))
+    >>> x = jnp.ones((8, 32))
+    >>> params, state = model.init(jax.random.key(0), x)
+    >>> def loss_fn(params, state, x):
+    ...   y, state = model.apply(params, state, None, x)
+    ...   return jnp.mean(y**2), state
+    >>> loss, (grads, state) = ta_hk.value_and_grad(loss_fn)(params, state, x)
+    >>> float(state["linear"]["x_amax_history"][-1])
+    1.0
+  """
+  inner = value_grad_and_state(loss_fn, has_aux=has_aux)
+
+  def step(params, state, *args, **kwargs):
+    loss, aux, param_grads, new_state = inner(params, state, *args, **kwargs)
+    return ((loss, aux) if has_aux else loss), (param_grads, new_state)
 
   return step

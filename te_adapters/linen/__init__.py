@@ -1,6 +1,10 @@
 """Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, ``quantize`` (an
 existing model, no edits) and a train state."""
 
+from te_adapters._requires import require
+
+require("flax", "te_adapters.linen", "flax")
+
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
@@ -11,7 +15,7 @@ from te_adapters.linen._module import (
 )
 from te_adapters.linen._quantize import QuantizeReport, quantize
 from te_adapters.linen._ragged import make_ragged_dot_cls
-from te_adapters.linen._train_state import TrainState, with_max_grad
+from te_adapters.linen._train_state import TrainState, value_and_grad, with_max_grad
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
@@ -24,5 +28,6 @@ __all__ = [
     "make_dot_general_cls",
     "make_ragged_dot_cls",
     "quantize",
+    "value_and_grad",
     "with_max_grad",
 ]

@@ -30,6 +30,13 @@ def _sr_rng(module: nn.Module, recipe):
   return module.make_rng(SR_RNG)
 
 
+def _layer_name(module: nn.Module) -> str:
+  """The path of the layer that owns this dot_general module, for error messages."""
+  scope = module.scope
+  path = scope.path[:-1] if scope is not None else ()
+  return "/".join(path) or type(module).__name__
+
+
 class QuantizedDotGeneral(nn.Module):
   """A ``dot_general`` module: pass an instance as ``nn.Dense(..., dot_general=...)``.
 
@@ -40,7 +47,7 @@ class QuantizedDotGeneral(nn.Module):
   """
 
   recipe: Any = None
-  threshold: Any = core.DEFAULT_SIZE_THRESHOLD
+  threshold: Any = core.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None
@@ -57,6 +64,7 @@ class QuantizedDotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
     state = {}
     initial = {} if self.recipe is None else core.init_state(self.recipe)
     for name, value in initial.items():
@@ -80,7 +88,7 @@ class QuantizedDotGeneral(nn.Module):
 def make_dot_general_cls(
     recipe,
     *,
-    threshold=core.DEFAULT_SIZE_THRESHOLD,
+    threshold=core.DEFAULT_THRESHOLD,
     amax_axes=None,
     kernel_all_gather=None,
     config=None,
@@ -145,6 +153,7 @@ def _with_recipe_dot_general(module):
 class Dense(nn.Dense):
   """``flax.linen.Dense`` with a ``recipe``: same parameters, the GEMM quantized by the recipe.
 
+  The default recipe is every adapter's, ``core.DEFAULT_RECIPE`` (``Float8CurrentScaling()``);
   ``recipe=None`` is exactly ``nn.Dense``. Recipe state lives in ``_overwrite_with_gradient``;
   ``threshold`` (GEMMs below it stay in high precision), ``amax_axes``, ``kernel_all_gather`` and
   ``config`` go to ``core.dot_general``; a recipe that rounds stochastically draws keys from the
@@ -159,8 +168,8 @@ class Dense(nn.Dense):
     ['_overwrite_with_gradient', 'params']
   """
 
-  recipe: Any = None
-  threshold: Any = core.DEFAULT_SIZE_THRESHOLD
+  recipe: Any = core.DEFAULT_RECIPE
+  threshold: Any = core.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None
@@ -174,8 +183,8 @@ class DenseGeneral(nn.DenseGeneral):
   """``flax.linen.DenseGeneral`` with a ``recipe`` (same fields and parameters plus ``recipe``,
   ``threshold``, ``amax_axes``, ``kernel_all_gather`` and ``config``, as for ``Dense``)."""
 
-  recipe: Any = None
-  threshold: Any = core.DEFAULT_SIZE_THRESHOLD
+  recipe: Any = core.DEFAULT_RECIPE
+  threshold: Any = core.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None

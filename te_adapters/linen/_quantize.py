@@ -8,7 +8,6 @@ layer creates a ``QuantizedDotGeneral`` child holding its recipe state in the co
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -22,8 +21,6 @@ from te_adapters.linen._module import make_dot_general_cls
 
 __all__ = ["QuantizeReport", "quantize"]
 
-# FP8 GEMMs need the contracting and output sizes to be multiples of 16 (TE asserts K % 16).
-_FP8_ALIGNMENT = 16
 _EXCLUDED = "excluded by the filter"
 # GEMMs in Linen's own layers that have no dot_general slot to convert.
 _UNREACHABLE = {
@@ -39,33 +36,7 @@ _UNREACHABLE = {
 
 
 
-@dataclasses.dataclass
-class QuantizeReport:
-  """What a ``quantize`` scope did, filled in while the model is traced.
-
-  Attributes:
-    quantized: paths (``"Encoder_0/Dense_1"``) of the layers computed with the recipe, in call
-      order.
-    skipped: path -> why that GEMM stays in high precision (filtered out, sizes not multiples of
-      16, a custom ``dot_general``, or a GEMM the conversion cannot reach such as
-      ``nn.Embed.attend``).
-    high_precision: path of a quantized layer -> why its GEMM ran in high precision all the
-      same: below the size threshold on this backend (``threshold=None`` quantizes it).
-  """
-
-  quantized: list[str] = dataclasses.field(default_factory=list)
-  skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-  high_precision: dict[str, str] = dataclasses.field(default_factory=dict)
-
-  def __str__(self) -> str:
-    lines = [f"quantized {len(self.quantized)} layer(s), skipped {len(self.skipped)}"]
-    if self.high_precision:
-      every = " (all of them)" if len(self.high_precision) == len(self.quantized) else ""
-      lines[0] += f"; {len(self.high_precision)} of the quantized{every} ran in high precision"
-    lines += [f"  quantized {path}" for path in self.quantized]
-    lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped.items()]
-    lines += [f"  high precision {path}: {why}" for path, why in self.high_precision.items()]
-    return "\n".join(lines)
+QuantizeReport = core.QuantizeReport  # one report type for every adapter
 
 
 def _path(module: nn.Module) -> str:
@@ -122,7 +93,7 @@ class quantize(InterceptScope):  # lower case: used like a function
       recipe: core.Recipe | None,
       *,
       filter: Callable[[str], bool] | None = None,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,
@@ -173,8 +144,8 @@ class quantize(InterceptScope):  # lower case: used like a function
       return next_fun(*args, **kwargs)
     inputs = args[0] if args else kwargs.get("inputs")
     k, n = _gemm_sizes(module, inputs)
-    if k % _FP8_ALIGNMENT or n % _FP8_ALIGNMENT:
-      self._skip(path, f"GEMM size K={k}, N={n} is not a multiple of {_FP8_ALIGNMENT}")
+    if (refusal := core.gemm_dims_refusal(k, n)) is not None:
+      self._skip(path, refusal)
       return next_fun(*args, **kwargs)
     if path not in self.report.quantized:
       self.report.quantized.append(path)

@@ -12,7 +12,7 @@ import optax
 from te_adapters import core
 from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT
 
-__all__ = ["TrainState", "with_max_grad"]
+__all__ = ["TrainState", "value_and_grad", "with_max_grad"]
 
 
 def with_max_grad(variables: Mapping[str, Any]) -> dict[str, Any]:
@@ -26,6 +26,56 @@ def with_max_grad(variables: Mapping[str, Any]) -> dict[str, Any]:
   if OVERWRITE_WITH_GRADIENT in variables:
     variables[OVERWRITE_WITH_GRADIENT] = core.with_max_grad(variables[OVERWRITE_WITH_GRADIENT])
   return variables
+
+
+def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
+  """A training step's loss, parameter gradients and new recipe state: the training-helper
+  shape every adapter shares (``te_adapters.nnx.value_and_grad``,
+  ``te_adapters.haiku.value_and_grad``).
+
+  ``loss_fn(variables, *args, **kwargs)`` returns the loss (``(loss, aux)`` with ``has_aux``),
+  calling ``apply`` with ``variables``. The recipe state (the ``_overwrite_with_gradient``
+  collection) is marked for max accumulation (see ``with_max_grad``) and differentiated with
+  the parameters; its gradient, through ``core.updated_state``, is the new recipe state.
+
+  Returns:
+    ``step(variables, *args, **kwargs) -> (value, (param_grads, recipe_state))``: ``value`` as
+    ``jax.value_and_grad`` gives it, ``param_grads`` for the optimizer (``params`` only) and
+    ``recipe_state`` the new ``_overwrite_with_gradient`` collection (``{}`` without one).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import linen as ta_linen
+    >>> model = ta_linen.Dense(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)
+    >>> x = jnp.ones((8, 32))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> loss_fn = lambda variables, x: jnp.mean(model.apply(variables, x) ** 2)
+    >>> loss, (grads, recipe_state) = ta_linen.value_and_grad(loss_fn)(variables, x)
+    >>> float(recipe_state["DelayedScalingDotGeneral_0"]["x_amax_history"][-1])
+    1.0
+  """
+
+  def step(variables: Mapping[str, Any], *args, **kwargs):
+    variables = dict(variables)
+    if "params" not in variables:
+      raise ValueError("variables has no 'params' collection")
+    params = variables.pop("params")
+    recipe_state = variables.pop(OVERWRITE_WITH_GRADIENT, {})
+
+    def wrapped(params, recipe_state):
+      full = {"params": params, **variables}
+      if recipe_state:
+        full[OVERWRITE_WITH_GRADIENT] = core.with_max_grad(recipe_state)
+      return loss_fn(full, *args, **kwargs)
+
+    value, (g_params, g_state) = jax.value_and_grad(wrapped, argnums=(0, 1), has_aux=has_aux)(
+        params, recipe_state
+    )
+    if recipe_state:
+      recipe_state = core.updated_state(recipe_state, g_state)
+    return value, (g_params, recipe_state)
+
+  return step
 
 
 class TrainState(flax.struct.PyTreeNode):

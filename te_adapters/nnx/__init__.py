@@ -11,6 +11,10 @@ A training step::
   te_adapters.nnx.update_recipe_state(model, state_grads)
 """
 
+from te_adapters._requires import require
+
+require("flax", "te_adapters.nnx", "flax")
+
 from te_adapters.nnx._convert import QuantizeReport, quantize_model
 from te_adapters.nnx._experts import GroupedLinear
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -10,9 +9,8 @@ from flax import nnx
 from jax import lax
 
 from te_adapters import core
-from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral, einsum_gemm_dims
+from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
 from te_adapters.nnx._ops import (
-    GEMM_DIM_MULTIPLE,
     SR_RNG,
     DotGeneral,
     EinsumOp,
@@ -23,32 +21,7 @@ from te_adapters.nnx._ops import (
 __all__ = ["QuantizeReport", "quantize_model"]
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizeReport:
-  """What ``quantize_model`` did.
-
-  Attributes:
-    quantized: paths (``"blocks/0/mlp"``) of the layers now quantized.
-    skipped: ``(path, reason)`` of each linear layer left as it was.
-    high_precision: ``(path, reason)`` of each quantized layer whose kernel alone keeps every
-      GEMM below the size threshold on the JAX backend of the conversion: it computes in high
-      precision there whatever its input (``threshold=None`` quantizes it).
-  """
-
-  quantized: tuple[str, ...]
-  skipped: tuple[tuple[str, str], ...]
-  high_precision: tuple[tuple[str, str], ...] = ()
-
-  def __str__(self) -> str:
-    lines = [f"quantized {len(self.quantized)} layer(s), skipped {len(self.skipped)}"]
-    if self.high_precision:
-      every = " (all of them)" if len(self.high_precision) == len(self.quantized) else ""
-      lines[0] += f"; {len(self.high_precision)} of the quantized{every} stay in high precision"
-    lines += [f"  quantized {path}" for path in self.quantized]
-    lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
-    lines += [f"  high precision {path}: {reason}" for path, reason in self.high_precision]
-    return "\n".join(lines)
-
+QuantizeReport = core.QuantizeReport  # one report type for every adapter
 
 _UNREACHABLE_ATTEND = (
     "not converted: {}.attend (a tied output projection) computes its GEMM outside any "
@@ -71,7 +44,7 @@ def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | No
     return "einsum_op", None, None, "it has a custom einsum_op"
   if layer.einsum_str is None:
     return "einsum_op", None, None, "its equation is given at call time"
-  dims = einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
+  dims = core.einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
   if dims is None:
     return "einsum_op", None, None, f"its equation {layer.einsum_str!r} is not one GEMM"
   return "einsum_op", len(layer.kernel_shape), dims, None
@@ -82,7 +55,7 @@ def quantize_model(
     recipe: core.Recipe,
     *,
     filter=None,
-    threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+    threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     amax_axes=None,
     kernel_all_gather=None,
@@ -119,8 +92,9 @@ def quantize_model(
       ``None`` for the default.
 
   Returns:
-    A ``QuantizeReport`` listing the quantized and the skipped layers (with reasons), and the
-    quantized layers that the size threshold keeps in high precision on this backend.
+    A ``te_adapters.core.QuantizeReport`` (the type every adapter's conversion returns) listing
+    the quantized and the skipped layers (with reasons), and the quantized layers that the size
+    threshold keeps in high precision on this backend.
 
   Example:
     >>> import te_adapters as ta
@@ -129,8 +103,8 @@ def quantize_model(
     >>> model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
     ...                        nnx.Linear(64, 10, rngs=nnx.Rngs(1)))
     >>> report = ta_nnx.quantize_model(model, ta.Float8CurrentScaling())
-    >>> report.quantized, report.skipped[0][0]
-    (('layers/0',), 'layers/1')
+    >>> report.quantized, list(report.skipped)
+    (['layers/0'], ['layers/1'])
   """
   recipe = core.check_recipe(recipe)
   threshold = core.check_threshold(threshold)
@@ -165,10 +139,8 @@ def quantize_model(
       skipped.append((name, reason))
       continue
     k, n = dims
-    if k % GEMM_DIM_MULTIPLE or n % GEMM_DIM_MULTIPLE:
-      skipped.append(
-          (name, f"GEMM size K={k}, N={n} is not a multiple of {GEMM_DIM_MULTIPLE}")
-      )
+    if (refusal := core.gemm_dims_refusal(k, n)) is not None:
+      skipped.append((name, refusal))
       continue
     kernel = layer.kernel.get_value()
     stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
@@ -191,5 +163,5 @@ def quantize_model(
     if (why := core.high_precision_reason(threshold, k, n)) is not None:
       high_precision.append((name, why))
   return QuantizeReport(
-      quantized=tuple(quantized), skipped=tuple(skipped), high_precision=tuple(high_precision)
+      quantized=quantized, skipped=dict(skipped), high_precision=dict(high_precision)
   )

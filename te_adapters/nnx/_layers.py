@@ -9,24 +9,21 @@ state. With ``recipe=None`` the layer is its NNX parent, unchanged.
 
 from __future__ import annotations
 
+import inspect
 import math
-import typing as tp
-from types import MappingProxyType
 
-import jax.numpy as jnp
 from flax import nnx
-from flax.core.frozen_dict import FrozenDict
-from flax.nnx.nn import dtypes
 from flax.nnx.nn import linear as nnx_linear
-from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn, Shape
-from jax import lax
 
 from te_adapters import core
 from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, check_gemm_dims
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
-_DEFAULT_RECIPE = core.Float8CurrentScaling()
+_DEFAULT_RECIPE = core.DEFAULT_RECIPE
+# The NNX parents' own defaults for the slot a recipe fills.
+_LINEAR_DOT = inspect.signature(nnx.Linear.__init__).parameters["dot_general"].default
+_EINSUM_OP = inspect.signature(nnx.Einsum.__init__).parameters["einsum_op"].default
 
 
 def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **options):
@@ -41,6 +38,28 @@ def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **o
     )
   # The rounding stream is forked after the parameters are drawn (see _attach_rngs).
   return op_cls(recipe, **options)
+
+
+def _with_options(parent_init):
+  """The NNX parent's ``__init__`` signature plus the quantization options, keyword-only: what
+  ``inspect.signature`` and ``help`` show for a layer that passes the parent's arguments on."""
+  sig = inspect.signature(parent_init)
+  options = [
+      inspect.Parameter("recipe", inspect.Parameter.KEYWORD_ONLY, default=_DEFAULT_RECIPE),
+      inspect.Parameter("threshold", inspect.Parameter.KEYWORD_ONLY,
+                        default=core.DEFAULT_THRESHOLD),
+      inspect.Parameter("amax_axes", inspect.Parameter.KEYWORD_ONLY, default=None),
+      inspect.Parameter("kernel_all_gather", inspect.Parameter.KEYWORD_ONLY, default=None),
+      inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
+  ]
+  return sig.replace(parameters=[*sig.parameters.values(), *options])
+
+
+def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
+  """The parent's arguments by name, with its defaults (the parent's TypeError on bad ones)."""
+  bound = inspect.signature(parent_init).bind(layer, *args, **kwargs)
+  bound.apply_defaults()
+  return bound.arguments
 
 
 def _attach_rngs(op, rngs) -> None:
@@ -88,54 +107,24 @@ class Linear(nnx.Linear):
   """
 
   def __init__(
-      self,
-      in_features: int,
-      out_features: int,
-      *,
-      use_bias: bool = True,
-      dtype: Dtype | None = None,
-      param_dtype: Dtype = jnp.float32,
-      precision: PrecisionLike = None,
-      kernel_init: Initializer = nnx_linear.default_kernel_init,
-      bias_init: Initializer = nnx_linear.default_bias_init,
-      dot_general: tp.Callable[..., tp.Any] = lax.dot_general,
-      promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
-      preferred_element_type: Dtype | None = None,
-      rngs: nnx.Rngs,
-      kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-      bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-      recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
-      amax_axes: tp.Any = None,
-      kernel_all_gather: tp.Any = None,
-      config: core.GemmConfig | None = None,
+      self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
+      kernel_all_gather=None, config=None, **kwargs,
   ):
+    given = _parent_arguments(nnx.Linear.__init__, self, args, kwargs)
     if recipe is not None:
-      check_gemm_dims(in_features, out_features, f"Linear({in_features}, {out_features})")
-    dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, lax.dot_general, "dot_general", "Linear",
+      k, n = given["in_features"], given["out_features"]
+      check_gemm_dims(k, n, f"Linear({k}, {n})")
+    kwargs["dot_general"] = _quantized_op(
+        DotGeneral, recipe, given["dot_general"], _LINEAR_DOT, "dot_general", "Linear",
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(
-        in_features,
-        out_features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        precision=precision,
-        kernel_init=kernel_init,
-        bias_init=bias_init,
-        dot_general=dot_general,
-        promote_dtype=promote_dtype,
-        preferred_element_type=preferred_element_type,
-        rngs=rngs,
-        kernel_metadata=kernel_metadata,
-        bias_metadata=bias_metadata,
-    )
+    super().__init__(*args, **kwargs)
     self.recipe = recipe
     self.threshold = threshold
-    _attach_rngs(self.dot_general, rngs)
+    _attach_rngs(self.dot_general, given["rngs"])
+
+  __init__.__signature__ = _with_options(nnx.Linear.__init__)
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
@@ -171,96 +160,33 @@ class LinearGeneral(nnx.LinearGeneral):
   """
 
   def __init__(
-      self,
-      in_features: int | tp.Sequence[int],
-      out_features: int | tp.Sequence[int],
-      *,
-      axis: int | tp.Sequence[int] = -1,
-      batch_axis: tp.Mapping[int, int] = FrozenDict({}),
-      use_bias: bool = True,
-      dtype: Dtype | None = None,
-      param_dtype: Dtype = jnp.float32,
-      kernel_init: Initializer = nnx_linear.default_kernel_init,
-      bias_init: Initializer = nnx_linear.default_bias_init,
-      precision: PrecisionLike = None,
-      promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
-      dot_general: tp.Callable[..., tp.Any] | None = None,
-      dot_general_cls: tp.Any = None,
-      preferred_element_type: Dtype | None = None,
-      rngs: nnx.Rngs,
-      kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-      bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-      recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
-      amax_axes: tp.Any = None,
-      kernel_all_gather: tp.Any = None,
-      config: core.GemmConfig | None = None,
+      self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
+      kernel_all_gather=None, config=None, **kwargs,
   ):
+    given = _parent_arguments(nnx.LinearGeneral.__init__, self, args, kwargs)
+    in_features, out_features = given["in_features"], given["out_features"]
     if recipe is not None:
-      if dot_general_cls is not None:
+      if given["dot_general_cls"] is not None:
         raise ValueError("LinearGeneral: pass either recipe= or dot_general_cls=, not both")
       k = math.prod(nnx_linear._canonicalize_tuple(in_features))
       n = math.prod(nnx_linear._canonicalize_tuple(out_features))
       check_gemm_dims(k, n, f"LinearGeneral({in_features}, {out_features})")
-    dot_general = _quantized_op(
-        DotGeneral, recipe, dot_general, None, "dot_general", "LinearGeneral",
+    kwargs["dot_general"] = _quantized_op(
+        DotGeneral, recipe, given["dot_general"], None, "dot_general", "LinearGeneral",
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(
-        in_features,
-        out_features,
-        axis=axis,
-        batch_axis=batch_axis,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=kernel_init,
-        bias_init=bias_init,
-        precision=precision,
-        promote_dtype=promote_dtype,
-        dot_general=dot_general,
-        dot_general_cls=dot_general_cls,
-        preferred_element_type=preferred_element_type,
-        rngs=rngs,
-        kernel_metadata=kernel_metadata,
-        bias_metadata=bias_metadata,
-    )
+    super().__init__(*args, **kwargs)
     self.recipe = recipe
     self.threshold = threshold
-    _attach_rngs(self.dot_general, rngs)
+    _attach_rngs(self.dot_general, given["rngs"])
+
+  __init__.__signature__ = _with_options(nnx.LinearGeneral.__init__)
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
     with call_rngs(rngs):
       return super().__call__(inputs, out_sharding=out_sharding)
-
-
-def einsum_gemm_dims(einsum_str: str, kernel_shape: Shape) -> tuple[int, int] | None:
-  """``(K, N)`` of the GEMM of an Einsum layer, from its equation and kernel shape.
-
-  K multiplies the kernel dims summed with the input, N the kernel dims kept in the output
-  and absent from the input. ``None`` if the equation is not one GEMM of input and kernel (not
-  two operands, an ellipsis in the kernel, a repeated label, a label summed over one operand).
-  """
-  einsum_str = einsum_str.replace(" ", "")
-  if "->" not in einsum_str or einsum_str.count(",") != 1:
-    return None
-  operands, out_labels = einsum_str.split("->")
-  in_labels, k_labels = operands.split(",")
-  in_labels, out_labels = in_labels.replace(".", ""), out_labels.replace(".", "")
-  if "." in k_labels or len(k_labels) != len(kernel_shape):
-    return None
-  if len(set(k_labels)) != len(k_labels) or len(set(in_labels)) != len(in_labels):
-    return None
-  if any(c not in k_labels and c not in out_labels for c in in_labels) or any(
-      c not in in_labels and c not in out_labels for c in k_labels
-  ):
-    return None
-  sizes = dict(zip(k_labels, kernel_shape, strict=True))
-  k = math.prod(s for c, s in sizes.items() if c in in_labels and c not in out_labels)
-  n = math.prod(s for c, s in sizes.items() if c in out_labels and c not in in_labels)
-  return k, n
 
 
 class Einsum(nnx.Einsum):
@@ -292,56 +218,26 @@ class Einsum(nnx.Einsum):
   """
 
   def __init__(
-      self,
-      einsum_str: str,
-      kernel_shape: Shape,
-      bias_shape: Shape | None = None,
-      *,
-      dtype: Dtype | None = None,
-      param_dtype: Dtype = jnp.float32,
-      precision: PrecisionLike = None,
-      kernel_init: Initializer = nnx_linear.default_kernel_init,
-      bias_init: Initializer = nnx_linear.default_bias_init,
-      promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
-      einsum_op: tp.Callable[..., tp.Any] = jnp.einsum,
-      preferred_element_type: Dtype | None = None,
-      rngs: nnx.Rngs,
-      kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-      bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
-      recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
-      amax_axes: tp.Any = None,
-      kernel_all_gather: tp.Any = None,
-      config: core.GemmConfig | None = None,
+      self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
+      kernel_all_gather=None, config=None, **kwargs,
   ):
+    given = _parent_arguments(nnx.Einsum.__init__, self, args, kwargs)
+    einsum_str, kernel_shape = given["einsum_str"], given["kernel_shape"]
     if recipe is not None and einsum_str is not None:
-      dims = einsum_gemm_dims(einsum_str, kernel_shape)
+      dims = core.einsum_gemm_dims(einsum_str, kernel_shape)
       if dims is not None:
         check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
-    einsum_op = _quantized_op(
-        EinsumOp, recipe, einsum_op, jnp.einsum, "einsum_op", "Einsum",
+    kwargs["einsum_op"] = _quantized_op(
+        EinsumOp, recipe, given["einsum_op"], _EINSUM_OP, "einsum_op", "Einsum",
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(
-        einsum_str,
-        kernel_shape,
-        bias_shape,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        precision=precision,
-        kernel_init=kernel_init,
-        bias_init=bias_init,
-        promote_dtype=promote_dtype,
-        einsum_op=einsum_op,
-        preferred_element_type=preferred_element_type,
-        rngs=rngs,
-        kernel_metadata=kernel_metadata,
-        bias_metadata=bias_metadata,
-    )
+    super().__init__(*args, **kwargs)
     self.recipe = recipe
     self.threshold = threshold
-    _attach_rngs(self.einsum_op, rngs)
+    _attach_rngs(self.einsum_op, given["rngs"])
+
+  __init__.__signature__ = _with_options(nnx.Einsum.__init__)
 
   def __call__(self, inputs, einsum_str=None, out_sharding=None, *, rngs=None):
     """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""

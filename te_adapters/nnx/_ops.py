@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,8 +26,10 @@ from te_adapters.nnx._variables import RecipeState
 
 __all__ = ["DotGeneral", "EinsumOp", "GEMM_DIM_MULTIPLE", "SR_RNG"]
 
-# FP8 GEMMs need the contracting and output-feature sizes to be multiples of 16.
-GEMM_DIM_MULTIPLE = 16
+# The core's rule on a quantized layer's GEMM sizes (K and N multiples of 16), shared by every
+# adapter.
+GEMM_DIM_MULTIPLE = core.GEMM_DIM_MULTIPLE
+check_gemm_dims = core.check_gemm_dims
 # The RNG stream stochastic rounding draws its keys from (TE's name; "default" when absent).
 SR_RNG = "sr_rng"
 # rngs= given to a quantized layer's __call__, for its GEMM op (the NNX parent calls the op).
@@ -81,17 +82,6 @@ def call_rngs(rngs):
     _CALL_RNGS.reset(token)
 
 
-def check_gemm_dims(k: int, n: int, what: str) -> None:
-  """Raises a ValueError naming ``what`` if K or N is not a multiple of ``GEMM_DIM_MULTIPLE``."""
-  bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % GEMM_DIM_MULTIPLE]
-  if bad:
-    raise ValueError(
-        f"{what}: FP8 GEMMs need the contracting size K and the output-feature size N to be "
-        f"multiples of {GEMM_DIM_MULTIPLE}, got {', '.join(bad)}; keep this layer unquantized "
-        "(recipe=None)"
-    )
-
-
 def _permuted_sharding(out_sharding, perm: list[int]):
   """``out_sharding`` (a ``NamedSharding`` or ``PartitionSpec``) for an output whose dimension
   ``i`` is dimension ``perm[i]`` of the one it was written for."""
@@ -120,7 +110,7 @@ class _RecipeOp(nnx.Module):
       self,
       recipe: core.Recipe,
       *,
-      threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       rngs: nnx.Rngs | nnx.RngStream | None = None,
       amax_axes: Any = None,
       kernel_all_gather: Any = None,
@@ -172,11 +162,7 @@ class _RecipeOp(nnx.Module):
       self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,
       out_sharding=None,
   ):
-    (_, rc), (_, rb) = dimension_numbers
-    rhs_free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
-    k = math.prod(rhs.shape[d] for d in rc)
-    n = math.prod(rhs.shape[d] for d in rhs_free)
-    check_gemm_dims(k, n, f"{type(self).__name__} with kernel shape {tuple(rhs.shape)}")
+    core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
     return core.dot_general(
         lhs,
         rhs,

@@ -110,6 +110,9 @@ def value_and_grad(
 ) -> tp.Callable[..., tp.Any]:
   """``nnx.value_and_grad`` that also returns the new recipe state.
 
+  The training-helper shape every adapter shares (``te_adapters.linen.value_and_grad``,
+  ``te_adapters.haiku.value_and_grad``): ``(value, (param_grads, state))``.
+
   Differentiates ``f`` with respect to the ``wrt`` variables (default ``nnx.Param``) and the
   ``RecipeState`` variables of the graph arguments in ``argnums``. Several uses of one layer in
   ``f`` (a layer called twice, ``nnx.scan`` over broadcast state) combine into the state one use
@@ -134,7 +137,7 @@ def value_and_grad(
     >>> from flax import nnx
     >>> from te_adapters import nnx as ta_nnx
     >>> model = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4),
-    ...                       rngs=nnx.Rngs(0))
+    ...                       threshold=None, rngs=nnx.Rngs(0))
     >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
     >>> loss, (grads, state_grads) = ta_nnx.value_and_grad(loss_fn)(model, jnp.ones((4, 32)))

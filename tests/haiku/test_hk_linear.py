@@ -23,7 +23,7 @@ _CONFIGS = [
 
 
 def test_parameters_match_hk_linear():
-  x32, x16 = jnp.ones((4, 48)), jnp.ones((4, 40), jnp.bfloat16)
+  x32, x16 = jnp.ones((4, 48)), jnp.ones((4, 64), jnp.bfloat16)
 
   def forward(cls, x32, x16):
     outs = [cls(32, **kw)(x32) for kw in _CONFIGS]

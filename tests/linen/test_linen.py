@@ -11,9 +11,9 @@ import pytest
 from flax import linen as nn
 
 import te_adapters as ta
+from bench.seed_layer import FlaxDenseBlock, FlaxTransformerLayer
 from te_adapters import core
 from te_adapters import linen as ta_linen
-from te_adapters._seed_layer import FlaxDenseBlock, FlaxTransformerLayer
 
 OWG = ta_linen.OVERWRITE_WITH_GRADIENT
 

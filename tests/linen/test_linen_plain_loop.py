@@ -163,4 +163,4 @@ def test_quantize_report_names_the_gemms_the_threshold_kept_in_high_precision():
     warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
     q(model.init)(jax.random.key(0), x)
   assert list(q.report.high_precision.values())[0].startswith("M=4, K=32, N=64: below the size")
-  assert "2 of the quantized (all of them) ran in high precision" in str(q.report)
+  assert "2 of the quantized (all of them) run in high precision" in str(q.report)

@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
+from bench.seed_layer import FlaxDenseBlock
 from te_adapters import core
 from te_adapters import linen as ta_linen
-from te_adapters._seed_layer import FlaxDenseBlock
 from tests import spmd_checks
 
 pytestmark = pytest.mark.skipif(

@@ -140,7 +140,7 @@ def _train(mesh, helper, steps=3):
 
 def test_gemma_shaped_model_report_lists_the_tied_embedding():
   report, _ = _train(None, helper=False, steps=0)
-  assert report.quantized == ("block/o", "block/q")
+  assert report.quantized == ["block/o", "block/q"]
   skipped = dict(report.skipped)
   assert set(skipped) == {"embedder"}
   assert "Embedder.attend" in skipped["embedder"] and "not converted" in skipped["embedder"]

@@ -105,7 +105,7 @@ def test_quantize_model_gives_each_layer_a_stream():
   with pytest.raises(ValueError, match=re.escape(message)):
     ta_nnx.quantize_model(model, NVFP4, threshold=None)
   report = ta_nnx.quantize_model(model, NVFP4, rngs=nnx.Rngs(sr_rng=3), threshold=None)
-  assert report.quantized == ("head", "stack")
+  assert report.quantized == ["head", "stack"]
   # Stacked layers get stacked streams, one key per layer, for nnx.scan.
   assert model["stack"].dot_general.rngs.key.shape == (2,)
   x, target = _batch()

@@ -1,5 +1,5 @@
-"""``python -m te_adapters bench``: fwd+bwd step times of quantized GEMMs against bf16 and peers
-(Flax's fp8 op, and Qwix's FP8 quantized training when Qwix imports).
+"""``python -m bench`` (from a source checkout): fwd+bwd step times of quantized GEMMs against
+bf16 and peers (Flax's fp8 op, and Qwix's FP8 quantized training when Qwix imports).
 
 Every variant runs ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` with
 ``loss(variables, x) = sum(f32(y) * f32(dy))`` for a fixed output gradient ``dy`` (TE's
@@ -38,10 +38,10 @@ import numpy as np
 from flax import linen as nn
 
 import te_adapters as ta
+from bench.qwix_variants import qwix_variants
+from bench.seed_layer import FlaxDenseBlock
 from te_adapters import core
 from te_adapters import linen as ta_linen
-from te_adapters._bench_qwix import qwix_variants
-from te_adapters._seed_layer import FlaxDenseBlock
 from te_adapters.core import MMParams
 
 _DN = (((1,), (0,)), ((), ()))
@@ -193,7 +193,7 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
 
 
 def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
-  from te_adapters._seed_layer import FlaxTransformerLayer
+  from bench.seed_layer import FlaxTransformerLayer
 
   batch, seq, hidden, ffn, heads = size
   key = jax.random.PRNGKey(42)
@@ -335,7 +335,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
   on_gpu = jax.default_backend() == "gpu"
-  p = argparse.ArgumentParser(prog="python -m te_adapters bench", description=__doc__)
+  p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
   p.add_argument("--cases", default="dense,layer,sweep", help="comma list: dense,layer,sweep")
   p.add_argument("--steps", type=int, default=20 if on_gpu else 2)
   p.add_argument("--repeats", type=int, default=3)

@@ -1,0 +1,104 @@
+"""The benchmark's code (``bench/``, outside the package) at tiny sizes, and its command lines:
+``python -m bench`` from a checkout, and ``python -m te_adapters bench``, a pointer to it."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import speed
+from bench.qwix_variants import qwix_variants
+from te_adapters import core
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_sweep_rows_and_table():
+  recipes = [("current", core.Float8CurrentScaling())]
+  rows = speed.bench_sweep([(32, 64, 32)], steps=1, repeats=1, recipes=recipes, log=lambda r: None)
+  assert [r["variant"] for r in rows] == [
+      "core bf16", "core current", "core current (default threshold)"]
+  assert all(r["ms"] > 0 and r["case"] == "gemm 32x64x32" for r in rows)
+  table = speed.format_table(rows)
+  assert "core current" in table and "x" in table.splitlines()[3]
+
+
+def test_bench_table_flags_points_slower_than_bf16():
+  case = "gemm 1024x1024x1024"
+  rows = [dict(case=case, variant=v, ms=ms, spread_ms=0.0, cublas_fp8=None) for v, ms in [
+      ("core bf16", 1.0), ("core current", 1.5), ("core current (default threshold)", 1.02),
+      ("core delayed", 0.9), ("core delayed (default threshold)", 1.2)]]
+  lines = speed.format_table(rows).splitlines()
+  assert lines[0].endswith(">3% slower")
+  assert [line.endswith("SLOWER") for line in lines[1:6]] == [False, True, False, False, True]
+  summary = lines[lines.index("") + 1:]
+  assert summary[0] == (f"default threshold, >3% slower than bf16: {case} core delayed "
+                        "(default threshold)")
+  assert summary[1] == (f"default threshold, >3% slower than forced FP8: {case} core delayed "
+                        "(default threshold)")
+
+
+def test_bench_qwix_variants_quantize_what_their_names_say():
+  pytest.importorskip("qwix")
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 64)).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 128)).astype(jnp.bfloat16)
+  variants = dict(qwix_variants(speed._make_dense(128)))
+  assert set(variants) == {"qwix fp8 (fwd GEMM only)", "qwix fp8 (fwd+dgrad+wgrad GEMMs)"}
+  fp8 = ("float8_e4m3fn", "float8_e5m2")
+  expected = {"qwix fp8 (fwd GEMM only)": 1, "qwix fp8 (fwd+dgrad+wgrad GEMMs)": 3}
+  for name, model in variants.items():
+    variables = model.init(jax.random.PRNGKey(2), x)
+    step = speed._speedometer(model.apply)
+    pairs = core.dot_general_operand_dtypes(step, variables, x, dy)
+    assert sum(a in fp8 and b in fp8 for a, b in pairs) == expected[name], (name, pairs)
+    loss, (grads, dx) = step(variables, x, dy)
+    leaves = [loss, dx, *jax.tree_util.tree_leaves(grads)]
+    assert all(np.all(np.isfinite(np.asarray(v, np.float32))) for v in leaves)
+
+
+def test_bench_command_runs_from_a_checkout():
+  # One sweep point, one step, written as JSON.
+  import json
+  import tempfile
+
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "rows.json")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--cases", "sweep", "--shapes", "32x64x32", "--steps",
+         "1", "--repeats", "1", "--no-full-size", "--json", out],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out) as f:
+      rows = json.load(f)["rows"]
+  assert {r["case"] for r in rows} == {"gemm 32x64x32"}
+  assert "core bf16" in {r["variant"] for r in rows}
+
+
+def test_te_adapters_bench_points_to_the_checkouts_benchmark():
+  # From a checkout (this one: an editable install), the old command runs the same code.
+  done = subprocess.run([sys.executable, "-m", "te_adapters", "bench", "--help"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.startswith("usage: python -m bench") and "--cases" in done.stdout
+
+
+def test_te_adapters_bench_outside_a_checkout_says_where_the_benchmark_is(monkeypatch, capsys):
+  from te_adapters import __main__ as cli
+
+  monkeypatch.setattr(cli, "_checkout_root", lambda: None)  # an installed wheel: no bench/
+  assert cli.main(["bench", "--cases", "dense"]) == 2
+  err = capsys.readouterr().err
+  assert "python -m bench" in err and "source checkout" in err
+
+
+def test_bench_is_not_in_the_package():
+  import te_adapters
+
+  package = os.path.dirname(te_adapters.__file__)
+  names = set(os.listdir(package))
+  assert not names & {"_bench.py", "_bench_qwix.py", "_seed_layer.py"}, names
