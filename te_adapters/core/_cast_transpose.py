@@ -6,16 +6,14 @@ XLA FFI kernels of ``csrc/`` (C++ on CPU, CUDA on Hopper), used when the extensi
 Which one runs is decided at trace time:
 
 - ``TE_ADAPTERS_BACKEND=jax``: always the pure-JAX path.
-- ``TE_ADAPTERS_BACKEND=ffi``: the FFI kernel wherever it applies (it is built for the platform,
-  the input is float32/bfloat16/float16 and not sharded over several devices); the pure-JAX path
-  elsewhere. Raises if the extension is not built for the platform at all.
+- ``TE_ADAPTERS_BACKEND=ffi``: the FFI kernel wherever it applies (it is built for the platform
+  and the input is float32/bfloat16/float16); the pure-JAX path elsewhere. Raises if the
+  extension is not built for the platform at all.
 - unset: the FFI kernel on GPU when its CUDA part is built, the pure-JAX path otherwise.
 
-Sharded operands: the kernels have no partitioning rules, so XLA would gather a sharded operand
-onto every device before calling them. The dispatcher therefore takes the pure-JAX path for any
-operand whose sharding (known at trace time for concrete arrays, ``jax.sharding`` annotations or
-explicit-mode types) spans more than one device, and under ``jit`` with unknown sharding it uses
-the FFI kernel only when the program runs on a single device.
+Sharded operands: under ``jit`` over several devices the kernels run on each shard, through the
+partitioning rules of ``_partition.py`` (the amax max-reduced over the mesh axes that shard the
+input); inside ``shard_map`` every value is a shard and the kernels run as they are.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _quantize, _scaling
+from te_adapters.core import _partition, _quantize, _scaling
 
 __all__ = ["amax", "backend", "cast_transpose", "ffi_available"]
 
@@ -131,7 +129,8 @@ def _use_ffi(x, requested: str | None) -> bool:
     return False
   # A program placed on the host CPU of a GPU machine calls the same target on the CPU platform.
   ffi_available("cpu")
-  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES and _single_device(x)
+  # Sharded operands run the kernel per shard (the partitioning rules of core/_partition.py).
+  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES
   if requested == "ffi" and np.dtype(x.dtype) not in _FFI_INPUT_DTYPES:
     raise ValueError(
       f"the FFI cast takes float32, bfloat16 or float16 inputs, got {np.dtype(x.dtype)}"
@@ -245,7 +244,7 @@ def _ffi_cast(ndim, q_dtype, rowwise, colwise, with_amax):
 
   @jax.custom_batching.custom_vmap
   def cast(x, scale):
-    return call(x, scale)
+    return _partition.cast_transpose(call, x.ndim, rowwise, colwise, with_amax)(x, scale)
 
   @cast.def_vmap
   def _cast_vmap(axis_size, in_batched, x, scale):
@@ -254,7 +253,7 @@ def _ffi_cast(ndim, q_dtype, rowwise, colwise, with_amax):
     if x_batched and not scale_batched and not with_amax:
       # One scale for every element: the batch dim is one more leading dim for the kernel
       # (which only swaps the last two). A 1-D input gains a row dim that is dropped after.
-      outs = call(x, scale)
+      outs = _partition.cast_transpose(call, x.ndim, rowwise, colwise, with_amax)(x, scale)
       return tuple(outs), out_batched
     x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
     scale = scale if scale_batched else jnp.broadcast_to(scale, (axis_size, *scale.shape))
@@ -271,7 +270,7 @@ def _ffi_amax():
 
   @jax.custom_batching.custom_vmap
   def amax_fn(x):
-    return call(x)
+    return _partition.amax(call, x.ndim)(x)
 
   @amax_fn.def_vmap
   def _amax_vmap(axis_size, in_batched, x):
