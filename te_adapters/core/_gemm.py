@@ -8,8 +8,9 @@ quantize-dequantize pattern for XLA to recognise), so a GPU that has FP8 GEMMs r
 On a Hopper GPU with the extension's CUDA part built, each GEMM (both operands contracting-last)
 runs through the extension's cuBLASLt call, as TE's does: both scales in the epilogue, one
 rounding of the float32 sums to the output dtype, and the accumulation the recipe's
-``MMParams`` ask for. Elsewhere (CPU, sharded operands, other GPUs, odd sizes) XLA runs
-``lax.dot_general`` on the FP8 arrays and the output is rescaled in float32 after it.
+``MMParams`` ask for; in a sharded ``jit`` program, on each shard (``_partition.py``). Elsewhere
+(CPU, other GPUs, odd sizes, a named ``out_sharding``) XLA runs ``lax.dot_general`` on the FP8
+arrays and the output is rescaled in float32 after it.
 ``TE_ADAPTERS_FP8_GEMM=xla`` forces XLA's; ``=cublas`` requires the extension's (an error where
 it cannot run).
 
@@ -38,6 +39,7 @@ from te_adapters.core import (
     _dimension_numbers,
     _float8_block,
     _frozen,
+    _partition,
     _quantize,
     _remat,
     _scaling,
@@ -295,9 +297,8 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   m, n, k = a.shape[-2], b.shape[-2], a.shape[-1]
   if m % 16 or n % 16 or k % 16:
     return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k}"
-  if out_sharding is not None or not (
-      _cast_transpose._single_device(a) and _cast_transpose._single_device(b)):
-    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  if out_sharding is not None:  # Explicit mesh axes naming the output's sharding
+    return "the output's sharding is named (out_sharding), which its partitioning rule ignores"
   return None
 
 
@@ -313,10 +314,11 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
   pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
-  y = _float8_block.cublas_call(
-      a.reshape(*batch, m, k), b.reshape(*batch, n, k),
+  # Per shard in a sharded program (_partition.py).
+  y = _partition.tensor_scaled_gemm(
+      _float8_block.cublas_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
-      out_dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast,
+      out_dtype, fast,
   )
   return y.reshape(*lead, m, n) if lead else y
 

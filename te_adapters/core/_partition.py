@@ -363,3 +363,73 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes)
 
 def _call_with_dtype(kernel, out_dtype, a, b, a_scale, b_scale):
   return kernel(a, b, a_scale, b_scale, out_dtype)
+
+
+# --------------------------------------------------------------------------- the extension's GEMMs
+
+
+def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool):
+  """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
+  per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16)."""
+  kernel = functools.partial(_tensor_kernel, call, fast_accum)
+  fallback = functools.partial(_tensor_fallback, fast_accum)
+  return gemm(
+    "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
+    refusal=_tensor_refusal,
+  )
+
+
+def _tensor_kernel(call, fast_accum, a, b, a_scale, b_scale, dtype):
+  return call(a, b, a_scale, b_scale, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast_accum)
+
+
+def _tensor_fallback(fast_accum, a, b, a_scale, b_scale, dtype):
+  batch = tuple(range(a.ndim - 2))
+  precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
+  y = lax.dot_general(
+    a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)), precision=precision,
+    preferred_element_type=jnp.float32,
+  )
+  return (y * (a_scale * b_scale).reshape(())).astype(dtype)
+
+
+def _tensor_refusal(a_shape, b_shape) -> str | None:
+  m, k, n = a_shape[-2], a_shape[-1], b_shape[-2]
+  if m % 16 or n % 16 or k % 16:
+    return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k} per device"
+  return None
+
+
+def block_scaled_gemm(
+  call: Callable, fallback: Callable, a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype
+):
+  """The extension's 1x128/128x128 block-scaled FP8 GEMM per shard.
+
+  ``call(a, a_scale_inv, a_block, b, b_scale_inv, b_block, dtype)`` is the kernel and
+  ``fallback`` (without ``dtype``, float32 out) XLA's formulation, run on shards cuBLAS cannot
+  take (M or N not a multiple of 16). The block scales are sharded with their data, so a shard
+  holds whole blocks (a mesh axis that would split a block is dropped, its dim gathered).
+  """
+  kernel = functools.partial(_block_kernel, call, a_block, b_block)
+  xla = functools.partial(_block_fallback, fallback, a_block, b_block)
+  dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+  return gemm(
+    "the block-scaled FP8 GEMM", kernel, xla, a, b, a_scale_inv, b_scale_inv, dtype,
+    block_scales=True, refusal=_block_refusal,
+  )
+
+
+def _block_kernel(call, a_block, b_block, a, b, a_scale_inv, b_scale_inv, dtype):
+  return call(a, a_scale_inv, a_block, b, b_scale_inv, b_block, dtype)
+
+
+def _block_fallback(fallback, a_block, b_block, a, b, a_scale_inv, b_scale_inv, dtype):
+  del dtype
+  return fallback(a, a_scale_inv, a_block, b, b_scale_inv, b_block)
+
+
+def _block_refusal(a_shape, b_shape) -> str | None:
+  m, n = a_shape[-2], b_shape[-2]
+  if m % 16 or n % 16:
+    return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n} per device"
+  return None

@@ -332,3 +332,106 @@ def test_gemm_rule_falls_back_to_xla_on_shards_the_kernel_refuses():
   np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
   # The kernel was only traced for the global shapes; the shards ran the fallback.
   assert (16, 64) not in calls["kernel"] and calls["fallback"] == [(16, 64)], calls
+
+
+# --------------------------------------------------------------------------- the GEMMs' call sites
+
+
+def _emulated_cublas(calls):
+  """``cublas_call`` with per-tensor scales (mode 0), emulated on CPU; records operand shapes."""
+
+  def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+    assert lhs_mode == rhs_mode == 0
+    calls.append((a.shape, b.shape, np.dtype(out_dtype)))
+    return _partition._tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
+
+  return cublas_call
+
+
+def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
+  """Through core.dot_general with the GEMM kernel emulated (the real one is cuBLASLt, GPU only):
+  DP x column-parallel TP, whose dgrad contracts the tp-sharded features. The float32 partial
+  products are summed, then rounded once, so even that GEMM equals one device bit for bit."""
+  from te_adapters.core import _float8_block
+
+  calls = []
+  monkeypatch.setattr(_float8_block, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(_float8_block, "cublas_call", _emulated_cublas(calls))
+  plan = dataclasses.replace(PLANS[-1], bf16_sums=())
+  got, text = _sharded(DELAYED, plan)
+  sharded_calls, calls[:] = list(calls), []
+  _assert_equal_to_one_device(got, _one_device_uncached(DELAYED), plan)
+  # Shards: x3 (128, 64) split over dp, the kernel (32, 64) over tp.
+  assert ((64, 64), (16, 64), np.dtype(jnp.bfloat16)) in sharded_calls, sharded_calls
+  # dgrad contracts N (tp) and wgrad M (dp): float32 partial products, summed in float32.
+  assert ((64, 16), (64, 16), np.dtype(jnp.float32)) in sharded_calls, sharded_calls
+  reduces = [c for c in core.hlo_collectives(text) if c.op == "all-reduce"]
+  assert any(("f32", (64, 64)) in c.arrays for c in reduces), reduces
+
+
+def _one_device_uncached(recipe):
+  device = jax.devices()[0]
+  put = lambda a: jax.device_put(a, device)
+  x, w, dy = (put(a) for a in _data())
+  return _run(recipe, x, w, dy, put)[0]
+
+
+def _block_operands():
+  from te_adapters.core import _float8_block
+
+  rng = np.random.default_rng(5)
+  a = jnp.asarray(rng.standard_normal((1, 64, 256)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((1, 128, 256)), jnp.float32)
+  qa = _float8_block.quantize(a, (128,), jnp.float8_e4m3fn, True)[:2]
+  qb = _float8_block.quantize(b, (128, 128), jnp.float8_e4m3fn, True)[:2]
+  return qa, qb
+
+
+def _block_kernel(calls):
+  from te_adapters.core import _float8_block
+
+  def kernel(a, sa, a_block, b, sb, b_block, dtype):
+    calls.append((a.shape, sa.shape, b.shape, sb.shape))
+    return _float8_block._xla_gemm(a, sa, a_block, b, sb, b_block).astype(dtype)
+
+  return kernel
+
+
+def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
+  from te_adapters.core import _float8_block
+
+  (a, sa), (b, sb) = _block_operands()
+  want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
+  mesh = _mesh()
+  put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+  calls = []
+  f = jax.jit(lambda a, sa, b, sb: _partition.block_scaled_gemm(
+      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
+      jnp.float32))
+  # Rows over dp, K over tp: 128 of K per device, one whole block (and tile) each.
+  args = (put(a, P(None, "dp", "tp")), put(sa, P(None, "dp", "tp")),
+          put(b, P(None, None, "tp")), put(sb, P(None, None, "tp")))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", _partition.ShardingFallbackWarning)
+    y = f(*args)
+  assert ((1, 32, 128), (1, 32, 1), (1, 128, 128), (1, 1, 1)) in calls, calls
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
+def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
+  from te_adapters.core import _float8_block
+
+  (a, sa), (b, sb) = _block_operands()
+  mesh = _mesh()
+  put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+  calls = []
+  f = jax.jit(lambda a, sa, b, sb: _partition.block_scaled_gemm(
+      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
+      jnp.float32))
+  # N (128 rows: one row of 128x128 tiles) cannot be split over tp: it is gathered.
+  args = (put(a, P()), put(sa, P()), put(b, P(None, "tp")), put(sb, P()))
+  with pytest.warns(_partition.ShardingFallbackWarning, match="block-scaled FP8 GEMM.*gathered"):
+    y = f(*args)
+  assert ((1, 64, 256), (1, 64, 2), (1, 128, 256), (1, 1, 2)) in calls, calls
+  want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
