@@ -14,6 +14,7 @@ from te_adapters.core._inspect import (
     dot_general_operand_dtypes,
     hlo_dot_operand_types,
 )
+from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
 from te_adapters.core._recipes import (
@@ -73,6 +74,7 @@ __all__ = [
     "QUANTIZED_X",
     "Recipe",
     "ScaledTensor",
+    "ShardingFallbackWarning",
     "SizeThreshold",
     "check_recipe",
     "check_state",

@@ -81,39 +81,6 @@ def backend(platform: str | None = None) -> str:
   return "ffi" if platform == "gpu" and ffi_available("gpu") else "jax"
 
 
-def _single_device(x) -> bool:
-  """False when ``x`` is known to be spread over several devices."""
-  sharding = getattr(x, "sharding", None)  # concrete arrays
-  if sharding is None:
-    try:
-      sharding = jax.typeof(x).sharding  # explicit-mode types under jit
-    except Exception:
-      sharding = None
-  if sharding is not None:
-    mesh = getattr(sharding, "mesh", None)
-    spec = getattr(sharding, "spec", None)
-    if mesh is not None and spec is not None and getattr(mesh, "size", 1) > 1:
-      if any(s is not None for s in spec):
-        return False
-    num = getattr(sharding, "num_devices", None)
-    if isinstance(num, int) and num > 1 and not getattr(sharding, "is_fully_replicated", True):
-      return False
-  # Under jit the sharding of a traced value is unknown: only a one-device program is safe.
-  if isinstance(x, jax.core.Tracer):
-    return jax.device_count() == 1 or _tracing_single_device()
-  return True
-
-
-def _tracing_single_device() -> bool:
-  # Inside a shard_map body every value is a per-device shard, so the kernel is safe there.
-  try:
-    from jax._src import core as jax_core
-
-    return bool(jax_core.get_axis_env().axis_sizes)
-  except Exception:
-    return False
-
-
 def _use_ffi(x, requested: str | None) -> bool:
   if requested is None:
     choice = backend()

@@ -278,7 +278,7 @@ def test_gemm_rule_runs_the_kernel_on_shards(name, a_spec, b_spec, summed):
   f = jax.jit(lambda a, b: _partition.gemm("test GEMM", kernel, _cpu_gemm, a, b, sa, sb,
                                            jnp.bfloat16))
   with warnings.catch_warnings():
-    warnings.simplefilter("error", _partition.ShardingFallbackWarning)
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     compiled = f.lower(a_s, b_s).compile()
   y = compiled(a_s, b_s)
   # Exact data: every partial sum is exact, so the split sum equals the whole one.
@@ -302,11 +302,11 @@ def test_gemm_rule_warns_once_where_it_reshards():
   b_s = jax.device_put(b, NamedSharding(mesh, P("dp")))
   f = lambda a, b: _partition.gemm("reshard GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
                                    jnp.float32)
-  with pytest.warns(_partition.ShardingFallbackWarning, match=r"reshard GEMM.*'dp'.*gathered"):
+  with pytest.warns(ta.core.ShardingFallbackWarning, match=r"reshard GEMM.*'dp'.*gathered"):
     y = jax.jit(f)(a_s, b_s)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
   with warnings.catch_warnings():
-    warnings.simplefilter("error", _partition.ShardingFallbackWarning)
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     jax.jit(lambda a, b: f(a, b) + 1)(a_s, b_s)  # the same case again: said once
 
 
@@ -326,7 +326,7 @@ def test_gemm_rule_falls_back_to_xla_on_shards_the_kernel_refuses():
   refusal = lambda a_shape, b_shape: "M must be a multiple of 32" if a_shape[0] % 32 else None
   f = lambda a, b: _partition.gemm("picky GEMM", traced("kernel"), traced("fallback"), a, b, sa,
                                    sb, jnp.float32, refusal=refusal)
-  with pytest.warns(_partition.ShardingFallbackWarning,
+  with pytest.warns(ta.core.ShardingFallbackWarning,
                     match=r"picky GEMM.*\(16, 64\).*M must be a multiple of 32.*XLA's GEMM"):
     y = jax.jit(f)(a_s, b)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
@@ -412,7 +412,7 @@ def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
   args = (put(a, P(None, "dp", "tp")), put(sa, P(None, "dp", "tp")),
           put(b, P(None, None, "tp")), put(sb, P(None, None, "tp")))
   with warnings.catch_warnings():
-    warnings.simplefilter("error", _partition.ShardingFallbackWarning)
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     y = f(*args)
   assert ((1, 32, 128), (1, 32, 1), (1, 128, 128), (1, 1, 1)) in calls, calls
   np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-5)
@@ -430,7 +430,7 @@ def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
       jnp.float32))
   # N (128 rows: one row of 128x128 tiles) cannot be split over tp: it is gathered.
   args = (put(a, P()), put(sa, P()), put(b, P(None, "tp")), put(sb, P()))
-  with pytest.warns(_partition.ShardingFallbackWarning, match="block-scaled FP8 GEMM.*gathered"):
+  with pytest.warns(ta.core.ShardingFallbackWarning, match="block-scaled FP8 GEMM.*gathered"):
     y = f(*args)
   assert ((1, 64, 256), (1, 64, 2), (1, 128, 256), (1, 1, 2)) in calls, calls
   want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
