@@ -18,7 +18,8 @@ the outputs are sharded given the operands' shardings, and what runs on each sha
   case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
 
 Outside a ``jit`` over several devices (one device, or inside ``shard_map``, where every value is
-a shard) the call runs as it is.
+a shard) the call runs as it is; inside ``shard_map`` its outputs are typed as varying over the
+mesh axes its operands vary over, which an FFI call's outputs are not by themselves.
 """
 
 from __future__ import annotations
@@ -61,6 +62,23 @@ def _partitioned_here() -> bool:
   mesh = jax.sharding.get_abstract_mesh()
   # Inside shard_map the values are shards already (its manual axes).
   return not (not mesh.empty and mesh.manual_axes)
+
+
+def _as_varying(outs, args):
+  """Inside ``shard_map``, ``outs`` typed as varying over every manual axis ``args`` vary over.
+
+  An FFI call's outputs carry no varying axes, so without this a shard's result would pass for
+  the same on every device, and the custom VJPs would skip the sums over devices it needs.
+  """
+  if not _sharding._manual_axes() or not _sharding._checks_vma():
+    return outs
+  axes = frozenset().union(*(_sharding.varying_axes(a) for a in args))
+
+  def vary(out):
+    missing = axes - _sharding.varying_axes(out)
+    return lax.pcast(out, _sharding._in_mesh_order(missing), to="varying") if missing else out
+
+  return jax.tree.map(vary, outs)
 
 
 def _spec(sharding, ndim: int) -> tuple[tuple[str, ...], ...]:
@@ -178,7 +196,7 @@ def _shardable(split: Callable, call: Callable, ndims: tuple[int, ...], sharding
 
   def run(*args):
     if not _partitioned_here():
-      return call(*args)
+      return _as_varying(call(*args), args)
     mesh = _explicit_mesh(args)
     if mesh is not None:
       return explicit(mesh, *args)
@@ -269,7 +287,7 @@ def gemm(
     refusal: ``refusal(a_shape, b_shape) -> str | None``: why the kernel cannot take one shard.
   """
   if not _partitioned_here():
-    return kernel(a, b, a_scale, b_scale, out_dtype)
+    return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
   run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes)
   return run(a, b, a_scale, b_scale)
@@ -317,7 +335,8 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes)
     new_a, new_b, out, k = _gemm_plan(
       mesh, a_spec, b_spec, a_shape, b_shape, (sa_shape, sb_shape), block_scales
     )
-    if (new_a, new_b) != (a_spec, b_spec):
+    # An axis added to a dim is a local slice of a replicated operand; one removed, a gather.
+    if _gathers(a_spec, new_a) or _gathers(b_spec, new_b):
       _warn_once(
         (name, a_spec, b_spec),
         f"{name}: operands sharded as {_show(a_spec)} and {_show(b_spec)} are resharded to "
@@ -359,6 +378,10 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes)
   ndims = (ndim, ndim, len(sa_shape), len(sb_shape))
   rule = f"{a_dims}, {b_dims}, {sa}, {sb} -> {' '.join(lead + ['m', 'n'])}"
   return _shardable(split, call, ndims, rule, single=True)
+
+
+def _gathers(spec, new_spec) -> bool:
+  return any(set(old) - set(new) for old, new in zip(spec, new_spec, strict=True))
 
 
 def _call_with_dtype(kernel, out_dtype, a, b, a_scale, b_scale):

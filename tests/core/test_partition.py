@@ -94,9 +94,9 @@ def _step(recipe):
   return jax.jit(step)
 
 
-def _run(recipe, x, w, dy, put):
+def _run(recipe, x, w, dy, put, step=None):
   """Three steps, the state fed back; returns [(y, (dx, dw, state))] and the compiled HLO."""
-  step = _step(recipe)
+  step = step or _step(recipe)
   state = put(core.init_state(recipe))
   compiled = step.lower(x, w, state, dy, put(jnp.float32(1))).compile()
   out = []
@@ -176,6 +176,35 @@ def test_current_scaling_amax_kernel_reduces_over_the_mesh(monkeypatch):
   got, text = _sharded(recipe, plan)
   _assert_equal_to_one_device(got, _one_device(recipe), plan)
   assert 'custom_call_target="te_adapters_amax"' in text
+
+
+def test_inside_shard_map_the_kernels_outputs_vary_like_their_inputs():
+  """In a shard_map body the kernels run on the shards as they are; their outputs must be typed
+  as varying over the mesh axes of their inputs, or the backward pass skips the sums over tp
+  (dx) and dp (dW) that the custom VJP does for varying operands (O(1) errors)."""
+  plan = PLANS[-1]
+  mesh = _mesh()
+
+  def body(x, w, state, dy, factor):
+    y = core.dot_general(x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=DELAYED,
+                         state=state, threshold=None)
+    return lax.psum(jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), ("dp", "tp")), y
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(plan.x, plan.w, P(), plan.dy, P()),
+                         out_specs=(P(), plan.dy))
+
+  @jax.jit
+  def step(x, w, state, dy, factor):
+    (_, y), grads = jax.value_and_grad(mapped, argnums=(0, 1, 2), has_aux=True)(
+        x, w, state, dy, factor)
+    return y, grads
+
+  put = lambda a, spec=None: jax.device_put(a, NamedSharding(mesh, spec or P()))
+  x, w, dy = _data()
+  got, text = _run(DELAYED, put(x, plan.x), put(w, plan.w), put(dy, plan.dy), put, step)
+  # dx: the sum over tp of bf16 partial products, as XLA's under jit.
+  _assert_equal_to_one_device(got, _one_device(DELAYED), plan)
+  assert len(_cast_calls(text)) >= 3
 
 
 def test_amax_of_a_sharded_tensor_is_global_on_every_device():
@@ -435,3 +464,19 @@ def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
   assert ((1, 64, 256), (1, 64, 2), (1, 128, 256), (1, 1, 2)) in calls, calls
   want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
   np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
+  """K sharded in a only (b replicated): b is sliced where it lies, and K summed over tp."""
+  (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
+  mesh = _mesh()
+  a_s = jax.device_put(a, NamedSharding(mesh, P(None, "tp")))
+  f = jax.jit(lambda a, b: _partition.gemm("slicing GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
+                                           jnp.float32))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    compiled = f.lower(a_s, b).compile()
+  np.testing.assert_array_equal(np.asarray(compiled(a_s, b)),
+                                np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
+  ops = [c.op for c in core.hlo_collectives(compiled.as_text())]
+  assert "all-gather" not in ops and "all-reduce" in ops, ops
