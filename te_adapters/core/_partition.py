@@ -3,7 +3,9 @@
 XLA cannot split a custom call it knows nothing about: it would gather every operand onto every
 device first. Each function here wraps one FFI call, given as a function of its operands, in
 ``jax.experimental.custom_partitioning``: the rule tells XLA's partitioner (Shardy, or GSPMD) how
-the outputs are sharded given the operands' shardings, and what runs on each shard.
+the outputs are sharded given the operands' shardings, and what runs on each shard. Operands
+sharded over Explicit mesh axes, whose types carry their shardings, take the same rule through
+``shard_map`` instead.
 
 - ``cast_transpose`` and ``amax`` serve every sharding. The FP8 copy keeps the input's sharding,
   the transposed copy has it with its last two dims swapped, and each shard's amax is
@@ -38,7 +40,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from te_adapters.core import _sharding
 
-__all__ = ["ShardingFallbackWarning", "cast_transpose", "amax", "gemm"]
+__all__ = [
+  "ShardingFallbackWarning",
+  "amax",
+  "block_scaled_gemm",
+  "cast_transpose",
+  "gemm",
+  "tensor_scaled_gemm",
+]
 
 
 class ShardingFallbackWarning(UserWarning):
@@ -203,8 +212,6 @@ def _shardable(split: Callable, call: Callable, ndims: tuple[int, ...], sharding
     return partitioned(*args)
 
   return run
-
-
 
 
 # --------------------------------------------------------------------------- cast and amax
