@@ -26,6 +26,7 @@ from te_adapters.core._layer import (
     gemm_dims_refusal,
     kernel_gemm_dims,
 )
+from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
 from te_adapters.core._recipes import (
@@ -95,6 +96,7 @@ __all__ = [
     "QUANTIZED_X",
     "Recipe",
     "ScaledTensor",
+    "ShardingFallbackWarning",
     "SizeThreshold",
     "check_config",
     "check_recipe",

@@ -11,11 +11,9 @@ The ``backend`` argument (``GemmConfig.backend`` for ``dot_general``) decides wh
   Raises if the extension is not built for the platform at all.
 - ``"auto"`` or ``None``: the FFI kernel on GPU when its CUDA part is built, pure JAX otherwise.
 
-Sharded operands: the kernels have no partitioning rules, so XLA would gather a sharded operand
-onto every device before calling them. The dispatcher therefore takes the pure-JAX path for any
-operand whose sharding (known at trace time for concrete arrays, ``jax.sharding`` annotations or
-explicit-mode types) spans more than one device, and under ``jit`` with unknown sharding it uses
-the FFI kernel only when the program runs on a single device.
+Sharded operands: under ``jit`` over several devices the kernels run on each shard, through the
+partitioning rules of ``_partition.py`` (the amax max-reduced over the mesh axes that shard the
+input); inside ``shard_map`` every value is a shard and the kernels run as they are.
 """
 
 from __future__ import annotations
@@ -63,7 +61,8 @@ def _use_ffi(x, requested: str | None) -> bool:
     return False
   # A program placed on the host CPU of a GPU machine calls the same target on the CPU platform.
   ffi_available("cpu")
-  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES and _ffi.single_device(x)
+  # Sharded operands run the kernel per shard (the partitioning rules of core/_partition.py).
+  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES
   if requested == "ffi" and np.dtype(x.dtype) not in _FFI_INPUT_DTYPES:
     raise ValueError(
       f"the FFI cast takes float32, bfloat16 or float16 inputs, got {np.dtype(x.dtype)}"

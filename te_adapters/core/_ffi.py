@@ -6,8 +6,9 @@ handlers; with CUDA 12.9+ also the cuBLASLt FP8 GEMM). Each module lists its han
 ``jax.ffi.ffi_call`` of the package is in this module, and nothing here decides whether to call:
 the callers do (``_cast_transpose``, ``_float8_block``, ``_gemm``).
 
-The kernels have no partitioning rules: XLA would gather a sharded operand onto every device
-before calling them, so callers ask ``single_device`` first.
+In a sharded ``jit`` program the cast, the amax and the GEMMs run on each shard through the
+partitioning rules of ``_partition.py``, which these calls are wrapped in (the GEMM callers wrap
+``gemm_call`` themselves).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_adapters.core import _partition
+
 __all__ = [
   "AMAX_TARGET",
   "CAST_TRANSPOSE_TARGET",
@@ -28,7 +31,6 @@ __all__ = [
   "cublas_gemm_available",
   "ffi_available",
   "gemm_call",
-  "single_device",
 ]
 
 CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
@@ -79,39 +81,6 @@ def cublas_gemm_available() -> bool:
   return capabilities == {"9.0"}
 
 
-def single_device(x) -> bool:
-  """False when ``x`` is known to be spread over several devices (a kernel cannot take it)."""
-  sharding = getattr(x, "sharding", None)  # concrete arrays
-  if sharding is None:
-    try:
-      sharding = jax.typeof(x).sharding  # explicit-mode types under jit
-    except Exception:
-      sharding = None
-  if sharding is not None:
-    mesh = getattr(sharding, "mesh", None)
-    spec = getattr(sharding, "spec", None)
-    if mesh is not None and spec is not None and getattr(mesh, "size", 1) > 1:
-      if any(s is not None for s in spec):
-        return False
-    num = getattr(sharding, "num_devices", None)
-    if isinstance(num, int) and num > 1 and not getattr(sharding, "is_fully_replicated", True):
-      return False
-  # Under jit the sharding of a traced value is unknown: only a one-device program is safe.
-  if isinstance(x, jax.core.Tracer):
-    return jax.device_count() == 1 or _tracing_single_device()
-  return True
-
-
-def _tracing_single_device() -> bool:
-  # Inside a shard_map body every value is a per-device shard, so the kernel is safe there.
-  try:
-    from jax._src import core as jax_core
-
-    return bool(jax_core.get_axis_env().axis_sizes)
-  except Exception:
-    return False
-
-
 def _empty(dtype):
   return jax.ShapeDtypeStruct((0,), dtype)
 
@@ -120,8 +89,6 @@ def _empty(dtype):
 def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
   """The FFI cast for one configuration, ``f(x, scale) -> (q, q_t, amax)`` (an output not asked
   for is an empty array), batched under ``vmap`` without looping where it can."""
-  del ndim  # part of the cache key only
-
   def call(x, scale):
     t_shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if x.ndim >= 2 else (0,)
     outs = (
@@ -133,9 +100,12 @@ def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
       x, scale, rowwise=rowwise, colwise=colwise, compute_amax=with_amax
     )
 
+  # Per shard in a sharded program (the partitioning rules of _partition.py).
+  per_shard = _partition.cast_transpose(call, ndim, rowwise, colwise, with_amax)
+
   @jax.custom_batching.custom_vmap
   def cast(x, scale):
-    return call(x, scale)
+    return per_shard(x, scale)
 
   @cast.def_vmap
   def _cast_vmap(axis_size, in_batched, x, scale):
@@ -144,7 +114,7 @@ def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
     if x_batched and not scale_batched and not with_amax:
       # One scale for every element: the batch dim is one more leading dim for the kernel
       # (which only swaps the last two). A 1-D input gains a row dim that is dropped after.
-      outs = call(x, scale)
+      outs = _partition.cast_transpose(call, x.ndim, rowwise, colwise, with_amax)(x, scale)
       return tuple(outs), out_batched
     x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
     scale = scale if scale_batched else jnp.broadcast_to(scale, (axis_size, *scale.shape))
@@ -163,7 +133,7 @@ def amax_call():
 
   @jax.custom_batching.custom_vmap
   def amax_fn(x):
-    return call(x)
+    return _partition.amax(call, x.ndim)(x)
 
   @amax_fn.def_vmap
   def _amax_vmap(axis_size, in_batched, x):

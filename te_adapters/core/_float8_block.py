@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _ffi, _sharding
+from te_adapters.core import _block, _ffi, _partition, _sharding
 from te_adapters.core._format import BlockFormat, OperandSpec
 from te_adapters.core._recipes import Float8BlockScaling
 
@@ -95,8 +95,6 @@ def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
   m, n = a_data.shape[1], b_data.shape[1]
   if m % 16 or n % 16:
     return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n}"
-  if not (_ffi.single_device(a_data) and _ffi.single_device(b_data)):
-    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
   return None
 
 
@@ -146,7 +144,10 @@ def gemm(
   if choice != "xla":
     refusal = _cublas_refusal(a_data, a_block, b_data, b_block)
     if refusal is None:
-      return _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype)
+      return _partition.block_scaled_gemm(  # per shard in a sharded program
+        _cublas_gemm, _xla_gemm, a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block,
+        out_dtype,
+      )
     if choice == "native":
       raise RuntimeError(f"block_gemm='native', but {refusal}")
   return _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block)

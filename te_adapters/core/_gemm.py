@@ -8,8 +8,9 @@ quantize-dequantize pattern for XLA to recognise), so a GPU that has FP8 GEMMs r
 On a Hopper GPU with the extension's CUDA part built, each GEMM (both operands contracting-last)
 runs through the extension's cuBLASLt call, as TE's does: both scales in the epilogue, one
 rounding of the float32 sums to the output dtype, and the accumulation the recipe's
-``MMParams`` ask for. Elsewhere (CPU, sharded operands, other GPUs, odd sizes) XLA runs
-``lax.dot_general`` on the FP8 arrays and the output is rescaled in float32 after it.
+``MMParams`` ask for; in a sharded ``jit`` program, on each shard (``_partition.py``). Elsewhere
+(CPU, other GPUs, odd sizes, a named ``out_sharding``) XLA runs ``lax.dot_general`` on the FP8
+arrays and the output is rescaled in float32 after it.
 ``GemmConfig(fp8_gemm="xla")`` forces XLA's; ``"native"`` requires the extension's (an error
 where it cannot run).
 
@@ -36,6 +37,7 @@ from te_adapters.core import (
     _dimension_numbers,
     _ffi,
     _frozen,
+    _partition,
     _remat,
     _rng,
     _scaled_tensor,
@@ -280,9 +282,8 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   m, n, k = a.shape[-2], b.shape[-2], a.shape[-1]
   if m % 16 or n % 16 or k % 16:
     return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k}"
-  if out_sharding is not None or not (
-      _ffi.single_device(a) and _ffi.single_device(b)):
-    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  if out_sharding is not None:  # Explicit mesh axes naming the output's sharding
+    return "the output's sharding is named (out_sharding), which its partitioning rule ignores"
   return None
 
 
@@ -298,10 +299,11 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
   pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
-  y = _ffi.gemm_call(
-      a.reshape(*batch, m, k), b.reshape(*batch, n, k),
+  # Per shard in a sharded program (_partition.py).
+  y = _partition.tensor_scaled_gemm(
+      _ffi.gemm_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
-      out_dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast,
+      out_dtype, fast,
   )
   return y.reshape(*lead, m, n) if lead else y
 

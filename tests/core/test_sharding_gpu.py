@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core
+from te_adapters.core import _cast_transpose, _float8_block
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -66,7 +67,13 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
   with jax.set_mesh(mesh):
     compiled = _step(recipe).lower(*args).compile()
   got = compiled(*args)
-  assert core.count_fp8_gemms(compiled.as_text())[0] >= 3  # fprop, dgrad, wgrad
+  text = compiled.as_text()
+  assert core.count_fp8_gemms(text)[0] >= 3  # fprop, dgrad, wgrad
+  # The extension's kernels run on the shards (their partitioning rules, core/_partition.py).
+  if _cast_transpose.backend() == "ffi":
+    assert text.count('custom_call_target="te_adapters_cast_transpose"') >= 3
+  if _float8_block.cublas_gemm_available():
+    assert text.count('custom_call_target="te_adapters_block_gemm"') >= 3
   # The same FP8 operands; the GEMMs may sum in another order and y, dx are bfloat16, rounded
   # twice (GEMM output, then the float32 rescale): they may differ by a bfloat16 ulp (2**-8) in
   # places (2.9e-3 normwise measured for tp2 on two H200s), against 0.04 for FP8 itself.

@@ -1,0 +1,482 @@
+"""The extension's kernels inside sharded ``jit`` programs: partitioning rules (core/_partition.py).
+
+On 8 virtual CPU devices (conftest.py) with ``GemmConfig(backend="ffi")``, so the per-tensor cast
+and amax are the extension's CPU FFI kernels. Each plan places x, the kernel and dy with
+``NamedSharding`` on a 2x2 (dp, tp) mesh and runs three training steps under ``jit``; the
+compiled program must call the kernels on the shards, and outputs, gradients and DelayedScaling
+state must equal those of the one-device program.
+
+The GEMM rule is for the extension's cuBLASLt GEMMs, which are built for Hopper GPUs only; here
+it wraps a CPU GEMM of the same contract, so the rule's plans, reductions and warnings are
+tested on CPU and the GPU suite tests the kernel itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_adapters as ta
+from te_adapters import core
+from te_adapters.core import _cast_transpose, _partition
+from tests import spmd_checks
+
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)"),
+    pytest.mark.skipif(not _cast_transpose.ffi_available("cpu"), reason="extension not built"),
+]
+
+DN = (((2,), (0,)), ((), ()))  # x (batch, seq, hidden) . kernel (hidden, features)
+X_SHAPE, W_SHAPE, Y_SHAPE = (8, 16, 64), (64, 32), (8, 16, 32)
+FACTORS = (1.0, 2.0, 1.0)  # per step: the activations' amax changes between steps
+DELAYED = ta.DelayedScaling(amax_history_len=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  name: str
+  x: P
+  w: P
+  dy: P
+  # Outputs that XLA sums over devices from bf16 partial products (a contracting dim split over
+  # tp, in XLA's own GEMM): one device's value to bf16 rounding, not bit for bit.
+  bf16_sums: tuple[str, ...] = ()
+
+
+PLANS = [
+    Plan("dp", P("dp"), P(), P("dp")),
+    Plan("tp_column", P(), P(None, "tp"), P(None, None, "tp"), bf16_sums=("dx",)),
+    Plan("tp_row", P(None, None, "tp"), P("tp", None), P(), bf16_sums=("y",)),
+    Plan("fsdp", P("dp"), P("dp", None), P("dp")),
+    Plan("dp_tp", P("dp"), P(None, "tp"), P("dp", None, "tp"), bf16_sums=("dx",)),
+]
+
+
+def _mesh(axis_type=AxisType.Auto):
+  return jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4],
+                       axis_types=(axis_type, axis_type))
+
+
+FFI = core.GemmConfig(backend="ffi")
+
+
+def _data():
+  """Exact data (spmd_checks.exact_data) whose amax, 7.0, lies in the last shard only, so that a
+  shard's own amax differs from the tensor's (7.0 keeps every scale a power of two)."""
+  x, w, dy = (spmd_checks.exact_data(s, i) for i, s in enumerate((X_SHAPE, W_SHAPE, Y_SHAPE)))
+  x, w, dy = (t.at[(-1,) * t.ndim].set(7.0) for t in (x, w, dy))
+  return x.astype(jnp.bfloat16), w, dy.astype(jnp.bfloat16)
+
+
+def _step(recipe):
+  def loss(x, w, state, dy, factor):
+    y = core.dot_general(x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=recipe,
+                         state=state or None, threshold=None, config=FFI)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+  def step(x, w, state, dy, factor):
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        x, w, state, dy, factor)
+    return y, grads
+
+  return jax.jit(step)
+
+
+def _run(recipe, x, w, dy, put, step=None):
+  """Three steps, the state fed back; returns [(y, (dx, dw, state))] and the compiled HLO."""
+  step = step or _step(recipe)
+  state = put(core.init_state(recipe))
+  compiled = step.lower(x, w, state, dy, put(jnp.float32(1))).compile()
+  out = []
+  for factor in FACTORS:
+    y, grads = compiled(x, w, state, dy, put(jnp.float32(factor)))
+    state = grads[2]
+    out.append(jax.tree.map(np.asarray, (y, grads)))
+  return out, compiled.as_text()
+
+
+@functools.cache
+def _one_device(recipe):
+  device = jax.devices()[0]
+  put = lambda a: jax.device_put(a, device)
+  x, w, dy = (put(a) for a in _data())
+  return _run(recipe, x, w, dy, put)[0]
+
+
+def _sharded(recipe, plan, axis_type=AxisType.Auto):
+  mesh = _mesh(axis_type)
+  put = lambda a, spec=None: jax.device_put(a, NamedSharding(mesh, spec or P()))
+  x, w, dy = _data()
+  return _run(recipe, put(x, plan.x), put(w, plan.w), put(dy, plan.dy), put)
+
+
+def _cast_calls(text):
+  """The operand shapes of the extension's cast custom calls in compiled HLO."""
+  shapes = []
+  for line in text.splitlines():
+    if 'custom_call_target="te_adapters_cast_transpose"' in line:
+      operand = re.search(r"operand_layout_constraints=\{[a-z0-9]+\[([0-9,]*)\]", line)
+      shapes.append(tuple(int(n) for n in operand.group(1).split(",")))
+  return shapes
+
+
+def _assert_equal_to_one_device(got, want, plan):
+  for step, ((y, (dx, dw, state)), (ry, (rdx, rdw, rstate))) in enumerate(
+      zip(got, want, strict=True)):
+    for name, a, b in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
+      if name in plan.bf16_sums:
+        assert np.linalg.norm(
+            a.astype(np.float64) - b.astype(np.float64)) <= 1e-2 * np.linalg.norm(
+            b.astype(np.float64)), (step, name)
+      else:
+        np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
+    for name in rstate:  # the recipe state: exactly
+      np.testing.assert_array_equal(state[name], rstate[name], err_msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.name)
+def test_delayed_scaling_step_runs_the_cast_per_shard(plan):
+  got, text = _sharded(DELAYED, plan)
+  _assert_equal_to_one_device(got, _one_device(DELAYED), plan)
+  # The casts of x, the kernel and the output gradient are the extension's, on shards.
+  shapes = _cast_calls(text)
+  assert len(shapes) >= 3, text
+  if plan.x != P():  # x's cast runs on its half
+    assert any(int(np.prod(s)) == int(np.prod(X_SHAPE)) // 2 for s in shapes), shapes
+  if plan.w != P():  # and the kernel's
+    assert any(int(np.prod(s)) == int(np.prod(W_SHAPE)) // 2 for s in shapes), shapes
+  # The amaxes of the state changed with the data (the state is not frozen).
+  history = got[-1][1][2]["x_amax_history"]
+  assert history[-3:].tolist() == [7.0, 14.0, 7.0]
+
+
+def test_explicit_mesh_axes_run_the_cast_per_shard():
+  plan = PLANS[-1]
+  got, text = _sharded(DELAYED, plan, AxisType.Explicit)
+  _assert_equal_to_one_device(got, _one_device(DELAYED), plan)
+  assert len(_cast_calls(text)) >= 3
+
+
+def test_current_scaling_amax_kernel_reduces_over_the_mesh(monkeypatch):
+  monkeypatch.setattr(sys.modules[__name__], "FFI", core.GemmConfig(backend="ffi", amax="ffi"))
+  recipe = ta.Float8CurrentScaling()
+  plan = PLANS[-1]
+  got, text = _sharded(recipe, plan)
+  _assert_equal_to_one_device(got, _one_device(recipe), plan)
+  assert 'custom_call_target="te_adapters_amax"' in text
+
+
+def test_inside_shard_map_the_kernels_outputs_vary_like_their_inputs():
+  """In a shard_map body the kernels run on the shards as they are; their outputs must be typed
+  as varying over the mesh axes of their inputs, or the backward pass skips the sums over tp
+  (dx) and dp (dW) that the custom VJP does for varying operands (O(1) errors)."""
+  plan = PLANS[-1]
+  mesh = _mesh()
+
+  def body(x, w, state, dy, factor):
+    y = core.dot_general(x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=DELAYED,
+                         state=state, threshold=None, config=FFI)
+    return lax.psum(jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), ("dp", "tp")), y
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(plan.x, plan.w, P(), plan.dy, P()),
+                         out_specs=(P(), plan.dy))
+
+  @jax.jit
+  def step(x, w, state, dy, factor):
+    (_, y), grads = jax.value_and_grad(mapped, argnums=(0, 1, 2), has_aux=True)(
+        x, w, state, dy, factor)
+    return y, grads
+
+  put = lambda a, spec=None: jax.device_put(a, NamedSharding(mesh, spec or P()))
+  x, w, dy = _data()
+  got, text = _run(DELAYED, put(x, plan.x), put(w, plan.w), put(dy, plan.dy), put, step)
+  # dx: the sum over tp of bf16 partial products, as XLA's under jit.
+  _assert_equal_to_one_device(got, _one_device(DELAYED), plan)
+  assert len(_cast_calls(text)) >= 3
+
+
+def test_amax_of_a_sharded_tensor_is_global_on_every_device():
+  mesh = _mesh()
+  x = np.zeros((8, 32), np.float32)
+  x[5, 3] = -9.0  # on one device's shard only
+  x[1, 30] = 2.0
+  xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("dp", "tp")))
+  a = jax.jit(lambda v: _cast_transpose.amax(v, backend="ffi"))(xs)
+  assert [float(s.data[0]) for s in a.addressable_shards] == [9.0] * 4
+  x[0, 0] = np.nan  # NaN on another shard: inf everywhere
+  xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("dp", "tp")))
+  _, _, a = jax.jit(lambda v: _cast_transpose.cast_transpose(
+      v, jnp.ones((1,)), jnp.float8_e4m3fn, with_amax=True, backend="ffi"))(xs)
+  assert [float(s.data[0]) for s in a.addressable_shards] == [np.inf] * 4
+
+
+def test_nnx_linear_with_sharded_kernel_matches_one_device():
+  from flax import nnx
+
+  from te_adapters import nnx as ta_nnx
+
+  layer = ta_nnx.Linear(64, 32, threshold=None, recipe=DELAYED, config=FFI,
+                        rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(layer)
+  params, recipe_state = nnx.split_state(state, nnx.Param, ta_nnx.RecipeState)
+  x, _, dy = _data()
+  x, dy = x.reshape(-1, 64), dy.reshape(-1, 32)
+
+  @jax.jit
+  def step(params, recipe_state, x, dy):
+    def loss(params, recipe_state):
+      y = nnx.merge(graphdef, params, recipe_state)(x)
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, recipe_state)
+
+  def run(params, recipe_state, x, dy, put):
+    out = []
+    for factor in FACTORS:
+      (_, y), (g_params, recipe_state) = step(params, recipe_state, x * factor, dy)
+      out.append(jax.tree.map(np.asarray, (y, g_params, recipe_state)))
+      recipe_state = put(recipe_state)
+    return out
+
+  device = jax.devices()[0]
+  want = run(*jax.device_put((params, recipe_state, x, dy), device),
+             lambda t: jax.device_put(t, device))
+  mesh = _mesh()
+  shard = lambda spec: NamedSharding(mesh, spec)
+  # Column-parallel: the kernel (64, 32) and the bias over tp.
+  params_s = jax.tree.map(
+      lambda v: jax.device_put(v, shard(P(None, "tp") if v.ndim == 2 else P("tp"))), params)
+  recipe_s = jax.device_put(recipe_state, shard(P()))
+  x_s, dy_s = jax.device_put(x, shard(P("dp"))), jax.device_put(dy, shard(P("dp", "tp")))
+  got = run(params_s, recipe_s, x_s, dy_s, lambda t: jax.device_put(t, shard(P())))
+  spmd_checks.assert_trees_identical(got, want)
+  text = step.lower(params_s, recipe_s, x_s, dy_s).compile().as_text()
+  assert len(_cast_calls(text)) >= 3
+
+
+# --------------------------------------------------------------------------- GEMM rule
+
+
+def _cpu_gemm(a, b, sa, sb, dtype):
+  """The per-tensor FP8 GEMM's contract, ``a . b^T * sa * sb`` in float32, on XLA:CPU."""
+  batch = tuple(range(a.ndim - 2))
+  y = lax.dot_general(a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)),
+                      preferred_element_type=jnp.float32)
+  return (y * (sa * sb).reshape(())).astype(dtype)
+
+
+def _quantized(shape, seed):
+  x = spmd_checks.exact_data(shape, seed)
+  return (x * 64).astype(jnp.float8_e4m3fn), jnp.array([1 / 64], jnp.float32)
+
+
+GEMM_CASES = [
+    # name, a spec, b spec, whether K is summed over devices
+    ("rows", P("dp"), P(), False),
+    ("columns", P(), P("tp"), False),
+    ("rows_and_columns", P("dp"), P("tp"), False),
+    ("contracting", P(None, "tp"), P(None, "tp"), True),
+    ("contracting_and_rows", P("dp", "tp"), P(None, "tp"), True),
+]
+
+
+@pytest.mark.parametrize("name, a_spec, b_spec, summed", GEMM_CASES, ids=[c[0] for c in GEMM_CASES])
+def test_gemm_rule_runs_the_kernel_on_shards(name, a_spec, b_spec, summed):
+  (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
+  want = _cpu_gemm(a, b, sa, sb, jnp.float32)
+  mesh = _mesh()
+  a_s = jax.device_put(a, NamedSharding(mesh, a_spec))
+  b_s = jax.device_put(b, NamedSharding(mesh, b_spec))
+  calls = []
+
+  def kernel(a, b, sa, sb, dtype):
+    calls.append((a.shape, b.shape, np.dtype(dtype)))
+    return _cpu_gemm(a, b, sa, sb, dtype)
+
+  f = jax.jit(lambda a, b: _partition.gemm("test GEMM", kernel, _cpu_gemm, a, b, sa, sb,
+                                           jnp.bfloat16))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    compiled = f.lower(a_s, b_s).compile()
+  y = compiled(a_s, b_s)
+  # Exact data: every partial sum is exact, so the split sum equals the whole one.
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want.astype(jnp.bfloat16)))
+  entries = tuple(a_spec) + (None,) * (2 - len(a_spec))
+  a_local = tuple(n // (2 if e else 1) for n, e in zip(a.shape, entries, strict=True))
+  assert (a_local, np.dtype(jnp.float32 if summed else jnp.bfloat16)) in [
+      (c[0], c[2]) for c in calls], calls
+  ops = [c.op for c in core.hlo_collectives(compiled.as_text())]
+  assert ("all-reduce" in ops) == summed and "all-gather" not in ops, ops
+  if summed:  # summed in float32, rounded once after
+    reduces = [c for c in core.hlo_collectives(compiled.as_text()) if c.op == "all-reduce"]
+    assert all(dtype == "f32" for c in reduces for dtype, _ in c.arrays), reduces
+
+
+def test_gemm_rule_warns_once_where_it_reshards():
+  (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
+  mesh = _mesh()
+  # The same mesh axis on the rows of a and the columns of b: the output cannot use it twice.
+  a_s = jax.device_put(a, NamedSharding(mesh, P("dp")))
+  b_s = jax.device_put(b, NamedSharding(mesh, P("dp")))
+  f = lambda a, b: _partition.gemm("reshard GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
+                                   jnp.float32)
+  with pytest.warns(ta.core.ShardingFallbackWarning, match=r"reshard GEMM.*'dp'.*gathered"):
+    y = jax.jit(f)(a_s, b_s)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    jax.jit(lambda a, b: f(a, b) + 1)(a_s, b_s)  # the same case again: said once
+
+
+def test_gemm_rule_falls_back_to_xla_on_shards_the_kernel_refuses():
+  (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
+  mesh = _mesh()
+  a_s = jax.device_put(a, NamedSharding(mesh, P("dp")))
+
+  calls = {"kernel": [], "fallback": []}
+
+  def traced(which):
+    def gemm(a, b, sa, sb, dtype):
+      calls[which].append(a.shape)
+      return _cpu_gemm(a, b, sa, sb, dtype)
+    return gemm
+
+  refusal = lambda a_shape, b_shape: "M must be a multiple of 32" if a_shape[0] % 32 else None
+  f = lambda a, b: _partition.gemm("picky GEMM", traced("kernel"), traced("fallback"), a, b, sa,
+                                   sb, jnp.float32, refusal=refusal)
+  with pytest.warns(ta.core.ShardingFallbackWarning,
+                    match=r"picky GEMM.*\(16, 64\).*M must be a multiple of 32.*XLA's GEMM"):
+    y = jax.jit(f)(a_s, b)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
+  # The kernel was only traced for the global shapes; the shards ran the fallback.
+  assert (16, 64) not in calls["kernel"] and calls["fallback"] == [(16, 64)], calls
+
+
+# --------------------------------------------------------------------------- the GEMMs' call sites
+
+
+def _emulated_cublas(calls):
+  """``cublas_call`` with per-tensor scales (mode 0), emulated on CPU; records operand shapes."""
+
+  def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+    assert lhs_mode == rhs_mode == 0
+    calls.append((a.shape, b.shape, np.dtype(out_dtype)))
+    return _partition._tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
+
+  return cublas_call
+
+
+def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
+  """Through core.dot_general with the GEMM kernel emulated (the real one is cuBLASLt, GPU only):
+  DP x column-parallel TP, whose dgrad contracts the tp-sharded features. The float32 partial
+  products are summed, then rounded once, so even that GEMM equals one device bit for bit."""
+  from te_adapters.core import _ffi
+
+  calls = []
+  monkeypatch.setattr(_ffi, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(_ffi, "gemm_call", _emulated_cublas(calls))
+  plan = dataclasses.replace(PLANS[-1], bf16_sums=())
+  got, text = _sharded(DELAYED, plan)
+  sharded_calls, calls[:] = list(calls), []
+  _assert_equal_to_one_device(got, _one_device_uncached(DELAYED), plan)
+  # Shards: x3 (128, 64) split over dp, the kernel (32, 64) over tp.
+  assert ((64, 64), (16, 64), np.dtype(jnp.bfloat16)) in sharded_calls, sharded_calls
+  # dgrad contracts N (tp) and wgrad M (dp): float32 partial products, summed in float32.
+  assert ((64, 16), (64, 16), np.dtype(jnp.float32)) in sharded_calls, sharded_calls
+  reduces = [c for c in core.hlo_collectives(text) if c.op == "all-reduce"]
+  assert any(("f32", (64, 64)) in c.arrays for c in reduces), reduces
+
+
+def _one_device_uncached(recipe):
+  device = jax.devices()[0]
+  put = lambda a: jax.device_put(a, device)
+  x, w, dy = (put(a) for a in _data())
+  return _run(recipe, x, w, dy, put)[0]
+
+
+def _block_operands():
+  from te_adapters.core import _float8_block
+
+  rng = np.random.default_rng(5)
+  a = jnp.asarray(rng.standard_normal((1, 64, 256)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((1, 128, 256)), jnp.float32)
+  qa = _float8_block.quantize(a, (128,), jnp.float8_e4m3fn, True)[:2]
+  qb = _float8_block.quantize(b, (128, 128), jnp.float8_e4m3fn, True)[:2]
+  return qa, qb
+
+
+def _block_kernel(calls):
+  from te_adapters.core import _float8_block
+
+  def kernel(a, sa, a_block, b, sb, b_block, dtype):
+    calls.append((a.shape, sa.shape, b.shape, sb.shape))
+    return _float8_block._xla_gemm(a, sa, a_block, b, sb, b_block).astype(dtype)
+
+  return kernel
+
+
+def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
+  from te_adapters.core import _float8_block
+
+  (a, sa), (b, sb) = _block_operands()
+  want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
+  mesh = _mesh()
+  put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+  calls = []
+  f = jax.jit(lambda a, sa, b, sb: _partition.block_scaled_gemm(
+      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
+      jnp.float32))
+  # Rows over dp, K over tp: 128 of K per device, one whole block (and tile) each.
+  args = (put(a, P(None, "dp", "tp")), put(sa, P(None, "dp", "tp")),
+          put(b, P(None, None, "tp")), put(sb, P(None, None, "tp")))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    y = f(*args)
+  assert ((1, 32, 128), (1, 32, 1), (1, 128, 128), (1, 1, 1)) in calls, calls
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
+def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
+  from te_adapters.core import _float8_block
+
+  (a, sa), (b, sb) = _block_operands()
+  mesh = _mesh()
+  put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+  calls = []
+  f = jax.jit(lambda a, sa, b, sb: _partition.block_scaled_gemm(
+      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
+      jnp.float32))
+  # N (128 rows: one row of 128x128 tiles) cannot be split over tp: it is gathered.
+  args = (put(a, P()), put(sa, P()), put(b, P(None, "tp")), put(sb, P()))
+  with pytest.warns(ta.core.ShardingFallbackWarning, match="block-scaled FP8 GEMM.*gathered"):
+    y = f(*args)
+  assert ((1, 64, 256), (1, 64, 2), (1, 128, 256), (1, 1, 2)) in calls, calls
+  want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
+  """K sharded in a only (b replicated): b is sliced where it lies, and K summed over tp."""
+  (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
+  mesh = _mesh()
+  a_s = jax.device_put(a, NamedSharding(mesh, P(None, "tp")))
+  f = jax.jit(lambda a, b: _partition.gemm("slicing GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
+                                           jnp.float32))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    compiled = f.lower(a_s, b).compile()
+  np.testing.assert_array_equal(np.asarray(compiled(a_s, b)),
+                                np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
+  ops = [c.op for c in core.hlo_collectives(compiled.as_text())]
+  assert "all-gather" not in ops and "all-reduce" in ops, ops
