@@ -38,8 +38,10 @@ struct Problem {
 
 // Element codes: operands 0 = float8_e4m3fn, 1 = float8_e5m2; output 0 = bfloat16, 1 = float32.
 // kFast: FP8 fast accumulation (the tensor cores' own sums) or sums promoted to float32.
+// kCfg: 0 = ping-pong, 128x128x128 tiles; 1 = cooperative, 128x256x128 tiles; both in clusters
+// of 2x1.
 // Returns an empty string on success, else what failed.
-template <int kA, int kB, int kD, int kFast>
+template <int kA, int kB, int kD, int kFast, int kCfg>
 std::string Run(const Problem& p, cudaStream_t stream);
 
 }  // namespace te_adapters::grouped

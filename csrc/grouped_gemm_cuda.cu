@@ -43,10 +43,14 @@ int out_code(ffi::DataType t) {
 }
 
 // The instantiations built (grouped_gemm_inst_*.cu): operand pairs (e4m3, e4m3), (e5m2, e4m3),
-// (e4m3, e5m2), each with both outputs and both accumulation modes.
-std::string dispatch(int a, int b, int d, int fast, const Problem& p, cudaStream_t stream) {
-#define TE_GG_CASE(A, B, D, F) \
-  if (a == A && b == B && d == D && fast == F) return grouped::Run<A, B, D, F>(p, stream);
+// (e4m3, e5m2), each with both outputs and both accumulation modes, in both tile configurations.
+std::string dispatch(int a, int b, int d, int fast, int cfg, const Problem& p,
+                     cudaStream_t stream) {
+#define TE_GG_CASE(A, B, D, F)                                 \
+  if (a == A && b == B && d == D && fast == F) {               \
+    return cfg == 1 ? grouped::Run<A, B, D, F, 1>(p, stream)   \
+                    : grouped::Run<A, B, D, F, 0>(p, stream);  \
+  }
 #define TE_GG_OUTS(A, B) \
   TE_GG_CASE(A, B, 0, 0) TE_GG_CASE(A, B, 0, 1) TE_GG_CASE(A, B, 1, 0) TE_GG_CASE(A, B, 1, 1)
   TE_GG_OUTS(0, 0)
@@ -60,7 +64,7 @@ std::string dispatch(int a, int b, int d, int fast, const Problem& p, cudaStream
 ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::F32> alpha,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                           int32_t mode, int32_t fast_accum) {
+                           int32_t mode, int32_t fast_accum, int32_t config) {
   const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   const int64_t groups = group_sizes.element_count();
   if (alpha.element_count() != static_cast<size_t>(groups)) {
@@ -118,7 +122,8 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   cudaGetDevice(&p.device);
   p.sm_count = sm_count_of(p.device);
   if (p.sm_count <= 0) return ffi::Error::Internal("grouped GEMM: no multiprocessor count");
-  const std::string error = dispatch(ca, cb, cd, fast_accum != 0 ? 1 : 0, p, stream);
+  const std::string error =
+      dispatch(ca, cb, cd, fast_accum != 0 ? 1 : 0, config == 1 ? 1 : 0, p, stream);
   if (!error.empty()) return ffi::Error::Internal("te_adapters grouped GEMM: " + error);
   return ffi::Error::Success();
 }
@@ -135,6 +140,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCuda, GroupedGemmImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("mode")
-                                  .Attr<int32_t>("fast_accum"));
+                                  .Attr<int32_t>("fast_accum")
+                                  .Attr<int32_t>("config"));
 
 }  // namespace te_adapters

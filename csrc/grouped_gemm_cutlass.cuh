@@ -24,19 +24,27 @@ using Fp8 = cute::conditional_t<kCode == 0, cutlass::float_e4m3_t, cutlass::floa
 template <int kCode>
 using Out = cute::conditional_t<kCode == 0, cutlass::bfloat16_t, float>;
 
-template <int kA, int kB, int kD, int kFast>
+template <int kA, int kB, int kD, int kFast, int kCfg>
 struct Config {
   using ElementA = Fp8<kA>;
   using ElementB = Fp8<kB>;
   using ElementD = Out<kD>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  static constexpr bool kPingpong = kCfg == 0;
+  using TileShape = cute::conditional_t<kPingpong, cute::Shape<cute::_128, cute::_128, cute::_128>,
+                                        cute::Shape<cute::_128, cute::_256, cute::_128>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule =
+  using KernelSchedule = cute::conditional_t<
+      kPingpong,
       cute::conditional_t<kFast != 0,
                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
-                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>,
+      cute::conditional_t<kFast != 0,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
+  using EpilogueSchedule =
+      cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major: (N, K), K contiguous
   using LayoutD = cutlass::layout::RowMajor;     // (M, N), N contiguous
@@ -161,6 +169,7 @@ __global__ void SetupKernel(Problem p, Arrays<C> arr) {
 }
 
 // Zeroes the output rows past the groups (kRows), 16 bytes per store.
+template <class C>
 __global__ void ZeroTailKernel(uint4* out, const int64_t* total, int64_t rows, int64_t row_vecs) {
   const int64_t begin = *total * row_vecs, end = rows * row_vecs;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -170,9 +179,9 @@ __global__ void ZeroTailKernel(uint4* out, const int64_t* total, int64_t rows, i
   }
 }
 
-template <int kA, int kB, int kD, int kFast>
+template <int kA, int kB, int kD, int kFast, int kCfg>
 std::string Run(const Problem& p, cudaStream_t stream) {
-  using C = Config<kA, kB, kD, kFast>;
+  using C = Config<kA, kB, kD, kFast, kCfg>;
   using Gemm = typename C::Gemm;
   if (p.groups <= 0) return "";
   Arrays<C> arr;
@@ -181,7 +190,7 @@ std::string Run(const Problem& p, cudaStream_t stream) {
   SetupKernel<C><<<1, 256, 0, stream>>>(p, arr);
   if (p.mode == kRows) {
     const int64_t row_vecs = p.n * static_cast<int64_t>(sizeof(typename C::ElementD)) / 16;
-    ZeroTailKernel<<<std::max(1, p.sm_count) * 4, 256, 0, stream>>>(
+    ZeroTailKernel<C><<<std::max(1, p.sm_count) * 4, 256, 0, stream>>>(
         static_cast<uint4*>(p.d), arr.total, p.m, row_vecs);
   }
   cudaError_t err = cudaGetLastError();

@@ -39,6 +39,8 @@ _CUTLASS_WORKSPACE = 4 * 1024 * 1024
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _OUT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 _ALIGN = 16
+# The kernel's tile configuration: 0 = ping-pong 128x128x128, 1 = cooperative 128x256x128.
+DEFAULT_CONFIG = 0
 
 
 @functools.cache
@@ -111,7 +113,7 @@ def _workspace(groups: int) -> int:
   return _CUTLASS_WORKSPACE + 256 * (16 + groups)
 
 
-def rows_gemm(a, b, group_sizes, alpha, out_dtype, fast: bool):
+def rows_gemm(a, b, group_sizes, alpha, out_dtype, fast: bool, config: int = DEFAULT_CONFIG):
   """``out[rows of g] = (a[rows of g] @ b[g]^T) * alpha[g]``, zero past the groups.
 
   ``a`` (M, K) and ``b`` (G, N, K) FP8, ``alpha`` (G,) float32; returns (M, N) ``out_dtype``.
@@ -122,7 +124,7 @@ def rows_gemm(a, b, group_sizes, alpha, out_dtype, fast: bool):
   )
   y, _ = jax.ffi.ffi_call(_TARGET, outs)(
     a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
-    mode=np.int32(_ROWS), fast_accum=np.int32(fast),
+    mode=np.int32(_ROWS), fast_accum=np.int32(fast), config=np.int32(config),
   )
   return y
 
@@ -148,7 +150,7 @@ def padded_columns(q, group_sizes):
   return padded.T
 
 
-def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool):
+def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool, config: int = DEFAULT_CONFIG):
   """``dw[g] = (x[rows of g]^T @ dy[rows of g]) * alpha[g]``: (G, K, N) ``out_dtype``.
 
   ``x`` (M, K) and ``dy`` (M, N) FP8, with rows past the groups ignored; ``group_sizes`` clamped.
@@ -162,7 +164,7 @@ def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool):
   )
   dw, _ = jax.ffi.ffi_call(_TARGET, outs)(
     a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
-    mode=np.int32(_WGRAD), fast_accum=np.int32(fast),
+    mode=np.int32(_WGRAD), fast_accum=np.int32(fast), config=np.int32(config),
   )
   return dw
 

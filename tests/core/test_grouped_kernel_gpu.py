@@ -40,8 +40,10 @@ def _starts():
 
 
 # (sums promoted to float32 or fast, output dtype) -> normwise tolerance against float64. One
-# rounding to bfloat16 is about 2e-3; Hopper's fast FP8 sums lose a few more bits than float32.
-TOL = {(False, jnp.float32): 1e-5, (True, jnp.float32): 3e-3,
+# rounding to bfloat16 is about 2e-3. The tensor cores keep their own sums for a few FP8 MMAs
+# before CUTLASS promotes them to float32 (measured: 1e-4 with float32 output); fast sums lose
+# more.
+TOL = {(False, jnp.float32): 3e-4, (True, jnp.float32): 3e-3,
        (False, jnp.bfloat16): 4e-3, (True, jnp.bfloat16): 5e-3}
 
 
