@@ -17,7 +17,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from te_adapters.core import _float8_block, _grouped_kernel
 

@@ -12,6 +12,7 @@ extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 #ifdef TE_ADAPTERS_GROUPED_GEMM
 extern "C" XLA_FFI_Error* GroupedGemmCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* PaddedTransposeCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }  // namespace te_adapters
 
@@ -27,6 +28,8 @@ NB_MODULE(_csrc_cuda, m) {
 #ifdef TE_ADAPTERS_GROUPED_GEMM
     d["te_adapters_grouped_gemm"] =
         nb::capsule(reinterpret_cast<void*>(te_adapters::GroupedGemmCuda));
+    d["te_adapters_padded_transpose"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::PaddedTransposeCuda));
 #endif
     return d;
   });

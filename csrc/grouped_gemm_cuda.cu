@@ -11,6 +11,46 @@
 namespace ffi = xla::ffi;
 
 namespace te_adapters {
+namespace grouped {
+
+// 64x64-byte tiles: each thread loads 4 bytes of a source row and stores 4 bytes of an output
+// row, through a padded shared-memory tile.
+__global__ void PaddedTransposeKernel(const uint8_t* q, const int32_t* src, uint8_t* out,
+                                      int64_t rows, int64_t f, int64_t p) {
+  __shared__ uint8_t tile[64][68];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 64;  // output columns (source rows)
+  const int64_t f0 = static_cast<int64_t>(blockIdx.y) * 64;  // features (output rows)
+  const int tx = threadIdx.x, ty = threadIdx.y;               // 16 x 16 threads
+  for (int i = ty; i < 64; i += 16) {
+    const int64_t c = c0 + i, ff = f0 + 4 * tx;
+    const int32_t r = c < p ? src[c] : -1;
+    uint32_t v = 0;
+    if (r >= 0 && r < rows && ff < f) v = *reinterpret_cast<const uint32_t*>(q + r * f + ff);
+    *reinterpret_cast<uint32_t*>(&tile[i][4 * tx]) = v;
+  }
+  __syncthreads();
+  for (int i = ty; i < 64; i += 16) {
+    const int64_t ff = f0 + i, c = c0 + 4 * tx;
+    if (ff >= f || c >= p) continue;
+    const uint32_t v = static_cast<uint32_t>(tile[4 * tx][i]) |
+                       static_cast<uint32_t>(tile[4 * tx + 1][i]) << 8 |
+                       static_cast<uint32_t>(tile[4 * tx + 2][i]) << 16 |
+                       static_cast<uint32_t>(tile[4 * tx + 3][i]) << 24;
+    *reinterpret_cast<uint32_t*>(out + ff * p + c) = v;
+  }
+}
+
+std::string PaddedTranspose(const uint8_t* q, const int32_t* src, uint8_t* out, int64_t rows,
+                            int64_t f, int64_t p, cudaStream_t stream) {
+  if (f == 0 || p == 0) return "";
+  const dim3 grid(static_cast<unsigned>((p + 63) / 64), static_cast<unsigned>((f + 63) / 64));
+  PaddedTransposeKernel<<<grid, dim3(16, 16), 0, stream>>>(q, src, out, rows, f, p);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? "" : std::string("padded transpose: ") + cudaGetErrorString(err);
+}
+
+}  // namespace grouped
+
 namespace {
 
 using grouped::Problem;
@@ -128,7 +168,35 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+ffi::Error PaddedTransposeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::S32> src,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  const auto qd = q.dimensions(), od = out->dimensions();
+  if (qd.size() != 2 || od.size() != 2 || od[0] != qd[1] ||
+      static_cast<int64_t>(src.element_count()) != od[1]) {
+    return ffi::Error::InvalidArgument(
+        "padded transpose: shapes must be q (R, F), src (P,), out (F, P)");
+  }
+  if (fp8_code(q.element_type()) < 0 || q.element_type() != out->element_type()) {
+    return ffi::Error::InvalidArgument("padded transpose: q and out must be the same FP8 type");
+  }
+  if (qd[1] % 16 != 0 || od[1] % 16 != 0) {
+    return ffi::Error::InvalidArgument("padded transpose: F and P must be multiples of 16");
+  }
+  const std::string error = grouped::PaddedTranspose(
+      static_cast<const uint8_t*>(q.untyped_data()), src.typed_data(),
+      static_cast<uint8_t*>(out->untyped_data()), qd[0], qd[1], od[1], stream);
+  if (!error.empty()) return ffi::Error::Internal("te_adapters " + error);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PaddedTransposeCuda, PaddedTransposeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCuda, GroupedGemmImpl,
                               ffi::Ffi::Bind()

@@ -31,8 +31,11 @@ struct Config {
   using ElementD = Out<kD>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   static constexpr bool kPingpong = kCfg == 0;
-  using TileShape = cute::conditional_t<kPingpong, cute::Shape<cute::_128, cute::_128, cute::_128>,
-                                        cute::Shape<cute::_128, cute::_256, cute::_128>>;
+  // Promoted sums keep a second set of accumulators in registers: with 128x256 tiles (or a
+  // ping-pong warp group's whole 128x128 tile) they spill, and ran 3x slower on an H100.
+  using TileShape =
+      cute::conditional_t<kPingpong || kFast == 0, cute::Shape<cute::_128, cute::_128, cute::_128>,
+                          cute::Shape<cute::_128, cute::_256, cute::_128>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using KernelSchedule = cute::conditional_t<
       kPingpong,

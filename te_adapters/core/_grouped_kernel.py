@@ -32,6 +32,7 @@ from te_adapters.core import _cast_transpose
 __all__ = ["available", "refusal", "rows_gemm", "wgrad_gemm", "padded_columns"]
 
 _TARGET = "te_adapters_grouped_gemm"
+_TRANSPOSE_TARGET = "te_adapters_padded_transpose"
 _ROWS, _WGRAD = 0, 1
 # CUTLASS's workspace (one set of TMA descriptors per multiprocessor) plus the per-group
 # arguments (problem shape, three pointers and strides, the alpha pointer: under 128 bytes).
@@ -39,8 +40,9 @@ _CUTLASS_WORKSPACE = 4 * 1024 * 1024
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _OUT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 _ALIGN = 16
-# The kernel's tile configuration: 0 = ping-pong 128x128x128, 1 = cooperative 128x256x128.
-DEFAULT_CONFIG = 0
+# The kernel's tile configuration: 0 = ping-pong 128x128x128, 1 = cooperative 128x256x128 (fast
+# sums) or 128x128x128 (promoted sums). 1 ran faster on an H100 (bench/grouped_kernel.py).
+DEFAULT_CONFIG = 1
 
 
 @functools.cache
@@ -122,19 +124,16 @@ def rows_gemm(a, b, group_sizes, alpha, out_dtype, fast: bool, config: int = DEF
     jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), out_dtype),
     jax.ShapeDtypeStruct((_workspace(b.shape[0]),), jnp.uint8),
   )
-  y, _ = jax.ffi.ffi_call(_TARGET, outs)(
+  y, _ = jax.ffi.ffi_call(_TARGET, outs, vmap_method="sequential")(
     a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
     mode=np.int32(_ROWS), fast_accum=np.int32(fast), config=np.int32(config),
   )
   return y
 
 
-def padded_columns(q, group_sizes):
-  """``q`` (M, F) as (F, P): group g's rows as columns from a multiple of 16, each group taking
-  ``max(16, size rounded up to 16)`` columns, zeros in the rest; ``P = M + 16 G`` rounded up.
-
-  ``group_sizes`` must be clamped (``clamped_sizes``)."""
-  rows, groups = q.shape[0], group_sizes.shape[0]
+def _padded_sources(group_sizes, rows: int):
+  """The source row of each column of ``padded_columns``' output, -1 for zeros; (P,) int32."""
+  groups = group_sizes.shape[0]
   width = -(-rows // _ALIGN) * _ALIGN + _ALIGN * groups
   pad = jnp.maximum(_ALIGN, (group_sizes + _ALIGN - 1) // _ALIGN * _ALIGN)
   pad_end = jnp.cumsum(pad)
@@ -145,7 +144,30 @@ def padded_columns(q, group_sizes):
   safe = jnp.minimum(group, groups - 1)
   local = col - pad_start[safe]
   valid = (group < groups) & (local < group_sizes[safe])
-  src = jnp.where(valid, start[safe] + local, rows)
+  return jnp.where(valid, start[safe] + local, -1).astype(jnp.int32)
+
+
+@functools.cache
+def _transpose_registered() -> bool:
+  return available() and _TRANSPOSE_TARGET in importlib.import_module(
+    "te_adapters._csrc_cuda").registrations()
+
+
+def padded_columns(q, group_sizes, native: bool | None = None):
+  """``q`` (M, F) as (F, P): group g's rows as columns from a multiple of 16, each group taking
+  ``max(16, size rounded up to 16)`` columns, zeros in the rest; ``P = M + 16 G`` rounded up.
+
+  ``group_sizes`` must be clamped (``clamped_sizes``). ``native``: the extension's CUDA kernel
+  (FP8 ``q`` only) or XLA's gather and transpose (much slower on an H100); None: the kernel
+  where it is built."""
+  rows = q.shape[0]
+  src = _padded_sources(group_sizes, rows)
+  if native is None:
+    native = np.dtype(q.dtype) in _FP8 and _transpose_registered()
+  if native:
+    out = jax.ShapeDtypeStruct((q.shape[1], src.shape[0]), q.dtype)
+    return jax.ffi.ffi_call(_TRANSPOSE_TARGET, out, vmap_method="sequential")(q, src)
+  src = jnp.where(src < 0, rows, src)
   padded = jnp.concatenate([q, jnp.zeros((1, q.shape[1]), q.dtype)])[src]
   return padded.T
 
@@ -162,7 +184,7 @@ def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool, config: int = D
     jax.ShapeDtypeStruct((groups, x.shape[1], dy.shape[1]), out_dtype),
     jax.ShapeDtypeStruct((_workspace(groups),), jnp.uint8),
   )
-  dw, _ = jax.ffi.ffi_call(_TARGET, outs)(
+  dw, _ = jax.ffi.ffi_call(_TARGET, outs, vmap_method="sequential")(
     a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
     mode=np.int32(_WGRAD), fast_accum=np.int32(fast), config=np.int32(config),
   )

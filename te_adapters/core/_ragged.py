@@ -9,7 +9,10 @@ per-group amaxes and scales. Nothing is copied to the host and nothing waits for
 runs under ``jit`` with group sizes produced by a router. The three GEMMs are
 ``jax.lax.ragged_dot_general`` calls with FP8 operands, so their speed is that of XLA's lowering:
 XLA's GPU compiler (its ``RaggedDotRewriter``) expands a ragged dot into a dense dot over a
-group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs.
+group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs. On a
+Hopper GPU with the extension built with CUTLASS (``TE_ADAPTERS_CUTLASS_DIR``), the per-tensor
+recipes run the three GEMMs on the native grouped GEMM instead (``_grouped_kernel``), the same
+FP8 operands and per-group scales, with the recipe's accumulation per GEMM.
 ``MXFP8BlockScaling`` (block scales, no state) is in ``_ragged_mxfp8``.
 
 Scales are **per group** for every role: the rows of group g (x, and the output gradient) share

@@ -90,6 +90,16 @@ def test_wgrad_gemm_matches_float64(fast, out_dtype, types):
       assert _norm_err(dw[g], ref) < TOL[(fast, out_dtype)], f"group {g}"
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_padded_columns_kernel_equals_xla(dtype):
+  q = _fp8(jax.random.PRNGKey(4), (M, K), dtype, 3.0)
+  sizes = jnp.asarray(SIZES)
+  native = jax.jit(lambda q, s: _grouped_kernel.padded_columns(q, s, native=True))(q, sizes)
+  xla = jax.jit(lambda q, s: _grouped_kernel.padded_columns(q, s, native=False))(q, sizes)
+  assert native.shape == xla.shape and native.dtype == xla.dtype
+  np.testing.assert_array_equal(np.asarray(native).view(np.uint8), np.asarray(xla).view(np.uint8))
+
+
 def _reference(x, w, dy):
   """Per-group float64 forward, dgrad and wgrad of the unquantized values."""
   x, w, dy = (np.asarray(t, np.float64) for t in (x, w, dy))
