@@ -14,11 +14,14 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 - ``loop_bf16``: a dense loop over experts, ``sum_g mask_g * (x @ W[g])`` in bf16 (G times the
   FLOPs; what one writes without a grouped GEMM).
 - ``loop_current``: the same loop with ``te_adapters.core.dot_general`` FP8 current scaling.
+- ``dense_current``: one dense ``te_adapters.core.dot_general`` (M, K) x (K, N) with FP8 current
+  scaling, the same useful FLOPs as the grouped step: the speed a grouped GEMM aims at.
 
 TFLOP/s counts the useful work, 6*M*K*N per step (the forward, dgrad and wgrad GEMMs), whatever
-a variant really computes. The table also says whether the compiled step has an FP8 GEMM
-(a ``__cublas$lt$matmul$f8`` call on GPU, an f8 ``dot`` elsewhere), and the relative error of the
-forward output against ``lax_bf16``'s.
+a variant really computes. The table also counts the compiled step's FP8 GEMMs (XLA's
+``__cublas$lt$matmul$f8`` calls, the extension's cuBLASLt ``te_adapters_block_gemm`` and grouped
+``te_adapters_grouped_gemm`` calls on GPU, f8 ``dot``s elsewhere), and gives the relative error
+of the forward output against ``lax_bf16``'s.
 
 ``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``) is short for
 ``--variants lax_bf16 ours_bf16 ours_NAME``.
@@ -56,6 +59,7 @@ VARIANTS = (
   "ours_mxfp8",
   "loop_bf16",
   "loop_current",
+  "dense_current",
 )
 RECIPES = {
   "current": ta.Float8CurrentScaling(),
@@ -99,6 +103,11 @@ def make_forward(variant: str, num_groups: int):
   if variant == "loop_current":
     recipe = ta.Float8CurrentScaling()
     return (lambda x, w, gs, st: _loop_over_experts(x, w, gs, recipe)), {}
+  if variant == "dense_current":
+    recipe = ta.Float8CurrentScaling()
+    dims = (((1,), (0,)), ((), ()))
+    # Called with the first expert's kernel only, (1, K, N).
+    return (lambda x, w, gs, st: core.dot_general(x, w[0], dims, recipe=recipe)), {}
   raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
@@ -109,11 +118,17 @@ def make_step(forward):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def has_fp8_gemm(hlo: str) -> bool:
-  if "__cublas$lt$matmul$f8" in hlo:
-    return True
-  # Elsewhere (CPU, or a GPU that would run the FP8 dot in another way): a dot of f8 operands.
-  return bool(re.search(r"= \w+\[[^\]]*\][^=]*\bdot\(f8e\w+", hlo))
+def fp8_gemms(hlo: str) -> str:
+  """The FP8 GEMM calls of a compiled step, by kind ("no" when there are none)."""
+  counts = {
+    "xla": hlo.count('custom_call_target="__cublas$lt$matmul$f8'),
+    "cublaslt": hlo.count('custom_call_target="te_adapters_block_gemm"'),
+    "grouped": hlo.count('custom_call_target="te_adapters_grouped_gemm"'),
+    # Elsewhere (CPU, or a GPU that would run the FP8 dot in another way): dots of f8 operands.
+    "dot": len(re.findall(r"= \w+\[[^\]]*\][^=]*\bdot\(f8e\w+", hlo)),
+  }
+  found = [f"{n} {kind}" for kind, n in counts.items() if n]
+  return ", ".join(found) if found else "no"
 
 
 def time_step(step, args, iters: int, repeats: int, warmup: int) -> list[float]:
@@ -163,14 +178,15 @@ def bench_groups(args, num_groups: int) -> None:
     try:
       forward, state = make_forward(variant, num_groups)
       step = make_step(forward)
-      call_args = (x, w, state, gs, dy)
+      wv = w[:1] if variant.startswith("dense_") else w
+      call_args = (x, wv, state, gs, dy)
       hlo = step.lower(*call_args).compile().as_text()
-      fp8 = "yes" if has_fp8_gemm(hlo) else "no"
-      y = jax.jit(forward)(x, w, gs, state)
+      fp8 = fp8_gemms(hlo)
+      y = jax.jit(forward)(x, wv, gs, state)
       if reference is None and variant == "lax_bf16":
         reference = np.asarray(y, np.float32)
       err = "-"
-      if reference is not None:
+      if reference is not None and not variant.startswith("dense_"):
         yf = np.asarray(y, np.float32)
         err = f"{np.linalg.norm(yf - reference) / np.linalg.norm(reference):.4f}"
       runs = time_step(step, call_args, args.iters, args.repeats, args.warmup)

@@ -10,6 +10,10 @@ extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
 #ifdef TE_ADAPTERS_BLOCK_GEMM
 extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #endif
+#ifdef TE_ADAPTERS_GROUPED_GEMM
+extern "C" XLA_FFI_Error* GroupedGemmCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* PaddedTransposeCuda(XLA_FFI_CallFrame* call_frame);
+#endif
 }  // namespace te_adapters
 
 NB_MODULE(_csrc_cuda, m) {
@@ -20,6 +24,12 @@ NB_MODULE(_csrc_cuda, m) {
     d["te_adapters_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::AmaxCuda));
 #ifdef TE_ADAPTERS_BLOCK_GEMM
     d["te_adapters_block_gemm"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockGemmCuda));
+#endif
+#ifdef TE_ADAPTERS_GROUPED_GEMM
+    d["te_adapters_grouped_gemm"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::GroupedGemmCuda));
+    d["te_adapters_padded_transpose"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::PaddedTransposeCuda));
 #endif
     return d;
   });

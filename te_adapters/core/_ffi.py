@@ -31,12 +31,19 @@ __all__ = [
   "cublas_gemm_available",
   "ffi_available",
   "gemm_call",
+  "grouped_gemm_call",
+  "padded_transpose_call",
+  "registered",
+  "single_device",
 ]
 
 CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
 AMAX_TARGET = "te_adapters_amax"
 # The cuBLASLt FP8 GEMM: per-tensor scales and 1x128 / 128x128 block scales.
 GEMM_TARGET = "te_adapters_block_gemm"
+# The CUTLASS grouped FP8 GEMM and its operand layout kernel (built with TE_ADAPTERS_CUTLASS_DIR).
+GROUPED_GEMM_TARGET = "te_adapters_grouped_gemm"
+PADDED_TRANSPOSE_TARGET = "te_adapters_padded_transpose"
 # jax.default_backend() name -> (extension module, XLA platform name).
 _MODULES = {"cpu": ("te_adapters._csrc_cpu", "cpu"), "gpu": ("te_adapters._csrc_cuda", "CUDA")}
 _GEMM_WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -79,6 +86,40 @@ def cublas_gemm_available() -> bool:
     return False
   # cuBLAS runs the 1x128 / 128x128 modes on compute capability 9.0 only.
   return capabilities == {"9.0"}
+
+
+def single_device(x) -> bool:
+  """False when ``x`` is known to be spread over several devices (a kernel without a
+  partitioning rule, the grouped GEMM's, cannot take it)."""
+  sharding = getattr(x, "sharding", None)  # concrete arrays
+  if sharding is None:
+    try:
+      sharding = jax.typeof(x).sharding  # explicit-mode types under jit
+    except Exception:
+      sharding = None
+  if sharding is not None:
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None and getattr(mesh, "size", 1) > 1:
+      if any(s is not None for s in spec):
+        return False
+    num = getattr(sharding, "num_devices", None)
+    if isinstance(num, int) and num > 1 and not getattr(sharding, "is_fully_replicated", True):
+      return False
+  # Under jit the sharding of a traced value is unknown: only a one-device program is safe.
+  if isinstance(x, jax.core.Tracer):
+    return jax.device_count() == 1 or _tracing_single_device()
+  return True
+
+
+def _tracing_single_device() -> bool:
+  # Inside a shard_map body every value is a per-device shard, so the kernel is safe there.
+  try:
+    from jax._src import core as jax_core
+
+    return bool(jax_core.get_axis_env().axis_sizes)
+  except Exception:
+    return False
 
 
 def _empty(dtype):
@@ -160,3 +201,29 @@ def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accu
     lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
   )
   return y
+
+
+def registered(target: str, platform: str = "gpu") -> bool:
+  """Whether ``target`` is built and registered for ``platform``."""
+  return ffi_available(platform) and target in _registrations(platform)
+
+
+def grouped_gemm_call(a, b, group_sizes, alpha, out_shape, out_dtype, workspace_bytes, *, mode,
+                      fast_accum, config):
+  """The grouped FP8 GEMM (``csrc/grouped_gemm_cuda.cu``), ``mode`` 0 (rows) or 1 (wgrad); see
+  ``_grouped_kernel`` for the operand layouts."""
+  outs = (
+    jax.ShapeDtypeStruct(out_shape, out_dtype),
+    jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+  )
+  y, _ = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, outs, vmap_method="sequential")(
+    a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
+    mode=np.int32(mode), fast_accum=np.int32(fast_accum), config=np.int32(config),
+  )
+  return y
+
+
+def padded_transpose_call(q, src):
+  """``q`` (M, F) gathered by column sources ``src`` (P,) into (F, P), zeros where ``src < 0``."""
+  out = jax.ShapeDtypeStruct((q.shape[1], src.shape[0]), q.dtype)
+  return jax.ffi.ffi_call(PADDED_TRANSPOSE_TARGET, out, vmap_method="sequential")(q, src)

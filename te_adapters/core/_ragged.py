@@ -9,7 +9,10 @@ per-group amaxes and scales. Nothing is copied to the host and nothing waits for
 runs under ``jit`` with group sizes produced by a router. The three GEMMs are
 ``jax.lax.ragged_dot_general`` calls with FP8 operands, so their speed is that of XLA's lowering:
 XLA's GPU compiler (its ``RaggedDotRewriter``) expands a ragged dot into a dense dot over a
-group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs.
+group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs. On a
+Hopper GPU with the extension built with CUTLASS (``TE_ADAPTERS_CUTLASS_DIR``), the per-tensor
+recipes run the three GEMMs on the native grouped GEMM instead (``_grouped_kernel``), the same
+FP8 operands and per-group scales, with the recipe's accumulation per GEMM.
 ``MXFP8BlockScaling`` (block scales, no state) is in ``_ragged_mxfp8``.
 
 Scales are **per group** for every role: the rows of group g (x, and the output gradient) share
@@ -51,6 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
   _accumulate,
+  _grouped_kernel,
   _grouping,
   _ragged_mxfp8,
   _remat,
@@ -264,9 +268,11 @@ def ragged_dot(
   if recipe.block_scaled:
     return _ragged_mxfp8.mxfp8_ragged_dot(lhs, rhs, group_sizes, out_dtype, recipe)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
+  native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
   return _fp8_ragged_dot(
       lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
-      "group",
+      "group", native,
   )
 
 
@@ -370,18 +376,21 @@ def _quantize_experts(w, role, q_dtype, recipe, state, granularity):
   return data, _scaling.scale_inverse(scale), new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _fp8_ragged_dot(
-    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
+    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity,
+    native=False,
 ):
   y, _ = _fp8_fwd(
-      lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
+      lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity,
+      native,
   )
   return y
 
 
 def _fp8_fwd(
-    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity
+    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity,
+    native=False,
 ):
   del operand_dtypes
   num_groups = rhs.shape[0]
@@ -394,17 +403,24 @@ def _fp8_fwd(
   )
   q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
-  y = lax.ragged_dot_general(
-      q_x, q_w, group_sizes, _FWD_DIMS, precision=precision, preferred_element_type=jnp.float32
-  )
-  y = (y * _per_row(sinv_x * sinv_w, ids, 0.0)[:, None]).astype(out_dtype)
+  if native:
+    y = _grouped_kernel.rows_gemm(
+        q_x, _grouped_kernel.transposed_kernels(q_w),
+        _grouped_kernel.clamped_sizes(group_sizes, lhs.shape[0]), sinv_x * sinv_w, out_dtype,
+        _grouped_kernel.fast_accumulation(precision, "fwd", recipe),
+    )
+  else:
+    y = lax.ragged_dot_general(
+        q_x, q_w, group_sizes, _FWD_DIMS, precision=precision, preferred_element_type=jnp.float32
+    )
+    y = (y * _per_row(sinv_x * sinv_w, ids, 0.0)[:, None]).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {**new_x, **new_w}, grad_state)
   return y, residuals
 
 
-def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, residuals, g):
+def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, residuals, g):
   q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, grad_state = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
@@ -413,6 +429,17 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, residual
   q_g, sinv_g, new_g = _quantize_rows(
       g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, grad_state, granularity
   )
+  if native:
+    sizes = _grouped_kernel.clamped_sizes(group_sizes, q_x.shape[0])
+    dx = _grouped_kernel.rows_gemm(
+        q_g, q_w, sizes, sinv_g * sinv_w, lhs_dtype,
+        _grouped_kernel.fast_accumulation(precision, "dgrad", recipe),
+    )
+    dw = _grouped_kernel.wgrad_gemm(
+        q_x, q_g, sizes, sinv_x * sinv_g, rhs_dtype,
+        _grouped_kernel.fast_accumulation(precision, "wgrad", recipe),
+    )
+    return dx, dw, None, {**new_fwd_state, **new_g}
   dx = lax.ragged_dot_general(
       q_g, q_w, group_sizes, _DGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
   )

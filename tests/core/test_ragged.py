@@ -11,6 +11,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
+from te_adapters.core import _grouped_kernel
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -204,7 +205,9 @@ def test_fp8_operands_reach_the_ragged_gemms():
   )
   operand_types = []
   for eqn in _all_eqns(jaxpr.jaxpr):
-    if eqn.primitive.name == "ragged_dot_general":
+    # XLA's ragged dot, or the extension's grouped GEMM on Hopper.
+    if eqn.primitive.name == "ragged_dot_general" or (
+        eqn.params.get("target_name") == "te_adapters_grouped_gemm"):
       operand_types.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
   assert sorted(operand_types) == sorted(
       [
@@ -430,7 +433,10 @@ def test_gpu_fp8_grouped_gemm_numerics_and_hlo(rel):
   sizes = te_group_sizes(rng, m, g)
   args = (x, w, {}, jnp.asarray(sizes), dy)
   hlo = train_step.lower(*args, recipe).compile().as_text()
-  assert "__cublas$lt$matmul$f8" in hlo, "no FP8 cuBLAS GEMM in the compiled step"
+  if _grouped_kernel.available():
+    assert hlo.count('custom_call_target="te_adapters_grouped_gemm"') == 3, "no grouped kernel"
+  else:
+    assert "__cublas$lt$matmul$f8" in hlo, "no FP8 cuBLAS GEMM in the compiled step"
   assert not _HOST_HLO.search(hlo)
   y, (dx, dw, _) = train_step(*args, recipe)
   y_ref, dx_ref, dw_ref = reference(x.astype(jnp.float32), w.astype(jnp.float32),
