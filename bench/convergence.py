@@ -75,11 +75,12 @@ class Size:
   seq_len: int
   batch: int
   mlp_ratio: int = 4
-  learning_rate: float = 6e-4
+  learning_rate: float = 3e-4
   warmup_steps: int = 100
   eval_every: int = 100
   eval_batches: int = 4
-  # None quantizes every converted GEMM; otherwise the library's default size threshold.
+  # True: threshold=None, every converted GEMM in FP8 whatever its size (CPU tests); False:
+  # the library's default size threshold, as a user gets it.
   fp8_everywhere: bool = False
 
 
@@ -87,9 +88,10 @@ SIZES = {
     # 4 x 12 * 2048**2 = 201M parameters in projections, 16k tokens per step: about 21 TFLOP a
     # step, 40-60 ms on an H100 in bf16.
     "gpu": Size(d_model=2048, heads=16, layers=4, seq_len=1024, batch=16),
-    # d_model 128 so that Float8BlockScaling's 128-wide blocks tile every GEMM (256 tokens).
-    "tiny": Size(d_model=128, heads=4, layers=2, seq_len=64, batch=4, learning_rate=3e-3,
-                 warmup_steps=20, eval_every=25, eval_batches=4, fp8_everywhere=True),
+    # d_model 128 so that Float8BlockScaling's 128-wide blocks tile every GEMM (512 tokens). In
+    # bf16 it trains well at 1e-3 to 2e-3; at 3e-3 to 1e-2 it stalled near 3.0 nats per byte.
+    "tiny": Size(d_model=128, heads=4, layers=2, seq_len=64, batch=8, learning_rate=2e-3,
+                 warmup_steps=15, eval_every=25, eval_batches=4, fp8_everywhere=True),
 }
 
 
@@ -166,11 +168,56 @@ def cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 def init_std(size: Size) -> tuple[float, float]:
   """GPT-2's initialisation: 0.02, and 0.02 / sqrt(2 * layers) for the residual projections."""
-  return 0.02, 0.02 / math.sqrt(2 * size.layers)
+  return 0.02, 0.02 / math.sqrt(2 * max(size.layers, 1))
 
 
 def is_head(path: str) -> bool:
   return path.split("/")[-1] == "head"
+
+
+# The three models name their layers alike (embed, positions, block_<i>/{norm1, qkv, out, norm2,
+# mlp_in, mlp_out}, norm, head); their parameters differ only in the frameworks' own names.
+_LEAF_NAMES = {"kernel": "kernel", "w": "kernel", "embedding": "table", "embeddings": "table",
+               "positions": "table", "scale": "scale", "bias": "bias", "offset": "bias"}
+
+
+def canonical_name(path) -> str:
+  """``block_0/qkv/kernel`` for Linen's ``params/block_0/qkv/kernel``, NNX's
+  ``blocks/0/qkv/kernel`` and Haiku's ``block_0/qkv/w``."""
+  parts = []
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      parts += str(key.key).split("/")
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(str(key.idx))
+  parts = [p for p in parts if p not in ("params", "~")]
+  if len(parts) > 1 and parts[0] == "blocks":
+    parts = [f"block_{parts[1]}", *parts[2:]]
+  *module, leaf = parts
+  if leaf == "positions":
+    module = ["positions"]
+  return "/".join([*module, _LEAF_NAMES.get(leaf, leaf)])
+
+
+def shared_init(params, size: Size, seed: int):
+  """``params`` with the same initial values in every framework, drawn from a generator seeded
+  by ``seed`` and the parameter's canonical name: GPT-2's initialisation (normal 0.02, and
+  0.02 / sqrt(2 * layers) for the residual projections; norms at 1 and 0). So the adapters'
+  bf16 runs start alike and their curves can be compared."""
+  std, out_std = init_std(size)
+
+  def init(path, leaf):
+    name = canonical_name(path)
+    shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
+    if name.endswith("/scale"):
+      return jnp.ones(shape, dtype)
+    if name.endswith("/bias"):
+      return jnp.zeros(shape, dtype)
+    rng = np.random.default_rng((seed, zlib.crc32(name.encode())))
+    sigma = out_std if name.split("/")[-2] in ("out", "mlp_out") else std
+    return jnp.asarray(rng.normal(0.0, sigma, shape), dtype)
+
+  return jax.tree_util.tree_map_with_path(init, params)
 
 
 def linen_model(size: Size):
@@ -185,9 +232,9 @@ def linen_model(size: Size):
     @nn.compact
     def __call__(self, x):
       d = size.d_model
-      h = nn.LayerNorm(epsilon=1e-5)(x)
+      h = nn.LayerNorm(epsilon=1e-5, name="norm1")(x)
       x = x + out_dense(d, name="out")(causal_attention(dense(3 * d, name="qkv")(h), size.heads))
-      h = nn.LayerNorm(epsilon=1e-5)(x)
+      h = nn.LayerNorm(epsilon=1e-5, name="norm2")(x)
       h = nn.gelu(dense(size.mlp_ratio * d, name="mlp_in")(h))
       return x + out_dense(d, name="mlp_out")(h)
 
@@ -196,11 +243,11 @@ def linen_model(size: Size):
     def __call__(self, tokens):
       t = tokens.shape[1]
       init = nn.initializers.normal(std)
-      x = nn.Embed(VOCAB, size.d_model, embedding_init=init)(tokens)
+      x = nn.Embed(VOCAB, size.d_model, embedding_init=init, name="embed")(tokens)
       x = x + self.param("positions", init, (size.seq_len, size.d_model))[:t]
       for i in range(size.layers):
         x = Block(name=f"block_{i}")(x)
-      return dense(VOCAB, name="head")(nn.LayerNorm(epsilon=1e-5)(x))
+      return dense(VOCAB, name="head")(nn.LayerNorm(epsilon=1e-5, name="norm")(x))
 
   return LanguageModel()
 
@@ -305,6 +352,7 @@ def linen_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
   model = linen_model(size)
   q = ta_linen.quantize(recipe, filter=lambda path: not is_head(path), threshold=threshold)
   variables = jax.jit(q(model.init))(jax.random.key(seed), sample[:, :-1])
+  variables = dict(variables, params=shared_init(variables["params"], size, seed))
   state = ta_linen.TrainState.create(apply_fn=q(model.apply), variables=variables, tx=tx)
 
   def loss_fn(variables, tokens):
@@ -331,6 +379,9 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
     report = ta_nnx.quantize_model(
         model, recipe, threshold=threshold,
         filter=lambda path, _: not is_head("/".join(map(str, path))))
+  params = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(params, shared_init(nnx.to_pure_dict(params), size, seed))
+  nnx.update(model, params)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   def loss_fn(model, tokens):
@@ -367,6 +418,7 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
   init = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.bfloat16)))
   params, state = jax.jit(init.init)(jax.random.key(seed), sample[:, :-1])
+  params = shared_init(params, size, seed)
 
   def loss_fn(params, state, tokens):
     # float32 parameters, bf16 compute: FP8 GEMMs quantize the bf16 operands.
@@ -479,9 +531,12 @@ def checkpoint_path(directory, adapter: str, recipe: str) -> pathlib.Path:
 
 def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 0, *,
         out=None, save=None, resume=None, deadline: float | None = None,
-        peak_tflops: float = H100_BF16_PEAK_TFLOPS, corpus: Corpus | None = None) -> dict:
-  """Trains one (adapter, recipe) run up to ``steps`` steps; returns its summary, with the loss
-  of every step it ran under ``"losses"`` and the final carry under ``"carry"``."""
+        stop_at: int | None = None, peak_tflops: float = H100_BF16_PEAK_TFLOPS,
+        corpus: Corpus | None = None) -> dict:
+  """Trains one (adapter, recipe) run of ``steps`` steps (the schedule's length), up to step
+  ``stop_at`` if given, until ``deadline`` (``time.monotonic()``) at the latest; returns its
+  summary, with the loss of every step it ran under ``"losses"`` and the final carry under
+  ``"carry"``."""
   size = SIZES[size_name]
   corpus = corpus or stdlib_corpus()
   if resume is not None and checkpoint_path(resume, adapter, recipe_name).exists():
@@ -544,7 +599,8 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
     emit(last_eval, out)
   interval_start = time.perf_counter()
   interval_steps = 0
-  while step < steps:
+  end = steps if stop_at is None else min(stop_at, steps)
+  while step < end:
     if deadline is not None and time.monotonic() > deadline:
       stopped = True
       break
@@ -607,6 +663,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--out", help="append the JSON lines to this file too")
   parser.add_argument("--save", help="write a checkpoint per run into this directory")
   parser.add_argument("--resume", help="continue the runs that have a checkpoint here")
+  parser.add_argument("--stop-at", type=int, default=None,
+                      help="stop each run at this step (the schedule still spans --steps)")
   parser.add_argument("--time-limit", type=float, default=None,
                       help="seconds: stop (and save) then, and start no run in its last 60 s")
   parser.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
@@ -632,7 +690,7 @@ def main(argv=None) -> list[dict]:
         continue
       result = run(adapter, recipe, args.size, args.steps, args.seed, out=args.out,
                    save=args.save, resume=args.resume, deadline=deadline,
-                   peak_tflops=args.peak_tflops)
+                   stop_at=args.stop_at, peak_tflops=args.peak_tflops)
       summaries.append({k: v for k, v in result.items() if k not in ("losses", "carry")})
   return summaries
 
