@@ -351,7 +351,8 @@ def linen_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
 
   model = linen_model(size)
   q = ta_linen.quantize(recipe, filter=lambda path: not is_head(path), threshold=threshold)
-  variables = jax.jit(q(model.init))(jax.random.key(seed), sample[:, :-1])
+  # Not jitted: one compile less, and shared_init replaces the random values anyway.
+  variables = q(model.init)(jax.random.key(seed), sample[:, :-1])
   variables = dict(variables, params=shared_init(variables["params"], size, seed))
   state = ta_linen.TrainState.create(apply_fn=q(model.apply), variables=variables, tx=tx)
 
@@ -417,12 +418,15 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
   q = ta_hk.quantize(recipe, module_filter=lambda name: not is_head(name), threshold=threshold)
   init = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.bfloat16)))
-  params, state = jax.jit(init.init)(jax.random.key(seed), sample[:, :-1])
+  params, state = init.init(jax.random.key(seed), sample[:, :-1])
   params = shared_init(params, size, seed)
 
   def loss_fn(params, state, tokens):
-    # float32 parameters, bf16 compute: FP8 GEMMs quantize the bf16 operands.
-    compute = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    # float32 parameters, the projections' kernels cast to bf16 (as Linen's and NNX's
+    # dtype=bfloat16 layers do): FP8 GEMMs quantize the bf16 operands.
+    compute = jax.tree_util.tree_map_with_path(
+        lambda path, p: p.astype(jnp.bfloat16) if canonical_name(path).endswith("/kernel") else p,
+        params)
     logits, state = model.apply(compute, state, None, tokens[:, :-1])
     return cross_entropy(logits, tokens), state
 
@@ -532,11 +536,13 @@ def checkpoint_path(directory, adapter: str, recipe: str) -> pathlib.Path:
 def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 0, *,
         out=None, save=None, resume=None, deadline: float | None = None,
         stop_at: int | None = None, peak_tflops: float = H100_BF16_PEAK_TFLOPS,
-        corpus: Corpus | None = None) -> dict:
+        corpus: Corpus | None = None, cache: dict | None = None) -> dict:
   """Trains one (adapter, recipe) run of ``steps`` steps (the schedule's length), up to step
   ``stop_at`` if given, until ``deadline`` (``time.monotonic()``) at the latest; returns its
-  summary, with the loss of every step it ran under ``"losses"`` and the final carry under
-  ``"carry"``."""
+  summary, with the loss of every step it ran under ``"losses"``, the held-out loss by step
+  under ``"evals"`` and the final carry under ``"carry"``. ``cache``, a dict kept by the
+  caller, lets later runs of the same (adapter, recipe, size, steps, seed) in this process reuse
+  the model and its compiled step (the pieces of a run split by checkpoints)."""
   size = SIZES[size_name]
   corpus = corpus or stdlib_corpus()
   if resume is not None and checkpoint_path(resume, adapter, recipe_name).exists():
@@ -552,31 +558,40 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
   name = f"{adapter}/{recipe_name}"
   tag = dict(run=name, adapter=adapter, recipe=recipe_name, size=size_name, seed=seed)
   sample = jnp.asarray(train_batch(corpus, size, seed, 0))
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    trainer = TRAINERS[adapter](size, recipe, threshold, seed, tx, sample)
-  carry = canonical(trainer.carry)
+  key = (adapter, recipe_name, size_name, steps, seed)
+  compiled = cache.get(key) if cache is not None else None
+  if compiled is None:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      trainer = TRAINERS[adapter](size, recipe, threshold, seed, tx, sample)
+  else:
+    trainer = compiled[0]
+  carry = canonical(trainer.carry)  # a copy: the trainer's own carry is never donated
 
   start_step, meta = 0, None
   if resume is not None and checkpoint_path(resume, adapter, recipe_name).exists():
     carry, meta = load_checkpoint(checkpoint_path(resume, adapter, recipe_name), carry)
-    for key in ("adapter", "recipe", "size", "seed", "steps", "corpus_sha256"):
-      mine = dict(tag, steps=steps, corpus_sha256=corpus.info["sha256"])[key]
-      if meta[key] != mine:
-        raise ValueError(f"--resume: the checkpoint of {name} has {key}={meta[key]!r}, this "
-                         f"run {mine!r}")
+    for field in ("adapter", "recipe", "size", "seed", "steps", "corpus_sha256"):
+      mine = dict(tag, steps=steps, corpus_sha256=corpus.info["sha256"])[field]
+      if meta[field] != mine:
+        raise ValueError(f"--resume: the checkpoint of {name} has {field}={meta[field]!r}, "
+                         f"this run {mine!r}")
     start_step = meta["step"]
 
-  compile_start = time.perf_counter()
-  with warnings.catch_warnings(record=True) as caught_step:
-    warnings.simplefilter("always")
-    step_fn = jax.jit(trainer.step, donate_argnums=0).lower(carry, sample).compile()
-    eval_fn = jax.jit(trainer.eval_loss).lower(carry, sample).compile()
-  compile_s = time.perf_counter() - compile_start
-  caught = caught + caught_step
-  high_precision = sorted({str(w.message) for w in caught
-                           if issubclass(w.category, core.HighPrecisionGemmWarning)})
-  gemms = count_gemms(trainer.step, carry, sample, step_fn.as_text())
+  if compiled is None:
+    compile_start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught_step:
+      warnings.simplefilter("always")
+      step_fn = jax.jit(trainer.step, donate_argnums=0).lower(carry, sample).compile()
+      eval_fn = jax.jit(trainer.eval_loss).lower(carry, sample).compile()
+    compile_s = time.perf_counter() - compile_start
+    high_precision = sorted({str(w.message) for w in caught + caught_step
+                             if issubclass(w.category, core.HighPrecisionGemmWarning)})
+    gemms = count_gemms(trainer.step, carry, sample, step_fn.as_text())
+    compiled = (trainer, step_fn, eval_fn, compile_s, high_precision, gemms)
+    if cache is not None:
+      cache[key] = compiled
+  trainer, step_fn, eval_fn, compile_s, high_precision, gemms = compiled
   is_fp8 = recipe is not None and gemms["fp8_gemms"] > 0
   if recipe is not None and not is_fp8:
     print(f"WARNING: {name} ran no FP8 GEMM: it is not an FP8 run", file=sys.stderr)
@@ -586,9 +601,10 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
   tokens_per_step = size.batch * size.seq_len
 
   def evaluate(carry) -> float:
-    return float(np.mean([float(eval_fn(carry, b)) for b in heldout]))
+    evals[step] = float(np.mean([float(eval_fn(carry, b)) for b in heldout]))
+    return evals[step]
 
-  losses, pending = [], []
+  losses, pending, evals = [], [], {}
   train_s, timed_steps = 0.0, 0
   stopped = False
   step = start_step
@@ -648,7 +664,7 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
       device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
       corpus=corpus.info)
   emit(summary, out)
-  return dict(summary, losses=losses, carry=carry)
+  return dict(summary, losses=losses, evals=evals, carry=carry)
 
 
 def main(argv=None) -> list[dict]:
@@ -691,7 +707,8 @@ def main(argv=None) -> list[dict]:
       result = run(adapter, recipe, args.size, args.steps, args.seed, out=args.out,
                    save=args.save, resume=args.resume, deadline=deadline,
                    stop_at=args.stop_at, peak_tflops=args.peak_tflops)
-      summaries.append({k: v for k, v in result.items() if k not in ("losses", "carry")})
+      summaries.append({k: v for k, v in result.items()
+                        if k not in ("losses", "evals", "carry")})
   return summaries
 
 
