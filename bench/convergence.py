@@ -525,6 +525,7 @@ def emit(record: dict, out) -> None:
   line = json.dumps(record)
   print(line, flush=True)
   if out is not None:
+    pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
       f.write(line + "\n")
 

@@ -112,3 +112,49 @@ def test_resume_continues_bit_for_bit(runs, tmp_path):
   # A checkpoint of another run (here: another schedule length) is refused, not half-used.
   with pytest.raises(ValueError, match="steps"):
     conv.run("haiku", "delayed", "tiny", STEPS + 1, resume=tmp_path)
+
+
+def _load_plot():
+  spec = importlib.util.spec_from_file_location(
+      "convergence_plot", ROOT / "bench" / "convergence_plot.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["convergence_plot"] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_plot_table_from_json_lines(tmp_path):
+  """The table's differences and speedups, from lines written in two pieces (a resumed run)."""
+  import json
+
+  def lines(recipe, losses, rate, **summary):
+    tag = dict(adapter="linen", recipe=recipe, seed=0)
+    out = [dict(tag, step=s, heldout_loss=x, tokens_per_s=rate, mfu=0.4) for s, x in losses]
+    return out + [dict(tag, summary=True, steps=200, **summary)]
+
+  first = lines("bf16", [(0, 5.5), (100, 2.5)], 1000.0, fp8_gemms=0, gemms=60, fp8=False,
+                fp8_gemms_expected=0)
+  first += lines("current", [(0, 5.5), (100, 2.6)], 1500.0, fp8_gemms=48, gemms=60, fp8=True,
+                 fp8_gemms_expected=48)
+  second = lines("bf16", [(200, 2.0)], 1000.0, fp8_gemms=0, gemms=60, fp8=False,
+                 fp8_gemms_expected=0)
+  second += lines("current", [(200, 2.02)], 1500.0, fp8_gemms=48, gemms=60, fp8=True,
+                  fp8_gemms_expected=48)
+  second += lines("delayed", [(200, 2.1)], 900.0, fp8_gemms=0, gemms=60, fp8=False,
+                  fp8_gemms_expected=48)
+  for name, records in (("a.jsonl", first), ("b.jsonl", second)):
+    (tmp_path / name).write_text("\n".join(json.dumps(r) for r in records) + "\n")
+  plot = _load_plot()
+  text = plot.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--table-only",
+                    "--out-dir", str(tmp_path)])
+  rows = {line.split("|")[2].strip(): line for line in text.splitlines()[2:]}
+  assert list(rows) == ["bf16", "current", "delayed"]
+  assert "| 2.0200 | +1.00% | 1,500 | 1.50x | 40.0% | 48 of 60 |" in rows["current"]
+  assert "+5.00%" in rows["delayed"] and "0.90x" in rows["delayed"]
+  assert "0 of 60 (expected 48) **not FP8**" in rows["delayed"]
+  assert (tmp_path / "table.md").read_text() == text + "\n"
+  other_seed = dict(first[0], seed=1)
+  (tmp_path / "c.jsonl").write_text(json.dumps(other_seed) + "\n")
+  with pytest.raises(SystemExit, match="--seed"):
+    plot.main([str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl"), "--table-only",
+               "--out-dir", str(tmp_path)])
