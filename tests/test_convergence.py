@@ -68,6 +68,7 @@ def test_corpus_is_the_standard_library_with_a_fixed_split():
   assert conv.is_heldout("json/decoder.py") == conv.is_heldout("json/decoder.py")
 
 
+@pytest.mark.slow  # the module's runs take about 100 s on 2 cores
 def test_every_projection_gemm_runs_in_fp8(runs):
   expected = conv.expected_fp8_gemms(SIZE)  # fwd, dgrad, wgrad of QKV, out, MLP in and out
   for (adapter, recipe), result in runs.items():
@@ -79,6 +80,7 @@ def test_every_projection_gemm_runs_in_fp8(runs):
     assert result["quantized_layers"] == 4 * SIZE.layers and "head" in result["skipped_layers"]
 
 
+@pytest.mark.slow  # the module's runs take about 100 s on 2 cores
 def test_fp8_heldout_loss_tracks_bf16(runs):
   base = runs[("nnx", "bf16")]
   assert base["final_heldout_loss"] < LEARNED < math.log(256)
@@ -88,6 +90,7 @@ def test_fp8_heldout_loss_tracks_bf16(runs):
     assert abs(loss / base["final_heldout_loss"] - 1) < RELATIVE_TOLERANCE, (key, loss, base)
 
 
+@pytest.mark.slow  # the module's runs take about 100 s on 2 cores
 def test_block_scaling_tracks_bf16_over_its_first_steps(runs):
   block = runs[("nnx", "block")]
   assert block["step"] == BLOCK_STEPS and block["final_step_evaluated"] == BLOCK_STEPS
@@ -96,6 +99,7 @@ def test_block_scaling_tracks_bf16_over_its_first_steps(runs):
   assert abs(block["final_heldout_loss"] / base - 1) < RELATIVE_TOLERANCE, (block, base)
 
 
+@pytest.mark.slow  # the module's runs take about 100 s on 2 cores
 def test_resume_continues_bit_for_bit(runs, tmp_path):
   """A checkpoint (parameters, Adam moments, amax histories and scales, the data position) at
   step 10, then 10 more steps: the losses of the straight run, bit for bit. (The pieces reuse
