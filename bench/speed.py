@@ -322,7 +322,8 @@ def format_table(rows: list[dict]) -> str:
       forced = by_key.get((r["case"], r["variant"][: -len(_DEFAULT_THRESHOLD)]))
       if is_slow:
         slow.append(f"{r['case']} {r['variant']}")
-      if forced is not None and r[key] > _SLOWER_TOLERANCE * forced.get(key, float("inf")):
+      forced_ms = forced.get(key) if forced is not None else None
+      if forced_ms is not None and r[key] is not None and r[key] > _SLOWER_TOLERANCE * forced_ms:
         unused.append(f"{r['case']} {r['variant']}")
   if any(r["variant"].endswith(_DEFAULT_THRESHOLD) for r in rows):
     lines.append(f"\ndefault threshold, {slower} than bf16: {', '.join(slow) or 'none'}")

@@ -8,6 +8,7 @@ import pytest
 import te_adapters as ta
 from te_adapters import core
 from te_adapters.core import _block_scaled, _ffi
+from tests.conftest import FP8_GEMM_RTOL
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -60,8 +61,10 @@ def test_every_choice_computes_the_same_step(recipe, config, rel):
   the default's after several steps, and with float64 to FP8's accuracy."""
   got, got_state, (x, w, dy) = _train(recipe, config)
   want, want_state, _ = _train(recipe, ta.GemmConfig())
+  # The same quantized values; on a GPU the GEMMs differ (cuBLASLt rounds its float32 sums once,
+  # XLA's GEMM writes bfloat16 that is then rescaled), so the outputs agree to FP8_GEMM_RTOL.
   for a, b in zip(got, want, strict=True):
-    assert rel(a, b) < 1e-5
+    assert rel(a, b) < FP8_GEMM_RTOL
   if want_state is not None:
     for name in want_state:
       np.testing.assert_array_equal(np.asarray(got_state[name]), np.asarray(want_state[name]))
