@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from te_adapters.core import _float8_block, _grouped_kernel
+from te_adapters.core import _ffi, _grouped_kernel
 
 
 def _time(fn, *args, iters=10):
@@ -58,7 +58,7 @@ def main(argv=None):
   dy_t = dy.T
   for fast in (True, False):
     sums = "fast" if fast else "promoted"
-    dense = jax.jit(lambda a, b, f=fast: _float8_block.cublas_call(
+    dense = jax.jit(lambda a, b, f=fast: _ffi.gemm_call(
       a, b, one, one, bf, lhs_mode=0, rhs_mode=0, fast_accum=f))
     for name, a, b in (("fwd", x, w_nk), ("dgrad", dy, w_kn), ("wgrad", x_t, dy_t)):
       ms = _time(dense, a, b, iters=args.iters)
