@@ -32,6 +32,7 @@ __all__ = [
   "ffi_available",
   "gemm_call",
   "grouped_gemm_call",
+  "hopper_target_available",
   "padded_transpose_call",
   "registered",
   "single_device",
@@ -76,16 +77,21 @@ def ffi_available(platform: str) -> bool:
   return bool(_registrations(platform))
 
 
-def cublas_gemm_available() -> bool:
-  """Whether the cuBLASLt FP8 GEMM is built here and the devices are Hopper GPUs."""
-  if jax.default_backend() != "gpu" or GEMM_TARGET not in _registrations("gpu"):
+def hopper_target_available(target: str) -> bool:
+  """Whether the GPU ``target`` is built here and every local device is a Hopper GPU."""
+  if jax.default_backend() != "gpu" or target not in _registrations("gpu"):
     return False
   try:
     capabilities = {str(d.compute_capability) for d in jax.local_devices()}
   except AttributeError:
     return False
-  # cuBLAS runs the 1x128 / 128x128 modes on compute capability 9.0 only.
   return capabilities == {"9.0"}
+
+
+def cublas_gemm_available() -> bool:
+  """Whether the cuBLASLt FP8 GEMM is built here and the devices are Hopper GPUs (cuBLAS runs
+  the 1x128 / 128x128 modes on compute capability 9.0 only)."""
+  return hopper_target_available(GEMM_TARGET)
 
 
 def single_device(x) -> bool:

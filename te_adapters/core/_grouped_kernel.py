@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -42,20 +41,9 @@ _ALIGN = 16
 DEFAULT_CONFIG = 1
 
 
-@functools.cache
-def _registered() -> bool:
-  return _ffi.registered(_ffi.GROUPED_GEMM_TARGET)
-
-
 def available() -> bool:
   """Whether the grouped FP8 GEMM is built here and every local device is a Hopper GPU."""
-  if jax.default_backend() != "gpu" or not _registered():
-    return False
-  try:
-    capabilities = {str(d.compute_capability) for d in jax.local_devices()}
-  except AttributeError:
-    return False
-  return capabilities == {"9.0"}
+  return _ffi.hopper_target_available(_ffi.GROUPED_GEMM_TARGET)
 
 
 def _fast(precision) -> bool:
