@@ -346,11 +346,12 @@ def optimizer(size: Size, steps: int) -> optax.GradientTransformation:
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
-def linen_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
+def linen_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Trainer:
   from te_adapters import linen as ta_linen
 
   model = linen_model(size)
-  q = ta_linen.quantize(recipe, filter=lambda path: not is_head(path), threshold=threshold)
+  q = ta_linen.quantize(recipe, filter=lambda path: not is_head(path), threshold=threshold,
+                        config=config)
   # Not jitted: one compile less, and shared_init replaces the random values anyway.
   variables = q(model.init)(jax.random.key(seed), sample[:, :-1])
   variables = dict(variables, params=shared_init(variables["params"], size, seed))
@@ -369,7 +370,7 @@ def linen_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
   return Trainer(state, step, eval_loss, q.report if recipe is not None else None)
 
 
-def nnx_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
+def nnx_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Trainer:
   from flax import nnx
 
   from te_adapters import nnx as ta_nnx
@@ -378,7 +379,7 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
   report = None
   if recipe is not None:
     report = ta_nnx.quantize_model(
-        model, recipe, threshold=threshold,
+        model, recipe, threshold=threshold, config=config,
         filter=lambda path, _: not is_head("/".join(map(str, path))))
   params = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(params, shared_init(nnx.to_pure_dict(params), size, seed))
@@ -410,12 +411,13 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
   return Trainer(carry, step, eval_loss, report)
 
 
-def haiku_trainer(size, recipe, threshold, seed, tx, sample) -> Trainer:
+def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Trainer:
   import haiku as hk
 
   from te_adapters import haiku as ta_hk
 
-  q = ta_hk.quantize(recipe, module_filter=lambda name: not is_head(name), threshold=threshold)
+  q = ta_hk.quantize(recipe, module_filter=lambda name: not is_head(name), threshold=threshold,
+                     config=config)
   init = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.bfloat16)))
   params, state = init.init(jax.random.key(seed), sample[:, :-1])
@@ -537,13 +539,15 @@ def checkpoint_path(directory, adapter: str, recipe: str) -> pathlib.Path:
 def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 0, *,
         out=None, save=None, resume=None, deadline: float | None = None,
         stop_at: int | None = None, peak_tflops: float = H100_BF16_PEAK_TFLOPS,
-        corpus: Corpus | None = None, cache: dict | None = None) -> dict:
+        corpus: Corpus | None = None, cache: dict | None = None,
+        config: core.GemmConfig | None = None) -> dict:
   """Trains one (adapter, recipe) run of ``steps`` steps (the schedule's length), up to step
   ``stop_at`` if given, until ``deadline`` (``time.monotonic()``) at the latest; returns its
   summary, with the loss of every step it ran under ``"losses"``, the held-out loss by step
   under ``"evals"`` and the final carry under ``"carry"``. ``cache``, a dict kept by the
   caller, lets later runs of the same (adapter, recipe, size, steps, seed) in this process reuse
-  the model and its compiled step (the pieces of a run split by checkpoints)."""
+  the model and its compiled step (the pieces of a run split by checkpoints). ``config``: the
+  ``core.GemmConfig`` every quantized layer gets (``None``: the default)."""
   size = SIZES[size_name]
   corpus = corpus or stdlib_corpus()
   if resume is not None and checkpoint_path(resume, adapter, recipe_name).exists():
@@ -559,12 +563,12 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
   name = f"{adapter}/{recipe_name}"
   tag = dict(run=name, adapter=adapter, recipe=recipe_name, size=size_name, seed=seed)
   sample = jnp.asarray(train_batch(corpus, size, seed, 0))
-  key = (adapter, recipe_name, size_name, steps, seed)
+  key = (adapter, recipe_name, size_name, steps, seed, config)
   compiled = cache.get(key) if cache is not None else None
   if compiled is None:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      trainer = TRAINERS[adapter](size, recipe, threshold, seed, tx, sample)
+      trainer = TRAINERS[adapter](size, recipe, threshold, seed, tx, sample, config=config)
   else:
     trainer = compiled[0]
   carry = canonical(trainer.carry)  # a copy: the trainer's own carry is never donated
@@ -662,6 +666,7 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
       quantized_layers=len(report.quantized) if report is not None else 0,
       skipped_layers=sorted(dict(report.skipped)) if report is not None else [],
       high_precision_warnings=high_precision, threshold=repr(threshold),
+      gemm_config=repr(config) if config is not None else None,
       device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
       corpus=corpus.info)
   emit(summary, out)
@@ -686,7 +691,17 @@ def main(argv=None) -> list[dict]:
                       help="seconds: stop (and save) then, and start no run in its last 60 s")
   parser.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
                       help="the peak that MFU is stated against (H100 SXM dense bf16)")
+  parser.add_argument("--gemm-config", default="",
+                      help="GemmConfig fields for every quantized layer, e.g. "
+                           "'fp8_gemm=xla,backend=jax' (to tell kernels' effects apart)")
   args = parser.parse_args(argv)
+  config = None
+  if args.gemm_config:
+    try:
+      config = core.GemmConfig(**dict(kv.split("=", 1) for kv in args.gemm_config.split(",")))
+      core.check_config(config)
+    except (TypeError, ValueError) as e:
+      parser.error(f"--gemm-config: {e}")
   adapters = args.adapter.split(",")
   recipes = args.recipes.split(",")
   for a in adapters:
@@ -707,7 +722,7 @@ def main(argv=None) -> list[dict]:
         continue
       result = run(adapter, recipe, args.size, args.steps, args.seed, out=args.out,
                    save=args.save, resume=args.resume, deadline=deadline,
-                   stop_at=args.stop_at, peak_tflops=args.peak_tflops)
+                   stop_at=args.stop_at, peak_tflops=args.peak_tflops, config=config)
       summaries.append({k: v for k, v in result.items()
                         if k not in ("losses", "evals", "carry")})
   return summaries

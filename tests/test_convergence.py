@@ -82,15 +82,23 @@ def test_every_projection_gemm_runs_in_fp8(runs):
 
 
 ON_GPU = jax.default_backend() == "gpu"
-# Seen on an H100 (2026-11-25, jax 0.11.2): the tiny model's FP8 runs end 4.9-5.2% above bf16
-# there (within 0.6% on CPU), while the GPU-sized model's FP8 runs end at or below bf16
-# (bench/RESULTS.md). Not yet explained; recorded here until it is.
-GPU_TINY_GAP = pytest.mark.xfail(
-    ON_GPU, strict=False, reason="tiny model on GPU: FP8 ends ~5% above bf16 (under study)")
+# On a GPU one run of the tiny model cannot decide a 2% question. Measured on an H100
+# (2026-11-25, jax 0.11.2, NNX, 300 steps, seeds 0-5): bf16's final held-out loss spreads from
+# 2.346 to 2.498 over seeds (sd 2.2%), FP8 minus bf16 on the same seed spreads from -1.5% to
+# +4.3% (current) with a mean of +0.5% (delayed: -0.2%), and a repeated run of one seed differs
+# by up to 1.5% (XLA's GPU reductions are not run-to-run deterministic). The CPU runs are
+# deterministic; there the single-seed comparison holds. On GPU the means over seeds decide
+# (test_fp8_tracks_bf16_over_seeds_on_gpu).
+SINGLE_RUN_ON_CPU = pytest.mark.skipif(
+    ON_GPU, reason="one GPU run is within run-to-run noise; the GPU test compares seed means")
+GPU_SEEDS = (0, 1, 2, 3)
+# Of the means over GPU_SEEDS: measured +1.3% (current), -0.5% (delayed); broken quantization
+# costs 6% and more (CPU figures above).
+GPU_MEAN_TOLERANCE = 0.03
 
 
 @pytest.mark.slow  # the module's runs take about 100 s on 2 cores
-@GPU_TINY_GAP
+@SINGLE_RUN_ON_CPU
 def test_fp8_heldout_loss_tracks_bf16(runs):
   base = runs[("nnx", "bf16")]
   assert base["final_heldout_loss"] < LEARNED < math.log(256)
@@ -101,7 +109,7 @@ def test_fp8_heldout_loss_tracks_bf16(runs):
 
 
 @pytest.mark.slow  # the module's runs take about 100 s on 2 cores
-@GPU_TINY_GAP
+@SINGLE_RUN_ON_CPU
 def test_block_scaling_tracks_bf16_over_its_first_steps(runs):
   block = runs[("nnx", "block")]
   assert block["step"] == BLOCK_STEPS and block["final_step_evaluated"] == BLOCK_STEPS
@@ -175,3 +183,16 @@ def test_plot_table_from_json_lines(tmp_path):
   with pytest.raises(SystemExit, match="--seed"):
     plot.main([str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl"), "--table-only",
                "--out-dir", str(tmp_path)])
+
+
+@pytest.mark.slow  # 12 runs: about 2 minutes on an H100
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: the CPU runs are deterministic (tests above)")
+def test_fp8_tracks_bf16_over_seeds_on_gpu():
+  finals = {}
+  for recipe in ("bf16", "current", "delayed"):
+    results = [conv.run("nnx", recipe, "tiny", STEPS, seed) for seed in GPU_SEEDS]
+    assert all(r["fp8"] == (recipe != "bf16") for r in results), recipe
+    finals[recipe] = sum(r["final_heldout_loss"] for r in results) / len(results)
+  assert finals["bf16"] < LEARNED < math.log(256)
+  for recipe in ("current", "delayed"):
+    assert abs(finals[recipe] / finals["bf16"] - 1) < GPU_MEAN_TOLERANCE, finals
