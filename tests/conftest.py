@@ -9,6 +9,10 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}=8".strip()
 
+# The README runs the suite in one process per core (pytest-xdist): on a GPU, each allocates its
+# memory as it goes instead of most of the GPU up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax  # noqa: E402
 
 from te_adapters import core  # noqa: E402
