@@ -334,10 +334,56 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+class _FlaxLnMlp(nn.Module):
+  """Seed 001's LayerNorm + MLP in plain Flax (bf16, biases, tanh GELU), GEMMs swappable."""
+
+  hidden: int
+  intermediate: int
+  dot_general_cls: Callable = lambda: None
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16)(x)
+    h = nn.Dense(self.intermediate, dtype=jnp.bfloat16, dot_general=self.dot_general_cls())(h)
+    h = nn.gelu(h, approximate=True)
+    return nn.Dense(self.hidden, dtype=jnp.bfloat16, dot_general=self.dot_general_cls())(h)
+
+
+def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
+  """LayerNorm + MLP (x ``(batch, seq, hidden)`` bf16, ``intermediate``, gelu, biases): plain
+  Flax in bf16, Flax's modules with our ``dot_general`` (unfused), and
+  ``te_adapters.linen.LayerNormMLP`` (the norm and the activation feeding the FP8 casts)."""
+  batch, seq, hidden, intermediate = size
+  key = jax.random.PRNGKey(7)
+  x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(8), (batch, seq, hidden)).astype(jnp.bfloat16)
+  variants = _linen_variants(lambda cls: _FlaxLnMlp(hidden, intermediate, cls), recipes)
+  if hasattr(ta_linen, "LayerNormMLP"):
+    for label, recipe in recipes:
+      variants.append((f"LayerNormMLP {label}", ta_linen.LayerNormMLP(
+          intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
+          dtype=jnp.bfloat16, recipe=recipe, threshold=None)))
+  rows = []
+  for name, model in variants:
+    variables = model.init(key, x)
+
+    def apply_fn(v, x, model=model):
+      y = model.apply(v, x)
+      return y[0] if isinstance(y, tuple) else y
+
+    step = _speedometer(apply_fn)
+    ms, spread = _timed(step, (variables, x, dy), steps, repeats)
+    rows.append(dict(case="seed001 LayerNorm+MLP", variant=name, ms=ms, spread_ms=spread,
+                     cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
+    log(rows[-1])
+  return rows
+
+
 def main(argv=None) -> None:
   on_gpu = jax.default_backend() == "gpu"
   p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-  p.add_argument("--cases", default="dense,layer,sweep", help="comma list: dense,layer,sweep")
+  p.add_argument("--cases", default="dense,layer,sweep",
+                 help="comma list: dense,layer,mlp,sweep")
   p.add_argument("--steps", type=int, default=20 if on_gpu else 2)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, help="write the rows here")
@@ -353,6 +399,7 @@ def main(argv=None) -> None:
   cases = args.cases.split(",")
   if args.full_size:
     dense, layer = (8, 2048, 8192, 32768), (4, 2048, 4096, 16384, 32)
+    mlp = (4, 2048, 4096, 16384)
     sweep = [(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)] + [
         (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 4096, 1024),
         # Around the default size threshold (M*K*N = 4096**3, min dim 2048), from both sides.
@@ -360,12 +407,15 @@ def main(argv=None) -> None:
         (16384, 1024, 1024)]
   else:
     dense, layer = (2, 64, 256, 512), (2, 64, 128, 256, 4)
+    mlp = (2, 64, 128, 256)
     sweep = [(128, 256, 256), (256, 256, 512)]
   if "dense" in cases:
     rows += bench_dense(*dense, args.steps, args.repeats, recipes, log)
   if "layer" in cases:
     rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer)
     rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer)
+  if "mlp" in cases:
+    rows += bench_mlp(args.steps, args.repeats, recipes, log, mlp)
   if args.shapes:
     sweep = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
   if "sweep" in cases:
