@@ -27,8 +27,9 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _block_scaled, _remat, _sharding
+from te_adapters.core import _block_scaled, _ffi, _remat, _sharding
 from te_adapters.core._block_scaled import operand_spec
+from te_adapters.core._scaled_tensor import ScaledTensor
 
 __all__ = ["block_dot_general"]
 
@@ -66,6 +67,14 @@ class _Layout:
 
   def out(self, y3):
     return _sharding.reshape(y3, self.out_shape)
+
+  def rhs_kn(self, rhs):
+    """``rhs`` as (B, K, N) where that is a reshape of it with no transpose (a kernel stored
+    contracting dims first, as a Dense layer's), else None."""
+    (_, rc), (_, rb) = self.dn
+    if tuple(rb) + tuple(rc) + tuple(self.rhs_free) != tuple(range(len(self.rhs_shape))):
+      return None
+    return _sharding.reshape(rhs, (self.b, self.k, self.n))
 
   def out3(self, g):
     return _sharding.reshape(g, (self.b, self.m, self.n))
@@ -180,12 +189,13 @@ def _checked_bwd(dn, lhs_shape, rhs_shape, recipe, no_rng, residuals, g):
 checked_under_grad.defvjp(_checked_fwd, _checked_bwd)
 
 
-def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, choice="auto"):
+def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, choice="auto", cast="auto"):
   """``lax.dot_general(lhs, rhs, dn)`` under a block recipe; ``rng`` feeds stochastic rounding.
 
   ``out``: the ``ShapeDtypeStruct`` that ``lax.dot_general`` gives (its dtype, and under Explicit
   mesh axes its sharding). ``plan``: the ``SpmdPlan`` (amax axes for NVFP4 inside shard_map).
-  ``choice``: ``GemmConfig.block_gemm``, which GEMM kernel runs.
+  ``choice``: ``GemmConfig.block_gemm``, which GEMM kernel runs. ``cast``:
+  ``GemmConfig.backend``, whether FP8 blocks may be cast by the extension's CUDA kernel.
   """
   layout = _Layout(dn, lhs.shape, rhs.shape)  # dot_general checked it (check_operands)
   # Static facts the backward pass needs: operand shapes (for the layout) and dtypes.
@@ -195,7 +205,8 @@ def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, choice="auto"):
     _sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n)
   )
   plan = dataclasses.replace(plan, out_sharding=y3_sharding)
-  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out.dtype), operands, recipe, plan, choice)
+  kernels = (choice, cast)
+  return _block_vjp(lhs, rhs, rng, dn, np.dtype(out.dtype), operands, recipe, plan, kernels)
 
 
 def _amax_reducer(x, role, plan):
@@ -241,35 +252,82 @@ def _name_quantized(t, name):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, choice):
+def _block_vjp(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, kernels):
   del rng, operands
   layout = _Layout(dn, lhs.shape, rhs.shape)
   _, _, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
-  y3 = _block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding, choice)
+  y3 = _block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding, kernels[0])
   return layout.out(y3).astype(out_dtype)
 
 
-def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, choice):
+def _cast_both(x3, spec, spec_t, cast: str):
+  """``(q, q_t)``: ``x3`` (B, P, Q) quantized with ``spec`` and its (B, Q, P) copy with
+  ``spec_t``, both from one pass of the extension's CUDA block cast; None where it does not
+  apply (another format, the CPU, a shape or dtype it does not take, several devices, or
+  ``GemmConfig(backend="jax")``). The values are those of ``quantize_trailing``."""
+  if cast == "jax" or spec.mode != "float8_block" or spec_t.mode != "float8_block":
+    return None
+  if spec.stochastic or spec_t.stochastic:
+    return None
+  if (spec.q_dtype, spec.power_2) != (spec_t.q_dtype, spec_t.power_2):
+    return None
+  tile = spec.block_shape == (128, 128)
+  if spec.block_shape != spec_t.block_shape or spec.block_shape not in ((128,), (128, 128)):
+    return None
+  if x3.shape[-1] % 128 or x3.shape[-2] % 128 or np.dtype(x3.dtype) not in _CAST_DTYPES:
+    return None
+  if jax.default_backend() != "gpu" or not _ffi.registered(_ffi.BLOCK_CAST_TARGET):
+    return None
+  if not _ffi.single_device(x3):
+    return None
+  q, s, q_t, s_t, amax = _ffi.block_cast_call(
+    x3, spec.q_dtype, rowwise=True, colwise=True, tile=tile, power_2=spec.power_2)
+  if tile:
+    s_t = jnp.swapaxes(s, -1, -2)
+  dq = np.dtype(x3.dtype)
+  return (ScaledTensor(q, s, amax, scaling_mode="float8_block", dq_dtype=dq),
+          ScaledTensor(q_t, s_t, amax, scaling_mode="float8_block", dq_dtype=dq))
+
+
+_CAST_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, kernels):
   del operands
+  choice, cast = kernels
   layout = _Layout(dn, lhs.shape, rhs.shape)
   layout.check(recipe, backward=True, lhs=lhs, rhs=rhs)
   _check_grad_rng(recipe, rng is None)
-  x3, w3, qx, qw = _quantize_fwd_operands(lhs, rhs, layout, recipe, plan)
+  x_spec = operand_spec(recipe, "x", wgrad=True)
+  w_spec = operand_spec(recipe, "kernel")
+  x3, w3 = layout.lhs3(lhs), layout.rhs3(rhs)
+  # The forward copies and the backward ones (blocks along M for x, for wgrad, and along N
+  # for the kernel, for dgrad): one CUDA pass each where the kernel applies.
+  both_x = _cast_both(x3, operand_spec(recipe, "x"), x_spec, cast)
+  if both_x is not None:
+    qx, qx_t = both_x
+  else:
+    qx = _quantize(x3, operand_spec(recipe, "x"), "x", plan, what="lhs (x)")
+    if len(x_spec.block_shape) == 2:
+      qx_t = _block_scaled.transpose_tiles(qx)
+    else:
+      qx_t = _quantize(jnp.swapaxes(x3, 1, 2), x_spec, "x", plan, what="lhs (x)")
+  # The kernel as it is stored, (K, N) in a Dense layer: the cast's transposed copy is the
+  # (N, K) operand, with no transpose of the high-precision kernel before it.
+  w_kn = layout.rhs_kn(rhs)
+  both_kn = None if w_kn is None else _cast_both(w_kn, w_spec, w_spec, cast)
+  both_w = _cast_both(w3, w_spec, w_spec, cast) if both_kn is None else both_kn[::-1]
+  if both_w is not None:
+    qw, qw_t = both_w
+  else:
+    qw = _quantize(w3, w_spec, "kernel", plan, what="rhs (kernel)")
+    if len(w_spec.block_shape) == 2:
+      qw_t = _block_scaled.transpose_tiles(qw)
+    else:
+      qw_t = _quantize(jnp.swapaxes(w3, 1, 2), w_spec, "kernel", plan, what="rhs (kernel)")
   y3 = _block_scaled.gemm(qx, qw, out_dtype, plan.out_sharding, choice)
   y = layout.out(y3).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  # The backward copies: blocks along M for x (wgrad) and along N for the kernel (dgrad).
-  x_spec = operand_spec(recipe, "x", wgrad=True)
-  if len(x_spec.block_shape) == 2:
-    qx_t = _block_scaled.transpose_tiles(qx)
-  else:
-    qx_t = _quantize(jnp.swapaxes(x3, 1, 2), x_spec, "x", plan, what="lhs (x)")
-  if len(operand_spec(recipe, "kernel").block_shape) == 2:
-    qw_t = _block_scaled.transpose_tiles(qw)
-  else:
-    qw_t = _quantize(
-      jnp.swapaxes(w3, 1, 2), operand_spec(recipe, "kernel"), "kernel", plan, what="rhs (kernel)"
-    )
   qx_t = _name_quantized(qx_t, _remat.QUANTIZED_X)
   qw_t = _name_quantized(qw_t, _remat.QUANTIZED_KERNEL)
   # Inside shard_map: the primals' varying mesh axes, for the cotangents' sums (else None).
@@ -277,8 +335,9 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, choice):
   return y, (qx_t, qw_t, rng, witness)
 
 
-def _block_bwd(dn, out_dtype, operands, recipe, plan, choice, residuals, g):
+def _block_bwd(dn, out_dtype, operands, recipe, plan, kernels, residuals, g):
   del out_dtype
+  choice, cast = kernels
   qx_t, qw_t, rng, witness = residuals
   (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
   layout = _Layout(dn, lhs_shape, rhs_shape)
@@ -287,14 +346,18 @@ def _block_bwd(dn, out_dtype, operands, recipe, plan, choice, residuals, g):
   # Inside shard_map each shard of the gradient rounds with its own key.
   rng = _sharding.shard_key(rng, g3)
   # One key, two random streams: the dgrad copy (0) and the wgrad copy (1) of the gradient.
-  qg = _quantize(g3, g_spec, "grad", plan, rng, stream=0, what="output gradient")
   g_wspec = operand_spec(recipe, "grad", wgrad=True)
-  if len(g_wspec.block_shape) == 2:
-    qg_t = _block_scaled.transpose_tiles(qg)
+  both_g = _cast_both(g3, g_spec, g_wspec, cast)
+  if both_g is not None:
+    qg, qg_t = both_g
   else:
-    qg_t = _quantize(
-      jnp.swapaxes(g3, 1, 2), g_wspec, "grad", plan, rng, stream=1, what="output gradient"
-    )
+    qg = _quantize(g3, g_spec, "grad", plan, rng, stream=0, what="output gradient")
+    if len(g_wspec.block_shape) == 2:
+      qg_t = _block_scaled.transpose_tiles(qg)
+    else:
+      qg_t = _quantize(
+        jnp.swapaxes(g3, 1, 2), g_wspec, "grad", plan, rng, stream=1, what="output gradient"
+      )
   # Explicit axes: each cotangent gets its primal's sharding (as x3 and w3 had). Inside
   # shard_map a cotangent is summed over the mesh axes its primal is replicated on, in float32.
   dx_dtype = lhs_dtype if witness[0] is None else jnp.float32

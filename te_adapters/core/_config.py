@@ -29,6 +29,10 @@ class GemmConfig:
       GPUs where its CUDA part is built, pure JAX elsewhere. ``"jax"``: always pure JAX.
       ``"ffi"``: the FFI kernel wherever it applies (an input of float32, bfloat16 or float16 not
       sharded over several devices); an error where the extension is not built for the platform.
+      ``Float8BlockScaling``'s casts (both orientations of x, the kernel and the output gradient
+      in one pass each) take the extension's CUDA block cast under ``"auto"`` and ``"ffi"`` on a
+      GPU, where the last two dims are multiples of 128 on one device, and pure JAX otherwise
+      (there is no CPU block cast); the quantized values are the same.
     fp8_gemm: per-tensor FP8 GEMMs. ``"auto"``: the extension's cuBLASLt GEMM on Hopper GPUs
       where it can run, XLA's ``dot_general`` on the FP8 arrays elsewhere. ``"native"``: the
       extension's GEMM, an error where it cannot run. ``"xla"``: always XLA's.

@@ -24,9 +24,11 @@ from te_adapters.core import _partition
 
 __all__ = [
   "AMAX_TARGET",
+  "BLOCK_CAST_TARGET",
   "CAST_TRANSPOSE_TARGET",
   "GEMM_TARGET",
   "amax_call",
+  "block_cast_call",
   "cast_transpose_call",
   "cublas_gemm_available",
   "ffi_available",
@@ -40,6 +42,8 @@ __all__ = [
 
 CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
 AMAX_TARGET = "te_adapters_amax"
+# Float8BlockScaling's cast: 1x128 blocks in both orientations, or 128x128 tiles, in one pass.
+BLOCK_CAST_TARGET = "te_adapters_block_cast"
 # The cuBLASLt FP8 GEMM: per-tensor scales and 1x128 / 128x128 block scales.
 GEMM_TARGET = "te_adapters_block_gemm"
 # The CUTLASS grouped FP8 GEMM and its operand layout kernel (built with TE_ADAPTERS_CUTLASS_DIR).
@@ -188,6 +192,27 @@ def amax_call():
     return jax.lax.map(amax_fn, x), True
 
   return amax_fn
+
+
+def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, power_2: bool):
+  """The FP8 block cast (``csrc/block_cast_cuda.cu``) of ``x`` (.., R, C), R and C multiples of
+  128: ``(q, q_scale_inv, q_t, q_t_scale_inv, amax)``. 1x128 mode: ``q`` (.., R, C) with scales
+  (.., R, C/128), ``q_t`` (.., C, R) with scales (.., C, R/128). Tile mode: ``q`` and ``q_t``
+  with one scale per 128x128 tile of ``q``, (.., R/128, C/128) (``q_t_scale_inv`` is empty).
+  Outputs not asked for are empty arrays."""
+  lead, (r, c) = x.shape[:-2], x.shape[-2:]
+  f32 = jnp.float32
+  q_scales = (*lead, r // 128, c // 128) if tile else (*lead, r, c // 128)
+  outs = (
+    jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+    jax.ShapeDtypeStruct(q_scales, f32) if rowwise else _empty(f32),
+    jax.ShapeDtypeStruct((*lead, c, r), q_dtype) if colwise else _empty(q_dtype),
+    jax.ShapeDtypeStruct((*lead, c, r // 128), f32) if colwise and not tile else _empty(f32),
+    jax.ShapeDtypeStruct((1,), f32),
+  )
+  return jax.ffi.ffi_call(BLOCK_CAST_TARGET, outs, vmap_method="sequential")(
+    x, rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
+  )
 
 
 def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):

@@ -188,7 +188,8 @@ def dot_general(
       y = _block_gemm.checked_under_grad(y, dn, lhs.shape, gemm_rhs.shape, recipe, rng is None)
     return y
   if recipe.block_scaled:
-    return _block_gemm.block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, config.block_gemm)
+    return _block_gemm.block_dot_general(
+        lhs, rhs, dn, out, recipe, rng, plan, config.block_gemm, cast=config.backend)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)

@@ -213,3 +213,98 @@ def test_float8_block_cublas_refusals():
     _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128), choice="native")
   with pytest.raises(ValueError, match="block_gemm must be"):
     _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128), choice="cublas")
+
+
+def _skip_unless_block_cast():
+  if not _ffi.registered(_ffi.BLOCK_CAST_TARGET):
+    pytest.skip("the extension's CUDA block cast is not built here")
+
+
+def _block_cast_input(dtype):
+  """Blocks of very different magnitudes, a zero block, an overflowing value, and blocks whose
+  amax is 1.75 * 2**j: there fp8_max / amax (448 / amax) is a power of two exactly, where a
+  division one ulp low would halve the power-of-two scale. (No NaN: XLA's CPU max drops a NaN in
+  some reduction layouts and keeps it in others, so the CPU is no reference there; see
+  test_block_cast_kernel_nan.)"""
+  rng = np.random.default_rng(11)
+  x = rng.standard_normal((2, 256, 384)) * np.exp2(rng.integers(-8, 8, (2, 256, 3))).repeat(128, 2)
+  x[0, :128, :128] = 0.0
+  x[1, 200, 7] = 6e4 if dtype == jnp.float16 else 3e38
+  x[1, 128:, 128:256] = np.clip(x[1, 128:, 128:256], -1.0, 1.0)
+  x[1, 130, 140] = 1.75
+  x[0, 128:, 256] = 1.75 * 2.0**-3
+  return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=str)
+@pytest.mark.parametrize("tile", [False, True], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("q_dtype,power_2", [(jnp.float8_e4m3fn, True), (jnp.float8_e5m2, False)],
+                         ids=["e4m3-pow2", "e5m2-f32"])
+def test_block_cast_kernel_quantizes_like_cpu(dtype, tile, q_dtype, power_2):
+  """The CUDA block cast gives, bit for bit, the CPU's pure-JAX quantization of both copies."""
+  _skip_unless_block_cast()
+  x = _block_cast_input(dtype)
+  q, s, q_t, s_t, amax = jax.jit(lambda x: _ffi.block_cast_call(
+      x, q_dtype, rowwise=True, colwise=True, tile=tile, power_2=power_2))(x)
+  block = (128, 128) if tile else (128,)
+  cpu_x = _on_cpu(x)
+  want_q, want_s, want_amax = jax.jit(
+      lambda x: _float8_block.quantize(x, block, q_dtype, power_2))(cpu_x)
+  if tile:
+    want_qt, want_st = jnp.swapaxes(want_q, -1, -2), None
+    assert s_t.size == 0
+  else:
+    want_qt, want_st, _ = jax.jit(lambda x: _float8_block.quantize(
+        jnp.swapaxes(x, -1, -2), block, q_dtype, power_2))(cpu_x)
+  pairs = [(q, want_q), (s, want_s), (q_t, want_qt), (amax, want_amax)]
+  if not tile:
+    pairs.append((s_t, want_st))
+  for got, want in pairs:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    bits = {1: np.uint8, 4: np.uint32}[got.dtype.itemsize]
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+def test_block_cast_kernel_nan():
+  """A block holding a NaN gets the scale 1 (TE's rule for a non-finite amax) in both copies,
+  the NaN stays NaN, the other blocks keep their scales, and the amax is NaN."""
+  _skip_unless_block_cast()
+  x = np.full((128, 256), 3.0, np.float32)
+  x[5, 200] = np.nan
+  q, s, q_t, s_t, amax = jax.jit(lambda x: _ffi.block_cast_call(
+      x, jnp.float8_e4m3fn, rowwise=True, colwise=True, tile=False, power_2=True))(x)
+  s, s_t = np.asarray(s), np.asarray(s_t)
+  q, q_t = np.asarray(q, np.float32), np.asarray(q_t, np.float32)
+  third = 0.0078125  # 1 / 128: 448 / 3 rounded down to a power of two
+  assert s[5, 1] == 1.0 and (np.delete(s[:, 1], 5) == third).all() and (s[:, 0] == third).all()
+  assert s_t[200, 0] == 1.0 and (np.delete(s_t[:, 0], 200) == third).all()
+  assert np.isnan(q[5, 200]) and np.isnan(q_t[200, 5])
+  assert q[5, 0] == 384.0 and q[5, 199] == 3.0 and q_t[199, 5] == 384.0
+  assert np.isnan(np.asarray(amax)).all()
+
+
+def test_block_cast_kernel_runs_in_the_float8_block_dot_general():
+  """Under Float8BlockScaling the GPU step casts x, the kernel and the output gradient with one
+  CUDA pass each (both orientations), and computes what the pure-JAX casts give."""
+  _skip_unless_block_cast()
+  _skip_unless_cublas_runs_under_jit()
+  recipe = ta.Float8BlockScaling()
+  x = jnp.asarray(_data((256, 512), 0), jnp.bfloat16)
+  w = jnp.asarray(_data((512, 384), 1), jnp.bfloat16)
+  g = jnp.asarray(_data((256, 384), 2), jnp.bfloat16)
+
+  def step(config):
+    def run(x, w, g):
+      y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(
+          x, w, DN, recipe=recipe, threshold=None, config=config), x, w)
+      return (y, *vjp(g))
+    return jax.jit(run).lower(x, w, g).compile()
+
+  fused, plain = step(ta.GemmConfig()), step(ta.GemmConfig(backend="jax"))
+  assert fused.as_text().count('custom_call_target="te_adapters_block_cast"') == 3
+  assert "te_adapters_block_cast" not in plain.as_text()
+  for a, b in zip(fused(x, w, g), plain(x, w, g), strict=True):
+    # XLA's GPU division can put a scale one ulp (so a power of two one step) away from the
+    # kernel's correctly rounded one; the GEMM's inputs are otherwise the same.
+    assert _rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 2e-2
