@@ -10,7 +10,7 @@
 // The scale rule is _float8_block.compute_scale's (TE's, epsilon 0): fp8_max / amax, the input
 // dtype's largest finite value where that overflows, optionally rounded down to a power of two,
 // and 1 for a block whose amax is 0, infinite or NaN; scale_inv = 1 / scale. Both divisions are
-// IEEE-rounded (no fast math). Float32 -> FP8 as in cast_transpose_cuda.cu.
+// IEEE-rounded (no fast math).
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -79,11 +79,19 @@ __device__ __forceinline__ float block_scale(uint32_t amax_bits, float fp8_max,
   return scale;
 }
 
+// Two products to FP8 in one conversion (cvt.rn.satfinite): round to nearest even, anything
+// beyond the largest finite value (infinities included) to it, NaN to NaN. That is the pure-JAX
+// cast's clip to +-fp8_max followed by the conversion, without the clip.
 template <OutType kOut>
-__device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
-  const float c = scale_and_clip(v, scale, fp8_limit(kOut));
+__device__ __forceinline__ uint16_t to_fp8x2(float a, float b) {
   constexpr __nv_fp8_interpretation_t kind = kOut == OutType::kE4M3 ? __NV_E4M3 : __NV_E5M2;
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(c, __NV_SATFINITE, kind));
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kind));
+}
+
+template <OutType kOut>
+__device__ __forceinline__ uint32_t to_fp8x4(const float* v, float scale) {
+  return static_cast<uint32_t>(to_fp8x2<kOut>(v[0] * scale, v[1] * scale)) |
+         (static_cast<uint32_t>(to_fp8x2<kOut>(v[2] * scale, v[3] * scale)) << 16);
 }
 
 struct Shape {
@@ -150,15 +158,10 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) o.q_sinv[(b * tiles_r + tr) * tiles_c + tc] = __fdiv_rn(1.0f, scale);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      uint8_t codes[4];
+      const uint32_t w = to_fp8x4<kOut>(v[i], scale);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        codes[k] = to_fp8<kOut>(v[i][k], scale);
-        tcodes[(cl + k) * kTStride + rw + i] = codes[k];
-      }
+      for (int k = 0; k < 4; ++k) tcodes[(cl + k) * kTStride + rw + i] = (w >> (8 * k)) & 0xffu;
       if (o.q != nullptr) {
-        uint32_t w;
-        memcpy(&w, codes, 4);
         *reinterpret_cast<uint32_t*>(o.q + (b * s.rows + r0 + rw + i) * s.cols + c0 + cl) = w;
       }
     }
@@ -167,11 +170,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const float scale = block_scale(row_amax[i], fp8_max, value_for_inf, power_2);
-        uint8_t codes[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) codes[k] = to_fp8<kOut>(v[i][k], scale);
-        uint32_t w;
-        memcpy(&w, codes, 4);
+        const uint32_t w = to_fp8x4<kOut>(v[i], scale);
         const int64_t row = b * s.rows + r0 + rw + i;
         *reinterpret_cast<uint32_t*>(o.q + row * s.cols + c0 + cl) = w;
         if (lane == 0) o.q_sinv[row * tiles_c + tc] = __fdiv_rn(1.0f, scale);
@@ -187,12 +186,14 @@ __global__ void __launch_bounds__(kThreads)
         o.qt_sinv[(b * s.cols + c0 + threadIdx.x) * tiles_r + tr] = __fdiv_rn(1.0f, scale);
       }
       __syncthreads();
+      const float cs[4] = {col_scale[cl], col_scale[cl + 1], col_scale[cl + 2], col_scale[cl + 3]};
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
+        const uint32_t w = static_cast<uint32_t>(to_fp8x2<kOut>(v[i][0] * cs[0], v[i][1] * cs[1])) |
+                           (static_cast<uint32_t>(to_fp8x2<kOut>(v[i][2] * cs[2], v[i][3] * cs[3]))
+                            << 16);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          tcodes[(cl + k) * kTStride + rw + i] = to_fp8<kOut>(v[i][k], col_scale[cl + k]);
-        }
+        for (int k = 0; k < 4; ++k) tcodes[(cl + k) * kTStride + rw + i] = (w >> (8 * k)) & 0xffu;
       }
     }
   }
