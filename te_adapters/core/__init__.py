@@ -26,6 +26,7 @@ from te_adapters.core._layer import (
     gemm_dims_refusal,
     kernel_gemm_dims,
 )
+from te_adapters.core._norm import LAYERNORM_TYPES, layernorm, layernorm_dense
 from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
@@ -78,6 +79,8 @@ __all__ = [
     "einsum_gemm_dims",
     "gemm_dims_refusal",
     "kernel_gemm_dims",
+    "layernorm",
+    "layernorm_dense",
     "CHECKPOINT_NAMES",
     "Collective",
     "DEFAULT_SIZE_THRESHOLD",
@@ -87,6 +90,7 @@ __all__ = [
     "Format",
     "FrozenStateWarning",
     "GEMM_OUTPUT",
+    "LAYERNORM_TYPES",
     "GemmConfig",
     "HighPrecisionGemmWarning",
     "MMParams",
