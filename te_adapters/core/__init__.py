@@ -53,6 +53,7 @@ from te_adapters.core._remat import (
 )
 from te_adapters.core._scaling import compute_scale, delayed_update, fp8_max
 from te_adapters.core._sharding import Collective, hlo_collectives
+from te_adapters.core._softmax import SOFTMAX_TYPES, SoftmaxFusionType, SoftmaxType, softmax
 from te_adapters.core._state import (
     check_state,
     init_state,
@@ -100,7 +101,10 @@ __all__ = [
     "QUANTIZED_X",
     "Recipe",
     "ScaledTensor",
+    "SOFTMAX_TYPES",
     "ShardingFallbackWarning",
+    "SoftmaxFusionType",
+    "SoftmaxType",
     "SizeThreshold",
     "check_config",
     "check_recipe",
@@ -127,6 +131,7 @@ __all__ = [
     "runs_in_fp8",
     "save_quantized_gemms",
     "save_quantized_operands",
+    "softmax",
     "state_names",
     "updated_state",
     "with_max_grad",
