@@ -150,7 +150,8 @@ def test_layernorm_dense_high_precision_matches_norm_then_dot(rel):
   ref, _ = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w,
                       dz=np.zeros((4, 32, 64)))
   np.testing.assert_array_equal(ln, core.layernorm(x, g, b))
-  assert rel(z, ref) < 1e-5
+  # float32 GEMM: to float32 rounding on CPU; GPUs may run it with TF32 inputs.
+  assert rel(z, ref) < (1e-5 if jax.default_backend() == "cpu" else 5e-3)
 
 
 def test_delayed_state_moves_with_the_norm_output():
