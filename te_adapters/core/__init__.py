@@ -5,6 +5,7 @@ with a custom VJP whose state gradient is the next step's state. GEMMs too small
 stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in_fp8``).
 """
 
+from te_adapters.core._activation import ACTIVATIONS, activation, normalize_activations
 from te_adapters.core._config import GemmConfig, check_config
 from te_adapters.core._frozen import FrozenStateWarning
 from te_adapters.core._gemm import dot_general
@@ -69,6 +70,9 @@ from te_adapters.core._threshold import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
+    "activation",
+    "normalize_activations",
     "DEFAULT_RECIPE",
     "DEFAULT_THRESHOLD",
     "GEMM_DIM_MULTIPLE",
