@@ -27,6 +27,7 @@ from te_adapters.core._layer import (
     gemm_dims_refusal,
     kernel_gemm_dims,
 )
+from te_adapters.core._lora import check_lora_rank, lora_shapes, low_rank_adaptation
 from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
@@ -120,7 +121,10 @@ __all__ = [
     "hlo_collectives",
     "hlo_dot_operand_types",
     "init_ragged_state",
+    "check_lora_rank",
     "init_state",
+    "lora_shapes",
+    "low_rank_adaptation",
     "quantize",
     "ragged_dot",
     "high_precision_reason",
