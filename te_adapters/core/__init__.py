@@ -28,6 +28,7 @@ from te_adapters.core._layer import (
     kernel_gemm_dims,
 )
 from te_adapters.core._lora import check_lora_rank, lora_shapes, low_rank_adaptation
+from te_adapters.core._norm import LAYERNORM_TYPES, layernorm, layernorm_dense
 from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot
@@ -54,6 +55,7 @@ from te_adapters.core._remat import (
 )
 from te_adapters.core._scaling import compute_scale, delayed_update, fp8_max
 from te_adapters.core._sharding import Collective, hlo_collectives
+from te_adapters.core._softmax import SOFTMAX_TYPES, SoftmaxFusionType, SoftmaxType, softmax
 from te_adapters.core._state import (
     check_state,
     init_state,
@@ -83,6 +85,8 @@ __all__ = [
     "einsum_gemm_dims",
     "gemm_dims_refusal",
     "kernel_gemm_dims",
+    "layernorm",
+    "layernorm_dense",
     "CHECKPOINT_NAMES",
     "Collective",
     "DEFAULT_SIZE_THRESHOLD",
@@ -92,6 +96,7 @@ __all__ = [
     "Format",
     "FrozenStateWarning",
     "GEMM_OUTPUT",
+    "LAYERNORM_TYPES",
     "GemmConfig",
     "HighPrecisionGemmWarning",
     "MMParams",
@@ -101,7 +106,10 @@ __all__ = [
     "QUANTIZED_X",
     "Recipe",
     "ScaledTensor",
+    "SOFTMAX_TYPES",
     "ShardingFallbackWarning",
+    "SoftmaxFusionType",
+    "SoftmaxType",
     "SizeThreshold",
     "check_config",
     "check_recipe",
@@ -131,6 +139,7 @@ __all__ = [
     "runs_in_fp8",
     "save_quantized_gemms",
     "save_quantized_operands",
+    "softmax",
     "state_names",
     "updated_state",
     "with_max_grad",

@@ -1,0 +1,225 @@
+"""core.layernorm and core.layernorm_dense against float64, their state, residuals and errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_adapters as ta
+from te_adapters import core
+
+DELAYED = ta.DelayedScaling(amax_history_len=4)
+RECIPES = [ta.Float8CurrentScaling(), DELAYED, ta.Float8BlockScaling()]
+
+
+def _data(shapes, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+  return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
+
+
+def _inputs(rows=(4, 32), k=128, seed=0):
+  x, g, b, dy = _data([(*rows, k), (k,), (k,), (*rows, k)], seed)
+  # Rows with a mean and a spread of their own, so a wrong mean or variance term shows.
+  x = 3.0 * x + jnp.linspace(-2.0, 2.0, rows[-1])[:, None] + 1.5
+  return x, 1.0 + 0.5 * g, 0.3 * b, dy
+
+
+def _norm64(x, g, b, layernorm_type, zero_centered_gamma, eps):
+  """The plain formula, float64, differentiated by JAX's own autodiff."""
+  gamma = g + 1.0 if zero_centered_gamma else g
+  if layernorm_type == "layernorm":
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * gamma + b
+  return x / jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * gamma
+
+
+def _reference(x, g, b, dy, layernorm_type, zero_centered_gamma, eps, kernel=None, dz=None):
+  """Forward and (dx, dgamma, dbeta[, dkernel]) in float64 for loss sum(out * cotangent)."""
+  with jax.enable_x64(True):
+    args = [np.asarray(a, np.float64) for a in (x, g, b)]
+    cot = np.asarray(dy if kernel is None else dz, np.float64)
+
+    def f(x, g, b, *kernel_arg):
+      y = _norm64(x, g, b, layernorm_type, zero_centered_gamma, eps)
+      return y if not kernel_arg else y @ kernel_arg[0]
+
+    extra = () if kernel is None else (np.asarray(kernel, np.float64),)
+    out, vjp = jax.vjp(f, *args, *extra)
+    grads = vjp(jnp.asarray(cot))
+    return np.asarray(out), [np.asarray(gr) for gr in grads]
+
+
+@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_layernorm_against_float64(layernorm_type, zero_centered_gamma, dtype, tol, rel):
+  x, g, b, dy = _inputs()
+  if zero_centered_gamma:
+    g = g - 1.0
+  b = b if layernorm_type == "layernorm" else None
+  x, dy = x.astype(dtype), dy.astype(dtype)
+
+  def loss(x, g, b):
+    y = core.layernorm(x, g, b, layernorm_type=layernorm_type,
+                       zero_centered_gamma=zero_centered_gamma, epsilon=1e-5)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, g, b)
+  ref, ref_grads = _reference(x, g, jnp.zeros_like(g) if b is None else b, dy, layernorm_type,
+                              zero_centered_gamma, 1e-5)
+  assert y.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == jnp.float32
+  errs = [rel(y, ref)] + [rel(a, r) for a, r in zip(grads[:2], ref_grads[:2], strict=True)]
+  if b is not None:
+    errs.append(rel(grads[2], ref_grads[2]))
+    assert grads[2].shape == b.shape
+  else:
+    assert grads[2] is None
+  assert max(errs) < tol, errs
+
+
+def test_layernorm_bf16_params_and_float32_compute(rel):
+  # bf16 x with float32 gamma/beta: the statistics are float32 (a bf16 mean of rows with a large
+  # offset would lose the spread), the output bf16.
+  x = (100.0 + _data([(8, 256)])[0]).astype(jnp.bfloat16)
+  y = core.layernorm(x, jnp.ones(256), jnp.zeros(256))
+  ref, _ = _reference(x, jnp.ones(256), jnp.zeros(256), x, "layernorm", False, 1e-6)
+  assert y.dtype == jnp.bfloat16 and rel(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "kwargs, bias, scale_shape, match",
+    [
+        ({"layernorm_type": "batchnorm"}, True, (32,), "layernorm_type must be one of"),
+        ({"layernorm_type": "rmsnorm"}, True, (32,), "rmsnorm has no bias"),
+        ({}, False, (32,), "needs a bias"),
+        ({}, True, (16,), r"scale must have shape \(32,\)"),
+        ({}, "short", (32,), r"bias must have shape \(32,\)"),
+    ],
+)
+def test_layernorm_bad_input(kwargs, bias, scale_shape, match):
+  x = jnp.ones((4, 32))
+  b = {True: jnp.zeros(32), False: None, "short": jnp.zeros(8)}[bias]
+  with pytest.raises(ValueError, match=match):
+    core.layernorm(x, jnp.ones(scale_shape), b, **kwargs)
+
+
+def _train_ln_dense(recipe, x, g, b, w, dz, steps, layernorm_type="layernorm"):
+  state = core.init_state(recipe)
+
+  @jax.jit
+  def step(x, g, b, w, state):
+    def loss(x, g, b, w, state):
+      z, _ = core.layernorm_dense(x, g, b, w, layernorm_type=layernorm_type, recipe=recipe,
+                                  state=state or None, threshold=None)
+      return jnp.sum(z.astype(jnp.float32) * dz), z
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, g, b, w, state)
+
+  for _ in range(steps):
+    (_, z), (dx, dg, db, dw, state) = step(x, g, b, w, state)
+  return z, (dx, dg, db, dw), state
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+def test_layernorm_dense_against_float64(recipe, layernorm_type, rel):
+  x, g, b, _ = _inputs()
+  w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
+  b = b if layernorm_type == "layernorm" else None
+  z, grads, _ = _train_ln_dense(recipe, x, g, b, w, dz, steps=3, layernorm_type=layernorm_type)
+  ref, ref_grads = _reference(x, g, jnp.zeros_like(g) if b is None else b, None, layernorm_type,
+                              False, 1e-6, kernel=w, dz=dz)
+  errs = {"z": rel(z, ref), "dx": rel(grads[0], ref_grads[0]),
+          "dgamma": rel(grads[1], ref_grads[1]), "dkernel": rel(grads[3], ref_grads[3])}
+  if b is not None:
+    errs["dbeta"] = rel(grads[2], ref_grads[2])
+  # FP8 with E4M3 forward and E5M2 gradients: about 0.04 forward and 0.06 backward on this
+  # data; a wrong scale, layout or norm gradient gives O(1).
+  assert errs["z"] < 0.05 and max(errs.values()) < 0.08, errs
+  # ... and clearly more than float32 would give: the GEMMs really ran in FP8.
+  assert errs["z"] > 0.005 and errs["dkernel"] > 0.005, errs
+
+
+def test_layernorm_dense_high_precision_matches_norm_then_dot(rel):
+  x, g, b, _ = _inputs()
+  w = _data([(128, 64)], seed=1)[0]
+  z, ln = core.layernorm_dense(x, g, b, w, recipe=None, return_layernorm_output=True)
+  ref, _ = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w,
+                      dz=np.zeros((4, 32, 64)))
+  np.testing.assert_array_equal(ln, core.layernorm(x, g, b))
+  assert rel(z, ref) < 1e-5
+
+
+def test_delayed_state_moves_with_the_norm_output():
+  x, g, b, _ = _inputs()
+  w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
+  _, _, state = _train_ln_dense(DELAYED, x, g, b, w, dz, steps=3)
+  amax_y = float(jnp.max(jnp.abs(core.layernorm(x, g, b))))
+  amax_w = float(jnp.max(jnp.abs(w)))
+  # Three steps of the same amaxes: history [0, a, a, a] (length 4), scale 448 / a.
+  np.testing.assert_allclose(state["x_amax_history"], [0, amax_y, amax_y, amax_y], rtol=1e-6)
+  np.testing.assert_allclose(state["kernel_amax_history"], [0, amax_w, amax_w, amax_w])
+  np.testing.assert_allclose(state["x_scale"], [448.0 / amax_y], rtol=1e-6)
+  assert float(state["grad_amax_history"][-1]) > 0
+
+
+@pytest.mark.parametrize("return_layernorm_output", [False, True])
+def test_return_layernorm_output(return_layernorm_output):
+  x, g, b, _ = _inputs()
+  x = x.astype(jnp.bfloat16)
+  w = _data([(128, 64)], seed=1)[0]
+  z, ln = core.layernorm_dense(
+      x, g, b, w, recipe=ta.Float8CurrentScaling(), threshold=None,
+      return_layernorm_output=return_layernorm_output,
+  )
+  assert z.dtype == jnp.bfloat16 and z.shape == (4, 32, 64)  # x's dtype, as TE's
+  if return_layernorm_output:
+    np.testing.assert_array_equal(ln, core.layernorm(x, g, b))
+  else:
+    assert ln is None
+
+
+def _saved(f, *args):
+  """The residuals the backward pass keeps: (shape, dtype) pairs."""
+  out = []
+  _, vjp = jax.vjp(f, *args)
+  for leaf in jax.tree_util.tree_leaves(vjp):
+    if hasattr(leaf, "shape") and leaf.size:
+      out.append((tuple(leaf.shape), jnp.dtype(leaf.dtype)))
+  return out
+
+
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.Float8BlockScaling()],
+                         ids=lambda r: type(r).__name__)
+def test_no_high_precision_norm_output_is_saved(recipe):
+  # The backward keeps x, gamma, the row statistics and the FP8 copies, not the normalized
+  # tensor in high precision (TE's fused layernorm_dense keeps the same).
+  x, g, b, _ = _inputs()
+  x = x.astype(jnp.bfloat16)
+  w = _data([(128, 256)], seed=1)[0]
+
+  def f(x, g, b, w):
+    return core.layernorm_dense(x, g, b, w, recipe=recipe, threshold=None)[0]
+
+  saved = _saved(f, x, g, b, w)
+  big = [(s, d) for s, d in saved if int(np.prod(s)) >= x.size]
+  high = [(s, d) for s, d in big if d.itemsize > 1]
+  # The only high-precision residual of x's size is x itself (the kernel is kept in FP8 too).
+  assert high == [(x.shape, jnp.dtype(jnp.bfloat16))], saved
+  assert any(d.itemsize == 1 and int(np.prod(s)) == x.size for s, d in big), saved
+
+
+@pytest.mark.parametrize(
+    "kwargs, kernel_shape, match",
+    [
+        ({"axis": 0}, (128, 64), "axis must be -1"),
+        ({"axis": (-2, -1)}, (128, 64), "axis must be -1"),
+        ({}, (64, 128), "axis 0 must have size 128"),
+        ({"layernorm_type": "groupnorm"}, (128, 64), "layernorm_type must be one of"),
+    ],
+)
+def test_layernorm_dense_bad_input(kwargs, kernel_shape, match):
+  x, g, b, _ = _inputs()
+  with pytest.raises(ValueError, match=match):
+    core.layernorm_dense(x, g, b, jnp.ones(kernel_shape), recipe=ta.Float8CurrentScaling(),
+                         **kwargs)
