@@ -28,6 +28,7 @@ from te_adapters.core._layer import (
     kernel_gemm_dims,
 )
 from te_adapters.core._lora import check_lora_rank, lora_shapes, low_rank_adaptation
+from te_adapters.core._mlp import dropout, layernorm_mlp
 from te_adapters.core._norm import LAYERNORM_TYPES, layernorm, layernorm_dense
 from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
@@ -130,7 +131,9 @@ __all__ = [
     "hlo_dot_operand_types",
     "init_ragged_state",
     "check_lora_rank",
+    "dropout",
     "init_state",
+    "layernorm_mlp",
     "lora_shapes",
     "low_rank_adaptation",
     "quantize",
