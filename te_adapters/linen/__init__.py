@@ -1,5 +1,6 @@
-"""Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, ``quantize`` (an
-existing model, no edits) and a train state."""
+"""Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, TE's ``LayerNorm``,
+``LayerNormDenseGeneral`` and ``Softmax``, ``quantize`` (an existing model, no edits) and a train
+state."""
 
 from te_adapters._requires import require
 
@@ -13,6 +14,7 @@ from te_adapters.linen._module import (
     QuantizedDotGeneral,
     make_dot_general_cls,
 )
+from te_adapters.linen._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.linen._quantize import QuantizeReport, quantize
 from te_adapters.linen._ragged import make_ragged_dot_cls
 from te_adapters.linen._train_state import TrainState, value_and_grad, with_max_grad
@@ -21,9 +23,12 @@ __all__ = [
     "OVERWRITE_WITH_GRADIENT",
     "Dense",
     "DenseGeneral",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
     "QuantizeReport",
     "QuantizedDotGeneral",
     "SR_RNG",
+    "Softmax",
     "TrainState",
     "make_dot_general_cls",
     "make_ragged_dot_cls",

@@ -1,6 +1,7 @@
 """Flax NNX adapter of te_adapters.
 
-Drop-in quantized layers (``Linear``, ``LinearGeneral``, ``Einsum``), the quantized operations
+Drop-in quantized layers (``Linear``, ``LinearGeneral``, ``Einsum``), TE's ``LayerNorm``,
+``LayerNormDenseGeneral`` and ``Softmax``, the quantized operations
 they use (``DotGeneral``, ``EinsumOp``, usable in any NNX layer that takes ``dot_general=`` or
 ``einsum_op=``), ``quantize_model`` to convert an existing model, and training helpers.
 
@@ -18,6 +19,7 @@ require("flax", "te_adapters.nnx", "flax")
 from te_adapters.nnx._convert import QuantizeReport, quantize_model
 from te_adapters.nnx._experts import GroupedLinear
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
+from te_adapters.nnx._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.nnx._ops import DotGeneral, EinsumOp
 from te_adapters.nnx._train import grad, recipe_state, update_recipe_state, value_and_grad
 from te_adapters.nnx._variables import RecipeState
@@ -27,10 +29,13 @@ __all__ = [
     "Einsum",
     "EinsumOp",
     "GroupedLinear",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
     "Linear",
     "LinearGeneral",
     "QuantizeReport",
     "RecipeState",
+    "Softmax",
     "grad",
     "quantize_model",
     "recipe_state",

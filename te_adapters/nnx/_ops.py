@@ -154,6 +154,17 @@ class _RecipeOp(nnx.Module):
       return rngs()
     return rngs  # a key
 
+  def gemm_arguments(self, rngs=None) -> dict[str, Any]:
+    """This op's keywords for a core function that runs its GEMM (``core.layernorm_dense``):
+    ``recipe``, ``state``, ``rng``, ``threshold`` and ``config``."""
+    return {
+        "recipe": self.recipe,
+        "state": refuse_shared_scan_state(self, self.recipe_state()) or None,
+        "rng": self._rounding_key(rngs),
+        "threshold": self.threshold,
+        "config": self.config,
+    }
+
   def recipe_state(self) -> dict[str, jax.Array]:
     """The current recipe state as a dict ``{name: array}`` (empty for stateless recipes)."""
     return {name: getattr(self, name).get_value() for name in core.state_names(self.recipe)}

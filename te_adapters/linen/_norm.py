@@ -1,0 +1,213 @@
+"""TE's ``LayerNorm``, ``LayerNormDenseGeneral`` and ``Softmax`` as Linen modules over the core."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from te_adapters import core
+from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, _sr_rng
+
+__all__ = ["LayerNorm", "LayerNormDenseGeneral", "Softmax"]
+
+
+def _scale_init(scale_init, zero_centered_gamma):
+  """TE's default gamma init: ones, or zeros when the factor is ``1 + gamma``."""
+  if scale_init is not None:
+    return scale_init
+  return nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+
+
+def _norm_params(module, features, bias_init):
+  """``scale`` and (for layernorm) ``ln_bias``, of shape ``(features,)`` in ``module.dtype``."""
+  if module.layernorm_type not in core.LAYERNORM_TYPES:
+    raise ValueError(
+        f"{type(module).__name__}: layernorm_type must be one of {core.LAYERNORM_TYPES}, got "
+        f"{module.layernorm_type!r}"
+    )
+  init = _scale_init(module.scale_init, module.zero_centered_gamma)
+  scale = module.param("scale", init, (features,), module.dtype)
+  bias = None
+  if module.layernorm_type == "layernorm":
+    bias = module.param("ln_bias", bias_init, (features,), module.dtype)
+  return scale, bias
+
+
+def _recipe_state(module, recipe):
+  """The recipe state of the module's one GEMM, in ``_overwrite_with_gradient``; None if none."""
+  if recipe is None:
+    return None
+  state = {
+      name: module.variable(OVERWRITE_WITH_GRADIENT, name, lambda v=value: v).value
+      for name, value in core.init_state(recipe).items()
+  }
+  return state or None
+
+
+class LayerNorm(nn.Module):
+  """TE's ``LayerNorm``: LayerNorm or RMSNorm over the last axis (``core.layernorm``).
+
+  Parameters ``scale`` (gamma) and, for ``layernorm_type="layernorm"``, ``bias`` (beta,
+  named ``ln_bias`` as TE's), of shape ``(features,)`` and dtype ``dtype``. The norm is
+  computed in float32 and returned in the input's dtype.
+
+  Attributes:
+    epsilon: added to the variance.
+    layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
+    zero_centered_gamma: the factor is ``1 + scale`` (and ``scale`` starts at zeros).
+    scale_init: gamma's initializer; default ones (zeros with ``zero_centered_gamma``).
+    bias_init: beta's initializer (TE's name for the standalone norm).
+    dtype: the parameters' dtype.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from te_adapters import linen as ta_linen
+    >>> variables = ta_linen.LayerNorm().init(jax.random.key(0), jnp.ones((2, 8)))
+    >>> sorted(variables["params"])
+    ['ln_bias', 'scale']
+  """
+
+  epsilon: float = 1e-6
+  layernorm_type: str = "layernorm"
+  zero_centered_gamma: bool = False
+  scale_init: Any = None
+  bias_init: Any = nn.initializers.zeros
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    scale, bias = _norm_params(self, x.shape[-1], self.bias_init)
+    return core.layernorm(
+        x, scale, bias, layernorm_type=self.layernorm_type,
+        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
+    )
+
+
+class LayerNormDenseGeneral(nn.Module):
+  """TE's ``LayerNormDenseGeneral``: the norm, then a quantized GEMM (``core.layernorm_dense``).
+
+  Returns ``(z, ln_out)`` as TE's: ``ln_out`` is the norm's output when
+  ``return_layernorm_output`` (TE's default), else ``None``; then the norm's output goes
+  straight into the GEMM's FP8 cast. Parameters as TE's: ``scale`` and ``ln_bias`` ``(K,)``,
+  ``kernel`` ``(K, *features)``, ``bias`` ``features`` (with ``use_bias``), in ``dtype``. The
+  output has the input's dtype. Recipe state lives in ``_overwrite_with_gradient`` with TE's
+  names (``x_scale``, ``x_amax_history``, ...), as for this package's ``DenseGeneral``.
+
+  Attributes:
+    features: int or tuple of output features.
+    enable_layernorm: ``False`` skips the norm (a quantized ``DenseGeneral`` without bias).
+    layernorm_type, epsilon, zero_centered_gamma, scale_init: as for ``LayerNorm``.
+    ln_bias_init: beta's initializer.
+    kernel_init: default ``variance_scaling(1.0, "fan_in", "truncated_normal")`` (TE's).
+    use_bias, bias_init: the output bias (off by default, as TE's).
+    return_layernorm_output: also return the norm's output.
+    axis: the contracting axis of the input: -1 (the normalized axis; TE accepts no other).
+    dtype: the parameters' dtype.
+    depth_scaling: the output is divided by it when given.
+    recipe: a te_adapters recipe (default ``core.DEFAULT_RECIPE``), or ``None`` for high
+      precision. A recipe that rounds stochastically draws keys from the RNG stream
+      ``"sr_rng"``.
+    threshold, config: passed to ``core.dot_general``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import linen as ta_linen
+    >>> layer = ta_linen.LayerNormDenseGeneral(32, recipe=ta.DelayedScaling())
+    >>> variables = layer.init(jax.random.key(0), jnp.ones((4, 16)))
+    >>> z, ln_out = layer.apply(variables, jnp.ones((4, 16)))
+    >>> z.shape, ln_out.shape, variables["params"]["kernel"].shape
+    ((4, 32), (4, 16), (16, 32))
+  """
+
+  features: int | Iterable[int]
+  enable_layernorm: bool = True
+  layernorm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  scale_init: Any = None
+  ln_bias_init: Any = nn.initializers.zeros
+  kernel_init: Any = None
+  use_bias: bool = False
+  bias_init: Any = nn.initializers.zeros
+  return_layernorm_output: bool = True
+  axis: int | Iterable[int] = -1
+  dtype: Any = jnp.float32
+  depth_scaling: float | None = None
+  recipe: Any = core.DEFAULT_RECIPE
+  threshold: Any = core.DEFAULT_THRESHOLD
+  config: Any = None
+
+  @nn.compact
+  def __call__(self, inputs):
+    axis = tuple(self.axis) if isinstance(self.axis, Iterable) else (self.axis,)
+    if inputs.ndim < 1 or tuple(a % inputs.ndim for a in axis) != (inputs.ndim - 1,):
+      raise ValueError(
+          f"LayerNormDenseGeneral: axis must be -1 (the normalized last axis, as TE's), got "
+          f"{self.axis!r}"
+      )
+    features = tuple(self.features) if isinstance(self.features, Iterable) else (self.features,)
+    k = inputs.shape[-1]
+    recipe = None if self.recipe is None else core.check_recipe(self.recipe)
+    threshold = core.check_threshold(self.threshold)
+    config = core.check_config(self.config)
+    kernel_shape = (k, *features)
+    core.check_kernel_gemm_dims(
+        recipe, kernel_shape, (((0,), (0,)), ((), ())), f"{self.name or 'LayerNormDenseGeneral'}"
+    )
+    kernel_init = self.kernel_init or nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal")
+    if self.enable_layernorm:
+      scale, ln_bias = _norm_params(self, k, self.ln_bias_init)
+    kernel = self.param("kernel", kernel_init, kernel_shape, self.dtype)
+    state = _recipe_state(self, recipe)
+    gemm = {"recipe": recipe, "state": state, "rng": _sr_rng(self, recipe),
+            "threshold": threshold, "config": config}
+    if self.enable_layernorm:
+      z, ln_out = core.layernorm_dense(
+          inputs, scale, ln_bias, kernel, layernorm_type=self.layernorm_type,
+          zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
+          return_layernorm_output=self.return_layernorm_output, **gemm,
+      )
+    else:
+      dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+      z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
+      ln_out = inputs if self.return_layernorm_output else None
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, features, self.dtype)
+      z = z + bias.astype(z.dtype)
+    if self.depth_scaling is not None:
+      z = z / self.depth_scaling
+    return z, ln_out
+
+
+class Softmax(nn.Module):
+  """TE's ``Softmax`` over the last axis of ``[batch, heads, q, k]`` scores (``core.softmax``).
+
+  ``softmax((inputs + bias) * scale_factor)`` with masked scores removed (``mask`` nonzero, or
+  causal for ``SCALED_UPPER_TRIANG_MASKED``), in float32, returned in the inputs' dtype.
+
+  Attributes:
+    scale_factor: multiplies the scores.
+    softmax_fusion_type: a ``core.SoftmaxFusionType`` (or its name).
+    softmax_type: ``"vanilla"``, ``"off_by_one"`` or ``"learnable"`` (pass ``softmax_offset``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from te_adapters import linen as ta_linen
+    >>> p = ta_linen.Softmax(scale_factor=0.5).apply({}, jnp.zeros((1, 2, 4, 4)))
+    >>> float(p[0, 0, 0, 0])
+    0.25
+  """
+
+  scale_factor: float = 1.0
+  softmax_fusion_type: Any = core.SoftmaxFusionType.SCALED
+  softmax_type: str = "vanilla"
+
+  def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
+    return core.softmax(
+        inputs, mask, bias, softmax_offset, scale_factor=self.scale_factor,
+        softmax_fusion_type=self.softmax_fusion_type, softmax_type=self.softmax_type,
+    )
