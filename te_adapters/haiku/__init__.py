@@ -1,6 +1,7 @@
 """Haiku adapter of te_adapters.
 
 * ``Linear``: ``hk.Linear`` with a quantized GEMM; recipe state in ``hk.get_state``.
+* ``LayerNorm``, ``LayerNormDenseGeneral``, ``Softmax``: TE's modules, sizes from the input.
 * ``quantize(recipe)``: quantizes the ``hk.Linear`` layers of an existing model, unedited.
 * ``value_and_grad``: a training step's ``(value, (param_grads, new_state))``, the shape of every
   adapter's helper, with recipe state from the gradient and ordinary state (``hk.BatchNorm``)
@@ -15,6 +16,7 @@ require("haiku", "te_adapters.haiku", "haiku")
 from te_adapters.haiku._experts import GroupedLinear
 from te_adapters.haiku._intercept import QuantizeReport, quantize
 from te_adapters.haiku._linear import Linear
+from te_adapters.haiku._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.haiku._train import (
     RECIPE_STATE_NAMES,
     merge_state,
@@ -25,7 +27,10 @@ from te_adapters.haiku._train import (
 
 __all__ = [
     "GroupedLinear",
+    "LayerNorm",
+    "LayerNormDenseGeneral",
     "RECIPE_STATE_NAMES",
+    "Softmax",
     "Linear",
     "QuantizeReport",
     "merge_state",

@@ -51,24 +51,7 @@ def linear_forward(
     w_init = hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(input_size))
   w = hk.get_parameter("w", [input_size, module.output_size], dtype, init=w_init)
 
-  state = None
-  if recipe is not None:
-    initial = core.init_state(recipe)
-    state = {
-        name: hk.get_state(
-            name, initial[name].shape, initial[name].dtype, init=_constant(initial[name])
-        )
-        for name in core.state_names(recipe)
-    }
-    cast = sorted({str(v.dtype) for v in state.values()
-                   if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})
-    if cast:
-      raise TypeError(
-          f"{module.module_name}: recipe state must stay float32, but a Haiku state getter cast "
-          f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
-          "use a stateless recipe (Float8CurrentScaling) with such policies"
-      )
-    state = refuse_state_in_hk_scan(module.module_name, recipe, state)
+  state = recipe_state(module, recipe)
   dims = (((inputs.ndim - 1,), (0,)), ((), ()))
   out = core.dot_general(
       inputs,
@@ -77,7 +60,7 @@ def linear_forward(
       precision,
       recipe=recipe,
       state=state,
-      rng=_rounding_key(module, recipe),
+      rng=rounding_key(module, recipe),
       threshold=threshold,
       amax_axes=amax_axes,
       kernel_all_gather=kernel_all_gather,
@@ -90,7 +73,33 @@ def linear_forward(
   return out
 
 
-def _rounding_key(module: hk.Module, recipe):
+def recipe_state(module: hk.Module, recipe) -> dict | None:
+  """The recipe state of the module's GEMM from ``hk.get_state`` (TE's names), or None.
+
+  Must run inside the module's method. Refuses state cast away from float32 (an
+  ``hk.mixed_precision`` policy) and state shared by the iterations of an ``hk.scan``.
+  """
+  if recipe is None:
+    return None
+  initial = core.init_state(recipe)
+  state = {
+      name: hk.get_state(
+          name, initial[name].shape, initial[name].dtype, init=_constant(initial[name])
+      )
+      for name in core.state_names(recipe)
+  }
+  cast = sorted({str(v.dtype) for v in state.values()
+                 if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})
+  if cast:
+    raise TypeError(
+        f"{module.module_name}: recipe state must stay float32, but a Haiku state getter cast "
+        f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
+        "use a stateless recipe (Float8CurrentScaling) with such policies"
+    )
+  return refuse_state_in_hk_scan(module.module_name, recipe, state)
+
+
+def rounding_key(module: hk.Module, recipe):
   """A fresh key from Haiku's RNG sequence when ``recipe`` rounds stochastically, else None."""
   if recipe is None or not recipe.uses_rng:
     return None
