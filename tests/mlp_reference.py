@@ -10,7 +10,6 @@ from tests.core.test_mlp import _reference_grads
 
 K, F = 128, 128
 GATED = ("gelu", "linear")
-ROLES = ("x", "kernel", "grad")
 
 
 def block_params(seed=0, n_act=2, bias=True):
