@@ -1,10 +1,19 @@
 """Linen, NNX and Haiku's LayerNormDenseGeneral agree: the same parameters and data through each
 framework's ordinary training loop give the same outputs, gradients and recipe state."""
 
+import inspect
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import te_adapters as ta
+from te_adapters import core
+from te_adapters import haiku as ta_hk
+from te_adapters import linen as ta_linen
+from te_adapters import nnx as ta_nnx
 from te_adapters.linen import OVERWRITE_WITH_GRADIENT
 from tests.core.test_norm import _data, _inputs
 from tests.haiku import test_hk_norm as hk_norm
@@ -35,3 +44,56 @@ def test_layer_norm_dense_general_agrees_across_adapters(recipe):
   for name in state_linen:
     np.testing.assert_array_equal(state_nnx[name], state_linen[name])
     np.testing.assert_array_equal(state_hk[name], state_linen[name])
+
+
+def test_defaults_are_every_adapters():
+  fields = ta_linen.LayerNormDenseGeneral.__dataclass_fields__
+  assert fields["recipe"].default is core.DEFAULT_RECIPE
+  assert fields["threshold"].default is core.DEFAULT_THRESHOLD
+  assert fields["return_layernorm_output"].default is True  # TE's default
+  for layer in (ta_nnx.LayerNormDenseGeneral, ta_hk.LayerNormDenseGeneral):
+    params = inspect.signature(layer.__init__).parameters
+    assert params["recipe"].default is core.DEFAULT_RECIPE
+    assert params["threshold"].default is core.DEFAULT_THRESHOLD
+    assert params["return_layernorm_output"].default is True
+
+
+def test_training_helpers_carry_the_state():
+  # Each adapter's value_and_grad helper, two steps: the same recipe state everywhere.
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  x, g, b, _ = _inputs()
+  w = _data([(128, 256)], seed=1)[0]
+  params = {"scale": g, "ln_bias": b, "kernel": w}
+
+  def loss(z_ln):
+    return jnp.mean(z_ln[0].astype(jnp.float32) ** 2)
+
+  linen = ta_linen.LayerNormDenseGeneral(256, recipe=recipe, threshold=None)
+  variables = {**linen.init(jax.random.key(0), x), "params": params}
+  step = jax.jit(ta_linen.value_and_grad(lambda v, x: loss(linen.apply(v, x))))
+  for _ in range(2):
+    _, (_, state) = step(variables, x)
+    variables = {**variables, OVERWRITE_WITH_GRADIENT: state}
+  linen_state = variables[OVERWRITE_WITH_GRADIENT]
+
+  layer = nnx_norm._model(recipe, params)
+  for _ in range(2):
+    _, (_, state_grads) = ta_nnx.value_and_grad(lambda m, x: loss(m(x)))(layer, x)
+    ta_nnx.update_recipe_state(layer, state_grads)
+
+  model = hk.transform_with_state(lambda x: ta_hk.LayerNormDenseGeneral(
+      256, recipe=recipe, threshold=None)(x))
+  _, hk_state = model.init(jax.random.key(0), x)
+
+  def hk_loss(params, state, x):
+    out, state = model.apply(params, state, None, x)
+    return loss(out), state
+
+  hk_step = jax.jit(ta_hk.value_and_grad(hk_loss))
+  for _ in range(2):
+    _, (_, hk_state) = hk_step({hk_norm.NAME: params}, hk_state, x)
+
+  assert float(linen_state["x_amax_history"][-2]) > 0  # two steps recorded
+  for name in core.state_names(recipe):
+    np.testing.assert_array_equal(layer.dot_general.recipe_state()[name], linen_state[name])
+    np.testing.assert_array_equal(hk_state[hk_norm.NAME][name], linen_state[name])

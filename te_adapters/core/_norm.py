@@ -173,6 +173,7 @@ def layernorm_dense(
     threshold=DEFAULT_SIZE_THRESHOLD,
     config=None,
     return_layernorm_output: bool = False,
+    dot_input_constraint=None,
 ):
   """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
 
@@ -193,6 +194,9 @@ def layernorm_dense(
     kernel_axes: the contracting axes of the kernel; default its leading ``len(axis)`` axes.
     recipe, state, rng, threshold, config: as for ``dot_general``.
     return_layernorm_output: also return the norm's output.
+    dot_input_constraint: a function applied to the norm's output before the GEMM, for a
+      sharding constraint (``lambda y: jax.lax.with_sharding_constraint(y, spec)``); the
+      adapters pass TE's ``dot_input_axes`` this way.
 
   Returns:
     ``(z, ln_out)``: the GEMM's output ``(..., *features)`` in ``x``'s dtype (as TE's), and the
@@ -230,6 +234,8 @@ def layernorm_dense(
       x, scale, bias, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma,
       epsilon=epsilon,
   )
+  if dot_input_constraint is not None:
+    y = dot_input_constraint(y)
   dims = _dense_dims(x.ndim, kernel.ndim, axis_t, kernel_axes)
   z = dot_general(
       y, kernel, dims, preferred_element_type=x.dtype, recipe=recipe, state=state, rng=rng,

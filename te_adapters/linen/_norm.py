@@ -21,7 +21,17 @@ def _scale_init(scale_init, zero_centered_gamma):
   return nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
 
 
-def _norm_params(module, features, bias_init):
+def _with_axes(init, axes):
+  """``init``, its parameter annotated with TE's logical axis names when ``axes`` is given."""
+  return init if axes is None else nn.with_logical_partitioning(init, tuple(axes))
+
+
+def _constrain(x, axes):
+  """A logical sharding constraint on ``x`` (TE's ``*_input_axes``); none when ``axes`` is None."""
+  return x if axes is None else nn.with_logical_constraint(x, tuple(axes))
+
+
+def _norm_params(module, features, bias_init, bias_axes):
   """``scale`` and (for layernorm) ``ln_bias``, of shape ``(features,)`` in ``module.dtype``."""
   if module.layernorm_type not in core.LAYERNORM_TYPES:
     raise ValueError(
@@ -29,10 +39,10 @@ def _norm_params(module, features, bias_init):
         f"{module.layernorm_type!r}"
     )
   init = _scale_init(module.scale_init, module.zero_centered_gamma)
-  scale = module.param("scale", init, (features,), module.dtype)
+  scale = module.param("scale", _with_axes(init, module.scale_axes), (features,), module.dtype)
   bias = None
   if module.layernorm_type == "layernorm":
-    bias = module.param("ln_bias", bias_init, (features,), module.dtype)
+    bias = module.param("ln_bias", _with_axes(bias_init, bias_axes), (features,), module.dtype)
   return scale, bias
 
 
@@ -60,7 +70,11 @@ class LayerNorm(nn.Module):
     zero_centered_gamma: the factor is ``1 + scale`` (and ``scale`` starts at zeros).
     scale_init: gamma's initializer; default ones (zeros with ``zero_centered_gamma``).
     bias_init: beta's initializer (TE's name for the standalone norm).
+    scale_axes, bias_axes: TE's logical axis names of the parameters; given, the parameters are
+      created with ``nn.with_logical_partitioning`` (default: none, plain arrays).
     dtype: the parameters' dtype.
+    transpose_batch_sequence: accepted for TE's signature; the norm runs over the last axis
+      either way.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -75,11 +89,14 @@ class LayerNorm(nn.Module):
   zero_centered_gamma: bool = False
   scale_init: Any = None
   bias_init: Any = nn.initializers.zeros
+  scale_axes: tuple[str, ...] | None = None
+  bias_axes: tuple[str, ...] | None = None
   dtype: Any = jnp.float32
+  transpose_batch_sequence: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale, bias = _norm_params(self, x.shape[-1], self.bias_init)
+    scale, bias = _norm_params(self, x.shape[-1], self.bias_init, self.bias_axes)
     return core.layernorm(
         x, scale, bias, layernorm_type=self.layernorm_type,
         zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
@@ -107,6 +124,13 @@ class LayerNormDenseGeneral(nn.Module):
     axis: the contracting axis of the input: -1 (the normalized axis; TE accepts no other).
     dtype: the parameters' dtype.
     depth_scaling: the output is divided by it when given.
+    scale_axes, ln_bias_axes, kernel_axes, bias_axes: TE's logical axis names of the
+      parameters; given, each parameter is created with ``nn.with_logical_partitioning``
+      (default: none, plain arrays).
+    layernorm_input_axes, dot_input_axes: TE's logical sharding constraints on the input and on
+      the norm's output (``nn.with_logical_constraint``); none by default.
+    transpose_batch_sequence: accepted for TE's signature (its default, True); the layer
+      contracts the last axis either way.
     recipe: a te_adapters recipe (default ``core.DEFAULT_RECIPE``), or ``None`` for high
       precision. A recipe that rounds stochastically draws keys from the RNG stream
       ``"sr_rng"``.
@@ -136,6 +160,13 @@ class LayerNormDenseGeneral(nn.Module):
   axis: int | Iterable[int] = -1
   dtype: Any = jnp.float32
   depth_scaling: float | None = None
+  scale_axes: tuple[str, ...] | None = None
+  ln_bias_axes: tuple[str, ...] | None = None
+  kernel_axes: tuple[str, ...] | None = None
+  bias_axes: tuple[str, ...] | None = None
+  layernorm_input_axes: tuple[str, ...] | None = None
+  dot_input_axes: tuple[str, ...] | None = None
+  transpose_batch_sequence: bool = True
   recipe: Any = core.DEFAULT_RECIPE
   threshold: Any = core.DEFAULT_THRESHOLD
   config: Any = None
@@ -160,23 +191,30 @@ class LayerNormDenseGeneral(nn.Module):
     kernel_init = self.kernel_init or nn.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal")
     if self.enable_layernorm:
-      scale, ln_bias = _norm_params(self, k, self.ln_bias_init)
-    kernel = self.param("kernel", kernel_init, kernel_shape, self.dtype)
+      scale, ln_bias = _norm_params(self, k, self.ln_bias_init, self.ln_bias_axes)
+    kernel = self.param("kernel", _with_axes(kernel_init, self.kernel_axes), kernel_shape,
+                        self.dtype)
     state = _recipe_state(self, recipe)
     gemm = {"recipe": recipe, "state": state, "rng": _sr_rng(self, recipe),
             "threshold": threshold, "config": config}
     if self.enable_layernorm:
+      inputs = _constrain(inputs, self.layernorm_input_axes)
+      constraint = None
+      if self.dot_input_axes is not None:
+        constraint = lambda y: _constrain(y, self.dot_input_axes)  # noqa: E731
       z, ln_out = core.layernorm_dense(
           inputs, scale, ln_bias, kernel, layernorm_type=self.layernorm_type,
           zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-          return_layernorm_output=self.return_layernorm_output, **gemm,
+          return_layernorm_output=self.return_layernorm_output,
+          dot_input_constraint=constraint, **gemm,
       )
     else:
+      inputs = _constrain(inputs, self.dot_input_axes)
       dims = (((inputs.ndim - 1,), (0,)), ((), ()))
       z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
       ln_out = inputs if self.return_layernorm_output else None
     if self.use_bias:
-      bias = self.param("bias", self.bias_init, features, self.dtype)
+      bias = self.param("bias", _with_axes(self.bias_init, self.bias_axes), features, self.dtype)
       z = z + bias.astype(z.dtype)
     if self.depth_scaling is not None:
       z = z / self.depth_scaling

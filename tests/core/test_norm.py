@@ -223,3 +223,21 @@ def test_layernorm_dense_bad_input(kwargs, kernel_shape, match):
   with pytest.raises(ValueError, match=match):
     core.layernorm_dense(x, g, b, jnp.ones(kernel_shape), recipe=ta.Float8CurrentScaling(),
                          **kwargs)
+
+
+def test_remat_gives_the_same_grads_and_state():
+  x, g, b, _ = _inputs()
+  w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
+  state = core.init_state(DELAYED)
+
+  def loss(x, g, b, w, state):
+    z, _ = core.layernorm_dense(x, g, b, w, recipe=DELAYED, state=state, threshold=None)
+    return jnp.sum(z * dz)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  remat = jax.jit(jax.grad(jax.checkpoint(loss, policy=core.save_quantized_operands),
+                           argnums=(0, 1, 2, 3, 4)))
+  plain, again = grads(x, g, b, w, state), remat(x, g, b, w, state)
+  for a, r in zip(jax.tree.leaves(plain), jax.tree.leaves(again), strict=True):
+    np.testing.assert_array_equal(a, r)
+  assert float(plain[4]["x_amax_history"][-1]) > 0

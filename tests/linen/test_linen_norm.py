@@ -158,3 +158,45 @@ def test_softmax_module_is_the_core_softmax():
   )
   causal = ta_linen.Softmax(scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked")
   np.testing.assert_array_equal(causal.apply({}, x), sm.apply({}, x, mask))
+
+
+def test_te_axes_fields_annotate_the_parameters():
+  # A TE-style model names logical axes; the parameters carry them (nn.LogicallyPartitioned)
+  # and the output is the same as without them.
+  import flax.linen as nn
+
+  fields = {"scale_axes": ("embed",), "ln_bias_axes": ("embed",), "kernel_axes": ("embed", "mlp"),
+            "bias_axes": ("mlp",), "layernorm_input_axes": ("batch", "length", "embed"),
+            "dot_input_axes": ("batch", "length", "embed"), "transpose_batch_sequence": False}
+  x = _inputs()[0]
+  plain = ta_linen.LayerNormDenseGeneral(64, use_bias=True, recipe=None)
+  named = ta_linen.LayerNormDenseGeneral(64, use_bias=True, recipe=None, **fields)
+  variables = named.init(jax.random.key(0), x)
+  specs = nn.get_partition_spec(variables)["params"]
+  P = jax.sharding.PartitionSpec
+  assert specs == {"scale": P("embed"), "ln_bias": P("embed"), "kernel": P("embed", "mlp"),
+                   "bias": P("mlp")}
+  unboxed = nn.unbox(variables)
+  z, ln_out = named.apply(variables, x)
+  z_plain, ln_plain = plain.apply(unboxed, x)
+  np.testing.assert_array_equal(z, z_plain)
+  np.testing.assert_array_equal(ln_out, ln_plain)
+  norm = ta_linen.LayerNorm(scale_axes=("embed",), bias_axes=("embed",))
+  assert nn.get_partition_spec(norm.init(jax.random.key(0), x))["params"] == {
+      "scale": P("embed"), "ln_bias": P("embed")}
+
+
+def test_dot_input_axes_constrain_the_norm_output_on_a_mesh():
+  import flax.linen as nn
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.ones((8, 4, 32))
+  rules = (("batch", "data"), ("embed", None))
+  specs = []
+  for axes in (None, ("batch", None, "embed")):
+    layer = ta_linen.LayerNormDenseGeneral(64, recipe=None, dot_input_axes=axes)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      variables = layer.init(jax.random.key(0), x)
+      _, ln_out = jax.jit(layer.apply)(variables, x)
+    specs.append(tuple(ln_out.sharding.spec))
+  assert specs[0] in ((), (None, None, None)) and specs[1][0] == "data", specs
