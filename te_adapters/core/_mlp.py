@@ -2,9 +2,10 @@
 
 ``norm -> GEMM 1 (wi_kernel, n_act stacked kernels) -> bias -> activation (gated product) ->
 dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM a ``dot_general`` with its own recipe state.
-In one jitted computation XLA fuses the norm into the amax and FP8 cast of GEMM 1's input, and
-the bias, activation and dropout into those of GEMM 2's input: the high-precision intermediate
-is written once (GEMM 1's output, which the activation's backward needs), not three times.
+The norm is an elementwise producer of GEMM 1's input, and the bias, activation and dropout of
+GEMM 2's, inside one jitted computation, which leaves XLA free to fuse each into the amax and
+FP8 cast of that input; GEMM 1's output itself is kept for the activation's backward
+(``bench/mlp_fusion.py`` lists the activation-sized buffers the compiled forward writes).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def layernorm_mlp(
     return_layernorm_output: bool = False,
     ffn1_ckpt_name: str = "ffn1",
     ffn2_ckpt_name: str = "ffn2",
+    dot_1_input_constraint=None,
+    dot_2_input_constraint=None,
 ):
   """LayerNorm, then the MLP of two quantized GEMMs around an activation (TE's ``layernorm_mlp``).
 
@@ -104,6 +107,9 @@ def layernorm_mlp(
     return_layernorm_output: also return the norm's output.
     ffn1_ckpt_name, ffn2_ckpt_name: ``checkpoint_name`` tags of GEMM 1's output (before the
       activation) and of the block's output, for remat policies (TE's names).
+    dot_1_input_constraint, dot_2_input_constraint: functions applied to each GEMM's input (the
+      norm's output; the activation's, after dropout), for sharding constraints; the adapters
+      pass TE's ``dot_1_input_axes`` and ``dot_2_input_axes`` this way.
 
   Returns:
     ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
@@ -149,6 +155,8 @@ def layernorm_mlp(
                   zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
   else:
     y = x
+  if dot_1_input_constraint is not None:
+    y = dot_1_input_constraint(y)
   h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
                   state=state_0, rng=rng_0, threshold=threshold, config=config)
   if wi_bias is not None:
@@ -157,6 +165,8 @@ def layernorm_mlp(
   z = activation(h, names)
   z = dropout(z, dropout_rate, dropout_rng, broadcast_dims=dropout_broadcast_dims,
               deterministic=deterministic)
+  if dot_2_input_constraint is not None:
+    z = dot_2_input_constraint(z)
   out = dot_general(z, wo_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
                     state=state_1, rng=rng_1, threshold=threshold, config=config)
   if wo_bias is not None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from te_adapters import core
 from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, _sr_rng
-from te_adapters.linen._norm import _norm_params
+from te_adapters.linen._norm import _constrain, _norm_params, _with_axes
 
 __all__ = ["LayerNormMLP"]
 
@@ -62,6 +62,14 @@ class LayerNormMLP(nn.Module):
     intermediate_dropout_rate, intermediate_dropout_rng_name, intermediate_hidden_dropout_dims:
       the dropout after the activation.
     ffn1_ckpt_name, ffn2_ckpt_name: ``checkpoint_name`` tags for remat policies.
+    scale_axes, ln_bias_axes, kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2: TE's
+      logical axis names of the parameters; given, the parameters are created with
+      ``nn.with_logical_partitioning`` (default: none, plain arrays).
+    layernorm_input_axes, dot_1_input_axes, dot_2_input_axes: TE's logical sharding constraints
+      on the input, the norm's output and the activation's output
+      (``nn.with_logical_constraint``); none by default.
+    transpose_batch_sequence: accepted for TE's signature; the block runs over the last axis
+      whatever the layout.
     dtype: the parameters' dtype.
     recipe: a te_adapters recipe for both GEMMs (default ``core.DEFAULT_RECIPE``), or ``None``.
     threshold, config: passed to ``core.dot_general`` for both GEMMs.
@@ -98,6 +106,16 @@ class LayerNormMLP(nn.Module):
   dtype: Any = jnp.float32
   ffn1_ckpt_name: str = "ffn1"
   ffn2_ckpt_name: str = "ffn2"
+  scale_axes: tuple[str, ...] | None = None
+  ln_bias_axes: tuple[str, ...] | None = None
+  kernel_axes_1: tuple[str, ...] | None = None
+  kernel_axes_2: tuple[str, ...] | None = None
+  bias_axes_1: tuple[str, ...] | None = None
+  bias_axes_2: tuple[str, ...] | None = None
+  layernorm_input_axes: tuple[str, ...] | None = None
+  dot_1_input_axes: tuple[str, ...] | None = None
+  dot_2_input_axes: tuple[str, ...] | None = None
+  transpose_batch_sequence: bool = False
   recipe: Any = core.DEFAULT_RECIPE
   threshold: Any = core.DEFAULT_THRESHOLD
   config: Any = None
@@ -124,23 +142,27 @@ class LayerNormMLP(nn.Module):
 
     scale = ln_bias = None
     if self.enable_layernorm:
-      scale, ln_bias = _norm_params(self, k, self.ln_bias_init)
+      scale, ln_bias = _norm_params(self, k, self.ln_bias_init, self.ln_bias_axes)
 
     def wi_init(key, shape, dtype):
       keys = jax.random.split(key, shape[1])
       return jnp.stack([kernel_init(kk, (shape[0], shape[2]), dtype) for kk in keys], axis=1)
 
-    wi = self.param("wi_kernel", wi_init, (k, n_act, f), self.dtype)
-    wo = self.param("wo_kernel", kernel_init, (f, k), self.dtype)
+    wi = self.param("wi_kernel", _with_axes(wi_init, self.kernel_axes_1), (k, n_act, f),
+                    self.dtype)
+    wo = self.param("wo_kernel", _with_axes(kernel_init, self.kernel_axes_2), (f, k), self.dtype)
     wi_bias = wo_bias = None
     if self.use_bias:
-      wi_bias = self.param("wi_bias", self.bias_init, (n_act, f), self.dtype)
-      wo_bias = self.param("wo_bias", self.bias_init, (k,), self.dtype)
+      wi_bias = self.param("wi_bias", _with_axes(self.bias_init, self.bias_axes_1), (n_act, f),
+                           self.dtype)
+      wo_bias = self.param("wo_bias", _with_axes(self.bias_init, self.bias_axes_2), (k,),
+                           self.dtype)
     if recipe is None:  # high precision computes in the input's dtype (TE casts too)
       wi, wo = wi.astype(inputs.dtype), wo.astype(inputs.dtype)
     states = (_gemm_state(self, recipe, "_0"), _gemm_state(self, recipe, "_1"))
     sr_rngs = (_sr_rng(self, recipe), _sr_rng(self, recipe))
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
+    inputs = _constrain(inputs, self.layernorm_input_axes)
     return core.layernorm_mlp(
         inputs, scale, ln_bias, wi, wo, wi_bias, wo_bias,
         activations=names, layernorm_type=self.layernorm_type,
@@ -153,4 +175,11 @@ class LayerNormMLP(nn.Module):
         threshold=core.check_threshold(self.threshold), config=core.check_config(self.config),
         return_layernorm_output=self.return_layernorm_output,
         ffn1_ckpt_name=self.ffn1_ckpt_name, ffn2_ckpt_name=self.ffn2_ckpt_name,
+        dot_1_input_constraint=_constraint(self.dot_1_input_axes),
+        dot_2_input_constraint=_constraint(self.dot_2_input_axes),
     )
+
+
+def _constraint(axes):
+  """A function applying TE's logical constraint ``axes``, or None when there is none."""
+  return None if axes is None else (lambda y: _constrain(y, axes))

@@ -177,3 +177,22 @@ def test_bad_input_is_a_clear_error(kwargs, match):
   x, _ = ref.inputs()
   with pytest.raises(ValueError, match=match):
     _layer(RECIPES["current"], **kwargs).init(jax.random.key(0), x)
+
+
+def test_te_sharding_fields_annotate_the_parameters():
+  x, _ = ref.inputs()
+  axes = dict(scale_axes=("embed",), ln_bias_axes=("embed",),
+              kernel_axes_1=("embed", "act", "mlp"), kernel_axes_2=("mlp", "embed"),
+              bias_axes_1=("act", "mlp"), bias_axes_2=("embed",),
+              layernorm_input_axes=("batch", "length", "embed"),
+              dot_1_input_axes=("batch", "length", "embed"),
+              dot_2_input_axes=("batch", "length", "mlp"))
+  layer = _layer(None, **axes)
+  variables = layer.init(jax.random.key(0), x)
+  names = {k: v.names for k, v in variables["params"].items()}
+  assert names == {"scale": ("embed",), "ln_bias": ("embed",), "wi_kernel": ("embed", "act", "mlp"),
+                   "wo_kernel": ("mlp", "embed"), "wi_bias": ("act", "mlp"), "wo_bias": ("embed",)}
+  plain = _layer(None)
+  out, _ = layer.apply(variables, x)
+  want, _ = plain.apply(nn.meta.unbox(variables), x)
+  np.testing.assert_array_equal(out, want)
