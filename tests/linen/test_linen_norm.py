@@ -200,3 +200,19 @@ def test_dot_input_axes_constrain_the_norm_output_on_a_mesh():
       _, ln_out = jax.jit(layer.apply)(variables, x)
     specs.append(tuple(ln_out.sharding.spec))
   assert specs[0] in ((), (None, None, None)) and specs[1][0] == "data", specs
+
+
+def test_stochastic_rounding_draws_from_sr_rng():
+  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+  layer = ta_linen.LayerNormDenseGeneral(64, recipe=ta.NVFP4BlockScaling(), threshold=None)
+  variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+  def loss(variables, **kwargs):
+    return jnp.sum(layer.apply(variables, x, **kwargs)[0].astype(jnp.float32))
+
+  # Traced, not compiled (NVFP4 compiles slowly on CPU): the key is drawn where it is given.
+  grads = jax.eval_shape(lambda v: jax.grad(loss)(v, rngs={"sr_rng": jax.random.key(1)}),
+                         variables)
+  assert grads["params"]["kernel"].shape == (64, 64)
+  with pytest.raises(ValueError, match="sr_rng"):
+    jax.eval_shape(jax.grad(loss), variables)
