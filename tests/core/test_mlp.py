@@ -222,3 +222,27 @@ def test_bad_input_is_a_clear_error():
            jnp.ones((32, 40)))
   with pytest.raises(ValueError, match="multiples of 16, got K=40"):
     core.layernorm_mlp(*small, recipe=RECIPES["current"])  # at every size, threshold or not
+
+
+@pytest.mark.parametrize("recipe, bounds", [
+    (ta.MXFP8BlockScaling(), (0.1, 0.15)),
+    # FP4 with stochastic rounding of the gradients: about 0.25 to 0.35 here; a bug gives O(1).
+    (ta.NVFP4BlockScaling(), (0.35, 0.5)),
+], ids=["mxfp8", "nvfp4"])
+def test_block_formats_against_float64(recipe, bounds, rel):
+  x, params, dy = _data()
+  keys = (jax.random.key(0), jax.random.key(1)) if recipe.uses_rng else None
+
+  def loss(x, p):
+    out, _ = core.layernorm_mlp(
+        x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"],
+        activations=GATED, recipe=recipe, rngs=keys, threshold=None)
+    return jnp.sum(out * dy), out
+
+  (_, out), (dx, dp) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+  ref_out, ref_dx, ref_dp = _reference_grads(x, params, dy, GATED)
+  errs = {"out": rel(out, ref_out), "dx": rel(dx, ref_dx)}
+  errs.update({f"d{k}": rel(dp[k], ref_dp[k]) for k in params if k != "wo_bias"})
+  assert errs["out"] < bounds[0] and max(errs.values()) < bounds[1], errs
+  assert min(errs.values()) > 0.01, errs
+  np.testing.assert_allclose(dp["wo_bias"], np.sum(np.float64(dy), axis=(0, 1)), rtol=1e-5)
