@@ -10,6 +10,12 @@ from tests.core.test_mlp import _reference_grads
 
 K, F = 128, 128
 GATED = ("gelu", "linear")
+# Two compiled programs of one block (scanned and unrolled, two adapters) agree to float32
+# rounding on CPU; on an H100 the FP8 GEMMs of differently laid-out programs have differed by up
+# to 0.7% (tests/haiku/test_hk_train.py), so there the bound is 1%. A sum of amaxes, a wrong
+# scale or a mixed-up layer moves everything by far more.
+CROSS_RTOL = 1e-5 if jax.default_backend() == "cpu" else 1e-2
+STATE_RTOL = 1e-6 if jax.default_backend() == "cpu" else 1e-2
 
 
 def block_params(seed=0, n_act=2, bias=True):

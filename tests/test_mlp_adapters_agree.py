@@ -82,12 +82,13 @@ def test_the_three_adapters_agree():
   x, dy = ref.inputs(4)
   results = [run(params, x, dy, steps=2) for run in (_linen, _nnx, _haiku)]
   for out, grads, states in results:
-    np.testing.assert_allclose(out, results[0][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, results[0][0], rtol=ref.CROSS_RTOL, atol=ref.CROSS_RTOL)
     for k in params:
-      np.testing.assert_allclose(grads[k], results[0][1][k], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(grads[k], results[0][1][k], rtol=ref.CROSS_RTOL,
+                                 atol=ref.CROSS_RTOL)
     for i in range(2):
       for name, value in states[i].items():
-        np.testing.assert_allclose(value, results[0][2][i][name], rtol=1e-6)
+        np.testing.assert_allclose(value, results[0][2][i][name], rtol=ref.STATE_RTOL)
   # And the state after two steps is the core function's.
   stack = jax.tree.map(lambda a: a[None], params)
   _, _, states = ref.unrolled(x, stack, ref.gemm_states(RECIPE, n=1), dy, RECIPE,
@@ -95,4 +96,4 @@ def test_the_three_adapters_agree():
   _, _, states = ref.unrolled(x, stack, states, dy, RECIPE, activations=KW["activations"])
   for i in range(2):
     for name, value in results[0][2][i].items():
-      np.testing.assert_allclose(value, states[i][name][0], rtol=1e-6)
+      np.testing.assert_allclose(value, states[i][name][0], rtol=ref.STATE_RTOL)
