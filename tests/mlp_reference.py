@@ -1,6 +1,8 @@
 """What the LayerNormMLP tests of every adapter compare against: TE-shaped parameters, the block
 in float64, and the core function run block after block (the unrolled stack)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +49,14 @@ def unrolled(x, stacked_params, stacked_states, dy, recipe, activations=GATED):
   """Blocks run one after the other with ``core.layernorm_mlp`` (slice ``i`` of every stacked
   parameter and state): ``(out, param_grads, new_states)``, stacked like the inputs."""
   n = jax.tree.leaves(stacked_params)[0].shape[0]
+  return _unrolled_step(recipe, tuple(activations), n)(x, stacked_params, stacked_states, dy)
 
-  def loss(params, states):
+
+@functools.cache
+def _unrolled_step(recipe, activations, n):
+  """The jitted step of ``unrolled``, compiled once per recipe, activations and depth."""
+
+  def loss(params, states, x, dy):
     h = x
     for i in range(n):
       p = jax.tree.map(lambda a, i=i: a[i], params)
@@ -58,9 +66,13 @@ def unrolled(x, stacked_params, stacked_states, dy, recipe, activations=GATED):
           p.get("wo_bias"), activations=activations, recipe=recipe, states=s, threshold=None)
     return jnp.sum(h * dy), h
 
-  (_, out), (g, s) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-      stacked_params, stacked_states)
-  return out, g, s
+  @jax.jit
+  def step(x, params, states, dy):
+    (_, out), (g, s) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        params, states, x, dy)
+    return out, g, s
+
+  return step
 
 
 def gemm_states(recipe, n=None):

@@ -1,5 +1,5 @@
 """Haiku LayerNormMLP: TE's parameters, each GEMM's state, Haiku's ordinary jax.grad loop against
-float64 and its state, hk.layer_stack over stacked blocks with and without hk.remat, and bad
+float64 and its state, hk.layer_stack under hk.remat over stacked blocks, and bad
 input."""
 
 import haiku as hk
@@ -54,7 +54,9 @@ def _loop(recipe, x, dy, params, steps):
   return out, grads[NAME], state
 
 
-@pytest.mark.parametrize("name", RECIPES)
+# Current scaling: against float64 in tests/core/test_mlp.py, and this adapter equal to the
+# others in tests/test_mlp_adapters_agree.py (fewer compiles for CI).
+@pytest.mark.parametrize("name", ["delayed", "block"])
 def test_ordinary_loop_against_float64(name, rel):
   x, dy = ref.inputs()
   params = ref.block_params()
@@ -73,16 +75,14 @@ def test_ordinary_loop_against_float64(name, rel):
     np.testing.assert_allclose(state[f"{NAME}/gemm_1"]["grad_scale"], [57344 / g], rtol=1e-6)
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["layer_stack", "layer_stack-remat"])
-def test_layer_stack_over_two_blocks_matches_unrolled(remat):
+def test_layer_stack_with_remat_over_two_blocks_matches_unrolled():
   recipe = RECIPES["delayed"]
 
   def block(h):
     return _block(recipe)(h)[0]
 
   def stack(x):
-    body = hk.remat(block, policy=core.save_quantized_operands) if remat else block
-    return hk.layer_stack(2)(body)(x)
+    return hk.layer_stack(2)(hk.remat(block, policy=core.save_quantized_operands))(x)
 
   model = hk.transform_with_state(stack)
   x, dy = ref.inputs()

@@ -1,5 +1,7 @@
 """NNX LayerNormMLP: TE's parameters, the state of both GEMMs, NNX's ordinary loop against
-float64 and its state, nnx.scan over stacked blocks with and without nnx.remat, and bad input."""
+float64 and its state, nnx.scan under nnx.remat over stacked blocks, and bad input."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +62,9 @@ def _loop(layer, x, dy, steps, lr=0.0):
   return out, nnx.to_pure_dict(grads)
 
 
-@pytest.mark.parametrize("name", RECIPES)
+# Current scaling: against float64 in tests/core/test_mlp.py, and this adapter equal to the
+# others in tests/test_mlp_adapters_agree.py (fewer compiles for CI).
+@pytest.mark.parametrize("name", ["delayed", "block"])
 def test_ordinary_loop_against_float64(name, rel):
   x, dy = ref.inputs()
   params = ref.block_params()
@@ -83,8 +87,7 @@ def test_ordinary_loop_against_float64(name, rel):
     np.testing.assert_allclose(layer.dot_general_0.x_amax_history[...], [0, a, a, a], rtol=1e-6)
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan-remat"])
-def test_nnx_scan_over_two_blocks_matches_unrolled(remat):
+def test_nnx_scan_with_remat_over_two_blocks_matches_unrolled():
   recipe = RECIPES["delayed"]
   stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), ref.block_params(1),
                          ref.block_params(2))
@@ -98,11 +101,9 @@ def test_nnx_scan_over_two_blocks_matches_unrolled(remat):
     getattr(blocks, name).set_value(value)
   x, dy = ref.inputs()
 
+  @functools.partial(nnx.remat, policy=core.save_quantized_operands)
   def call(block, h):
     return block(h)[0]
-
-  if remat:
-    call = nnx.remat(call, policy=core.save_quantized_operands)
 
   @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
   def forward(block, h):
