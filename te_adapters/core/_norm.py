@@ -2,10 +2,12 @@
 
 ``layernorm`` computes in float32 whatever the input dtype and returns the input's dtype; its
 custom VJP saves the input, the row statistics and gamma (as TE's does), not the normalized
-tensor. ``layernorm_dense`` feeds the norm's output straight into ``dot_general``: in one jitted
-computation XLA fuses the norm's elementwise pass into the amax and the FP8 cast of the GEMM's
-input, so no high-precision copy of the normalized tensor is written unless the caller asks for it
-(``return_layernorm_output=True``).
+tensor. ``layernorm_dense`` feeds the norm's output into ``dot_general`` within one jitted
+computation: the amax and the FP8 cast of the GEMM's input consume it there, the backward pass
+keeps only its FP8 copy, and it is returned only on request (``return_layernorm_output=True``).
+Whether XLA also fuses the norm's elementwise pass into the amax and cast fusions, so that the
+normalized tensor is never written, is XLA's choice per backend (``bench/layernorm_fusion.py``
+lists what the compiled forward writes).
 """
 
 from __future__ import annotations
@@ -182,8 +184,9 @@ def layernorm_dense(
   As TE's ``LayerNormDenseGeneral``, the norm runs over the last axis of ``x``, which is also
   the contracting axis (``axis`` must be -1), and the kernel contracts its leading axes.
 
-  Under ``jit`` the norm's output goes straight into the GEMM's amax and FP8 cast (XLA fuses
-  them); with ``return_layernorm_output=True`` it is also written out and returned.
+  Under ``jit`` the norm's output feeds the GEMM's amax and FP8 cast in the same computation,
+  and only its FP8 copy is kept for the backward pass; with ``return_layernorm_output=True`` it
+  is also returned.
 
   Args:
     x: the input, ``(..., K)``.

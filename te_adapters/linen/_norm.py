@@ -107,8 +107,8 @@ class LayerNormDenseGeneral(nn.Module):
   """TE's ``LayerNormDenseGeneral``: the norm, then a quantized GEMM (``core.layernorm_dense``).
 
   Returns ``(z, ln_out)`` as TE's: ``ln_out`` is the norm's output when
-  ``return_layernorm_output`` (TE's default), else ``None``; then the norm's output goes
-  straight into the GEMM's FP8 cast. Parameters as TE's: ``scale`` and ``ln_bias`` ``(K,)``,
+  ``return_layernorm_output`` (TE's default), else ``None`` (the norm's output then only feeds
+  the GEMM's FP8 cast). Parameters as TE's: ``scale`` and ``ln_bias`` ``(K,)``,
   ``kernel`` ``(K, *features)``, ``bias`` ``features`` (with ``use_bias``), in ``dtype``. The
   output has the input's dtype. Recipe state lives in ``_overwrite_with_gradient`` with TE's
   names (``x_scale``, ``x_amax_history``, ...), as for this package's ``DenseGeneral``.

@@ -120,8 +120,11 @@ def _train_ln_dense(recipe, x, g, b, w, dz, steps, layernorm_type="layernorm"):
   return z, (dx, dg, db, dw), state
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize(
+    "recipe, layernorm_type",
+    [(r, "layernorm") for r in RECIPES] + [(RECIPES[0], "rmsnorm")],
+    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+)
 def test_layernorm_dense_against_float64(recipe, layernorm_type, rel):
   x, g, b, _ = _inputs()
   w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
@@ -147,7 +150,8 @@ def test_layernorm_dense_high_precision_matches_norm_then_dot(rel):
   ref, _ = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w,
                       dz=np.zeros((4, 32, 64)))
   np.testing.assert_array_equal(ln, core.layernorm(x, g, b))
-  assert rel(z, ref) < 1e-5
+  # float32 GEMM: to float32 rounding on CPU; GPUs may run it with TF32 inputs.
+  assert rel(z, ref) < (1e-5 if jax.default_backend() == "cpu" else 5e-3)
 
 
 def test_delayed_state_moves_with_the_norm_output():

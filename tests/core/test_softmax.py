@@ -41,9 +41,13 @@ def _reference_grad(logits, masked, bias, scale, dy, extra=None):
 CAUSAL = np.triu(np.ones((8, 16), bool), 1)
 
 
-@pytest.mark.parametrize("fusion", list(core.SoftmaxFusionType), ids=lambda t: t.name)
-@pytest.mark.parametrize("softmax_type", core.SOFTMAX_TYPES)
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+CASES = [(f, t, jnp.float32, 1e-5) for f in core.SoftmaxFusionType for t in core.SOFTMAX_TYPES]
+CASES += [(core.SoftmaxFusionType.SCALED_MASKED, "vanilla", jnp.bfloat16, 1e-2),
+          (core.SoftmaxFusionType.SCALED_UPPER_TRIANG_MASKED, "learnable", jnp.bfloat16, 1e-2)]
+
+
+@pytest.mark.parametrize("fusion, softmax_type, dtype, tol", CASES,
+                         ids=lambda v: getattr(v, "name", None) or str(v))
 def test_softmax_against_float64(fusion, softmax_type, dtype, tol, rel):
   logits, mask, bias, dy = _data()
   scale = 0.125
