@@ -5,6 +5,7 @@ with a custom VJP whose state gradient is the next step's state. GEMMs too small
 stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in_fp8``).
 """
 
+from te_adapters.core._activation import ACTIVATIONS, activation, normalize_activations
 from te_adapters.core._config import GemmConfig, check_config
 from te_adapters.core._frozen import FrozenStateWarning
 from te_adapters.core._gemm import dot_general
@@ -26,6 +27,8 @@ from te_adapters.core._layer import (
     gemm_dims_refusal,
     kernel_gemm_dims,
 )
+from te_adapters.core._lora import check_lora_rank, lora_shapes, low_rank_adaptation
+from te_adapters.core._mlp import dropout, layernorm_mlp
 from te_adapters.core._norm import LAYERNORM_TYPES, layernorm, layernorm_dense
 from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
@@ -71,6 +74,9 @@ from te_adapters.core._threshold import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
+    "activation",
+    "normalize_activations",
     "DEFAULT_RECIPE",
     "DEFAULT_THRESHOLD",
     "GEMM_DIM_MULTIPLE",
@@ -124,7 +130,12 @@ __all__ = [
     "hlo_collectives",
     "hlo_dot_operand_types",
     "init_ragged_state",
+    "check_lora_rank",
+    "dropout",
     "init_state",
+    "layernorm_mlp",
+    "lora_shapes",
+    "low_rank_adaptation",
     "quantize",
     "ragged_dot",
     "high_precision_reason",

@@ -16,6 +16,7 @@ require("haiku", "te_adapters.haiku", "haiku")
 from te_adapters.haiku._experts import GroupedLinear
 from te_adapters.haiku._intercept import QuantizeReport, quantize
 from te_adapters.haiku._linear import Linear
+from te_adapters.haiku._mlp import LayerNormMLP
 from te_adapters.haiku._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.haiku._train import (
     RECIPE_STATE_NAMES,
@@ -29,6 +30,7 @@ __all__ = [
     "GroupedLinear",
     "LayerNorm",
     "LayerNormDenseGeneral",
+    "LayerNormMLP",
     "RECIPE_STATE_NAMES",
     "Softmax",
     "Linear",

@@ -158,6 +158,9 @@ class Linear(hk.Linear):
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,
+      enable_low_rank_adaptation: bool = False,
+      low_rank_adaptation_dim: int = 32,
+      low_rank_adaptation_alpha: float | None = None,
   ):
     """Constructs the quantized Linear module.
 
@@ -177,6 +180,15 @@ class Linear(hk.Linear):
         as FP8).
       config: passed to ``core.dot_general``: a ``core.GemmConfig``, or ``None`` for the
         default.
+      enable_low_rank_adaptation: TE's LoRA: adds
+        ``core.low_rank_adaptation(x, lora_a_kernel, lora_b_kernel)`` in high precision, with
+        parameters ``lora_a_kernel`` ``[input_size, r]`` (``w``'s initialiser) and
+        ``lora_b_kernel`` ``[r, output_size]`` (zeros). Train them alone by differentiating
+        only the parameters named ``lora_*`` (``hk.data_structures.partition``).
+      low_rank_adaptation_dim: the rank ``r`` (default 32, at most
+        ``min(input_size, output_size)``).
+      low_rank_adaptation_alpha: the LoRA term is scaled by ``alpha / r``; ``None`` (default)
+        scales by 1.
     """
     super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
     self.recipe = None if recipe is None else core.check_recipe(recipe)
@@ -184,6 +196,9 @@ class Linear(hk.Linear):
     self.amax_axes = amax_axes
     self.kernel_all_gather = kernel_all_gather
     self.config = core.check_config(config)
+    self.enable_low_rank_adaptation = bool(enable_low_rank_adaptation)
+    self.low_rank_adaptation_dim = low_rank_adaptation_dim
+    self.low_rank_adaptation_alpha = low_rank_adaptation_alpha
 
   def __call__(self, inputs: jax.Array, *, precision: lax.Precision | None = None) -> jax.Array:
     """Computes ``inputs @ w + b`` with the GEMM quantized per the recipe.
@@ -195,7 +210,21 @@ class Linear(hk.Linear):
     Returns:
       An array of shape ``[..., output_size]`` with the dtype of ``inputs``.
     """
-    return linear_forward(
+    if self.enable_low_rank_adaptation and jnp.ndim(inputs):
+      core.check_lora_rank(
+          self.low_rank_adaptation_dim, jnp.shape(inputs)[-1], self.output_size, self.module_name
+      )
+    out = linear_forward(
         self, inputs, precision, self.recipe, self.threshold, self.amax_axes,
         self.kernel_all_gather, self.config,
     )
+    if not self.enable_low_rank_adaptation:
+      return out
+    a_shape, b_shape = core.lora_shapes(self.input_size, self.output_size,
+                                        self.low_rank_adaptation_dim)
+    dtype = jnp.asarray(inputs).dtype
+    w_init = self.w_init or hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(self.input_size))
+    lora_a = hk.get_parameter("lora_a_kernel", a_shape, dtype, init=w_init)
+    lora_b = hk.get_parameter("lora_b_kernel", b_shape, dtype, init=jnp.zeros)
+    lora = core.low_rank_adaptation(inputs, lora_a, lora_b, alpha=self.low_rank_adaptation_alpha)
+    return out + lora.astype(out.dtype)

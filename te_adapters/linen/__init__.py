@@ -1,11 +1,12 @@
 """Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, TE's ``LayerNorm``,
-``LayerNormDenseGeneral`` and ``Softmax``, ``quantize`` (an existing model, no edits) and a train
-state."""
+``LayerNormDenseGeneral``, ``LayerNormMLP`` and ``Softmax``, ``quantize`` (an existing model, no
+edits) and a train state."""
 
 from te_adapters._requires import require
 
 require("flax", "te_adapters.linen", "flax")
 
+from te_adapters.linen._mlp import LayerNormMLP
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,
     SR_RNG,
@@ -25,6 +26,7 @@ __all__ = [
     "DenseGeneral",
     "LayerNorm",
     "LayerNormDenseGeneral",
+    "LayerNormMLP",
     "QuantizeReport",
     "QuantizedDotGeneral",
     "SR_RNG",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
 
 from te_adapters import core
 
@@ -180,15 +182,75 @@ class Dense(nn.Dense):
 
 
 class DenseGeneral(nn.DenseGeneral):
-  """``flax.linen.DenseGeneral`` with a ``recipe`` (same fields and parameters plus ``recipe``,
-  ``threshold``, ``amax_axes``, ``kernel_all_gather`` and ``config``, as for ``Dense``)."""
+  """``flax.linen.DenseGeneral`` with a ``recipe`` and TE's low-rank adaptation.
+
+  Same fields and parameters as ``nn.DenseGeneral``, plus ``recipe``, ``threshold``,
+  ``amax_axes``, ``kernel_all_gather`` and ``config`` (as for ``Dense``), and TE's LoRA fields:
+  with ``enable_low_rank_adaptation=True`` the layer adds
+  ``core.low_rank_adaptation(x, lora_a_kernel, lora_b_kernel, alpha=low_rank_adaptation_alpha)``
+  to its output. ``lora_a_kernel`` (``(*contracted, *features[:-1], r)``, the kernel's
+  initialiser) and ``lora_b_kernel`` (``(*features[:-1], r, features[-1])``, zeros) are TE's
+  parameters; ``r = low_rank_adaptation_dim`` (default 32, at most ``min(K, features[-1])``).
+  The LoRA GEMMs run in high precision; the base ``kernel``'s GEMM is quantized by the recipe.
+  To train the adapters alone, leave ``kernel`` out of the optimizer (``optax.masked`` or
+  ``optax.multi_transform`` on the parameter names).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from te_adapters import linen as ta_linen
+    >>> layer = ta_linen.DenseGeneral(16, enable_low_rank_adaptation=True,
+    ...                               low_rank_adaptation_dim=4)
+    >>> params = layer.init(jax.random.PRNGKey(0), jnp.ones((2, 32)))["params"]
+    >>> {k: v.shape for k, v in sorted(params.items())}
+    {'bias': (16,), 'kernel': (32, 16), 'lora_a_kernel': (32, 4), 'lora_b_kernel': (4, 16)}
+  """
 
   recipe: Any = core.DEFAULT_RECIPE
   threshold: Any = core.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None
+  enable_low_rank_adaptation: bool = False
+  low_rank_adaptation_dim: int = 32
+  low_rank_adaptation_alpha: float | None = None
 
   def __post_init__(self):
     _with_recipe_dot_general(self)
     super().__post_init__()
+
+  @nn.compact
+  def __call__(self, inputs):
+    if not self.enable_low_rank_adaptation:
+      return super().__call__(inputs)
+    if _as_tuple(self.batch_dims):
+      raise ValueError("DenseGeneral: low-rank adaptation does not take batch_dims")
+    features = _as_tuple(self.features)
+    axis = tuple(a % inputs.ndim for a in _as_tuple(self.axis))
+    in_shape = tuple(inputs.shape[a] for a in axis)
+    rank = self.low_rank_adaptation_dim
+    core.check_lora_rank(rank, in_shape, features, f"DenseGeneral({features})")
+    y = super().__call__(inputs)
+    a_shape, b_shape = core.lora_shapes(in_shape, features, rank)
+    lora_a = self.param("lora_a_kernel", _flat_init(self.kernel_init, len(in_shape)), a_shape,
+                        self.param_dtype)
+    lora_b = self.param("lora_b_kernel", nn.initializers.zeros_init(), b_shape, self.param_dtype)
+    inputs, lora_a, lora_b = self.promote_dtype(inputs, lora_a, lora_b, dtype=self.dtype)
+    lora = core.low_rank_adaptation(
+        inputs, lora_a, lora_b, axis=axis, alpha=self.low_rank_adaptation_alpha
+    )
+    return y + lora.astype(y.dtype)
+
+
+def _as_tuple(value) -> tuple:
+  return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _flat_init(init, n_in: int):
+  """``init`` on the matrix view ``(contracted, rest)`` of a shape, as ``nn.DenseGeneral``
+  initialises its kernel (fan-in = the contracted size)."""
+
+  def wrapped(key, shape, dtype=jnp.float32):
+    flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
+    return jnp.reshape(init(key, flat, dtype), shape)
+
+  return wrapped

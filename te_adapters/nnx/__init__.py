@@ -19,6 +19,7 @@ require("flax", "te_adapters.nnx", "flax")
 from te_adapters.nnx._convert import QuantizeReport, quantize_model
 from te_adapters.nnx._experts import GroupedLinear
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
+from te_adapters.nnx._mlp import LayerNormMLP
 from te_adapters.nnx._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.nnx._ops import DotGeneral, EinsumOp
 from te_adapters.nnx._train import grad, recipe_state, update_recipe_state, value_and_grad
@@ -31,6 +32,7 @@ __all__ = [
     "GroupedLinear",
     "LayerNorm",
     "LayerNormDenseGeneral",
+    "LayerNormMLP",
     "Linear",
     "LinearGeneral",
     "QuantizeReport",

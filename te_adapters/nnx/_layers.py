@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import linear as nnx_linear
 
@@ -40,7 +41,7 @@ def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **o
   return op_cls(recipe, **options)
 
 
-def _with_options(parent_init):
+def _with_options(parent_init, lora: bool = False):
   """The NNX parent's ``__init__`` signature plus the quantization options, keyword-only: what
   ``inspect.signature`` and ``help`` show for a layer that passes the parent's arguments on."""
   sig = inspect.signature(parent_init)
@@ -52,7 +53,55 @@ def _with_options(parent_init):
       inspect.Parameter("kernel_all_gather", inspect.Parameter.KEYWORD_ONLY, default=None),
       inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
   ]
+  if lora:
+    options += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+        for name, default in _LORA_DEFAULTS.items()
+    ]
   return sig.replace(parameters=[*sig.parameters.values(), *options])
+
+
+# TE's low-rank adaptation fields, with TE's defaults.
+_LORA_DEFAULTS = {
+    "enable_low_rank_adaptation": False,
+    "low_rank_adaptation_dim": 32,
+    "low_rank_adaptation_alpha": None,
+}
+
+
+def _add_lora(layer, in_shape, features, given, lora, what: str) -> None:
+  """Creates TE's ``lora_a_kernel`` / ``lora_b_kernel`` as ``nnx.LoRAParam`` when enabled.
+
+  ``lora_a_kernel`` takes the layer's ``kernel_init`` on its matrix view (fan-in = the
+  contracted size), ``lora_b_kernel`` zeros, so the layer starts equal to its base.
+  """
+  layer.enable_low_rank_adaptation = bool(lora["enable_low_rank_adaptation"])
+  layer.low_rank_adaptation_alpha = lora["low_rank_adaptation_alpha"]
+  if not layer.enable_low_rank_adaptation:
+    return
+  rank = lora["low_rank_adaptation_dim"]
+  core.check_lora_rank(rank, in_shape, features, what)
+  a_shape, b_shape = core.lora_shapes(in_shape, features, rank)
+  flat = (math.prod(in_shape), math.prod(a_shape[len(in_shape):]))
+  rngs, dtype = given["rngs"], given["param_dtype"]
+  a = given["kernel_init"](rngs.params(), flat, dtype).reshape(a_shape)
+  layer.lora_a_kernel = nnx.LoRAParam(a)
+  layer.lora_b_kernel = nnx.LoRAParam(jnp.zeros(b_shape, dtype))
+
+
+def _lora_term(layer, inputs, y, axis):
+  """``y`` plus the layer's LoRA term (``core.low_rank_adaptation``) when it has one."""
+  if not layer.enable_low_rank_adaptation:
+    return y
+  x, a, b = layer.promote_dtype(
+      (inputs, layer.lora_a_kernel[...], layer.lora_b_kernel[...]), dtype=layer.dtype
+  )
+  lora = core.low_rank_adaptation(x, a, b, axis=axis, alpha=layer.low_rank_adaptation_alpha)
+  return y + lora.astype(y.dtype)
+
+
+def _pop_lora(kwargs) -> dict:
+  return {name: kwargs.pop(name, default) for name, default in _LORA_DEFAULTS.items()}
 
 
 def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
@@ -92,6 +141,11 @@ class Linear(nnx.Linear):
     config: passed to ``core.dot_general``: a ``core.GemmConfig``, or ``None`` for the default.
     amax_axes, kernel_all_gather: passed to ``core.dot_general`` (SPMD: the mesh axes amaxes are
       reduced over inside ``shard_map``; FSDP's FP8 kernel all-gather).
+    enable_low_rank_adaptation, low_rank_adaptation_dim, low_rank_adaptation_alpha: TE's LoRA
+      (default off, rank 32, alpha None): ``nnx.LoRAParam`` variables ``lora_a_kernel``
+      (in, r) and ``lora_b_kernel`` (r, out, zeros) whose term ``core.low_rank_adaptation``
+      adds in high precision; ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` trains them
+      alone, leaving the quantized base kernel frozen.
     **others: as for ``flax.nnx.Linear``. ``dot_general`` cannot be combined with a recipe.
 
   Example:
@@ -110,9 +164,10 @@ class Linear(nnx.Linear):
       self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
       kernel_all_gather=None, config=None, **kwargs,
   ):
+    lora = _pop_lora(kwargs)
     given = _parent_arguments(nnx.Linear.__init__, self, args, kwargs)
+    k, n = given["in_features"], given["out_features"]
     if recipe is not None:
-      k, n = given["in_features"], given["out_features"]
       check_gemm_dims(k, n, f"Linear({k}, {n})")
     kwargs["dot_general"] = _quantized_op(
         DotGeneral, recipe, given["dot_general"], _LINEAR_DOT, "dot_general", "Linear",
@@ -123,13 +178,15 @@ class Linear(nnx.Linear):
     self.recipe = recipe
     self.threshold = threshold
     _attach_rngs(self.dot_general, given["rngs"])
+    _add_lora(self, (k,), (n,), given, lora, f"Linear({k}, {n})")
 
-  __init__.__signature__ = _with_options(nnx.Linear.__init__)
+  __init__.__signature__ = _with_options(nnx.Linear.__init__, lora=True)
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
     with call_rngs(rngs):
-      return super().__call__(inputs, out_sharding=out_sharding)
+      y = super().__call__(inputs, out_sharding=out_sharding)
+    return _lora_term(self, inputs, y, -1)
 
 
 class LinearGeneral(nnx.LinearGeneral):
@@ -147,6 +204,9 @@ class LinearGeneral(nnx.LinearGeneral):
     recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); ``None`` gives a plain
       ``nnx.LinearGeneral``.
     threshold, amax_axes, kernel_all_gather, config: as for ``Linear``.
+    enable_low_rank_adaptation, low_rank_adaptation_dim, low_rank_adaptation_alpha: as for
+      ``Linear``; ``lora_a_kernel`` ``(*in_features, *out_features[:-1], r)``,
+      ``lora_b_kernel`` ``(*out_features[:-1], r, out_features[-1])`` (TE's shapes).
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
 
@@ -163,6 +223,7 @@ class LinearGeneral(nnx.LinearGeneral):
       self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
       kernel_all_gather=None, config=None, **kwargs,
   ):
+    lora = _pop_lora(kwargs)
     given = _parent_arguments(nnx.LinearGeneral.__init__, self, args, kwargs)
     in_features, out_features = given["in_features"], given["out_features"]
     if recipe is not None:
@@ -180,13 +241,21 @@ class LinearGeneral(nnx.LinearGeneral):
     self.recipe = recipe
     self.threshold = threshold
     _attach_rngs(self.dot_general, given["rngs"])
+    if lora["enable_low_rank_adaptation"] and given["batch_axis"]:
+      raise ValueError("LinearGeneral: low-rank adaptation does not take batch_axis")
+    _add_lora(
+        self, nnx_linear._canonicalize_tuple(in_features),
+        nnx_linear._canonicalize_tuple(out_features), given, lora,
+        f"LinearGeneral({in_features}, {out_features})",
+    )
 
-  __init__.__signature__ = _with_options(nnx.LinearGeneral.__init__)
+  __init__.__signature__ = _with_options(nnx.LinearGeneral.__init__, lora=True)
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
     with call_rngs(rngs):
-      return super().__call__(inputs, out_sharding=out_sharding)
+      y = super().__call__(inputs, out_sharding=out_sharding)
+    return _lora_term(self, inputs, y, self.axis)
 
 
 class Einsum(nnx.Einsum):
