@@ -360,15 +360,18 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
   variants = _linen_variants(lambda cls: _FlaxLnMlp(hidden, intermediate, cls), recipes)
   if hasattr(ta_linen, "LayerNormMLP"):
     for label, recipe in recipes:
+      # TE's fields: float32 parameters, computed in the input's dtype; no dropout here.
       variants.append((f"LayerNormMLP {label}", ta_linen.LayerNormMLP(
           intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
-          dtype=jnp.bfloat16, recipe=recipe, threshold=None)))
+          intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipe,
+          threshold=None)))
   rows = []
   for name, model in variants:
-    variables = model.init(key, x)
+    kw = {"deterministic": True} if isinstance(model, getattr(ta_linen, "LayerNormMLP", ())) else {}
+    variables = model.init(key, x, **kw)
 
-    def apply_fn(v, x, model=model):
-      y = model.apply(v, x)
+    def apply_fn(v, x, model=model, kw=kw):
+      y = model.apply(v, x, **kw)
       return y[0] if isinstance(y, tuple) else y
 
     step = _speedometer(apply_fn)
