@@ -227,9 +227,12 @@ def _keep_state_fwd(y, state):
 
 def _keep_state_bwd(residuals, g):
   state, witness = residuals
-  new_state = {k: _unchanged(v) for k, v in state.items()}
-  new_state = {k: _sharding.match_cotangent(v, witness[k]) for k, v in new_state.items()}
-  return g, new_state
+  return g, _match_state(jax.tree_util.tree_map(_unchanged, state), witness)
+
+
+def _match_state(new_state, witness):
+  """The new state, each leaf with its old leaf's varying mesh axes (see ``match_cotangent``)."""
+  return jax.tree_util.tree_map(_sharding.match_cotangent, new_state, witness)
 
 
 def _unchanged(leaf):
@@ -349,7 +352,7 @@ def _scaled_dot(
 
 
 def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
-  """The scale one operand is quantized with; returns (scale, new state entries for the role).
+  """The scale one operand is quantized with; returns (scale, the role's new ``RoleState``).
 
   ``a``: the operand's amax when already computed (by a fused cast), else computed here. On a
   mesh it is made global first (``_sharding.global_amax``).
@@ -362,7 +365,7 @@ def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
 
 
 def _quantize_role(x, role, q_dtype, recipe, state, plan):
-  """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
+  """Quantizes one operand; returns (data, scale_inv, the role's new state)."""
   scale, new = _role_scale(x, role, q_dtype, recipe, state, plan)
   data = _scaled_tensor.cast_with_scale(x, scale, q_dtype)
   return data, _scaling.scale_inverse(scale), new
@@ -393,7 +396,7 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, 
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
   witness = jax.tree_util.tree_map(_sharding.type_witness, (lhs, rhs, state))
   gathered = None if q_w_full is q_w else q_w_full
-  residuals = (q_x, sinv_x, q_w, gathered, sinv_w, {**new_x, **new_w}, state, witness)
+  residuals = (q_x, sinv_x, q_w, gathered, sinv_w, {"x": new_x, "kernel": new_w}, state, witness)
   return y, residuals
 
 
@@ -401,8 +404,7 @@ def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, config, res
   q_x, sinv_x, q_w, q_w_full, sinv_w, new_fwd_state, state, witness = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, grad_state, plan)
+  q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, state, plan)
   q_w_full = q_w if q_w_full is None else q_w_full
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
   out_sharding = _sharding.transposed_out_sharding(q_x, perm)
@@ -420,15 +422,14 @@ def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, config, res
   )
   dw = _sharding.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
   dw = _sharding.match_cotangent(dw, witness[1]).astype(rhs_dtype)
-  new_state = _batching.combine_over_batch(
-      {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
-  new_state = {k: _sharding.match_cotangent(v, witness[2][k]) for k, v in new_state.items()}
-  return dx, dw, new_state
+  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
+  new_state = _batching.combine_over_batch(new_state, state, functools.partial(_rescale, recipe))
+  return dx, dw, _match_state(new_state, witness[2])
 
 
 _fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
-# For tests and tools: roles in the order the state dict lists them.
+# For tests and tools: roles in the order the state lists them.
 STATE_ROLES = ROLES
 
 
@@ -518,7 +519,7 @@ def _cast_both(x, scale, q_dtype, config, with_amax=False):
 
 
 def _quantize_both(x, role, q_dtype, recipe, state, plan, config):
-  """Both FP8 orientations of one operand; returns (q, q_t, scale, new state entries)."""
+  """Both FP8 orientations of one operand; returns (q, q_t, scale, the role's new state)."""
   scale = _tensor_scaling.of(recipe).stored_scale(state, role)
   if scale is not None:
     # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
@@ -573,7 +574,8 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
   witness = jax.tree_util.tree_map(_sharding.type_witness, (x3, w3, state))
-  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, state, dtypes, shard, witness)
+  new_fwd_state = {"x": new_x, "kernel": new_w}
+  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, new_fwd_state, state, dtypes, shard, witness)
   return y, residuals
 
 
@@ -581,9 +583,8 @@ def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, config, residuals, g)
   q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, protos, shard, witness = residuals
   x_proto, w_proto = protos
   del out_dtype
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   bwd = recipe.bwd_dtype
-  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state, plan, config)
+  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, state, plan, config)
   sinv_g = _scaling.scale_inverse(scale_g)
   swap = tuple(range(q_xt.ndim - 2)) + (q_xt.ndim - 1, q_xt.ndim - 2)
   # With Explicit mesh axes each cotangent gets its primal's sharding.
@@ -603,10 +604,9 @@ def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, config, residuals, g)
   # Inside shard_map: sums over the mesh axes a primal is replicated on (pvary's transpose).
   dx = _sharding.match_cotangent(dx, witness[0])  # (.., M, K)
   dw = _sharding.match_cotangent(dw, witness[1]).astype(w_proto.dtype)
-  new_state = _batching.combine_over_batch(
-      {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
-  new_state = {k: _sharding.match_cotangent(v, witness[2][k]) for k, v in new_state.items()}
-  return dx, dw, new_state
+  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
+  new_state = _batching.combine_over_batch(new_state, state, functools.partial(_rescale, recipe))
+  return dx, dw, _match_state(new_state, witness[2])
 
 
 def _rescale(recipe, role, history, old_history, old_scale):

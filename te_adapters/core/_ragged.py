@@ -63,8 +63,8 @@ from te_adapters.core import (
   _state,
 )
 from te_adapters.core._grouping import row_groups
+from te_adapters.core._recipe_state import ROLES, DelayedScalingState, RoleState
 from te_adapters.core._recipes import DelayedScaling, MXFP8BlockScaling, check_recipe
-from te_adapters.core._state import ROLES
 
 __all__ = ["ragged_dot", "init_ragged_state", "check_ragged_state"]
 
@@ -82,19 +82,19 @@ _WGRAD_DIMS = _grouping.PER_GROUP_WGRAD_DIMS
 _FP8_ALIGNMENT = 16
 
 
-def init_ragged_state(recipe, num_groups: int) -> dict[str, jax.Array]:
+def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
   """The initial state of one grouped GEMM (``ragged_dot``) with ``num_groups`` groups.
 
-  For ``DelayedScaling``: ``{x,kernel,grad}_scale`` float32 (G, 1), ones, and
-  ``{x,kernel,grad}_amax_history`` float32 (G, L), zeros; slice ``g`` of each is the state of
-  expert g. ``{}`` for stateless recipes.
+  For ``DelayedScaling``: a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` float32
+  (G, 1), ones, and ``{x,kernel,grad}_amax_history`` float32 (G, L), zeros; slice ``g`` of each
+  is the state of expert g. ``{}`` for stateless recipes.
 
   Args:
     recipe: a recipe instance.
     num_groups: G, the number of groups (experts).
 
   Returns:
-    A dict of float32 arrays (empty for stateless recipes).
+    The state (``{}`` for stateless recipes).
 
   Example:
     >>> import te_adapters as ta
@@ -104,10 +104,16 @@ def init_ragged_state(recipe, num_groups: int) -> dict[str, jax.Array]:
   """
   recipe = check_ragged_recipe(recipe)
   num_groups = _check_num_groups(num_groups)
-  return {
-      name: jnp.full(shape, 1.0 if name.endswith("_scale") else 0.0, jnp.float32)
-      for name, shape in _expected_shapes(recipe, num_groups).items()
-  }
+  if not isinstance(recipe, DelayedScaling):
+    return {}
+  history_len = recipe.amax_history_len
+  return DelayedScalingState.from_roles({
+      role: RoleState(
+          scale=jnp.ones((num_groups, 1), jnp.float32),
+          amax_history=jnp.zeros((num_groups, history_len), jnp.float32),
+      )
+      for role in ROLES
+  })
 
 
 _SUPPORTED = (
@@ -328,12 +334,12 @@ def _to_tensor_amax(amax: jax.Array) -> jax.Array:
 
 
 def _role_scales(amax, role, q_dtype, recipe, state):
-  """Per-group scales [G] for one role; returns (scale, new state entries for the role)."""
+  """Per-group scales [G] for one role; returns (scale, the role's new ``RoleState`` or None)."""
   limit = _scaling.fp8_max(q_dtype)
   if not isinstance(recipe, DelayedScaling):
-    return _scaling.compute_scale(amax, limit, 1.0), {}
-  scale_ref = state[f"{role}_scale"]
-  history_ref = state[f"{role}_amax_history"]
+    return _scaling.compute_scale(amax, limit, 1.0), None
+  own = state.role(role)
+  scale_ref, history_ref = own.scale, own.amax_history
   update = functools.partial(
       _scaling.delayed_update_and_flag,
       max_value=limit,
@@ -344,10 +350,10 @@ def _role_scales(amax, role, q_dtype, recipe, state):
   new_scale, new_history, updated = jax.vmap(update)(
       amax[:, None], old_scale, _accumulate.to_float32(history_ref)
   )
-  new = {
-      f"{role}_scale": _accumulate.encode_scale(new_scale, updated, old_scale, scale_ref),
-      f"{role}_amax_history": _accumulate.like(new_history, history_ref),
-  }
+  new = RoleState(
+      scale=_accumulate.encode_scale(new_scale, updated, old_scale, scale_ref),
+      amax_history=_accumulate.like(new_history, history_ref),
+  )
   # Delayed scaling quantizes with the stored scale; the new one is for the next step.
   return _accumulate.to_float32(scale_ref)[:, 0], new
 
@@ -415,20 +421,21 @@ def _fp8_fwd(
     )
     y = (y * _per_row(sinv_x * sinv_w, ids, 0.0)[:, None]).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {**new_x, **new_w}, grad_state)
+  residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {"x": new_x, "kernel": new_w}, state)
   return y, residuals
 
 
 def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, residuals, g):
-  q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, grad_state = residuals
+  q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, state = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
   num_groups = q_w.shape[0]
   ids = row_groups(group_sizes, q_x.shape[0])
   q_g, sinv_g, new_g = _quantize_rows(
-      g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, grad_state, granularity
+      g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, state, granularity
   )
+  roles = {**new_fwd_state, "grad": new_g}
+  new_state = state.with_roles(roles) if isinstance(state, DelayedScalingState) else {}
   if native:
     sizes = _grouped_kernel.clamped_sizes(group_sizes, q_x.shape[0])
     dx = _grouped_kernel.rows_gemm(
@@ -439,7 +446,7 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, 
         q_x, q_g, sizes, sinv_x * sinv_g, rhs_dtype,
         _grouped_kernel.fast_accumulation(precision, "wgrad", recipe),
     )
-    return dx, dw, None, {**new_fwd_state, **new_g}
+    return dx, dw, None, new_state
   dx = lax.ragged_dot_general(
       q_g, q_w, group_sizes, _DGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
   )
@@ -448,7 +455,7 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, 
       q_x, q_g, group_sizes, _WGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
   )
   dw = (dw * (sinv_x * sinv_g)[:, None, None]).astype(rhs_dtype)
-  return dx, dw, None, {**new_fwd_state, **new_g}
+  return dx, dw, None, new_state
 
 
 _fp8_ragged_dot.defvjp(_fp8_fwd, _fp8_bwd)
