@@ -53,18 +53,20 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-  _accumulate,
+  _block_scaled,
   _grouped_kernel,
   _grouping,
+  _mxfp8,
   _ragged_mxfp8,
   _remat,
   _scaled_tensor,
   _scaling,
   _state,
+  _tensor_scaling,
 )
 from te_adapters.core._grouping import row_groups
-from te_adapters.core._recipe_state import ROLES, DelayedScalingState, RoleState
-from te_adapters.core._recipes import DelayedScaling, MXFP8BlockScaling, check_recipe
+from te_adapters.core._recipe_state import DelayedScalingState
+from te_adapters.core._recipes import check_recipe
 
 __all__ = ["ragged_dot", "init_ragged_state", "check_ragged_state"]
 
@@ -104,16 +106,8 @@ def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
   """
   recipe = check_ragged_recipe(recipe)
   num_groups = _check_num_groups(num_groups)
-  if not isinstance(recipe, DelayedScaling):
-    return {}
-  history_len = recipe.amax_history_len
-  return DelayedScalingState.from_roles({
-      role: RoleState(
-          scale=jnp.ones((num_groups, 1), jnp.float32),
-          amax_history=jnp.zeros((num_groups, history_len), jnp.float32),
-      )
-      for role in ROLES
-  })
+  one = _tensor_scaling.of(recipe).init_state(recipe)
+  return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_groups, *leaf.shape)), one)
 
 
 _SUPPORTED = (
@@ -122,10 +116,15 @@ _SUPPORTED = (
 )
 
 
+# The block-scaled formats with a grouped GEMM, and it: ``(lhs, rhs, group_sizes, out_dtype,
+# recipe) -> [M, N]``. A format missing here is refused by ``ragged_dot``.
+GROUPED_GEMMS = {_mxfp8.FORMAT: _ragged_mxfp8.mxfp8_ragged_dot}
+
+
 def check_ragged_recipe(recipe):
   """``check_recipe`` for grouped GEMMs: also refuses the recipes ``ragged_dot`` lacks."""
   recipe = check_recipe(recipe)
-  if recipe.block_scaled and not isinstance(recipe, MXFP8BlockScaling):
+  if recipe.block_scaled and _block_scaled.format_of(recipe) not in GROUPED_GEMMS:
     raise NotImplementedError(
         f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support "
         f"{_SUPPORTED}"
@@ -142,13 +141,10 @@ def _check_num_groups(num_groups) -> int:
 
 
 def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
-  if not isinstance(recipe, DelayedScaling):
+  if recipe.block_scaled:
     return {}
-  shapes = {}
-  for role in ROLES:
-    shapes[f"{role}_scale"] = (num_groups, 1)
-    shapes[f"{role}_amax_history"] = (num_groups, recipe.amax_history_len)
-  return shapes
+  shapes = _tensor_scaling.of(recipe).state_shapes(recipe)
+  return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
 
 def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int) -> dict:
@@ -272,7 +268,8 @@ def ragged_dot(
       group_sizes,
   ).dtype
   if recipe.block_scaled:
-    return _ragged_mxfp8.mxfp8_ragged_dot(lhs, rhs, group_sizes, out_dtype, recipe)
+    grouped_gemm = GROUPED_GEMMS[_block_scaled.format_of(recipe)]
+    return grouped_gemm(lhs, rhs, group_sizes, out_dtype, recipe)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
   native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
@@ -334,28 +331,15 @@ def _to_tensor_amax(amax: jax.Array) -> jax.Array:
 
 
 def _role_scales(amax, role, q_dtype, recipe, state):
-  """Per-group scales [G] for one role; returns (scale, the role's new ``RoleState`` or None)."""
-  limit = _scaling.fp8_max(q_dtype)
-  if not isinstance(recipe, DelayedScaling):
-    return _scaling.compute_scale(amax, limit, 1.0), None
-  own = state.role(role)
-  scale_ref, history_ref = own.scale, own.amax_history
-  update = functools.partial(
-      _scaling.delayed_update_and_flag,
-      max_value=limit,
-      margin=recipe.margin,
-      algo=recipe.amax_compute_algo,
+  """Per-group scales [G] for one role; returns (scale, the role's new state or None).
+
+  Each group is one GEMM of the recipe's scaling (``_tensor_scaling``), its state slice g.
+  """
+  next_scale = functools.partial(
+      _tensor_scaling.of(recipe).next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
   )
-  old_scale = _accumulate.to_float32(scale_ref)
-  new_scale, new_history, updated = jax.vmap(update)(
-      amax[:, None], old_scale, _accumulate.to_float32(history_ref)
-  )
-  new = RoleState(
-      scale=_accumulate.encode_scale(new_scale, updated, old_scale, scale_ref),
-      amax_history=_accumulate.like(new_history, history_ref),
-  )
-  # Delayed scaling quantizes with the stored scale; the new one is for the next step.
-  return _accumulate.to_float32(scale_ref)[:, 0], new
+  scale, new = jax.vmap(lambda a, s: next_scale(a, s))(amax[:, None], state)
+  return scale[:, 0], new
 
 
 def _quantize_rows(x, ids, num_groups, role, q_dtype, recipe, state, granularity):
@@ -434,8 +418,7 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, 
   q_g, sinv_g, new_g = _quantize_rows(
       g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, state, granularity
   )
-  roles = {**new_fwd_state, "grad": new_g}
-  new_state = state.with_roles(roles) if isinstance(state, DelayedScalingState) else {}
+  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
   if native:
     sizes = _grouped_kernel.clamped_sizes(group_sizes, q_x.shape[0])
     dx = _grouped_kernel.rows_gemm(
