@@ -28,6 +28,7 @@ _FIELDS = tuple(
     (role, kind, f"{role}_{kind}") for role in ROLES for kind in ("scale", "amax_history")
 )
 NAMES: tuple[str, ...] = tuple(name for _, _, name in _FIELDS)
+_SORTED = tuple(sorted(NAMES))
 # How a leaf combines across uses under ``with_max_grad``: scales as scales, histories by max.
 _KIND = {name: ("scale" if kind == "scale" else "max") for _, kind, name in _FIELDS}
 
@@ -129,17 +130,19 @@ class DelayedScalingState(Mapping):
 
   # --- pytree ------------------------------------------------------------------------------
 
+  # As a dict of the same names flattens: dict keys in sorted order, so paths read ['x_scale']
+  # and the leaves come in the dict layout's order (checkpoints keep their names and order).
+
   def tree_flatten_with_keys(self):
-    # Dict keys, so paths read ['x_scale'] as in the dict layout (checkpoints keep their names).
-    return [(jax.tree_util.DictKey(n), getattr(self, n)) for n in NAMES], None
+    return [(jax.tree_util.DictKey(n), getattr(self, n)) for n in _SORTED], None
 
   def tree_flatten(self):
-    return [getattr(self, n) for n in NAMES], None
+    return [getattr(self, n) for n in _SORTED], None
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     del aux
-    return cls(*children)
+    return cls(**dict(zip(_SORTED, children, strict=True)))
 
 
 def _check_role(role) -> None:

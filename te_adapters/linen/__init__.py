@@ -5,7 +5,7 @@ from te_adapters._requires import require
 
 require("flax", "te_adapters.linen", "flax")
 
-from te_adapters import _flax_serialization  # noqa: E402
+from te_adapters import _flax_serialization
 
 _flax_serialization.register()
 

@@ -19,7 +19,10 @@ def test_init_state_is_typed_with_te_names_as_keys_and_paths():
   assert isinstance(s, core.DelayedScalingState)
   assert list(s) == NAMES and len(s) == 6
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]]
-  assert paths == [f"['{n}']" for n in NAMES]
+  assert paths == [f"['{n}']" for n in sorted(NAMES)]
+  # The leaves come in the order of the dict layout's leaves.
+  for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(dict(s)), strict=True):
+    assert a is b
   assert s.role("grad").amax_history.shape == (4,) and float(s["kernel_scale"][0]) == 1.0
   assert core.init_state(ta.Float8CurrentScaling()) == {}
   with pytest.raises(KeyError):
