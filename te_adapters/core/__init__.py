@@ -21,9 +21,11 @@ from te_adapters.core._layer import (
     GEMM_DIM_MULTIPLE,
     QuantizeReport,
     check_gemm_dims,
+    check_input_dtype,
     check_kernel_gemm_dims,
     einsum_gemm_dims,
     gemm_dims_refusal,
+    input_dtype_refusal,
     kernel_gemm_dims,
 )
 from te_adapters.core._partition import ShardingFallbackWarning
@@ -77,9 +79,11 @@ __all__ = [
     "GEMM_DIM_MULTIPLE",
     "QuantizeReport",
     "check_gemm_dims",
+    "check_input_dtype",
     "check_kernel_gemm_dims",
     "einsum_gemm_dims",
     "gemm_dims_refusal",
+    "input_dtype_refusal",
     "kernel_gemm_dims",
     "CHECKPOINT_NAMES",
     "Collective",
