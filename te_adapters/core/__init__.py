@@ -5,6 +5,7 @@ with a custom VJP whose state gradient is the next step's state. GEMMs too small
 stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in_fp8``).
 """
 
+from te_adapters.core._collectives import Collective, hlo_collectives
 from te_adapters.core._config import GemmConfig, check_config
 from te_adapters.core._frozen import FrozenStateWarning
 from te_adapters.core._gemm import dot_general
@@ -53,7 +54,6 @@ from te_adapters.core._remat import (
     save_quantized_operands,
 )
 from te_adapters.core._scaling import compute_scale, delayed_update, fp8_max
-from te_adapters.core._sharding import Collective, hlo_collectives
 from te_adapters.core._state import (
     DelayedScalingState,
     RoleState,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from te_adapters.core import _accumulate, _scaling, _sharding
+from te_adapters.core import _accumulate, _mesh, _scaling
 from te_adapters.core._recipe_state import ROLES, DelayedScalingState, RoleState
 from te_adapters.core._recipes import DelayedScaling
 
@@ -72,7 +72,7 @@ def _delayed_stored_scale(state, role):
 
 def _delayed_varying(state, role):
   own = state.role(role)
-  return _sharding.varying_axes(own.scale) | _sharding.varying_axes(own.amax_history)
+  return _mesh.varying_axes(own.scale) | _mesh.varying_axes(own.amax_history)
 
 
 def _delayed_next(recipe, amax, state, role, fp8_max):
