@@ -6,6 +6,7 @@ stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in
 """
 
 from te_adapters.core._activation import ACTIVATIONS, activation, normalize_activations
+from te_adapters.core._collectives import Collective, hlo_collectives
 from te_adapters.core._config import GemmConfig, check_config
 from te_adapters.core._frozen import FrozenStateWarning
 from te_adapters.core._gemm import dot_general
@@ -22,9 +23,11 @@ from te_adapters.core._layer import (
     GEMM_DIM_MULTIPLE,
     QuantizeReport,
     check_gemm_dims,
+    check_input_dtype,
     check_kernel_gemm_dims,
     einsum_gemm_dims,
     gemm_dims_refusal,
+    input_dtype_refusal,
     kernel_gemm_dims,
 )
 from te_adapters.core._lora import check_lora_rank, lora_shapes, low_rank_adaptation
@@ -55,11 +58,13 @@ from te_adapters.core._remat import (
     save_quantized_operands,
 )
 from te_adapters.core._scaling import compute_scale, delayed_update, fp8_max
-from te_adapters.core._sharding import Collective, hlo_collectives
 from te_adapters.core._softmax import SOFTMAX_TYPES, SoftmaxFusionType, SoftmaxType, softmax
 from te_adapters.core._state import (
+    DelayedScalingState,
+    RoleState,
     check_state,
     init_state,
+    is_state_mapping,
     state_names,
     updated_state,
     with_max_grad,
@@ -82,9 +87,11 @@ __all__ = [
     "GEMM_DIM_MULTIPLE",
     "QuantizeReport",
     "check_gemm_dims",
+    "check_input_dtype",
     "check_kernel_gemm_dims",
     "einsum_gemm_dims",
     "gemm_dims_refusal",
+    "input_dtype_refusal",
     "kernel_gemm_dims",
     "layernorm",
     "layernorm_dense",
@@ -92,6 +99,7 @@ __all__ = [
     "Collective",
     "DEFAULT_SIZE_THRESHOLD",
     "DelayedScaling",
+    "DelayedScalingState",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
@@ -106,6 +114,7 @@ __all__ = [
     "QUANTIZED_KERNEL",
     "QUANTIZED_X",
     "Recipe",
+    "RoleState",
     "ScaledTensor",
     "SOFTMAX_TYPES",
     "ShardingFallbackWarning",
@@ -115,6 +124,7 @@ __all__ = [
     "check_config",
     "check_recipe",
     "check_state",
+    "is_state_mapping",
     "check_threshold",
     "checkpoint_dots_and_quantized_gemms",
     "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",

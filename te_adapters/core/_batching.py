@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from te_adapters.core import _accumulate
+from te_adapters.core._recipe_state import ROLES, RoleState
 
 __all__ = ["combine_over_batch"]
 
@@ -25,28 +26,31 @@ Rescale = Callable[[str, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.
 
 
 def _reduce_roles(new_state, old_state, rescale: Rescale, batched):
-  out, out_batched = dict(new_state), dict(batched)
-  roles = {name.rsplit("_", 2)[0] for name in new_state if name.endswith("_amax_history")}
-  for role in sorted(roles):
-    h_name, s_name = f"{role}_amax_history", f"{role}_scale"
-    if not batched[h_name] or h_name not in old_state:
+  roles, roles_batched = {}, {}
+  for role in ROLES:
+    if not batched.role(role).amax_history:
       continue
-    history = jnp.max(_accumulate.to_float32(new_state[h_name]), axis=0)
-    old_history = _accumulate.to_float32(old_state[h_name])
-    old_scale = _accumulate.to_float32(old_state[s_name])
+    new, old = new_state.role(role), old_state.role(role)
+    history = jnp.max(_accumulate.to_float32(new.amax_history), axis=0)
+    old_history = _accumulate.to_float32(old.amax_history)
+    old_scale = _accumulate.to_float32(old.scale)
     scale, updated = rescale(role, history, old_history, old_scale)
-    out[h_name] = _accumulate.like(history, new_state[h_name])
-    out[s_name] = _accumulate.encode_scale(scale, updated, old_scale, new_state[s_name])
-    out_batched[h_name] = out_batched[s_name] = False
-  return out, out_batched
+    roles[role] = RoleState(
+        scale=_accumulate.encode_scale(scale, updated, old_scale, new.scale),
+        amax_history=_accumulate.like(history, new.amax_history),
+    )
+    roles_batched[role] = RoleState(False, False)
+  return new_state.with_roles(roles), batched.with_roles(roles_batched)
 
 
-def combine_over_batch(new_state: dict, old_state: dict, rescale: Rescale) -> dict:
+def combine_over_batch(new_state, old_state, rescale: Rescale):
   """``new_state`` unchanged, except under ``vmap`` with ``old_state`` unmapped: there the mapped
-  new state is reduced over the batch, so it is unmapped like the state it replaces."""
+  new state is reduced over the batch, so it is unmapped like the state it replaces.
+
+  Both are one GEMM's ``DelayedScalingState`` (or ``{}`` for a stateless recipe).
+  """
   if not new_state:
     return new_state
-  old_state = {k: v for k, v in old_state.items() if k in new_state}
 
   @jax.custom_batching.custom_vmap
   def combine(new, old):
@@ -57,7 +61,7 @@ def combine_over_batch(new_state: dict, old_state: dict, rescale: Rescale) -> di
   def rule(axis_size, in_batched, new, old):
     del axis_size
     new_batched, old_batched = in_batched
-    if any(old_batched.values()):  # mapped state: each example keeps its own
+    if any(jax.tree_util.tree_leaves(old_batched)):  # mapped state: each example keeps its own
       return combine(new, old), new_batched
     out, out_batched = _reduce_roles(new, old, rescale, new_batched)
     # Nested vmaps: an outer one reduces its own axis through the same rule.

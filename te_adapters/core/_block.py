@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _sharding
+from te_adapters.core import _explicit_sharding
 
 __all__ = [
   "block_shape_of",
@@ -63,7 +63,7 @@ def _blocked(x, block_shape):
     size = x.shape[x.ndim - n + i]
     new_shape += [size // b, b]
     reduce_axes.append(len(new_shape) - 1)
-  return _sharding.reshape(x, new_shape), tuple(reduce_axes)
+  return _explicit_sharding.reshape(x, new_shape), tuple(reduce_axes)
 
 
 def block_amax(x, block_shape) -> jax.Array:
@@ -88,7 +88,8 @@ def repeat(x, repeats: int, axis: int) -> jax.Array:
   wide = jnp.broadcast_to(
     jnp.expand_dims(x, axis + 1), x.shape[: axis + 1] + (repeats,) + x.shape[axis + 1 :]
   )
-  return _sharding.reshape(wide, x.shape[:axis] + (x.shape[axis] * repeats,) + x.shape[axis + 1 :])
+  new_shape = x.shape[:axis] + (x.shape[axis] * repeats,) + x.shape[axis + 1 :]
+  return _explicit_sharding.reshape(wide, new_shape)
 
 
 def expand_scales(scales, block_shape) -> jax.Array:

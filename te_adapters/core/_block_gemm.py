@@ -27,7 +27,14 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _block_scaled, _ffi, _remat, _sharding
+from te_adapters.core import (
+  _amax_reduction,
+  _block_scaled,
+  _cotangents,
+  _explicit_sharding,
+  _ffi,
+  _remat,
+)
 from te_adapters.core._block_scaled import operand_spec
 from te_adapters.core._scaled_tensor import ScaledTensor
 
@@ -53,20 +60,20 @@ class _Layout:
     self.lhs_shape, self.rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
     self.dn = dn
 
-  # The reshapes name their output sharding under Explicit mesh axes (_sharding.reshape).
+  # The reshapes name their output sharding under Explicit mesh axes (_explicit_sharding.reshape).
 
   def lhs3(self, lhs):
-    return _sharding.reshape(jnp.transpose(lhs, self.lhs_perm), (self.b, self.m, self.k))
+    return _explicit_sharding.reshape(jnp.transpose(lhs, self.lhs_perm), (self.b, self.m, self.k))
 
   def rhs3(self, rhs):
-    return _sharding.reshape(jnp.transpose(rhs, self.rhs_perm), (self.b, self.n, self.k))
+    return _explicit_sharding.reshape(jnp.transpose(rhs, self.rhs_perm), (self.b, self.n, self.k))
 
   @property
   def out_shape(self):
     return self.batch_shape + self.lhs_free_shape + self.rhs_free_shape
 
   def out(self, y3):
-    return _sharding.reshape(y3, self.out_shape)
+    return _explicit_sharding.reshape(y3, self.out_shape)
 
   def rhs_kn(self, rhs):
     """``rhs`` as (B, K, N) where that is a reshape of it with no transpose (a kernel stored
@@ -74,18 +81,18 @@ class _Layout:
     (_, rc), (_, rb) = self.dn
     if tuple(rb) + tuple(rc) + tuple(self.rhs_free) != tuple(range(len(self.rhs_shape))):
       return None
-    return _sharding.reshape(rhs, (self.b, self.k, self.n))
+    return _explicit_sharding.reshape(rhs, (self.b, self.k, self.n))
 
   def out3(self, g):
-    return _sharding.reshape(g, (self.b, self.m, self.n))
+    return _explicit_sharding.reshape(g, (self.b, self.m, self.n))
 
   def lhs_from3(self, d3):
     shape = tuple(self.lhs_shape[d] for d in self.lhs_perm)
-    return jnp.transpose(_sharding.reshape(d3, shape), np.argsort(self.lhs_perm))
+    return jnp.transpose(_explicit_sharding.reshape(d3, shape), np.argsort(self.lhs_perm))
 
   def rhs_from3(self, d3):
     shape = tuple(self.rhs_shape[d] for d in self.rhs_perm)
-    return jnp.transpose(_sharding.reshape(d3, shape), np.argsort(self.rhs_perm))
+    return jnp.transpose(_explicit_sharding.reshape(d3, shape), np.argsort(self.rhs_perm))
 
   def _shards(self, lhs, rhs) -> dict[str, tuple[int, tuple[str, ...]]]:
     """Under Explicit mesh axes, per GEMM dim (M, N, K): the device count and mesh axes."""
@@ -93,7 +100,7 @@ class _Layout:
     out = {}
     groups = (("M", lhs, self.lhs_free), ("K", lhs, lc), ("N", rhs, self.rhs_free))
     for letter, operand, dims in groups:
-      sharding = _sharding.explicit_sharding(operand)
+      sharding = _explicit_sharding.explicit_sharding(operand)
       if sharding is None:
         continue
       sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes, strict=True))
@@ -201,8 +208,8 @@ def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, choice="auto", cast=
   # Static facts the backward pass needs: operand shapes (for the layout) and dtypes.
   operands = ((tuple(lhs.shape), np.dtype(lhs.dtype)), (tuple(rhs.shape), np.dtype(rhs.dtype)))
   # Explicit mesh axes: the forward GEMM's output sharding, in the (B, M, N) layout.
-  y3_sharding = _sharding.reshaped_sharding(
-    _sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n)
+  y3_sharding = _explicit_sharding.reshaped_sharding(
+    _explicit_sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n)
   )
   plan = dataclasses.replace(plan, out_sharding=y3_sharding)
   kernels = (choice, cast)
@@ -211,7 +218,9 @@ def block_dot_general(lhs, rhs, dn, out, recipe, rng, plan, choice="auto", cast=
 
 def _amax_reducer(x, role, plan):
   """For NVFP4 inside shard_map: the global amax of ``x``'s tensor from its shard's."""
-  return functools.partial(_sharding.global_amax, x=x, role=role, plan=plan, state_varying=None)
+  return functools.partial(
+      _amax_reduction.global_amax, x=x, role=role, plan=plan, state_varying=None
+  )
 
 
 def _quantize(x, spec, role, plan, key=None, stream=0, what="x"):
@@ -230,7 +239,7 @@ def _quantize_fwd_operands(lhs, rhs, layout, recipe, plan):
 
 def _swapped_sharding(t):
   """Explicit axes: the sharding of the (B, P, Q) tensor whose (B, Q, P) copy ``t`` holds."""
-  return _sharding.transposed_out_sharding(t.data, (0, 2, 1))
+  return _cotangents.transposed_out_sharding(t.data, (0, 2, 1))
 
 
 def _name_quantized(t, name):
@@ -331,7 +340,7 @@ def _block_fwd(lhs, rhs, rng, dn, out_dtype, operands, recipe, plan, kernels):
   qx_t = _name_quantized(qx_t, _remat.QUANTIZED_X)
   qw_t = _name_quantized(qw_t, _remat.QUANTIZED_KERNEL)
   # Inside shard_map: the primals' varying mesh axes, for the cotangents' sums (else None).
-  witness = (_sharding.type_witness(lhs), _sharding.type_witness(rhs))
+  witness = (_cotangents.type_witness(lhs), _cotangents.type_witness(rhs))
   return y, (qx_t, qw_t, rng, witness)
 
 
@@ -344,7 +353,7 @@ def _block_bwd(dn, out_dtype, operands, recipe, plan, kernels, residuals, g):
   g3 = layout.out3(g)
   g_spec = operand_spec(recipe, "grad")
   # Inside shard_map each shard of the gradient rounds with its own key.
-  rng = _sharding.shard_key(rng, g3)
+  rng = _amax_reduction.shard_key(rng, g3)
   # One key, two random streams: the dgrad copy (0) and the wgrad copy (1) of the gradient.
   g_wspec = operand_spec(recipe, "grad", wgrad=True)
   both_g = _cast_both(g3, g_spec, g_wspec, cast)
@@ -364,8 +373,8 @@ def _block_bwd(dn, out_dtype, operands, recipe, plan, kernels, residuals, g):
   dw_dtype = rhs_dtype if witness[1] is None else jnp.float32
   dx3 = _block_scaled.gemm(qg, qw_t, dx_dtype, _swapped_sharding(qx_t), choice)
   dw3 = _block_scaled.gemm(qg_t, qx_t, dw_dtype, _swapped_sharding(qw_t), choice)
-  dx = _sharding.match_cotangent(layout.lhs_from3(dx3), witness[0]).astype(lhs_dtype)
-  dw = _sharding.match_cotangent(layout.rhs_from3(dw3), witness[1]).astype(rhs_dtype)
+  dx = _cotangents.match_cotangent(layout.lhs_from3(dx3), witness[0]).astype(lhs_dtype)
+  dw = _cotangents.match_cotangent(layout.rhs_from3(dw3), witness[1]).astype(rhs_dtype)
   return dx, dw, None
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _ffi, _partition, _sharding
+from te_adapters.core import _block, _explicit_sharding, _ffi, _partition
 from te_adapters.core._format import BlockFormat, OperandSpec
 from te_adapters.core._recipes import Float8BlockScaling
 
@@ -159,8 +159,8 @@ def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax
   slices = k // BLOCK
   sa = _row_scales(a_scale_inv, a_block, m)  # (B, M, KS)
   sb = _row_scales(b_scale_inv, b_block, n)  # (B, N, KS)
-  qa = _sharding.reshape(a_data, (batch, m, slices, BLOCK))
-  qb = _sharding.reshape(b_data, (batch, n, slices, BLOCK))
+  qa = _explicit_sharding.reshape(a_data, (batch, m, slices, BLOCK))
+  qb = _explicit_sharding.reshape(b_data, (batch, n, slices, BLOCK))
   dims = (((3,), (3,)), ((0, 2), (0, 2)))
 
   def partial_sums(qa_c, qb_c, sa_c, sb_c):
@@ -178,7 +178,7 @@ def _xla_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block) -> jax
 
   def split(t, axis):
     t = jnp.moveaxis(t, axis, 0)
-    return _sharding.reshape(t, (steps, chunk, *t.shape[1:]))
+    return _explicit_sharding.reshape(t, (steps, chunk, *t.shape[1:]))
 
   def body(acc, xs):
     qa_c, qb_c, sa_c, sb_c = (jnp.moveaxis(t, 0, 2) for t in xs)
@@ -222,7 +222,7 @@ def tensor_gemm(a, b, out_dtype, out_sharding=None, choice: str = "auto") -> jax
   out = gemm(
     a.data, a.scale_inv, _block_shape(a), b.data, b.scale_inv, _block_shape(b), out_dtype, choice
   )
-  return _sharding.match_sharding(out, out_sharding)
+  return _explicit_sharding.match_sharding(out, out_sharding)
 
 
 FORMAT = BlockFormat(

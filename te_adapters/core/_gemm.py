@@ -30,21 +30,25 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-    _batching,
-    _block,
-    _block_gemm,
-    _cast_transpose,
-    _dimension_numbers,
-    _ffi,
-    _frozen,
-    _partition,
-    _remat,
-    _rng,
-    _scaled_tensor,
-    _scaling,
-    _sharding,
-    _tensor_scaling,
-    _threshold,
+  _amax_reduction,
+  _batching,
+  _block,
+  _block_gemm,
+  _cast_transpose,
+  _cotangents,
+  _dimension_numbers,
+  _explicit_sharding,
+  _ffi,
+  _frozen,
+  _fsdp_gather,
+  _partition,
+  _remat,
+  _rng,
+  _scaled_tensor,
+  _scaling,
+  _spmd_plan,
+  _tensor_scaling,
+  _threshold,
 )
 from te_adapters.core._accumulate import is_accumulating
 from te_adapters.core._config import GemmConfig, check_config
@@ -149,14 +153,14 @@ def dot_general(
     return lax.dot_general(
         lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
     )
-  plan = _sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
+  plan = _spmd_plan.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
   recipe = check_recipe(recipe)
   if recipe.block_scaled:
-    _sharding.check_block_scaled(recipe, plan)
+    _amax_reduction.check_block_scaled(recipe, plan)
   else:
-    _sharding.check_amax_axes(plan)
+    _amax_reduction.check_amax_axes(plan)
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
-  gemm_rhs = _sharding.gathered_kernel_type(rhs, plan)
+  gemm_rhs = _fsdp_gather.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
   state = check_state(recipe, state)
   if state:
@@ -207,7 +211,7 @@ def _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_elemen
   """The GEMM below the size threshold: ``lax.dot_general`` on the unquantized operands."""
   # FSDP inside shard_map: the kernel is a shard, gathered (and its gradient reduce-scattered by
   # autodiff) in high precision; under jit the gather is a sharding constraint.
-  rhs = _sharding.gather_kernel(rhs, plan)
+  rhs = _fsdp_gather.gather_kernel(rhs, plan)
   y = lax.dot_general(
       lhs, rhs, dn, precision, preferred_element_type, out_sharding=plan.out_sharding
   )
@@ -223,14 +227,17 @@ def _keep_state(y, state):
 
 
 def _keep_state_fwd(y, state):
-  return y, (state, jax.tree_util.tree_map(_sharding.type_witness, state))
+  return y, (state, jax.tree_util.tree_map(_cotangents.type_witness, state))
 
 
 def _keep_state_bwd(residuals, g):
   state, witness = residuals
-  new_state = {k: _unchanged(v) for k, v in state.items()}
-  new_state = {k: _sharding.match_cotangent(v, witness[k]) for k, v in new_state.items()}
-  return g, new_state
+  return g, _match_state(jax.tree_util.tree_map(_unchanged, state), witness)
+
+
+def _match_state(new_state, witness):
+  """The new state, each leaf with its old leaf's varying mesh axes (see ``match_cotangent``)."""
+  return jax.tree_util.tree_map(_cotangents.match_cotangent, new_state, witness)
 
 
 def _unchanged(leaf):
@@ -350,20 +357,20 @@ def _scaled_dot(
 
 
 def _role_scale(x, role, q_dtype, recipe, state, plan, a=None):
-  """The scale one operand is quantized with; returns (scale, new state entries for the role).
+  """The scale one operand is quantized with; returns (scale, the role's new ``RoleState``).
 
   ``a``: the operand's amax when already computed (by a fused cast), else computed here. On a
-  mesh it is made global first (``_sharding.global_amax``).
+  mesh it is made global first (``_amax_reduction.global_amax``).
   """
   scaling = _tensor_scaling.of(recipe)
   limit = _scaling.fp8_max(q_dtype)
   a = _scaling.amax(x) if a is None else a
-  a = _sharding.global_amax(a, x, role, plan, scaling.state_varying(state, role))
+  a = _amax_reduction.global_amax(a, x, role, plan, scaling.state_varying(state, role))
   return scaling.next_scale(recipe, a, state, role, limit)
 
 
 def _quantize_role(x, role, q_dtype, recipe, state, plan):
-  """Quantizes one operand; returns (data, scale_inv, new state entries for the role)."""
+  """Quantizes one operand; returns (data, scale_inv, the role's new state)."""
   scale, new = _role_scale(x, role, q_dtype, recipe, state, plan)
   data = _scaled_tensor.cast_with_scale(x, scale, q_dtype)
   return data, _scaling.scale_inverse(scale), new
@@ -385,16 +392,16 @@ def _fp8_fwd(lhs, rhs, state, dn, precision, out_dtype, operand_dtypes, recipe, 
   # With kernel_all_gather this is the FP8 shard; a remat policy that saves it and not the rest
   # re-gathers the kernel in the backward pass (ZeRO-3 memory).
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
-  q_w_full = _sharding.gather_kernel(q_w, plan)
+  q_w_full = _fsdp_gather.gather_kernel(q_w, plan)
   y = _scaled_dot(
       q_x, q_w_full, dn, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe, config,
       out_sharding=plan.out_sharding,
   )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
-  witness = jax.tree_util.tree_map(_sharding.type_witness, (lhs, rhs, state))
+  witness = jax.tree_util.tree_map(_cotangents.type_witness, (lhs, rhs, state))
   gathered = None if q_w_full is q_w else q_w_full
-  residuals = (q_x, sinv_x, q_w, gathered, sinv_w, {**new_x, **new_w}, state, witness)
+  residuals = (q_x, sinv_x, q_w, gathered, sinv_w, {"x": new_x, "kernel": new_w}, state, witness)
   return y, residuals
 
 
@@ -402,34 +409,32 @@ def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, config, res
   q_x, sinv_x, q_w, q_w_full, sinv_w, new_fwd_state, state, witness = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, grad_state, plan)
+  q_g, sinv_g, new_g = _quantize_role(g, "grad", recipe.bwd_dtype, recipe, state, plan)
   q_w_full = q_w if q_w_full is None else q_w_full
   dims, perm = _dimension_numbers.transpose_lhs(dn, q_x.ndim, q_w.ndim)
-  out_sharding = _sharding.transposed_out_sharding(q_x, perm)
+  out_sharding = _cotangents.transposed_out_sharding(q_x, perm)
   dx = _scaled_dot(
       q_g, q_w_full, dims, (sinv_g, sinv_w), lhs_dtype, precision, "dgrad", recipe, config,
       out_sharding,
   )
-  dx = _sharding.match_cotangent(jnp.transpose(dx, perm), witness[0])
+  dx = _cotangents.match_cotangent(jnp.transpose(dx, perm), witness[0])
   dims, perm = _dimension_numbers.transpose_rhs(dn, q_x.ndim, q_w.ndim)
-  out_sharding = _sharding.transposed_out_sharding(q_w, perm)
-  dw_dtype = _sharding.wgrad_dtype(rhs_dtype, witness[1])
+  out_sharding = _cotangents.transposed_out_sharding(q_w, perm)
+  dw_dtype = _cotangents.wgrad_dtype(rhs_dtype, witness[1])
   dw = _scaled_dot(
       q_g, q_x, dims, (sinv_g, sinv_x), dw_dtype, precision, "wgrad", recipe, config,
       out_sharding,
   )
-  dw = _sharding.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
-  dw = _sharding.match_cotangent(dw, witness[1]).astype(rhs_dtype)
-  new_state = _batching.combine_over_batch(
-      {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
-  new_state = {k: _sharding.match_cotangent(v, witness[2][k]) for k, v in new_state.items()}
-  return dx, dw, new_state
+  dw = _fsdp_gather.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
+  dw = _cotangents.match_cotangent(dw, witness[1]).astype(rhs_dtype)
+  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
+  new_state = _batching.combine_over_batch(new_state, state, functools.partial(_rescale, recipe))
+  return dx, dw, _match_state(new_state, witness[2])
 
 
 _fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
-# For tests and tools: roles in the order the state dict lists them.
+# For tests and tools: roles in the order the state lists them.
 STATE_ROLES = ROLES
 
 
@@ -473,7 +478,7 @@ def _tn_dot_general(
   rf = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
   local = (math.prod(rhs.shape[d] for d in rf), math.prod(rhs.shape[d] for d in rc))
   w3_shape = w3_shape[:-2] + local
-  plan = _sharding.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
+  plan = _spmd_plan.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
   # A kernel stored contracting-first (a Dense kernel (K, N)) goes in as it is, as wk (B, K, N):
   # the cast writes both orientations anyway, so a transpose here would be a pass for nothing
   # (1 GB of float32 read and written for seed 000's kernel).
@@ -483,13 +488,13 @@ def _tn_dot_general(
   )
   # Under Explicit mesh axes the reshapes name their output sharding (a clear error where a
   # merge would split a sharded dimension's shards).
-  x3 = _sharding.reshape(jnp.transpose(lhs, lhs_perm), x3_shape)
+  x3 = _explicit_sharding.reshape(jnp.transpose(lhs, lhs_perm), x3_shape)
   if kernel_kn:
-    w3 = _sharding.reshape(rhs, w3_shape[:-2] + local[::-1])
+    w3 = _explicit_sharding.reshape(rhs, w3_shape[:-2] + local[::-1])
   else:
-    w3 = _sharding.reshape(jnp.transpose(rhs, rhs_perm), w3_shape)
+    w3 = _explicit_sharding.reshape(jnp.transpose(rhs, rhs_perm), w3_shape)
   y3 = _tn_vjp(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config)
-  return _sharding.reshape(y3, out_shape)
+  return _explicit_sharding.reshape(y3, out_shape)
 
 
 def _swap_last(a):
@@ -519,7 +524,7 @@ def _cast_both(x, scale, q_dtype, config, with_amax=False):
 
 
 def _quantize_both(x, role, q_dtype, recipe, state, plan, config):
-  """Both FP8 orientations of one operand; returns (q, q_t, scale, new state entries)."""
+  """Both FP8 orientations of one operand; returns (q, q_t, scale, the role's new state)."""
   scale = _tensor_scaling.of(recipe).stored_scale(state, role)
   if scale is not None:
     # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
@@ -565,7 +570,7 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config
     q_wt, sinv_wt = _remat.name_quantized((q_wt, sinv_w), _remat.QUANTIZED_KERNEL)
   else:
     shard, sinv_wt = _remat.name_quantized((shard, sinv_w), _remat.QUANTIZED_KERNEL)
-    q_w = _sharding.gather_kernel(shard, plan)
+    q_w = _fsdp_gather.gather_kernel(shard, plan)
     q_wt = _swap_last(q_w)
   y = _tn_dot(
       q_x, q_w, (sinv_x, sinv_w), out_dtype, precision, "fwd", recipe, config, plan.out_sharding
@@ -573,8 +578,9 @@ def _tn_fwd(x3, w3, state, precision, out_dtype, recipe, plan, kernel_kn, config
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   dtypes = (np.zeros((0,), x3.dtype), np.zeros((0,), w3.dtype))
   # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
-  witness = jax.tree_util.tree_map(_sharding.type_witness, (x3, w3, state))
-  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, {**new_x, **new_w}, state, dtypes, shard, witness)
+  witness = jax.tree_util.tree_map(_cotangents.type_witness, (x3, w3, state))
+  new_fwd_state = {"x": new_x, "kernel": new_w}
+  residuals = (q_xt, sinv_xt, q_wt, sinv_wt, new_fwd_state, state, dtypes, shard, witness)
   return y, residuals
 
 
@@ -582,32 +588,30 @@ def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, config, residuals, g)
   q_xt, sinv_x, q_wt, sinv_w, new_fwd_state, state, protos, shard, witness = residuals
   x_proto, w_proto = protos
   del out_dtype
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
   bwd = recipe.bwd_dtype
-  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, grad_state, plan, config)
+  q_g, q_gt, scale_g, new_g = _quantize_both(g, "grad", bwd, recipe, state, plan, config)
   sinv_g = _scaling.scale_inverse(scale_g)
   swap = tuple(range(q_xt.ndim - 2)) + (q_xt.ndim - 1, q_xt.ndim - 2)
   # With Explicit mesh axes each cotangent gets its primal's sharding.
-  dx_sharding = _sharding.transposed_out_sharding(q_xt, swap)
+  dx_sharding = _cotangents.transposed_out_sharding(q_xt, swap)
   w3_layout = q_wt if shard is None else shard
-  dw_sharding = _sharding.transposed_out_sharding(w3_layout, swap if shard is not None else None)
+  dw_sharding = _cotangents.transposed_out_sharding(w3_layout, swap if shard is not None else None)
   dx = _tn_dot(
       q_g, q_wt, (sinv_g, sinv_w), x_proto.dtype, precision, "dgrad", recipe, config, dx_sharding
   )
-  dw_dtype = _sharding.wgrad_dtype(w_proto.dtype, witness[1])
+  dw_dtype = _cotangents.wgrad_dtype(w_proto.dtype, witness[1])
   dw = _tn_dot(
       q_xt, q_gt, (sinv_x, sinv_g), dw_dtype, precision, "wgrad", recipe, config, dw_sharding
   )
   if not kernel_kn:
     dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
-  dw = _sharding.scatter_kernel_grad(dw, shard, plan)
+  dw = _fsdp_gather.scatter_kernel_grad(dw, shard, plan)
   # Inside shard_map: sums over the mesh axes a primal is replicated on (pvary's transpose).
-  dx = _sharding.match_cotangent(dx, witness[0])  # (.., M, K)
-  dw = _sharding.match_cotangent(dw, witness[1]).astype(w_proto.dtype)
-  new_state = _batching.combine_over_batch(
-      {**new_fwd_state, **new_g}, state, functools.partial(_rescale, recipe))
-  new_state = {k: _sharding.match_cotangent(v, witness[2][k]) for k, v in new_state.items()}
-  return dx, dw, new_state
+  dx = _cotangents.match_cotangent(dx, witness[0])  # (.., M, K)
+  dw = _cotangents.match_cotangent(dw, witness[1]).astype(w_proto.dtype)
+  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
+  new_state = _batching.combine_over_batch(new_state, state, functools.partial(_rescale, recipe))
+  return dx, dw, _match_state(new_state, witness[2])
 
 
 def _rescale(recipe, role, history, old_history, old_scale):

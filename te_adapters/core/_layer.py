@@ -1,11 +1,14 @@
-"""What every adapter's quantized layer shares: the default recipe and threshold, the rule on
-GEMM sizes, and the report of a conversion (``quantize`` in Linen and Haiku, ``quantize_model``
-in NNX). The adapters apply these; they hold no rule of their own."""
+"""What every adapter's quantized layer shares: the default recipe and threshold, the rules on
+GEMM sizes and input dtypes, and the report of a conversion (``quantize`` in Linen and Haiku,
+``quantize_model`` in NNX). The adapters apply these; they hold no rule of their own."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import jax.numpy as jnp
+import numpy as np
 
 from te_adapters.core._recipes import Float8CurrentScaling
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
@@ -16,9 +19,11 @@ __all__ = [
     "GEMM_DIM_MULTIPLE",
     "QuantizeReport",
     "check_gemm_dims",
+    "check_input_dtype",
     "check_kernel_gemm_dims",
     "einsum_gemm_dims",
     "gemm_dims_refusal",
+    "input_dtype_refusal",
     "kernel_gemm_dims",
 ]
 
@@ -62,6 +67,42 @@ def check_gemm_dims(k: int, n: int, what: str) -> None:
       f"{what}: FP8 GEMMs need the contracting size K and the output-feature size N to be "
       f"multiples of {GEMM_DIM_MULTIPLE}, got {', '.join(bad)}; keep this layer unquantized "
       "(recipe=None)"
+  )
+
+
+def input_dtype_refusal(dtype) -> str | None:
+  """Why a layer whose GEMM takes inputs of ``dtype`` cannot be quantized, or None.
+
+  FP8 GEMMs quantize real floating-point operands; integer, boolean and complex inputs are
+  refused. Each adapter asks this of the inputs as its framework's layer would hand them to its
+  GEMM (Flax promotes them with the parameters' dtype first; Haiku creates its parameters in
+  the inputs' dtype, so it asks before creating them).
+
+  Example:
+    >>> import numpy as np
+    >>> from te_adapters import core
+    >>> core.input_dtype_refusal(np.int32)
+    'input dtype int32 is not real floating point'
+    >>> core.input_dtype_refusal(np.float32) is None
+    True
+  """
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    return f"input dtype {dtype} is not real floating point"
+  if jnp.issubdtype(dt, jnp.floating):
+    return None
+  return f"input dtype {dt} is not real floating point"
+
+
+def check_input_dtype(recipe, dtype, what: str) -> None:
+  """Raises a TypeError naming ``what`` when ``recipe`` is not None and
+  ``input_dtype_refusal(dtype)`` refuses the inputs (a conversion skips such a layer instead)."""
+  if recipe is None or (why := input_dtype_refusal(dtype)) is None:
+    return
+  raise TypeError(
+      f"{what}: a quantized layer needs real floating-point inputs ({why}); cast the "
+      "inputs, or keep this layer unquantized (recipe=None)"
   )
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import _block, _sharding
+from te_adapters.core import _block, _explicit_sharding
 from te_adapters.core._format import BlockFormat, OperandSpec
 from te_adapters.core._recipes import NVFP4BlockScaling
 
@@ -162,12 +162,13 @@ def _transform(x, matrix) -> jax.Array:
   summed in a fixed pairwise order (not by a GEMM, whose order is the backend's), so every
   backend gives the same bits.
   """
-  blocks = _sharding.reshape(x.astype(jnp.float32), (*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK))
+  blocked_shape = (*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+  blocks = _explicit_sharding.reshape(x.astype(jnp.float32), blocked_shape)
   terms = blocks[..., :, None] * matrix.astype(jnp.float32)  # (..., i, j)
   while terms.shape[-2] > 1:
     half = terms.shape[-2] // 2
     terms = terms[..., :half, :] + terms[..., half:, :]
-  return _sharding.reshape(terms[..., 0, :], x.shape)
+  return _explicit_sharding.reshape(terms[..., 0, :], x.shape)
 
 
 def apply_rht(x) -> jax.Array:

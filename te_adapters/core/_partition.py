@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from te_adapters.core import _sharding
+from te_adapters.core import _explicit_sharding, _mesh
 
 __all__ = [
   "ShardingFallbackWarning",
@@ -79,13 +79,13 @@ def _as_varying(outs, args):
   An FFI call's outputs carry no varying axes, so without this a shard's result would pass for
   the same on every device, and the custom VJPs would skip the sums over devices it needs.
   """
-  if not _sharding._manual_axes() or not _sharding._checks_vma():
+  if not _mesh.manual_axes() or not _mesh.checks_vma():
     return outs
-  axes = frozenset().union(*(_sharding.varying_axes(a) for a in args))
+  axes = frozenset().union(*(_mesh.varying_axes(a) for a in args))
 
   def vary(out):
-    missing = axes - _sharding.varying_axes(out)
-    return lax.pcast(out, _sharding._in_mesh_order(missing), to="varying") if missing else out
+    missing = axes - _mesh.varying_axes(out)
+    return lax.pcast(out, _mesh.in_mesh_order(missing), to="varying") if missing else out
 
   return jax.tree.map(vary, outs)
 
@@ -137,7 +137,7 @@ def _letters(n: int, prefix: str) -> list[str]:
 def _explicit_mesh(args):
   """The mesh of the first operand sharded over Explicit mesh axes, else None."""
   for x in args:
-    sharding = _sharding.explicit_sharding(x)
+    sharding = _explicit_sharding.explicit_sharding(x)
     if sharding is not None:
       return sharding.mesh
   return None

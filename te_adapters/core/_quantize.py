@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _block, _block_scaled, _rng, _scaling
-from te_adapters.core._recipes import DelayedScaling, check_recipe
+from te_adapters.core import _block, _block_scaled, _rng, _scaling, _tensor_scaling
+from te_adapters.core._recipes import check_recipe
 from te_adapters.core._scaled_tensor import (
     ScaledTensor,
     cast_with_scale,
@@ -83,9 +83,11 @@ def quantize(
             f"{type(recipe).__name__} computes its block scales from x; do not pass scale"
         )
       return _quantize_blocks(x, recipe, role, axis, rng, rht)
-    if isinstance(recipe, DelayedScaling) and scale is None:
+    if _tensor_scaling.of(recipe).state_shapes(recipe) and scale is None:
+      # A scaling that keeps state quantizes with the scale it stored (delayed scaling).
       raise ValueError(
-          "DelayedScaling quantizes with its stored scale: pass scale=state['<role>_scale']"
+          f"{type(recipe).__name__} quantizes with its stored scale: pass "
+          "scale=state.role('<role>').scale (state['<role>_scale'])"
       )
     q_dtype = expected
   if q_dtype is None:

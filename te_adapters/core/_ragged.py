@@ -53,18 +53,20 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-  _accumulate,
+  _block_scaled,
   _grouped_kernel,
   _grouping,
+  _mxfp8,
   _ragged_mxfp8,
   _remat,
   _scaled_tensor,
   _scaling,
   _state,
+  _tensor_scaling,
 )
 from te_adapters.core._grouping import row_groups
-from te_adapters.core._recipes import DelayedScaling, MXFP8BlockScaling, check_recipe
-from te_adapters.core._state import ROLES
+from te_adapters.core._recipe_state import DelayedScalingState
+from te_adapters.core._recipes import check_recipe
 
 __all__ = ["ragged_dot", "init_ragged_state", "check_ragged_state"]
 
@@ -82,19 +84,19 @@ _WGRAD_DIMS = _grouping.PER_GROUP_WGRAD_DIMS
 _FP8_ALIGNMENT = 16
 
 
-def init_ragged_state(recipe, num_groups: int) -> dict[str, jax.Array]:
+def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
   """The initial state of one grouped GEMM (``ragged_dot``) with ``num_groups`` groups.
 
-  For ``DelayedScaling``: ``{x,kernel,grad}_scale`` float32 (G, 1), ones, and
-  ``{x,kernel,grad}_amax_history`` float32 (G, L), zeros; slice ``g`` of each is the state of
-  expert g. ``{}`` for stateless recipes.
+  For ``DelayedScaling``: a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` float32
+  (G, 1), ones, and ``{x,kernel,grad}_amax_history`` float32 (G, L), zeros; slice ``g`` of each
+  is the state of expert g. ``{}`` for stateless recipes.
 
   Args:
     recipe: a recipe instance.
     num_groups: G, the number of groups (experts).
 
   Returns:
-    A dict of float32 arrays (empty for stateless recipes).
+    The state (``{}`` for stateless recipes).
 
   Example:
     >>> import te_adapters as ta
@@ -104,10 +106,8 @@ def init_ragged_state(recipe, num_groups: int) -> dict[str, jax.Array]:
   """
   recipe = check_ragged_recipe(recipe)
   num_groups = _check_num_groups(num_groups)
-  return {
-      name: jnp.full(shape, 1.0 if name.endswith("_scale") else 0.0, jnp.float32)
-      for name, shape in _expected_shapes(recipe, num_groups).items()
-  }
+  one = _tensor_scaling.of(recipe).init_state(recipe)
+  return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_groups, *leaf.shape)), one)
 
 
 _SUPPORTED = (
@@ -116,10 +116,15 @@ _SUPPORTED = (
 )
 
 
+# The block-scaled formats with a grouped GEMM, and it: ``(lhs, rhs, group_sizes, out_dtype,
+# recipe) -> [M, N]``. A format missing here is refused by ``ragged_dot``.
+GROUPED_GEMMS = {_mxfp8.FORMAT: _ragged_mxfp8.mxfp8_ragged_dot}
+
+
 def check_ragged_recipe(recipe):
   """``check_recipe`` for grouped GEMMs: also refuses the recipes ``ragged_dot`` lacks."""
   recipe = check_recipe(recipe)
-  if recipe.block_scaled and not isinstance(recipe, MXFP8BlockScaling):
+  if recipe.block_scaled and _block_scaled.format_of(recipe) not in GROUPED_GEMMS:
     raise NotImplementedError(
         f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support "
         f"{_SUPPORTED}"
@@ -136,13 +141,10 @@ def _check_num_groups(num_groups) -> int:
 
 
 def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
-  if not isinstance(recipe, DelayedScaling):
+  if recipe.block_scaled:
     return {}
-  shapes = {}
-  for role in ROLES:
-    shapes[f"{role}_scale"] = (num_groups, 1)
-    shapes[f"{role}_amax_history"] = (num_groups, recipe.amax_history_len)
-  return shapes
+  shapes = _tensor_scaling.of(recipe).state_shapes(recipe)
+  return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
 
 def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int) -> dict:
@@ -266,7 +268,8 @@ def ragged_dot(
       group_sizes,
   ).dtype
   if recipe.block_scaled:
-    return _ragged_mxfp8.mxfp8_ragged_dot(lhs, rhs, group_sizes, out_dtype, recipe)
+    grouped_gemm = GROUPED_GEMMS[_block_scaled.format_of(recipe)]
+    return grouped_gemm(lhs, rhs, group_sizes, out_dtype, recipe)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
   native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
@@ -328,28 +331,15 @@ def _to_tensor_amax(amax: jax.Array) -> jax.Array:
 
 
 def _role_scales(amax, role, q_dtype, recipe, state):
-  """Per-group scales [G] for one role; returns (scale, new state entries for the role)."""
-  limit = _scaling.fp8_max(q_dtype)
-  if not isinstance(recipe, DelayedScaling):
-    return _scaling.compute_scale(amax, limit, 1.0), {}
-  scale_ref = state[f"{role}_scale"]
-  history_ref = state[f"{role}_amax_history"]
-  update = functools.partial(
-      _scaling.delayed_update_and_flag,
-      max_value=limit,
-      margin=recipe.margin,
-      algo=recipe.amax_compute_algo,
+  """Per-group scales [G] for one role; returns (scale, the role's new state or None).
+
+  Each group is one GEMM of the recipe's scaling (``_tensor_scaling``), its state slice g.
+  """
+  next_scale = functools.partial(
+      _tensor_scaling.of(recipe).next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
   )
-  old_scale = _accumulate.to_float32(scale_ref)
-  new_scale, new_history, updated = jax.vmap(update)(
-      amax[:, None], old_scale, _accumulate.to_float32(history_ref)
-  )
-  new = {
-      f"{role}_scale": _accumulate.encode_scale(new_scale, updated, old_scale, scale_ref),
-      f"{role}_amax_history": _accumulate.like(new_history, history_ref),
-  }
-  # Delayed scaling quantizes with the stored scale; the new one is for the next step.
-  return _accumulate.to_float32(scale_ref)[:, 0], new
+  scale, new = jax.vmap(lambda a, s: next_scale(a, s))(amax[:, None], state)
+  return scale[:, 0], new
 
 
 def _quantize_rows(x, ids, num_groups, role, q_dtype, recipe, state, granularity):
@@ -415,20 +405,20 @@ def _fp8_fwd(
     )
     y = (y * _per_row(sinv_x * sinv_w, ids, 0.0)[:, None]).astype(out_dtype)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  grad_state = {k: v for k, v in state.items() if k.startswith("grad_")}
-  residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {**new_x, **new_w}, grad_state)
+  residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {"x": new_x, "kernel": new_w}, state)
   return y, residuals
 
 
 def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, residuals, g):
-  q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, grad_state = residuals
+  q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, state = residuals
   lhs_dtype, rhs_dtype = operand_dtypes
   del out_dtype
   num_groups = q_w.shape[0]
   ids = row_groups(group_sizes, q_x.shape[0])
   q_g, sinv_g, new_g = _quantize_rows(
-      g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, grad_state, granularity
+      g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, state, granularity
   )
+  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
   if native:
     sizes = _grouped_kernel.clamped_sizes(group_sizes, q_x.shape[0])
     dx = _grouped_kernel.rows_gemm(
@@ -439,7 +429,7 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, 
         q_x, q_g, sizes, sinv_x * sinv_g, rhs_dtype,
         _grouped_kernel.fast_accumulation(precision, "wgrad", recipe),
     )
-    return dx, dw, None, {**new_fwd_state, **new_g}
+    return dx, dw, None, new_state
   dx = lax.ragged_dot_general(
       q_g, q_w, group_sizes, _DGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
   )
@@ -448,7 +438,7 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, 
       q_x, q_g, group_sizes, _WGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
   )
   dw = (dw * (sinv_x * sinv_g)[:, None, None]).astype(rhs_dtype)
-  return dx, dw, None, {**new_fwd_state, **new_g}
+  return dx, dw, None, new_state
 
 
 _fp8_ragged_dot.defvjp(_fp8_fwd, _fp8_bwd)

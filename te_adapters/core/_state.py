@@ -1,4 +1,9 @@
-"""Recipe state: explicit pytrees, one per GEMM, with TE's variable names."""
+"""Recipe state: explicit pytrees, one per GEMM, with TE's variable names.
+
+``DelayedScaling`` state is a ``DelayedScalingState`` (``_recipe_state``); stateless recipes keep
+``{}``. A dict of TE's six names (the layout before the typed state, an old checkpoint, an
+adapter's variables) is accepted wherever state is, and converted.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_adapters.core import _accumulate, _tensor_scaling
+from te_adapters.core._recipe_state import (
+    ROLES,
+    DelayedScalingState,
+    RoleState,
+    is_state_mapping,
+    leaf_kind,
+)
 from te_adapters.core._recipes import check_recipe
 
-__all__ = ["ROLES", "init_state", "check_state", "with_max_grad", "updated_state"]
+__all__ = [
+    "ROLES",
+    "DelayedScalingState",
+    "RoleState",
+    "init_state",
+    "check_state",
+    "is_state_mapping",
+    "with_max_grad",
+    "updated_state",
+]
 
-ROLES = ("x", "kernel", "grad")
-
-State = dict[str, Any]
+State = DelayedScalingState | dict[str, Any]
 
 
 def state_names(recipe) -> tuple[str, ...]:
@@ -27,8 +46,9 @@ def state_names(recipe) -> tuple[str, ...]:
 def init_state(recipe) -> State:
   """The initial state of one GEMM under ``recipe``.
 
-  For ``DelayedScaling`` a dict with ``{x,kernel,grad}_scale`` (float32 (1,), initialised to 1)
-  and ``{x,kernel,grad}_amax_history`` (float32 (L,), zeros); for stateless recipes ``{}``.
+  For ``DelayedScaling`` a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` (float32
+  (1,), initialised to 1) and ``{x,kernel,grad}_amax_history`` (float32 (L,), zeros), which
+  reads as a mapping of those names; for stateless recipes ``{}``.
 
   Example:
     >>> import te_adapters as ta
@@ -44,7 +64,9 @@ def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
 
 
 def check_state(recipe, state: Mapping[str, Any] | None) -> State:
-  """Validates ``state`` against ``recipe``; returns it as a dict. Raises naming the mismatch."""
+  """Validates ``state`` against ``recipe``; returns it typed (a ``DelayedScalingState``, or
+  ``{}`` for stateless recipes). A dict of TE's names (an old checkpoint) is accepted. Raises
+  naming the mismatch."""
   expected = _expected_shapes(recipe)
   if state is None:
     if expected:
@@ -63,13 +85,15 @@ def check_state(recipe, state: Mapping[str, Any] | None) -> State:
 
 
 def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
-  """Checks a state dict's names, shapes (against ``expected``) and float32 leaves.
+  """Checks a state's names, shapes (against ``expected``) and float32 leaves.
 
   ``mismatch`` starts the message for wrong names; ``bad_shape(name, got, shape)`` gives the
-  message for a wrong shape. Returns the state as a dict.
+  message for a wrong shape. Returns the state typed: a ``DelayedScalingState``, or ``{}``.
   """
   if not isinstance(state, Mapping):
-    raise TypeError(f"state must be a dict of arrays, got {type(state).__name__}")
+    raise TypeError(
+        f"state must be a DelayedScalingState or a dict of arrays, got {type(state).__name__}"
+    )
   missing = sorted(set(expected) - set(state))
   extra = sorted(set(state) - set(expected))
   if missing or extra:
@@ -81,13 +105,7 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
     dtype = getattr(leaf, "dtype", None)
     if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
       raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
-  return dict(state)
-
-
-def _is_scale_name(path) -> bool:
-  key = path[-1] if path else None
-  name = getattr(key, "key", getattr(key, "name", None))
-  return isinstance(name, str) and name.endswith("scale")
+  return DelayedScalingState.from_mapping(state) if expected else {}
 
 
 def with_max_grad(state):
@@ -106,24 +124,26 @@ def with_max_grad(state):
   shared by all its uses), so a plain ``jax.grad`` already combines uses of one state passed
   around unchanged; calling this first also covers state rebuilt between uses (sliced, stacked,
   copied into a new array). Works on any
-  pytree of recipe state (one GEMM's dict, or a nested tree of them); leaves whose name ends in
-  ``scale`` are treated as scales.
+  pytree of recipe state (one GEMM's ``DelayedScalingState`` or dict of TE's names, or a nested
+  tree of them); the entries TE names as scales (``x_scale``, ``kernel_scale``, ``grad_scale``)
+  are treated as scales, everything else by max.
   """
 
   def convert(path, leaf):
-    return _accumulate.to_accumulating(leaf, "scale" if _is_scale_name(path) else "max")
+    key = path[-1] if path else None
+    kind = leaf_kind(getattr(key, "key", getattr(key, "name", None)))
+    return _accumulate.to_accumulating(leaf, kind or "max")
 
   return jax.tree_util.tree_map_with_path(convert, state)
 
 
-def shared_max_grad(state: State) -> State:
-  """One GEMM's state dict, marked as by ``with_max_grad`` once per traced leaf (see
+def shared_max_grad(state: DelayedScalingState) -> DelayedScalingState:
+  """One GEMM's state, marked as by ``with_max_grad`` once per traced leaf (see
   ``_accumulate.to_accumulating_shared``): every use of one state in a trace gets the same marked
   arrays, so a plain ``jax.grad`` combines the uses by max."""
-  return {
-      name: _accumulate.to_accumulating_shared(leaf, "scale" if name.endswith("scale") else "max")
-      for name, leaf in state.items()
-  }
+  return DelayedScalingState(**{
+      name: _accumulate.to_accumulating_shared(state[name], leaf_kind(name)) for name in state
+  })
 
 
 def updated_state(old_state, state_grads):
@@ -131,16 +151,22 @@ def updated_state(old_state, state_grads):
 
   The gradient is the new state (see ``dot_general``), except for a GEMM whose output did not
   reach the loss: its state gradient is zero, and that GEMM keeps its old state. A valid scale is
-  never zero, so a zero scale marks such a GEMM. Works on any pytree of recipe-state dicts.
+  never zero, so a zero scale marks such a GEMM. Works on any pytree of recipe states (typed, or
+  dicts of TE's names as Linen collections and Haiku state hold them); each keeps its type.
   """
 
   def pick(old, new):
     return jax.tree_util.tree_map(lambda o, n: n.astype(o.dtype), old, new)
 
   def merge(old, new):
-    if isinstance(old, Mapping) and any(str(k).endswith("_scale") for k in old):
-      used = jnp.all(jnp.stack([jnp.all(v != 0) for k, v in new.items() if k.endswith("_scale")]))
-      return jax.tree_util.tree_map(lambda o, n: jnp.where(used, n, o).astype(o.dtype), old, new)
+    if is_state_mapping(old):
+      new_typed = DelayedScalingState.from_mapping(new)
+      used = jnp.all(jnp.stack([jnp.all(s != 0) for s in new_typed.scales()]))
+      merged = {
+          name: jnp.where(used, new_typed[name], old[name]).astype(old[name].dtype)
+          for name in old
+      }
+      return DelayedScalingState(**merged) if isinstance(old, DelayedScalingState) else merged
     if isinstance(old, Mapping):
       return {k: merge(old[k], new[k]) for k in old}
     return pick(old, new)

@@ -14,34 +14,37 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from te_adapters.core import _accumulate, _scaling, _sharding
+from te_adapters.core import _accumulate, _mesh, _scaling
+from te_adapters.core._recipe_state import ROLES, DelayedScalingState, RoleState
 from te_adapters.core._recipes import DelayedScaling
 
 __all__ = ["CURRENT", "DELAYED", "TensorScaling", "of"]
-
-ROLES = ("x", "kernel", "grad")
 
 
 class TensorScaling(NamedTuple):
   """The functions of one per-tensor scaling.
 
   Attributes:
-    init_state: ``recipe -> {name: array}``: one GEMM's initial state.
+    init_state: ``recipe -> state``: one GEMM's initial state (a ``DelayedScalingState``, or
+      ``{}`` for a stateless scaling).
     state_shapes: ``recipe -> {name: shape}``: the state one GEMM keeps, with TE's names
       (empty for a stateless scaling).
     stored_scale: ``(state, role) -> scale or None``: the float32 scale known before ``role``'s
       operand is read (delayed scaling's stored one), or None when its amax decides it.
     state_varying: ``(state, role) -> mesh axes``: the manual mesh axes ``role``'s state varies
       over inside ``shard_map`` (None when there is no state).
-    next_scale: ``(recipe, amax, state, role, fp8_max) -> (scale, new state entries)``: the
+    next_scale: ``(recipe, amax, state, role, fp8_max) -> (scale, RoleState or None)``: the
       scale ``role``'s operand is cast with, and the role's state for the next step.
+    next_state: ``(state, {role: RoleState or None}) -> state``: the GEMM's next state from the
+      roles' new states.
   """
 
-  init_state: Callable[..., dict[str, jax.Array]]
+  init_state: Callable[..., DelayedScalingState | dict]
   state_shapes: Callable[..., dict[str, tuple[int, ...]]]
   stored_scale: Callable[..., jax.Array | None]
   state_varying: Callable[..., frozenset | None]
-  next_scale: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+  next_scale: Callable[..., tuple[jax.Array, RoleState | None]]
+  next_state: Callable[..., DelayedScalingState | dict]
 
 
 def _delayed_shapes(recipe) -> dict[str, tuple[int, ...]]:
@@ -52,44 +55,48 @@ def _delayed_shapes(recipe) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def _delayed_init(recipe) -> dict[str, jax.Array]:
+def _delayed_init(recipe) -> DelayedScalingState:
   """Scales 1 and empty amax histories (TE's initial values)."""
-  state = {}
-  for role in ROLES:
-    state[f"{role}_scale"] = jnp.ones((1,), jnp.float32)
-    state[f"{role}_amax_history"] = jnp.zeros((recipe.amax_history_len,), jnp.float32)
-  return state
+  return DelayedScalingState.from_roles({
+      role: RoleState(
+          scale=jnp.ones((1,), jnp.float32),
+          amax_history=jnp.zeros((recipe.amax_history_len,), jnp.float32),
+      )
+      for role in ROLES
+  })
 
 
 def _delayed_stored_scale(state, role):
-  return _accumulate.to_float32(state[f"{role}_scale"])
+  return _accumulate.to_float32(state.role(role).scale)
 
 
 def _delayed_varying(state, role):
-  return _sharding.varying_axes(state[f"{role}_scale"]) | _sharding.varying_axes(
-      state[f"{role}_amax_history"]
-  )
+  own = state.role(role)
+  return _mesh.varying_axes(own.scale) | _mesh.varying_axes(own.amax_history)
 
 
 def _delayed_next(recipe, amax, state, role, fp8_max):
   """TE's rule: the stored scale casts this step; the history and scale roll for the next."""
-  scale = _accumulate.to_float32(state[f"{role}_scale"])
-  history = _accumulate.to_float32(state[f"{role}_amax_history"])
+  own = state.role(role)
+  scale = _accumulate.to_float32(own.scale)
+  history = _accumulate.to_float32(own.amax_history)
   new_scale, new_history, updated = _scaling.delayed_update_and_flag(
       amax, scale, history, fp8_max, recipe.margin, recipe.amax_compute_algo
   )
-  new = {
-      f"{role}_scale": _accumulate.encode_scale(
-          new_scale, updated, scale, state[f"{role}_scale"]
-      ),
-      f"{role}_amax_history": _accumulate.like(new_history, state[f"{role}_amax_history"]),
-  }
+  new = RoleState(
+      scale=_accumulate.encode_scale(new_scale, updated, scale, own.scale),
+      amax_history=_accumulate.like(new_history, own.amax_history),
+  )
   return scale, new
+
+
+def _delayed_next_state(state, roles):
+  return state.with_roles(roles)
 
 
 def _current_next(recipe, amax, state, role, fp8_max):
   del recipe, state, role
-  return _scaling.compute_scale(amax, fp8_max, 1.0), {}
+  return _scaling.compute_scale(amax, fp8_max, 1.0), None
 
 
 DELAYED = TensorScaling(
@@ -98,6 +105,7 @@ DELAYED = TensorScaling(
     stored_scale=_delayed_stored_scale,
     state_varying=_delayed_varying,
     next_scale=_delayed_next,
+    next_state=_delayed_next_state,
 )
 CURRENT = TensorScaling(
     init_state=lambda recipe: {},
@@ -105,6 +113,7 @@ CURRENT = TensorScaling(
     stored_scale=lambda state, role: None,
     state_varying=lambda state, role: None,
     next_scale=_current_next,
+    next_state=lambda state, roles: {},
 )
 
 

@@ -74,6 +74,7 @@ class GroupedLinear(hk.Module):
     inputs = jnp.asarray(inputs)
     if inputs.ndim != 2:
       raise ValueError(f"inputs must be 2-D [M, K], got shape {inputs.shape}")
+    core.check_input_dtype(self.recipe, inputs.dtype, self.module_name)
     input_size = inputs.shape[-1]
     w_init = self.w_init
     if w_init is None:

@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Callable
 
 import haiku as hk
-import jax.numpy as jnp
 
 from te_adapters import core
 from te_adapters._scope import InterceptScope
@@ -26,9 +25,9 @@ def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
   name = module.module_name
   if module_filter is not None and not module_filter(name):
     return _EXCLUDED
-  dtype = getattr(inputs, "dtype", None)
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    return f"input dtype {dtype} is not floating point"
+  refusal = core.input_dtype_refusal(getattr(inputs, "dtype", None))
+  if refusal is not None:
+    return refusal
   shape = getattr(inputs, "shape", ())
   if not shape:
     return "scalar input"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -33,14 +35,16 @@ def linear_forward(
   state are created under the module's name. Parameter names, shapes, dtypes and initialisers are
   those of ``hk.Linear``; recipe state uses TE's names (``x_scale``, ``x_amax_history``, ...).
   A recipe that rounds stochastically draws its key with ``hk.next_rng_key()``.
+
+  ``hk.Linear.__call__`` computes its GEMM with ``jnp.dot`` and has no hook for another, so its
+  body is repeated here with the GEMM replaced (running it only for its parameters would leave
+  an extra high-precision GEMM in every trace, which ``core.count_fp8_dot_generals`` counts).
   """
   if not inputs.shape:
     raise ValueError("Input must not be scalar.")
   inputs = jnp.asarray(inputs)
-  if recipe is not None and not jnp.issubdtype(inputs.dtype, jnp.floating):
-    raise TypeError(
-        f"{module.module_name}: a quantized Linear needs floating-point inputs, got {inputs.dtype}"
-    )
+  # Haiku creates the parameters in the inputs' dtype: the core's rules apply before that.
+  core.check_input_dtype(recipe, inputs.dtype, module.module_name)
   input_size = module.input_size = inputs.shape[-1]
   dtype = inputs.dtype
   if recipe is not None:
@@ -147,12 +151,7 @@ class Linear(hk.Linear):
 
   def __init__(
       self,
-      output_size: int,
-      with_bias: bool = True,
-      w_init: hk.initializers.Initializer | None = None,
-      b_init: hk.initializers.Initializer | None = None,
-      name: str | None = None,
-      *,
+      *args,
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
       threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
       amax_axes=None,
@@ -161,15 +160,15 @@ class Linear(hk.Linear):
       enable_low_rank_adaptation: bool = False,
       low_rank_adaptation_dim: int = 32,
       low_rank_adaptation_alpha: float | None = None,
+      **kwargs,
   ):
     """Constructs the quantized Linear module.
 
+    Takes ``hk.Linear``'s arguments (``output_size``, ``with_bias``, ``w_init``, ``b_init``,
+    ``name``; passed to it unchanged) and these keywords:
+
     Args:
-      output_size: output dimensionality.
-      with_bias: whether to add a bias to the output.
-      w_init: initializer of ``w``; default truncated normal with stddev ``1 / sqrt(fan_in)``.
-      b_init: initializer of ``b``; default zeros.
-      name: name of the module (default ``"linear"``, as for ``hk.Linear``).
+      *args: positional arguments of ``hk.Linear``.
       recipe: the quantization recipe (default ``te_adapters.Float8CurrentScaling()``), or
         ``None`` for the unquantized ``hk.Linear`` computation.
       threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in
@@ -189,8 +188,9 @@ class Linear(hk.Linear):
         ``min(input_size, output_size)``).
       low_rank_adaptation_alpha: the LoRA term is scaled by ``alpha / r``; ``None`` (default)
         scales by 1.
+      **kwargs: keyword arguments of ``hk.Linear``.
     """
-    super().__init__(output_size, with_bias=with_bias, w_init=w_init, b_init=b_init, name=name)
+    super().__init__(*args, **kwargs)
     self.recipe = None if recipe is None else core.check_recipe(recipe)
     self.threshold = core.check_threshold(threshold)
     self.amax_axes = amax_axes
@@ -228,3 +228,16 @@ class Linear(hk.Linear):
     lora_b = hk.get_parameter("lora_b_kernel", b_shape, dtype, init=jnp.zeros)
     lora = core.low_rank_adaptation(inputs, lora_a, lora_b, alpha=self.low_rank_adaptation_alpha)
     return out + lora.astype(out.dtype)
+
+
+def _signature_with_keywords(base, extra):
+  """``base``'s signature (``hk.Linear.__init__``) followed by ``extra``'s keyword-only ones."""
+  params = list(inspect.signature(base).parameters.values())
+  params += [
+      p for p in inspect.signature(extra).parameters.values() if p.kind is p.KEYWORD_ONLY
+  ]
+  return inspect.Signature(params)
+
+
+# hk.Linear's own signature, plus the quantization keywords (inspect.signature(Linear) shows it).
+Linear.__init__.__signature__ = _signature_with_keywords(hk.Linear.__init__, Linear.__init__)

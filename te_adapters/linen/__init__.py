@@ -6,6 +6,10 @@ from te_adapters._requires import require
 
 require("flax", "te_adapters.linen", "flax")
 
+from te_adapters import _flax_serialization
+
+_flax_serialization.register()
+
 from te_adapters.linen._mlp import LayerNormMLP
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,

@@ -66,6 +66,7 @@ class QuantizedDotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    core.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
     core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
     state = {}
     initial = {} if self.recipe is None else core.init_state(self.recipe)

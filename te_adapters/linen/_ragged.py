@@ -60,6 +60,7 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
         preferred_element_type: Any = None,
         group_offset: jax.Array | None = None,
     ) -> jax.Array:
+      core.check_input_dtype(recipe, jax.numpy.result_type(lhs), type(self).__name__)
       state = None
       if recipe is not None and core.state_names(recipe):
         if getattr(rhs, "ndim", None) != 3:

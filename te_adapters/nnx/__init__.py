@@ -16,6 +16,10 @@ from te_adapters._requires import require
 
 require("flax", "te_adapters.nnx", "flax")
 
+from te_adapters import _flax_serialization
+
+_flax_serialization.register()
+
 from te_adapters.nnx._convert import QuantizeReport, quantize_model
 from te_adapters.nnx._experts import GroupedLinear
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral

@@ -102,6 +102,7 @@ class GroupedLinear(nnx.Module):
       [M, N]; rows past ``sum(group_sizes)`` are zero.
     """
     inputs, kernel = dtypes.promote_dtype((inputs, self.kernel[...]), dtype=self.dtype)
+    core.check_input_dtype(self.recipe, inputs.dtype, type(self).__name__)
     state = {name: getattr(self, name)[...] for name in self.state_names} or None
     return core.ragged_dot(
         inputs,

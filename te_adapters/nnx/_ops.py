@@ -173,6 +173,7 @@ class _RecipeOp(nnx.Module):
       self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,
       out_sharding=None,
   ):
+    core.check_input_dtype(self.recipe, lhs.dtype, type(self).__name__)
     core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
     return core.dot_general(
         lhs,

@@ -174,7 +174,7 @@ def recipe_state(model) -> nnx.State:
 
 def _gemm_updated(old: dict, new: dict) -> dict:
   """``core.updated_state`` for one GEMM, per layer when the state is stacked (scan, vmap)."""
-  stack_dims = np.ndim(next(v for k, v in old.items() if k.endswith("_scale"))) - 1
+  stack_dims = np.ndim(core.DelayedScalingState.from_mapping(old).role("x").scale) - 1
   fn = core.updated_state
   for _ in range(stack_dims):
     fn = jax.vmap(fn)
@@ -191,7 +191,7 @@ def _merge(old, new, path=()):
         f"{sorted(map(str, set(old) - set(new)))}, unexpected "
         f"{sorted(map(str, set(new) - set(old)))}"
     )
-  if any(str(k).endswith("_scale") and not isinstance(v, Mapping) for k, v in old.items()):
+  if core.is_state_mapping(old):
     for k in old:
       if np.shape(old[k]) != np.shape(new[k]):
         raise ValueError(

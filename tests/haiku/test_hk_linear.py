@@ -207,7 +207,7 @@ def test_forward_only_apply_leaves_state_unchanged():
 
   state, new_state = init_and_apply(jax.random.key(0), x)
   # init creates TE's variables under the module's name with TE's initial values.
-  assert jax.tree.structure(state) == jax.tree.structure({"linear": init_state(r)})
+  assert jax.tree.structure(state) == jax.tree.structure({"linear": dict(init_state(r))})
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves({"linear": init_state(r)}), strict=True):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
