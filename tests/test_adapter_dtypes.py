@@ -73,7 +73,9 @@ def test_haiku_linear_takes_hk_linear_constructor_unchanged():
   ours = list(inspect.signature(ta_hk.Linear).parameters)
   theirs = list(inspect.signature(hk.Linear).parameters)
   assert ours[: len(theirs)] == theirs
-  assert ours[len(theirs):] == ["recipe", "threshold", "amax_axes", "kernel_all_gather", "config"]
+  assert ours[len(theirs):] == ["recipe", "threshold", "amax_axes", "kernel_all_gather", "config",
+                                "enable_low_rank_adaptation", "low_rank_adaptation_dim",
+                                "low_rank_adaptation_alpha"]
 
   def make(cls, **kw):
     # Positional with_bias=False and a named initializer, as hk.Linear takes them.

@@ -17,7 +17,7 @@ from flax import serialization  # noqa: E402
 
 import te_adapters as ta  # noqa: E402
 from te_adapters import linen as ta_linen  # noqa: E402, F401  (registers the typed state)
-from tests.conftest import assert_scales_equal  # noqa: E402
+from tests.conftest import FP8_GEMM_RTOL, assert_scales_equal  # noqa: E402
 from tests.fixtures import make_dict_layout_checkpoint as old  # noqa: E402
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "dict_layout_checkpoint.msgpack"
@@ -28,10 +28,17 @@ def saved():
   return serialization.msgpack_restore(FIXTURE.read_bytes())
 
 
-def assert_state_equal(actual, desired):
+# Steps taken here from the fixture's state end where the fixture's own steps ended: exactly on
+# CPU, where it was made; to the GEMMs' rounding on a GPU (2.4e-5 of an amax seen on an H100).
+CONTINUED = 0.0 if jax.default_backend() == "cpu" else FP8_GEMM_RTOL
+
+
+def assert_state_equal(actual, desired, rtol=0.0):
   assert sorted(actual) == sorted(desired)
   for name in desired:
-    if name.endswith("_scale"):
+    if rtol:
+      np.testing.assert_allclose(np.asarray(actual[name]), desired[name], rtol=rtol)
+    elif name.endswith("_scale"):
       assert_scales_equal(actual[name], desired[name])
     else:
       np.testing.assert_array_equal(np.asarray(actual[name]), desired[name])
@@ -45,7 +52,7 @@ def test_old_bytes_restore_into_the_typed_state_and_continue_exactly(saved):
   x, w = old.inputs()
   new = old.step(w, state, x, 3)
   assert isinstance(new, ta.core.DelayedScalingState)
-  assert_state_equal(new, saved["core_state_after_4"])
+  assert_state_equal(new, saved["core_state_after_4"], rtol=CONTINUED)
   # Saving the typed state writes the dict layout again.
   again = serialization.msgpack_restore(serialization.to_bytes(state))
   assert_state_equal(again, saved["core_state"])
@@ -56,7 +63,7 @@ def test_old_dict_passed_as_is_trains_and_stays_a_dict(saved):
   x, w = old.inputs()
   new = old.step(w, state, x, 3)
   assert type(new) is dict
-  assert_state_equal(new, saved["core_state_after_4"])
+  assert_state_equal(new, saved["core_state_after_4"], rtol=CONTINUED)
 
 
 def test_old_linen_variables_load_into_the_model_and_continue(saved):

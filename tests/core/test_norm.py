@@ -243,5 +243,10 @@ def test_remat_gives_the_same_grads_and_state():
                            argnums=(0, 1, 2, 3, 4)))
   plain, again = grads(x, g, b, w, state), remat(x, g, b, w, state)
   for a, r in zip(jax.tree.leaves(plain), jax.tree.leaves(again), strict=True):
-    np.testing.assert_array_equal(a, r)
+    if jax.default_backend() == "cpu":
+      np.testing.assert_array_equal(a, r)
+    else:
+      # The GPU recomputes the norm in another fusion: its output may move by an ulp, and an
+      # FP8 value on a rounding boundary with it (seen on an H100 with the pure-JAX casts).
+      np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-2 * float(np.max(np.abs(a))))
   assert float(plain[4]["x_amax_history"][-1]) > 0

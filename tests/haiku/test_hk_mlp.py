@@ -111,7 +111,7 @@ def test_layer_stack_with_remat_over_two_blocks_matches_unrolled():
                                  atol=10 * ref.CROSS_RTOL)
     for i, sname in enumerate(snames):
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
-                   dict(state[sname]), states[i])
+                   dict(state[sname]), dict(states[i]))
   history = np.asarray(state[snames[0]]["x_amax_history"])
   assert history.shape == (2, 4) and history[0, -1] != history[1, -1]
 

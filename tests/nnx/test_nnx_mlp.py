@@ -82,7 +82,7 @@ def test_ordinary_loop_against_float64(name, rel):
                                 RECIPES[name])
     for i, op in enumerate((layer.dot_general_0, layer.dot_general_1)):
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b[0], rtol=ref.STATE_RTOL),
-                   op.recipe_state(), want[i])
+                   dict(op.recipe_state()), dict(want[i]))
     a = float(jnp.max(jnp.abs(core.layernorm(x, params["scale"], params["ln_bias"]))))
     np.testing.assert_allclose(layer.dot_general_0.x_amax_history[...], [0, a, a, a], rtol=1e-6)
 
@@ -131,7 +131,7 @@ def test_nnx_scan_with_remat_over_two_blocks_matches_unrolled():
                                  atol=10 * ref.CROSS_RTOL)
     for i, op in enumerate((blocks.dot_general_0, blocks.dot_general_1)):
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
-                   op.recipe_state(), states[i])
+                   dict(op.recipe_state()), dict(states[i]))
   history = np.asarray(blocks.dot_general_0.x_amax_history[...])
   assert history.shape == (2, 4) and history[0, -1] != history[1, -1]
 
