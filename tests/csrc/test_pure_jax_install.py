@@ -11,8 +11,9 @@ directories, offline and with the build requirements of the test extra
   name a missing file, ``TE_ADAPTERS_CUDA=OFF``), which must fall back to the same pure-JAX files.
 
 Neither install may hold a compiled file. Then the tests of ``NESTED_SUITE`` run in a subprocess
-against the first install: all of tests/core and tests/csrc, and tests/test_demo.py. (The whole
-suite would double CI's test time; the adapters reach the cast only through the core GEMM.)
+against the first install: the core's tests of the paths the extension replaces (GEMM, quantize,
+scaling, configuration, state rule), tests/csrc and tests/test_demo.py. (More would add to CI's
+time what the main run already tests; the adapters reach the cast only through these paths.)
 They run from a directory holding only copies of ``tests/``, ``examples/`` and pyproject.toml,
 with ``PYTHONPATH`` the install and a sitecustomize that drops an editable install's import hook,
 so the checkout's ``te_adapters`` cannot be imported. The run must import every ``te_adapters``
@@ -32,7 +33,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NESTED_SUITE = ("tests/core", "tests/csrc", "tests/test_demo.py")
+# The tests of the code the extension replaces (the cast, the amax, the GEMM paths, the
+# configuration that picks them) and the demo; the rest of tests/core and the adapters reach the
+# cast only through these paths, and the main run tests them.
+NESTED_SUITE = (
+  "tests/core/test_gemm.py",
+  "tests/core/test_quantize.py",
+  "tests/core/test_scaling.py",
+  "tests/core/test_config.py",
+  "tests/core/test_state_rule.py",
+  "tests/csrc",
+  "tests/test_demo.py",
+)
 # Set in the nested run, where this test would otherwise build and run itself again.
 NESTED_ENV = "TE_ADAPTERS_IN_INSTALL_TEST"
 MISSING = "/nonexistent/te_adapters-no-compiler"
