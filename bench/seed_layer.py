@@ -98,3 +98,42 @@ class FlaxTransformerLayer(nn.Module):
     )
     x = mlp(x)
     return x + res
+
+
+class ModulesTransformerLayer(nn.Module):
+  """Seed 001's layer rebuilt from te_adapters' Linen modules (seed 002's set): a
+  ``LayerNormDenseGeneral`` for the norm and the QKV projection, the same attention, a
+  ``DenseGeneral`` for the output projection and a ``LayerNormMLP`` (gelu, biases). Parameters in
+  float32, computed in the input's dtype as TE's modules do; no dropout (``deterministic`` is
+  accepted for the same call as ``FlaxTransformerLayer``)."""
+
+  hidden_size: int
+  ffn_hidden_size: int
+  num_attention_heads: int
+  recipe: object = None
+  layernorm_eps: float = 1e-5
+
+  @nn.compact
+  def __call__(self, x, attention_mask: jnp.ndarray | None = None, deterministic: bool = False):
+    from te_adapters import linen as ta_linen
+
+    del deterministic
+    if attention_mask is None:
+      attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
+    heads, kv = self.num_attention_heads, self.hidden_size // self.num_attention_heads
+    qkv, _ = ta_linen.LayerNormDenseGeneral(
+      3 * self.hidden_size, epsilon=self.layernorm_eps, use_bias=True,
+      return_layernorm_output=False, recipe=self.recipe, threshold=None,
+    )(x)
+    q, k, v = jnp.split(qkv.reshape(*qkv.shape[:2], heads, 3 * kv), 3, axis=3)
+    a = nn.dot_product_attention(q, k, v, mask=attention_mask, deterministic=True)
+    a = a.reshape(*a.shape[:2], self.hidden_size).astype(x.dtype)
+    x = x + ta_linen.DenseGeneral(
+      self.hidden_size, use_bias=True, dtype=x.dtype, recipe=self.recipe, threshold=None
+    )(a)
+    y, _ = ta_linen.LayerNormMLP(
+      intermediate_dim=self.ffn_hidden_size, epsilon=self.layernorm_eps, activations=("gelu",),
+      use_bias=True, intermediate_dropout_rate=0.0, return_layernorm_output=False,
+      recipe=self.recipe, threshold=None,
+    )(x, deterministic=True)
+    return x + y

@@ -207,7 +207,14 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
     return FlaxTransformerLayer(hidden_size=hidden, ffn_hidden_size=ffn,
                                 num_attention_heads=heads, dot_general_cls=cls, **kw)
 
-  for name, model in _linen_variants(make, recipes):
+  variants = _linen_variants(make, recipes)
+  if dtype is not None:
+    # The same layer from te_adapters' Linen modules (computed in bf16, as this variant's).
+    from bench.seed_layer import ModulesTransformerLayer
+    for label, recipe in recipes:
+      variants.append((f"modules {label}", ModulesTransformerLayer(
+          hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, recipe=recipe)))
+  for name, model in variants:
     variables = model.init(key, x, deterministic=True)
     apply_fn = lambda v, x, model=model: model.apply(v, x, deterministic=True)
     step = _speedometer(apply_fn)

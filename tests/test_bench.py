@@ -102,3 +102,21 @@ def test_bench_is_not_in_the_package():
   package = os.path.dirname(te_adapters.__file__)
   names = set(os.listdir(package))
   assert not names & {"_bench.py", "_bench_qwix.py", "_seed_layer.py"}, names
+
+
+def test_seed_layer_from_the_modules_runs_its_gemms_in_fp8():
+  """The bench's seed 001 layer rebuilt from LayerNormDenseGeneral, DenseGeneral and
+  LayerNormMLP: every projection GEMM (QKV, output, the MLP's two) in FP8 in forward, dgrad and
+  wgrad, and the same output shape as the Flax layer."""
+  import te_adapters as ta
+  from bench.seed_layer import ModulesTransformerLayer
+
+  layer = ModulesTransformerLayer(hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                                  recipe=ta.Float8CurrentScaling())
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 128)).astype(jnp.bfloat16)
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  loss = lambda v, x: jnp.sum(layer.apply(v, x).astype(jnp.float32) ** 2)
+  fp8, total = core.count_fp8_dot_generals(jax.value_and_grad(loss, argnums=(0, 1)), variables, x)
+  assert fp8 == 12, (fp8, total)
+  y = layer.apply(variables, x)
+  assert y.shape == x.shape and y.dtype == jnp.bfloat16 and bool(jnp.isfinite(y).all())
