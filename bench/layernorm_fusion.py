@@ -23,15 +23,14 @@ import math
 import os
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import te_adapters as ta  # noqa: E402
+from bench import speed  # noqa: E402
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\w[\w-]*)\(")
 
@@ -49,18 +48,6 @@ def _activation_buffers(hlo: str, elements: int):
       meta = re.search(r'op_name="([^"]+)"', line)
       out.append(f"{dtype}[{dims}] {op} %{name} ({meta.group(1) if meta else ''})")
   return out
-
-
-def _median_ms(step, args, steps=20, repeats=3):
-  jax.block_until_ready(step(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(steps):
-      out = step(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / steps * 1e3)
-  return float(np.median(times))
 
 
 def _time_steps(x, g, b, w, recipe, config):
@@ -93,6 +80,10 @@ def _time_steps(x, g, b, w, recipe, config):
                           argnums=(0, 1, 2, 3)))
   return (_median_ms(fused, (x, g, b, w, state)), _median_ms(split, (x, g, b, w, state)),
           _median_ms(bf16, (x, g, b, w)))
+
+
+def _median_ms(step, args, steps=20, repeats=3):
+  return speed._timed(step, args, steps, repeats)[0]
 
 
 def main():

@@ -14,6 +14,7 @@ from te_adapters.core._recipes import Float8CurrentScaling
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
 
 __all__ = [
+  "check_last_axis",
     "DEFAULT_RECIPE",
     "DEFAULT_THRESHOLD",
     "GEMM_DIM_MULTIPLE",
@@ -104,6 +105,32 @@ def check_input_dtype(recipe, dtype, what: str) -> None:
       f"{what}: a quantized layer needs real floating-point inputs ({why}); cast the "
       "inputs, or keep this layer unquantized (recipe=None)"
   )
+
+
+def check_last_axis(axis, ndim: int | None, what: str, te_layer: str) -> None:
+  """Raises a ValueError unless ``axis`` names the last axis: TE's norm-then-GEMM layers
+  (``te_layer``) normalize and contract it alone. ``axis`` is an int or a sequence of ints;
+  with the input's rank ``ndim`` it may be ``ndim - 1``, without it (a layer checking its
+  arguments before any input) it must be ``-1``.
+
+  Example:
+    >>> from te_adapters import core
+    >>> core.check_last_axis(2, 3, "f", "LayerNormMLP")  # the last of 3 axes
+    >>> core.check_last_axis(0, 3, "f", "LayerNormMLP")
+    Traceback (most recent call last):
+    ...
+    ValueError: f: axis must be -1 (the normalized last axis, as TE's LayerNormMLP requires), got 0
+  """
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  if ndim is None:
+    ok = axes == (-1,)
+  else:
+    ok = ndim >= 1 and tuple(a % ndim for a in axes) == (ndim - 1,)
+  if not ok:
+    raise ValueError(
+        f"{what}: axis must be -1 (the normalized last axis, as TE's {te_layer} requires), "
+        f"got {axis!r}"
+    )
 
 
 def kernel_gemm_dims(kernel_shape, dimension_numbers) -> tuple[int, int]:

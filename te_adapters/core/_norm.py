@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_adapters.core._gemm import dot_general
+from te_adapters.core._layer import check_last_axis
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
 
 __all__ = ["LAYERNORM_TYPES", "layernorm", "layernorm_dense"]
@@ -214,12 +215,7 @@ def layernorm_dense(
     ((16, 16), None)
   """
   x, kernel = jnp.asarray(x), jnp.asarray(kernel)
-  axis_t = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-  if x.ndim < 1 or tuple(a % x.ndim for a in axis_t) != (x.ndim - 1,):
-    raise ValueError(
-        f"layernorm_dense: axis must be -1 (the normalized last axis, as TE's "
-        f"LayerNormDenseGeneral requires), got {axis!r}"
-    )
+  check_last_axis(axis, x.ndim, "layernorm_dense", "LayerNormDenseGeneral")
   if kernel_axes is None:
     kernel_axes = (0,)
   kernel_axes = tuple(kernel_axes) if isinstance(kernel_axes, (tuple, list)) else (kernel_axes,)
@@ -239,7 +235,7 @@ def layernorm_dense(
   )
   if dot_input_constraint is not None:
     y = dot_input_constraint(y)
-  dims = _dense_dims(x.ndim, kernel.ndim, axis_t, kernel_axes)
+  dims = _dense_dims(x.ndim, kernel.ndim, (x.ndim - 1,), kernel_axes)
   z = dot_general(
       y, kernel, dims, preferred_element_type=x.dtype, recipe=recipe, state=state, rng=rng,
       threshold=threshold, config=config,

@@ -133,11 +133,7 @@ class LayerNormDenseGeneral(hk.Module):
       name: the module's name (default ``"layer_norm_dense_general"``).
     """
     super().__init__(name=name)
-    if (tuple(axis) if isinstance(axis, Iterable) else (axis,)) != (-1,):
-      raise ValueError(
-          f"LayerNormDenseGeneral: axis must be -1 (the normalized last axis, as TE's), got "
-          f"{axis!r}"
-      )
+    core.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
     _check_type("LayerNormDenseGeneral", layernorm_type)
     self.features = tuple(features) if isinstance(features, Iterable) else (features,)
     self.enable_layernorm = enable_layernorm

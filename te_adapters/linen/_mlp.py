@@ -123,9 +123,7 @@ class LayerNormMLP(nn.Module):
   @nn.compact
   def __call__(self, inputs, deterministic: bool = False):
     what = self.name or "LayerNormMLP"
-    axis = tuple(self.axis) if isinstance(self.axis, Iterable) else (self.axis,)
-    if inputs.ndim < 1 or tuple(a % inputs.ndim for a in axis) != (inputs.ndim - 1,):
-      raise ValueError(f"{what}: axis must be -1 (as TE's LayerNormMLP), got {self.axis!r}")
+    core.check_last_axis(self.axis, inputs.ndim, what, "LayerNormMLP")
     if self.enable_low_rank_adaptation:
       raise ValueError(
           f"{what}: low-rank adaptation is not supported in LayerNormMLP; use DenseGeneral("

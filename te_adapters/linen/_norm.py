@@ -173,12 +173,8 @@ class LayerNormDenseGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, inputs):
-    axis = tuple(self.axis) if isinstance(self.axis, Iterable) else (self.axis,)
-    if inputs.ndim < 1 or tuple(a % inputs.ndim for a in axis) != (inputs.ndim - 1,):
-      raise ValueError(
-          f"LayerNormDenseGeneral: axis must be -1 (the normalized last axis, as TE's), got "
-          f"{self.axis!r}"
-      )
+    core.check_last_axis(self.axis, inputs.ndim, "LayerNormDenseGeneral",
+                         "LayerNormDenseGeneral")
     features = tuple(self.features) if isinstance(self.features, Iterable) else (self.features,)
     k = inputs.shape[-1]
     recipe = None if self.recipe is None else core.check_recipe(self.recipe)

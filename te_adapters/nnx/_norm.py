@@ -131,11 +131,7 @@ class LayerNormDenseGeneral(nnx.Module):
       recipe: Any = core.DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, config=None,
       rngs: nnx.Rngs,
   ):
-    if (tuple(axis) if isinstance(axis, Iterable) else (axis,)) != (-1,):
-      raise ValueError(
-          f"LayerNormDenseGeneral: axis must be -1 (the normalized last axis, as TE's), got "
-          f"{axis!r}"
-      )
+    core.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
     _check_type("LayerNormDenseGeneral", layernorm_type)
     features = tuple(features) if isinstance(features, Iterable) else (features,)
     kernel_shape = (in_features, *features)
