@@ -1,0 +1,75 @@
+"""Per-kernel GPU time of seed 001's LayerNorm + MLP block (``python -m bench --cases mlp``).
+
+Usage (on a GPU, from the repository root):
+  python bench/profile_mlp.py [--variants bf16,flax-current,current,delayed] [--top 20]
+
+Variants: ``bf16`` (plain Flax), ``flax-current``/``flax-delayed`` (Flax's modules with our
+``dot_general``), ``current``/``delayed`` (``te_adapters.linen.LayerNormMLP``). Prints, per
+variant, the GPU time per fwd+bwd step grouped by kind (``bench/profile_convergence.py``'s
+kinds), the FP8 GEMM count, and the kernels that take the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import te_adapters as ta  # noqa: E402
+from bench import speed  # noqa: E402
+from bench.profile_convergence import kind  # noqa: E402
+
+
+def model_for(name, hidden, intermediate):
+  recipes = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling()}
+  if name == "bf16":
+    return speed._FlaxLnMlp(hidden, intermediate)
+  if name.startswith("flax-"):
+    cls = speed.ta_linen.make_dot_general_cls(recipes[name[5:]], threshold=None)
+    return speed._FlaxLnMlp(hidden, intermediate, cls)
+  return speed.ta_linen.LayerNormMLP(
+      intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
+      intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipes[name],
+      threshold=None)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--variants", default="bf16,flax-current,current,delayed")
+  p.add_argument("--size", default="4x2048x4096x16384", help="batch x seq x hidden x intermediate")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--top", type=int, default=20)
+  args = p.parse_args(argv)
+  batch, seq, hidden, intermediate = (int(s) for s in args.size.split("x"))
+  x = jax.random.normal(jax.random.PRNGKey(7), (batch, seq, hidden)).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.PRNGKey(8), (batch, seq, hidden)).astype(jnp.bfloat16)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, size {args.size}")
+  for name in args.variants.split(","):
+    model = model_for(name, hidden, intermediate)
+    kw = {"deterministic": True} if isinstance(model, speed.ta_linen.LayerNormMLP) else {}
+    variables = model.init(jax.random.PRNGKey(7), x, **kw)
+
+    def apply_fn(v, x, model=model, kw=kw):
+      y = model.apply(v, x, **kw)
+      return y[0] if isinstance(y, tuple) else y
+
+    step = speed._speedometer(apply_fn)
+    fp8 = speed._count_cublas_fp8(step, (variables, x, dy))
+    per_kernel = speed.gpu_kernel_ms(step, (variables, x, dy), args.steps)
+    total = sum(per_kernel.values())
+    groups: dict[str, float] = {}
+    for k, v in per_kernel.items():
+      groups[kind(k)] = groups.get(kind(k), 0.0) + v
+    print(f"\n== {name}: {total:.3f} ms of GPU kernels per step; cuBLASLt FP8 GEMMs {fp8}")
+    for label, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+      print(f"  {v:8.3f} ms  {label}")
+    for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
+      print(f"    {v:7.3f} ms  {k[:140]}")
+
+
+if __name__ == "__main__":
+  main()
