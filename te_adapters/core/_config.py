@@ -51,6 +51,13 @@ class GemmConfig:
       ``"fp8"``: the transposed copy is made from the FP8 one.
     amax: measurement only. Current scaling's amax pass: ``"jax"`` (XLA's reduction, which can
       fuse into the producer) or ``"ffi"`` (the extension's kernel, where ``backend`` allows it).
+    fuse_activation_cast: ``core.layernorm_mlp`` with a per-tensor recipe (both GEMMs in FP8, no
+      dropout, no sharding constraints) casts the activation of GEMM 1's output straight to
+      GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
+      gradient with the bias gradient, in one custom VJP (``True``); ``False`` composes the
+      activation and two ``dot_general`` calls. With activations narrower than float32 the two
+      differ by the rounding of the activation and of its gradient to that dtype, which only the
+      composed path does.
 
   Example:
     >>> import te_adapters as ta
@@ -65,8 +72,12 @@ class GemmConfig:
   output: str = "mixed32"
   transpose: str = "cast"
   amax: str = "jax"
+  fuse_activation_cast: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.fuse_activation_cast, bool):
+      value = self.fuse_activation_cast
+      raise ValueError(f"GemmConfig.fuse_activation_cast must be True or False, got {value!r}")
     for name, allowed in _CHOICES.items():
       value = getattr(self, name)
       if value not in allowed:

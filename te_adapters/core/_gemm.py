@@ -523,22 +523,32 @@ def _cast_both(x, scale, q_dtype, config, with_amax=False):
   )
 
 
-def _quantize_both(x, role, q_dtype, recipe, state, plan, config):
-  """Both FP8 orientations of one operand; returns (q, q_t, scale, the role's new state)."""
+def _quantize_both(x, role, q_dtype, recipe, state, plan, config, cast=None, amax=None):
+  """Both FP8 orientations of one operand; returns (q, q_t, scale, the role's new state).
+
+  ``cast(scale, with_amax) -> (q, q_t, amax or None)`` and ``amax() -> amax`` replace the cast
+  and the amax pass of ``x`` when the operand is made inside them from other arrays (the MLP's
+  activation); ``x`` then only gives the operand's type.
+  """
+  if cast is None:
+    cast = lambda scale, with_amax: _cast_both(x, scale, q_dtype, config, with_amax)  # noqa: E731
   scale = _tensor_scaling.of(recipe).stored_scale(state, role)
   if scale is not None:
     # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
     # cast itself.
-    q, q_t, a = _cast_both(x, scale, q_dtype, config, with_amax=True)
+    q, q_t, a = cast(scale, True)
     _, new = _role_scale(x, role, q_dtype, recipe, state, plan, a)
   else:
     # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
     # kernel (seed 000 Dense on an H100: 22.17-22.32 ms against 22.38-22.67 ms), and it can fuse
     # into the op that produces x, so it is the default.
-    amax_backend = config.backend if config.amax == "ffi" else "jax"
-    amax = _cast_transpose.amax(x, backend=amax_backend)
-    scale, new = _role_scale(x, role, q_dtype, recipe, state, plan, amax)
-    q, q_t, _ = _cast_both(x, scale, q_dtype, config)
+    if amax is None:
+      amax_backend = config.backend if config.amax == "ffi" else "jax"
+      a = _cast_transpose.amax(x, backend=amax_backend)
+    else:
+      a = amax()
+    scale, new = _role_scale(x, role, q_dtype, recipe, state, plan, a)
+    q, q_t, _ = cast(scale, False)
   return q, q_t, scale, new
 
 

@@ -1,25 +1,33 @@
 """The LayerNorm + MLP block as one function: TE's ``layernorm_mlp``.
 
 ``norm -> GEMM 1 (wi_kernel, n_act stacked kernels) -> bias -> activation (gated product) ->
-dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM a ``dot_general`` with its own recipe state.
-The norm is an elementwise producer of GEMM 1's input, and the bias, activation and dropout of
-GEMM 2's, inside one jitted computation, which leaves XLA free to fuse each into the amax and
-FP8 cast of that input; GEMM 1's output itself is kept for the activation's backward
+dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM with its own recipe state.
+
+With a per-tensor recipe (both GEMMs in FP8, no dropout, no sharding constraint) the two GEMMs
+and the activation between them are one custom VJP (``_fused_mlp``): the activation is cast
+straight to GEMM 2's FP8 operand and its gradient straight to GEMM 1's FP8 output gradient, with
+the bias gradient, as TE does. Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``)
+each GEMM is a ``dot_general`` and the activation sits between them inside one jitted
+computation, which leaves XLA free to fuse it into the amax and FP8 cast of GEMM 2's input
 (``bench/mlp_fusion.py`` lists the activation-sized buffers the compiled forward writes).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from te_adapters.core import _fused_mlp
 from te_adapters.core._activation import activation, normalize_activations
+from te_adapters.core._config import check_config
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._layer import check_kernel_gemm_dims
 from te_adapters.core._norm import layernorm
-from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
+from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD, check_threshold
 
 __all__ = ["dropout", "layernorm_mlp"]
 
@@ -103,7 +111,13 @@ def layernorm_mlp(
     states: ``(state_0, state_1)``, each GEMM's recipe state (``init_state(recipe)``), or None
       for a stateless recipe. The gradient with respect to them is the next step's states.
     rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
-    threshold, config: as for ``dot_general``, for both GEMMs.
+    threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
+      (default True) takes the fused path where it applies: a per-tensor recipe
+      (``DelayedScaling``, ``Float8CurrentScaling``), both GEMMs in FP8 under ``threshold``, no
+      dropout (rate 0 or ``deterministic``), no input constraints, outside ``shard_map``. It
+      casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
+      dtype first, so with bfloat16 ``x`` its results differ from the composed path's by that
+      rounding; the states follow the same contract.
     return_layernorm_output: also return the norm's output.
     ffn1_ckpt_name, ffn2_ckpt_name: ``checkpoint_name`` tags of GEMM 1's output (before the
       activation) and of the block's output, for remat policies (TE's names).
@@ -150,11 +164,28 @@ def layernorm_mlp(
   check_kernel_gemm_dims(recipe, wi_kernel.shape, dims, "layernorm_mlp's first GEMM")
   check_kernel_gemm_dims(recipe, wo_kernel.shape, dims, "layernorm_mlp's second GEMM")
 
+  config = check_config(config)
+  threshold = check_threshold(threshold)
+  m = math.prod(x.shape[:-1])
+  fused = _fused_mlp.applies(
+      recipe, config, gemm_shapes=((m, k, n_act * f), (m, f, k)), threshold=threshold,
+      # An out-of-range rate takes the composed path, whose dropout raises the error.
+      dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
+      constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
+      rngs=(rng_0, rng_1))
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
                   zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
   else:
     y = x
+  if fused:
+    out = _fused_mlp.fused_mlp(
+        y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
+        config=config, ffn1_ckpt_name=ffn1_ckpt_name).reshape(x.shape)
+    if wo_bias is not None:
+      out = out + jnp.asarray(wo_bias).astype(out.dtype)
+    out = checkpoint_name(out, ffn2_ckpt_name)
+    return out, (y if return_layernorm_output else None)
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)
   h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,

@@ -1,0 +1,214 @@
+"""The MLP's two per-tensor FP8 GEMMs around the activation, in one custom VJP (TE's structure).
+
+``out = q(act(h + b)) . q(wo)`` with ``h = q(y) . q(wi)``: the activation of GEMM 1's output and
+its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in both orientations
+(no activation buffer in the input's dtype), and in the backward pass
+``dh = dz * act'(h + b)`` is cast straight to GEMM 1's FP8 output gradient in both orientations,
+with its amax and the bias gradient, from one read of ``dz`` and ``h``. Each GEMM keeps its own
+recipe state with ``dot_general``'s contract (the gradient with respect to it is the next
+state). ``core.layernorm_mlp`` takes this path where it applies (``applies``).
+
+The casts run as the pure-JAX formulas here (XLA fuses them), or on Hopper GPUs with the
+extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``backend``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from te_adapters.core import (
+  _batching,
+  _frozen,
+  _gemm,
+  _mesh,
+  _remat,
+  _scaled_tensor,
+  _scaling,
+  _spmd_plan,
+  _tensor_scaling,
+)
+from te_adapters.core._activation import _product
+from te_adapters.core._recipes import check_recipe
+from te_adapters.core._state import check_state, shared_max_grad
+
+__all__ = ["applies", "fused_mlp"]
+
+
+def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
+  """Whether ``layernorm_mlp`` takes the fused path: a per-tensor recipe, both GEMMs in FP8
+  (``gemm_shapes``: their ``(M, K, N)``), no dropout, no sharding constraint, no PRNG keys, not
+  inside ``shard_map``, and ``config.fuse_activation_cast``."""
+  if recipe is None or not config.fuse_activation_cast or config.layout != "tn":
+    return False
+  if check_recipe(recipe).block_scaled:
+    return False
+  if dropout_active or constrained or any(r is not None for r in rngs) or _mesh.manual_axes():
+    return False
+  if threshold is not None:
+    backend = jax.default_backend()
+    if not all(threshold.allows_fp8(m, k, n, backend) for m, k, n in gemm_shapes):
+      return False
+  return True
+
+
+def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, ffn1_ckpt_name="ffn1"):
+  """``q(act(q(y) . q(wi) + wi_bias)) . q(wo)`` with both GEMMs' per-tensor FP8 scaling.
+
+  Args:
+    y: GEMM 1's input ``(M, K)``.
+    wi: ``(K, n_act, F)``. wi_bias: ``(n_act, F)`` or None. wo: ``(F, K_out)``.
+    states: ``(state_0, state_1)`` (``None`` entries for a stateless recipe).
+    names: normalized activation names (``normalize_activations``).
+    recipe: ``DelayedScaling`` or ``Float8CurrentScaling``.
+    config: a ``GemmConfig``.
+    ffn1_ckpt_name: ``checkpoint_name`` of GEMM 1's output (before the bias), the residual the
+      backward pass reads.
+
+  Returns:
+    ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
+    values.
+  """
+  recipe = check_recipe(recipe)
+  k, n_act, f = wi.shape
+  state_0, state_1 = (check_state(recipe, s) for s in states)
+  state_0 = shared_max_grad(state_0) if state_0 else state_0
+  state_1 = shared_max_grad(state_1) if state_1 else state_1
+  wi2 = wi.reshape(k, n_act * f)
+  if state_0:
+    y, wi2, state_0 = _frozen.watch_state(y, wi2, state_0)
+  if state_1:
+    y, wo, state_1 = _frozen.watch_state(y, wo, state_1)
+  static = (tuple(names), n_act, recipe, config, ffn1_ckpt_name)
+  return _mlp(y, wi2, wi_bias, wo, state_0, state_1, static)
+
+
+_PLAN = _spmd_plan.SpmdPlan()
+
+
+def _hb(h, b, n_act):
+  """GEMM 1's output (M, n_act * F) plus its bias, float32 (M, n_act, F)."""
+  m = h.shape[0]
+  hb = h.astype(jnp.float32).reshape(m, n_act, -1)
+  return hb if b is None else hb + b.astype(jnp.float32)
+
+
+def activation_f32(h, b, names):
+  """The activation (gated product) of ``h (M, n_act*F)`` plus ``b``: float32 (M, F)."""
+  return _product(_hb(h, b, len(names)), names)
+
+
+def dact_f32(dz, h, b, names):
+  """``dz * act'(h + b)``: float32 (M, n_act, F)."""
+  _, vjp = jax.vjp(lambda a: _product(a, names), _hb(h, b, len(names)))
+  return vjp(dz.astype(jnp.float32))[0]
+
+
+def _both(v, scale, q_dtype, with_amax):
+  q = _scaled_tensor.cast_with_scale(v, scale, q_dtype)
+  q_t = _scaled_tensor.cast_with_scale(v.T, scale, q_dtype)
+  return q, q_t, (_scaling.amax(v) if with_amax else None)
+
+
+def _act_cast(h, b, names, q_dtype, scale, with_amax):
+  """The FP8 activation in both orientations (and its amax): (M, F), (F, M), (1,)."""
+  return _both(activation_f32(h, b, names), scale, q_dtype, with_amax)
+
+
+def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax):
+  """GEMM 1's FP8 output gradient in both orientations, its amax and the float32 bias gradient:
+  (M, n_act*F), (n_act*F, M), (1,), (n_act, F)."""
+  dh = dact_f32(dz, h, b, names)
+  q, q_t, a = _both(dh.reshape(dh.shape[0], -1), scale, q_dtype, with_amax)
+  return q, q_t, a, jnp.sum(dh, axis=0)
+
+
+def _dact_amax(dz, h, b, names):
+  return _scaling.amax(dact_f32(dz, h, b, names))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _mlp(y, wi2, wi_bias, wo, state_0, state_1, static):
+  out, _ = _mlp_fwd(y, wi2, wi_bias, wo, state_0, state_1, static)
+  return out
+
+
+def _mlp_fwd(y, wi2, wi_bias, wo, state_0, state_1, static):
+  names, _, recipe, config, ffn1_ckpt_name = static
+  fwd = recipe.fwd_dtype
+  out_dtype = np.dtype(y.dtype)
+  quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
+  # GEMM 1: y (M, K) and wi (K, N); the copy of wi as stored is dgrad's operand, its transposed
+  # copy the forward's.
+  q_y, q_yt, scale_y, new_y = quantize(y, "x", fwd, state=state_0)
+  q_wi, q_wit, scale_wi, new_wi = quantize(wi2, "kernel", fwd, state=state_0)
+  sinv_y, sinv_wi = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_wi)
+  h = _gemm._tn_dot(q_y, q_wit, (sinv_y, sinv_wi), out_dtype, None, "fwd", recipe, config)
+  h = checkpoint_name(h, ffn1_ckpt_name)
+  # GEMM 2's input, cast from h in the pass that computes it.
+  q_z, q_zt, scale_z, new_z = quantize(
+      h, "x", fwd, state=state_1,
+      cast=lambda scale, with_amax: _act_cast(h, wi_bias, names, fwd, scale, with_amax),
+      amax=lambda: _scaling.amax(activation_f32(h, wi_bias, names)))
+  q_wo, q_wot, scale_wo, new_wo = quantize(wo, "kernel", fwd, state=state_1)
+  sinv_z, sinv_wo = _scaling.scale_inverse(scale_z), _scaling.scale_inverse(scale_wo)
+  out = _gemm._tn_dot(q_z, q_wot, (sinv_z, sinv_wo), out_dtype, None, "fwd", recipe, config)
+  out = checkpoint_name(out, _remat.GEMM_OUTPUT)
+  del q_y, q_z
+  q_yt, sinv_y = _remat.name_quantized((q_yt, sinv_y), _remat.QUANTIZED_X)
+  q_zt, sinv_z = _remat.name_quantized((q_zt, sinv_z), _remat.QUANTIZED_X)
+  q_wi, sinv_wi = _remat.name_quantized((q_wi, sinv_wi), _remat.QUANTIZED_KERNEL)
+  q_wo, sinv_wo = _remat.name_quantized((q_wo, sinv_wo), _remat.QUANTIZED_KERNEL)
+  protos = tuple(np.zeros((0,), a.dtype) for a in (y, wi2, wo))
+  bias_proto = None if wi_bias is None else np.zeros((0,), wi_bias.dtype)
+  new_fwd = ({"x": new_y, "kernel": new_wi}, {"x": new_z, "kernel": new_wo})
+  residuals = (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd,
+               (state_0, state_1), protos, bias_proto)
+  return out, residuals
+
+
+def _next_state(recipe, state, roles):
+  new = _tensor_scaling.of(recipe).next_state(state, roles)
+  return _batching.combine_over_batch(new, state, functools.partial(_gemm._rescale, recipe))
+
+
+def _mlp_bwd(static, residuals, g):
+  names, _, recipe, config, _ = static
+  (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd, states,
+   protos, bias_proto) = residuals
+  state_0, state_1 = states
+  y_proto, wi_proto, wo_proto = protos
+  bwd = recipe.bwd_dtype
+  quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
+  # GEMM 2's backward.
+  q_g, q_gt, scale_g, new_g1 = quantize(g, "grad", bwd, state=state_1)
+  sinv_g = _scaling.scale_inverse(scale_g)
+  dz = _gemm._tn_dot(q_g, q_wo, (sinv_g, sinv_wo), h.dtype, None, "dgrad", recipe, config)
+  dwo = _gemm._tn_dot(q_zt, q_gt, (sinv_z, sinv_g), wo_proto.dtype, None, "wgrad", recipe, config)
+  # The activation's backward, cast straight to GEMM 1's FP8 output gradient.
+  dbias = []
+
+  def cast(scale, with_amax):
+    q, q_t, a, db = _dact_cast(dz, h, wi_bias, names, bwd, scale, with_amax)
+    dbias.append(db)
+    return q, q_t, a
+
+  q_dh, q_dht, scale_dh, new_g0 = quantize(
+      h, "grad", bwd, state=state_0, cast=cast,
+      amax=lambda: _dact_amax(dz, h, wi_bias, names))
+  sinv_dh = _scaling.scale_inverse(scale_dh)
+  dy = _gemm._tn_dot(q_dh, q_wi, (sinv_dh, sinv_wi), y_proto.dtype, None, "dgrad", recipe, config)
+  dwi = _gemm._tn_dot(q_yt, q_dht, (sinv_y, sinv_dh), wi_proto.dtype, None, "wgrad", recipe,
+                      config)
+  new_state_0 = _next_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
+  new_state_1 = _next_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
+  db = None if bias_proto is None else dbias[0].astype(bias_proto.dtype)
+  return (dy, dwi.astype(wi_proto.dtype), db, dwo.astype(wo_proto.dtype), new_state_0,
+          new_state_1)
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -1,0 +1,232 @@
+"""The fused activation casts of core.layernorm_mlp (one custom VJP around both per-tensor FP8
+GEMMs): against float64, against the composed path (GemmConfig(fuse_activation_cast=False)),
+the recipe state of both GEMMs after several steps, what the compiled forward writes, remat, and
+the fallbacks to the composed path."""
+
+import functools
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_adapters as ta
+from bench.layernorm_fusion import _activation_buffers
+from te_adapters import core
+
+from .test_mlp import _reference_grads
+
+B, S, K, F = 2, 64, 128, 256  # multiples of 128 for Float8BlockScaling
+RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4)}
+FUSED = core.GemmConfig()
+COMPOSED = core.GemmConfig(fuse_activation_cast=False)
+
+
+def _data(activations, seed=0, dtype=jnp.bfloat16):
+  rng = np.random.default_rng(seed)
+  n_act = len(activations)
+
+  def r(*shape, scale=1.0):
+    return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+  params = {
+      "scale": 1.0 + r(K, scale=0.1), "ln_bias": r(K, scale=0.1),
+      "wi_kernel": r(K, n_act, F, scale=K**-0.5), "wo_kernel": r(F, K, scale=F**-0.5),
+      "wi_bias": r(n_act, F, scale=0.3), "wo_bias": r(K, scale=0.1),
+  }
+  return r(B, S, K).astype(dtype), params, r(B, S, K).astype(dtype)
+
+
+def _block(x, p, states, activations, recipe, config, **kw):
+  return core.layernorm_mlp(
+      x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"],
+      activations=activations, recipe=recipe, states=states, config=config, **kw)[0]
+
+
+def _step_fn(recipe, activations, config, **kw):
+  @jax.jit
+  def step(x, params, states, dy):
+    def loss(x, params, states):
+      out = _block(x, params, states, activations, recipe, config, threshold=None, **kw)
+      return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, params, states)
+    return out, grads
+
+  return step
+
+
+def _states(recipe):
+  return (core.init_state(recipe), core.init_state(recipe)) if core.init_state(recipe) else None
+
+
+def _takes_fused(x, p, activations, recipe, config, **kw):
+  jaxpr = jax.make_jaxpr(
+      lambda x, p, s: _block(x, p, s, activations, recipe, config, **kw))(x, p, _states(recipe))
+  return "name=_mlp" in str(jaxpr)
+
+
+def _run(recipe, activations, config, steps=3, seed=0, dtype=jnp.bfloat16):
+  x, params, dy = _data(activations, seed, dtype)
+  step = _step_fn(recipe, activations, config)
+  states = _states(recipe)
+  for _ in range(steps):  # delayed scaling: scales from the previous steps' amaxes
+    out, (dx, dp, states) = step(x, params, states, dy)
+  return out, dx, dp, states
+
+
+@pytest.mark.parametrize("activations", [("gelu",), ("silu", "linear")], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_fused_block_against_float64(name, activations, rel):
+  recipe = RECIPES[name]
+  x, params, dy = _data(activations)
+  assert _takes_fused(x, params, activations, recipe, FUSED, threshold=None)
+  out, dx, dp, _ = _run(recipe, activations, FUSED)
+  ref_out, ref_dx, ref_dp = _reference_grads(x, params, dy, activations)
+  errs = {"out": rel(out, ref_out), "dx": rel(dx, ref_dx)}
+  errs.update({f"d{k}": rel(dp[k], ref_dp[k]) for k in params})
+  # FP8 through two GEMMs: a few percent; a bug (a lost scale, a wrong transpose, the bias
+  # gradient of the wrong slice) gives O(1). The output bias's gradient is exact.
+  assert errs["out"] < 0.08, errs
+  assert max(errs.values()) < 0.12, errs
+  assert min(errs["out"], errs["dx"], errs["dwi_kernel"], errs["dwo_kernel"]) > 0.005, errs
+  # The bias gradient sums dh over the 128 rows: FP8's error in dz averages out somewhat.
+  assert errs["dwi_bias"] < 0.1, errs
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_fused_equals_composed_within_fp8_rounding(name, rel):
+  # bfloat16 activations: the composed path rounds act(h + b) and dh to bfloat16 before their
+  # FP8 casts, the fused path casts the float32 values; the results differ by that alone.
+  recipe, acts = RECIPES[name], ("gelu", "linear")
+  fused = _run(recipe, acts, FUSED)
+  composed = _run(recipe, acts, COMPOSED)
+  for a, b in zip(jax.tree.leaves(fused[:3]), jax.tree.leaves(composed[:3]), strict=True):
+    # 0.01 to 0.025 seen: the bfloat16 rounding moves a few values across an FP8 rounding
+    # boundary. Each path is about 0.06 from float64, so unrelated quantizations would differ by
+    # about 0.09; a bug gives O(1).
+    assert rel(a, b) < 0.04
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_float32_fused_is_the_composed_path(name):
+  # float32 activations: no rounding between the activation and its cast on either path, so the
+  # same quantized tensors, GEMMs and states (the recipe state contract of layernorm_mlp).
+  recipe, acts = RECIPES[name], ("silu", "linear")
+  config = dict(backend="jax")  # the extension's kernels round tanh/exp differently by an ulp
+  fused = _run(recipe, acts, core.GemmConfig(**config), dtype=jnp.float32)
+  composed = _run(recipe, acts, core.GemmConfig(fuse_activation_cast=False, **config),
+                  dtype=jnp.float32)
+  np.testing.assert_array_equal(fused[0], composed[0])
+  for a, b in zip(jax.tree.leaves(fused[1:3]), jax.tree.leaves(composed[1:3]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # sums in another order
+  for a, b in zip(jax.tree.leaves(fused[3]), jax.tree.leaves(composed[3]), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_delayed_state_after_several_steps_is_the_composed_paths():
+  recipe, acts = RECIPES["delayed"], ("gelu", "linear")
+  step_f = _step_fn(recipe, acts, FUSED)
+  step_c = _step_fn(recipe, acts, COMPOSED)
+  sf = sc = _states(recipe)
+  for seed in range(5):  # more steps than the history holds: the roll and the window's max
+    x, params, dy = _data(acts, seed=seed)
+    _, (_, _, sf) = step_f(x, params, sf, dy)
+    _, (_, _, sc) = step_c(x, params, sc, dy)
+    for gemm in range(2):
+      for role in ("x", "kernel", "grad"):
+        hist_f = np.asarray(sf[gemm][f"{role}_amax_history"])
+        hist_c = np.asarray(sc[gemm][f"{role}_amax_history"])
+        assert hist_f[-1] > 0, (gemm, role)
+        if (gemm, role) in (((1, "x")), (0, "grad")):
+          # The activation and its gradient: float32 amax against bfloat16's (2**-8).
+          np.testing.assert_allclose(hist_f, hist_c, rtol=2**-8)
+          np.testing.assert_allclose(sf[gemm][f"{role}_scale"], sc[gemm][f"{role}_scale"],
+                                     rtol=2**-8)
+        else:
+          np.testing.assert_array_equal(hist_f, hist_c)
+          np.testing.assert_array_equal(sf[gemm][f"{role}_scale"], sc[gemm][f"{role}_scale"])
+  # TE's rule after 5 steps of a 4-slot history: the scale from the last 4 amaxes' max.
+  hist = np.asarray(sf[1]["grad_amax_history"])
+  np.testing.assert_allclose(sf[1]["grad_scale"], [57344.0 / hist.max()], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_switch_drops_the_bfloat16_activation_buffer(name):
+  # Gated pair: GEMM 1's output is (M, 2F), so an (M, F) buffer is the activation's output.
+  recipe, acts = RECIPES[name], ("gelu", "linear")
+  m, k, f = 192, 64, 320
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+  wi = jax.random.normal(jax.random.key(1), (k, 2, f)) / math.sqrt(k)
+  wo = jax.random.normal(jax.random.key(2), (f, k)) / math.sqrt(f)
+  bias = jnp.zeros((2, f))
+  counts = {}
+  for fuse in (True, False):
+    config = core.GemmConfig(fuse_activation_cast=fuse)
+
+    def fwd(x, wi, wo, states, config=config):
+      def f(x, wi, wo, states):
+        return core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, bias, activations=acts,
+                                  recipe=recipe, states=states, threshold=None, config=config)[0]
+      return jax.vjp(f, x, wi, wo, states)
+
+    hlo = jax.jit(fwd).lower(x, wi, wo, _states(recipe)).compile().as_text()
+    counts[fuse] = [b for b in _activation_buffers(hlo, m * f) if b.startswith("bf16")]
+  assert counts[True] == [], counts
+  assert counts[False], counts  # the composed path writes act(h + b) in bfloat16
+
+
+def test_fallbacks_give_the_composed_results():
+  acts = ("gelu", "linear")
+  x, p, _ = _data(acts)
+  current = RECIPES["current"]
+  cases = {
+      "dropout": (current, dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), threshold=None)),
+      "block": (ta.Float8BlockScaling(), dict(threshold=None)),
+      "threshold": (current, {}),  # the suite's size threshold keeps these GEMMs in bf16
+      "constraint": (current, dict(dot_2_input_constraint=lambda z: z, threshold=None)),
+  }
+  for what, (recipe, kw) in cases.items():
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+      assert not _takes_fused(x, p, acts, recipe, FUSED, **kw), what
+      ours, composed = (
+          jax.jit(functools.partial(_block, activations=acts, recipe=recipe, config=c, **kw))(
+              x, p, _states(recipe))
+          for c in (FUSED, COMPOSED))
+    np.testing.assert_array_equal(ours, composed, err_msg=what)
+  # Deterministic dropout is no dropout: fused.
+  assert _takes_fused(x, p, acts, current, FUSED, dropout_rate=0.5, deterministic=True,
+                      threshold=None)
+  with pytest.warns(core.HighPrecisionGemmWarning):
+    _block(x, p, None, acts, current, FUSED)
+
+
+def test_remat_gives_the_same_gradients_and_state():
+  recipe, acts = RECIPES["delayed"], ("silu", "linear")
+  x, params, dy = _data(acts)
+
+  def loss(x, params, states):
+    out = _block(x, params, states, acts, recipe, FUSED, threshold=None)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))
+  policy = jax.jit(jax.grad(jax.checkpoint(loss, policy=core.save_quantized_operands),
+                            argnums=(0, 1, 2)))
+  states = _states(recipe)
+  want = grads(x, params, states)
+  for fn in (remat, policy):
+    got = fn(x, params, states)
+    for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+      np.testing.assert_array_equal(a, b)
+    # The recomputed forward may be fused differently by XLA: float32 sums an ulp apart.
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_switch_value_is_a_clear_error():
+  with pytest.raises(ValueError, match="fuse_activation_cast must be True or False"):
+    core.GemmConfig(fuse_activation_cast="yes")
+
