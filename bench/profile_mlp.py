@@ -4,7 +4,10 @@ Usage (on a GPU, from the repository root):
   python bench/profile_mlp.py [--variants bf16,flax-current,current,delayed] [--top 20]
 
 Variants: ``bf16`` (plain Flax), ``flax-current``/``flax-delayed`` (Flax's modules with our
-``dot_general``), ``current``/``delayed`` (``te_adapters.linen.LayerNormMLP``). Prints, per
+``dot_general``), ``current``/``delayed`` (``te_adapters.linen.LayerNormMLP``, with the fused
+activation casts), ``current-unfused``/``delayed-unfused`` (the same with
+``GemmConfig(fuse_activation_cast=False)``: the activation between two ``dot_general``
+calls). Prints, per
 variant, the GPU time per fwd+bwd step grouped by kind (``bench/profile_convergence.py``'s
 kinds), the FP8 GEMM count, and the kernels that take the most time.
 """
@@ -31,15 +34,18 @@ def model_for(name, hidden, intermediate):
   if name.startswith("flax-"):
     cls = speed.ta_linen.make_dot_general_cls(recipes[name[5:]], threshold=None)
     return speed._FlaxLnMlp(hidden, intermediate, cls)
+  recipe, _, unfused = name.partition("-")
+  config = ta.core.GemmConfig(fuse_activation_cast=False) if unfused else None
   return speed.ta_linen.LayerNormMLP(
       intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
-      intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipes[name],
-      threshold=None)
+      intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipes[recipe],
+      threshold=None, config=config)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--variants", default="bf16,flax-current,current,delayed")
+  p.add_argument("--variants",
+                 default="bf16,flax-current,current,current-unfused,delayed,delayed-unfused")
   p.add_argument("--size", default="4x2048x4096x16384", help="batch x seq x hidden x intermediate")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=20)

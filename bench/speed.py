@@ -359,19 +359,23 @@ class _FlaxLnMlp(nn.Module):
 def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
   """LayerNorm + MLP (x ``(batch, seq, hidden)`` bf16, ``intermediate``, gelu, biases): plain
   Flax in bf16, Flax's modules with our ``dot_general`` (unfused), and
-  ``te_adapters.linen.LayerNormMLP`` (the norm and the activation feeding the FP8 casts)."""
+  ``te_adapters.linen.LayerNormMLP`` with the fused activation casts and without them
+  (``unfused``: ``GemmConfig(fuse_activation_cast=False)``)."""
   batch, seq, hidden, intermediate = size
   key = jax.random.PRNGKey(7)
   x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
   dy = jax.random.normal(jax.random.PRNGKey(8), (batch, seq, hidden)).astype(jnp.bfloat16)
   variants = _linen_variants(lambda cls: _FlaxLnMlp(hidden, intermediate, cls), recipes)
   if hasattr(ta_linen, "LayerNormMLP"):
+    # The fused activation casts (the default), and the activation between two dot_generals.
+    configs = (("", None), (" unfused", ta.core.GemmConfig(fuse_activation_cast=False)))
     for label, recipe in recipes:
-      # TE's fields: float32 parameters, computed in the input's dtype; no dropout here.
-      variants.append((f"LayerNormMLP {label}", ta_linen.LayerNormMLP(
-          intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
-          intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipe,
-          threshold=None)))
+      for suffix, config in configs:
+        # TE's fields: float32 parameters, computed in the input's dtype; no dropout here.
+        variants.append((f"LayerNormMLP {label}{suffix}", ta_linen.LayerNormMLP(
+            intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
+            intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipe,
+            threshold=None, config=config)))
   rows = []
   for name, model in variants:
     kw = {"deterministic": True} if isinstance(model, getattr(ta_linen, "LayerNormMLP", ())) else {}
