@@ -4,16 +4,13 @@
 //
 // The input is viewed as (batch, rows, cols). Each block owns a 64x64 tile: 16-byte loads along
 // the row, the FP8 codes staged in shared memory, then 16-byte stores of the transposed tile.
-// Float32 -> FP8 uses the hardware conversion (cvt.rn.satfinite), which is what XLA emits for the
-// pure-JAX path on sm_89+; the clip before it keeps NaN like XLA's NaN-propagating min/max.
+// Float32 -> FP8 as in fp8_cuda.cuh (the hardware conversion after XLA's clip).
 
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "fp8_convert.h"
+#include "fp8_cuda.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,48 +22,13 @@ constexpr int kTile = 64;
 constexpr int kThreads = 256;
 constexpr int kSmemStride = kTile + 1;  // odd stride: column reads hit distinct banks
 
-template <typename In>
-__device__ __forceinline__ float to_float(In v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_float<uint16_t>(uint16_t v) {  // bfloat16 bits
-  return __uint_as_float(static_cast<uint32_t>(v) << 16);
-}
-struct Half {
-  uint16_t bits;
-};
-template <>
-__device__ __forceinline__ float to_float<Half>(Half v) {
-  return __half2float(__ushort_as_half(v.bits));
-}
-
-template <OutType kOut>
-__device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
-  const float c = scale_and_clip(v, scale, fp8_limit(kOut));
-  constexpr __nv_fp8_interpretation_t kind = kOut == OutType::kE4M3 ? __NV_E4M3 : __NV_E5M2;
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(c, __NV_SATFINITE, kind));
-}
-
-// Non-negative floats order like their bit patterns, so an unsigned max of |v|'s bits is the
-// amax. NaN (bits above +inf) is clamped to +inf, like the pure-JAX amax.
-__device__ __forceinline__ uint32_t abs_bits(float v) {
-  return min(__float_as_uint(v) & 0x7fffffffu, 0x7f800000u);
-}
+using cuda::abs_bits;
+using cuda::Half;
+using cuda::to_float;
+using cuda::to_fp8;
 
 __device__ __forceinline__ void block_amax(uint32_t acc, uint32_t* out) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  acc = __reduce_max_sync(0xffffffffu, acc);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_max[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < kThreads / 32 ? warp_max[lane] : 0u;
-    acc = __reduce_max_sync(0xffffffffu, acc);
-    if (lane == 0) atomicMax(out, acc);
-  }
+  cuda::block_amax<kThreads>(acc, out);
 }
 
 struct Shape {

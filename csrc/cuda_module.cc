@@ -1,4 +1,5 @@
-// nanobind module exposing the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu, ...).
+// nanobind module exposing the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu,
+// act_cast_cuda.cu, ...).
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -8,6 +9,8 @@ namespace te_adapters {
 extern "C" XLA_FFI_Error* CastTransposeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BlockCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* ActCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* DactCastCuda(XLA_FFI_CallFrame* call_frame);
 #ifdef TE_ADAPTERS_BLOCK_GEMM
 extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #endif
@@ -24,6 +27,8 @@ NB_MODULE(_csrc_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(te_adapters::CastTransposeCuda));
     d["te_adapters_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::AmaxCuda));
     d["te_adapters_block_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockCastCuda));
+    d["te_adapters_act_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::ActCastCuda));
+    d["te_adapters_dact_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::DactCastCuda));
 #ifdef TE_ADAPTERS_BLOCK_GEMM
     d["te_adapters_block_gemm"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockGemmCuda));
 #endif

@@ -32,7 +32,10 @@ class GemmConfig:
       ``Float8BlockScaling``'s casts (both orientations of x, the kernel and the output gradient
       in one pass each) take the extension's CUDA block cast under ``"auto"`` and ``"ffi"`` on a
       GPU, where the last two dims are multiples of 128 on one device, and pure JAX otherwise
-      (there is no CPU block cast); the quantized values are the same.
+      (there is no CPU block cast); the quantized values are the same. ``core.layernorm_mlp``'s
+      fused activation casts take the extension's CUDA kernels under ``"auto"`` and ``"ffi"`` on
+      a GPU and pure JAX otherwise (there is no CPU kernel); their quantized values can differ
+      from pure JAX's by one FP8 step where CUDA's tanh or exp differs from XLA's by an ulp.
     fp8_gemm: per-tensor FP8 GEMMs. ``"auto"``: the extension's cuBLASLt GEMM on Hopper GPUs
       where it can run, XLA's ``dot_general`` on the FP8 arrays elsewhere. ``"native"``: the
       extension's GEMM, an error where it cannot run. ``"xla"``: always XLA's.

@@ -23,14 +23,18 @@ import numpy as np
 from te_adapters.core import _partition
 
 __all__ = [
+  "ACT_CAST_TARGET",
   "AMAX_TARGET",
   "BLOCK_CAST_TARGET",
   "CAST_TRANSPOSE_TARGET",
+  "DACT_CAST_TARGET",
   "GEMM_TARGET",
+  "act_cast_call",
   "amax_call",
   "block_cast_call",
   "cast_transpose_call",
   "cublas_gemm_available",
+  "dact_cast_call",
   "ffi_available",
   "gemm_call",
   "grouped_gemm_call",
@@ -44,6 +48,9 @@ CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
 AMAX_TARGET = "te_adapters_amax"
 # Float8BlockScaling's cast: 1x128 blocks in both orientations, or 128x128 tiles, in one pass.
 BLOCK_CAST_TARGET = "te_adapters_block_cast"
+# The MLP's fused activation casts (GPU only): act(h + b) to FP8, and dact to FP8 with dbias.
+ACT_CAST_TARGET = "te_adapters_act_cast"
+DACT_CAST_TARGET = "te_adapters_dact_cast"
 # The cuBLASLt FP8 GEMM: per-tensor scales and 1x128 / 128x128 block scales.
 GEMM_TARGET = "te_adapters_block_gemm"
 # The CUTLASS grouped FP8 GEMM and its operand layout kernel (built with TE_ADAPTERS_CUTLASS_DIR).
@@ -213,6 +220,49 @@ def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, pow
   return jax.ffi.ffi_call(BLOCK_CAST_TARGET, outs, vmap_method="sequential")(
     x, rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
   )
+
+
+def _act_attrs(acts, bias, with_amax):
+  act0, act1 = (*acts, -1) if len(acts) == 1 else acts
+  has_bias = bias is not None
+  bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32).reshape(-1)
+  attrs = dict(act0=np.int32(act0), act1=np.int32(act1), has_bias=has_bias,
+               compute_amax=with_amax)
+  return bias, attrs
+
+
+def act_cast_call(h, bias, scale, q_dtype, acts, with_amax):
+  """The activation cast (``csrc/act_cast_cuda.cu``): ``h`` (M, n_act*F), ``bias`` (n_act, F) or
+  None, ``acts`` the activation ids (``_fused_mlp.KERNEL_ACTIVATIONS``) -> ``(q (M, F),
+  q_t (F, M), amax (1,) or empty)``."""
+  m, f = h.shape[0], h.shape[1] // len(acts)
+  bias, attrs = _act_attrs(acts, bias, with_amax)
+  outs = (
+    jax.ShapeDtypeStruct((m, f), q_dtype),
+    jax.ShapeDtypeStruct((f, m), q_dtype),
+    jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+  )
+  return jax.ffi.ffi_call(ACT_CAST_TARGET, outs, vmap_method="sequential")(
+    h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
+
+
+def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
+  """The activation's backward cast (``csrc/act_cast_cuda.cu``): ``dz`` (M, F), ``h``
+  (M, n_act*F) -> ``(q (M, n_act*F), q_t (n_act*F, M), amax (1,) or empty, dbias (n_act*F,)
+  float32)``."""
+  m, n = h.shape
+  tiles = -(-m // 64)
+  bias, attrs = _act_attrs(acts, bias, with_amax)
+  outs = (
+    jax.ShapeDtypeStruct((m, n), q_dtype),
+    jax.ShapeDtypeStruct((n, m), q_dtype),
+    jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+    jax.ShapeDtypeStruct((n,), jnp.float32),
+    jax.ShapeDtypeStruct((tiles * n,), jnp.float32),  # per-tile column sums (workspace)
+  )
+  q, q_t, a, dbias, _ = jax.ffi.ffi_call(DACT_CAST_TARGET, outs, vmap_method="sequential")(
+    dz, h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
+  return q, q_t, a, dbias
 
 
 def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):

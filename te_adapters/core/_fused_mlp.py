@@ -23,6 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
   _batching,
+  _cast_transpose,
+  _ffi,
   _frozen,
   _gemm,
   _mesh,
@@ -36,7 +38,12 @@ from te_adapters.core._activation import _product
 from te_adapters.core._recipes import check_recipe
 from te_adapters.core._state import check_state, shared_max_grad
 
-__all__ = ["applies", "fused_mlp"]
+__all__ = ["KERNEL_ACTIVATIONS", "applies", "fused_mlp"]
+
+# The activations the CUDA kernels compute (one, or a gated pair), by their id there.
+KERNEL_ACTIVATIONS = {
+    "linear": 0, "gelu": 1, "relu": 2, "silu": 3, "swish": 3, "quick_gelu": 4, "squared_relu": 5,
+}
 
 
 def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
@@ -114,14 +121,39 @@ def _both(v, scale, q_dtype, with_amax):
   return q, q_t, (_scaling.amax(v) if with_amax else None)
 
 
-def _act_cast(h, b, names, q_dtype, scale, with_amax):
+def kernel_activations(h, names, config):
+  """The CUDA kernels' activation ids where they run the casts of ``h``'s activation, else None
+  (pure JAX): on a GPU with the kernels built, ``config.backend`` not ``"jax"``, one or two
+  activations they know, a float32/bfloat16/float16 ``h`` on one device."""
+  if jax.default_backend() != "gpu" or len(names) > 2:
+    return None
+  if not all(isinstance(n, str) and n in KERNEL_ACTIVATIONS for n in names):
+    return None
+  if np.dtype(h.dtype) not in _cast_transpose._FFI_INPUT_DTYPES:
+    return None
+  if _cast_transpose.backend(requested=config.backend) != "ffi":
+    return None
+  if not _ffi.registered(_ffi.ACT_CAST_TARGET, "gpu") or not _ffi.single_device(h):
+    return None
+  return tuple(KERNEL_ACTIVATIONS[n] for n in names)
+
+
+def _act_cast(h, b, names, q_dtype, scale, with_amax, config):
   """The FP8 activation in both orientations (and its amax): (M, F), (F, M), (1,)."""
+  acts = kernel_activations(h, names, config)
+  if acts is not None:
+    q, q_t, a = _ffi.act_cast_call(h, b, scale, q_dtype, acts, with_amax)
+    return q, q_t, (a if with_amax else None)
   return _both(activation_f32(h, b, names), scale, q_dtype, with_amax)
 
 
-def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax):
+def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
   """GEMM 1's FP8 output gradient in both orientations, its amax and the float32 bias gradient:
   (M, n_act*F), (n_act*F, M), (1,), (n_act, F)."""
+  acts = kernel_activations(h, names, config)
+  if acts is not None:
+    q, q_t, a, db = _ffi.dact_cast_call(dz, h, b, scale, q_dtype, acts, with_amax)
+    return q, q_t, (a if with_amax else None), db.reshape(len(names), -1)
   dh = dact_f32(dz, h, b, names)
   q, q_t, a = _both(dh.reshape(dh.shape[0], -1), scale, q_dtype, with_amax)
   return q, q_t, a, jnp.sum(dh, axis=0)
@@ -152,7 +184,7 @@ def _mlp_fwd(y, wi2, wi_bias, wo, state_0, state_1, static):
   # GEMM 2's input, cast from h in the pass that computes it.
   q_z, q_zt, scale_z, new_z = quantize(
       h, "x", fwd, state=state_1,
-      cast=lambda scale, with_amax: _act_cast(h, wi_bias, names, fwd, scale, with_amax),
+      cast=lambda scale, with_amax: _act_cast(h, wi_bias, names, fwd, scale, with_amax, config),
       amax=lambda: _scaling.amax(activation_f32(h, wi_bias, names)))
   q_wo, q_wot, scale_wo, new_wo = quantize(wo, "kernel", fwd, state=state_1)
   sinv_z, sinv_wo = _scaling.scale_inverse(scale_z), _scaling.scale_inverse(scale_wo)
@@ -193,7 +225,7 @@ def _mlp_bwd(static, residuals, g):
   dbias = []
 
   def cast(scale, with_amax):
-    q, q_t, a, db = _dact_cast(dz, h, wi_bias, names, bwd, scale, with_amax)
+    q, q_t, a, db = _dact_cast(dz, h, wi_bias, names, bwd, scale, with_amax, config)
     dbias.append(db)
     return q, q_t, a
 

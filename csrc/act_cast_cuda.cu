@@ -1,0 +1,469 @@
+// CUDA XLA FFI handlers (Hopper) of the MLP's fused activation casts
+// (te_adapters/core/_fused_mlp.py).
+//
+// ActCast: GEMM 1's output h (M, n_act*F) plus its bias, through the activation (the product of
+// n_act = 1 or 2 activations, one per F-wide slice), scaled and cast to FP8 in both orientations
+// (M, F) and (F, M), with the amax of the activation's output: GEMM 2's operand in one read of h.
+//
+// DactCast: dh = dz * act'(h + b) (M, n_act*F) from GEMM 2's dgrad output dz (M, F) and h, cast
+// to FP8 in both orientations with its amax, and the bias gradient sum_rows(dh) (n_act, F) as
+// per-tile float32 column sums reduced by a second kernel (a fixed order: the same bits on every
+// run).
+//
+// Each block owns a 64x64 tile of (M, F): 256 threads, a thread per column and 16 of the rows,
+// the FP8 codes staged in shared memory, then 16-byte stores of both orientations. The
+// arithmetic follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
+// exp are CUDA's, which can differ from XLA's by an ulp.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "fp8_cuda.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace te_adapters {
+namespace {
+
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+constexpr int kRowGroups = kThreads / kTile;  // 4: thread t owns column t % 64
+constexpr int kRowsPerThread = kTile / kRowGroups;
+constexpr int kSmemStride = kTile + 16;  // keeps 16-byte rows aligned for the row-major stores
+constexpr int kMaxAct = 2;
+
+using cuda::abs_bits;
+using cuda::Half;
+using cuda::to_float;
+using cuda::to_fp8;
+
+// The activation ids of te_adapters/core/_fused_mlp.py (KERNEL_ACTIVATIONS).
+enum Act : int { kLinear = 0, kGelu = 1, kRelu = 2, kSilu = 3, kQuickGelu = 4, kSquaredRelu = 5 };
+
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+
+// jax.nn.sigmoid (XLA's logistic): 1 / (1 + exp(-x)).
+__device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, add(1.0f, expf(-x))); }
+
+constexpr float kSqrt2OverPi = 0.7978845834732056f;  // np.sqrt(2 / np.pi) in float32
+constexpr float kGeluCoeff = 0.044715f;
+constexpr float kQuickGeluCoeff = 1.702f;
+
+// The activation, as te_adapters.core.ACTIVATIONS computes it in float32.
+__device__ __forceinline__ float act_value(int act, float x) {
+  switch (act) {
+    case kGelu: {  // x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))
+      const float u = mul(kSqrt2OverPi, add(x, mul(kGeluCoeff, mul(x, mul(x, x)))));
+      return mul(x, mul(0.5f, add(1.0f, tanhf(u))));
+    }
+    case kRelu:
+      return x > 0.0f ? x : 0.0f;
+    case kSilu:
+      return mul(x, sigmoid(x));
+    case kQuickGelu:
+      return mul(x, sigmoid(mul(kQuickGeluCoeff, x)));
+    case kSquaredRelu: {
+      const float r = x > 0.0f ? x : 0.0f;
+      return mul(r, r);
+    }
+    default:
+      return x;
+  }
+}
+
+// The activation's derivative.
+__device__ __forceinline__ float act_grad(int act, float x) {
+  switch (act) {
+    case kGelu: {
+      const float x2 = mul(x, x);
+      const float u = mul(kSqrt2OverPi, add(x, mul(kGeluCoeff, mul(x, x2))));
+      const float t = tanhf(u);
+      const float du = mul(kSqrt2OverPi, add(1.0f, mul(3.0f * kGeluCoeff, x2)));
+      return add(mul(0.5f, add(1.0f, t)), mul(mul(x, 0.5f), mul(add(1.0f, -mul(t, t)), du)));
+    }
+    case kRelu:
+      return x > 0.0f ? 1.0f : 0.0f;
+    case kSilu: {
+      const float s = sigmoid(x);
+      return add(s, mul(mul(x, s), add(1.0f, -s)));
+    }
+    case kQuickGelu: {
+      const float s = sigmoid(mul(kQuickGeluCoeff, x));
+      return add(s, mul(mul(mul(x, kQuickGeluCoeff), s), add(1.0f, -s)));
+    }
+    case kSquaredRelu:
+      return x > 0.0f ? mul(2.0f, x) : 0.0f;
+    default:
+      return 1.0f;
+  }
+}
+
+struct Dims {
+  int64_t m, f, tiles_f;
+  int n_act;
+  int act[kMaxAct];
+};
+
+// The tile's FP8 codes (shared memory, kTile x kTile at row stride kSmemStride) to q (row-major,
+// row stride ld, its (r0, c0) element first) and to q_t (row stride ld_t, its (c0, r0) first).
+__device__ __forceinline__ void store_tile(const uint8_t* tile, uint8_t* q, int64_t ld,
+                                           uint8_t* qt, int64_t ld_t, int rows, int cols,
+                                           bool vec) {
+  if (vec) {  // a full tile, 16-byte aligned rows in both outputs
+    const int line = threadIdx.x / 4, seg = (threadIdx.x % 4) * 16;
+    uint4 w;
+    memcpy(&w, tile + line * kSmemStride + seg, 16);
+    *reinterpret_cast<uint4*>(q + line * ld + seg) = w;
+    uint8_t out[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) out[k] = tile[(seg + k) * kSmemStride + line];
+    memcpy(&w, out, 16);
+    *reinterpret_cast<uint4*>(qt + line * ld_t + seg) = w;
+    return;
+  }
+  for (int l = threadIdx.x; l < kTile * kTile; l += kThreads) {
+    const int r = l / kTile, c = l % kTile;
+    if (r < rows && c < cols) q[r * ld + c] = tile[r * kSmemStride + c];
+    const int c2 = l / kTile, r2 = l % kTile;
+    if (r2 < rows && c2 < cols) qt[c2 * ld_t + r2] = tile[r2 * kSmemStride + c2];
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+template <typename In, OutType kOut, int kNAct>
+__global__ void __launch_bounds__(kThreads)
+    act_cast_kernel(const In* __restrict__ h, const float* __restrict__ bias,
+                    const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
+                    uint8_t* __restrict__ qt, uint32_t* __restrict__ amax, Dims d) {
+  __shared__ __align__(16) uint8_t tile[kTile * kSmemStride];
+  const int64_t r0 = blockIdx.x / d.tiles_f * kTile, f0 = blockIdx.x % d.tiles_f * kTile;
+  const int c = threadIdx.x % kTile, rg = threadIdx.x / kTile;
+  const int64_t f = f0 + c, n = kNAct * d.f;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kTile), d.m - r0));
+  const int cols = static_cast<int>(min(static_cast<int64_t>(kTile), d.f - f0));
+  const float scale = *scale_ptr;
+  float b[kMaxAct] = {0.0f, 0.0f};
+  if (bias != nullptr && c < cols) {
+#pragma unroll
+    for (int i = 0; i < kNAct; ++i) b[i] = bias[i * d.f + f];
+  }
+  uint32_t acc = 0;
+#pragma unroll 4
+  for (int j = 0; j < kRowsPerThread; ++j) {
+    const int r = rg + j * kRowGroups;
+    if (r < rows && c < cols) {
+      const In* row = h + (r0 + r) * n + f;
+      float z = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kNAct; ++i) {
+        float v = to_float<In>(row[i * d.f]);
+        if (bias != nullptr) v = add(v, b[i]);
+        const float term = act_value(d.act[i], v);
+        z = i == 0 ? term : mul(z, term);
+      }
+      acc = max(acc, abs_bits(z));
+      tile[r * kSmemStride + c] = to_fp8<kOut>(z, scale);
+    }
+  }
+  __syncthreads();
+  uint8_t* qb = q + r0 * d.f + f0;
+  uint8_t* qtb = qt + f0 * d.m + r0;
+  const bool vec = rows == kTile && cols == kTile && d.f % 16 == 0 && d.m % 16 == 0 &&
+                   aligned16(q) && aligned16(qt);
+  store_tile(tile, qb, d.f, qtb, d.m, rows, cols, vec);
+  if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
+}
+
+template <typename In, OutType kOut, int kNAct>
+__global__ void __launch_bounds__(kThreads)
+    dact_cast_kernel(const In* __restrict__ dz, const In* __restrict__ h,
+                     const float* __restrict__ bias, const float* __restrict__ scale_ptr,
+                     uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                     uint32_t* __restrict__ amax, float* __restrict__ partial, Dims d) {
+  __shared__ __align__(16) uint8_t tile[kMaxAct][kTile * kSmemStride];
+  __shared__ float sums[kMaxAct][kRowGroups][kTile];
+  const int64_t tile_r = blockIdx.x / d.tiles_f;
+  const int64_t r0 = tile_r * kTile, f0 = blockIdx.x % d.tiles_f * kTile;
+  const int c = threadIdx.x % kTile, rg = threadIdx.x / kTile;
+  const int64_t f = f0 + c, n = kNAct * d.f;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kTile), d.m - r0));
+  const int cols = static_cast<int>(min(static_cast<int64_t>(kTile), d.f - f0));
+  const float scale = *scale_ptr;
+  float b[kMaxAct] = {0.0f, 0.0f};
+  if (bias != nullptr && c < cols) {
+#pragma unroll
+    for (int i = 0; i < kNAct; ++i) b[i] = bias[i * d.f + f];
+  }
+  float colsum[kMaxAct] = {0.0f, 0.0f};
+  uint32_t acc = 0;
+#pragma unroll 4
+  for (int j = 0; j < kRowsPerThread; ++j) {
+    const int r = rg + j * kRowGroups;
+    if (r < rows && c < cols) {
+      const In* row = h + (r0 + r) * n + f;
+      const float g = to_float<In>(dz[(r0 + r) * d.f + f]);
+      float v[kMaxAct], a[kMaxAct];
+#pragma unroll
+      for (int i = 0; i < kNAct; ++i) {
+        v[i] = to_float<In>(row[i * d.f]);
+        if (bias != nullptr) v[i] = add(v[i], b[i]);
+        a[i] = act_value(d.act[i], v[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < kNAct; ++i) {
+        // d(a_0 * a_1)/dv_i: the incoming gradient times the other factor, then a_i'.
+        float gi = g;
+#pragma unroll
+        for (int k = 0; k < kNAct; ++k) {
+          if (k != i) gi = mul(gi, a[k]);
+        }
+        const float dh = mul(gi, act_grad(d.act[i], v[i]));
+        acc = max(acc, abs_bits(dh));
+        colsum[i] = add(colsum[i], dh);
+        tile[i][r * kSmemStride + c] = to_fp8<kOut>(dh, scale);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kNAct; ++i) sums[i][rg][c] = colsum[i];
+  __syncthreads();
+  if (rg == 0 && c < cols) {
+#pragma unroll
+    for (int i = 0; i < kNAct; ++i) {
+      float s = sums[i][0][c];
+      for (int k = 1; k < kRowGroups; ++k) s = add(s, sums[i][k][c]);
+      partial[tile_r * n + i * d.f + f] = s;
+    }
+  }
+  const bool vec = rows == kTile && cols == kTile && d.f % 16 == 0 && d.m % 16 == 0 &&
+                   aligned16(q) && aligned16(qt);
+#pragma unroll
+  for (int i = 0; i < kNAct; ++i) {
+    const int64_t c0 = i * d.f + f0;  // the tile's first column of dh (M, n_act*F)
+    store_tile(tile[i], q + r0 * n + c0, n, qt + c0 * d.m + r0, d.m, rows, cols, vec);
+  }
+  if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
+}
+
+// dbias[col] = sum over the row tiles of partial[tile, col], in tile order.
+__global__ void __launch_bounds__(kThreads)
+    column_sum_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
+                      float* __restrict__ out) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (col >= cols) return;
+  float s = 0.0f;
+  for (int64_t t = 0; t < tiles; ++t) s = add(s, partial[t * cols + col]);
+  out[col] = s;
+}
+
+ffi::Error cuda_error(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+ffi::Error out_type(ffi::DataType t, OutType* ot) {
+  if (t == ffi::DataType::F8E4M3FN) {
+    *ot = OutType::kE4M3;
+  } else if (t == ffi::DataType::F8E5M2) {
+    *ot = OutType::kE5M2;
+  } else {
+    return ffi::Error::InvalidArgument("output dtype must be float8_e4m3fn or float8_e5m2");
+  }
+  return ffi::Error::Success();
+}
+
+// M, F and n_act from h (M, n_act * F) and the activation ids (act1 < 0: one activation).
+ffi::Error make_dims(const ffi::AnyBuffer& h, ffi::Result<ffi::AnyBuffer>& q, int32_t act0,
+                     int32_t act1, Dims* d) {
+  const auto hd = h.dimensions();
+  const auto qd = q->dimensions();
+  if (hd.size() != 2 || qd.size() != 2) return ffi::Error::InvalidArgument("h and q must be 2-D");
+  d->n_act = act1 < 0 ? 1 : 2;
+  d->act[0] = act0;
+  d->act[1] = act1 < 0 ? kLinear : act1;
+  for (int i = 0; i < d->n_act; ++i) {
+    if (d->act[i] < kLinear || d->act[i] > kSquaredRelu) {
+      return ffi::Error::InvalidArgument("unknown activation id");
+    }
+  }
+  d->m = hd[0];
+  d->f = hd[1] / d->n_act;
+  if (hd[1] != d->n_act * d->f) return ffi::Error::InvalidArgument("h's columns are not n_act * F");
+  d->tiles_f = (d->f + kTile - 1) / kTile;
+  return ffi::Error::Success();
+}
+
+ffi::Error check_bias(const ffi::Buffer<ffi::F32>& bias, bool has_bias, const Dims& d) {
+  if (has_bias && bias.element_count() != static_cast<size_t>(d.n_act * d.f)) {
+    return ffi::Error::InvalidArgument("bias must have n_act * F elements");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename In, typename Launch>
+ffi::Error dispatch_out(OutType ot, Launch&& launch) {
+  if (ot == OutType::kE4M3) return launch(In{}, std::integral_constant<OutType, OutType::kE4M3>{});
+  return launch(In{}, std::integral_constant<OutType, OutType::kE5M2>{});
+}
+
+template <typename Launch>
+ffi::Error dispatch(ffi::DataType in, OutType ot, Launch&& launch) {
+  switch (in) {
+    case ffi::DataType::F32:
+      return dispatch_out<float>(ot, launch);
+    case ffi::DataType::BF16:
+      return dispatch_out<uint16_t>(ot, launch);
+    case ffi::DataType::F16:
+      return dispatch_out<Half>(ot, launch);
+    default:
+      return ffi::Error::InvalidArgument("input dtype must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error ActCastImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::F32> bias,
+                       ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
+                       ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                       int32_t act0, int32_t act1, bool has_bias, bool compute_amax) {
+  Dims d;
+  if (auto e = make_dims(h, q, act0, act1, &d); e.failure()) return e;
+  if (auto e = check_bias(bias, has_bias, d); e.failure()) return e;
+  OutType ot;
+  if (auto e = out_type(q->element_type(), &ot); e.failure()) return e;
+  const size_t mf = static_cast<size_t>(d.m * d.f);
+  if (q->element_count() != mf || qt->element_count() != mf ||
+      qt->element_type() != q->element_type()) {
+    return ffi::Error::InvalidArgument("q and q_t must both hold M * F FP8 values");
+  }
+  if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
+  uint32_t* ap = nullptr;
+  if (compute_amax) {
+    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
+    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
+    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
+  }
+  const int64_t blocks = (d.m + kTile - 1) / kTile * d.tiles_f;
+  if (blocks == 0) return cuda_error("te_adapters act_cast memset");
+  const float* bp = has_bias ? bias.typed_data() : nullptr;
+  auto* qp = static_cast<uint8_t*>(q->untyped_data());
+  auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
+  return dispatch(h.element_type(), ot, [&](auto in, auto out) {
+    using In = decltype(in);
+    constexpr OutType kOut = decltype(out)::value;
+    const In* hp = static_cast<const In*>(h.untyped_data());
+    if (d.n_act == 1) {
+      act_cast_kernel<In, kOut, 1><<<blocks, kThreads, 0, stream>>>(hp, bp, scale.typed_data(),
+                                                                     qp, qtp, ap, d);
+    } else {
+      act_cast_kernel<In, kOut, 2><<<blocks, kThreads, 0, stream>>>(hp, bp, scale.typed_data(),
+                                                                     qp, qtp, ap, d);
+    }
+    return cuda_error("te_adapters act_cast kernel");
+  });
+}
+
+ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h,
+                        ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> scale,
+                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                        ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                        ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+                        ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t act0, int32_t act1,
+                        bool has_bias, bool compute_amax) {
+  Dims d;
+  if (auto e = make_dims(h, q, act0, act1, &d); e.failure()) return e;
+  if (auto e = check_bias(bias, has_bias, d); e.failure()) return e;
+  OutType ot;
+  if (auto e = out_type(q->element_type(), &ot); e.failure()) return e;
+  const int64_t n = d.n_act * d.f;
+  const int64_t tiles_r = (d.m + kTile - 1) / kTile;
+  if (dz.element_type() != h.element_type() ||
+      dz.element_count() != static_cast<size_t>(d.m * d.f)) {
+    return ffi::Error::InvalidArgument("dz must be (M, F) in h's dtype");
+  }
+  if (q->element_count() != static_cast<size_t>(d.m * n) ||
+      qt->element_count() != q->element_count() || qt->element_type() != q->element_type()) {
+    return ffi::Error::InvalidArgument("q and q_t must both hold M * n_act * F FP8 values");
+  }
+  if (dbias->element_count() != static_cast<size_t>(n) ||
+      partial->element_count() != static_cast<size_t>(tiles_r * n)) {
+    return ffi::Error::InvalidArgument(
+        "dbias must hold n_act * F values and the workspace row tiles * n_act * F");
+  }
+  if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
+  uint32_t* ap = nullptr;
+  if (compute_amax) {
+    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
+    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
+    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
+  }
+  const int64_t blocks = tiles_r * d.tiles_f;
+  float* dbp = dbias->typed_data();
+  if (blocks == 0) {
+    cudaMemsetAsync(dbp, 0, sizeof(float) * n, stream);
+    return cuda_error("te_adapters dact_cast memset");
+  }
+  const float* bp = has_bias ? bias.typed_data() : nullptr;
+  auto* qp = static_cast<uint8_t*>(q->untyped_data());
+  auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
+  float* pp = partial->typed_data();
+  return dispatch(h.element_type(), ot, [&](auto in, auto out) {
+    using In = decltype(in);
+    constexpr OutType kOut = decltype(out)::value;
+    const In* dzp = static_cast<const In*>(dz.untyped_data());
+    const In* hp = static_cast<const In*>(h.untyped_data());
+    if (d.n_act == 1) {
+      dact_cast_kernel<In, kOut, 1><<<blocks, kThreads, 0, stream>>>(
+          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d);
+    } else {
+      dact_cast_kernel<In, kOut, 2><<<blocks, kThreads, 0, stream>>>(
+          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d);
+    }
+    const int64_t sum_blocks = (n + kThreads - 1) / kThreads;
+    column_sum_kernel<<<sum_blocks, kThreads, 0, stream>>>(pp, tiles_r, n, dbp);
+    return cuda_error("te_adapters dact_cast kernel");
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActCastCuda, ActCastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("act0")
+                                  .Attr<int32_t>("act1")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("compute_amax"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DactCastCuda, DactCastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("act0")
+                                  .Attr<int32_t>("act1")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("compute_amax"));
+
+}  // namespace te_adapters

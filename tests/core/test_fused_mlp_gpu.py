@@ -1,0 +1,143 @@
+"""The CUDA kernels of the MLP's fused activation casts (csrc/act_cast_cuda.cu) against the
+pure-JAX formulas on the same GPU, and core.layernorm_mlp running them.
+
+CUDA's tanh and exp can differ from XLA's by an ulp of float32, which moves a value across an
+FP8 rounding boundary now and then: the FP8 codes are identical but for a tiny fraction, and
+those are one FP8 step apart. Skipped without a GPU or without the extension's CUDA part.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_adapters as ta
+from te_adapters import core
+from te_adapters.core import _ffi, _fused_mlp, _scaling
+from tests.conftest import rel_err
+
+pytestmark = [
+  pytest.mark.gpu,
+  pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU"),
+]
+
+KERNEL = core.GemmConfig(backend="ffi")
+JAX = core.GemmConfig(backend="jax")
+# At most this fraction of FP8 codes differs from pure JAX's (each by one step). About 2**-19
+# of the values sit within an ulp of a rounding boundary of E4M3; a wrong formula, bias or
+# layout changes most codes.
+MAX_DIFFERING = 1e-3
+ACTIVATIONS = [("gelu",), ("gelu", "linear"), ("silu", "linear"), ("relu",), ("quick_gelu",),
+               ("squared_relu",)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_kernels():
+  if not _ffi.registered(_ffi.ACT_CAST_TARGET, "gpu"):
+    pytest.skip("the extension's CUDA part is not built")
+
+
+def _ordinal(q):
+  """FP8 codes as signed steps from zero (adjacent values differ by 1, +0 and -0 are 0)."""
+  code = np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8)).astype(np.int32)
+  return np.where(code & 0x80, -(code & 0x7F), code & 0x7F)
+
+
+def _assert_fp8_close(ours, ref):
+  a, b = _ordinal(ours), _ordinal(ref)
+  assert a.shape == b.shape
+  diff = np.abs(a - b)
+  assert diff.max() <= 1, diff.max()
+  assert np.mean(diff != 0) <= MAX_DIFFERING, np.mean(diff != 0)
+
+
+def _h_and_bias(m, f, n_act, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.normal(size=(m, n_act * f)) * 2.0, dtype)
+  bias = jnp.asarray(rng.normal(size=(n_act, f)) * 0.5, jnp.float32)
+  return h, bias
+
+
+@pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
+@pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_activation_cast_matches_pure_jax(activations, shape, with_bias):
+  m, f = shape
+  h, bias = _h_and_bias(m, f, len(activations), jnp.bfloat16)
+  bias = bias if with_bias else None
+  scale = jnp.asarray([448.0 / 20.0], jnp.float32)
+
+  def cast(config):
+    return jax.jit(lambda h, b: _fused_mlp._act_cast(
+        h, b, activations, jnp.float8_e4m3fn, scale, True, config))(h, bias)
+
+  q, q_t, a = cast(KERNEL)
+  rq, rq_t, ra = cast(JAX)
+  _assert_fp8_close(q, rq)
+  np.testing.assert_array_equal(_ordinal(q_t), _ordinal(q).T)  # one cast, two orientations
+  np.testing.assert_allclose(a, ra, rtol=1e-6)
+  np.testing.assert_array_equal(_ordinal(rq_t), _ordinal(rq).T)
+
+
+@pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
+@pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
+def test_activation_gradient_cast_matches_pure_jax(activations, shape):
+  m, f = shape
+  n_act = len(activations)
+  h, bias = _h_and_bias(m, f, n_act, jnp.bfloat16)
+  dz = jnp.asarray(np.random.default_rng(1).normal(size=(m, f)), jnp.bfloat16)
+  scale = jnp.asarray([57344.0 / 64.0], jnp.float32)
+
+  def cast(config):
+    return jax.jit(lambda dz, h, b: _fused_mlp._dact_cast(
+        dz, h, b, activations, jnp.float8_e5m2, scale, True, config))(dz, h, bias)
+
+  q, q_t, a, db = cast(KERNEL)
+  rq, rq_t, ra, rdb = cast(JAX)
+  _assert_fp8_close(q, rq)
+  np.testing.assert_array_equal(_ordinal(q_t), _ordinal(q).T)
+  np.testing.assert_allclose(a, ra, rtol=1e-5)
+  assert db.shape == (n_act, f) and db.dtype == jnp.float32
+  # Float32 sums of M rows in another order: compared to the sum of the magnitudes.
+  dh = _fused_mlp.dact_f32(dz, h, bias, activations)
+  atol = 1e-5 * float(jnp.max(jnp.sum(jnp.abs(dh), axis=0)))
+  np.testing.assert_allclose(db, rdb, atol=atol)
+
+
+def test_current_scaling_amax_of_the_formula_is_the_kernels():
+  # Current scaling takes the amax with XLA's reduce over the formula, then casts with the
+  # kernel: the delayed-scaling kernel's own amax of the same values agrees.
+  h, bias = _h_and_bias(256, 128, 2, jnp.bfloat16)
+  names = ("silu", "linear")
+  _, _, a = _fused_mlp._act_cast(h, bias, names, jnp.float8_e4m3fn, jnp.ones(1), True, KERNEL)
+  formula = _scaling.amax(_fused_mlp.activation_f32(h, bias, names))
+  np.testing.assert_allclose(a, formula, rtol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()],
+                         ids=["current", "delayed"])
+def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
+  m, k, f = 512, 256, 512
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+  wi = jnp.asarray(rng.normal(size=(k, 2, f)) / np.sqrt(k), jnp.float32)
+  wo = jnp.asarray(rng.normal(size=(f, k)) / np.sqrt(f), jnp.float32)
+  bi = jnp.asarray(rng.normal(size=(2, f)) * 0.3, jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+  states = (core.init_state(recipe), core.init_state(recipe)) if core.init_state(recipe) else None
+
+  def loss(x, wi, wo, bi, states, config):
+    out, _ = core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, bi,
+                                activations=("gelu", "linear"), recipe=recipe, states=states,
+                                threshold=None, config=config)
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
+  hlo = grad.lower(x, wi, wo, bi, states, KERNEL).compile().as_text()
+  assert _ffi.ACT_CAST_TARGET in hlo and _ffi.DACT_CAST_TARGET in hlo
+  ours, ref = (grad(x, wi, wo, bi, states, c) for c in (KERNEL, JAX))
+  for a, b in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
+    assert rel_err(a, b) < 5e-3  # the rare one-step FP8 differences, through the GEMMs
+  if states is not None:
+    for a, b in zip(jax.tree.leaves(ours[4]), jax.tree.leaves(ref[4]), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5)
