@@ -7,7 +7,8 @@ Variants: ``bf16`` (plain Flax), ``flax-current``/``flax-delayed`` (Flax's modul
 ``dot_general``), ``current``/``delayed`` (``te_adapters.linen.LayerNormMLP``, with the fused
 activation casts), ``current-unfused``/``delayed-unfused`` (the same with
 ``GemmConfig(fuse_activation_cast=False)``: the activation between two ``dot_general``
-calls). Prints, per
+calls), ``current-jax``/``delayed-jax`` (the fused path with every cast in XLA's fusions instead
+of the extension's kernels: ``GemmConfig(backend="jax")``). Prints, per
 variant, the GPU time per fwd+bwd step grouped by kind (``bench/profile_convergence.py``'s
 kinds), the FP8 GEMM count, and the kernels that take the most time.
 """
@@ -34,8 +35,12 @@ def model_for(name, hidden, intermediate):
   if name.startswith("flax-"):
     cls = speed.ta_linen.make_dot_general_cls(recipes[name[5:]], threshold=None)
     return speed._FlaxLnMlp(hidden, intermediate, cls)
-  recipe, _, unfused = name.partition("-")
-  config = ta.core.GemmConfig(fuse_activation_cast=False) if unfused else None
+  recipe, _, path = name.partition("-")
+  config = {
+      "": None,
+      "unfused": ta.core.GemmConfig(fuse_activation_cast=False),
+      "jax": ta.core.GemmConfig(backend="jax"),
+  }[path]
   return speed.ta_linen.LayerNormMLP(
       intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
       intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipes[recipe],
