@@ -59,8 +59,8 @@ class GemmConfig:
       GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
       gradient with the bias gradient, in one custom VJP (``True``); ``False`` composes the
       activation and two ``dot_general`` calls. With activations narrower than float32 the two
-      differ by the rounding of the activation and of its gradient to that dtype, which only the
-      composed path does.
+      differ by the rounding of the activation and of its gradient (and, where the casts are
+      pure JAX, of the norm's output) to that dtype, which only the composed path does.
 
   Example:
     >>> import te_adapters as ta

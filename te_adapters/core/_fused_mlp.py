@@ -6,7 +6,9 @@ its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in bot
 ``dh = dz * act'(h + b)`` is cast straight to GEMM 1's FP8 output gradient in both orientations,
 with its amax and the bias gradient, from one read of ``dz`` and ``h``. Each GEMM keeps its own
 recipe state with ``dot_general``'s contract (the gradient with respect to it is the next
-state). ``core.layernorm_mlp`` takes this path where it applies (``applies``).
+state). With ``norm``, the norm runs inside too: its float32 output is cast straight to GEMM 1's
+FP8 operand, and the backward pass computes the norm's gradients from GEMM 1's dgrad.
+``core.layernorm_mlp`` takes this path where it applies (``applies``, ``norm_fuses``).
 
 The casts run as the pure-JAX formulas here (XLA fuses them), or on Hopper GPUs with the
 extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``backend``).
@@ -28,6 +30,7 @@ from te_adapters.core import (
   _frozen,
   _gemm,
   _mesh,
+  _norm,
   _remat,
   _scaled_tensor,
   _scaling,
@@ -63,16 +66,26 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
   return True
 
 
-def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, ffn1_ckpt_name="ffn1"):
+def norm_fuses(config) -> bool:
+  """Whether the norm's output is cast inside the fused path (from float32, never written):
+  where the casts are pure JAX (XLA fuses the norm into them)."""
+  return _cast_transpose.backend(requested=config.backend) == "jax"
+
+
+def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
+              ln_bias=None, ffn1_ckpt_name="ffn1"):
   """``q(act(q(y) . q(wi) + wi_bias)) . q(wo)`` with both GEMMs' per-tensor FP8 scaling.
 
   Args:
-    y: GEMM 1's input ``(M, K)``.
+    y: GEMM 1's input ``(M, K)``, or with ``norm`` the norm's input.
     wi: ``(K, n_act, F)``. wi_bias: ``(n_act, F)`` or None. wo: ``(F, K_out)``.
     states: ``(state_0, state_1)`` (``None`` entries for a stateless recipe).
     names: normalized activation names (``normalize_activations``).
     recipe: ``DelayedScaling`` or ``Float8CurrentScaling``.
     config: a ``GemmConfig``.
+    norm: ``(layernorm_type, zero_centered_gamma, epsilon)`` to normalize ``y`` first (as
+      ``core.layernorm``, with gamma ``ln_scale`` and beta ``ln_bias``, None for rmsnorm) and
+      cast the float32 result to GEMM 1's FP8 operand; None: ``y`` is GEMM 1's input.
     ffn1_ckpt_name: ``checkpoint_name`` of GEMM 1's output (before the bias), the residual the
       backward pass reads.
 
@@ -90,8 +103,10 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, ffn1_ckpt_na
     y, wi2, state_0 = _frozen.watch_state(y, wi2, state_0)
   if state_1:
     y, wo, state_1 = _frozen.watch_state(y, wo, state_1)
-  static = (tuple(names), n_act, recipe, config, ffn1_ckpt_name)
-  return _mlp(y, wi2, wi_bias, wo, state_0, state_1, static)
+  if norm is not None and ln_bias is None:
+    ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
+  static = (tuple(names), n_act, recipe, config, ffn1_ckpt_name, norm)
+  return _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static)
 
 
 _PLAN = _spmd_plan.SpmdPlan()
@@ -163,20 +178,40 @@ def _dact_amax(dz, h, b, names):
   return _scaling.amax(dact_f32(dz, h, b, names))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _mlp(y, wi2, wi_bias, wo, state_0, state_1, static):
-  out, _ = _mlp_fwd(y, wi2, wi_bias, wo, state_0, state_1, static)
+def _norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale,
+               with_amax):
+  """The norm's FP8 output in both orientations (and its amax): (M, K), (K, M), (1,)."""
+  y = _norm.normalized(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+  return _both(y, scale, q_dtype, with_amax)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
+  out, _ = _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static)
   return out
 
 
-def _mlp_fwd(y, wi2, wi_bias, wo, state_0, state_1, static):
-  names, _, recipe, config, ffn1_ckpt_name = static
+def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
+  names, _, recipe, config, ffn1_ckpt_name, norm = static
   fwd = recipe.fwd_dtype
   out_dtype = np.dtype(y.dtype)
   quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
   # GEMM 1: y (M, K) and wi (K, N); the copy of wi as stored is dgrad's operand, its transposed
   # copy the forward's.
-  q_y, q_yt, scale_y, new_y = quantize(y, "x", fwd, state=state_0)
+  norm_residuals = None
+  if norm is None:
+    q_y, q_yt, scale_y, new_y = quantize(y, "x", fwd, state=state_0)
+  else:
+    # y is the norm's input: its output is cast from float32 in the pass that computes it, and
+    # the backward pass keeps the input and the row statistics (as core.layernorm's).
+    layernorm_type, zero_centered_gamma, epsilon = norm
+    mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
+    args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+    q_y, q_yt, scale_y, new_y = quantize(
+        y, "x", fwd, state=state_0,
+        cast=lambda scale, with_amax: _norm_cast(*args, fwd, scale, with_amax),
+        amax=lambda: _scaling.amax(_norm.normalized(*args)))
+    norm_residuals = (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
   q_wi, q_wit, scale_wi, new_wi = quantize(wi2, "kernel", fwd, state=state_0)
   sinv_y, sinv_wi = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_wi)
   h = _gemm._tn_dot(q_y, q_wit, (sinv_y, sinv_wi), out_dtype, None, "fwd", recipe, config)
@@ -199,7 +234,7 @@ def _mlp_fwd(y, wi2, wi_bias, wo, state_0, state_1, static):
   bias_proto = None if wi_bias is None else np.zeros((0,), wi_bias.dtype)
   new_fwd = ({"x": new_y, "kernel": new_wi}, {"x": new_z, "kernel": new_wo})
   residuals = (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd,
-               (state_0, state_1), protos, bias_proto)
+               (state_0, state_1), protos, bias_proto, norm_residuals)
   return out, residuals
 
 
@@ -209,9 +244,9 @@ def _next_state(recipe, state, roles):
 
 
 def _mlp_bwd(static, residuals, g):
-  names, _, recipe, config, _ = static
+  names, _, recipe, config, _, norm = static
   (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd, states,
-   protos, bias_proto) = residuals
+   protos, bias_proto, norm_residuals) = residuals
   state_0, state_1 = states
   y_proto, wi_proto, wo_proto = protos
   bwd = recipe.bwd_dtype
@@ -239,8 +274,11 @@ def _mlp_bwd(static, residuals, g):
   new_state_0 = _next_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
   new_state_1 = _next_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
   db = None if bias_proto is None else dbias[0].astype(bias_proto.dtype)
-  return (dy, dwi.astype(wi_proto.dtype), db, dwo.astype(wo_proto.dtype), new_state_0,
-          new_state_1)
+  dgamma = dbeta = None
+  if norm is not None:
+    dy, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)
+  return (dy, dgamma, dbeta, dwi.astype(wi_proto.dtype), db, dwo.astype(wo_proto.dtype),
+          new_state_0, new_state_1)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -6,7 +6,8 @@ dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM with its own recipe state.
 With a per-tensor recipe (both GEMMs in FP8, no dropout, no sharding constraint) the two GEMMs
 and the activation between them are one custom VJP (``_fused_mlp``): the activation is cast
 straight to GEMM 2's FP8 operand and its gradient straight to GEMM 1's FP8 output gradient, with
-the bias gradient, as TE does. Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``)
+the bias gradient, as TE does (and, where the casts are pure JAX, the norm's output straight to
+GEMM 1's FP8 operand). Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``)
 each GEMM is a ``dot_general`` and the activation sits between them inside one jitted
 computation, which leaves XLA free to fuse it into the amax and FP8 cast of GEMM 2's input
 (``bench/mlp_fusion.py`` lists the activation-sized buffers the compiled forward writes).
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _fused_mlp
+from te_adapters.core import _fused_mlp, _norm
 from te_adapters.core._activation import activation, normalize_activations
 from te_adapters.core._config import check_config
 from te_adapters.core._gemm import dot_general
@@ -116,8 +117,9 @@ def layernorm_mlp(
       (``DelayedScaling``, ``Float8CurrentScaling``), both GEMMs in FP8 under ``threshold``, no
       dropout (rate 0 or ``deterministic``), no input constraints, outside ``shard_map``. It
       casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
-      dtype first, so with bfloat16 ``x`` its results differ from the composed path's by that
-      rounding; the states follow the same contract.
+      dtype first, and the norm's float32 output too where the casts are pure JAX and the
+      norm's output is not asked for, so with bfloat16 ``x`` its results differ from the
+      composed path's by those roundings; the states follow the same contract.
     return_layernorm_output: also return the norm's output.
     ffn1_ckpt_name, ffn2_ckpt_name: ``checkpoint_name`` tags of GEMM 1's output (before the
       activation) and of the block's output, for remat policies (TE's names).
@@ -173,6 +175,15 @@ def layernorm_mlp(
       dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
       constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
       rngs=(rng_0, rng_1))
+  if fused and enable_layernorm and not return_layernorm_output and _fused_mlp.norm_fuses(config):
+    # The norm inside the fused path: its output is cast to FP8 as it is computed.
+    _norm.check_norm_args(x, scale, ln_bias, layernorm_type)
+    out = _fused_mlp.fused_mlp(
+        x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
+        config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
+        ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
+        ffn1_ckpt_name=ffn1_ckpt_name).reshape(x.shape)
+    return _output(out, wo_bias, ffn2_ckpt_name), None
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
                   zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
@@ -182,10 +193,7 @@ def layernorm_mlp(
     out = _fused_mlp.fused_mlp(
         y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, ffn1_ckpt_name=ffn1_ckpt_name).reshape(x.shape)
-    if wo_bias is not None:
-      out = out + jnp.asarray(wo_bias).astype(out.dtype)
-    out = checkpoint_name(out, ffn2_ckpt_name)
-    return out, (y if return_layernorm_output else None)
+    return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)
   h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
@@ -200,7 +208,11 @@ def layernorm_mlp(
     z = dot_2_input_constraint(z)
   out = dot_general(z, wo_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
                     state=state_1, rng=rng_1, threshold=threshold, config=config)
+  return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
+
+
+def _output(out, wo_bias, ffn2_ckpt_name):
+  """The block's output: GEMM 2's plus its bias, tagged for remat policies."""
   if wo_bias is not None:
     out = out + jnp.asarray(wo_bias).astype(out.dtype)
-  out = checkpoint_name(out, ffn2_ckpt_name)
-  return out, (y if return_layernorm_output else None)
+  return checkpoint_name(out, ffn2_ckpt_name)

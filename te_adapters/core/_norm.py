@@ -27,6 +27,12 @@ __all__ = ["LAYERNORM_TYPES", "layernorm", "layernorm_dense"]
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
 
+def check_norm_args(x, scale, bias, layernorm_type):
+  """``layernorm``'s errors for bad arguments (an unknown type, wrong shapes or dtypes)."""
+  _check(jnp.asarray(x), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
+         layernorm_type)
+
+
 def _check(x, scale, bias, layernorm_type):
   if layernorm_type not in LAYERNORM_TYPES:
     raise ValueError(
@@ -116,12 +122,17 @@ def _norm(x, scale, bias, layernorm_type, zero_centered_gamma, epsilon):
   return y
 
 
-def _norm_fwd(x, scale, bias, layernorm_type, zero_centered_gamma, epsilon):
-  x32 = x.astype(jnp.float32)
-  mean, rsigma = _stats(x32, layernorm_type, epsilon)
-  y = (x32 - mean) * rsigma * _gamma(scale, zero_centered_gamma)
+def normalized(x, mean, rsigma, scale, bias, zero_centered_gamma):
+  """The norm's output in float32 from the row statistics (``bias``: empty for rmsnorm)."""
+  y = (x.astype(jnp.float32) - mean) * rsigma * _gamma(scale, zero_centered_gamma)
   if bias.size:
     y = y + bias.astype(jnp.float32)
+  return y
+
+
+def _norm_fwd(x, scale, bias, layernorm_type, zero_centered_gamma, epsilon):
+  mean, rsigma = _stats(x.astype(jnp.float32), layernorm_type, epsilon)
+  y = normalized(x, mean, rsigma, scale, bias, zero_centered_gamma)
   protos = (np.zeros((0,), bias.dtype),)
   return y.astype(x.dtype), (x, mean, rsigma, scale, protos)
 

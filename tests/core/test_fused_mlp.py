@@ -97,16 +97,17 @@ def test_fused_block_against_float64(name, activations, rel):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_fused_equals_composed_within_fp8_rounding(name, rel):
-  # bfloat16 activations: the composed path rounds act(h + b) and dh to bfloat16 before their
-  # FP8 casts, the fused path casts the float32 values; the results differ by that alone.
+  # bfloat16 activations: the composed path rounds the norm's output, act(h + b) and dh to
+  # bfloat16 before their FP8 casts, the fused path casts the float32 values; the results differ
+  # by that alone.
   recipe, acts = RECIPES[name], ("gelu", "linear")
   fused = _run(recipe, acts, FUSED)
   composed = _run(recipe, acts, COMPOSED)
   for a, b in zip(jax.tree.leaves(fused[:3]), jax.tree.leaves(composed[:3]), strict=True):
-    # 0.01 to 0.025 seen: the bfloat16 rounding moves a few values across an FP8 rounding
-    # boundary. Each path is about 0.06 from float64, so unrelated quantizations would differ by
-    # about 0.09; a bug gives O(1).
-    assert rel(a, b) < 0.04
+    # 0.02 to 0.05 seen: each bfloat16 rounding moves about 3% of the values across an FP8
+    # rounding boundary. Each path is 0.06 to 0.1 from float64, so unrelated quantizations would
+    # differ by 0.09 to 0.14; a bug gives O(1).
+    assert rel(a, b) < 0.07
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -125,28 +126,33 @@ def test_float32_fused_is_the_composed_path(name):
     np.testing.assert_array_equal(a, b)
 
 
-def test_delayed_state_after_several_steps_is_the_composed_paths():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_delayed_state_after_several_steps_is_the_composed_paths(dtype):
   recipe, acts = RECIPES["delayed"], ("gelu", "linear")
-  step_f = _step_fn(recipe, acts, FUSED)
-  step_c = _step_fn(recipe, acts, COMPOSED)
+  jax_casts = dict(backend="jax")  # the extension's kernels round tanh/exp differently by an ulp
+  step_f = _step_fn(recipe, acts, core.GemmConfig(**jax_casts))
+  step_c = _step_fn(recipe, acts, core.GemmConfig(fuse_activation_cast=False, **jax_casts))
   sf = sc = _states(recipe)
   for seed in range(5):  # more steps than the history holds: the roll and the window's max
-    x, params, dy = _data(acts, seed=seed)
+    x, params, dy = _data(acts, seed=seed, dtype=dtype)
     _, (_, _, sf) = step_f(x, params, sf, dy)
     _, (_, _, sc) = step_c(x, params, sc, dy)
     for gemm in range(2):
       for role in ("x", "kernel", "grad"):
         hist_f = np.asarray(sf[gemm][f"{role}_amax_history"])
         hist_c = np.asarray(sc[gemm][f"{role}_amax_history"])
+        scale_f, scale_c = sf[gemm][f"{role}_scale"], sc[gemm][f"{role}_scale"]
         assert hist_f[-1] > 0, (gemm, role)
-        if (gemm, role) in (((1, "x")), (0, "grad")):
-          # The activation and its gradient: float32 amax against bfloat16's (2**-8).
-          np.testing.assert_allclose(hist_f, hist_c, rtol=2**-8)
-          np.testing.assert_allclose(sf[gemm][f"{role}_scale"], sc[gemm][f"{role}_scale"],
-                                     rtol=2**-8)
+        if dtype == jnp.bfloat16 and (gemm, role) in ((0, "x"), (1, "x"), (0, "grad")):
+          # The norm's output, the activation and its gradient: float32 amaxes against those of
+          # values rounded to bfloat16, and after the first step quantized with scales that
+          # differ as much: under 1% seen.
+          np.testing.assert_allclose(hist_f, hist_c, rtol=0.02)
+          np.testing.assert_allclose(scale_f, scale_c, rtol=0.02)
         else:
+          # The same tensors quantized the same way: the same amaxes and scales, bit for bit.
           np.testing.assert_array_equal(hist_f, hist_c)
-          np.testing.assert_array_equal(sf[gemm][f"{role}_scale"], sc[gemm][f"{role}_scale"])
+          np.testing.assert_array_equal(scale_f, scale_c)
   # TE's rule after 5 steps of a 4-slot history: the scale from the last 4 amaxes' max.
   hist = np.asarray(sf[1]["grad_amax_history"])
   np.testing.assert_allclose(sf[1]["grad_scale"], [57344.0 / hist.max()], rtol=1e-6)
@@ -230,3 +236,18 @@ def test_bad_switch_value_is_a_clear_error():
   with pytest.raises(ValueError, match="fuse_activation_cast must be True or False"):
     core.GemmConfig(fuse_activation_cast="yes")
 
+
+
+def test_norm_output_on_request_keeps_the_norm_outside(rel):
+  # The fused path casts the norm's float32 output to FP8 unless the caller wants that output.
+  acts = ("silu", "linear")
+  x, p, _ = _data(acts)
+  recipe = RECIPES["current"]
+  args = (x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"])
+  inside, none = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None)
+  outside, ln = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None,
+                                   return_layernorm_output=True)
+  assert none is None
+  np.testing.assert_array_equal(ln, core.layernorm(x, p["scale"], p["ln_bias"]))
+  assert 0 < rel(inside, outside) < 0.07  # the bfloat16 rounding of the norm's output alone
+  assert _takes_fused(x, p, acts, recipe, FUSED, threshold=None, return_layernorm_output=True)
