@@ -1,5 +1,4 @@
-// CUDA XLA FFI handlers (Hopper) of the MLP's fused activation casts
-// (te_adapters/core/_fused_mlp.py).
+// CUDA XLA FFI handlers (Hopper) of the MLP's fused casts (te_adapters/core/_fused_mlp.py).
 //
 // ActCast: GEMM 1's output h (M, n_act*F) plus its bias, through the activation (the product of
 // n_act = 1 or 2 activations, one per F-wide slice), scaled and cast to FP8 in both orientations
@@ -10,8 +9,13 @@
 // per-tile float32 column sums reduced by a second kernel (a fixed order: the same bits on every
 // run).
 //
-// Each block owns a 64x64 tile of (M, F): 256 threads, a thread per column and 16 of the rows,
-// the FP8 codes staged in shared memory, then 16-byte stores of both orientations. The
+// NormCast: the norm's output (x - mean) * rsigma * gamma (+ beta) of x (M, K), with the row
+// statistics given (XLA's reduction computes them), cast to FP8 in both orientations with its
+// amax: GEMM 1's operand in one read of x, the norm's output never written.
+//
+// Each block owns a 64x64 tile of (M, F) (of (M, K) for NormCast): 256 threads, a thread per
+// column and 16 of the rows, the FP8 codes staged in shared memory, then 16-byte stores of both
+// orientations. The
 // arithmetic follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
 // exp are CUDA's, which can differ from XLA's by an ulp.
 
@@ -254,6 +258,44 @@ __global__ void __launch_bounds__(kThreads)
   if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
 }
 
+// The norm's output (x - mean) * rsigma * gamma (+ beta) of x (M, K), with the row statistics
+// given, cast to FP8 in both orientations (M, K) and (K, M) with its amax.
+template <typename In, OutType kOut>
+__global__ void __launch_bounds__(kThreads)
+    norm_cast_kernel(const In* __restrict__ x, const float* __restrict__ mean,
+                     const float* __restrict__ rsigma, const float* __restrict__ gamma,
+                     const float* __restrict__ beta, const float* __restrict__ scale_ptr,
+                     uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                     uint32_t* __restrict__ amax, int64_t m, int64_t k, int64_t tiles_k) {
+  __shared__ __align__(16) uint8_t tile[kTile * kSmemStride];
+  const int64_t r0 = blockIdx.x / tiles_k * kTile, k0 = blockIdx.x % tiles_k * kTile;
+  const int c = threadIdx.x % kTile, rg = threadIdx.x / kTile;
+  const int64_t col = k0 + c;
+  const int rows = static_cast<int>(min(static_cast<int64_t>(kTile), m - r0));
+  const int cols = static_cast<int>(min(static_cast<int64_t>(kTile), k - k0));
+  const float scale = *scale_ptr;
+  const float g = c < cols ? gamma[col] : 0.0f;
+  const float b = beta != nullptr && c < cols ? beta[col] : 0.0f;
+  uint32_t acc = 0;
+#pragma unroll 4
+  for (int j = 0; j < kRowsPerThread; ++j) {
+    const int r = rg + j * kRowGroups;
+    if (r < rows && c < cols) {
+      const int64_t row = r0 + r;
+      const float v = to_float<In>(x[row * k + col]);
+      float y = mul(mul(add(v, -mean[row]), rsigma[row]), g);
+      if (beta != nullptr) y = add(y, b);
+      acc = max(acc, abs_bits(y));
+      tile[r * kSmemStride + c] = to_fp8<kOut>(y, scale);
+    }
+  }
+  __syncthreads();
+  const bool vec = rows == kTile && cols == kTile && k % 16 == 0 && m % 16 == 0 &&
+                   aligned16(q) && aligned16(qt);
+  store_tile(tile, q + r0 * k + k0, k, qt + k0 * m + r0, m, rows, cols, vec);
+  if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
+}
+
 // dbias[col] = sum over the row tiles of partial[tile, col], in tile order.
 __global__ void __launch_bounds__(kThreads)
     column_sum_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
@@ -433,7 +475,67 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
   });
 }
 
+ffi::Error NormCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> mean,
+                        ffi::Buffer<ffi::F32> rsigma, ffi::Buffer<ffi::F32> gamma,
+                        ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> scale,
+                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
+                        ffi::Result<ffi::Buffer<ffi::F32>> amax, bool has_beta,
+                        bool compute_amax) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
+  const int64_t m = xd[0], k = xd[1];
+  if (mean.element_count() != static_cast<size_t>(m) ||
+      rsigma.element_count() != static_cast<size_t>(m)) {
+    return ffi::Error::InvalidArgument("mean and rsigma must have one value per row");
+  }
+  if (gamma.element_count() != static_cast<size_t>(k) ||
+      (has_beta && beta.element_count() != static_cast<size_t>(k))) {
+    return ffi::Error::InvalidArgument("gamma and beta must have one value per column");
+  }
+  OutType ot;
+  if (auto e = out_type(q->element_type(), &ot); e.failure()) return e;
+  if (q->element_count() != x.element_count() || qt->element_count() != x.element_count() ||
+      qt->element_type() != q->element_type()) {
+    return ffi::Error::InvalidArgument("q and q_t must both hold M * K FP8 values");
+  }
+  if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
+  uint32_t* ap = nullptr;
+  if (compute_amax) {
+    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
+    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
+    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
+  }
+  const int64_t tiles_k = (k + kTile - 1) / kTile;
+  const int64_t blocks = (m + kTile - 1) / kTile * tiles_k;
+  if (blocks == 0) return cuda_error("te_adapters norm_cast memset");
+  const float* bp = has_beta ? beta.typed_data() : nullptr;
+  auto* qp = static_cast<uint8_t*>(q->untyped_data());
+  auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
+  return dispatch(x.element_type(), ot, [&](auto in, auto out) {
+    using In = decltype(in);
+    norm_cast_kernel<In, decltype(out)::value><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const In*>(x.untyped_data()), mean.typed_data(), rsigma.typed_data(),
+        gamma.typed_data(), bp, scale.typed_data(), qp, qtp, ap, m, k, tiles_k);
+    return cuda_error("te_adapters norm_cast kernel");
+  });
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormCastCuda, NormCastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("has_beta")
+                                  .Attr<bool>("compute_amax"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActCastCuda, ActCastImpl,
                               ffi::Ffi::Bind()

@@ -11,6 +11,7 @@ extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BlockCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ActCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* DactCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* NormCastCuda(XLA_FFI_CallFrame* call_frame);
 #ifdef TE_ADAPTERS_BLOCK_GEMM
 extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #endif
@@ -29,6 +30,7 @@ NB_MODULE(_csrc_cuda, m) {
     d["te_adapters_block_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockCastCuda));
     d["te_adapters_act_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::ActCastCuda));
     d["te_adapters_dact_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::DactCastCuda));
+    d["te_adapters_norm_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::NormCastCuda));
 #ifdef TE_ADAPTERS_BLOCK_GEMM
     d["te_adapters_block_gemm"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockGemmCuda));
 #endif

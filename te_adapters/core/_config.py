@@ -33,9 +33,10 @@ class GemmConfig:
       in one pass each) take the extension's CUDA block cast under ``"auto"`` and ``"ffi"`` on a
       GPU, where the last two dims are multiples of 128 on one device, and pure JAX otherwise
       (there is no CPU block cast); the quantized values are the same. ``core.layernorm_mlp``'s
-      fused activation casts take the extension's CUDA kernels under ``"auto"`` and ``"ffi"`` on
-      a GPU and pure JAX otherwise (there is no CPU kernel); their quantized values can differ
-      from pure JAX's by one FP8 step where CUDA's tanh or exp differs from XLA's by an ulp.
+      fused casts (the norm's and the activation's) take the extension's CUDA kernels under
+      ``"auto"`` and ``"ffi"`` on a GPU and pure JAX otherwise (there is no CPU kernel); their
+      quantized values can differ from pure JAX's by one FP8 step where CUDA's tanh or exp
+      differs from XLA's by an ulp.
     fp8_gemm: per-tensor FP8 GEMMs. ``"auto"``: the extension's cuBLASLt GEMM on Hopper GPUs
       where it can run, XLA's ``dot_general`` on the FP8 arrays elsewhere. ``"native"``: the
       extension's GEMM, an error where it cannot run. ``"xla"``: always XLA's.
@@ -57,10 +58,11 @@ class GemmConfig:
     fuse_activation_cast: ``core.layernorm_mlp`` with a per-tensor recipe (both GEMMs in FP8, no
       dropout, no sharding constraints) casts the activation of GEMM 1's output straight to
       GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
-      gradient with the bias gradient, in one custom VJP (``True``); ``False`` composes the
-      activation and two ``dot_general`` calls. With activations narrower than float32 the two
-      differ by the rounding of the activation and of its gradient (and, where the casts are
-      pure JAX, of the norm's output) to that dtype, which only the composed path does.
+      gradient with the bias gradient, in one custom VJP that also casts the norm's output
+      straight to GEMM 1's FP8 operand unless it is returned (``True``); ``False`` composes the
+      norm, the activation and two ``dot_general`` calls. With activations narrower than float32
+      the two differ by the rounding of the norm's output, the activation and its gradient to
+      that dtype, which only the composed path does.
 
   Example:
     >>> import te_adapters as ta

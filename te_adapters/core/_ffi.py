@@ -29,6 +29,7 @@ __all__ = [
   "CAST_TRANSPOSE_TARGET",
   "DACT_CAST_TARGET",
   "GEMM_TARGET",
+  "NORM_CAST_TARGET",
   "act_cast_call",
   "amax_call",
   "block_cast_call",
@@ -39,6 +40,7 @@ __all__ = [
   "gemm_call",
   "grouped_gemm_call",
   "hopper_target_available",
+  "norm_cast_call",
   "padded_transpose_call",
   "registered",
   "single_device",
@@ -51,6 +53,8 @@ BLOCK_CAST_TARGET = "te_adapters_block_cast"
 # The MLP's fused activation casts (GPU only): act(h + b) to FP8, and dact to FP8 with dbias.
 ACT_CAST_TARGET = "te_adapters_act_cast"
 DACT_CAST_TARGET = "te_adapters_dact_cast"
+# The norm's output (from its row statistics) to FP8 in both orientations (GPU only).
+NORM_CAST_TARGET = "te_adapters_norm_cast"
 # The cuBLASLt FP8 GEMM: per-tensor scales and 1x128 / 128x128 block scales.
 GEMM_TARGET = "te_adapters_block_gemm"
 # The CUTLASS grouped FP8 GEMM and its operand layout kernel (built with TE_ADAPTERS_CUTLASS_DIR).
@@ -263,6 +267,24 @@ def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
   q, q_t, a, dbias, _ = jax.ffi.ffi_call(DACT_CAST_TARGET, outs, vmap_method="sequential")(
     dz, h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
   return q, q_t, a, dbias
+
+
+def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):
+  """The norm's cast (``csrc/act_cast_cuda.cu``): ``x`` (M, K), the row statistics ``mean`` and
+  ``rsigma`` (M,), float32 ``gamma`` (K,) and ``beta`` (K,) or None -> ``(q (M, K), q_t (K, M),
+  amax (1,) or empty)`` of ``(x - mean) * rsigma * gamma + beta``."""
+  m, k = x.shape
+  f32 = jnp.float32
+  outs = (
+    jax.ShapeDtypeStruct((m, k), q_dtype),
+    jax.ShapeDtypeStruct((k, m), q_dtype),
+    jax.ShapeDtypeStruct((1,), f32) if with_amax else _empty(f32),
+  )
+  has_beta = beta is not None
+  beta = jnp.zeros((0,), f32) if beta is None else beta.astype(f32)
+  return jax.ffi.ffi_call(NORM_CAST_TARGET, outs, vmap_method="sequential")(
+    x, mean.reshape(m).astype(f32), rsigma.reshape(m).astype(f32), gamma.astype(f32), beta,
+    scale.reshape(1).astype(f32), has_beta=has_beta, compute_amax=with_amax)
 
 
 def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):

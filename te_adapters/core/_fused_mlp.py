@@ -1,4 +1,4 @@
-"""The MLP's two per-tensor FP8 GEMMs around the activation, in one custom VJP (TE's structure).
+"""The MLP's norm, two per-tensor FP8 GEMMs and activation in one custom VJP (TE's structure).
 
 ``out = q(act(h + b)) . q(wo)`` with ``h = q(y) . q(wi)``: the activation of GEMM 1's output and
 its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in both orientations
@@ -11,7 +11,7 @@ FP8 operand, and the backward pass computes the norm's gradients from GEMM 1's d
 ``core.layernorm_mlp`` takes this path where it applies (``applies``, ``norm_fuses``).
 
 The casts run as the pure-JAX formulas here (XLA fuses them), or on Hopper GPUs with the
-extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``backend``).
+extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``_kernels_run``).
 """
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
   return True
 
 
-def norm_fuses(config) -> bool:
+def norm_fuses(x, config) -> bool:
   """Whether the norm's output is cast inside the fused path (from float32, never written):
-  where the casts are pure JAX (XLA fuses the norm into them)."""
-  return _cast_transpose.backend(requested=config.backend) == "jax"
+  where the casts are pure JAX (XLA fuses the norm into them) or the CUDA norm cast runs."""
+  if _cast_transpose.backend(requested=config.backend) == "jax":
+    return True
+  return _kernels_run(x, config, _ffi.NORM_CAST_TARGET)
 
 
 def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
@@ -136,19 +138,22 @@ def _both(v, scale, q_dtype, with_amax):
   return q, q_t, (_scaling.amax(v) if with_amax else None)
 
 
+def _kernels_run(x, config, target) -> bool:
+  """Whether the CUDA kernel ``target`` casts ``x``: on a GPU with it built, ``config.backend``
+  not ``"jax"``, a float32/bfloat16/float16 ``x`` on one device."""
+  if jax.default_backend() != "gpu" or not _ffi.registered(target, "gpu"):
+    return False
+  if np.dtype(x.dtype) not in _cast_transpose._FFI_INPUT_DTYPES:
+    return False
+  return _cast_transpose.backend(requested=config.backend) == "ffi" and _ffi.single_device(x)
+
+
 def kernel_activations(h, names, config):
-  """The CUDA kernels' activation ids where they run the casts of ``h``'s activation, else None
-  (pure JAX): on a GPU with the kernels built, ``config.backend`` not ``"jax"``, one or two
-  activations they know, a float32/bfloat16/float16 ``h`` on one device."""
-  if jax.default_backend() != "gpu" or len(names) > 2:
+  """The CUDA kernels' activation ids where they run the casts of ``h``'s activation (one or two
+  activations they know, ``_kernels_run``), else None (pure JAX)."""
+  if len(names) > 2 or not all(isinstance(n, str) and n in KERNEL_ACTIVATIONS for n in names):
     return None
-  if not all(isinstance(n, str) and n in KERNEL_ACTIVATIONS for n in names):
-    return None
-  if np.dtype(h.dtype) not in _cast_transpose._FFI_INPUT_DTYPES:
-    return None
-  if _cast_transpose.backend(requested=config.backend) != "ffi":
-    return None
-  if not _ffi.registered(_ffi.ACT_CAST_TARGET, "gpu") or not _ffi.single_device(h):
+  if not _kernels_run(h, config, _ffi.ACT_CAST_TARGET):
     return None
   return tuple(KERNEL_ACTIVATIONS[n] for n in names)
 
@@ -179,8 +184,13 @@ def _dact_amax(dz, h, b, names):
 
 
 def _norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale,
-               with_amax):
+               with_amax, config):
   """The norm's FP8 output in both orientations (and its amax): (M, K), (K, M), (1,)."""
+  if _kernels_run(x, config, _ffi.NORM_CAST_TARGET):
+    gamma = _norm._gamma(ln_scale, zero_centered_gamma)
+    beta = ln_bias if ln_bias.size else None
+    q, q_t, a = _ffi.norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax)
+    return q, q_t, (a if with_amax else None)
   y = _norm.normalized(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
   return _both(y, scale, q_dtype, with_amax)
 
@@ -209,7 +219,7 @@ def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
     args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
     q_y, q_yt, scale_y, new_y = quantize(
         y, "x", fwd, state=state_0,
-        cast=lambda scale, with_amax: _norm_cast(*args, fwd, scale, with_amax),
+        cast=lambda scale, with_amax: _norm_cast(*args, fwd, scale, with_amax, config),
         amax=lambda: _scaling.amax(_norm.normalized(*args)))
     norm_residuals = (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
   q_wi, q_wit, scale_wi, new_wi = quantize(wi2, "kernel", fwd, state=state_0)

@@ -3,14 +3,14 @@
 ``norm -> GEMM 1 (wi_kernel, n_act stacked kernels) -> bias -> activation (gated product) ->
 dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM with its own recipe state.
 
-With a per-tensor recipe (both GEMMs in FP8, no dropout, no sharding constraint) the two GEMMs
-and the activation between them are one custom VJP (``_fused_mlp``): the activation is cast
-straight to GEMM 2's FP8 operand and its gradient straight to GEMM 1's FP8 output gradient, with
-the bias gradient, as TE does (and, where the casts are pure JAX, the norm's output straight to
-GEMM 1's FP8 operand). Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``)
-each GEMM is a ``dot_general`` and the activation sits between them inside one jitted
-computation, which leaves XLA free to fuse it into the amax and FP8 cast of GEMM 2's input
-(``bench/mlp_fusion.py`` lists the activation-sized buffers the compiled forward writes).
+With a per-tensor recipe (both GEMMs in FP8, no dropout, no sharding constraint) the norm, the
+two GEMMs and the activation between them are one custom VJP (``_fused_mlp``): the norm's output
+is cast straight to GEMM 1's FP8 operand, the activation straight to GEMM 2's, and the
+activation's gradient straight to GEMM 1's FP8 output gradient with the bias gradient, as TE
+does. Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``) each GEMM is a
+``dot_general`` and the activation sits between them inside one jitted computation, which leaves
+XLA free to fuse it into the amax and FP8 cast of GEMM 2's input (``bench/mlp_fusion.py`` lists
+the activation-sized buffers the compiled forward writes).
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def layernorm_mlp(
       (``DelayedScaling``, ``Float8CurrentScaling``), both GEMMs in FP8 under ``threshold``, no
       dropout (rate 0 or ``deterministic``), no input constraints, outside ``shard_map``. It
       casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
-      dtype first, and the norm's float32 output too where the casts are pure JAX and the
-      norm's output is not asked for, so with bfloat16 ``x`` its results differ from the
-      composed path's by those roundings; the states follow the same contract.
+      dtype first, and the norm's float32 output too unless it is asked for, so with bfloat16
+      ``x`` its results differ from the composed path's by those roundings; the states follow
+      the same contract.
     return_layernorm_output: also return the norm's output.
     ffn1_ckpt_name, ffn2_ckpt_name: ``checkpoint_name`` tags of GEMM 1's output (before the
       activation) and of the block's output, for remat policies (TE's names).
@@ -175,7 +175,8 @@ def layernorm_mlp(
       dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
       constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
       rngs=(rng_0, rng_1))
-  if fused and enable_layernorm and not return_layernorm_output and _fused_mlp.norm_fuses(config):
+  if (fused and enable_layernorm and not return_layernorm_output
+      and _fused_mlp.norm_fuses(x, config)):
     # The norm inside the fused path: its output is cast to FP8 as it is computed.
     _norm.check_norm_args(x, scale, ln_bias, layernorm_type)
     out = _fused_mlp.fused_mlp(

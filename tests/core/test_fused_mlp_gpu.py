@@ -1,5 +1,6 @@
-"""The CUDA kernels of the MLP's fused activation casts (csrc/act_cast_cuda.cu) against the
-pure-JAX formulas on the same GPU, and core.layernorm_mlp running them.
+"""The CUDA kernels of the MLP's fused casts (csrc/act_cast_cuda.cu: the norm's, the
+activation's and its gradient's) against the pure-JAX formulas on the same GPU, and
+core.layernorm_mlp running them.
 
 CUDA's tanh and exp can differ from XLA's by an ulp of float32, which moves a value across an
 FP8 rounding boundary now and then: the FP8 codes are identical but for a tiny fraction, and
@@ -13,7 +14,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _ffi, _fused_mlp, _scaling
+from te_adapters.core import _ffi, _fused_mlp, _norm, _scaling
 from tests.conftest import rel_err
 
 pytestmark = [
@@ -104,6 +105,35 @@ def test_activation_gradient_cast_matches_pure_jax(activations, shape):
   np.testing.assert_allclose(db, rdb, atol=atol)
 
 
+@pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
+@pytest.mark.parametrize("norm", [("layernorm", False), ("rmsnorm", True)],
+                         ids=["layernorm", "rmsnorm-zero-centered"])
+def test_norm_cast_matches_pure_jax(norm, shape):
+  # No transcendental function: the same float32 operations in the same order, so the same
+  # codes unless XLA contracts a multiply and an add into one FMA.
+  layernorm_type, zero_centered = norm
+  m, k = shape
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(m, k)) * 3.0 + 1.0, jnp.bfloat16)
+  scale = jnp.asarray(1.0 + rng.normal(size=k) * 0.1, jnp.float32)
+  bias = jnp.asarray(rng.normal(size=k) * 0.1, jnp.float32)
+  bias = bias if layernorm_type == "layernorm" else jnp.zeros((0,), jnp.float32)
+  q_scale = jnp.asarray([448.0 / 6.0], jnp.float32)
+
+  def cast(config):
+    def f(x, scale, bias):
+      mean, rsigma = _norm._stats(x.astype(jnp.float32), layernorm_type, 1e-6)
+      return _fused_mlp._norm_cast(x, mean, rsigma, scale, bias, zero_centered,
+                                   jnp.float8_e4m3fn, q_scale, True, config)
+    return jax.jit(f)(x, scale, bias)
+
+  q, q_t, a = cast(KERNEL)
+  rq, rq_t, ra = cast(JAX)
+  _assert_fp8_close(q, rq)
+  np.testing.assert_array_equal(_ordinal(q_t), _ordinal(q).T)
+  np.testing.assert_allclose(a, ra, rtol=1e-6)
+
+
 def test_current_scaling_amax_of_the_formula_is_the_kernels():
   # Current scaling takes the amax with XLA's reduce over the formula, then casts with the
   # kernel: the delayed-scaling kernel's own amax of the same values agrees.
@@ -134,7 +164,8 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
   hlo = grad.lower(x, wi, wo, bi, states, KERNEL).compile().as_text()
-  assert _ffi.ACT_CAST_TARGET in hlo and _ffi.DACT_CAST_TARGET in hlo
+  for target in (_ffi.NORM_CAST_TARGET, _ffi.ACT_CAST_TARGET, _ffi.DACT_CAST_TARGET):
+    assert target in hlo, target
   ours, ref = (grad(x, wi, wo, bi, states, c) for c in (KERNEL, JAX))
   for a, b in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
     assert rel_err(a, b) < 5e-3  # the rare one-step FP8 differences, through the GEMMs
