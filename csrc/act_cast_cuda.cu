@@ -13,7 +13,7 @@
 // Each block owns a 64x64 tile of (M, F): 256 threads, each reading 8 consecutive columns of
 // two rows with 16-byte loads (element by element at the edges), the FP8 codes staged in shared
 // memory, then 16-byte stores of both orientations.
-// arithmetic follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
+// The arithmetic follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
 // exp are CUDA's, which can differ from XLA's by an ulp.
 
 #include <cuda_runtime.h>
