@@ -47,9 +47,15 @@ def _ordinal(q):
 def _assert_fp8_close(ours, ref):
   a, b = _ordinal(ours), _ordinal(ref)
   assert a.shape == b.shape
-  diff = np.abs(a - b)
-  assert diff.max() <= 1, diff.max()
+  va, vb = (np.asarray(q.astype(jnp.float32), np.float64) for q in (ours, ref))
+  # Near zero an ulp of float32 in tanh or exp is several FP8 steps (of the subnormals, or of
+  # (1 - tanh**2) in the gradient) but a negligible difference: checked in absolute terms there.
+  tiny = 2.0**-8 * np.max(np.abs(vb), initial=0)
+  big = np.abs(vb) > tiny
+  diff = np.abs(a - b)[big]
+  assert diff.max(initial=0) <= 1, diff.max()
   assert np.mean(diff != 0) <= MAX_DIFFERING, np.mean(diff != 0)
+  assert np.max(np.abs(va - vb)[~big], initial=0) <= tiny
 
 
 def _h_and_bias(m, f, n_act, dtype, seed=0):
