@@ -54,6 +54,8 @@ def main(argv=None):
   p.add_argument("--size", default="4x2048x4096x16384", help="batch x seq x hidden x intermediate")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=20)
+  p.add_argument("--timed-steps", type=int, default=20,
+                 help="steps per timed repeat of the wall-clock step time (3 repeats; 0: none)")
   args = p.parse_args(argv)
   batch, seq, hidden, intermediate = (int(s) for s in args.size.split("x"))
   x = jax.random.normal(jax.random.PRNGKey(7), (batch, seq, hidden)).astype(jnp.bfloat16)
@@ -75,7 +77,11 @@ def main(argv=None):
     groups: dict[str, float] = {}
     for k, v in per_kernel.items():
       groups[kind(k)] = groups.get(kind(k), 0.0) + v
-    print(f"\n== {name}: {total:.3f} ms of GPU kernels per step; cuBLASLt FP8 GEMMs {fp8}")
+    wall = ""
+    if args.timed_steps:
+      ms, spread = speed._timed(step, (variables, x, dy), args.timed_steps, 3)
+      wall = f"; step {ms:.3f} ms wall (spread {spread:.3f})"
+    print(f"\n== {name}: {total:.3f} ms of GPU kernels per step{wall}; cuBLASLt FP8 GEMMs {fp8}")
     for label, v in sorted(groups.items(), key=lambda kv: -kv[1]):
       print(f"  {v:8.3f} ms  {label}")
     for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
