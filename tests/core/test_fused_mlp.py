@@ -266,3 +266,30 @@ def test_norm_output_on_request_keeps_the_norm_outside(rel):
   _assert_same(ln, core.layernorm(x, p["scale"], p["ln_bias"]), rtol=1e-2)  # bf16 ulp
   assert 0 < rel(inside, outside) < 0.07  # the bfloat16 rounding of the norm's output alone
   assert _takes_fused(x, p, acts, recipe, FUSED, threshold=None, return_layernorm_output=True)
+
+
+@pytest.mark.parametrize("how", ["vmap", "no-norm"])
+def test_float32_fused_is_the_composed_path_under_vmap_and_without_norm(how):
+  # vmap over a leading batch axis with one shared state (the new state reduced over the batch),
+  # and enable_layernorm=False (GEMM 1's input cast as it is).
+  recipe, acts = RECIPES["delayed"], ("gelu",)
+  x, p, dy = _data(acts, dtype=jnp.float32)
+  kw = dict(enable_layernorm=False) if how == "no-norm" else {}
+
+  def grads(config):
+    def loss(x, p, states, dy):
+      out = _block(x, p, states, acts, recipe, config, threshold=None, **kw)
+      return jnp.sum(out * dy)
+    g = jax.grad(loss, argnums=(0, 1, 2))
+    if how == "vmap":
+      g = jax.vmap(g, in_axes=(0, None, None, 0))
+    return jax.jit(g)(x, p, _states(recipe), dy)
+
+  fused = grads(core.GemmConfig(backend="jax"))
+  composed = grads(core.GemmConfig(backend="jax", fuse_activation_cast=False))
+  assert _takes_fused(x, p, acts, recipe, FUSED, threshold=None, **kw)
+  for a, b in zip(jax.tree.leaves(fused[:2]), jax.tree.leaves(composed[:2]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(fused[2]), jax.tree.leaves(composed[2]), strict=True):
+    assert a.shape == b.shape  # unbatched, like the state it replaces
+    np.testing.assert_array_equal(a, b)
