@@ -51,9 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding
 
 from te_adapters.core import (
   _block_scaled,
+  _frozen,
   _grouped_kernel,
   _grouping,
   _mxfp8,
@@ -182,6 +184,7 @@ def ragged_dot(
     precision=None,
     preferred_element_type=None,
     group_offset=None,
+    out_sharding=None,
     *,
     recipe,
     state=None,
@@ -218,6 +221,10 @@ def ragged_dot(
       emulated MXFP8 GEMMs always accumulate in float32 and do not use it.
     preferred_element_type: output dtype; default as ``jax.lax.ragged_dot`` would give.
     group_offset: must be ``None`` (sharded group offsets are not supported).
+    out_sharding: as for ``jax.lax.ragged_dot``, with ``recipe=None`` only. Expert parallelism
+      with a recipe runs under ``jit`` with Auto mesh axes (the experts' kernels and state
+      sharded over an axis) or inside ``shard_map`` (each device its own experts and their
+      tokens); Explicit mesh axes are refused with a recipe.
     recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``), or
       ``None`` for a plain ``jax.lax.ragged_dot`` in the operands' precision.
     state: this GEMM's recipe state (``init_ragged_state(recipe, G)``); ``None`` for stateless
@@ -254,8 +261,16 @@ def ragged_dot(
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
-    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
+    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
+                          out_sharding=out_sharding)
   recipe = check_ragged_recipe(recipe)
+  explicit = [name for name, a in (("lhs", lhs), ("rhs", rhs)) if _on_explicit_axes(a)]
+  if out_sharding is not None or explicit:
+    raise NotImplementedError(
+        f"ragged_dot with {type(recipe).__name__} does not run on Explicit mesh axes "
+        f"({', '.join(explicit) or 'out_sharding'}); shard the experts over Auto axes under jit, "
+        "or give each device its experts and tokens inside shard_map"
+    )
   if not recipe.block_scaled:
     _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
   state = check_ragged_state(recipe, state, rhs.shape[0])
@@ -270,6 +285,9 @@ def ragged_dot(
   if recipe.block_scaled:
     grouped_gemm = GROUPED_GEMMS[_block_scaled.format_of(recipe)]
     return grouped_gemm(lhs, rhs, group_sizes, out_dtype, recipe)
+  if state:
+    # Under differentiation: warns at trace time when the state would stay frozen.
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
   native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
@@ -277,6 +295,12 @@ def ragged_dot(
       lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
       "group", native,
   )
+
+
+def _on_explicit_axes(x) -> bool:
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  return (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+          and any(t == AxisType.Explicit for t in sharding.mesh.axis_types))
 
 
 def _check_group_sizes(group_sizes, num_groups: int) -> jax.Array:

@@ -2,6 +2,7 @@
 
 import functools
 import re
+import warnings
 
 import jax
 import jax.extend
@@ -443,3 +444,22 @@ def test_gpu_fp8_grouped_gemm_numerics_and_hlo(rel):
                                     dy.astype(jnp.float32), sizes)
   assert 0.015 < rel(y, y_ref) < 0.05
   assert rel(dx, dx_ref) < 0.08 and rel(dw, dw_ref) < 0.08
+
+
+def test_state_left_out_of_the_gradient_warns_instead_of_freezing_silently():
+  recipe = RECIPES["delayed"]
+  x = jnp.ones((64, 32), jnp.bfloat16)
+  w = jnp.ones((2, 32, 32), jnp.float32)
+  gs = jnp.array([40, 24], jnp.int32)
+  state = core.init_ragged_state(recipe, 2)
+
+  def loss(x, w, state):
+    return jnp.sum(core.ragged_dot(x, w, gs, recipe=recipe, state=state).astype(jnp.float32))
+
+  with pytest.warns(core.FrozenStateWarning, match=r"kernel \(2, 32, 32\)"):
+    jax.grad(loss, argnums=(0, 1))(x, w, state)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", core.FrozenStateWarning)
+    new = jax.grad(loss, argnums=2)(x, w, state)
+    _, (_, _, new) = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, state)
+  assert float(new["x_amax_history"].max()) == 1.0  # the state's gradient is its next value

@@ -132,3 +132,11 @@ def test_mxfp8_trains_with_no_recipe_state_and_the_core_numerics():
 def test_unsupported_block_recipes_fail_at_construction():
   with pytest.raises(NotImplementedError, match="does not implement NVFP4BlockScaling"):
     GroupedLinear(G, K, 32, recipe=ta.NVFP4BlockScaling(), rngs=nnx.Rngs(0))
+
+
+def test_nnx_params_only_loop_warns_that_the_state_is_frozen():
+  model = GroupedLinear(8, 64, 96, recipe=ta.DelayedScaling(amax_history_len=4),
+                        rngs=nnx.Rngs(0))
+  x = jnp.ones((256, 64), jnp.bfloat16)
+  with pytest.warns(core.FrozenStateWarning, match="te_adapters.nnx.value_and_grad"):
+    nnx.value_and_grad(lambda m: jnp.sum(m(x, jnp.full((8,), 32, jnp.int32))))(model)
