@@ -1,14 +1,13 @@
 """Per-kernel GPU time of seed 001's LayerNorm + MLP block (``python -m bench --cases mlp``).
 
 Usage (on a GPU, from the repository root):
-  python bench/profile_mlp.py [--variants bf16,flax-current,current,delayed] [--top 20]
+  python bench/profile_mlp.py [--variants bf16,current-fused,current-unfused] [--top 20]
 
 Variants: ``bf16`` (plain Flax), ``flax-current``/``flax-delayed`` (Flax's modules with our
-``dot_general``), ``current``/``delayed`` (``te_adapters.linen.LayerNormMLP``, with the fused
-activation casts), ``current-unfused``/``delayed-unfused`` (the same with
-``GemmConfig(fuse_activation_cast=False)``: the activation between two ``dot_general``
-calls), ``current-jax``/``delayed-jax`` (the fused path with every cast in XLA's fusions instead
-of the extension's kernels: ``GemmConfig(backend="jax")``). Prints, per
+``dot_general``), ``current``/``delayed`` (``te_adapters.linen.LayerNormMLP`` with the default
+``GemmConfig``), ``-fused``/``-unfused`` after either (``fuse_activation_cast=True``/``False``:
+the fused casts, or the activation between two ``dot_general`` calls), ``-jax`` (the default path
+with every cast in XLA's fusions instead of the extension's kernels: ``backend="jax"``). Prints, per
 variant, the GPU time per fwd+bwd step grouped by kind (``bench/profile_convergence.py``'s
 kinds), the FP8 GEMM count, and the kernels that take the most time.
 """
@@ -37,7 +36,8 @@ def model_for(name, hidden, intermediate):
     return speed._FlaxLnMlp(hidden, intermediate, cls)
   recipe, _, path = name.partition("-")
   config = {
-      "": None,
+      "": None,  # the default: fused for delayed scaling, composed for current
+      "fused": ta.core.GemmConfig(fuse_activation_cast=True),
       "unfused": ta.core.GemmConfig(fuse_activation_cast=False),
       "jax": ta.core.GemmConfig(backend="jax"),
   }[path]
@@ -50,7 +50,7 @@ def model_for(name, hidden, intermediate):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--variants",
-                 default="bf16,flax-current,current,current-unfused,delayed,delayed-unfused")
+                 default="bf16,current-fused,current-unfused,delayed-fused,delayed-unfused")
   p.add_argument("--size", default="4x2048x4096x16384", help="batch x seq x hidden x intermediate")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=20)

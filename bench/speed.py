@@ -360,7 +360,7 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
   """LayerNorm + MLP (x ``(batch, seq, hidden)`` bf16, ``intermediate``, gelu, biases): plain
   Flax in bf16, Flax's modules with our ``dot_general`` (unfused), and
   ``te_adapters.linen.LayerNormMLP`` with the fused activation casts and without them
-  (``unfused``: ``GemmConfig(fuse_activation_cast=False)``)."""
+  (``fused``/``unfused``: ``GemmConfig(fuse_activation_cast=True/False)``)."""
   batch, seq, hidden, intermediate = size
   key = jax.random.PRNGKey(7)
   x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
@@ -368,7 +368,8 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
   variants = _linen_variants(lambda cls: _FlaxLnMlp(hidden, intermediate, cls), recipes)
   if hasattr(ta_linen, "LayerNormMLP"):
     # The fused activation casts (the default), and the activation between two dot_generals.
-    configs = (("", None), (" unfused", ta.core.GemmConfig(fuse_activation_cast=False)))
+    configs = ((" fused", ta.core.GemmConfig(fuse_activation_cast=True)),
+               (" unfused", ta.core.GemmConfig(fuse_activation_cast=False)))
     for label, recipe in recipes:
       for suffix, config in configs:
         # TE's fields: float32 parameters, computed in the input's dtype; no dropout here.

@@ -15,7 +15,7 @@ import pytest
 import te_adapters as ta
 from bench.layernorm_fusion import _activation_buffers
 from te_adapters import core
-from tests.conftest import FP8_GEMM_RTOL
+from tests.conftest import FP8_GEMM_RTOL, rel_err
 
 from .test_mlp import _reference_grads
 
@@ -34,7 +34,7 @@ def _assert_same(a, b, rtol=FP8_GEMM_RTOL, err_msg=""):
 
 B, S, K, F = 2, 64, 128, 256  # multiples of 128 for Float8BlockScaling
 RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4)}
-FUSED = core.GemmConfig()
+FUSED = core.GemmConfig(fuse_activation_cast=True)
 COMPOSED = core.GemmConfig(fuse_activation_cast=False)
 
 
@@ -130,7 +130,8 @@ def test_float32_fused_is_the_composed_path(name):
   # same quantized tensors, GEMMs and states (the recipe state contract of layernorm_mlp).
   recipe, acts = RECIPES[name], ("silu", "linear")
   config = dict(backend="jax")  # the extension's kernels round tanh/exp differently by an ulp
-  fused = _run(recipe, acts, core.GemmConfig(**config), dtype=jnp.float32)
+  fused = _run(recipe, acts, core.GemmConfig(fuse_activation_cast=True, **config),
+               dtype=jnp.float32)
   composed = _run(recipe, acts, core.GemmConfig(fuse_activation_cast=False, **config),
                   dtype=jnp.float32)
   _assert_same(fused[0], composed[0])
@@ -144,7 +145,7 @@ def test_float32_fused_is_the_composed_path(name):
 def test_delayed_state_after_several_steps_is_the_composed_paths(dtype):
   recipe, acts = RECIPES["delayed"], ("gelu", "linear")
   jax_casts = dict(backend="jax")  # the extension's kernels round tanh/exp differently by an ulp
-  step_f = _step_fn(recipe, acts, core.GemmConfig(**jax_casts))
+  step_f = _step_fn(recipe, acts, core.GemmConfig(fuse_activation_cast=True, **jax_casts))
   step_c = _step_fn(recipe, acts, core.GemmConfig(fuse_activation_cast=False, **jax_casts))
   sf = sc = _states(recipe)
   for seed in range(5):  # more steps than the history holds: the roll and the window's max
@@ -242,13 +243,28 @@ def test_remat_gives_the_same_gradients_and_state():
     got = fn(x, params, states)
     for a, b in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
       _assert_same(a, b)
-    # The recomputed forward may be fused differently by XLA: float32 sums an ulp apart.
+    # The recomputed forward may be fused differently by XLA: float32 sums an ulp apart (on a
+    # GPU, now and then an FP8 value one step apart, through the GEMMs: normwise there).
     for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True):
-      np.testing.assert_allclose(a, b, rtol=max(1e-6, FP8_GEMM_RTOL), atol=1e-6)
+      if ON_CPU:
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+      else:
+        assert rel_err(a, b) < 5e-3
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_default_fuses_delayed_scaling_only(name):
+  # None: the faster path of each recipe on an H100 (GemmConfig's docstring).
+  recipe, acts = RECIPES[name], ("gelu",)
+  x, p, _ = _data(acts)
+  assert _takes_fused(x, p, acts, recipe, core.GemmConfig(), threshold=None) == (
+      name == "delayed")
+  assert _takes_fused(x, p, acts, recipe, FUSED, threshold=None)
+  assert not _takes_fused(x, p, acts, recipe, COMPOSED, threshold=None)
 
 
 def test_bad_switch_value_is_a_clear_error():
-  with pytest.raises(ValueError, match="fuse_activation_cast must be True or False"):
+  with pytest.raises(ValueError, match="fuse_activation_cast must be True, False or None"):
     core.GemmConfig(fuse_activation_cast="yes")
 
 
@@ -259,9 +275,10 @@ def test_norm_output_on_request_keeps_the_norm_outside(rel):
   x, p, _ = _data(acts)
   recipe = RECIPES["current"]
   args = (x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"])
-  inside, none = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None)
+  inside, none = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None,
+                                    config=FUSED)
   outside, ln = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None,
-                                   return_layernorm_output=True)
+                                   config=FUSED, return_layernorm_output=True)
   assert none is None
   _assert_same(ln, core.layernorm(x, p["scale"], p["ln_bias"]), rtol=1e-2)  # bf16 ulp
   assert 0 < rel(inside, outside) < 0.07  # the bfloat16 rounding of the norm's output alone
@@ -285,7 +302,7 @@ def test_float32_fused_is_the_composed_path_under_vmap_and_without_norm(how):
       g = jax.vmap(g, in_axes=(0, None, None, 0))
     return jax.jit(g)(x, p, _states(recipe), dy)
 
-  fused = grads(core.GemmConfig(backend="jax"))
+  fused = grads(core.GemmConfig(backend="jax", fuse_activation_cast=True))
   composed = grads(core.GemmConfig(backend="jax", fuse_activation_cast=False))
   assert _takes_fused(x, p, acts, recipe, FUSED, threshold=None, **kw)
   for a, b in zip(jax.tree.leaves(fused[:2]), jax.tree.leaves(composed[:2]), strict=True):

@@ -22,8 +22,8 @@ pytestmark = [
   pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU"),
 ]
 
-KERNEL = core.GemmConfig(backend="ffi")
-JAX = core.GemmConfig(backend="jax")
+KERNEL = core.GemmConfig(backend="ffi", fuse_activation_cast=True)
+JAX = core.GemmConfig(backend="jax", fuse_activation_cast=True)
 # At most this fraction of FP8 codes differs from pure JAX's (each by one step). About 2**-19
 # of the values sit within an ulp of a rounding boundary of E4M3; a wrong formula, bias or
 # layout changes most codes.
