@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from te_adapters.core import (
   _block_scaled,
@@ -221,10 +221,12 @@ def ragged_dot(
       emulated MXFP8 GEMMs always accumulate in float32 and do not use it.
     preferred_element_type: output dtype; default as ``jax.lax.ragged_dot`` would give.
     group_offset: must be ``None`` (sharded group offsets are not supported).
-    out_sharding: as for ``jax.lax.ragged_dot``, with ``recipe=None`` only. Expert parallelism
-      with a recipe runs under ``jit`` with Auto mesh axes (the experts' kernels and state
-      sharded over an axis) or inside ``shard_map`` (each device its own experts and their
-      tokens); Explicit mesh axes are refused with a recipe.
+    out_sharding: as for ``jax.lax.ragged_dot``. On Explicit mesh axes the output takes it, or
+      by default lhs's sharding of its rows and rhs's of its columns, and each gradient its
+      operand's sharding; elsewhere it constrains the output's sharding. Expert parallelism:
+      under ``jit`` with the experts' kernel and recipe state sharded over a mesh axis (Auto or
+      Explicit), or inside ``shard_map`` with each device's own experts and tokens; each equals
+      one device.
     recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``), or
       ``None`` for a plain ``jax.lax.ragged_dot`` in the operands' precision.
     state: this GEMM's recipe state (``init_ragged_state(recipe, G)``); ``None`` for stateless
@@ -264,43 +266,65 @@ def ragged_dot(
     return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
                           out_sharding=out_sharding)
   recipe = check_ragged_recipe(recipe)
-  explicit = [name for name, a in (("lhs", lhs), ("rhs", rhs)) if _on_explicit_axes(a)]
-  if out_sharding is not None or explicit:
-    raise NotImplementedError(
-        f"ragged_dot with {type(recipe).__name__} does not run on Explicit mesh axes "
-        f"({', '.join(explicit) or 'out_sharding'}); shard the experts over Auto axes under jit, "
-        "or give each device its experts and tokens inside shard_map"
-    )
   if not recipe.block_scaled:
     _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
   state = check_ragged_state(recipe, state, rhs.shape[0])
+  # The dtype lax.ragged_dot gives (its rule is dot_general's), from shapes without shardings:
+  # ragged_dot_general has no sharding inference on Explicit mesh axes.
   out_dtype = jax.eval_shape(
       functools.partial(
-          lax.ragged_dot, precision=precision, preferred_element_type=preferred_element_type
+          lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), precision=precision,
+          preferred_element_type=preferred_element_type,
       ),
-      lhs,
-      rhs,
-      group_sizes,
+      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype),
   ).dtype
   if recipe.block_scaled:
     grouped_gemm = GROUPED_GEMMS[_block_scaled.format_of(recipe)]
-    return grouped_gemm(lhs, rhs, group_sizes, out_dtype, recipe)
-  if state:
-    # Under differentiation: warns at trace time when the state would stay frozen.
-    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
-  operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
-  native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
-  return _fp8_ragged_dot(
-      lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
-      "group", native,
-  )
+
+    def call(lhs, rhs, group_sizes, state):
+      del state
+      return grouped_gemm(lhs, rhs, group_sizes, out_dtype, recipe)
+  else:
+    if state:
+      # Under differentiation: warns at trace time when the state would stay frozen.
+      lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+    operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+    # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
+    native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
+
+    def call(lhs, rhs, group_sizes, state):
+      return _fp8_ragged_dot(
+          lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
+          "group", native,
+      )
+
+  explicit = _explicit_out_sharding(lhs, rhs, out_sharding)
+  if explicit is None:
+    y = call(lhs, rhs, group_sizes, state)
+    return y if out_sharding is None else lax.with_sharding_constraint(y, out_sharding)
+  # Explicit mesh axes: the quantization mixes per-group and per-row arrays, which XLA's
+  # partitioner places itself with the axes Auto; the output gets the sharding asked for, and
+  # each gradient its operand's.
+  return jax.sharding.auto_axes(call, out_sharding=explicit)(lhs, rhs, group_sizes, state)
 
 
-def _on_explicit_axes(x) -> bool:
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  return (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
-          and any(t == AxisType.Explicit for t in sharding.mesh.axis_types))
+def _explicit_out_sharding(lhs, rhs, out_sharding):
+  """The output's ``PartitionSpec`` on Explicit mesh axes (the caller's, or lhs's rows and
+  rhs's columns); None when no operand lies on Explicit axes."""
+  specs = []
+  for a in (lhs, rhs):
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    explicit = (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+                and any(t == AxisType.Explicit for t in sharding.mesh.axis_types))
+    specs.append(tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+                 if explicit else None)
+  if specs == [None, None]:
+    return None
+  if out_sharding is not None:
+    return out_sharding.spec if isinstance(out_sharding, NamedSharding) else out_sharding
+  rows = specs[0][0] if specs[0] is not None else None
+  cols = specs[1][2] if specs[1] is not None else None
+  return PartitionSpec(rows, cols)
 
 
 def _check_group_sizes(group_sizes, num_groups: int) -> jax.Array:

@@ -1,10 +1,10 @@
 """Expert parallelism: ``core.ragged_dot`` with the experts sharded over a mesh axis.
 
 Runs on 4 of the 8 virtual CPU devices that ``tests/conftest.py`` asks for. Two ways a user
-shards experts: under ``jax.jit`` with Auto mesh axes (the kernels and their recipe state placed
-with a ``NamedSharding`` over the expert axis; XLA partitions the rest), and inside
-``shard_map`` (each device its own experts and the tokens routed to them). Both must give what
-one device gives. Explicit mesh axes are refused with a clear error.
+shards experts: under ``jax.jit`` with the kernels and their recipe state placed with a
+``NamedSharding`` over the expert axis (Auto axes: XLA partitions the rest; Explicit axes: each
+result gets its sharding from the operands), and inside ``shard_map`` (each device its own
+experts and the tokens routed to them). Both must give what one device gives.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _step(recipe):
   def loss(x, w, state, group_sizes, dy):
     y = core.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.bfloat16, recipe=recipe,
                         state=state)
-    return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32)), y
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
   def step(x, w, state, group_sizes, dy):
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
@@ -68,16 +68,19 @@ def _state(recipe):
   return core.init_ragged_state(recipe, G) if recipe is not None else None
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("rows_sharded", [False, True], ids=["tokens-replicated", "tokens-sharded"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_experts_sharded_under_jit_equal_one_device(name, rows_sharded):
+def test_experts_sharded_under_jit_equal_one_device(name, rows_sharded, axis_type):
+  if name == "bf16" and axis_type == AxisType.Explicit:
+    pytest.skip("recipe=None is jax.lax.ragged_dot, which needs out_sharding there (tested below)")
   recipe = RECIPES[name]
   x, w, dy = _data()
   step = jax.jit(_step(recipe))
   state = _state(recipe)
   gs = jnp.asarray(GROUP_SIZES)
   y1, (dx1, dw1, st1) = step(x, w, state, gs, dy)
-  mesh = _mesh()
+  mesh = _mesh(axis_type)
   experts = NamedSharding(mesh, P("ep"))
   tokens = NamedSharding(mesh, P("ep") if rows_sharded else P())
   put = lambda a, s: jax.device_put(a, s)  # noqa: E731
@@ -87,6 +90,9 @@ def test_experts_sharded_under_jit_equal_one_device(name, rows_sharded):
     y2, (dx2, dw2, st2) = step(*args)
   if recipe is not None:  # each device keeps its experts' gradient (bf16: XLA's own choice)
     assert dw2.sharding.spec[0] == "ep"
+  if axis_type == AxisType.Explicit:  # the output's rows and dx as lhs, dw as rhs
+    assert tuple(y2.sharding.spec)[:1] == tuple(dx2.sharding.spec)[:1] == (
+        ("ep",) if rows_sharded else (None,))
   np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(y1, np.float32))
   np.testing.assert_array_equal(np.asarray(dx2, np.float32), np.asarray(dx1, np.float32))
   if rows_sharded:
@@ -155,19 +161,22 @@ def test_sharded_experts_against_float64():
   assert not np.asarray(y[ends[-1]:]).any()  # rows past the groups stay zero
 
 
-@pytest.mark.parametrize("name", ["current", "delayed"])
-def test_explicit_mesh_axes_are_refused_with_a_recipe(name):
-  recipe = RECIPES[name]
+@pytest.mark.parametrize("name", ["current", "delayed", "mxfp8"])
+def test_explicit_axes_take_the_callers_out_sharding(name):
+  recipe = RECIPES.get(name) or ta.MXFP8BlockScaling()
   x, w, _ = _data()
+  gs = jnp.asarray(GROUP_SIZES)
+  state = _state(recipe) if name != "mxfp8" else None
+  want = core.ragged_dot(x, w, gs, recipe=recipe, state=state)
   mesh = _mesh(AxisType.Explicit)
   with jax.set_mesh(mesh):
-    w_sharded = jax.device_put(w, NamedSharding(mesh, P("ep")))
-    with pytest.raises(NotImplementedError, match="Explicit mesh axes"):
-      jax.jit(lambda x, w: core.ragged_dot(
-          x, w, jnp.asarray(GROUP_SIZES), recipe=recipe, state=_state(recipe)))(x, w_sharded)
-  with pytest.raises(NotImplementedError, match="Explicit mesh axes"):
-    core.ragged_dot(x, w, jnp.asarray(GROUP_SIZES), out_sharding=P(), recipe=recipe,
-                    state=_state(recipe))
+    xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
+    ws = jax.device_put(w, NamedSharding(mesh, P("ep")))
+    f = jax.jit(lambda x, w: core.ragged_dot(x, w, gs, out_sharding=P(), recipe=recipe,
+                                             state=state))
+    y = f(xs, ws)
+  assert tuple(y.sharding.spec) in ((), (None, None))  # replicated, as asked
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
 
 
 def test_high_precision_takes_out_sharding_on_explicit_axes():
