@@ -26,6 +26,7 @@
 #include <string>
 #include <type_traits>
 
+#include "ffi_cuda.h"
 #include "fp8_cuda.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -42,6 +43,8 @@ constexpr int kSmemStride = kTile + 16;  // keeps 16-byte rows aligned for the r
 constexpr int kMaxAct = 2;
 
 using cuda::abs_bits;
+using cuda::cuda_error;
+using cuda::out_type;
 using cuda::Half;
 using cuda::to_float;
 using cuda::to_fp8;
@@ -305,23 +308,6 @@ __global__ void __launch_bounds__(kThreads)
   float s = 0.0f;
   for (int64_t t = 0; t < tiles; ++t) s = add(s, partial[t * cols + col]);
   out[col] = s;
-}
-
-ffi::Error cuda_error(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-ffi::Error out_type(ffi::DataType t, OutType* ot) {
-  if (t == ffi::DataType::F8E4M3FN) {
-    *ot = OutType::kE4M3;
-  } else if (t == ffi::DataType::F8E5M2) {
-    *ot = OutType::kE5M2;
-  } else {
-    return ffi::Error::InvalidArgument("output dtype must be float8_e4m3fn or float8_e5m2");
-  }
-  return ffi::Error::Success();
 }
 
 // M, F and n_act from h (M, n_act * F) and the activation ids (act1 < 0: one activation).

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ffi_cuda.h"
 #include "fp8_convert.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,6 +27,8 @@ namespace ffi = xla::ffi;
 
 namespace te_adapters {
 namespace {
+
+using cuda::cuda_error;
 
 constexpr int kBlock = 128;
 constexpr int kThreads = 256;                          // 8 warps
@@ -212,12 +215,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-ffi::Error cuda_error(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
 template <typename In, OutType kOut>
 void launch(cudaStream_t stream, const void* x, const Outputs& o, const Shape& s, bool tile,
             bool power_2, float value_for_inf) {
@@ -279,12 +276,10 @@ ffi::Error BlockCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
     return ffi::Error::InvalidArgument("block cast: both copies must have one FP8 dtype");
   }
   OutType ot;
-  if (qtype == ffi::DataType::F8E4M3FN) {
-    ot = OutType::kE4M3;
-  } else if (qtype == ffi::DataType::F8E5M2) {
-    ot = OutType::kE5M2;
-  } else {
-    return ffi::Error::InvalidArgument("block cast: output dtype must be float8_e4m3fn or e5m2");
+  if (auto e = cuda::out_type(qtype, &ot,
+                              "block cast: output dtype must be float8_e4m3fn or e5m2");
+      e.failure()) {
+    return e;
   }
   if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
   Outputs o{rowwise ? static_cast<uint8_t*>(q->untyped_data()) : nullptr,

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "ffi_cuda.h"
 #include "fp8_cuda.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,6 +24,7 @@ constexpr int kThreads = 256;
 constexpr int kSmemStride = kTile + 1;  // odd stride: column reads hit distinct banks
 
 using cuda::abs_bits;
+using cuda::cuda_error;
 using cuda::Half;
 using cuda::to_float;
 using cuda::to_fp8;
@@ -147,12 +149,6 @@ __global__ void __launch_bounds__(kThreads)
   block_amax(acc, amax);
 }
 
-ffi::Error cuda_error(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
 template <typename In, OutType kOut>
 void launch_cast(cudaStream_t stream, const void* x, const float* scale, uint8_t* q, uint8_t* qt,
                  uint32_t* amax, const Shape& s) {
@@ -196,13 +192,7 @@ ffi::Error CastTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   s.tiles_c = (s.cols + kTile - 1) / kTile;
   const ffi::DataType qtype = rowwise ? q->element_type() : qt->element_type();
   OutType ot;
-  if (qtype == ffi::DataType::F8E4M3FN) {
-    ot = OutType::kE4M3;
-  } else if (qtype == ffi::DataType::F8E5M2) {
-    ot = OutType::kE5M2;
-  } else {
-    return ffi::Error::InvalidArgument("output dtype must be float8_e4m3fn or float8_e5m2");
-  }
+  if (auto e = cuda::out_type(qtype, &ot); e.failure()) return e;
   const size_t n = x.element_count();
   if ((rowwise && q->element_count() != n) || (colwise && qt->element_count() != n)) {
     return ffi::Error::InvalidArgument("output sizes do not match the input");

@@ -1,0 +1,37 @@
+// Host-side helpers shared by the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu,
+// act_cast_cuda.cu): the error after a launch, and the FP8 output dtype of a result buffer.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "fp8_convert.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace te_adapters {
+namespace cuda {
+
+// The last CUDA error as an FFI error naming `what` (Success when there is none).
+inline xla::ffi::Error cuda_error(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return xla::ffi::Error::Success();
+  return xla::ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// `t` as an OutType; an InvalidArgument error with `message` unless it is E4M3 or E5M2.
+inline xla::ffi::Error out_type(
+    xla::ffi::DataType t, OutType* ot,
+    const char* message = "output dtype must be float8_e4m3fn or float8_e5m2") {
+  if (t == xla::ffi::DataType::F8E4M3FN) {
+    *ot = OutType::kE4M3;
+  } else if (t == xla::ffi::DataType::F8E5M2) {
+    *ot = OutType::kE5M2;
+  } else {
+    return xla::ffi::Error::InvalidArgument(message);
+  }
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace cuda
+}  // namespace te_adapters
