@@ -24,7 +24,6 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
-  _batching,
   _cast_transpose,
   _ffi,
   _frozen,
@@ -251,11 +250,6 @@ def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
   return out, residuals
 
 
-def _next_state(recipe, state, roles):
-  new = _tensor_scaling.of(recipe).next_state(state, roles)
-  return _batching.combine_over_batch(new, state, functools.partial(_gemm._rescale, recipe))
-
-
 def _mlp_bwd(static, residuals, g):
   names, _, recipe, config, _, norm = static
   (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd, states,
@@ -284,8 +278,8 @@ def _mlp_bwd(static, residuals, g):
   dy = _gemm._tn_dot(q_dh, q_wi, (sinv_dh, sinv_wi), y_proto.dtype, None, "dgrad", recipe, config)
   dwi = _gemm._tn_dot(q_yt, q_dht, (sinv_y, sinv_dh), wi_proto.dtype, None, "wgrad", recipe,
                       config)
-  new_state_0 = _next_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
-  new_state_1 = _next_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
+  new_state_0 = _gemm.next_gemm_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
+  new_state_1 = _gemm.next_gemm_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
   db = None if bias_proto is None else dbias[0].astype(bias_proto.dtype)
   dgamma = dbeta = None
   if norm is not None:

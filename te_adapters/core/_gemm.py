@@ -427,8 +427,7 @@ def _fp8_bwd(dn, precision, out_dtype, operand_dtypes, recipe, plan, config, res
   )
   dw = _fsdp_gather.scatter_kernel_grad(jnp.transpose(dw, perm), q_w, plan)
   dw = _cotangents.match_cotangent(dw, witness[1]).astype(rhs_dtype)
-  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
-  new_state = _batching.combine_over_batch(new_state, state, functools.partial(_rescale, recipe))
+  new_state = next_gemm_state(recipe, state, {**new_fwd_state, "grad": new_g})
   return dx, dw, _match_state(new_state, witness[2])
 
 
@@ -619,9 +618,15 @@ def _tn_bwd(precision, out_dtype, recipe, plan, kernel_kn, config, residuals, g)
   # Inside shard_map: sums over the mesh axes a primal is replicated on (pvary's transpose).
   dx = _cotangents.match_cotangent(dx, witness[0])  # (.., M, K)
   dw = _cotangents.match_cotangent(dw, witness[1]).astype(w_proto.dtype)
-  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
-  new_state = _batching.combine_over_batch(new_state, state, functools.partial(_rescale, recipe))
+  new_state = next_gemm_state(recipe, state, {**new_fwd_state, "grad": new_g})
   return dx, dw, _match_state(new_state, witness[2])
+
+
+def next_gemm_state(recipe, state, roles):
+  """One GEMM's next recipe state from its roles' new states (``{role: RoleState or None}``),
+  combined over a ``vmap``-ped batch as TE's rule would have it (``_batching``)."""
+  new = _tensor_scaling.of(recipe).next_state(state, roles)
+  return _batching.combine_over_batch(new, state, functools.partial(_rescale, recipe))
 
 
 def _rescale(recipe, role, history, old_history, old_scale):
