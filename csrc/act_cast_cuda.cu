@@ -13,10 +13,10 @@
 // statistics given (XLA's reduction computes them), cast to FP8 in both orientations with its
 // amax: GEMM 1's operand in one read of x, the norm's output never written.
 //
-// Each block owns a 64x64 tile of (M, F) (of (M, K) for NormCast): 256 threads, a thread per
-// column and 16 of the rows, the FP8 codes staged in shared memory, then 16-byte stores of both
-// orientations. The
-// arithmetic follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
+// Each block owns a 64x64 tile of (M, F) (of (M, K) for NormCast): 256 threads, each reading 8
+// consecutive columns of two rows with 16-byte loads (element by element at the edges), the FP8
+// codes staged in shared memory, then 16-byte stores of both orientations. The arithmetic
+// follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
 // exp are CUDA's, which can differ from XLA's by an ulp.
 
 #include <cuda_runtime.h>
@@ -37,8 +37,6 @@ namespace {
 
 constexpr int kTile = 64;
 constexpr int kThreads = 256;
-constexpr int kRowGroups = kThreads / kTile;  // 4: thread t owns column t % 64
-constexpr int kRowsPerThread = kTile / kRowGroups;
 constexpr int kSmemStride = kTile + 16;  // keeps 16-byte rows aligned for the row-major stores
 constexpr int kMaxAct = 2;
 
@@ -142,51 +140,112 @@ __device__ __forceinline__ void store_tile(const uint8_t* tile, uint8_t* q, int6
   }
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) {
+// Host and device: the handlers choose the 16-byte-load path with it, the kernels the stores.
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+// Loading: each thread reads kVec consecutive columns of a row with 16-byte loads (two for
+// float32) where the tile is full and the rows are 16-byte aligned, element by element otherwise.
+constexpr int kVec = 8;
+constexpr int kColGroups = kTile / kVec;          // 8 threads cover a row of the tile
+constexpr int kRowStep = kThreads / kColGroups;   // 32 rows per pass
+constexpr int kPasses = kTile / kRowStep;         // 2 passes
+
+template <typename In>
+__device__ __forceinline__ float from_bits16(uint16_t b) {
+  if constexpr (std::is_same_v<In, uint16_t>) {
+    return to_float<uint16_t>(b);
+  } else {
+    return to_float<Half>(Half{b});
+  }
+}
+
+// v[0..kVec) = p[0..kVec) as float32; columns at or past `cols` read as 0 (element path only).
+template <typename In>
+__device__ __forceinline__ void load_vec(const In* p, bool vec, int cols, float* v) {
+  if (vec) {
+    if constexpr (sizeof(In) == 4) {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+      const uint4 w = *reinterpret_cast<const uint4*>(p);
+      uint16_t e[kVec];
+      memcpy(e, &w, sizeof(w));
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) v[k] = from_bits16<In>(e[k]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) v[k] = k < cols ? to_float<In>(p[k]) : 0.0f;
+}
+
+__device__ __forceinline__ void put8(uint8_t* dst, const uint8_t* src) {
+  uint2 w;
+  memcpy(&w, src, sizeof(w));
+  *reinterpret_cast<uint2*>(dst) = w;  // dst is 8-byte aligned: kSmemStride and kVec are
+}
+
+// `aligned`: every row of h (and dz) starts 16-byte aligned, and F is a multiple of kVec.
 template <typename In, OutType kOut, int kNAct>
 __global__ void __launch_bounds__(kThreads)
     act_cast_kernel(const In* __restrict__ h, const float* __restrict__ bias,
                     const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
-                    uint8_t* __restrict__ qt, uint32_t* __restrict__ amax, Dims d) {
+                    uint8_t* __restrict__ qt, uint32_t* __restrict__ amax, Dims d,
+                    bool aligned) {
   __shared__ __align__(16) uint8_t tile[kTile * kSmemStride];
   const int64_t r0 = blockIdx.x / d.tiles_f * kTile, f0 = blockIdx.x % d.tiles_f * kTile;
-  const int c = threadIdx.x % kTile, rg = threadIdx.x / kTile;
-  const int64_t f = f0 + c, n = kNAct * d.f;
+  const int c0 = threadIdx.x % kColGroups * kVec, rr = threadIdx.x / kColGroups;
+  const int64_t n = kNAct * d.f;
   const int rows = static_cast<int>(min(static_cast<int64_t>(kTile), d.m - r0));
   const int cols = static_cast<int>(min(static_cast<int64_t>(kTile), d.f - f0));
+  const int mine = max(0, min(kVec, cols - c0));  // this thread's columns inside the tile
+  const bool full = rows == kTile && cols == kTile;
+  const bool vec = aligned && full;
   const float scale = *scale_ptr;
-  float b[kMaxAct] = {0.0f, 0.0f};
-  if (bias != nullptr && c < cols) {
+  float b[kNAct][kVec];
 #pragma unroll
-    for (int i = 0; i < kNAct; ++i) b[i] = bias[i * d.f + f];
+  for (int i = 0; i < kNAct; ++i) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      b[i][k] = bias != nullptr && k < mine ? bias[i * d.f + f0 + c0 + k] : 0.0f;
+    }
   }
   uint32_t acc = 0;
-#pragma unroll 4
-  for (int j = 0; j < kRowsPerThread; ++j) {
-    const int r = rg + j * kRowGroups;
-    if (r < rows && c < cols) {
-      const In* row = h + (r0 + r) * n + f;
-      float z = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = rr + j * kRowStep;
+    if (r < rows && mine > 0) {
+      const In* row = h + (r0 + r) * n + f0 + c0;
+      float z[kVec];
 #pragma unroll
       for (int i = 0; i < kNAct; ++i) {
-        float v = to_float<In>(row[i * d.f]);
-        if (bias != nullptr) v = add(v, b[i]);
-        const float term = act_value(d.act[i], v);
-        z = i == 0 ? term : mul(z, term);
+        float v[kVec];
+        load_vec<In>(row + i * d.f, vec, mine, v);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float x = bias != nullptr ? add(v[k], b[i][k]) : v[k];
+          const float term = act_value(d.act[i], x);
+          z[k] = i == 0 ? term : mul(z[k], term);
+        }
       }
-      acc = max(acc, abs_bits(z));
-      tile[r * kSmemStride + c] = to_fp8<kOut>(z, scale);
+      uint8_t out[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (k < mine) acc = max(acc, abs_bits(z[k]));
+        out[k] = to_fp8<kOut>(z[k], scale);
+      }
+      put8(tile + r * kSmemStride + c0, out);
     }
   }
   __syncthreads();
   uint8_t* qb = q + r0 * d.f + f0;
   uint8_t* qtb = qt + f0 * d.m + r0;
-  const bool vec = rows == kTile && cols == kTile && d.f % 16 == 0 && d.m % 16 == 0 &&
-                   aligned16(q) && aligned16(qt);
-  store_tile(tile, qb, d.f, qtb, d.m, rows, cols, vec);
+  const bool vec_store = full && d.f % 16 == 0 && d.m % 16 == 0 && aligned16(q) && aligned16(qt);
+  store_tile(tile, qb, d.f, qtb, d.m, rows, cols, vec_store);
   if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
 }
 
@@ -195,68 +254,94 @@ __global__ void __launch_bounds__(kThreads)
     dact_cast_kernel(const In* __restrict__ dz, const In* __restrict__ h,
                      const float* __restrict__ bias, const float* __restrict__ scale_ptr,
                      uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
-                     uint32_t* __restrict__ amax, float* __restrict__ partial, Dims d) {
-  __shared__ __align__(16) uint8_t tile[kMaxAct][kTile * kSmemStride];
-  __shared__ float sums[kMaxAct][kRowGroups][kTile];
+                     uint32_t* __restrict__ amax, float* __restrict__ partial, Dims d,
+                     bool aligned) {
+  __shared__ __align__(16) uint8_t tile[kNAct][kTile * kSmemStride];
+  __shared__ float sums[kNAct][kRowStep][kTile];
   const int64_t tile_r = blockIdx.x / d.tiles_f;
   const int64_t r0 = tile_r * kTile, f0 = blockIdx.x % d.tiles_f * kTile;
-  const int c = threadIdx.x % kTile, rg = threadIdx.x / kTile;
-  const int64_t f = f0 + c, n = kNAct * d.f;
+  const int c0 = threadIdx.x % kColGroups * kVec, rr = threadIdx.x / kColGroups;
+  const int64_t n = kNAct * d.f;
   const int rows = static_cast<int>(min(static_cast<int64_t>(kTile), d.m - r0));
   const int cols = static_cast<int>(min(static_cast<int64_t>(kTile), d.f - f0));
+  const int mine = max(0, min(kVec, cols - c0));
+  const bool full = rows == kTile && cols == kTile;
+  const bool vec = aligned && full;
   const float scale = *scale_ptr;
-  float b[kMaxAct] = {0.0f, 0.0f};
-  if (bias != nullptr && c < cols) {
+  float b[kNAct][kVec];
 #pragma unroll
-    for (int i = 0; i < kNAct; ++i) b[i] = bias[i * d.f + f];
+  for (int i = 0; i < kNAct; ++i) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      b[i][k] = bias != nullptr && k < mine ? bias[i * d.f + f0 + c0 + k] : 0.0f;
+    }
   }
-  float colsum[kMaxAct] = {0.0f, 0.0f};
+  float colsum[kNAct][kVec];
+#pragma unroll
+  for (int i = 0; i < kNAct; ++i) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) colsum[i][k] = 0.0f;
+  }
   uint32_t acc = 0;
-#pragma unroll 4
-  for (int j = 0; j < kRowsPerThread; ++j) {
-    const int r = rg + j * kRowGroups;
-    if (r < rows && c < cols) {
-      const In* row = h + (r0 + r) * n + f;
-      const float g = to_float<In>(dz[(r0 + r) * d.f + f]);
-      float v[kMaxAct], a[kMaxAct];
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = rr + j * kRowStep;
+    if (r < rows && mine > 0) {
+      float g[kVec];
+      load_vec<In>(dz + (r0 + r) * d.f + f0 + c0, vec, mine, g);
+      const In* row = h + (r0 + r) * n + f0 + c0;
+      float v[kNAct][kVec];
 #pragma unroll
       for (int i = 0; i < kNAct; ++i) {
-        v[i] = to_float<In>(row[i * d.f]);
-        if (bias != nullptr) v[i] = add(v[i], b[i]);
-        a[i] = act_value(d.act[i], v[i]);
+        load_vec<In>(row + i * d.f, vec, mine, v[i]);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          if (bias != nullptr) v[i][k] = add(v[i][k], b[i][k]);
+        }
       }
 #pragma unroll
       for (int i = 0; i < kNAct; ++i) {
-        // d(a_0 * a_1)/dv_i: the incoming gradient times the other factor, then a_i'.
-        float gi = g;
+        uint8_t out[kVec];
 #pragma unroll
-        for (int k = 0; k < kNAct; ++k) {
-          if (k != i) gi = mul(gi, a[k]);
+        for (int k = 0; k < kVec; ++k) {
+          // d(a_0 * a_1)/dv_i: the incoming gradient times the other factor, then a_i'.
+          float gi = g[k];
+#pragma unroll
+          for (int o = 0; o < kNAct; ++o) {
+            if (o != i) gi = mul(gi, act_value(d.act[o], v[o][k]));
+          }
+          const float dh = mul(gi, act_grad(d.act[i], v[i][k]));
+          if (k < mine) {
+            acc = max(acc, abs_bits(dh));
+            colsum[i][k] = add(colsum[i][k], dh);
+          }
+          out[k] = to_fp8<kOut>(dh, scale);
         }
-        const float dh = mul(gi, act_grad(d.act[i], v[i]));
-        acc = max(acc, abs_bits(dh));
-        colsum[i] = add(colsum[i], dh);
-        tile[i][r * kSmemStride + c] = to_fp8<kOut>(dh, scale);
+        put8(tile[i] + r * kSmemStride + c0, out);
       }
     }
   }
 #pragma unroll
-  for (int i = 0; i < kNAct; ++i) sums[i][rg][c] = colsum[i];
+  for (int i = 0; i < kNAct; ++i) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sums[i][rr][c0 + k] = colsum[i][k];
+  }
   __syncthreads();
-  if (rg == 0 && c < cols) {
+  // Column sums of the tile in a fixed order (the same bits on every run).
+  if (threadIdx.x < cols) {
+    const int c = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < kNAct; ++i) {
       float s = sums[i][0][c];
-      for (int k = 1; k < kRowGroups; ++k) s = add(s, sums[i][k][c]);
-      partial[tile_r * n + i * d.f + f] = s;
+      for (int k = 1; k < kRowStep; ++k) s = add(s, sums[i][k][c]);
+      partial[tile_r * n + i * d.f + f0 + c] = s;
     }
   }
-  const bool vec = rows == kTile && cols == kTile && d.f % 16 == 0 && d.m % 16 == 0 &&
-                   aligned16(q) && aligned16(qt);
+  const bool vec_store = full && d.f % 16 == 0 && d.m % 16 == 0 && aligned16(q) && aligned16(qt);
 #pragma unroll
   for (int i = 0; i < kNAct; ++i) {
-    const int64_t c0 = i * d.f + f0;  // the tile's first column of dh (M, n_act*F)
-    store_tile(tile[i], q + r0 * n + c0, n, qt + c0 * d.m + r0, d.m, rows, cols, vec);
+    const int64_t col0 = i * d.f + f0;  // the tile's first column of dh (M, n_act*F)
+    store_tile(tile[i], q + r0 * n + col0, n, qt + col0 * d.m + r0, d.m, rows, cols, vec_store);
   }
   if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
 }
@@ -269,33 +354,46 @@ __global__ void __launch_bounds__(kThreads)
                      const float* __restrict__ rsigma, const float* __restrict__ gamma,
                      const float* __restrict__ beta, const float* __restrict__ scale_ptr,
                      uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
-                     uint32_t* __restrict__ amax, int64_t m, int64_t k, int64_t tiles_k) {
+                     uint32_t* __restrict__ amax, int64_t m, int64_t k, int64_t tiles_k,
+                     bool aligned) {
   __shared__ __align__(16) uint8_t tile[kTile * kSmemStride];
   const int64_t r0 = blockIdx.x / tiles_k * kTile, k0 = blockIdx.x % tiles_k * kTile;
-  const int c = threadIdx.x % kTile, rg = threadIdx.x / kTile;
-  const int64_t col = k0 + c;
+  const int c0 = threadIdx.x % kColGroups * kVec, rr = threadIdx.x / kColGroups;
   const int rows = static_cast<int>(min(static_cast<int64_t>(kTile), m - r0));
   const int cols = static_cast<int>(min(static_cast<int64_t>(kTile), k - k0));
+  const int mine = max(0, min(kVec, cols - c0));
+  const bool vec = aligned && rows == kTile && cols == kTile;
   const float scale = *scale_ptr;
-  const float g = c < cols ? gamma[col] : 0.0f;
-  const float b = beta != nullptr && c < cols ? beta[col] : 0.0f;
+  float g[kVec], b[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    g[e] = e < mine ? gamma[k0 + c0 + e] : 0.0f;
+    b[e] = beta != nullptr && e < mine ? beta[k0 + c0 + e] : 0.0f;
+  }
   uint32_t acc = 0;
-#pragma unroll 4
-  for (int j = 0; j < kRowsPerThread; ++j) {
-    const int r = rg + j * kRowGroups;
-    if (r < rows && c < cols) {
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    const int r = rr + j * kRowStep;
+    if (r < rows && mine > 0) {
       const int64_t row = r0 + r;
-      const float v = to_float<In>(x[row * k + col]);
-      float y = mul(mul(add(v, -mean[row]), rsigma[row]), g);
-      if (beta != nullptr) y = add(y, b);
-      acc = max(acc, abs_bits(y));
-      tile[r * kSmemStride + c] = to_fp8<kOut>(y, scale);
+      const float mu = mean[row], rs = rsigma[row];
+      float v[kVec];
+      load_vec<In>(x + row * k + k0 + c0, vec, mine, v);
+      uint8_t out[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        float y = mul(mul(add(v[e], -mu), rs), g[e]);
+        if (beta != nullptr) y = add(y, b[e]);
+        if (e < mine) acc = max(acc, abs_bits(y));
+        out[e] = to_fp8<kOut>(y, scale);
+      }
+      put8(tile + r * kSmemStride + c0, out);
     }
   }
   __syncthreads();
-  const bool vec = rows == kTile && cols == kTile && k % 16 == 0 && m % 16 == 0 &&
-                   aligned16(q) && aligned16(qt);
-  store_tile(tile, q + r0 * k + k0, k, qt + k0 * m + r0, m, rows, cols, vec);
+  const bool vec_store = rows == kTile && cols == kTile && k % 16 == 0 && m % 16 == 0 &&
+                         aligned16(q) && aligned16(qt);
+  store_tile(tile, q + r0 * k + k0, k, qt + k0 * m + r0, m, rows, cols, vec_store);
   if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
 }
 
@@ -388,12 +486,13 @@ ffi::Error ActCastImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::F
     using In = decltype(in);
     constexpr OutType kOut = decltype(out)::value;
     const In* hp = static_cast<const In*>(h.untyped_data());
+    const bool aligned = d.f % kVec == 0 && aligned16(hp);
     if (d.n_act == 1) {
       act_cast_kernel<In, kOut, 1><<<blocks, kThreads, 0, stream>>>(hp, bp, scale.typed_data(),
-                                                                     qp, qtp, ap, d);
+                                                                     qp, qtp, ap, d, aligned);
     } else {
       act_cast_kernel<In, kOut, 2><<<blocks, kThreads, 0, stream>>>(hp, bp, scale.typed_data(),
-                                                                     qp, qtp, ap, d);
+                                                                     qp, qtp, ap, d, aligned);
     }
     return cuda_error("te_adapters act_cast kernel");
   });
@@ -448,12 +547,13 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
     constexpr OutType kOut = decltype(out)::value;
     const In* dzp = static_cast<const In*>(dz.untyped_data());
     const In* hp = static_cast<const In*>(h.untyped_data());
+    const bool aligned = d.f % kVec == 0 && aligned16(hp) && aligned16(dzp);
     if (d.n_act == 1) {
       dact_cast_kernel<In, kOut, 1><<<blocks, kThreads, 0, stream>>>(
-          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d);
+          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d, aligned);
     } else {
       dact_cast_kernel<In, kOut, 2><<<blocks, kThreads, 0, stream>>>(
-          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d);
+          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d, aligned);
     }
     const int64_t sum_blocks = (n + kThreads - 1) / kThreads;
     column_sum_kernel<<<sum_blocks, kThreads, 0, stream>>>(pp, tiles_r, n, dbp);
@@ -499,9 +599,11 @@ ffi::Error NormCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
   return dispatch(x.element_type(), ot, [&](auto in, auto out) {
     using In = decltype(in);
+    const In* xp = static_cast<const In*>(x.untyped_data());
+    const bool aligned = k % kVec == 0 && aligned16(xp);
     norm_cast_kernel<In, decltype(out)::value><<<blocks, kThreads, 0, stream>>>(
-        static_cast<const In*>(x.untyped_data()), mean.typed_data(), rsigma.typed_data(),
-        gamma.typed_data(), bp, scale.typed_data(), qp, qtp, ap, m, k, tiles_k);
+        xp, mean.typed_data(), rsigma.typed_data(), gamma.typed_data(), bp, scale.typed_data(),
+        qp, qtp, ap, m, k, tiles_k, aligned);
     return cuda_error("te_adapters norm_cast kernel");
   });
 }
@@ -521,7 +623,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NormCastCuda, NormCastImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("has_beta")
-                                  .Attr<bool>("compute_amax"));
+                                  .Attr<bool>("compute_amax"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActCastCuda, ActCastImpl,
                               ffi::Ffi::Bind()
@@ -535,7 +638,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActCastCuda, ActCastImpl,
                                   .Attr<int32_t>("act0")
                                   .Attr<int32_t>("act1")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("compute_amax"));
+                                  .Attr<bool>("compute_amax"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DactCastCuda, DactCastImpl,
                               ffi::Ffi::Bind()
@@ -552,6 +656,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DactCastCuda, DactCastImpl,
                                   .Attr<int32_t>("act0")
                                   .Attr<int32_t>("act1")
                                   .Attr<bool>("has_bias")
-                                  .Attr<bool>("compute_amax"));
+                                  .Attr<bool>("compute_amax"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 }  // namespace te_adapters

@@ -319,6 +319,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockCastCuda, BlockCastImpl,
                                   .Attr<bool>("rowwise")
                                   .Attr<bool>("colwise")
                                   .Attr<bool>("tile")
-                                  .Attr<bool>("power_2"));
+                                  .Attr<bool>("power_2"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 }  // namespace te_adapters

@@ -266,12 +266,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CastTransposeCuda, CastTransposeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("rowwise")
                                   .Attr<bool>("colwise")
-                                  .Attr<bool>("compute_amax"));
+                                  .Attr<bool>("compute_amax"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AmaxCuda, AmaxImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>(),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 }  // namespace te_adapters

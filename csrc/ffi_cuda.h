@@ -1,5 +1,6 @@
 // Host-side helpers shared by the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu,
-// act_cast_cuda.cu): the error after a launch, and the FP8 output dtype of a result buffer.
+// act_cast_cuda.cu): the error after a launch, the FP8 output dtype of a result buffer, and the
+// traits of a handler that XLA may record into a command buffer.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,13 @@
 
 #include "fp8_convert.h"
 #include "xla/ffi/api/ffi.h"
+
+// The traits of a handler that only enqueues kernels and memsets on XLA's stream (no host
+// synchronization, no allocation, no host branch on device data): XLA may then record it into a
+// command buffer (a CUDA graph) with the fusions and GEMMs around it, instead of launching it and
+// its neighbours one by one from the host every step.
+#define TE_ADAPTERS_CMD_BUFFER_COMPATIBLE \
+  { xla::ffi::Traits::kCmdBufferCompatible }
 
 namespace te_adapters {
 namespace cuda {
