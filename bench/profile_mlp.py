@@ -9,8 +9,7 @@ Variants: ``bf16`` (plain Flax), ``flax-current``/``flax-delayed`` (Flax's modul
 the fused casts, or the activation between two ``dot_general`` calls), ``-jax`` (the default path
 with every cast in XLA's fusions instead of the extension's kernels: ``backend="jax"``). Prints, per
 variant, the GPU time per fwd+bwd step grouped by kind (``bench/profile_convergence.py``'s
-kinds), the FP8 GEMM count, how many of the library's FFI calls XLA recorded into a command buffer
-(a CUDA graph), and the kernels that take the most time.
+kinds), the FP8 GEMM count, and the kernels that take the most time.
 """
 
 from __future__ import annotations
@@ -48,21 +47,6 @@ def model_for(name, hidden, intermediate):
       threshold=None, config=config)
 
 
-def library_calls_in_command_buffers(step, args):
-  """(in command buffers, all): the library's FFI calls of the compiled step, and how many of them
-  XLA recorded into a command buffer (a CUDA graph) rather than launching one by one."""
-  text = step.lower(*args).compile().as_text()
-  inside = total = 0
-  computation = ""
-  for line in text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      computation = line.split("(")[0]
-    if 'custom_call_target="te_adapters' in line:
-      total += 1
-      inside += "command_buffer" in computation
-  return inside, total
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--variants",
@@ -88,7 +72,6 @@ def main(argv=None):
 
     step = speed._speedometer(apply_fn)
     fp8 = speed._count_cublas_fp8(step, (variables, x, dy))
-    graphed, calls = library_calls_in_command_buffers(step, (variables, x, dy))
     per_kernel = speed.gpu_kernel_ms(step, (variables, x, dy), args.steps)
     total = sum(per_kernel.values())
     groups: dict[str, float] = {}
@@ -98,8 +81,7 @@ def main(argv=None):
     if args.timed_steps:
       ms, spread = speed._timed(step, (variables, x, dy), args.timed_steps, 3)
       wall = f"; step {ms:.3f} ms wall (spread {spread:.3f})"
-    print(f"\n== {name}: {total:.3f} ms of GPU kernels per step{wall}; cuBLASLt FP8 GEMMs {fp8}; "
-          f"library calls in command buffers {graphed}/{calls}")
+    print(f"\n== {name}: {total:.3f} ms of GPU kernels per step{wall}; cuBLASLt FP8 GEMMs {fp8}")
     for label, v in sorted(groups.items(), key=lambda kv: -kv[1]):
       print(f"  {v:8.3f} ms  {label}")
     for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
