@@ -189,8 +189,16 @@ __device__ __forceinline__ void put8(uint8_t* dst, const uint8_t* src) {
   *reinterpret_cast<uint2*>(dst) = w;  // dst is 8-byte aligned: kSmemStride and kVec are
 }
 
+// The activation id of factor i: kAct0/kAct1 where the launch fixed it (its switch then folds
+// away at compile time), the runtime id in `d` where they are -1.
+template <int kAct0, int kAct1>
+__device__ __forceinline__ int act_of(const Dims& d, int i) {
+  const int fixed = i == 0 ? kAct0 : kAct1;
+  return fixed >= 0 ? fixed : d.act[i];
+}
+
 // `aligned`: every row of h (and dz) starts 16-byte aligned, and F is a multiple of kVec.
-template <typename In, OutType kOut, int kNAct>
+template <typename In, OutType kOut, int kNAct, int kAct0, int kAct1>
 __global__ void __launch_bounds__(kThreads)
     act_cast_kernel(const In* __restrict__ h, const float* __restrict__ bias,
                     const float* __restrict__ scale_ptr, uint8_t* __restrict__ q,
@@ -228,7 +236,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float x = bias != nullptr ? add(v[k], b[i][k]) : v[k];
-          const float term = act_value(d.act[i], x);
+          const float term = act_value(act_of<kAct0, kAct1>(d, i), x);
           z[k] = i == 0 ? term : mul(z[k], term);
         }
       }
@@ -249,7 +257,7 @@ __global__ void __launch_bounds__(kThreads)
   if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
 }
 
-template <typename In, OutType kOut, int kNAct>
+template <typename In, OutType kOut, int kNAct, int kAct0, int kAct1>
 __global__ void __launch_bounds__(kThreads)
     dact_cast_kernel(const In* __restrict__ dz, const In* __restrict__ h,
                      const float* __restrict__ bias, const float* __restrict__ scale_ptr,
@@ -308,9 +316,9 @@ __global__ void __launch_bounds__(kThreads)
           float gi = g[k];
 #pragma unroll
           for (int o = 0; o < kNAct; ++o) {
-            if (o != i) gi = mul(gi, act_value(d.act[o], v[o][k]));
+            if (o != i) gi = mul(gi, act_value(act_of<kAct0, kAct1>(d, o), v[o][k]));
           }
-          const float dh = mul(gi, act_grad(d.act[i], v[i][k]));
+          const float dh = mul(gi, act_grad(act_of<kAct0, kAct1>(d, i), v[i][k]));
           if (k < mine) {
             acc = max(acc, abs_bits(dh));
             colsum[i][k] = add(colsum[i][k], dh);
@@ -436,6 +444,37 @@ ffi::Error check_bias(const ffi::Buffer<ffi::F32>& bias, bool has_bias, const Di
   return ffi::Error::Success();
 }
 
+// Calls launch(n_act, act0, act1) as integral constants: the common activations fixed at compile
+// time (gelu, silu or relu alone; gelu or silu gated by a linear factor), -1 (the id read at run
+// time) for the rest.
+template <typename Launch>
+void dispatch_acts(const Dims& d, Launch&& launch) {
+  using std::integral_constant;
+  using Any = integral_constant<int, -1>;
+  using One = integral_constant<int, 1>;
+  using Two = integral_constant<int, 2>;
+  using Linear = integral_constant<int, kLinear>;
+  if (d.n_act == 1) {
+    switch (d.act[0]) {
+      case kGelu:
+        return launch(One{}, integral_constant<int, kGelu>{}, Any{});
+      case kSilu:
+        return launch(One{}, integral_constant<int, kSilu>{}, Any{});
+      case kRelu:
+        return launch(One{}, integral_constant<int, kRelu>{}, Any{});
+      default:
+        return launch(One{}, Any{}, Any{});
+    }
+  }
+  if (d.act[1] == kLinear && d.act[0] == kGelu) {
+    return launch(Two{}, integral_constant<int, kGelu>{}, Linear{});
+  }
+  if (d.act[1] == kLinear && d.act[0] == kSilu) {
+    return launch(Two{}, integral_constant<int, kSilu>{}, Linear{});
+  }
+  return launch(Two{}, Any{}, Any{});
+}
+
 template <typename In, typename Launch>
 ffi::Error dispatch_out(OutType ot, Launch&& launch) {
   if (ot == OutType::kE4M3) return launch(In{}, std::integral_constant<OutType, OutType::kE4M3>{});
@@ -487,13 +526,11 @@ ffi::Error ActCastImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::F
     constexpr OutType kOut = decltype(out)::value;
     const In* hp = static_cast<const In*>(h.untyped_data());
     const bool aligned = d.f % kVec == 0 && aligned16(hp);
-    if (d.n_act == 1) {
-      act_cast_kernel<In, kOut, 1><<<blocks, kThreads, 0, stream>>>(hp, bp, scale.typed_data(),
-                                                                     qp, qtp, ap, d, aligned);
-    } else {
-      act_cast_kernel<In, kOut, 2><<<blocks, kThreads, 0, stream>>>(hp, bp, scale.typed_data(),
-                                                                     qp, qtp, ap, d, aligned);
-    }
+    dispatch_acts(d, [&](auto n_act, auto act0, auto act1) {
+      act_cast_kernel<In, kOut, decltype(n_act)::value, decltype(act0)::value,
+                      decltype(act1)::value><<<blocks, kThreads, 0, stream>>>(
+          hp, bp, scale.typed_data(), qp, qtp, ap, d, aligned);
+    });
     return cuda_error("te_adapters act_cast kernel");
   });
 }
@@ -548,13 +585,11 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
     const In* dzp = static_cast<const In*>(dz.untyped_data());
     const In* hp = static_cast<const In*>(h.untyped_data());
     const bool aligned = d.f % kVec == 0 && aligned16(hp) && aligned16(dzp);
-    if (d.n_act == 1) {
-      dact_cast_kernel<In, kOut, 1><<<blocks, kThreads, 0, stream>>>(
+    dispatch_acts(d, [&](auto n_act, auto act0, auto act1) {
+      dact_cast_kernel<In, kOut, decltype(n_act)::value, decltype(act0)::value,
+                       decltype(act1)::value><<<blocks, kThreads, 0, stream>>>(
           dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d, aligned);
-    } else {
-      dact_cast_kernel<In, kOut, 2><<<blocks, kThreads, 0, stream>>>(
-          dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d, aligned);
-    }
+    });
     const int64_t sum_blocks = (n + kThreads - 1) / kThreads;
     column_sum_kernel<<<sum_blocks, kThreads, 0, stream>>>(pp, tiles_r, n, dbp);
     return cuda_error("te_adapters dact_cast kernel");
