@@ -36,7 +36,7 @@ def model_for(name, hidden, intermediate):
     return speed._FlaxLnMlp(hidden, intermediate, cls)
   recipe, _, path = name.partition("-")
   config = {
-      "": None,  # the default: fused for delayed scaling, composed for current
+      "": None,  # the default: fused
       "fused": ta.core.GemmConfig(fuse_activation_cast=True),
       "unfused": ta.core.GemmConfig(fuse_activation_cast=False),
       "jax": ta.core.GemmConfig(backend="jax"),

@@ -34,7 +34,6 @@ from te_adapters.core import (
   _scaled_tensor,
   _scaling,
   _spmd_plan,
-  _tensor_scaling,
 )
 from te_adapters.core._activation import _product
 from te_adapters.core._recipes import check_recipe
@@ -51,14 +50,11 @@ KERNEL_ACTIVATIONS = {
 def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
   """Whether ``layernorm_mlp`` takes the fused path: a per-tensor recipe, both GEMMs in FP8
   (``gemm_shapes``: their ``(M, K, N)``), no dropout, no sharding constraint, no PRNG keys, not
-  inside ``shard_map``, and ``config.fuse_activation_cast`` (``None``: only where the scale is
-  known before the pass, delayed scaling's stored one)."""
+  inside ``shard_map``, and ``config.fuse_activation_cast`` not ``False``."""
   if recipe is None or config.fuse_activation_cast is False or config.layout != "tn":
     return False
   if check_recipe(recipe).block_scaled:
     return False
-  if config.fuse_activation_cast is None and not _tensor_scaling.of(recipe).init_state(recipe):
-    return False  # current scaling: the composed path measured faster
   if dropout_active or constrained or any(r is not None for r in rngs) or _mesh.manual_axes():
     return False
   if threshold is not None:

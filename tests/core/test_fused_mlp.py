@@ -255,12 +255,11 @@ def test_remat_gives_the_same_gradients_and_state():
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_default_fuses_delayed_scaling_only(name):
+def test_default_fuses_both_per_tensor_recipes(name):
   # None: the faster path of each recipe on an H100 (GemmConfig's docstring).
   recipe, acts = RECIPES[name], ("gelu",)
   x, p, _ = _data(acts)
-  assert _takes_fused(x, p, acts, recipe, core.GemmConfig(), threshold=None) == (
-      name == "delayed")
+  assert _takes_fused(x, p, acts, recipe, core.GemmConfig(), threshold=None)
   assert _takes_fused(x, p, acts, recipe, FUSED, threshold=None)
   assert not _takes_fused(x, p, acts, recipe, COMPOSED, threshold=None)
 
