@@ -9,7 +9,8 @@ Variants: ``bf16`` (plain Flax), ``flax-current``/``flax-delayed`` (Flax's modul
 the fused casts, or the activation between two ``dot_general`` calls), ``-jax`` (the default path
 with every cast in XLA's fusions instead of the extension's kernels: ``backend="jax"``). Prints, per
 variant, the GPU time per fwd+bwd step grouped by kind (``bench/profile_convergence.py``'s
-kinds), the FP8 GEMM count, and the kernels that take the most time.
+kinds), the FP8 GEMM count, the GPU's idle time between kernels with its longest gaps (where the
+host did not keep the GPU busy), and the kernels that take the most time.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def main(argv=None):
 
     step = speed._speedometer(apply_fn)
     fp8 = speed._count_cublas_fp8(step, (variables, x, dy))
-    per_kernel = speed.gpu_kernel_ms(step, (variables, x, dy), args.steps)
+    events = speed.gpu_trace_events(step, (variables, x, dy), args.steps)
+    per_kernel = speed.kernel_ms(events, args.steps)
+    idle, gaps = speed.gpu_idle(events, args.steps)
     total = sum(per_kernel.values())
     groups: dict[str, float] = {}
     for k, v in per_kernel.items():
@@ -84,6 +87,9 @@ def main(argv=None):
     print(f"\n== {name}: {total:.3f} ms of GPU kernels per step{wall}; cuBLASLt FP8 GEMMs {fp8}")
     for label, v in sorted(groups.items(), key=lambda kv: -kv[1]):
       print(f"  {v:8.3f} ms  {label}")
+    print(f"  {idle:8.3f} ms  GPU idle between kernels; the longest gaps (all steps):")
+    for gap, before, after in gaps:
+      print(f"    {gap / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
     for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
       print(f"    {v:7.3f} ms  {k[:140]}")
 

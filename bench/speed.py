@@ -225,11 +225,12 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
   return rows
 
 
-def gpu_kernel_ms(step, args, steps: int) -> dict[str, float]:
-  """GPU time per step (ms) of each kernel of ``step(*args)``, from a JAX profiler trace of
-  ``steps`` calls after one warm-up call; empty off GPU or when the trace has no GPU events."""
+def gpu_trace_events(step, args, steps: int) -> list[dict]:
+  """The GPU's events (Chrome-trace "X" events with ``ts`` and ``dur`` in microseconds) of a JAX
+  profiler trace of ``steps`` calls of ``step(*args)`` after one warm-up call; empty off GPU or
+  when the trace has none."""
   if jax.default_backend() != "gpu":
-    return {}
+    return []
   jax.block_until_ready(step(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -238,17 +239,46 @@ def gpu_kernel_ms(step, args, steps: int) -> dict[str, float]:
       jax.block_until_ready(out)
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
-      return {}
+      return []
     with gzip.open(paths[0]) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
               and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  return [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids]
+
+
+def gpu_kernel_ms(step, args, steps: int) -> dict[str, float]:
+  """GPU time per step (ms) of each kernel of ``step(*args)``, from a JAX profiler trace of
+  ``steps`` calls after one warm-up call; empty off GPU or when the trace has no GPU events."""
+  return kernel_ms(gpu_trace_events(step, args, steps), steps)
+
+
+def kernel_ms(events, steps: int) -> dict[str, float]:
+  """Each kernel's time per step (ms) in the trace ``events`` of ``steps`` steps."""
   per_kernel: dict[str, float] = {}
   for e in events:
-    if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids:
-      per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"] / steps / 1e3
+    per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + e["dur"] / steps / 1e3
   return per_kernel
+
+
+def gpu_idle(events, steps: int, top: int = 5):
+  """Where the GPU waits: ``(idle ms per step, [(gap us, kernel before, kernel after), ...])``,
+  the time between the first event's start and the last one's end in which no event runs (on any
+  stream), and its ``top`` longest gaps with the kernels that end before and start after them."""
+  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events)
+  idle, gaps = 0.0, []
+  if not spans:
+    return 0.0, gaps
+  end, last = spans[0][1], spans[0][2]
+  for start, stop, name in spans[1:]:
+    if start > end:
+      idle += start - end
+      gaps.append((start - end, last, name))
+    if stop >= end:
+      end, last = stop, name
+  gaps.sort(key=lambda g: -g[0])
+  return idle / steps / 1e3, gaps[:top]
 
 
 def _gpu_ms(step, args, steps: int) -> float | None:

@@ -120,3 +120,20 @@ def test_seed_layer_from_the_modules_runs_its_gemms_in_fp8():
   assert fp8 == 12, (fp8, total)
   y = layer.apply(variables, x)
   assert y.shape == x.shape and y.dtype == jnp.bfloat16 and bool(jnp.isfinite(y).all())
+
+
+def test_gpu_idle_counts_time_no_stream_runs_and_names_the_gaps():
+  # Two steps on two streams: the second stream's kernel covers part of the first's gap.
+  events = [
+      dict(name="gemm", ts=0.0, dur=100.0),
+      dict(name="copy", ts=90.0, dur=30.0),     # overlaps gemm, ends at 120
+      dict(name="cast", ts=150.0, dur=50.0),    # 30 us idle before it
+      dict(name="gemm", ts=1200.0, dur=100.0),  # 1000 us idle before it (the next step)
+      dict(name="tiny", ts=1310.0, dur=5.0),    # 10 us idle before it
+  ]
+  idle_ms, gaps = speed.gpu_idle(events, steps=2, top=2)
+  assert idle_ms == pytest.approx((30 + 1000 + 10) / 2 / 1e3)
+  assert gaps == [(1000.0, "cast", "gemm"), (30.0, "copy", "cast")]
+  assert speed.kernel_ms(events, steps=2) == pytest.approx(
+      {"gemm": 0.1, "copy": 0.015, "cast": 0.025, "tiny": 0.0025})
+  assert speed.gpu_idle([], steps=1) == (0.0, [])
