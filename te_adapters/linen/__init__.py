@@ -1,6 +1,6 @@
 """Flax Linen adapter: ``make_dot_general_cls``, ``Dense``, ``DenseGeneral``, TE's ``LayerNorm``,
-``LayerNormDenseGeneral``, ``LayerNormMLP`` and ``Softmax``, ``quantize`` (an existing model, no
-edits) and a train state."""
+``LayerNormDenseGeneral``, ``LayerNormMLP`` and ``Softmax``, ``wrap_function_in_te_state_module``,
+``quantize`` (an existing model, no edits) and a train state."""
 
 from te_adapters._requires import require
 
@@ -23,6 +23,7 @@ from te_adapters.linen._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.linen._quantize import QuantizeReport, quantize
 from te_adapters.linen._ragged import make_ragged_dot_cls
 from te_adapters.linen._train_state import TrainState, value_and_grad, with_max_grad
+from te_adapters.linen._wrap import wrap_function_in_te_state_module
 
 __all__ = [
     "OVERWRITE_WITH_GRADIENT",
@@ -41,4 +42,5 @@ __all__ = [
     "quantize",
     "value_and_grad",
     "with_max_grad",
+    "wrap_function_in_te_state_module",
 ]

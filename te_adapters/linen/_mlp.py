@@ -10,28 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from te_adapters import core
-from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, _sr_rng
+from te_adapters.linen._module import _sr_rng
 from te_adapters.linen._norm import _constrain, _norm_params, _with_axes
+from te_adapters.linen._wrap import gemm_state
 
 __all__ = ["LayerNormMLP"]
-
-
-def _postfixed(name: str, postfix: str) -> str:
-  """TE's name of a state variable of GEMM ``postfix``: ``x_scale`` -> ``x_0_scale``."""
-  role, rest = name.split("_", 1)
-  return f"{role}{postfix}_{rest}"
-
-
-def _gemm_state(module, recipe, postfix: str):
-  """One GEMM's recipe state in ``_overwrite_with_gradient`` under TE's postfixed names."""
-  if recipe is None:
-    return None
-  state = {
-      name: module.variable(OVERWRITE_WITH_GRADIENT, _postfixed(name, postfix),
-                            lambda v=value: v).value
-      for name, value in core.init_state(recipe).items()
-  }
-  return state or None
 
 
 class LayerNormMLP(nn.Module):
@@ -157,7 +140,7 @@ class LayerNormMLP(nn.Module):
                            self.dtype)
     if recipe is None:  # high precision computes in the input's dtype (TE casts too)
       wi, wo = wi.astype(inputs.dtype), wo.astype(inputs.dtype)
-    states = (_gemm_state(self, recipe, "_0"), _gemm_state(self, recipe, "_1"))
+    states = (gemm_state(self, recipe, "_0"), gemm_state(self, recipe, "_1"))
     sr_rngs = (_sr_rng(self, recipe), _sr_rng(self, recipe))
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
     inputs = _constrain(inputs, self.layernorm_input_axes)

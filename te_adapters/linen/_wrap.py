@@ -1,0 +1,134 @@
+"""TE's ``wrap_function_in_te_state_module``: a function that calls the core, given recipe state
+by a Linen module that owns it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+
+from te_adapters import core
+from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, _sr_rng
+
+__all__ = ["wrap_function_in_te_state_module"]
+
+
+def postfixed(name: str, postfix: str) -> str:
+  """TE's name of a state variable of the GEMM ``postfix``: ``x_scale`` -> ``x_0_scale``."""
+  role, rest = name.split("_", 1)
+  return f"{role}{postfix}_{rest}"
+
+
+def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = None):
+  """One GEMM's recipe state (a grouped GEMM's with ``n_groups``) as variables of ``module`` in
+  ``_overwrite_with_gradient`` under TE's postfixed names; ``None`` where the recipe keeps none."""
+  if recipe is None:
+    return None
+  if n_groups is None:
+    initial = core.init_state(recipe)
+  else:
+    initial = core.init_ragged_state(recipe, n_groups) if core.state_names(recipe) else {}
+  state = {
+      name: module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix),
+                            lambda v=value: v).value
+      for name, value in initial.items()
+  }
+  return state or None
+
+
+def wrap_function_in_te_state_module(
+    f: Callable,
+    recipe: core.Recipe | None,
+    name: str | None = None,
+    *,
+    threshold=core.DEFAULT_THRESHOLD,
+    config: core.GemmConfig | None = None,
+) -> type[nn.Module]:
+  """A Linen module class that runs ``f`` with recipe state it owns (TE's function of this name).
+
+  Calling an instance, ``Wrapper()(*args, **kwargs)``, returns
+  ``f(quantization, *args, **kwargs)``. Each call of ``quantization(postfix="", n_groups=None)``
+  inside ``f`` declares one GEMM's recipe state in the ``"_overwrite_with_gradient"``
+  collection, under TE's names with ``postfix`` (``x{postfix}_scale``,
+  ``kernel{postfix}_amax_history``, ...), and returns the keyword arguments that quantize one
+  core call with that state:
+
+  - ``core.dot_general(x, w, dims, **quantization())`` and ``core.layernorm_dense(...)`` take
+    ``recipe``, ``state``, ``rng`` (a key from the ``"sr_rng"`` stream where the recipe rounds
+    stochastically), ``threshold`` and ``config``;
+  - with ``n_groups=G``, ``core.ragged_dot(lhs, rhs, group_sizes, **quantization(n_groups=G))``
+    takes ``recipe`` and a grouped GEMM's ``state``;
+  - ``core.layernorm_mlp`` takes one state per GEMM: with ``q0, q1 = quantization("_0"),
+    quantization("_1")`` pass ``recipe=q0["recipe"], states=(q0["state"], q1["state"])``, the
+    names TE's ``LayerNormMLP`` uses.
+
+  As with every Linen module here, the gradient of the loss with respect to
+  ``"_overwrite_with_gradient"`` is that state's value for the next step
+  (``te_adapters.linen.value_and_grad`` and ``TrainState`` apply it). The module owns no
+  parameters: pass them to ``f`` as arguments, or declare them in the module that calls it.
+  A GEMM's state is declared once per call of the wrapper; two calls of ``quantization`` with
+  the same postfix in one call of ``f`` are an error, not a shared state.
+
+  Args:
+    f: ``f(quantization, *args, **kwargs)``.
+    recipe: a te_adapters recipe, or ``None`` (``quantization()`` then returns ``recipe=None``
+      and no state: high precision).
+    name: the class is named ``TEWrapper_<name>`` (default ``f.__name__``), as TE's.
+    threshold, config: what ``quantization()`` passes to ``core.dot_general``: GEMMs below the
+      ``SizeThreshold`` stay in high precision (``None`` quantizes every GEMM); a
+      ``core.GemmConfig`` or ``None``.
+
+  Returns:
+    A subclass of ``nn.Module`` taking no required constructor arguments.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import core, linen as ta_linen
+    >>> def matmul(quantization, x, w):
+    ...   return core.dot_general(x, w, (((1,), (0,)), ((), ())), **quantization())
+    >>> Matmul = ta_linen.wrap_function_in_te_state_module(
+    ...     matmul, ta.DelayedScaling(amax_history_len=4), threshold=None)
+    >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
+    >>> variables = Matmul().init(jax.random.PRNGKey(0), x, w)
+    >>> sorted(variables["_overwrite_with_gradient"])[:3]
+    ['grad_amax_history', 'grad_scale', 'kernel_amax_history']
+  """
+  if not callable(f):
+    raise TypeError(f"wrap_function_in_te_state_module: f must be callable, got {f!r}")
+  if recipe is not None:
+    recipe = core.check_recipe(recipe)
+  threshold = core.check_threshold(threshold)
+  config = core.check_config(config)
+  label = name if name is not None else getattr(f, "__name__", "function")
+
+  class Wrapper(nn.Module):
+    """Runs the wrapped function with recipe state it owns."""
+
+    @nn.compact
+    def __call__(self, *args, **kwargs):
+      declared: set[str] = set()
+
+      def quantization(postfix: str = "", n_groups: int | None = None) -> dict[str, Any]:
+        if not isinstance(postfix, str):
+          raise TypeError(f"{type(self).__name__}: postfix must be a str, got {postfix!r}")
+        if n_groups is not None and (
+            isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1):
+          raise ValueError(
+              f"{type(self).__name__}: n_groups must be a positive int or None, got {n_groups!r}")
+        if postfix in declared:
+          raise ValueError(
+              f"{type(self).__name__}: the state of GEMM postfix {postfix!r} was already "
+              "declared in this call; give each GEMM its own postfix")
+        declared.add(postfix)
+        state = gemm_state(self, recipe, postfix, n_groups)
+        if n_groups is not None:
+          return {"recipe": recipe, "state": state}
+        return {"recipe": recipe, "state": state, "rng": _sr_rng(self, recipe),
+                "threshold": threshold, "config": config}
+
+      return f(quantization, *args, **kwargs)
+
+  Wrapper.__name__ = Wrapper.__qualname__ = f"TEWrapper_{label}"
+  Wrapper.recipe = recipe
+  return Wrapper
