@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from te_adapters import core
-from te_adapters.linen._module import _sr_rng
+from te_adapters.linen._module import _sr_rng, gemm_state
 from te_adapters.linen._norm import _constrain, _norm_params, _with_axes
-from te_adapters.linen._wrap import gemm_state
 
 __all__ = ["LayerNormMLP"]
 

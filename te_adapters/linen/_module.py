@@ -39,6 +39,29 @@ def _layer_name(module: nn.Module) -> str:
   return "/".join(path) or type(module).__name__
 
 
+def postfixed(name: str, postfix: str) -> str:
+  """TE's name of a state variable of the GEMM ``postfix``: ``x_scale`` -> ``x_0_scale``."""
+  role, rest = name.split("_", 1)
+  return f"{role}{postfix}_{rest}"
+
+
+def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = None):
+  """One GEMM's recipe state (a grouped GEMM's with ``n_groups``) as variables of ``module`` in
+  ``_overwrite_with_gradient`` under TE's postfixed names; ``None`` where the recipe keeps none."""
+  if recipe is None:
+    return None
+  if n_groups is None:
+    initial = core.init_state(recipe)
+  else:
+    initial = core.init_ragged_state(recipe, n_groups) if core.state_names(recipe) else {}
+  state = {
+      name: module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix),
+                            lambda v=value: v).value
+      for name, value in initial.items()
+  }
+  return state or None
+
+
 class QuantizedDotGeneral(nn.Module):
   """A ``dot_general`` module: pass an instance as ``nn.Dense(..., dot_general=...)``.
 
@@ -68,10 +91,7 @@ class QuantizedDotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     core.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
     core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
-    state = {}
-    initial = {} if self.recipe is None else core.init_state(self.recipe)
-    for name, value in initial.items():
-      state[name] = self.variable(OVERWRITE_WITH_GRADIENT, name, lambda v=value: v).value
+    state = gemm_state(self, self.recipe, "")
     return core.dot_general(
         lhs,
         rhs,
@@ -79,7 +99,7 @@ class QuantizedDotGeneral(nn.Module):
         precision,
         preferred_element_type,
         recipe=self.recipe,
-        state=state or None,
+        state=state,
         threshold=self.threshold,
         rng=_sr_rng(self, self.recipe),
         amax_axes=self.amax_axes,

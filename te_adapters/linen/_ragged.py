@@ -8,11 +8,9 @@ import jax
 from flax import linen as nn
 
 from te_adapters import core
+from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, gemm_state
 
 __all__ = ["make_ragged_dot_cls", "OVERWRITE_WITH_GRADIENT"]
-
-# The collection whose gradient is its new value (the convention of TE, Flax fp8_ops, MaxText).
-OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
@@ -65,11 +63,7 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
       if recipe is not None and core.state_names(recipe):
         if getattr(rhs, "ndim", None) != 3:
           raise ValueError(f"rhs must be 3-D [G, K, N], got shape {getattr(rhs, 'shape', None)}")
-        initial = core.init_ragged_state(recipe, rhs.shape[0])
-        state = {
-            name: self.variable(OVERWRITE_WITH_GRADIENT, name, lambda v=value: v).value
-            for name, value in initial.items()
-        }
+        state = gemm_state(self, recipe, "", n_groups=rhs.shape[0])
       return core.ragged_dot(
           lhs,
           rhs,

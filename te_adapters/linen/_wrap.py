@@ -9,32 +9,9 @@ from typing import Any
 import flax.linen as nn
 
 from te_adapters import core
-from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, _sr_rng
+from te_adapters.linen._module import _sr_rng, gemm_state
 
 __all__ = ["wrap_function_in_te_state_module"]
-
-
-def postfixed(name: str, postfix: str) -> str:
-  """TE's name of a state variable of the GEMM ``postfix``: ``x_scale`` -> ``x_0_scale``."""
-  role, rest = name.split("_", 1)
-  return f"{role}{postfix}_{rest}"
-
-
-def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = None):
-  """One GEMM's recipe state (a grouped GEMM's with ``n_groups``) as variables of ``module`` in
-  ``_overwrite_with_gradient`` under TE's postfixed names; ``None`` where the recipe keeps none."""
-  if recipe is None:
-    return None
-  if n_groups is None:
-    initial = core.init_state(recipe)
-  else:
-    initial = core.init_ragged_state(recipe, n_groups) if core.state_names(recipe) else {}
-  state = {
-      name: module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix),
-                            lambda v=value: v).value
-      for name, value in initial.items()
-  }
-  return state or None
 
 
 def wrap_function_in_te_state_module(
