@@ -17,7 +17,7 @@ from bench.layernorm_fusion import _activation_buffers
 from te_adapters import core
 from tests.conftest import FP8_GEMM_RTOL, rel_err
 
-from .test_mlp import _reference_grads
+from .test_mlp import _reference_grads, _states
 
 ON_CPU = jax.default_backend() == "cpu"
 
@@ -69,10 +69,6 @@ def _step_fn(recipe, activations, config, **kw):
     return out, grads
 
   return step
-
-
-def _states(recipe):
-  return (core.init_state(recipe), core.init_state(recipe)) if core.init_state(recipe) else None
 
 
 def _takes_fused(x, p, activations, recipe, config, **kw):
