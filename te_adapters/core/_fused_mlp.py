@@ -105,7 +105,7 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
     y, wo, state_1 = _frozen.watch_state(y, wo, state_1)
   if norm is not None and ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
-  static = (tuple(names), n_act, recipe, config, ffn1_ckpt_name, norm)
+  static = (tuple(names), recipe, config, ffn1_ckpt_name, norm)
   return _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static)
 
 
@@ -200,7 +200,7 @@ def _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
 
 
 def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
-  names, _, recipe, config, ffn1_ckpt_name, norm = static
+  names, recipe, config, ffn1_ckpt_name, norm = static
   fwd = recipe.fwd_dtype
   out_dtype = np.dtype(y.dtype)
   quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
@@ -247,7 +247,7 @@ def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
 
 
 def _mlp_bwd(static, residuals, g):
-  names, _, recipe, config, _, norm = static
+  names, recipe, config, _, norm = static
   (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd, states,
    protos, bias_proto, norm_residuals) = residuals
   state_0, state_1 = states
