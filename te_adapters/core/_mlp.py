@@ -113,7 +113,7 @@ def layernorm_mlp(
       for a stateless recipe. The gradient with respect to them is the next step's states.
     rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
     threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
-      (default True) takes the fused path where it applies: a per-tensor recipe
+      (default None: as True) takes the fused path where it applies: a per-tensor recipe
       (``DelayedScaling``, ``Float8CurrentScaling``), both GEMMs in FP8 under ``threshold``, no
       dropout (rate 0 or ``deterministic``), no input constraints, outside ``shard_map``. It
       casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
