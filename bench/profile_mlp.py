@@ -42,10 +42,7 @@ def model_for(name, hidden, intermediate):
       "unfused": ta.core.GemmConfig(fuse_activation_cast=False),
       "jax": ta.core.GemmConfig(backend="jax"),
   }[path]
-  return speed.ta_linen.LayerNormMLP(
-      intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
-      intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipes[recipe],
-      threshold=None, config=config)
+  return speed.te_layernorm_mlp(intermediate, recipes[recipe], config)
 
 
 def main(argv=None):

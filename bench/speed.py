@@ -386,6 +386,16 @@ class _FlaxLnMlp(nn.Module):
     return nn.Dense(self.hidden, dtype=jnp.bfloat16, dot_general=self.dot_general_cls())(h)
 
 
+def te_layernorm_mlp(intermediate, recipe, config=None):
+  """The block as ``te_adapters.linen.LayerNormMLP`` with TE's fields: float32 parameters,
+  computed in the input's dtype, gelu, biases, no dropout, no size threshold (both GEMMs
+  quantized)."""
+  return ta_linen.LayerNormMLP(
+      intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
+      intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipe,
+      threshold=None, config=config)
+
+
 def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
   """LayerNorm + MLP (x ``(batch, seq, hidden)`` bf16, ``intermediate``, gelu, biases): plain
   Flax in bf16, Flax's modules with our ``dot_general`` (unfused), and
@@ -402,11 +412,8 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
                (" unfused", ta.core.GemmConfig(fuse_activation_cast=False)))
     for label, recipe in recipes:
       for suffix, config in configs:
-        # TE's fields: float32 parameters, computed in the input's dtype; no dropout here.
-        variants.append((f"LayerNormMLP {label}{suffix}", ta_linen.LayerNormMLP(
-            intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
-            intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipe,
-            threshold=None, config=config)))
+        variants.append((f"LayerNormMLP {label}{suffix}",
+                         te_layernorm_mlp(intermediate, recipe, config)))
   rows = []
   for name, model in variants:
     kw = {"deterministic": True} if isinstance(model, getattr(ta_linen, "LayerNormMLP", ())) else {}
