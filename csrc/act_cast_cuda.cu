@@ -14,10 +14,19 @@
 // amax: GEMM 1's operand in one read of x, the norm's output never written.
 //
 // Each block owns a 64x64 tile of (M, F) (of (M, K) for NormCast): 256 threads, each reading 8
-// consecutive columns of two rows with 16-byte loads (element by element at the edges), the FP8
-// codes staged in shared memory, then 16-byte stores of both orientations. The arithmetic
-// follows the pure-JAX formulas op for op (float32, no fused multiply-adds); tanh and
-// exp are CUDA's, which can differ from XLA's by an ulp.
+// consecutive columns of two rows with 16-byte loads (element by element at the edges) and
+// converting them to FP8 two at a time. The row-major codes go straight to memory (8 bytes a
+// thread); the tile's codes are staged in shared memory, from which each thread reads 4x4 bytes as
+// four words, transposes them with byte permutes and writes four 4-byte words of the transposed
+// copy. The kernels are bound by their integer and logic instructions more than by memory (Nsight
+// Compute on an H100), so each element's work is kept to few of them.
+//
+// Arithmetic: the bias, the gating product, relu, squared relu and the norm are the pure-JAX
+// float32 operations in the same order. The sigmoid-shaped activations use the GPU's approximate
+// 2**x and reciprocal (a few ulp of float32): gelu's tanh form as x * sigmoid(2u), since
+// 0.5 * (1 + tanh(u)) = sigmoid(2u), silu and quick_gelu as x * sigmoid(a x). A value within those
+// few ulp of an FP8 rounding boundary can then round the other way than in pure JAX, one FP8 step
+// apart; tests/core/test_fused_mlp_gpu.py bounds how often.
 
 #include <cuda_runtime.h>
 
@@ -39,40 +48,67 @@ constexpr int kTile = 64;
 constexpr int kThreads = 256;
 constexpr int kSmemStride = kTile + 16;  // keeps 16-byte rows aligned for the row-major stores
 constexpr int kMaxAct = 2;
+// Loading: each thread reads kVec consecutive columns of a row with 16-byte loads (two for
+// float32) where the tile is full and the rows are 16-byte aligned, element by element otherwise.
+constexpr int kVec = 8;
+constexpr int kColGroups = kTile / kVec;          // 8 threads cover a row of the tile
+constexpr int kRowStep = kThreads / kColGroups;   // 32 rows per pass
+constexpr int kPasses = kTile / kRowStep;         // 2 passes
 
 using cuda::abs_bits;
+using cuda::max_nan;
 using cuda::cuda_error;
+using cuda::zeroed_amax;
 using cuda::out_type;
 using cuda::Half;
 using cuda::to_float;
-using cuda::to_fp8;
+using cuda::to_fp8x8;
 
 // The activation ids of te_adapters/core/_fused_mlp.py (KERNEL_ACTIVATIONS).
 enum Act : int { kLinear = 0, kGelu = 1, kRelu = 2, kSilu = 3, kQuickGelu = 4, kSquaredRelu = 5 };
 
+// Rounded float32 operations where the pure-JAX formula is matched exactly (no contraction into
+// fused multiply-adds).
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
 
-// jax.nn.sigmoid (XLA's logistic): 1 / (1 + exp(-x)).
-__device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, add(1.0f, expf(-x))); }
+// The GPU's approximate 2**x and 1/x (MUFU; a couple of ulp, subnormals flushed).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
-constexpr float kSqrt2OverPi = 0.7978845834732056f;  // np.sqrt(2 / np.pi) in float32
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
 constexpr float kGeluCoeff = 0.044715f;
 constexpr float kQuickGeluCoeff = 1.702f;
+
+// 1 / (1 + exp(-t)); 0 and 1 in the tails (2**x overflows to inf, whose reciprocal is 0).
+__device__ __forceinline__ float sigmoid(float t) { return rcp(1.0f + ex2(-kLog2e * t)); }
+
+// gelu's tanh form x * 0.5 * (1 + tanh(u)), u = sqrt(2/pi) * (x + 0.044715 x**3), is x * s with
+// s = sigmoid(2u); returns s.
+__device__ __forceinline__ float gelu_gate(float x, float x2) {
+  return sigmoid(kTwoSqrt2OverPi * x * fmaf(kGeluCoeff, x2, 1.0f));
+}
 
 // The activation, as te_adapters.core.ACTIVATIONS computes it in float32.
 __device__ __forceinline__ float act_value(int act, float x) {
   switch (act) {
-    case kGelu: {  // x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))
-      const float u = mul(kSqrt2OverPi, add(x, mul(kGeluCoeff, mul(x, mul(x, x)))));
-      return mul(x, mul(0.5f, add(1.0f, tanhf(u))));
-    }
+    case kGelu:
+      return x * gelu_gate(x, x * x);
     case kRelu:
       return x > 0.0f ? x : 0.0f;
     case kSilu:
-      return mul(x, sigmoid(x));
+      return x * sigmoid(x);
     case kQuickGelu:
-      return mul(x, sigmoid(mul(kQuickGeluCoeff, x)));
+      return x * sigmoid(kQuickGeluCoeff * x);
     case kSquaredRelu: {
       const float r = x > 0.0f ? x : 0.0f;
       return mul(r, r);
@@ -85,22 +121,20 @@ __device__ __forceinline__ float act_value(int act, float x) {
 // The activation's derivative.
 __device__ __forceinline__ float act_grad(int act, float x) {
   switch (act) {
-    case kGelu: {
-      const float x2 = mul(x, x);
-      const float u = mul(kSqrt2OverPi, add(x, mul(kGeluCoeff, mul(x, x2))));
-      const float t = tanhf(u);
-      const float du = mul(kSqrt2OverPi, add(1.0f, mul(3.0f * kGeluCoeff, x2)));
-      return add(mul(0.5f, add(1.0f, t)), mul(mul(x, 0.5f), mul(add(1.0f, -mul(t, t)), du)));
+    case kGelu: {  // s + x s (1 - s) d(2u)/dx
+      const float x2 = x * x;
+      const float s = gelu_gate(x, x2);
+      return fmaf(x * s * (1.0f - s), kTwoSqrt2OverPi * fmaf(3.0f * kGeluCoeff, x2, 1.0f), s);
     }
     case kRelu:
       return x > 0.0f ? 1.0f : 0.0f;
     case kSilu: {
       const float s = sigmoid(x);
-      return add(s, mul(mul(x, s), add(1.0f, -s)));
+      return fmaf(x * s, 1.0f - s, s);
     }
     case kQuickGelu: {
-      const float s = sigmoid(mul(kQuickGeluCoeff, x));
-      return add(s, mul(mul(mul(x, kQuickGeluCoeff), s), add(1.0f, -s)));
+      const float s = sigmoid(kQuickGeluCoeff * x);
+      return fmaf(x * kQuickGeluCoeff * s, 1.0f - s, s);
     }
     case kSquaredRelu:
       return x > 0.0f ? mul(2.0f, x) : 0.0f;
@@ -115,28 +149,48 @@ struct Dims {
   int act[kMaxAct];
 };
 
-// The tile's FP8 codes (shared memory, kTile x kTile at row stride kSmemStride) to q (row-major,
-// row stride ld, its (r0, c0) element first) and to q_t (row stride ld_t, its (c0, r0) first).
-__device__ __forceinline__ void store_tile(const uint8_t* tile, uint8_t* q, int64_t ld,
-                                           uint8_t* qt, int64_t ld_t, int rows, int cols,
-                                           bool vec) {
-  if (vec) {  // a full tile, 16-byte aligned rows in both outputs
-    const int line = threadIdx.x / 4, seg = (threadIdx.x % 4) * 16;
-    uint4 w;
-    memcpy(&w, tile + line * kSmemStride + seg, 16);
-    *reinterpret_cast<uint4*>(q + line * ld + seg) = w;
-    uint8_t out[16];
+// One thread's 8 codes of a row (columns `mine` and past left alone unless `vec`): an 8-byte store
+// into the row-major output at `dst` (8-byte aligned when `vec`), and into the shared-memory tile.
+__device__ __forceinline__ void store_row(uint2 codes, uint8_t* dst, uint8_t* tile_row, bool vec,
+                                          int mine) {
+  *reinterpret_cast<uint2*>(tile_row) = codes;  // 8-byte aligned: kSmemStride and kVec are
+  if (vec) {
+    *reinterpret_cast<uint2*>(dst) = codes;
+    return;
+  }
 #pragma unroll
-    for (int k = 0; k < 16; ++k) out[k] = tile[(seg + k) * kSmemStride + line];
-    memcpy(&w, out, 16);
-    *reinterpret_cast<uint4*>(qt + line * ld_t + seg) = w;
+  for (int k = 0; k < kVec; ++k) {
+    if (k < mine) dst[k] = static_cast<uint8_t>((k < 4 ? codes.x : codes.y) >> (8 * (k % 4)));
+  }
+}
+
+// The tile's codes (shared memory, row stride kSmemStride) to the transposed output qt (row stride
+// ld_t, the tile's (0, 0) element at qt[0]). `vec`: a full tile, qt and ld_t 16-byte aligned. Each
+// thread then takes 4 rows x 4 columns of the tile: four 4-byte shared loads (one per row; the 16
+// threads of a row group read 64 consecutive bytes), four byte permutes into the 4 columns, and
+// four 4-byte stores (a warp writes 64 consecutive bytes of each of two rows of qt).
+__device__ __forceinline__ void store_transposed(const uint8_t* tile, uint8_t* qt, int64_t ld_t,
+                                                 int rows, int cols, bool vec) {
+  if (vec) {
+    const int rb = threadIdx.x % 16 * 4, cb = threadIdx.x / 16 * 4;
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      w[k] = *reinterpret_cast<const uint32_t*>(tile + (rb + k) * kSmemStride + cb);
+    }
+    // w[k]'s byte j is row rb + k, column cb + j; column j's word gathers byte j of each w[k].
+    const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
+    const uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
+    uint8_t* dst = qt + cb * ld_t + rb;
+    *reinterpret_cast<uint32_t*>(dst) = __byte_perm(lo01, lo23, 0x5410);
+    *reinterpret_cast<uint32_t*>(dst + ld_t) = __byte_perm(lo01, lo23, 0x7632);
+    *reinterpret_cast<uint32_t*>(dst + 2 * ld_t) = __byte_perm(hi01, hi23, 0x5410);
+    *reinterpret_cast<uint32_t*>(dst + 3 * ld_t) = __byte_perm(hi01, hi23, 0x7632);
     return;
   }
   for (int l = threadIdx.x; l < kTile * kTile; l += kThreads) {
-    const int r = l / kTile, c = l % kTile;
-    if (r < rows && c < cols) q[r * ld + c] = tile[r * kSmemStride + c];
-    const int c2 = l / kTile, r2 = l % kTile;
-    if (r2 < rows && c2 < cols) qt[c2 * ld_t + r2] = tile[r2 * kSmemStride + c2];
+    const int c = l / kTile, r = l % kTile;
+    if (r < rows && c < cols) qt[c * ld_t + r] = tile[r * kSmemStride + c];
   }
 }
 
@@ -145,12 +199,13 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Loading: each thread reads kVec consecutive columns of a row with 16-byte loads (two for
-// float32) where the tile is full and the rows are 16-byte aligned, element by element otherwise.
-constexpr int kVec = 8;
-constexpr int kColGroups = kTile / kVec;          // 8 threads cover a row of the tile
-constexpr int kRowStep = kThreads / kColGroups;   // 32 rows per pass
-constexpr int kPasses = kTile / kRowStep;         // 2 passes
+// Whether a tile's stores may be vectors: a full tile, both outputs 16-byte aligned, and row
+// strides (ld of the row-major output, ld_t of the transposed one) that keep every row so.
+__device__ __forceinline__ bool vector_stores(bool full, int64_t ld, int64_t ld_t, const void* q,
+                                              const void* qt) {
+  return full && ld % 16 == 0 && ld_t % 16 == 0 && aligned16(q) && aligned16(qt);
+}
+
 
 template <typename In>
 __device__ __forceinline__ float from_bits16(uint16_t b) {
@@ -181,12 +236,6 @@ __device__ __forceinline__ void load_vec(const In* p, bool vec, int cols, float*
   }
 #pragma unroll
   for (int k = 0; k < kVec; ++k) v[k] = k < cols ? to_float<In>(p[k]) : 0.0f;
-}
-
-__device__ __forceinline__ void put8(uint8_t* dst, const uint8_t* src) {
-  uint2 w;
-  memcpy(&w, src, sizeof(w));
-  *reinterpret_cast<uint2*>(dst) = w;  // dst is 8-byte aligned: kSmemStride and kVec are
 }
 
 // The activation id of factor i: kAct0/kAct1 where the launch fixed it (its switch then folds
@@ -222,7 +271,8 @@ __global__ void __launch_bounds__(kThreads)
       b[i][k] = bias != nullptr && k < mine ? bias[i * d.f + f0 + c0 + k] : 0.0f;
     }
   }
-  uint32_t acc = 0;
+  const bool vec_store = vector_stores(full, d.f, d.m, q, qt);
+  float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
     const int r = rr + j * kRowStep;
@@ -240,21 +290,17 @@ __global__ void __launch_bounds__(kThreads)
           z[k] = i == 0 ? term : mul(z[k], term);
         }
       }
-      uint8_t out[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        if (k < mine) acc = max(acc, abs_bits(z[k]));
-        out[k] = to_fp8<kOut>(z[k], scale);
+        if (k < mine) acc = max_nan(acc, fabsf(z[k]));
       }
-      put8(tile + r * kSmemStride + c0, out);
+      store_row(to_fp8x8<kOut>(z, scale), q + (r0 + r) * d.f + f0 + c0,
+                tile + r * kSmemStride + c0, vec_store, mine);
     }
   }
   __syncthreads();
-  uint8_t* qb = q + r0 * d.f + f0;
-  uint8_t* qtb = qt + f0 * d.m + r0;
-  const bool vec_store = full && d.f % 16 == 0 && d.m % 16 == 0 && aligned16(q) && aligned16(qt);
-  store_tile(tile, qb, d.f, qtb, d.m, rows, cols, vec_store);
-  if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
+  store_transposed(tile, qt + f0 * d.m + r0, d.m, rows, cols, vec_store);
+  if (amax != nullptr) cuda::block_amax<kThreads>(abs_bits(acc), amax);
 }
 
 template <typename In, OutType kOut, int kNAct, int kAct0, int kAct1>
@@ -290,7 +336,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) colsum[i][k] = 0.0f;
   }
-  uint32_t acc = 0;
+  const bool vec_store = vector_stores(full, n, d.m, q, qt);
+  float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
     const int r = rr + j * kRowStep;
@@ -309,7 +356,7 @@ __global__ void __launch_bounds__(kThreads)
       }
 #pragma unroll
       for (int i = 0; i < kNAct; ++i) {
-        uint8_t out[kVec];
+        float dh[kVec];
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           // d(a_0 * a_1)/dv_i: the incoming gradient times the other factor, then a_i'.
@@ -318,14 +365,14 @@ __global__ void __launch_bounds__(kThreads)
           for (int o = 0; o < kNAct; ++o) {
             if (o != i) gi = mul(gi, act_value(act_of<kAct0, kAct1>(d, o), v[o][k]));
           }
-          const float dh = mul(gi, act_grad(act_of<kAct0, kAct1>(d, i), v[i][k]));
+          dh[k] = mul(gi, act_grad(act_of<kAct0, kAct1>(d, i), v[i][k]));
           if (k < mine) {
-            acc = max(acc, abs_bits(dh));
-            colsum[i][k] = add(colsum[i][k], dh);
+            acc = max_nan(acc, fabsf(dh[k]));
+            colsum[i][k] = add(colsum[i][k], dh[k]);
           }
-          out[k] = to_fp8<kOut>(dh, scale);
         }
-        put8(tile[i] + r * kSmemStride + c0, out);
+        store_row(to_fp8x8<kOut>(dh, scale), q + (r0 + r) * n + i * d.f + f0 + c0,
+                  tile[i] + r * kSmemStride + c0, vec_store, mine);
       }
     }
   }
@@ -345,13 +392,12 @@ __global__ void __launch_bounds__(kThreads)
       partial[tile_r * n + i * d.f + f0 + c] = s;
     }
   }
-  const bool vec_store = full && d.f % 16 == 0 && d.m % 16 == 0 && aligned16(q) && aligned16(qt);
 #pragma unroll
   for (int i = 0; i < kNAct; ++i) {
     const int64_t col0 = i * d.f + f0;  // the tile's first column of dh (M, n_act*F)
-    store_tile(tile[i], q + r0 * n + col0, n, qt + col0 * d.m + r0, d.m, rows, cols, vec_store);
+    store_transposed(tile[i], qt + col0 * d.m + r0, d.m, rows, cols, vec_store);
   }
-  if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
+  if (amax != nullptr) cuda::block_amax<kThreads>(abs_bits(acc), amax);
 }
 
 // The norm's output (x - mean) * rsigma * gamma (+ beta) of x (M, K), with the row statistics
@@ -378,7 +424,8 @@ __global__ void __launch_bounds__(kThreads)
     g[e] = e < mine ? gamma[k0 + c0 + e] : 0.0f;
     b[e] = beta != nullptr && e < mine ? beta[k0 + c0 + e] : 0.0f;
   }
-  uint32_t acc = 0;
+  const bool vec_store = vector_stores(rows == kTile && cols == kTile, k, m, q, qt);
+  float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
     const int r = rr + j * kRowStep;
@@ -387,22 +434,20 @@ __global__ void __launch_bounds__(kThreads)
       const float mu = mean[row], rs = rsigma[row];
       float v[kVec];
       load_vec<In>(x + row * k + k0 + c0, vec, mine, v);
-      uint8_t out[kVec];
+      float y[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        float y = mul(mul(add(v[e], -mu), rs), g[e]);
-        if (beta != nullptr) y = add(y, b[e]);
-        if (e < mine) acc = max(acc, abs_bits(y));
-        out[e] = to_fp8<kOut>(y, scale);
+        y[e] = mul(mul(add(v[e], -mu), rs), g[e]);
+        if (beta != nullptr) y[e] = add(y[e], b[e]);
+        if (e < mine) acc = max_nan(acc, fabsf(y[e]));
       }
-      put8(tile + r * kSmemStride + c0, out);
+      store_row(to_fp8x8<kOut>(y, scale), q + row * k + k0 + c0, tile + r * kSmemStride + c0,
+                vec_store, mine);
     }
   }
   __syncthreads();
-  const bool vec_store = rows == kTile && cols == kTile && k % 16 == 0 && m % 16 == 0 &&
-                         aligned16(q) && aligned16(qt);
-  store_tile(tile, q + r0 * k + k0, k, qt + k0 * m + r0, m, rows, cols, vec_store);
-  if (amax != nullptr) cuda::block_amax<kThreads>(acc, amax);
+  store_transposed(tile, qt + k0 * m + r0, m, rows, cols, vec_store);
+  if (amax != nullptr) cuda::block_amax<kThreads>(abs_bits(acc), amax);
 }
 
 // dbias[col] = sum over the row tiles of partial[tile, col], in tile order.
@@ -510,12 +555,8 @@ ffi::Error ActCastImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::F
     return ffi::Error::InvalidArgument("q and q_t must both hold M * F FP8 values");
   }
   if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
-  uint32_t* ap = nullptr;
-  if (compute_amax) {
-    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
-    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
-    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
-  }
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, compute_amax, stream, &ap); e.failure()) return e;
   const int64_t blocks = (d.m + kTile - 1) / kTile * d.tiles_f;
   if (blocks == 0) return cuda_error("te_adapters act_cast memset");
   const float* bp = has_bias ? bias.typed_data() : nullptr;
@@ -563,12 +604,8 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
         "dbias must hold n_act * F values and the workspace row tiles * n_act * F");
   }
   if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
-  uint32_t* ap = nullptr;
-  if (compute_amax) {
-    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
-    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
-    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
-  }
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, compute_amax, stream, &ap); e.failure()) return e;
   const int64_t blocks = tiles_r * d.tiles_f;
   float* dbp = dbias->typed_data();
   if (blocks == 0) {
@@ -620,12 +657,8 @@ ffi::Error NormCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return ffi::Error::InvalidArgument("q and q_t must both hold M * K FP8 values");
   }
   if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
-  uint32_t* ap = nullptr;
-  if (compute_amax) {
-    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
-    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
-    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
-  }
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, compute_amax, stream, &ap); e.failure()) return e;
   const int64_t tiles_k = (k + kTile - 1) / kTile;
   const int64_t blocks = (m + kTile - 1) / kTile * tiles_k;
   if (blocks == 0) return cuda_error("te_adapters norm_cast memset");

@@ -25,6 +25,7 @@ constexpr int kSmemStride = kTile + 1;  // odd stride: column reads hit distinct
 
 using cuda::abs_bits;
 using cuda::cuda_error;
+using cuda::zeroed_amax;
 using cuda::Half;
 using cuda::to_float;
 using cuda::to_fp8;
@@ -200,12 +201,8 @@ ffi::Error CastTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
   uint8_t* qp = rowwise ? static_cast<uint8_t*>(q->untyped_data()) : nullptr;
   uint8_t* qtp = colwise ? static_cast<uint8_t*>(qt->untyped_data()) : nullptr;
-  uint32_t* ap = nullptr;
-  if (compute_amax) {
-    if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
-    ap = reinterpret_cast<uint32_t*>(amax->typed_data());
-    cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
-  }
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, compute_amax, stream, &ap); e.failure()) return e;
   const float* sp = scale.typed_data();
   switch (x.element_type()) {
     case ffi::DataType::F32:
@@ -233,9 +230,8 @@ void launch_amax(cudaStream_t stream, const void* x, int64_t n, uint32_t* amax) 
 
 ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x,
                     ffi::Result<ffi::Buffer<ffi::F32>> amax) {
-  if (amax->element_count() != 1) return ffi::Error::InvalidArgument("amax must have 1 element");
-  uint32_t* ap = reinterpret_cast<uint32_t*>(amax->typed_data());
-  cudaMemsetAsync(ap, 0, sizeof(uint32_t), stream);
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, true, stream, &ap); e.failure()) return e;
   const int64_t n = static_cast<int64_t>(x.element_count());
   if (n == 0) return cuda_error("te_adapters amax memset");
   switch (x.element_type()) {

@@ -1,6 +1,7 @@
 // Host-side helpers shared by the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu,
-// act_cast_cuda.cu): the error after a launch, the FP8 output dtype of a result buffer, and the
-// traits of a handler that XLA may record into a command buffer.
+// act_cast_cuda.cu): the error after a launch, the FP8 output dtype of a result buffer, the amax
+// result zeroed before the kernels max into it, and the traits of a handler that XLA may record
+// into a command buffer.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,6 +39,20 @@ inline xla::ffi::Error out_type(
   } else {
     return xla::ffi::Error::InvalidArgument(message);
   }
+  return xla::ffi::Error::Success();
+}
+
+// The one-element amax result as the float bits the kernels max into (atomicMax on uint32),
+// zeroed on `stream` first; nullptr when `compute` is false.
+inline xla::ffi::Error zeroed_amax(xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>>& amax,
+                                   bool compute, cudaStream_t stream, uint32_t** out) {
+  *out = nullptr;
+  if (!compute) return xla::ffi::Error::Success();
+  if (amax->element_count() != 1) {
+    return xla::ffi::Error::InvalidArgument("amax must have 1 element");
+  }
+  *out = reinterpret_cast<uint32_t*>(amax->typed_data());
+  cudaMemsetAsync(*out, 0, sizeof(uint32_t), stream);
   return xla::ffi::Error::Success();
 }
 

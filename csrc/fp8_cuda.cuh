@@ -41,6 +41,28 @@ __device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(c, __NV_SATFINITE, kind));
 }
 
+// Eight FP8 codes of v[0..8) * scale packed little-endian (v[0]'s code in the lowest byte), the
+// hardware conversion two values at a time. Its saturation (cvt.rn.satfinite) is the clip of the
+// pure-JAX path to the format's largest finite value, and it keeps NaN: the codes of to_fp8.
+template <OutType kOut>
+__device__ __forceinline__ uint2 to_fp8x8(const float* v, float scale) {
+  constexpr __nv_fp8_interpretation_t kind = kOut == OutType::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[k] = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * k] * scale, v[2 * k + 1] * scale),
+                                    __NV_SATFINITE, kind);
+  }
+  return make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
+}
+
+// max(a, b) that returns NaN when either is NaN (one instruction, unlike fmaxf's NaN dropping).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // Non-negative floats order like their bit patterns, so an unsigned max of |v|'s bits is the
 // amax. NaN (bits above +inf) is clamped to +inf, like the pure-JAX amax.
 __device__ __forceinline__ uint32_t abs_bits(float v) {

@@ -35,8 +35,8 @@ class GemmConfig:
       (there is no CPU block cast); the quantized values are the same. ``core.layernorm_mlp``'s
       fused casts (the norm's and the activation's) take the extension's CUDA kernels under
       ``"auto"`` and ``"ffi"`` on a GPU and pure JAX otherwise (there is no CPU kernel); their
-      quantized values can differ from pure JAX's by one FP8 step where CUDA's tanh or exp
-      differs from XLA's by an ulp.
+      quantized values can differ from pure JAX's by one FP8 step where the kernels' fast
+      ``2**x`` and reciprocal (gelu, silu, quick_gelu) differ from XLA's by a few ulp.
     fp8_gemm: per-tensor FP8 GEMMs. ``"auto"``: the extension's cuBLASLt GEMM on Hopper GPUs
       where it can run, XLA's ``dot_general`` on the FP8 arrays elsewhere. ``"native"``: the
       extension's GEMM, an error where it cannot run. ``"xla"``: always XLA's.

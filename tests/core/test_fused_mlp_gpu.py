@@ -2,9 +2,10 @@
 activation's and its gradient's) against the pure-JAX formulas on the same GPU, and
 core.layernorm_mlp running them.
 
-CUDA's tanh and exp can differ from XLA's by an ulp of float32, which moves a value across an
-FP8 rounding boundary now and then: the FP8 codes are identical but for a tiny fraction, and
-those are one FP8 step apart. Skipped without a GPU or without the extension's CUDA part.
+The kernels compute the sigmoid-shaped activations (gelu's tanh form as x * sigmoid(2u), silu,
+quick_gelu) with the GPU's approximate 2**x and reciprocal, a few ulp of float32 from XLA's tanh
+and exp, which moves a value across an FP8 rounding boundary now and then: the FP8 codes are
+identical but for a small fraction, and those are one FP8 step apart. Skipped without a GPU or without the extension's CUDA part.
 """
 
 import jax
@@ -24,9 +25,9 @@ pytestmark = [
 
 KERNEL = core.GemmConfig(backend="ffi", fuse_activation_cast=True)
 JAX = core.GemmConfig(backend="jax", fuse_activation_cast=True)
-# At most this fraction of FP8 codes differs from pure JAX's (each by one step). About 2**-19
-# of the values sit within an ulp of a rounding boundary of E4M3; a wrong formula, bias or
-# layout changes most codes.
+# At most this fraction of FP8 codes differs from pure JAX's (each by one step). A value within
+# a few ulp of float32 of an E4M3 rounding boundary is rare (about 2**-19 per ulp); a wrong
+# formula, bias or layout changes most codes.
 MAX_DIFFERING = 1e-3
 ACTIVATIONS = [("gelu",), ("gelu", "linear"), ("silu", "linear"), ("relu",), ("quick_gelu",),
                ("squared_relu",)]
@@ -48,7 +49,7 @@ def _assert_fp8_close(ours, ref):
   a, b = _ordinal(ours), _ordinal(ref)
   assert a.shape == b.shape
   va, vb = (np.asarray(q.astype(jnp.float32), np.float64) for q in (ours, ref))
-  # Near zero an ulp of float32 in tanh or exp is several FP8 steps (of the subnormals, or of
+  # Near zero a few ulp of float32 in tanh or exp are several FP8 steps (of the subnormals, or of
   # (1 - tanh**2) in the gradient) but a negligible difference: checked in absolute terms there.
   tiny = 2.0**-8 * np.max(np.abs(vb), initial=0)
   big = np.abs(vb) > tiny
@@ -138,6 +139,31 @@ def test_norm_cast_matches_pure_jax(norm, shape):
   _assert_fp8_close(q, rq)
   np.testing.assert_array_equal(_ordinal(q_t), _ordinal(q).T)
   np.testing.assert_allclose(a, ra, rtol=1e-6)
+
+
+@pytest.mark.parametrize("activations", [("gelu",), ("silu", "linear")], ids="-".join)
+def test_activation_casts_of_nan_and_inf_are_pure_jaxs(activations):
+  # The tails of the kernels' sigmoid (2**x overflowing to inf, its reciprocal 0), a NaN's code
+  # and the amax it turns into: as in pure JAX, in the forward and the gradient's cast.
+  m, f = 128, 64
+  h, bias = _h_and_bias(m, f, len(activations), jnp.bfloat16)
+  special = [np.nan, np.inf, -np.inf, 1e4, -1e4, 60.0, -60.0]
+  h = h.at[0, : len(special)].set(jnp.asarray(special, jnp.bfloat16))
+  dz = jnp.ones((m, f), jnp.bfloat16)
+  scale = jnp.asarray([448.0 / 20.0], jnp.float32)
+
+  def casts(config):
+    fwd = _fused_mlp._act_cast(h, bias, activations, jnp.float8_e4m3fn, scale, True, config)
+    bwd = _fused_mlp._dact_cast(dz, h, bias, activations, jnp.float8_e5m2, scale, True, config)
+    return fwd, bwd
+
+  (q, _, a), (dq, _, da, _) = casts(KERNEL)
+  (rq, _, ra), (rdq, _, rda, _) = casts(JAX)
+  row = slice(None, len(special))
+  np.testing.assert_array_equal(_ordinal(q)[0, row], _ordinal(rq)[0, row])
+  np.testing.assert_array_equal(_ordinal(dq)[0, row], _ordinal(rdq)[0, row])
+  np.testing.assert_array_equal(a, ra)
+  np.testing.assert_array_equal(da, rda)
 
 
 def test_current_scaling_amax_of_the_formula_is_the_kernels():
