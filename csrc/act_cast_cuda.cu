@@ -9,6 +9,9 @@
 // per-tile float32 column sums reduced by a second kernel (a fixed order: the same bits on every
 // run).
 //
+// ActAmax, DactAmax: the amax alone of ActCast's and DactCast's values (their kernels with no
+// output but the amax): current scaling's pass before the cast, the same float32 values.
+//
 // NormCast: the norm's output (x - mean) * rsigma * gamma (+ beta) of x (M, K), with the row
 // statistics given (XLA's reduction computes them), cast to FP8 in both orientations with its
 // amax: GEMM 1's operand in one read of x, the norm's output never written.
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(kThreads)
   const int mine = max(0, min(kVec, cols - c0));  // this thread's columns inside the tile
   const bool full = rows == kTile && cols == kTile;
   const bool vec = aligned && full;
-  const float scale = *scale_ptr;
+  const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   float b[kNAct][kVec];
 #pragma unroll
   for (int i = 0; i < kNAct; ++i) {
@@ -271,7 +274,8 @@ __global__ void __launch_bounds__(kThreads)
       b[i][k] = bias != nullptr && k < mine ? bias[i * d.f + f0 + c0 + k] : 0.0f;
     }
   }
-  const bool vec_store = vector_stores(full, d.f, d.m, q, qt);
+  const bool store = q != nullptr;  // false: the amax alone (ActAmax)
+  const bool vec_store = store && vector_stores(full, d.f, d.m, q, qt);
   float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
@@ -294,12 +298,16 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < kVec; ++k) {
         if (k < mine) acc = max_nan(acc, fabsf(z[k]));
       }
-      store_row(to_fp8x8<kOut>(z, scale), q + (r0 + r) * d.f + f0 + c0,
-                tile + r * kSmemStride + c0, vec_store, mine);
+      if (store) {
+        store_row(to_fp8x8<kOut>(z, scale), q + (r0 + r) * d.f + f0 + c0,
+                  tile + r * kSmemStride + c0, vec_store, mine);
+      }
     }
   }
-  __syncthreads();
-  store_transposed(tile, qt + f0 * d.m + r0, d.m, rows, cols, vec_store);
+  if (store) {
+    __syncthreads();
+    store_transposed(tile, qt + f0 * d.m + r0, d.m, rows, cols, vec_store);
+  }
   if (amax != nullptr) cuda::block_amax<kThreads>(abs_bits(acc), amax);
 }
 
@@ -321,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
   const int mine = max(0, min(kVec, cols - c0));
   const bool full = rows == kTile && cols == kTile;
   const bool vec = aligned && full;
-  const float scale = *scale_ptr;
+  const float scale = scale_ptr != nullptr ? *scale_ptr : 1.0f;
   float b[kNAct][kVec];
 #pragma unroll
   for (int i = 0; i < kNAct; ++i) {
@@ -336,7 +344,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) colsum[i][k] = 0.0f;
   }
-  const bool vec_store = vector_stores(full, n, d.m, q, qt);
+  const bool store = q != nullptr;  // false: the amax alone (DactAmax)
+  const bool vec_store = store && vector_stores(full, n, d.m, q, qt);
   float acc = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
@@ -371,31 +380,35 @@ __global__ void __launch_bounds__(kThreads)
             colsum[i][k] = add(colsum[i][k], dh[k]);
           }
         }
-        store_row(to_fp8x8<kOut>(dh, scale), q + (r0 + r) * n + i * d.f + f0 + c0,
-                  tile[i] + r * kSmemStride + c0, vec_store, mine);
+        if (store) {
+          store_row(to_fp8x8<kOut>(dh, scale), q + (r0 + r) * n + i * d.f + f0 + c0,
+                    tile[i] + r * kSmemStride + c0, vec_store, mine);
+        }
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < kNAct; ++i) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) sums[i][rr][c0 + k] = colsum[i][k];
-  }
-  __syncthreads();
-  // Column sums of the tile in a fixed order (the same bits on every run).
-  if (threadIdx.x < cols) {
-    const int c = threadIdx.x;
+  if (store) {
 #pragma unroll
     for (int i = 0; i < kNAct; ++i) {
-      float s = sums[i][0][c];
-      for (int k = 1; k < kRowStep; ++k) s = add(s, sums[i][k][c]);
-      partial[tile_r * n + i * d.f + f0 + c] = s;
-    }
-  }
 #pragma unroll
-  for (int i = 0; i < kNAct; ++i) {
-    const int64_t col0 = i * d.f + f0;  // the tile's first column of dh (M, n_act*F)
-    store_transposed(tile[i], qt + col0 * d.m + r0, d.m, rows, cols, vec_store);
+      for (int k = 0; k < kVec; ++k) sums[i][rr][c0 + k] = colsum[i][k];
+    }
+    __syncthreads();
+    // Column sums of the tile in a fixed order (the same bits on every run).
+    if (threadIdx.x < cols) {
+      const int c = threadIdx.x;
+#pragma unroll
+      for (int i = 0; i < kNAct; ++i) {
+        float s = sums[i][0][c];
+        for (int k = 1; k < kRowStep; ++k) s = add(s, sums[i][k][c]);
+        partial[tile_r * n + i * d.f + f0 + c] = s;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kNAct; ++i) {
+      const int64_t col0 = i * d.f + f0;  // the tile's first column of dh (M, n_act*F)
+      store_transposed(tile[i], qt + col0 * d.m + r0, d.m, rows, cols, vec_store);
+    }
   }
   if (amax != nullptr) cuda::block_amax<kThreads>(abs_bits(acc), amax);
 }
@@ -462,11 +475,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // M, F and n_act from h (M, n_act * F) and the activation ids (act1 < 0: one activation).
-ffi::Error make_dims(const ffi::AnyBuffer& h, ffi::Result<ffi::AnyBuffer>& q, int32_t act0,
-                     int32_t act1, Dims* d) {
+ffi::Error make_dims(const ffi::AnyBuffer& h, int32_t act0, int32_t act1, Dims* d) {
   const auto hd = h.dimensions();
-  const auto qd = q->dimensions();
-  if (hd.size() != 2 || qd.size() != 2) return ffi::Error::InvalidArgument("h and q must be 2-D");
+  if (hd.size() != 2) return ffi::Error::InvalidArgument("h must be 2-D");
   d->n_act = act1 < 0 ? 1 : 2;
   d->act[0] = act0;
   d->act[1] = act1 < 0 ? kLinear : act1;
@@ -545,7 +556,8 @@ ffi::Error ActCastImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::F
                        ffi::Result<ffi::AnyBuffer> qt, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                        int32_t act0, int32_t act1, bool has_bias, bool compute_amax) {
   Dims d;
-  if (auto e = make_dims(h, q, act0, act1, &d); e.failure()) return e;
+  if (auto e = make_dims(h, act0, act1, &d); e.failure()) return e;
+  if (q->dimensions().size() != 2) return ffi::Error::InvalidArgument("q must be 2-D");
   if (auto e = check_bias(bias, has_bias, d); e.failure()) return e;
   OutType ot;
   if (auto e = out_type(q->element_type(), &ot); e.failure()) return e;
@@ -584,7 +596,8 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
                         ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t act0, int32_t act1,
                         bool has_bias, bool compute_amax) {
   Dims d;
-  if (auto e = make_dims(h, q, act0, act1, &d); e.failure()) return e;
+  if (auto e = make_dims(h, act0, act1, &d); e.failure()) return e;
+  if (q->dimensions().size() != 2) return ffi::Error::InvalidArgument("q must be 2-D");
   if (auto e = check_bias(bias, has_bias, d); e.failure()) return e;
   OutType ot;
   if (auto e = out_type(q->element_type(), &ot); e.failure()) return e;
@@ -630,6 +643,62 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
     const int64_t sum_blocks = (n + kThreads - 1) / kThreads;
     column_sum_kernel<<<sum_blocks, kThreads, 0, stream>>>(pp, tiles_r, n, dbp);
     return cuda_error("te_adapters dact_cast kernel");
+  });
+}
+
+// ActAmax and DactAmax: the cast kernels with no FP8 output (q == nullptr), the amax alone.
+ffi::Error ActAmaxImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::Buffer<ffi::F32> bias,
+                       ffi::Result<ffi::Buffer<ffi::F32>> amax, int32_t act0, int32_t act1,
+                       bool has_bias) {
+  Dims d;
+  if (auto e = make_dims(h, act0, act1, &d); e.failure()) return e;
+  if (auto e = check_bias(bias, has_bias, d); e.failure()) return e;
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, true, stream, &ap); e.failure()) return e;
+  const int64_t blocks = (d.m + kTile - 1) / kTile * d.tiles_f;
+  if (blocks == 0) return cuda_error("te_adapters act_amax memset");
+  const float* bp = has_bias ? bias.typed_data() : nullptr;
+  return dispatch(h.element_type(), OutType::kE4M3, [&](auto in, auto out) {
+    using In = decltype(in);
+    constexpr OutType kOut = decltype(out)::value;
+    const In* hp = static_cast<const In*>(h.untyped_data());
+    const bool aligned = d.f % kVec == 0 && aligned16(hp);
+    dispatch_acts(d, [&](auto n_act, auto act0, auto act1) {
+      act_cast_kernel<In, kOut, decltype(n_act)::value, decltype(act0)::value,
+                      decltype(act1)::value><<<blocks, kThreads, 0, stream>>>(
+          hp, bp, nullptr, nullptr, nullptr, ap, d, aligned);
+    });
+    return cuda_error("te_adapters act_amax kernel");
+  });
+}
+
+ffi::Error DactAmaxImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h,
+                        ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                        int32_t act0, int32_t act1, bool has_bias) {
+  Dims d;
+  if (auto e = make_dims(h, act0, act1, &d); e.failure()) return e;
+  if (auto e = check_bias(bias, has_bias, d); e.failure()) return e;
+  if (dz.element_type() != h.element_type() ||
+      dz.element_count() != static_cast<size_t>(d.m * d.f)) {
+    return ffi::Error::InvalidArgument("dz must be (M, F) in h's dtype");
+  }
+  uint32_t* ap;
+  if (auto e = zeroed_amax(amax, true, stream, &ap); e.failure()) return e;
+  const int64_t blocks = (d.m + kTile - 1) / kTile * d.tiles_f;
+  if (blocks == 0) return cuda_error("te_adapters dact_amax memset");
+  const float* bp = has_bias ? bias.typed_data() : nullptr;
+  return dispatch(h.element_type(), OutType::kE5M2, [&](auto in, auto out) {
+    using In = decltype(in);
+    constexpr OutType kOut = decltype(out)::value;
+    const In* dzp = static_cast<const In*>(dz.untyped_data());
+    const In* hp = static_cast<const In*>(h.untyped_data());
+    const bool aligned = d.f % kVec == 0 && aligned16(hp) && aligned16(dzp);
+    dispatch_acts(d, [&](auto n_act, auto act0, auto act1) {
+      dact_cast_kernel<In, kOut, decltype(n_act)::value, decltype(act0)::value,
+                       decltype(act1)::value><<<blocks, kThreads, 0, stream>>>(
+          dzp, hp, bp, nullptr, nullptr, nullptr, ap, nullptr, d, aligned);
+    });
+    return cuda_error("te_adapters dact_amax kernel");
   });
 }
 
@@ -725,6 +794,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DactCastCuda, DactCastImpl,
                                   .Attr<int32_t>("act1")
                                   .Attr<bool>("has_bias")
                                   .Attr<bool>("compute_amax"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActAmaxCuda, ActAmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("act0")
+                                  .Attr<int32_t>("act1")
+                                  .Attr<bool>("has_bias"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DactAmaxCuda, DactAmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("act0")
+                                  .Attr<int32_t>("act1")
+                                  .Attr<bool>("has_bias"),
                               TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 }  // namespace te_adapters

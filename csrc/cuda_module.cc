@@ -12,6 +12,8 @@ extern "C" XLA_FFI_Error* BlockCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ActCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* DactCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* NormCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* ActAmaxCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* DactAmaxCuda(XLA_FFI_CallFrame* call_frame);
 #ifdef TE_ADAPTERS_BLOCK_GEMM
 extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #endif
@@ -31,6 +33,8 @@ NB_MODULE(_csrc_cuda, m) {
     d["te_adapters_act_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::ActCastCuda));
     d["te_adapters_dact_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::DactCastCuda));
     d["te_adapters_norm_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::NormCastCuda));
+    d["te_adapters_act_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::ActAmaxCuda));
+    d["te_adapters_dact_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::DactAmaxCuda));
 #ifdef TE_ADAPTERS_BLOCK_GEMM
     d["te_adapters_block_gemm"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockGemmCuda));
 #endif

@@ -23,18 +23,22 @@ import numpy as np
 from te_adapters.core import _partition
 
 __all__ = [
+  "ACT_AMAX_TARGET",
   "ACT_CAST_TARGET",
   "AMAX_TARGET",
   "BLOCK_CAST_TARGET",
   "CAST_TRANSPOSE_TARGET",
+  "DACT_AMAX_TARGET",
   "DACT_CAST_TARGET",
   "GEMM_TARGET",
   "NORM_CAST_TARGET",
+  "act_amax_call",
   "act_cast_call",
   "amax_call",
   "block_cast_call",
   "cast_transpose_call",
   "cublas_gemm_available",
+  "dact_amax_call",
   "dact_cast_call",
   "ffi_available",
   "gemm_call",
@@ -53,6 +57,9 @@ BLOCK_CAST_TARGET = "te_adapters_block_cast"
 # The MLP's fused activation casts (GPU only): act(h + b) to FP8, and dact to FP8 with dbias.
 ACT_CAST_TARGET = "te_adapters_act_cast"
 DACT_CAST_TARGET = "te_adapters_dact_cast"
+# Their amax alone (current scaling's pass before the cast; GPU only).
+ACT_AMAX_TARGET = "te_adapters_act_amax"
+DACT_AMAX_TARGET = "te_adapters_dact_amax"
 # The norm's output (from its row statistics) to FP8 in both orientations (GPU only).
 NORM_CAST_TARGET = "te_adapters_norm_cast"
 # The cuBLASLt FP8 GEMM: per-tensor scales and 1x128 / 128x128 block scales.
@@ -226,13 +233,28 @@ def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, pow
   )
 
 
-def _act_attrs(acts, bias, with_amax):
+def _act_attrs(acts, bias, with_amax=None):
   act0, act1 = (*acts, -1) if len(acts) == 1 else acts
   has_bias = bias is not None
   bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32).reshape(-1)
-  attrs = dict(act0=np.int32(act0), act1=np.int32(act1), has_bias=has_bias,
-               compute_amax=with_amax)
+  attrs = dict(act0=np.int32(act0), act1=np.int32(act1), has_bias=has_bias)
+  if with_amax is not None:
+    attrs["compute_amax"] = with_amax
   return bias, attrs
+
+
+def act_amax_call(h, bias, acts):
+  """The amax (1,) of ``act_cast_call``'s values, with no FP8 output."""
+  bias, attrs = _act_attrs(acts, bias)
+  out = jax.ShapeDtypeStruct((1,), jnp.float32)
+  return jax.ffi.ffi_call(ACT_AMAX_TARGET, out, vmap_method="sequential")(h, bias, **attrs)
+
+
+def dact_amax_call(dz, h, bias, acts):
+  """The amax (1,) of ``dact_cast_call``'s values, with no FP8 output or bias gradient."""
+  bias, attrs = _act_attrs(acts, bias)
+  out = jax.ShapeDtypeStruct((1,), jnp.float32)
+  return jax.ffi.ffi_call(DACT_AMAX_TARGET, out, vmap_method="sequential")(dz, h, bias, **attrs)
 
 
 def act_cast_call(h, bias, scale, q_dtype, acts, with_amax):

@@ -177,7 +177,20 @@ def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
   return q, q_t, a, jnp.sum(dh, axis=0)
 
 
-def _dact_amax(dz, h, b, names):
+def _act_amax(h, b, names, config):
+  """The amax of the activation (current scaling's pass before ``_act_cast``): the kernel's own
+  float32 values where it runs, XLA's reduce over the formula otherwise."""
+  acts = kernel_activations(h, names, config)
+  if acts is not None and _ffi.registered(_ffi.ACT_AMAX_TARGET, "gpu"):
+    return _ffi.act_amax_call(h, b, acts)
+  return _scaling.amax(activation_f32(h, b, names))
+
+
+def _dact_amax(dz, h, b, names, config):
+  """The amax of ``dz * act'(h + b)`` (current scaling's pass before ``_dact_cast``)."""
+  acts = kernel_activations(h, names, config)
+  if acts is not None and _ffi.registered(_ffi.DACT_AMAX_TARGET, "gpu"):
+    return _ffi.dact_amax_call(dz, h, b, acts)
   return _scaling.amax(dact_f32(dz, h, b, names))
 
 
@@ -228,7 +241,7 @@ def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
   q_z, q_zt, scale_z, new_z = quantize(
       h, "x", fwd, state=state_1,
       cast=lambda scale, with_amax: _act_cast(h, wi_bias, names, fwd, scale, with_amax, config),
-      amax=lambda: _scaling.amax(activation_f32(h, wi_bias, names)))
+      amax=lambda: _act_amax(h, wi_bias, names, config))
   q_wo, q_wot, scale_wo, new_wo = quantize(wo, "kernel", fwd, state=state_1)
   sinv_z, sinv_wo = _scaling.scale_inverse(scale_z), _scaling.scale_inverse(scale_wo)
   out = _gemm._tn_dot(q_z, q_wot, (sinv_z, sinv_wo), out_dtype, None, "fwd", recipe, config)
@@ -269,7 +282,7 @@ def _mlp_bwd(static, residuals, g):
 
   q_dh, q_dht, scale_dh, new_g0 = quantize(
       h, "grad", bwd, state=state_0, cast=cast,
-      amax=lambda: _dact_amax(dz, h, wi_bias, names))
+      amax=lambda: _dact_amax(dz, h, wi_bias, names, config))
   sinv_dh = _scaling.scale_inverse(scale_dh)
   dy = _gemm._tn_dot(q_dh, q_wi, (sinv_dh, sinv_wi), y_proto.dtype, None, "dgrad", recipe, config)
   dwi = _gemm._tn_dot(q_yt, q_dht, (sinv_y, sinv_dh), wi_proto.dtype, None, "wgrad", recipe,

@@ -166,14 +166,29 @@ def test_activation_casts_of_nan_and_inf_are_pure_jaxs(activations):
   np.testing.assert_array_equal(da, rda)
 
 
-def test_current_scaling_amax_of_the_formula_is_the_kernels():
-  # Current scaling takes the amax with XLA's reduce over the formula, then casts with the
-  # kernel: the delayed-scaling kernel's own amax of the same values agrees.
-  h, bias = _h_and_bias(256, 128, 2, jnp.bfloat16)
-  names = ("silu", "linear")
-  _, _, a = _fused_mlp._act_cast(h, bias, names, jnp.float8_e4m3fn, jnp.ones(1), True, KERNEL)
-  formula = _scaling.amax(_fused_mlp.activation_f32(h, bias, names))
-  np.testing.assert_allclose(a, formula, rtol=1e-6)
+@pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
+@pytest.mark.parametrize("shape", [(256, 128), (200, 96)], ids=["full-tiles", "partial-tiles"])
+def test_current_scalings_amax_pass_is_the_casts_amax(activations, shape):
+  # Current scaling takes the amax in a pass of its own (the kernels with no FP8 output), then
+  # casts: its amax is the one the delayed-scaling cast computes of the same values, and agrees
+  # with XLA's reduce over the pure-JAX formula.
+  m, f = shape
+  h, bias = _h_and_bias(m, f, len(activations), jnp.bfloat16)
+  dz = jnp.asarray(np.random.default_rng(1).normal(size=(m, f)), jnp.bfloat16)
+  one = jnp.ones(1)
+  amax = jax.jit(lambda h, b: _fused_mlp._act_amax(h, b, activations, KERNEL))(h, bias)
+  _, _, cast_amax = _fused_mlp._act_cast(h, bias, activations, jnp.float8_e4m3fn, one, True,
+                                         KERNEL)
+  np.testing.assert_array_equal(amax, cast_amax)
+  formula = _scaling.amax(_fused_mlp.activation_f32(h, bias, activations))
+  np.testing.assert_allclose(amax, formula, rtol=1e-5)
+  d_amax = jax.jit(lambda dz, h, b: _fused_mlp._dact_amax(dz, h, b, activations, KERNEL))(
+      dz, h, bias)
+  _, _, d_cast_amax, _ = _fused_mlp._dact_cast(dz, h, bias, activations, jnp.float8_e5m2, one,
+                                               True, KERNEL)
+  np.testing.assert_array_equal(d_amax, d_cast_amax)
+  d_formula = _scaling.amax(_fused_mlp.dact_f32(dz, h, bias, activations))
+  np.testing.assert_allclose(d_amax, d_formula, rtol=1e-5)
 
 
 @pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()],
@@ -196,7 +211,10 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
   hlo = grad.lower(x, wi, wo, bi, states, KERNEL).compile().as_text()
-  for target in (_ffi.NORM_CAST_TARGET, _ffi.ACT_CAST_TARGET, _ffi.DACT_CAST_TARGET):
+  targets = [_ffi.NORM_CAST_TARGET, _ffi.ACT_CAST_TARGET, _ffi.DACT_CAST_TARGET]
+  if isinstance(recipe, ta.Float8CurrentScaling):
+    targets += [_ffi.ACT_AMAX_TARGET, _ffi.DACT_AMAX_TARGET]  # the amax passes before the casts
+  for target in targets:
     assert target in hlo, target
   ours, ref = (grad(x, wi, wo, bi, states, c) for c in (KERNEL, JAX))
   for a, b in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
