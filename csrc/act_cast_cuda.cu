@@ -49,7 +49,8 @@ namespace {
 
 constexpr int kTile = 64;
 constexpr int kThreads = 256;
-constexpr int kSmemStride = kTile + 16;  // keeps 16-byte rows aligned for the row-major stores
+// 80 bytes: rows stay 16-byte aligned (the 8-byte row writes and the 4-byte transposed reads).
+constexpr int kSmemStride = kTile + 16;
 constexpr int kMaxAct = 2;
 // Loading: each thread reads kVec consecutive columns of a row with 16-byte loads (two for
 // float32) where the tile is full and the rows are 16-byte aligned, element by element otherwise.
@@ -59,13 +60,13 @@ constexpr int kRowStep = kThreads / kColGroups;   // 32 rows per pass
 constexpr int kPasses = kTile / kRowStep;         // 2 passes
 
 using cuda::abs_bits;
-using cuda::max_nan;
 using cuda::cuda_error;
-using cuda::zeroed_amax;
-using cuda::out_type;
 using cuda::Half;
+using cuda::max_nan;
+using cuda::out_type;
 using cuda::to_float;
 using cuda::to_fp8x8;
+using cuda::zeroed_amax;
 
 // The activation ids of te_adapters/core/_fused_mlp.py (KERNEL_ACTIVATIONS).
 enum Act : int { kLinear = 0, kGelu = 1, kRelu = 2, kSilu = 3, kQuickGelu = 4, kSquaredRelu = 5 };
@@ -169,9 +170,9 @@ __device__ __forceinline__ void store_row(uint2 codes, uint8_t* dst, uint8_t* ti
 
 // The tile's codes (shared memory, row stride kSmemStride) to the transposed output qt (row stride
 // ld_t, the tile's (0, 0) element at qt[0]). `vec`: a full tile, qt and ld_t 16-byte aligned. Each
-// thread then takes 4 rows x 4 columns of the tile: four 4-byte shared loads (one per row; the 16
-// threads of a row group read 64 consecutive bytes), four byte permutes into the 4 columns, and
-// four 4-byte stores (a warp writes 64 consecutive bytes of each of two rows of qt).
+// thread then takes 4 rows x 4 columns of the tile: four 4-byte shared loads (one per row), byte
+// permutes into the 4 columns, and four 4-byte stores (a warp writes 64 consecutive bytes of each
+// of two rows of qt at a time).
 __device__ __forceinline__ void store_transposed(const uint8_t* tile, uint8_t* qt, int64_t ld_t,
                                                  int rows, int cols, bool vec) {
   if (vec) {
@@ -208,7 +209,6 @@ __device__ __forceinline__ bool vector_stores(bool full, int64_t ld, int64_t ld_
                                               const void* qt) {
   return full && ld % 16 == 0 && ld_t % 16 == 0 && aligned16(q) && aligned16(qt);
 }
-
 
 template <typename In>
 __device__ __forceinline__ float from_bits16(uint16_t b) {
