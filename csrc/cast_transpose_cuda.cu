@@ -25,10 +25,10 @@ constexpr int kSmemStride = kTile + 1;  // odd stride: column reads hit distinct
 
 using cuda::abs_bits;
 using cuda::cuda_error;
-using cuda::zeroed_amax;
 using cuda::Half;
 using cuda::to_float;
 using cuda::to_fp8;
+using cuda::zeroed_amax;
 
 __device__ __forceinline__ void block_amax(uint32_t acc, uint32_t* out) {
   cuda::block_amax<kThreads>(acc, out);
