@@ -4,10 +4,11 @@ Usage (on a GPU, from the repository root):
   python bench/cast_kernels.py [--iters 20] [--m 8192] [--f 16384] [--k 4096]
 
 Times the activation's cast (gelu, bf16 in, E4M3 both orientations), its gradient's cast (E5M2,
-with the bias gradient) and the norm's cast (layernorm, E4M3), each from a profiler trace, and
-prints each one's bytes moved per second against its inputs and outputs (one read of every input,
-one write of both FP8 copies), and the fraction of its FP8 codes that differ from the pure-JAX
-path's (``backend="jax"``) with the largest difference in FP8 steps. Small enough to run under
+with the bias gradient), the norm's cast (layernorm, E4M3) and current scaling's amax passes of
+the first two (the same kernels with no output but the amax), each from a profiler trace, and
+prints each one's bytes moved per second against its traffic (one read of every input, one write
+of both FP8 copies), and for the casts the fraction of their FP8 codes that differ from the
+pure-JAX path's (``backend="jax"``) with the largest difference in FP8 steps. Small enough to run under
 Nsight Compute (``--iters 1 --no-agree``).
 """
 
@@ -61,20 +62,32 @@ def main():
     return jax.jit(lambda x, mean, rsigma: _fused_mlp._norm_cast(
         x, mean, rsigma, gamma, beta, False, jnp.float8_e4m3fn, s4, True, config))
 
+  def act_amax(config):
+    return jax.jit(lambda h, b: _fused_mlp._act_amax(h, b, names, config))
+
+  def dact_amax(config):
+    return jax.jit(lambda dz, h, b: _fused_mlp._dact_amax(dz, h, b, names, config))
+
+  # (name, jitted function of a GemmConfig, its arguments, bytes read and written, FP8 codes out)
   cases = [
-      ("act_cast", act, (h, bias), m * f * (2 + 2)),
-      ("dact_cast", dact, (dz, h, bias), m * f * (2 + 2 + 2)),
-      ("norm_cast", norm, (x, mean, rsigma), m * k * (2 + 2)),
+      ("act_cast", act, (h, bias), m * f * (2 + 2), True),
+      ("dact_cast", dact, (dz, h, bias), m * f * (2 + 2 + 2), True),
+      ("norm_cast", norm, (x, mean, rsigma), m * k * (2 + 2), True),
+      ("act_amax", act_amax, (h, bias), m * f * 2, False),
+      ("dact_amax", dact_amax, (dz, h, bias), m * f * (2 + 2), False),
   ]
-  for name, make, fn_args, nbytes in cases:
+  for name, make, fn_args, nbytes, codes in cases:
     fn = make(config)
     per_kernel = speed.gpu_kernel_ms(fn, fn_args, args.iters)
     ours = {n: t for n, t in per_kernel.items() if "cast" in n or "column_sum" in n}
     total = sum(ours.values())
     rate = nbytes / (total * 1e-3) / 1e12 if total else float("nan")
     detail = ", ".join(f"{n.split('(')[0][-40:]} {t:.3f}" for n, t in sorted(ours.items()))
-    print(f"{name}: {total:.3f} ms ({rate:.2f} TB/s of one read and two FP8 writes) [{detail}]")
-    if not args.no_agree:
+    print(f"{name}: {total:.3f} ms ({rate:.2f} TB/s of its traffic) [{detail}]")
+    if not codes:
+      ref = make(pure)(*fn_args)
+      print(f"  amax {float(fn(*fn_args)[0]):.6g}, pure JAX's {float(ref[0]):.6g}")
+    elif not args.no_agree:
       ours, ref = _steps(fn(*fn_args)[0]), _steps(make(pure)(*fn_args)[0])
       diff = np.abs(ours - ref)
       print(f"  codes differing from pure JAX: {np.mean(diff != 0):.2e} of {diff.size} "
