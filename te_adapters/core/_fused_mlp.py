@@ -146,19 +146,19 @@ def _kernels_run(x, config, target) -> bool:
   return _cast_transpose.backend(requested=config.backend) == "ffi" and _ffi.single_device(x)
 
 
-def kernel_activations(h, names, config):
-  """The CUDA kernels' activation ids where they run the casts of ``h``'s activation (one or two
-  activations they know, ``_kernels_run``), else None (pure JAX)."""
+def kernel_activations(h, names, config, target):
+  """The CUDA kernels' activation ids where the kernel ``target`` runs on ``h``'s activation (one
+  or two activations they know, ``_kernels_run``), else None (pure JAX)."""
   if len(names) > 2 or not all(isinstance(n, str) and n in KERNEL_ACTIVATIONS for n in names):
     return None
-  if not _kernels_run(h, config, _ffi.ACT_CAST_TARGET):
+  if not _kernels_run(h, config, target):
     return None
   return tuple(KERNEL_ACTIVATIONS[n] for n in names)
 
 
 def _act_cast(h, b, names, q_dtype, scale, with_amax, config):
   """The FP8 activation in both orientations (and its amax): (M, F), (F, M), (1,)."""
-  acts = kernel_activations(h, names, config)
+  acts = kernel_activations(h, names, config, _ffi.ACT_CAST_TARGET)
   if acts is not None:
     q, q_t, a = _ffi.act_cast_call(h, b, scale, q_dtype, acts, with_amax)
     return q, q_t, (a if with_amax else None)
@@ -168,7 +168,7 @@ def _act_cast(h, b, names, q_dtype, scale, with_amax, config):
 def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
   """GEMM 1's FP8 output gradient in both orientations, its amax and the float32 bias gradient:
   (M, n_act*F), (n_act*F, M), (1,), (n_act, F)."""
-  acts = kernel_activations(h, names, config)
+  acts = kernel_activations(h, names, config, _ffi.DACT_CAST_TARGET)
   if acts is not None:
     q, q_t, a, db = _ffi.dact_cast_call(dz, h, b, scale, q_dtype, acts, with_amax)
     return q, q_t, (a if with_amax else None), db.reshape(len(names), -1)
@@ -180,16 +180,16 @@ def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
 def _act_amax(h, b, names, config):
   """The amax of the activation (current scaling's pass before ``_act_cast``): the kernel's own
   float32 values where it runs, XLA's reduce over the formula otherwise."""
-  acts = kernel_activations(h, names, config)
-  if acts is not None and _ffi.registered(_ffi.ACT_AMAX_TARGET, "gpu"):
+  acts = kernel_activations(h, names, config, _ffi.ACT_AMAX_TARGET)
+  if acts is not None:
     return _ffi.act_amax_call(h, b, acts)
   return _scaling.amax(activation_f32(h, b, names))
 
 
 def _dact_amax(dz, h, b, names, config):
   """The amax of ``dz * act'(h + b)`` (current scaling's pass before ``_dact_cast``)."""
-  acts = kernel_activations(h, names, config)
-  if acts is not None and _ffi.registered(_ffi.DACT_AMAX_TARGET, "gpu"):
+  acts = kernel_activations(h, names, config, _ffi.DACT_AMAX_TARGET)
+  if acts is not None:
     return _ffi.dact_amax_call(dz, h, b, acts)
   return _scaling.amax(dact_f32(dz, h, b, names))
 

@@ -5,7 +5,8 @@ core.layernorm_mlp running them.
 The kernels compute the sigmoid-shaped activations (gelu's tanh form as x * sigmoid(2u), silu,
 quick_gelu) with the GPU's approximate 2**x and reciprocal, a few ulp of float32 from XLA's tanh
 and exp, which moves a value across an FP8 rounding boundary now and then: the FP8 codes are
-identical but for a small fraction, and those are one FP8 step apart. Skipped without a GPU or without the extension's CUDA part.
+identical but for a small fraction, and those are one FP8 step apart. Skipped without a GPU or
+without the extension's CUDA part.
 """
 
 import jax

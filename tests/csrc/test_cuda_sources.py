@@ -12,7 +12,7 @@ import re
 import pytest
 
 CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
-# None where the tests run from a copy without the sources (the pure-JAX install test's).
+# Empty where the tests run from a copy without the sources (the pure-JAX install test's).
 SOURCES = sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cc")) \
     if CSRC.is_dir() else []
 # A function declared __device__ (or __global__) but not __host__: the name before its "(" (and
