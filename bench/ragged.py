@@ -18,7 +18,11 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
   scaling, the same useful FLOPs as the grouped step: the speed a grouped GEMM aims at.
 
 TFLOP/s counts the useful work, 6*M*K*N per step (the forward, dgrad and wgrad GEMMs), whatever
-a variant really computes. The table also counts the compiled step's FP8 GEMMs (XLA's
+a variant really computes. Each G's header also gives the step's memory floor (``traffic_floor``):
+the bytes that any fwd+bwd step of the layer must move through device memory, over
+``--bandwidth`` (the H100's measured copy rate by default). A grouped layer holds G kernels of
+(K, N), so at fixed M, K and N its weight traffic grows with G while its FLOPs do not; where the
+floor exceeds the dense step's time, no grouped kernel reaches the dense GEMM's speed. The table also counts the compiled step's FP8 GEMMs (XLA's
 ``__cublas$lt$matmul$f8`` calls, the extension's cuBLASLt ``te_adapters_block_gemm`` and grouped
 ``te_adapters_grouped_gemm`` calls on GPU, f8 ``dot``s elsewhere), and gives the relative error
 of the forward output against ``lax_bf16``'s.
@@ -66,6 +70,50 @@ RECIPES = {
   "delayed": ta.DelayedScaling(),
   "mxfp8": ta.MXFP8BlockScaling(),
 }
+
+
+# Device-to-device copy rate of the H100 of this project's measurements, bytes read plus written
+# per second (the device tool's machine notes: about 3.0 TB/s).
+H100_COPY_TBS = 3.0
+
+
+def traffic_floor(m: int, k: int, n: int, groups: int, *, amax_passes: bool,
+                  fp8_in_memory: bool = True, high_bytes: int = 2) -> int:
+  """The fewest bytes one fwd+bwd step of a grouped layer moves through device memory.
+
+  x (M, K), the kernels (G, K, N) and dy (M, N) are high precision (``high_bytes`` each); each
+  GEMM reads its operands once and writes its output once (y, dx, the G kernel gradients). Two
+  designs:
+
+  - ``fp8_in_memory``: the GEMMs read FP8 operands that casts wrote (CUTLASS's, cuBLASLt's and
+    TransformerEngine's grouped FP8 GEMMs). Hopper's FP8 tensor cores take both operands
+    K-major, so each of x, the kernels and dy is cast into two FP8 copies, one per GEMM that
+    reads it: per element, read high (the cast), write two bytes, read two bytes (the GEMMs), and
+    with ``amax_passes`` (current scaling: the scale before the cast) one more high read.
+  - otherwise the GEMMs read the high-precision operands and convert them on chip (FP8 or bf16
+    alike): each of x, the kernels and dy read by its two GEMMs, nothing else; ``amax_passes``
+    still adds its read.
+
+  Outputs: y (M, N), dx (M, K) and the kernel gradient (G, K, N), written once in high precision.
+  """
+  # x, dy and the kernels; their gradients dx, y and the kernel gradient have the same sizes.
+  elements = m * k + m * n + groups * k * n
+  per_element = (high_bytes + 2 + 2) if fp8_in_memory else 2 * high_bytes
+  if amax_passes:
+    per_element += high_bytes
+  return elements * (per_element + high_bytes)
+
+
+def floor_line(m: int, k: int, n: int, groups: int, bandwidth_tbs: float) -> str:
+  """The header line with the step's memory floors (GB and ms at ``bandwidth_tbs``)."""
+  def show(**kw):
+    b = traffic_floor(m, k, n, groups, **kw)
+    return f"{b / 1e9:.1f} GB = {b / (bandwidth_tbs * 1e12) * 1e3:.2f} ms"
+
+  return (f"memory floor of the step at {bandwidth_tbs:g} TB/s: FP8 operands in memory "
+          f"{show(amax_passes=False)} (delayed), {show(amax_passes=True)} (current); converted "
+          f"on chip {show(amax_passes=False, fp8_in_memory=False)} (delayed); "
+          f"compute: {6 * m * k * n / 1e12:.2f} TFLOP")
 
 
 def _loop_over_experts(x, w, group_sizes, recipe):
@@ -168,6 +216,7 @@ def bench_groups(args, num_groups: int) -> None:
   print(f"\n## G={num_groups}: M={m} K={k} N={n} {args.dtype}, {args.routing} routing, "
         f"group sizes min {sizes.min()} max {sizes.max()} (sum {sizes.sum()})")
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(floor_line(m, k, n, num_groups, args.bandwidth))
   print("| variant | ms/step (median) | runs (ms) | useful TFLOP/s | vs lax_bf16 | FP8 GEMM | "
         "fwd err vs lax_bf16 |")
   print("|---|---|---|---|---|---|---|")
@@ -219,6 +268,8 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10, help="timed steps per run")
   p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
   p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--bandwidth", type=float, default=H100_COPY_TBS,
+                 help="device memory rate for the floor line, TB/s (bytes read plus written)")
   args = p.parse_args(argv)
   if args.recipe and args.variants:
     p.error("give --recipe or --variants, not both")

@@ -137,3 +137,37 @@ def test_gpu_idle_counts_time_no_stream_runs_and_names_the_gaps():
   assert speed.kernel_ms(events, steps=2) == pytest.approx(
       {"gemm": 0.1, "copy": 0.015, "cast": 0.025, "tiny": 0.0025})
   assert speed.gpu_idle([], steps=1) == (0.0, [])
+
+
+def test_ragged_memory_floor_counts_every_array_of_the_step():
+  """bench/ragged.py's floor against a tally by array: M=3, K=5, N=7, G=2, bf16."""
+  from bench import ragged
+
+  m, k, n, g = 3, 5, 7, 2
+  x, dy, w = m * k, m * n, g * k * n
+  outputs = 2 * (m * n + m * k + g * k * n)  # y, dx and the kernel gradients in bf16
+  # FP8 copies in memory: each input read in bf16 by its cast, two FP8 copies written, each read
+  # by one GEMM; current scaling reads each input once more for its amax.
+  fp8_delayed = sum(2 * a + 2 * a + 2 * a for a in (x, dy, w)) + outputs
+  assert ragged.traffic_floor(m, k, n, g, amax_passes=False) == fp8_delayed
+  assert ragged.traffic_floor(m, k, n, g, amax_passes=True) == fp8_delayed + 2 * (x + dy + w)
+  # Converted on chip: each input read in bf16 by its two GEMMs.
+  on_chip = sum(2 * 2 * a for a in (x, dy, w)) + outputs
+  assert ragged.traffic_floor(m, k, n, g, amax_passes=False, fp8_in_memory=False) == on_chip
+  # The issue's shape at G=64: 32.5 GB, 10.83 ms at the H100's 3.0 TB/s with FP8 copies.
+  line = ragged.floor_line(16384, 4096, 14336, 64, 3.0)
+  assert "32.5 GB = 10.83 ms (delayed)" in line and "40.6 GB = 13.53 ms (current)" in line
+  assert "24.4 GB = 8.12 ms" in line
+
+
+@pytest.mark.filterwarnings("ignore::te_adapters.core.HighPrecisionGemmWarning")  # tiny GEMMs
+def test_ragged_bench_runs_and_prints_its_floor(capsys):
+  from bench import ragged
+
+  ragged.main(["--tokens", "64", "--k", "32", "--n", "32", "--groups", "2", "--iters", "1",
+               "--repeats", "1", "--warmup", "0", "--variants", "ours_bf16", "dense_current"])
+  out = capsys.readouterr().out
+  assert "memory floor of the step at 3 TB/s" in out
+  rows = [line for line in out.splitlines() if line.startswith("| ours_bf16") or
+          line.startswith("| dense_current")]
+  assert len(rows) == 2 and not any("failed" in r for r in rows), out
