@@ -1,5 +1,7 @@
 // CPU XLA FFI handlers: per-tensor FP8 cast (row-wise and/or transposed copy, optional amax) and
 // amax. Bit-identical to the pure-JAX path on XLA:CPU, which flushes float32 denormals to zero.
+// The cast's scale has one element, or one per batch index of the input viewed as
+// (batch, rows, cols) (one scale per expert of a grouped GEMM); its amax likewise.
 
 #include <algorithm>
 #include <cstdint>
@@ -79,15 +81,17 @@ ffi::Error out_type(ffi::DataType t, OutType* out) {
   }
 }
 
+// `scale_stride` / `amax_stride`: 1 for one scale (amax) per batch index, 0 for one in all.
 template <InType kIn>
-void cast_kernel(const void* x, const Plan& p, float scale, OutType ot, uint8_t* q, uint8_t* qt,
-                 uint32_t* amax_bits) {
+void cast_kernel(const void* x, const Plan& p, const float* scales, int64_t scale_stride,
+                 OutType ot, uint8_t* q, uint8_t* qt, uint32_t* amax_bits, int64_t amax_stride) {
   const float limit = fp8_limit(ot);
-  scale = flush_denormal(scale);
   uint32_t acc = 0;
   constexpr int64_t kTile = 32;
   for (int64_t b = 0; b < p.batch; ++b) {
     const int64_t off = b * p.rows * p.cols;
+    const float scale = flush_denormal(scales[b * scale_stride]);
+    if (amax_stride != 0) acc = 0;
     // Tiles keep the transposed writes within a few cache lines.
     for (int64_t r0 = 0; r0 < p.rows; r0 += kTile) {
       const int64_t r1 = std::min(p.rows, r0 + kTile);
@@ -104,8 +108,9 @@ void cast_kernel(const void* x, const Plan& p, float scale, OutType ot, uint8_t*
         }
       }
     }
+    if (amax_bits && amax_stride != 0) amax_bits[b] = acc;
   }
-  if (amax_bits) *amax_bits = acc;
+  if (amax_bits && amax_stride == 0) *amax_bits = acc;
 }
 
 ffi::Error CastTransposeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
@@ -120,29 +125,37 @@ ffi::Error CastTransposeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
   if (auto e = out_type(rowwise ? q->element_type() : qt->element_type(), &ot); e.failure()) {
     return e;
   }
-  if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
+  const int64_t n_scale = static_cast<int64_t>(scale.element_count());
+  if (n_scale != 1 && n_scale != plan.batch) {
+    return ffi::Error::InvalidArgument("scale must have 1 element or one per batch index");
+  }
   const size_t n = x.element_count();
   if (rowwise && q->element_count() != n) return ffi::Error::InvalidArgument("bad q size");
   if (colwise && qt->element_count() != n) return ffi::Error::InvalidArgument("bad q_t size");
   if (colwise && x.dimensions().size() < 2) {
     return ffi::Error::InvalidArgument("the transposed copy needs rank >= 2");
   }
-  if (compute_amax && amax->element_count() != 1) {
-    return ffi::Error::InvalidArgument("amax must have 1 element");
+  const int64_t n_amax = compute_amax ? static_cast<int64_t>(amax->element_count()) : 1;
+  if (n_amax != 1 && n_amax != plan.batch) {
+    return ffi::Error::InvalidArgument("amax must have 1 element or one per batch index");
   }
+  const int64_t scale_stride = n_scale == 1 ? 0 : 1, amax_stride = n_amax == 1 ? 0 : 1;
   uint8_t* qp = rowwise ? static_cast<uint8_t*>(q->untyped_data()) : nullptr;
   uint8_t* qtp = colwise ? static_cast<uint8_t*>(qt->untyped_data()) : nullptr;
   uint32_t* ap = compute_amax ? reinterpret_cast<uint32_t*>(amax->typed_data()) : nullptr;
-  const float s = scale.typed_data()[0];
+  const float* sp = scale.typed_data();
   switch (it) {
     case InType::kF32:
-      cast_kernel<InType::kF32>(x.untyped_data(), plan, s, ot, qp, qtp, ap);
+      cast_kernel<InType::kF32>(x.untyped_data(), plan, sp, scale_stride, ot, qp, qtp, ap,
+                                amax_stride);
       break;
     case InType::kBF16:
-      cast_kernel<InType::kBF16>(x.untyped_data(), plan, s, ot, qp, qtp, ap);
+      cast_kernel<InType::kBF16>(x.untyped_data(), plan, sp, scale_stride, ot, qp, qtp, ap,
+                                 amax_stride);
       break;
     case InType::kF16:
-      cast_kernel<InType::kF16>(x.untyped_data(), plan, s, ot, qp, qtp, ap);
+      cast_kernel<InType::kF16>(x.untyped_data(), plan, sp, scale_stride, ot, qp, qtp, ap,
+                                amax_stride);
       break;
   }
   return ffi::Error::Success();

@@ -2,7 +2,8 @@
 // asked, the FP8 copy, the FP8 copy with the last two dims swapped, and the amax; and a separate
 // amax pass (current scaling).
 //
-// The input is viewed as (batch, rows, cols). Each block owns a 64x64 tile: 16-byte loads along
+// The input is viewed as (batch, rows, cols). The scale has one element, or one per batch index
+// (the grouped GEMM's kernels, one scale per expert); the amax likewise. Each block owns a 64x64 tile: 16-byte loads along
 // the row, the FP8 codes staged in shared memory, then 16-byte stores of the transposed tile.
 // Float32 -> FP8 as in fp8_cuda.cuh (the hardware conversion after XLA's clip).
 
@@ -36,6 +37,7 @@ __device__ __forceinline__ void block_amax(uint32_t acc, uint32_t* out) {
 
 struct Shape {
   int64_t batch, rows, cols, tiles_r, tiles_c;
+  int64_t scale_stride, amax_stride;  // 1: one scale (amax) per batch index; 0: one in all
 };
 
 // kVec: rows % 16 == 0 and cols * sizeof(In) % 16 == 0, so every full tile takes the vector path.
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r0 = (t % tiles_per_batch) / s.tiles_c * kTile;
   const int64_t c0 = (t % tiles_per_batch) % s.tiles_c * kTile;
   const In* xb = x + b * s.rows * s.cols;
-  const float scale = *scale_ptr;
+  const float scale = scale_ptr[b * s.scale_stride];
   const bool full = r0 + kTile <= s.rows && c0 + kTile <= s.cols;
   uint32_t acc = 0;
 
@@ -124,7 +126,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if (amax != nullptr) block_amax(acc, amax);
+  if (amax != nullptr) block_amax(acc, amax + b * s.amax_stride);
 }
 
 template <typename In>
@@ -186,7 +188,7 @@ ffi::Error CastTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   if (colwise && dims.size() < 2) {
     return ffi::Error::InvalidArgument("the transposed copy needs rank >= 2");
   }
-  Shape s{1, 1, dims.back(), 0, 0};
+  Shape s{1, 1, dims.back(), 0, 0, 0, 0};
   if (dims.size() >= 2) s.rows = dims[dims.size() - 2];
   for (size_t i = 0; i + 2 < dims.size(); ++i) s.batch *= dims[i];
   s.tiles_r = (s.rows + kTile - 1) / kTile;
@@ -198,11 +200,20 @@ ffi::Error CastTransposeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
   if ((rowwise && q->element_count() != n) || (colwise && qt->element_count() != n)) {
     return ffi::Error::InvalidArgument("output sizes do not match the input");
   }
-  if (scale.element_count() != 1) return ffi::Error::InvalidArgument("scale must have 1 element");
+  const int64_t n_scale = static_cast<int64_t>(scale.element_count());
+  if (n_scale != 1 && n_scale != s.batch) {
+    return ffi::Error::InvalidArgument("scale must have 1 element or one per batch index");
+  }
+  s.scale_stride = n_scale == 1 ? 0 : 1;
+  const int64_t n_amax = compute_amax ? static_cast<int64_t>(amax->element_count()) : 1;
+  if (n_amax != 1 && n_amax != s.batch) {
+    return ffi::Error::InvalidArgument("amax must have 1 element or one per batch index");
+  }
+  s.amax_stride = n_amax == 1 ? 0 : 1;
   uint8_t* qp = rowwise ? static_cast<uint8_t*>(q->untyped_data()) : nullptr;
   uint8_t* qtp = colwise ? static_cast<uint8_t*>(qt->untyped_data()) : nullptr;
   uint32_t* ap;
-  if (auto e = zeroed_amax(amax, compute_amax, stream, &ap); e.failure()) return e;
+  if (auto e = zeroed_amax(amax, compute_amax, stream, &ap, n_amax); e.failure()) return e;
   const float* sp = scale.typed_data();
   switch (x.element_type()) {
     case ffi::DataType::F32:

@@ -42,17 +42,20 @@ inline xla::ffi::Error out_type(
   return xla::ffi::Error::Success();
 }
 
-// The one-element amax result as the float bits the kernels max into (atomicMax on uint32),
-// zeroed on `stream` first; nullptr when `compute` is false.
+// The amax result (`count` elements, 1 unless a caller keeps one per batch index) as the float
+// bits the kernels max into (atomicMax on uint32), zeroed on `stream` first; nullptr when
+// `compute` is false.
 inline xla::ffi::Error zeroed_amax(xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F32>>& amax,
-                                   bool compute, cudaStream_t stream, uint32_t** out) {
+                                   bool compute, cudaStream_t stream, uint32_t** out,
+                                   int64_t count = 1) {
   *out = nullptr;
   if (!compute) return xla::ffi::Error::Success();
-  if (amax->element_count() != 1) {
-    return xla::ffi::Error::InvalidArgument("amax must have 1 element");
+  if (static_cast<int64_t>(amax->element_count()) != count) {
+    return xla::ffi::Error::InvalidArgument(count == 1 ? "amax must have 1 element"
+                                                       : "amax must have one element per batch index");
   }
   *out = reinterpret_cast<uint32_t*>(amax->typed_data());
-  cudaMemsetAsync(*out, 0, sizeof(uint32_t), stream);
+  cudaMemsetAsync(*out, 0, sizeof(uint32_t) * count, stream);
   return xla::ffi::Error::Success();
 }
 

@@ -25,7 +25,7 @@ import numpy as np
 from te_adapters.core import _ffi, _scaled_tensor, _scaling
 from te_adapters.core._ffi import ffi_available
 
-__all__ = ["amax", "backend", "cast_transpose", "ffi_available"]
+__all__ = ["amax", "backend", "cast_transpose", "cast_transpose_per_batch", "ffi_available"]
 
 _FFI_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
@@ -126,6 +126,60 @@ def cast_transpose(
   else:
     q, q_t, a = _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax)
   return (q if rowwise else None), (q_t if colwise else None), (a if with_amax else None)
+
+
+def cast_transpose_per_batch(
+  x: jax.Array, scales: jax.Array, q_dtype, *, with_amax: bool = False,
+  backend: str | None = None,
+):
+  """FP8 copies of each ``x[b]`` of ``x`` (B, R, C), as is and transposed, with its own scale.
+
+  The grouped GEMM's kernels (one per expert, each with its expert's scale) in one pass over
+  ``x``: ``q[b] = cast(clip(float32(x[b]) * scales[b], ±fp8_max))``, ``q_t[b]`` the same of
+  ``x[b].T``, and with ``with_amax`` the amax of each ``x[b]`` (inf where it holds a NaN or
+  inf, as ``amax``). The FFI kernel runs where ``cast_transpose``'s would and ``x`` is on one
+  device; the pure-JAX path, bit for bit the same, elsewhere.
+
+  Args:
+    x: float32, bfloat16 or float16 array of shape (B, R, C).
+    scales: float32 of shape (B,).
+    q_dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+    with_amax: also return the amaxes, float32 (B,).
+    backend: ``"jax"``, ``"ffi"``, ``"auto"`` or ``None`` (as for ``cast_transpose``).
+
+  Returns:
+    ``(q, q_t, amax)``, ``amax`` None unless ``with_amax``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from te_adapters.core import _cast_transpose
+    >>> x = jnp.arange(12.0).reshape(2, 2, 3)
+    >>> q, q_t, a = _cast_transpose.cast_transpose_per_batch(
+    ...     x, jnp.array([1.0, 0.5]), jnp.float8_e4m3fn, with_amax=True)
+    >>> q_t.shape, a.tolist(), float(q[1, 1, 2])
+    ((2, 3, 2), [5.0, 11.0], 5.5)
+  """
+  _scaled_tensor.check_float_operand("x", x)
+  q_dtype = _scaled_tensor.check_fp8_dtype(q_dtype)
+  x = jnp.asarray(x)
+  scales = jnp.asarray(scales, jnp.float32)
+  if x.ndim != 3:
+    raise ValueError(f"cast_transpose_per_batch needs a (B, R, C) array, got shape {x.shape}")
+  if scales.shape != x.shape[:1]:
+    raise ValueError(f"scales must have shape ({x.shape[0]},), one per batch index, got "
+                     f"{scales.shape}")
+  if x.size and _use_ffi(x, backend) and _ffi.single_device(x):
+    q, q_t, a = _ffi.cast_transpose_per_batch_call(q_dtype, with_amax)(x, scales)
+    return q, q_t, (a if with_amax else None)
+  limit = _scaling.fp8_max(q_dtype)
+  s = scales[:, None, None]
+  q = jnp.clip(x.astype(jnp.float32) * s, -limit, limit).astype(q_dtype)
+  q_t = jnp.clip(jnp.swapaxes(x, 1, 2).astype(jnp.float32) * s, -limit, limit).astype(q_dtype)
+  a = None
+  if with_amax:
+    a = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=(1, 2), initial=0.0)
+    a = a.astype(jnp.float32)
+  return q, q_t, a
 
 
 def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:

@@ -37,6 +37,7 @@ __all__ = [
   "amax_call",
   "block_cast_call",
   "cast_transpose_call",
+  "cast_transpose_per_batch_call",
   "cublas_gemm_available",
   "dact_amax_call",
   "dact_cast_call",
@@ -191,6 +192,27 @@ def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
     return tuple(outs), (True, True, True)
 
   return cast
+
+
+@functools.cache
+def cast_transpose_per_batch_call(q_dtype, with_amax):
+  """The FFI cast with one scale per leading index, ``f(x (B, R, C), scales (B,)) -> (q (B, R, C),
+  q_t (B, C, R), amax (B,))`` (amax empty unless ``with_amax``): the grouped GEMM's kernels, each
+  with its expert's scale, read once. No partitioning rule: for arrays on one device (the native
+  grouped GEMM's condition); looped under ``vmap``."""
+
+  def call(x, scales):
+    b, r, c = x.shape
+    outs = (
+      jax.ShapeDtypeStruct((b, r, c), q_dtype),
+      jax.ShapeDtypeStruct((b, c, r), q_dtype),
+      jax.ShapeDtypeStruct((b,), jnp.float32) if with_amax else _empty(jnp.float32),
+    )
+    return jax.ffi.ffi_call(CAST_TRANSPOSE_TARGET, outs, vmap_method="sequential")(
+      x, scales, rowwise=True, colwise=True, compute_amax=with_amax
+    )
+
+  return call
 
 
 @functools.cache

@@ -7,7 +7,9 @@ the per-group problems on the device, so nothing waits for the host inside a jit
 three GEMMs of a grouped layer, each with both operands K-major as Hopper's FP8 tensor cores
 want them:
 
-- forward ``y[rows of g] = x[rows of g] @ w[g]``: x (M, K) and the kernels as (G, N, K);
+- forward ``y[rows of g] = x[rows of g] @ w[g]``: x (M, K) and the kernels as (G, N, K) (the
+  transposed copy that the kernels' one-pass cast, ``_cast_transpose.cast_transpose_per_batch``,
+  writes beside the (G, K, N) one);
 - dgrad ``dx[rows of g] = dy[rows of g] @ w[g]^T``: dy (M, N) and the kernels as (G, K, N);
 - wgrad ``dw[g] = x[rows of g]^T @ dy[rows of g]``: x^T (K, P) and dy^T (N, P), where each
   group's rows start at a multiple of 16 columns (TMA needs 16-byte aligned addresses) and take at
@@ -23,7 +25,6 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from te_adapters.core import _ffi
 
@@ -157,7 +158,3 @@ def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool, config: int = D
     mode=_WGRAD, fast_accum=fast, config=config,
   )
 
-
-def transposed_kernels(q_w):
-  """The kernels (G, K, N) as (G, N, K), the forward GEMM's K-major layout."""
-  return lax.transpose(q_w, (0, 2, 1))

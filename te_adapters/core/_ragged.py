@@ -55,6 +55,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from te_adapters.core import (
   _block_scaled,
+  _cast_transpose,
   _frozen,
   _grouped_kernel,
   _grouping,
@@ -368,8 +369,9 @@ def _group_amax(x: jax.Array, ids: jax.Array, num_groups: int) -> jax.Array:
 
 
 def _expert_amax(w: jax.Array) -> jax.Array:
-  amax = jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32)
-  return jnp.where(jnp.any(jnp.isnan(w), axis=(1, 2)), jnp.float32(jnp.nan), amax)
+  """max |w[g]| per expert, float32 [G]: inf where w[g] holds a NaN or inf (as the per-tensor
+  amax and the one-pass cast give it; the scale rule then keeps that expert's old scale)."""
+  return jnp.max(jnp.where(jnp.isnan(w), jnp.inf, jnp.abs(w)), axis=(1, 2)).astype(jnp.float32)
 
 
 def _to_tensor_amax(amax: jax.Array) -> jax.Array:
@@ -403,15 +405,34 @@ def _quantize_rows(x, ids, num_groups, role, q_dtype, recipe, state, granularity
   return data, _scaling.scale_inverse(scale), new
 
 
-def _quantize_experts(w, role, q_dtype, recipe, state, granularity):
+def _quantize_experts(w, role, q_dtype, recipe, state, granularity, native=False):
+  """Quantizes the kernels [G, K, N], each with its expert's scale.
+
+  Returns ``(data, data_t, 1/scale [G], the role's new state)``. ``native`` (the native grouped
+  GEMM runs): ``data_t`` is the (G, N, K) copy its forward GEMM reads, written by the same pass
+  as ``data`` (the extension's per-expert cast on the GPU), and with delayed scaling that pass
+  also takes the amax that rolls into the history; otherwise ``data_t`` is None.
+  """
+  stored = _tensor_scaling.of(recipe).stored_scale(state, role) if state else None
+  if native and stored is not None:
+    # Delayed scaling casts with the stored scales; the amax comes from the same pass.
+    data, data_t, amax = _cast_transpose.cast_transpose_per_batch(
+        w, stored.reshape(w.shape[0]), q_dtype, with_amax=True)
+    if granularity == "tensor":
+      amax = _to_tensor_amax(amax)
+    scale, new = _role_scales(amax, role, q_dtype, recipe, state)
+    return data, data_t, _scaling.scale_inverse(scale), new
   amax = _expert_amax(w)
   if granularity == "tensor":
     amax = _to_tensor_amax(amax)
   scale, new = _role_scales(amax, role, q_dtype, recipe, state)
+  if native:
+    data, data_t, _ = _cast_transpose.cast_transpose_per_batch(w, scale, q_dtype)
+    return data, data_t, _scaling.scale_inverse(scale), new
   limit = _scaling.fp8_max(q_dtype)
   scaled = w.astype(jnp.float32) * scale[:, None, None]
   data = jnp.clip(scaled, -limit, limit).astype(q_dtype)
-  return data, _scaling.scale_inverse(scale), new
+  return data, None, _scaling.scale_inverse(scale), new
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
@@ -436,14 +457,14 @@ def _fp8_fwd(
   q_x, sinv_x, new_x = _quantize_rows(
       lhs, ids, num_groups, "x", recipe.fwd_dtype, recipe, state, granularity
   )
-  q_w, sinv_w, new_w = _quantize_experts(
-      rhs, "kernel", recipe.fwd_dtype, recipe, state, granularity
+  q_w, q_w_t, sinv_w, new_w = _quantize_experts(
+      rhs, "kernel", recipe.fwd_dtype, recipe, state, granularity, native
   )
   q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   if native:
     y = _grouped_kernel.rows_gemm(
-        q_x, _grouped_kernel.transposed_kernels(q_w),
+        q_x, q_w_t,
         _grouped_kernel.clamped_sizes(group_sizes, lhs.shape[0]), sinv_x * sinv_w, out_dtype,
         _grouped_kernel.fast_accumulation(precision, "fwd", recipe),
     )

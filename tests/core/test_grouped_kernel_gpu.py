@@ -146,9 +146,12 @@ def test_ragged_dot_runs_the_kernel(recipe, dtype):
     assert _norm_err(dw[g], rdw[g]) < 0.1, f"group {g}"
 
 
-def test_ragged_dot_matches_the_xla_path():
-  """The kernel and XLA's ragged dot multiply the same FP8 operands: they agree to rounding."""
-  recipe = ta.Float8CurrentScaling()
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_ragged_dot_matches_the_xla_path(recipe):
+  """The kernel and XLA's ragged dot multiply the same FP8 operands: they agree to rounding. The
+  native path casts the kernels in one pass (both orientations, and with delayed scaling the
+  amax for the history); over three steps its recipe state equals the XLA path's exactly."""
   kx, kw, kd = jax.random.split(jax.random.PRNGKey(3), 3)
   x = jax.random.normal(kx, (M, K), jnp.float32)
   w = 0.1 * jax.random.normal(kw, (len(SIZES), K, N), jnp.float32)
@@ -156,14 +159,21 @@ def test_ragged_dot_matches_the_xla_path():
   sizes = jnp.asarray(SIZES)
 
   def run(native):
-    def loss(x, w):
+    def loss(x, w, state):
       y = _ragged._fp8_ragged_dot(
-          x, w, sizes, {}, None, np.dtype(jnp.float32),
+          x, w, sizes, state, None, np.dtype(jnp.float32),
           (np.dtype(jnp.float32), np.dtype(jnp.float32)), recipe, "group", native)
       return jnp.sum(y * dy), y
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    state = core.init_ragged_state(recipe, len(SIZES))
+    for i in range(3):
+      (_, y), (dx, dw, new_state) = step(x * (1.0 + i), w, state)
+      state = new_state
+    return y, dx, dw, state
 
-  (_, y1), (dx1, dw1) = run(True)
-  (_, y0), (dx0, dw0) = run(False)
+  y1, dx1, dw1, state1 = run(True)
+  y0, dx0, dw0, state0 = run(False)
   for a, b in ((y1, y0), (dx1, dx0), (dw1, dw0)):
     assert _norm_err(a, np.asarray(b, np.float64)) < 5e-3
+  for a, b in zip(jax.tree.leaves(state1), jax.tree.leaves(state0), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

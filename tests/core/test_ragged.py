@@ -1,5 +1,6 @@
 """core.ragged_dot: numerics against a per-group float64 reference, state, errors, no host sync."""
 
+import dataclasses
 import functools
 import re
 import warnings
@@ -195,6 +196,47 @@ def test_per_group_scales_protect_a_small_expert(rel):
   y, _ = train_step(x, w, {}, sizes, dy, recipe)
   assert np.all(np.isnan(y[5]))
   assert rel(y[64:192], y_ref[64:192]) < 0.05
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+@pytest.mark.parametrize("granularity", ["group", "tensor"])
+def test_native_kernel_cast_equals_the_xla_cast(recipe_name, granularity):
+  """The native grouped GEMM's cast of the kernels (one pass writing both orientations, and with
+  delayed scaling the amax for the history) gives the XLA path's FP8 values, inverse scales and
+  next state, with a NaN in one expert and an infinity in another (their amaxes inf, their old
+  scales kept). On the GPU the pass is the extension's kernel (tests/csrc checks it against
+  pure JAX bit for bit); here it is pure JAX."""
+  from te_adapters.core import _ragged
+
+  recipe = RECIPES[recipe_name]
+  rng = np.random.default_rng(11)
+  w = rng.standard_normal((4, 32, 48)) * np.array([1e-3, 1.0, 30.0, 1.0])[:, None, None]
+  w[2, 5, 6], w[3, 0, 0] = np.nan, -np.inf
+  w = jnp.asarray(w, jnp.bfloat16)
+  state = init(recipe, 4)
+  if state:  # non-trivial stored scales, so that the cast uses them and not the amax
+    state = state.with_roles({
+        role: dataclasses.replace(state.role(role), scale=jnp.asarray([[0.5], [2.0], [8.0], [1.0]]))
+        for role in ("x", "kernel", "grad")})
+  run = lambda native: jax.jit(lambda w, st: _ragged._quantize_experts(
+      w, "kernel", jnp.float8_e4m3fn, recipe, st, granularity, native))(w, state)
+  q1, q1_t, sinv1, new1 = run(True)
+  q0, none, sinv0, new0 = run(False)
+  assert none is None and q1_t.shape == (4, 48, 32)
+  bits = lambda a: np.asarray(a).view(np.uint8)
+  np.testing.assert_array_equal(bits(q1), bits(q0))
+  np.testing.assert_array_equal(bits(q1_t), bits(jnp.swapaxes(q0, 1, 2)))
+  np.testing.assert_array_equal(np.asarray(sinv1), np.asarray(sinv0))
+  for a, b in zip(jax.tree.leaves(new1), jax.tree.leaves(new0), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if recipe_name == "delayed":
+    np.testing.assert_array_equal(np.asarray(sinv1), 1 / np.array([0.5, 2.0, 8.0, 1.0]))
+    history = np.asarray(new1.amax_history)  # the newest amax last
+    if granularity == "group":
+      assert np.isfinite(history[:2, -1]).all() and np.isposinf(history[2:, -1]).all()
+      np.testing.assert_array_equal(np.asarray(new1.scale)[2:, 0], [8.0, 1.0])  # kept
+    else:
+      assert np.isposinf(history[:, -1]).all()
 
 
 def test_fp8_operands_reach_the_ragged_gemms():

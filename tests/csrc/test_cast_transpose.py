@@ -148,6 +148,48 @@ def test_vmap_matches_per_example_calls():
   np.testing.assert_array_equal(_bits(got), _bits(jax.vmap(lambda v: ct.amax(v, backend="jax"))(x)))
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("q_dtype", Q_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(3, 33, 65), (4, 64, 48), (1, 5, 3)], ids=str)
+def test_per_batch_scales_bit_identical_to_jax(dtype, q_dtype, shape):
+  """One scale and one amax per leading index (the grouped GEMM's kernels, one per expert): the
+  kernel equals the pure-JAX path and, batch by batch, the one-scale cast with that scale."""
+  x = _nasty(shape, dtype, seed=7 + len(shape))
+  if shape[0] > 2:
+    x[1] = np.where(np.abs(x[1]) < np.inf, x[1], 0.0)  # finite: its own amax, not inf
+    x[2, 3, 4] = np.nan
+  scales = jnp.asarray(np.geomspace(0.01, 40.0, shape[0]), jnp.float32)
+  f = lambda be: jax.jit(lambda x, s: ct.cast_transpose_per_batch(
+    x, s, q_dtype, with_amax=True, backend=be))(x, scales)
+  (q, q_t, a), (rq, rq_t, ra) = f("ffi"), f("jax")
+  assert q.shape == x.shape and q_t.shape == np.swapaxes(x, 1, 2).shape and a.shape == shape[:1]
+  for got, want in ((q, rq), (q_t, rq_t), (a, ra)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  for b in range(shape[0]):
+    one = ct.cast_transpose(x[b], scales[b:b + 1], q_dtype, with_amax=True, backend="jax")
+    np.testing.assert_array_equal(_bits(q[b]), _bits(one[0]))
+    np.testing.assert_array_equal(_bits(q_t[b]), _bits(one[1]))
+    np.testing.assert_array_equal(_bits(a[b:b + 1]), _bits(one[2]))
+  if shape[0] > 2:
+    assert np.isposinf(a[0]) and np.isfinite(a[1]) and np.isposinf(a[2])  # inf, finite, NaN
+    assert float(a[1]) == float(np.max(np.abs(np.asarray(x[1], np.float32))))
+  q2, q2_t, none = ct.cast_transpose_per_batch(x, scales, q_dtype, backend="ffi")
+  assert none is None
+  np.testing.assert_array_equal(_bits(q2), _bits(q))
+  np.testing.assert_array_equal(_bits(q2_t), _bits(q_t))
+
+
+def test_per_batch_bad_input_errors():
+  x = jnp.ones((3, 4, 8), jnp.float32)
+  with pytest.raises(ValueError, match=r"scales must have shape \(3,\)"):
+    ct.cast_transpose_per_batch(x, jnp.ones((1,)), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match=r"needs a \(B, R, C\) array"):
+    ct.cast_transpose_per_batch(x[0], jnp.ones((4,)), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
+    ct.cast_transpose_per_batch(x, jnp.ones((3,)), jnp.bfloat16)
+
+
 def _dense_step(recipe, backend, monkeypatch):
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((2, 16, 32)), jnp.bfloat16)

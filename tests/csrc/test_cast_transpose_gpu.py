@@ -58,6 +58,32 @@ def test_cuda_bit_identical(dtype, q_dtype, shape, specials):
 
 
 @pytest.mark.parametrize(
+  "dtype", (jnp.bfloat16, np.float16, np.float32), ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize(
+  "q_dtype", (jnp.float8_e4m3fn, jnp.float8_e5m2), ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize("shape", [(3, 100, 37), (8, 256, 192), (5, 64, 64)], ids=str)
+def test_cuda_per_batch_scales_bit_identical(dtype, q_dtype, shape):
+  """One scale and one amax per leading index (the grouped GEMM's kernels): the CUDA kernel
+  equals the pure-JAX path; the amax of a batch with a NaN or inf is inf, of the others its own."""
+  rng = np.random.default_rng(shape[0])
+  x = rng.standard_normal(shape) * rng.choice([1e-4, 1.0, 300.0, 1e5], shape)
+  x[0, 1, 2], x[2, 3, 4] = np.inf, np.nan
+  x = jnp.asarray(x.astype(dtype))
+  scales = jnp.asarray(np.geomspace(1e-3, 30.0, shape[0]), jnp.float32)
+  f = jax.jit(lambda x, s: ct.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
+                                                       backend="ffi"))
+  g = jax.jit(lambda x, s: ct.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
+                                                       backend="jax"))
+  assert "te_adapters_cast_transpose" in f.lower(x, scales).as_text()
+  (q, q_t, a), (rq, rq_t, ra) = f(x, scales), g(x, scales)
+  for got, want in ((q, rq), (q_t, rq_t), (a, ra)):
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  assert np.isposinf(a[0]) and np.isposinf(a[2]) and np.all(np.isfinite(a[3:]))
+
+
+@pytest.mark.parametrize(
   "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)], ids=str
 )
 def test_cuda_dense_grad_identical(recipe):
