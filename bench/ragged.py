@@ -22,7 +22,8 @@ a variant really computes. Each G's header also gives the step's memory floor (`
 the bytes that any fwd+bwd step of the layer must move through device memory, over
 ``--bandwidth`` (the H100's measured copy rate by default). A grouped layer holds G kernels of
 (K, N), so at fixed M, K and N its weight traffic grows with G while its FLOPs do not; where the
-floor exceeds the dense step's time, no grouped kernel reaches the dense GEMM's speed. The table also counts the compiled step's FP8 GEMMs (XLA's
+floor exceeds the dense step's time, no grouped kernel reaches the dense GEMM's speed. The last
+column gives each variant's floor (``variant_floor``) and what fraction of its step it is. The table also counts the compiled step's FP8 GEMMs (XLA's
 ``__cublas$lt$matmul$f8`` calls, the extension's cuBLASLt ``te_adapters_block_gemm`` and grouped
 ``te_adapters_grouped_gemm`` calls on GPU, f8 ``dot``s elsewhere), and gives the relative error
 of the forward output against ``lax_bf16``'s.
@@ -114,6 +115,18 @@ def floor_line(m: int, k: int, n: int, groups: int, bandwidth_tbs: float) -> str
           f"{show(amax_passes=False)} (delayed), {show(amax_passes=True)} (current); converted "
           f"on chip {show(amax_passes=False, fp8_in_memory=False)} (delayed); "
           f"compute: {6 * m * k * n / 1e12:.2f} TFLOP")
+
+
+def variant_floor(variant: str, m: int, k: int, n: int, groups: int) -> int | None:
+  """The memory floor (bytes) of a variant's step, or None where none is stated (the loops do G
+  times the work; MXFP8's GEMMs are emulated on dequantized values)."""
+  if variant in ("lax_bf16", "ours_bf16"):  # bf16 operands read by their GEMMs as they are
+    return traffic_floor(m, k, n, groups, amax_passes=False, fp8_in_memory=False)
+  if variant in ("ours_current", "ours_delayed"):
+    return traffic_floor(m, k, n, groups, amax_passes=variant == "ours_current")
+  if variant == "dense_current":
+    return traffic_floor(m, k, n, 1, amax_passes=True)
+  return None
 
 
 def _loop_over_experts(x, w, group_sizes, recipe):
@@ -218,8 +231,8 @@ def bench_groups(args, num_groups: int) -> None:
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(floor_line(m, k, n, num_groups, args.bandwidth))
   print("| variant | ms/step (median) | runs (ms) | useful TFLOP/s | vs lax_bf16 | FP8 GEMM | "
-        "fwd err vs lax_bf16 |")
-  print("|---|---|---|---|---|---|---|")
+        "fwd err vs lax_bf16 | memory floor / ms |")
+  print("|---|---|---|---|---|---|---|---|")
   flops = 6.0 * m * k * n
   reference = None
   base_ms = None
@@ -241,15 +254,19 @@ def bench_groups(args, num_groups: int) -> None:
       runs = time_step(step, call_args, args.iters, args.repeats, args.warmup)
     except Exception as e:  # report and go on (an out-of-memory loop must not hide the rest)
       msg = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
-      print(f"| {variant} | failed: {type(e).__name__}: {msg} | | | | | |")
+      print(f"| {variant} | failed: {type(e).__name__}: {msg} | | | | | | |")
       continue
     ms = statistics.median(runs) * 1e3
     if variant == "lax_bf16":
       base_ms = ms
     speedup = f"{base_ms / ms:.2f}x" if base_ms else "-"
     runs_ms = ", ".join(f"{r * 1e3:.2f}" for r in runs)
+    floor = variant_floor(variant, m, k, n, num_groups)
+    floor_ms = "-" if floor is None else (
+        f"{floor / (args.bandwidth * 1e12) * 1e3:.2f} ms = "
+        f"{floor / (args.bandwidth * 1e12) / (ms * 1e-3):.0%}")
     print(f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
-          f"{fp8} | {err} |")
+          f"{fp8} | {err} | {floor_ms} |")
     sys.stdout.flush()
 
 

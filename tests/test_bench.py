@@ -171,3 +171,10 @@ def test_ragged_bench_runs_and_prints_its_floor(capsys):
   rows = [line for line in out.splitlines() if line.startswith("| ours_bf16") or
           line.startswith("| dense_current")]
   assert len(rows) == 2 and not any("failed" in r for r in rows), out
+  assert all(r.rstrip(" |").endswith("%") and " ms = " in r.split("|")[-2] for r in rows), rows
+  # Each variant's floor: bf16 operands read as they are, FP8 copies with current's amax passes.
+  assert ragged.variant_floor("ours_bf16", 64, 32, 32, 2) == ragged.traffic_floor(
+      64, 32, 32, 2, amax_passes=False, fp8_in_memory=False)
+  assert ragged.variant_floor("dense_current", 64, 32, 32, 2) == ragged.traffic_floor(
+      64, 32, 32, 1, amax_passes=True)
+  assert ragged.variant_floor("loop_current", 64, 32, 32, 2) is None
