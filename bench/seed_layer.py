@@ -1,9 +1,32 @@
-"""Seed 001's FlaxTransformerLayer for the benchmark, with one addition: a ``dtype`` field
-(default None, which is the seed's layer exactly) passed to every Dense and LayerNorm."""
+"""Seed 001's FlaxTransformerLayer for the benchmark, with two additions: a ``dtype`` field
+(default None, which is the seed's layer exactly) passed to every Dense and LayerNorm, and an
+``attention`` field (default ``"flax"``, the seed's ``nn.dot_product_attention``) that can run the
+same causal attention through ``jax.nn.dot_product_attention`` instead (``"xla"``, or ``"cudnn"``:
+cuDNN's fused attention on the GPU, the seed's pointer to a faster attention). Both layers take the
+field, so that a comparison changes the attention on both sides at once."""
 
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
+
+ATTENTIONS = ("flax", "xla", "cudnn")
+
+
+def causal_attention(q, k, v, mask, attention: str, **flax_kwargs):
+  """``q``, ``k``, ``v`` (batch, length, heads, depth) through the implementation ``attention``
+  names; ``mask``: None for causal, else the mask (``"flax"`` only)."""
+  if attention == "flax":
+    if mask is None:
+      mask = nn.make_causal_mask(q[..., 0, 0], dtype=jnp.bool_)
+    return nn.dot_product_attention(q, k, v, mask=mask, **flax_kwargs)
+  if attention not in ATTENTIONS:
+    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+  if mask is not None:
+    raise ValueError(f"attention={attention!r} runs the causal mask only; pass attention_mask=None")
+  if flax_kwargs.get("dropout_rate", 0.0) > 0 and not flax_kwargs.get("deterministic", True):
+    raise ValueError(f"attention={attention!r} has no dropout; call with deterministic=True")
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
 
 
 class FlaxDenseBlock(nn.Module):
@@ -52,13 +75,14 @@ class FlaxTransformerLayer(nn.Module):
   attention_dropout: float = 0.1
   dot_general_cls: callable = lambda: None
   dtype: jnp.dtype | None = None
+  attention: str = "flax"
 
   def setup(self):
     self.kv_channels = self.hidden_size // self.num_attention_heads
 
   @nn.compact
   def __call__(self, x, attention_mask: jnp.ndarray | None = None, deterministic: bool = False):
-    if attention_mask is None:
+    if attention_mask is None and self.attention == "flax":
       attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
     res = x
     x = nn.LayerNorm(epsilon=self.layernorm_eps, dtype=self.dtype)(x)
@@ -73,11 +97,8 @@ class FlaxTransformerLayer(nn.Module):
     dropout_rng = None
     if not deterministic and self.attention_dropout > 0:
       dropout_rng = self.make_rng("dropout")
-    x = nn.dot_product_attention(
-      query=q,
-      key=k,
-      value=v,
-      mask=attention_mask,
+    x = causal_attention(
+      q, k, v, attention_mask, self.attention,
       dropout_rng=dropout_rng,
       dropout_rate=self.attention_dropout,
       deterministic=deterministic,
@@ -112,21 +133,20 @@ class ModulesTransformerLayer(nn.Module):
   num_attention_heads: int
   recipe: object = None
   layernorm_eps: float = 1e-5
+  attention: str = "flax"
 
   @nn.compact
   def __call__(self, x, attention_mask: jnp.ndarray | None = None, deterministic: bool = False):
     from te_adapters import linen as ta_linen
 
     del deterministic
-    if attention_mask is None:
-      attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
     heads, kv = self.num_attention_heads, self.hidden_size // self.num_attention_heads
     qkv, _ = ta_linen.LayerNormDenseGeneral(
       3 * self.hidden_size, epsilon=self.layernorm_eps, use_bias=True,
       return_layernorm_output=False, recipe=self.recipe, threshold=None,
     )(x)
     q, k, v = jnp.split(qkv.reshape(*qkv.shape[:2], heads, 3 * kv), 3, axis=3)
-    a = nn.dot_product_attention(q, k, v, mask=attention_mask, deterministic=True)
+    a = causal_attention(q, k, v, attention_mask, self.attention, deterministic=True)
     a = a.reshape(*a.shape[:2], self.hidden_size).astype(x.dtype)
     x = x + ta_linen.DenseGeneral(
       self.hidden_size, use_bias=True, dtype=x.dtype, recipe=self.recipe, threshold=None

@@ -39,7 +39,7 @@ from flax import linen as nn
 
 import te_adapters as ta
 from bench.qwix_variants import qwix_variants
-from bench.seed_layer import FlaxDenseBlock
+from bench.seed_layer import ATTENTIONS, FlaxDenseBlock
 from te_adapters import core
 from te_adapters import linen as ta_linen
 from te_adapters.core import MMParams
@@ -192,7 +192,10 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
   return out
 
 
-def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
+def bench_layer(dtype, steps, repeats, recipes, log, size, attention="flax") -> list[dict]:
+  """Seed 001's layer, fwd+bwd: plain Flax, Flax with each FP8 ``dot_general``, Qwix, and (with a
+  dtype) the layer from te_adapters' modules. ``attention`` (``seed_layer.ATTENTIONS``) is the
+  attention implementation of every variant alike."""
   from bench.seed_layer import FlaxTransformerLayer
 
   batch, seq, hidden, ffn, heads = size
@@ -200,12 +203,15 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
   x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
   dy = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
   label_dtype = "dtype unset" if dtype is None else "dtype bf16"
+  if attention != "flax":
+    label_dtype += f", {attention} attention"
   rows = []
 
   def make(cls):
     kw = {} if dtype is None else {"dtype": dtype}
     return FlaxTransformerLayer(hidden_size=hidden, ffn_hidden_size=ffn,
-                                num_attention_heads=heads, dot_general_cls=cls, **kw)
+                                num_attention_heads=heads, dot_general_cls=cls,
+                                attention=attention, **kw)
 
   variants = _linen_variants(make, recipes)
   if dtype is not None:
@@ -213,7 +219,8 @@ def bench_layer(dtype, steps, repeats, recipes, log, size) -> list[dict]:
     from bench.seed_layer import ModulesTransformerLayer
     for label, recipe in recipes:
       variants.append((f"modules {label}", ModulesTransformerLayer(
-          hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, recipe=recipe)))
+          hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, recipe=recipe,
+          attention=attention)))
   for name, model in variants:
     variables = model.init(key, x, deterministic=True)
     apply_fn = lambda v, x, model=model: model.apply(v, x, deterministic=True)
@@ -335,7 +342,8 @@ def format_table(rows: list[dict]) -> str:
   """The rows as a table; ``>3% slower`` flags a variant more than 3% slower than bf16. Below
   it, a summary of the default-threshold variants of the GEMM sweep."""
   slower = f">{round((_SLOWER_TOLERANCE - 1) * 100)}% slower"
-  lines = [f"{'case':<30}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'GPU ms':>9}{'vs bf16':>9}"
+  cw = max([30] + [len(r["case"]) + 2 for r in rows])  # the case column's width
+  lines = [f"{'case':<{cw}}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'GPU ms':>9}{'vs bf16':>9}"
            f"{'FP8/other GEMMs':>17}  {slower}"]
 
   def judged(r):  # GPU time where both it and its case's bf16 row have one, else wall time
@@ -353,7 +361,7 @@ def format_table(rows: list[dict]) -> str:
     fp8 = "-" if r["cublas_fp8"] is None else str(r["cublas_fp8"])
     gpu = (f"{r['gpu_ms']:>9.3f}{gpu_base[r['case']] / r['gpu_ms']:>8.2f}x"
            if key == "gpu_ms" else f"{'-':>9}{'-':>9}")
-    lines.append(f"{r['case']:<30}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x{gpu}"
+    lines.append(f"{r['case']:<{cw}}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x{gpu}"
                  f"{fp8:>17}  {'SLOWER' if is_slow else ''}".rstrip())
     if r["variant"].endswith(_DEFAULT_THRESHOLD):
       forced = by_key.get((r["case"], r["variant"][: -len(_DEFAULT_THRESHOLD)]))
@@ -443,10 +451,14 @@ def main(argv=None) -> None:
                  help="GEMM sweep shapes instead of the built-in ones: comma list of MxKxN")
   p.add_argument("--full-size", action=argparse.BooleanOptionalAction, default=on_gpu,
                  help="seed sizes (default on GPU); small sizes otherwise")
+  p.add_argument("--attention", default="flax", choices=ATTENTIONS,
+                 help="the layer case's attention, in every variant: flax (the seed's "
+                      "nn.dot_product_attention), or jax.nn.dot_product_attention's xla or cudnn "
+                      "(cudnn: bf16 only, so the dtype-unset layer is left out)")
   args = p.parse_args(argv)
   recipes = [("current", ta.Float8CurrentScaling()),
              ("delayed", ta.DelayedScaling(amax_history_len=1024))]
-  log = lambda r: print(f"  {r['case']:<30}{r['variant']:<36}{r['ms']:9.2f} ms", flush=True)
+  log = lambda r: print(f"  {r['case']:<30} {r['variant']:<36}{r['ms']:9.2f} ms", flush=True)
   rows = []
   cases = args.cases.split(",")
   if args.full_size:
@@ -464,8 +476,10 @@ def main(argv=None) -> None:
   if "dense" in cases:
     rows += bench_dense(*dense, args.steps, args.repeats, recipes, log)
   if "layer" in cases:
-    rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer)
-    rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer)
+    if args.attention != "cudnn":  # cuDNN's attention takes bf16 / fp16 only
+      rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer, args.attention)
+    rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer,
+                        args.attention)
   if "mlp" in cases:
     rows += bench_mlp(args.steps, args.repeats, recipes, log, mlp)
   if args.shapes:

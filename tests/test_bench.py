@@ -122,6 +122,36 @@ def test_seed_layer_from_the_modules_runs_its_gemms_in_fp8():
   assert y.shape == x.shape and y.dtype == jnp.bfloat16 and bool(jnp.isfinite(y).all())
 
 
+def test_seed_layer_attention_choice_computes_the_same_layer():
+  """The layer case's ``--attention``: jax.nn.dot_product_attention (xla here) gives the seed's
+  nn.dot_product_attention result, in the Flax layer and in the layer from the modules, and what
+  it cannot do is refused."""
+  from bench.seed_layer import FlaxTransformerLayer, ModulesTransformerLayer
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 64))
+  for cls, kw in ((FlaxTransformerLayer, {}), (ModulesTransformerLayer, {"recipe": None})):
+    make = lambda attention, cls=cls, kw=kw: cls(
+        hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, attention=attention, **kw)
+    variables = make("flax").init(jax.random.PRNGKey(1), x, deterministic=True)
+    seed = make("flax").apply(variables, x, deterministic=True)
+    fused = make("xla").apply(variables, x, deterministic=True)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(seed), rtol=2e-5, atol=2e-5)
+    # A changed attention shows: one query attends to a key past it (not causal) or not at all.
+    assert float(jnp.max(jnp.abs(seed[:, :-1] - make("flax").apply(
+        variables, x.at[:, -1].add(1.0), deterministic=True)[:, :-1]))) == 0.0
+  layer = FlaxTransformerLayer(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                               attention="xla")
+  with pytest.raises(ValueError, match="no dropout"):
+    layer.init({"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x,
+               deterministic=False)
+  with pytest.raises(ValueError, match="causal mask only"):
+    layer.init(jax.random.PRNGKey(1), x, attention_mask=jnp.ones((2, 1, 32, 32), bool),
+               deterministic=True)
+  with pytest.raises(ValueError, match="attention must be one of"):
+    FlaxTransformerLayer(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                         attention="flash").init(jax.random.PRNGKey(1), x, deterministic=True)
+
+
 def test_gpu_idle_counts_time_no_stream_runs_and_names_the_gaps():
   # Two steps on two streams: the second stream's kernel covers part of the first's gap.
   events = [
