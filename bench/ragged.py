@@ -7,6 +7,8 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 
 - ``lax_bf16``: ``jax.lax.ragged_dot`` in bf16 (its own VJP).
 - ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)``.
+- ``native_bf16``: the native grouped GEMM with bfloat16 operands
+  (``te_adapters.core._grouped_kernel.bf16_ragged_dot``; Hopper, extension built with CUTLASS).
 - ``ours_current``, ``ours_delayed``: ``te_adapters.core.ragged_dot`` with FP8 current / delayed
   scaling (HYBRID).
 - ``ours_mxfp8``: ``te_adapters.core.ragged_dot`` with ``MXFP8BlockScaling`` (E4M3; the GEMMs
@@ -55,10 +57,12 @@ import numpy as np
 
 import te_adapters as ta
 from te_adapters import core
+from te_adapters.core import _grouped_kernel
 
 VARIANTS = (
   "lax_bf16",
   "ours_bf16",
+  "native_bf16",
   "ours_current",
   "ours_delayed",
   "ours_mxfp8",
@@ -120,7 +124,7 @@ def floor_line(m: int, k: int, n: int, groups: int, bandwidth_tbs: float) -> str
 def variant_floor(variant: str, m: int, k: int, n: int, groups: int) -> int | None:
   """The memory floor (bytes) of a variant's step, or None where none is stated (the loops do G
   times the work; MXFP8's GEMMs are emulated on dequantized values)."""
-  if variant in ("lax_bf16", "ours_bf16"):  # bf16 operands read by their GEMMs as they are
+  if variant in ("lax_bf16", "ours_bf16", "native_bf16"):  # bf16 operands read as they are
     return traffic_floor(m, k, n, groups, amax_passes=False, fp8_in_memory=False)
   if variant in ("ours_current", "ours_delayed"):
     return traffic_floor(m, k, n, groups, amax_passes=variant == "ours_current")
@@ -151,6 +155,14 @@ def make_forward(variant: str, num_groups: int):
     return (lambda x, w, gs, st: jax.lax.ragged_dot(x, w, gs)), {}
   if variant == "ours_bf16":
     return (lambda x, w, gs, st: core.ragged_dot(x, w, gs, recipe=None)), {}
+  if variant == "native_bf16":
+    def forward(x, w, gs, st):
+      why = _grouped_kernel.bf16_refusal(x, w, x.dtype)
+      if why is not None:
+        raise RuntimeError(f"the native bfloat16 grouped GEMM cannot run: {why}")
+      return _grouped_kernel.bf16_ragged_dot(x, w, gs)
+
+    return forward, {}
   if variant.startswith("ours_") and variant[5:] in RECIPES:
     recipe = RECIPES[variant[5:]]
     state = core.init_ragged_state(recipe, num_groups)
@@ -243,7 +255,8 @@ def bench_groups(args, num_groups: int) -> None:
       wv = w[:1] if variant.startswith("dense_") else w
       call_args = (x, wv, state, gs, dy)
       hlo = step.lower(*call_args).compile().as_text()
-      fp8 = fp8_gemms(hlo)
+      # The bfloat16 variant's grouped GEMM calls are not FP8 ones.
+      fp8 = "no (bf16 grouped kernel)" if variant == "native_bf16" else fp8_gemms(hlo)
       y = jax.jit(forward)(x, wv, gs, state)
       if reference is None and variant == "lax_bf16":
         reference = np.asarray(y, np.float32)

@@ -36,10 +36,14 @@ struct Problem {
   int sm_count;
 };
 
-// Element codes: operands 0 = float8_e4m3fn, 1 = float8_e5m2; output 0 = bfloat16, 1 = float32.
-// kFast: FP8 fast accumulation (the tensor cores' own sums) or sums promoted to float32.
+// Element codes: operands 0 = float8_e4m3fn, 1 = float8_e5m2, 2 = bfloat16 (both operands);
+// output 0 = bfloat16, 1 = float32.
+// kFast: FP8 fast accumulation (the tensor cores' own sums) or sums promoted to float32 (always
+// 0 for bfloat16 operands, whose sums are float32).
 // kCfg: 0 = ping-pong, 128x128x128 tiles; 1 = cooperative, 128x256x128 tiles with fast sums and
-// 128x128x128 with promoted ones; both in clusters of 2x1.
+// 128x128x128 with promoted ones; both in clusters of 2x1. bfloat16 operands: K tiles of 64, and
+// cooperative 128x256.
+constexpr int kBf16Code = 2;
 // Returns an empty string on success, else what failed.
 template <int kA, int kB, int kD, int kFast, int kCfg>
 std::string Run(const Problem& p, cudaStream_t stream);
@@ -48,5 +52,8 @@ std::string Run(const Problem& p, cudaStream_t stream);
 // and P multiples of 16): the wgrad GEMM's operand layout. Returns what failed, or "".
 std::string PaddedTranspose(const uint8_t* q, const int32_t* src, uint8_t* out, int64_t rows,
                             int64_t f, int64_t p, cudaStream_t stream);
+// The same for two-byte elements (bfloat16 operands).
+std::string PaddedTranspose16(const uint16_t* q, const int32_t* src, uint16_t* out, int64_t rows,
+                              int64_t f, int64_t p, cudaStream_t stream);
 
 }  // namespace te_adapters::grouped

@@ -1,6 +1,6 @@
-// XLA FFI handler of the grouped FP8 GEMM (see grouped_gemm.h): checks the buffers, picks the
-// instantiation for the operand and output types and the accumulation mode, and runs it on XLA's
-// stream. Group sizes are read on the device only.
+// XLA FFI handler of the grouped GEMM, FP8 or bfloat16 operands (see grouped_gemm.h): checks the
+// buffers, picks the instantiation for the operand and output types and the accumulation mode,
+// and runs it on XLA's stream. Group sizes are read on the device only.
 #include <map>
 #include <mutex>
 #include <string>
@@ -49,6 +49,35 @@ std::string PaddedTranspose(const uint8_t* q, const int32_t* src, uint8_t* out, 
   return err == cudaSuccess ? "" : std::string("padded transpose: ") + cudaGetErrorString(err);
 }
 
+// The same for two-byte elements: 64x64-element tiles, one element per access (consecutive
+// threads read consecutive features of a source row and write consecutive output columns).
+__global__ void PaddedTranspose16Kernel(const uint16_t* q, const int32_t* src, uint16_t* out,
+                                        int64_t rows, int64_t f, int64_t p) {
+  __shared__ uint16_t tile[64][65];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 64;  // output columns (source rows)
+  const int64_t f0 = static_cast<int64_t>(blockIdx.y) * 64;  // features (output rows)
+  const int tx = threadIdx.x, ty = threadIdx.y;               // 64 x 4 threads
+  for (int i = ty; i < 64; i += 4) {
+    const int64_t c = c0 + i, ff = f0 + tx;
+    const int32_t r = c < p ? src[c] : -1;
+    tile[i][tx] = (r >= 0 && r < rows && ff < f) ? q[r * f + ff] : uint16_t{0};
+  }
+  __syncthreads();
+  for (int i = ty; i < 64; i += 4) {
+    const int64_t ff = f0 + i, c = c0 + tx;
+    if (ff < f && c < p) out[ff * p + c] = tile[tx][i];
+  }
+}
+
+std::string PaddedTranspose16(const uint16_t* q, const int32_t* src, uint16_t* out, int64_t rows,
+                              int64_t f, int64_t p, cudaStream_t stream) {
+  if (f == 0 || p == 0) return "";
+  const dim3 grid(static_cast<unsigned>((p + 63) / 64), static_cast<unsigned>((f + 63) / 64));
+  PaddedTranspose16Kernel<<<grid, dim3(64, 4), 0, stream>>>(q, src, out, rows, f, p);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? "" : std::string("padded transpose: ") + cudaGetErrorString(err);
+}
+
 }  // namespace grouped
 
 namespace {
@@ -76,6 +105,12 @@ int fp8_code(ffi::DataType t) {
   return -1;
 }
 
+// The operand codes of grouped_gemm.h: the FP8 types, and bfloat16.
+int in_code(ffi::DataType t) {
+  if (t == ffi::DataType::BF16) return grouped::kBf16Code;
+  return fp8_code(t);
+}
+
 int out_code(ffi::DataType t) {
   if (t == ffi::DataType::BF16) return 0;
   if (t == ffi::DataType::F32) return 1;
@@ -83,9 +118,16 @@ int out_code(ffi::DataType t) {
 }
 
 // The instantiations built (grouped_gemm_inst_*.cu): operand pairs (e4m3, e4m3), (e5m2, e4m3),
-// (e4m3, e5m2), each with both outputs and both accumulation modes, in both tile configurations.
+// (e4m3, e5m2), each with both outputs and both accumulation modes, and (bf16, bf16) with both
+// outputs (float32 sums), in both tile configurations.
 std::string dispatch(int a, int b, int d, int fast, int cfg, const Problem& p,
                      cudaStream_t stream) {
+  if (a == grouped::kBf16Code && b == grouped::kBf16Code) {
+    if (d == 0) return cfg == 1 ? grouped::Run<2, 2, 0, 0, 1>(p, stream)
+                                : grouped::Run<2, 2, 0, 0, 0>(p, stream);
+    return cfg == 1 ? grouped::Run<2, 2, 1, 0, 1>(p, stream)
+                    : grouped::Run<2, 2, 1, 0, 0>(p, stream);
+  }
 #define TE_GG_CASE(A, B, D, F)                                 \
   if (a == A && b == B && d == D && fast == F) {               \
     return cfg == 1 ? grouped::Run<A, B, D, F, 1>(p, stream)   \
@@ -98,7 +140,8 @@ std::string dispatch(int a, int b, int d, int fast, int cfg, const Problem& p,
   TE_GG_OUTS(0, 1)
 #undef TE_GG_OUTS
 #undef TE_GG_CASE
-  return "no kernel for this pair of FP8 operand types (both float8_e5m2 is not built)";
+  return "no kernel for this pair of operand types (both float8_e5m2 is not built, and bfloat16 "
+         "pairs only with bfloat16)";
 }
 
 ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
@@ -110,11 +153,11 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   if (alpha.element_count() != static_cast<size_t>(groups)) {
     return ffi::Error::InvalidArgument("grouped GEMM: alpha needs one value per group");
   }
-  const int ca = fp8_code(a.element_type()), cb = fp8_code(b.element_type());
+  const int ca = in_code(a.element_type()), cb = in_code(b.element_type());
   const int cd = out_code(out->element_type());
-  if (ca < 0 || cb < 0) {
+  if (ca < 0 || cb < 0 || (ca == grouped::kBf16Code) != (cb == grouped::kBf16Code)) {
     return ffi::Error::InvalidArgument(
-        "grouped GEMM operands must be float8_e4m3fn or float8_e5m2");
+        "grouped GEMM operands must be float8_e4m3fn or float8_e5m2, or both bfloat16");
   }
   if (cd < 0) return ffi::Error::InvalidArgument("grouped GEMM output must be bfloat16 or float32");
   Problem p{};
@@ -162,8 +205,9 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   cudaGetDevice(&p.device);
   p.sm_count = sm_count_of(p.device);
   if (p.sm_count <= 0) return ffi::Error::Internal("grouped GEMM: no multiprocessor count");
-  const std::string error =
-      dispatch(ca, cb, cd, fast_accum != 0 ? 1 : 0, config == 1 ? 1 : 0, p, stream);
+  // bfloat16 operands sum in float32 whatever fast_accum says.
+  const int fast = fast_accum != 0 && ca != grouped::kBf16Code ? 1 : 0;
+  const std::string error = dispatch(ca, cb, cd, fast, config == 1 ? 1 : 0, p, stream);
   if (!error.empty()) return ffi::Error::Internal("te_adapters grouped GEMM: " + error);
   return ffi::Error::Success();
 }
@@ -176,15 +220,22 @@ ffi::Error PaddedTransposeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffe
     return ffi::Error::InvalidArgument(
         "padded transpose: shapes must be q (R, F), src (P,), out (F, P)");
   }
-  if (fp8_code(q.element_type()) < 0 || q.element_type() != out->element_type()) {
-    return ffi::Error::InvalidArgument("padded transpose: q and out must be the same FP8 type");
+  const int code = in_code(q.element_type());
+  if (code < 0 || q.element_type() != out->element_type()) {
+    return ffi::Error::InvalidArgument(
+        "padded transpose: q and out must be the same FP8 type, or both bfloat16");
   }
   if (qd[1] % 16 != 0 || od[1] % 16 != 0) {
     return ffi::Error::InvalidArgument("padded transpose: F and P must be multiples of 16");
   }
-  const std::string error = grouped::PaddedTranspose(
-      static_cast<const uint8_t*>(q.untyped_data()), src.typed_data(),
-      static_cast<uint8_t*>(out->untyped_data()), qd[0], qd[1], od[1], stream);
+  const std::string error =
+      code == grouped::kBf16Code
+          ? grouped::PaddedTranspose16(static_cast<const uint16_t*>(q.untyped_data()),
+                                       src.typed_data(), static_cast<uint16_t*>(out->untyped_data()),
+                                       qd[0], qd[1], od[1], stream)
+          : grouped::PaddedTranspose(static_cast<const uint8_t*>(q.untyped_data()),
+                                     src.typed_data(), static_cast<uint8_t*>(out->untyped_data()),
+                                     qd[0], qd[1], od[1], stream);
   if (!error.empty()) return ffi::Error::Internal("te_adapters " + error);
   return ffi::Error::Success();
 }

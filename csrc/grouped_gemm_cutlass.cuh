@@ -1,5 +1,5 @@
-// One instantiation of the grouped FP8 GEMM: CUTLASS's Hopper pointer-array grouped GEMM (TMA,
-// warp-specialized ping-pong, FP8 inputs, float32 accumulation, one alpha per group from device
+// One instantiation of the grouped GEMM: CUTLASS's Hopper pointer-array grouped GEMM (TMA,
+// warp-specialized, FP8 or bfloat16 inputs, float32 accumulation, one alpha per group from device
 // memory). A small kernel first turns the group sizes (on the device) into the per-group problem
 // shapes, pointers and strides, so the host never waits for them.
 #pragma once
@@ -20,22 +20,29 @@
 namespace te_adapters::grouped {
 
 template <int kCode>
-using Fp8 = cute::conditional_t<kCode == 0, cutlass::float_e4m3_t, cutlass::float_e5m2_t>;
+using In = cute::conditional_t<
+    kCode == 0, cutlass::float_e4m3_t,
+    cute::conditional_t<kCode == 1, cutlass::float_e5m2_t, cutlass::bfloat16_t>>;
 template <int kCode>
 using Out = cute::conditional_t<kCode == 0, cutlass::bfloat16_t, float>;
 
 template <int kA, int kB, int kD, int kFast, int kCfg>
 struct Config {
-  using ElementA = Fp8<kA>;
-  using ElementB = Fp8<kB>;
+  using ElementA = In<kA>;
+  using ElementB = In<kB>;
   using ElementD = Out<kD>;
+  static constexpr bool kBf16 = kA == kBf16Code;
+  static_assert((kA == kBf16Code) == (kB == kBf16Code), "bfloat16 operands come in pairs");
+  static_assert(!kBf16 || kFast == 0, "fast accumulation is an FP8 mode");
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   static constexpr bool kPingpong = kCfg == 0;
   // Promoted sums keep a second set of accumulators in registers: with 128x256 tiles (or a
   // ping-pong warp group's whole 128x128 tile) they spill, and ran 3x slower on an H100.
+  // bfloat16 tiles take 64 elements of K (128 bytes a row, as FP8's 128).
+  using TileK = cute::conditional_t<kBf16, cute::_64, cute::_128>;
   using TileShape =
-      cute::conditional_t<kPingpong || kFast == 0, cute::Shape<cute::_128, cute::_128, cute::_128>,
-                          cute::Shape<cute::_128, cute::_256, cute::_128>>;
+      cute::conditional_t<kPingpong || (kFast == 0 && !kBf16), cute::Shape<cute::_128, cute::_128, TileK>,
+                          cute::Shape<cute::_128, cute::_256, TileK>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using KernelSchedule = cute::conditional_t<
       kPingpong,
@@ -51,7 +58,7 @@ struct Config {
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major: (N, K), K contiguous
   using LayoutD = cutlass::layout::RowMajor;     // (M, N), N contiguous
-  static constexpr int kAlignAB = 16;
+  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementA>::value;  // 16 bytes
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<

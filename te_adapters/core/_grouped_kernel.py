@@ -1,4 +1,5 @@
-"""The native grouped FP8 GEMM of ``ragged_dot`` on Hopper (``csrc/grouped_gemm_*.cu``).
+"""The native grouped GEMM of ``ragged_dot`` on Hopper (``csrc/grouped_gemm_*.cu``): FP8, and
+bfloat16 (``bf16_ragged_dot``).
 
 CUTLASS 3.x's Hopper grouped GEMM (TMA, warp-specialized, FP8 operands, float32 sums, one
 output scale per group read from device memory), built when the extension is compiled with
@@ -23,18 +24,21 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from te_adapters.core import _ffi
 
-__all__ = ["available", "refusal", "rows_gemm", "wgrad_gemm", "padded_columns"]
+__all__ = ["available", "bf16_ragged_dot", "bf16_refusal", "padded_columns", "refusal",
+           "rows_gemm", "wgrad_gemm"]
 
 _ROWS, _WGRAD = 0, 1
 # CUTLASS's workspace (one set of TMA descriptors per multiprocessor) plus the per-group
 # arguments (problem shape, three pointers and strides, the alpha pointer: under 128 bytes).
 _CUTLASS_WORKSPACE = 4 * 1024 * 1024
 _FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+_BF16 = np.dtype(jnp.bfloat16)
 _OUT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 _ALIGN = 16
 # The kernel's tile configuration: 0 = ping-pong 128x128x128, 1 = cooperative 128x256x128 (fast
@@ -77,6 +81,22 @@ def refusal(lhs, rhs, recipe, out_dtypes) -> str | None:
   bad = [str(np.dtype(d)) for d in out_dtypes if np.dtype(d) not in _OUT]
   if bad:
     return f"it writes bfloat16 or float32, not {', '.join(bad)}"
+  k, n = lhs.shape[1], rhs.shape[2]
+  if k % _ALIGN or n % _ALIGN:
+    return f"it needs K and N multiples of {_ALIGN}"
+  if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
+    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  return None
+
+
+def bf16_refusal(lhs, rhs, out_dtype) -> str | None:
+  """Why ``bf16_ragged_dot`` cannot run this grouped GEMM (None: it can)."""
+  if not available():
+    return "the grouped GEMM is not built here or the devices are not Hopper GPUs"
+  if np.dtype(lhs.dtype) != _BF16 or np.dtype(rhs.dtype) != _BF16:
+    return f"it multiplies bfloat16 by bfloat16, not {lhs.dtype} by {rhs.dtype}"
+  if np.dtype(out_dtype) != _BF16:
+    return f"it writes bfloat16 (the operands' dtype), not {np.dtype(out_dtype)}"
   k, n = lhs.shape[1], rhs.shape[2]
   if k % _ALIGN or n % _ALIGN:
     return f"it needs K and N multiples of {_ALIGN}"
@@ -132,12 +152,12 @@ def padded_columns(q, group_sizes, native: bool | None = None):
   ``max(16, size rounded up to 16)`` columns, zeros in the rest; ``P = M + 16 G`` rounded up.
 
   ``group_sizes`` must be clamped (``clamped_sizes``). ``native``: the extension's CUDA kernel
-  (FP8 ``q`` only) or XLA's gather and transpose (much slower on an H100); None: the kernel
+  (FP8 or bfloat16 ``q``) or XLA's gather and transpose (much slower on an H100); None: the kernel
   where it is built."""
   rows = q.shape[0]
   src = _padded_sources(group_sizes, rows)
   if native is None:
-    native = np.dtype(q.dtype) in _FP8 and _transpose_registered()
+    native = np.dtype(q.dtype) in (*_FP8, _BF16) and _transpose_registered()
   if native:
     return _ffi.padded_transpose_call(q, src)
   src = jnp.where(src < 0, rows, src)
@@ -158,3 +178,32 @@ def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool, config: int = D
     mode=_WGRAD, fast_accum=fast, config=config,
   )
 
+
+@jax.custom_vjp
+def bf16_ragged_dot(lhs, rhs, group_sizes):
+  """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` for bfloat16 operands on the native grouped
+  GEMM, with its VJP (dgrad and wgrad on the same kernel): float32 sums, bfloat16 results; rows
+  past the groups give zero rows of the output and of the input gradient, an empty group a zero
+  kernel gradient. ``lhs`` (M, K), ``rhs`` (G, K, N), group sizes on the device. Where it runs:
+  ``bf16_refusal`` is None. The forward GEMM reads the kernels as (G, N, K), transposed by XLA.
+  """
+  return _bf16_fwd(lhs, rhs, group_sizes)[0]
+
+
+def _bf16_fwd(lhs, rhs, group_sizes):
+  sizes = clamped_sizes(group_sizes, lhs.shape[0])
+  ones = jnp.ones((rhs.shape[0],), jnp.float32)
+  y = rows_gemm(lhs, jnp.swapaxes(rhs, 1, 2), sizes, ones, _BF16, False)
+  return y, (lhs, rhs, sizes)
+
+
+def _bf16_bwd(residuals, g):
+  lhs, rhs, sizes = residuals
+  g = g.astype(_BF16)
+  ones = jnp.ones((rhs.shape[0],), jnp.float32)
+  dx = rows_gemm(g, rhs, sizes, ones, _BF16, False)
+  dw = wgrad_gemm(lhs, g, sizes, ones, _BF16, False)
+  return dx, dw, None
+
+
+bf16_ragged_dot.defvjp(_bf16_fwd, _bf16_bwd)

@@ -39,3 +39,62 @@ def test_ragged_dot_keeps_the_xla_path_without_the_kernel():
   assert _grouped_kernel.refusal(x, w, recipe, (jnp.float32,) * 3) is not None
   f = jax.jit(jax.grad(lambda x, w: core.ragged_dot(x, w, sizes, recipe=recipe).sum(), (0, 1)))
   assert "te_adapters_grouped_gemm" not in f.lower(x, w).as_text()
+
+
+def _rows_gemm_model(a, b, group_sizes, alpha, out_dtype, fast):
+  """The kernel's rows mode as grouped_gemm.h states it: out[rows of g] = a[rows of g] @ b[g]^T
+  * alpha[g] with float32 sums, zero past the groups."""
+  del fast
+  y = jax.lax.ragged_dot(a.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
+                         group_sizes, precision=jax.lax.Precision.HIGHEST)
+  ids = jnp.repeat(jnp.arange(len(group_sizes)), group_sizes, total_repeat_length=a.shape[0])
+  scale = jnp.where(jnp.arange(a.shape[0]) < group_sizes.sum(), alpha[ids], 0.0)
+  return (y * scale[:, None]).astype(out_dtype)
+
+
+def _wgrad_gemm_model(x, dy, group_sizes, alpha, out_dtype, fast):
+  """The kernel's wgrad mode: dw[g] = x[rows of g]^T @ dy[rows of g] * alpha[g]."""
+  del fast
+  starts = np.concatenate([[0], np.cumsum(np.asarray(group_sizes))[:-1]])
+  dw = [x[s:s + n].astype(jnp.float32).T @ dy[s:s + n].astype(jnp.float32) * alpha[g]
+        for g, (s, n) in enumerate(zip(starts, np.asarray(group_sizes), strict=True))]
+  return jnp.stack(dw).astype(out_dtype)
+
+
+def test_bf16_ragged_dot_wires_its_gemms_as_lax_ragged_dot(monkeypatch):
+  """bf16_ragged_dot's forward and VJP, with the kernel's two modes replaced by models of what
+  grouped_gemm.h says they compute: lax.ragged_dot's output and gradients (the GPU test runs the
+  kernel itself). Catches a wrong operand, transpose or group-size handling on any machine."""
+  monkeypatch.setattr(_grouped_kernel, "rows_gemm", _rows_gemm_model)
+  monkeypatch.setattr(_grouped_kernel, "wgrad_gemm", _wgrad_gemm_model)
+  rng = np.random.default_rng(0)
+  sizes = jnp.asarray([7, 0, 20, 5], jnp.int32)  # 32 rows in groups, 4 past them
+  x = jnp.asarray(rng.standard_normal((36, 32)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, 32, 48)), jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((36, 48)), jnp.bfloat16)
+
+  def grads(f):
+    loss = lambda x, w: jnp.sum(f(x, w, sizes).astype(jnp.float32) * dy.astype(jnp.float32))
+    return f(x, w, sizes), *jax.grad(loss, argnums=(0, 1))(x, w)
+
+  got = grads(_grouped_kernel.bf16_ragged_dot)
+  want = grads(lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=jax.lax.Precision.HIGHEST))
+  for a, b in zip(got, want, strict=True):
+    assert a.dtype == jnp.bfloat16 and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=2e-2)
+  assert np.all(np.asarray(got[0][32:]) == 0) and np.all(np.asarray(got[1][32:]) == 0)
+  assert np.all(np.asarray(got[2][1]) == 0)  # the empty group's kernel gradient
+
+
+def test_bf16_refusal_says_why():
+  x, w = jnp.ones((32, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)
+  reason = _grouped_kernel.bf16_refusal(x, w, jnp.bfloat16)
+  if not _grouped_kernel.available():
+    assert "not built here" in reason
+  else:
+    assert reason is None
+    assert "bfloat16 by bfloat16" in _grouped_kernel.bf16_refusal(x.astype(jnp.float32), w,
+                                                                   jnp.bfloat16)
+    assert "writes bfloat16" in _grouped_kernel.bf16_refusal(x, w, jnp.float32)
+    assert "multiples of 16" in _grouped_kernel.bf16_refusal(x[:, :8], w[:, :8], jnp.bfloat16)

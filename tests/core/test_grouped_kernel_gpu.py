@@ -90,7 +90,7 @@ def test_wgrad_gemm_matches_float64(fast, out_dtype, types):
       assert _norm_err(dw[g], ref) < TOL[(fast, out_dtype)], f"group {g}"
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, jnp.bfloat16])
 def test_padded_columns_kernel_equals_xla(dtype):
   q = _fp8(jax.random.PRNGKey(4), (M, K), dtype, 3.0)
   sizes = jnp.asarray(SIZES)
@@ -98,6 +98,40 @@ def test_padded_columns_kernel_equals_xla(dtype):
   xla = jax.jit(lambda q, s: _grouped_kernel.padded_columns(q, s, native=False))(q, sizes)
   assert native.shape == xla.shape and native.dtype == xla.dtype
   np.testing.assert_array_equal(np.asarray(native).view(np.uint8), np.asarray(xla).view(np.uint8))
+
+
+def test_bf16_ragged_dot_matches_float64_and_lax():
+  """bfloat16 operands on the native kernel: forward, dgrad and wgrad against float64 per group
+  (one bfloat16 rounding of float32 sums), zeros past the groups and for the empty group, and
+  lax.ragged_dot's own VJP to bfloat16 rounding."""
+  kx, kw, kd = jax.random.split(jax.random.PRNGKey(5), 3)
+  x = (2.0 * jax.random.normal(kx, (M, K))).astype(jnp.bfloat16)
+  w = (0.2 * jax.random.normal(kw, (len(SIZES), K, N))).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (M, N)).astype(jnp.bfloat16)
+  sizes = jnp.asarray(SIZES)
+  assert _grouped_kernel.bf16_refusal(x, w, jnp.bfloat16) is None
+
+  def step(f):
+    def loss(x, w):
+      y = f(x, w, sizes)
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+  native = step(_grouped_kernel.bf16_ragged_dot)
+  assert native.lower(x, w).as_text().count("te_adapters_grouped_gemm") == 3
+  (_, y), (dx, dw) = native(x, w)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+  ry, rdx, rdw = _reference(x, w, dy)
+  rows = int(SIZES.sum())
+  assert np.all(np.asarray(y[rows:]) == 0) and np.all(np.asarray(dx[rows:]) == 0)
+  assert np.all(np.asarray(dw[1]) == 0)  # the empty group
+  assert _norm_err(y[:rows], ry[:rows]) < 4e-3
+  assert _norm_err(dx[:rows], rdx[:rows]) < 4e-3
+  for g in (0, 2, 3):
+    assert _norm_err(dw[g], rdw[g]) < 4e-3, f"group {g}"
+  (_, ly), (ldx, ldw) = step(jax.lax.ragged_dot)(x, w)
+  for a, b in ((y, ly), (dx, ldx), (dw, ldw)):
+    assert _norm_err(a, np.asarray(b, np.float64)) < 8e-3
 
 
 def _reference(x, w, dy):
