@@ -40,13 +40,21 @@ __global__ void PaddedTransposeKernel(const uint8_t* q, const int32_t* src, uint
   }
 }
 
-std::string PaddedTranspose(const uint8_t* q, const int32_t* src, uint8_t* out, int64_t rows,
-                            int64_t f, int64_t p, cudaStream_t stream) {
+// Launches a padded-transpose kernel over 64x64 tiles of out (F, P).
+template <typename T>
+std::string launch_padded(void (*kernel)(const T*, const int32_t*, T*, int64_t, int64_t, int64_t),
+                          dim3 block, const T* q, const int32_t* src, T* out, int64_t rows,
+                          int64_t f, int64_t p, cudaStream_t stream) {
   if (f == 0 || p == 0) return "";
   const dim3 grid(static_cast<unsigned>((p + 63) / 64), static_cast<unsigned>((f + 63) / 64));
-  PaddedTransposeKernel<<<grid, dim3(16, 16), 0, stream>>>(q, src, out, rows, f, p);
+  kernel<<<grid, block, 0, stream>>>(q, src, out, rows, f, p);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? "" : std::string("padded transpose: ") + cudaGetErrorString(err);
+}
+
+std::string PaddedTranspose(const uint8_t* q, const int32_t* src, uint8_t* out, int64_t rows,
+                            int64_t f, int64_t p, cudaStream_t stream) {
+  return launch_padded(PaddedTransposeKernel, dim3(16, 16), q, src, out, rows, f, p, stream);
 }
 
 // The same for two-byte elements: 64x64-element tiles, one element per access (consecutive
@@ -71,11 +79,7 @@ __global__ void PaddedTranspose16Kernel(const uint16_t* q, const int32_t* src, u
 
 std::string PaddedTranspose16(const uint16_t* q, const int32_t* src, uint16_t* out, int64_t rows,
                               int64_t f, int64_t p, cudaStream_t stream) {
-  if (f == 0 || p == 0) return "";
-  const dim3 grid(static_cast<unsigned>((p + 63) / 64), static_cast<unsigned>((f + 63) / 64));
-  PaddedTranspose16Kernel<<<grid, dim3(64, 4), 0, stream>>>(q, src, out, rows, f, p);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? "" : std::string("padded transpose: ") + cudaGetErrorString(err);
+  return launch_padded(PaddedTranspose16Kernel, dim3(64, 4), q, src, out, rows, f, p, stream);
 }
 
 }  // namespace grouped

@@ -66,6 +66,16 @@ def fast_accumulation(precision, gemm: str, recipe) -> bool:
   return _fast(precision)
 
 
+def _shape_refusal(lhs, rhs) -> str | None:
+  """What both the FP8 and the bfloat16 kernel ask of the operands' sizes and placement."""
+  k, n = lhs.shape[1], rhs.shape[2]
+  if k % _ALIGN or n % _ALIGN:
+    return f"it needs K and N multiples of {_ALIGN}"
+  if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
+    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  return None
+
+
 def refusal(lhs, rhs, recipe, out_dtypes) -> str | None:
   """Why the native kernel cannot run this grouped GEMM (None: it can). The XLA path runs then.
 
@@ -81,12 +91,7 @@ def refusal(lhs, rhs, recipe, out_dtypes) -> str | None:
   bad = [str(np.dtype(d)) for d in out_dtypes if np.dtype(d) not in _OUT]
   if bad:
     return f"it writes bfloat16 or float32, not {', '.join(bad)}"
-  k, n = lhs.shape[1], rhs.shape[2]
-  if k % _ALIGN or n % _ALIGN:
-    return f"it needs K and N multiples of {_ALIGN}"
-  if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
-    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
-  return None
+  return _shape_refusal(lhs, rhs)
 
 
 def bf16_refusal(lhs, rhs, out_dtype) -> str | None:
@@ -97,12 +102,7 @@ def bf16_refusal(lhs, rhs, out_dtype) -> str | None:
     return f"it multiplies bfloat16 by bfloat16, not {lhs.dtype} by {rhs.dtype}"
   if np.dtype(out_dtype) != _BF16:
     return f"it writes bfloat16 (the operands' dtype), not {np.dtype(out_dtype)}"
-  k, n = lhs.shape[1], rhs.shape[2]
-  if k % _ALIGN or n % _ALIGN:
-    return f"it needs K and N multiples of {_ALIGN}"
-  if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
-    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
-  return None
+  return _shape_refusal(lhs, rhs)
 
 
 def clamped_sizes(group_sizes, rows: int):
