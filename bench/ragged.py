@@ -90,8 +90,8 @@ def traffic_floor(m: int, k: int, n: int, groups: int, *, amax_passes: bool,
   GEMM reads its operands once and writes its output once (y, dx, the G kernel gradients). Two
   designs:
 
-  - ``fp8_in_memory``: the GEMMs read FP8 operands that casts wrote (CUTLASS's, cuBLASLt's and
-    TransformerEngine's grouped FP8 GEMMs). Hopper's FP8 tensor cores take both operands
+  - ``fp8_in_memory``: the GEMMs read FP8 operands that casts wrote (as CUTLASS's and cuBLASLt's
+    grouped FP8 GEMMs do, and ours). Hopper's FP8 tensor cores take both operands
     K-major, so each of x, the kernels and dy is cast into two FP8 copies, one per GEMM that
     reads it: per element, read high (the cast), write two bytes, read two bytes (the GEMMs), and
     with ``amax_passes`` (current scaling: the scale before the cast) one more high read.
