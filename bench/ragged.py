@@ -25,10 +25,12 @@ the bytes that any fwd+bwd step of the layer must move through device memory, ov
 ``--bandwidth`` (the H100's measured copy rate by default). A grouped layer holds G kernels of
 (K, N), so at fixed M, K and N its weight traffic grows with G while its FLOPs do not; where the
 floor exceeds the dense step's time, no grouped kernel reaches the dense GEMM's speed. The last
-column gives each variant's floor (``variant_floor``) and what fraction of its step it is. The table also counts the compiled step's FP8 GEMMs (XLA's
-``__cublas$lt$matmul$f8`` calls, the extension's cuBLASLt ``te_adapters_block_gemm`` and grouped
-``te_adapters_grouped_gemm`` calls on GPU, f8 ``dot``s elsewhere), and gives the relative error
-of the forward output against ``lax_bf16``'s.
+column gives each variant's floor (``variant_floor``) and what fraction of its step it is.
+
+The table also counts the compiled step's FP8 GEMMs (XLA's ``__cublas$lt$matmul$f8`` calls, the
+extension's cuBLASLt ``te_adapters_block_gemm`` and grouped ``te_adapters_grouped_gemm`` calls on
+GPU, f8 ``dot``s elsewhere), and gives the relative error of the forward output against
+``lax_bf16``'s.
 
 ``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``) is short for
 ``--variants lax_bf16 ours_bf16 ours_NAME``.

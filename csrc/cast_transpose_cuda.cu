@@ -3,8 +3,9 @@
 // amax pass (current scaling).
 //
 // The input is viewed as (batch, rows, cols). The scale has one element, or one per batch index
-// (the grouped GEMM's kernels, one scale per expert); the amax likewise. Each block owns a 64x64 tile: 16-byte loads along
-// the row, the FP8 codes staged in shared memory, then 16-byte stores of the transposed tile.
+// (the grouped GEMM's kernels, one scale per expert); the amax likewise. Each block owns a 64x64
+// tile: 16-byte loads along the row, the FP8 codes staged in shared memory, then 16-byte stores
+// of the transposed tile.
 // Float32 -> FP8 as in fp8_cuda.cuh (the hardware conversion after XLA's clip).
 
 #include <cuda_runtime.h>

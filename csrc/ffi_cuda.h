@@ -51,8 +51,8 @@ inline xla::ffi::Error zeroed_amax(xla::ffi::Result<xla::ffi::Buffer<xla::ffi::F
   *out = nullptr;
   if (!compute) return xla::ffi::Error::Success();
   if (static_cast<int64_t>(amax->element_count()) != count) {
-    return xla::ffi::Error::InvalidArgument(count == 1 ? "amax must have 1 element"
-                                                       : "amax must have one element per batch index");
+    return xla::ffi::Error::InvalidArgument(
+        count == 1 ? "amax must have 1 element" : "amax must have one element per batch index");
   }
   *out = reinterpret_cast<uint32_t*>(amax->typed_data());
   cudaMemsetAsync(*out, 0, sizeof(uint32_t) * count, stream);

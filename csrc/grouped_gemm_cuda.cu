@@ -235,8 +235,9 @@ ffi::Error PaddedTransposeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffe
   const std::string error =
       code == grouped::kBf16Code
           ? grouped::PaddedTranspose16(static_cast<const uint16_t*>(q.untyped_data()),
-                                       src.typed_data(), static_cast<uint16_t*>(out->untyped_data()),
-                                       qd[0], qd[1], od[1], stream)
+                                       src.typed_data(),
+                                       static_cast<uint16_t*>(out->untyped_data()), qd[0], qd[1],
+                                       od[1], stream)
           : grouped::PaddedTranspose(static_cast<const uint8_t*>(q.untyped_data()),
                                      src.typed_data(), static_cast<uint8_t*>(out->untyped_data()),
                                      qd[0], qd[1], od[1], stream);

@@ -40,9 +40,9 @@ struct Config {
   // ping-pong warp group's whole 128x128 tile) they spill, and ran 3x slower on an H100.
   // bfloat16 tiles take 64 elements of K (128 bytes a row, as FP8's 128).
   using TileK = cute::conditional_t<kBf16, cute::_64, cute::_128>;
-  using TileShape =
-      cute::conditional_t<kPingpong || (kFast == 0 && !kBf16), cute::Shape<cute::_128, cute::_128, TileK>,
-                          cute::Shape<cute::_128, cute::_256, TileK>>;
+  using TileShape = cute::conditional_t<kPingpong || (kFast == 0 && !kBf16),
+                                        cute::Shape<cute::_128, cute::_128, TileK>,
+                                        cute::Shape<cute::_128, cute::_256, TileK>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using KernelSchedule = cute::conditional_t<
       kPingpong,
