@@ -118,3 +118,20 @@ def test_haiku_block():
   exec(_block("ta_hk.value_grad_and_state(loss_fn)"), ns)
   assert np.isfinite(float(ns["loss"])) and ns["aux"] is None
   assert jax.tree.structure(ns["param_grads"]) == jax.tree.structure(ns["params"])
+
+
+def test_scale_out_block_on_four_devices():
+  """The FSDP + tensor-parallel example on a 2x2 mesh of this process's devices (the suite runs
+  with 8 CPU devices): its weight gradient equals the one-device computation's."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+  ns = {"x": x, "w": w}
+  exec(_block('kernel_all_gather=P("fsdp", None)'), ns)
+  want = jax.grad(lambda w: jnp.sum(core.dot_general(
+      x, w, (((2,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling())), argnums=0)(w)
+  got = ns["grads"]
+  assert got.shape == w.shape and len(got.sharding.device_set) == 4
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
