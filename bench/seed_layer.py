@@ -82,8 +82,6 @@ class FlaxTransformerLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, attention_mask: jnp.ndarray | None = None, deterministic: bool = False):
-    if attention_mask is None and self.attention == "flax":
-      attention_mask = nn.make_causal_mask(x[..., 0], dtype=jnp.bool_)
     res = x
     x = nn.LayerNorm(epsilon=self.layernorm_eps, dtype=self.dtype)(x)
     qkv = nn.Dense(

@@ -172,14 +172,9 @@ def cast_transpose_per_batch(
     q, q_t, a = _ffi.cast_transpose_per_batch_call(q_dtype, with_amax)(x, scales)
     return q, q_t, (a if with_amax else None)
   limit = _scaling.fp8_max(q_dtype)
-  s = scales[:, None, None]
-  q = jnp.clip(x.astype(jnp.float32) * s, -limit, limit).astype(q_dtype)
-  q_t = jnp.clip(jnp.swapaxes(x, 1, 2).astype(jnp.float32) * s, -limit, limit).astype(q_dtype)
-  a = None
-  if with_amax:
-    a = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=(1, 2), initial=0.0)
-    a = a.astype(jnp.float32)
-  return q, q_t, a
+  q = jnp.clip(x.astype(jnp.float32) * scales[:, None, None], -limit, limit).astype(q_dtype)
+  # The cast is elementwise, so the transposed copy is the copy transposed.
+  return q, jnp.swapaxes(q, 1, 2), (_scaling.leading_amax(x) if with_amax else None)
 
 
 def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:

@@ -368,12 +368,6 @@ def _group_amax(x: jax.Array, ids: jax.Array, num_groups: int) -> jax.Array:
   return jnp.where(has_nan, jnp.float32(jnp.nan), amax)
 
 
-def _expert_amax(w: jax.Array) -> jax.Array:
-  """max |w[g]| per expert, float32 [G]: inf where w[g] holds a NaN or inf (as the per-tensor
-  amax and the one-pass cast give it; the scale rule then keeps that expert's old scale)."""
-  return jnp.max(jnp.where(jnp.isnan(w), jnp.inf, jnp.abs(w)), axis=(1, 2)).astype(jnp.float32)
-
-
 def _to_tensor_amax(amax: jax.Array) -> jax.Array:
   # One amax for all groups (the per-tensor alternative, kept for measurements).
   total = jnp.where(jnp.any(jnp.isnan(amax)), jnp.float32(jnp.nan), jnp.max(amax))
@@ -414,25 +408,22 @@ def _quantize_experts(w, role, q_dtype, recipe, state, granularity, native=False
   also takes the amax that rolls into the history; otherwise ``data_t`` is None.
   """
   stored = _tensor_scaling.of(recipe).stored_scale(state, role) if state else None
-  if native and stored is not None:
-    # Delayed scaling casts with the stored scales; the amax comes from the same pass.
+  # Delayed scaling on the native path casts with the stored scales and takes the amax (an
+  # expert's amax is inf where it holds a NaN or inf, as the per-tensor amax) in the same pass.
+  one_pass = native and stored is not None
+  if one_pass:
     data, data_t, amax = _cast_transpose.cast_transpose_per_batch(
         w, stored.reshape(w.shape[0]), q_dtype, with_amax=True)
-    if granularity == "tensor":
-      amax = _to_tensor_amax(amax)
-    scale, new = _role_scales(amax, role, q_dtype, recipe, state)
-    return data, data_t, _scaling.scale_inverse(scale), new
-  amax = _expert_amax(w)
+  else:
+    amax = _scaling.leading_amax(w)
   if granularity == "tensor":
     amax = _to_tensor_amax(amax)
   scale, new = _role_scales(amax, role, q_dtype, recipe, state)
-  if native:
-    data, data_t, _ = _cast_transpose.cast_transpose_per_batch(w, scale, q_dtype)
-    return data, data_t, _scaling.scale_inverse(scale), new
-  limit = _scaling.fp8_max(q_dtype)
-  scaled = w.astype(jnp.float32) * scale[:, None, None]
-  data = jnp.clip(scaled, -limit, limit).astype(q_dtype)
-  return data, None, _scaling.scale_inverse(scale), new
+  if not one_pass:
+    # Off the native path the pure-JAX cast, whose transposed copy XLA drops unused.
+    data, data_t, _ = _cast_transpose.cast_transpose_per_batch(
+        w, scale, q_dtype, backend=None if native else "jax")
+  return data, (data_t if native else None), _scaling.scale_inverse(scale), new
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))

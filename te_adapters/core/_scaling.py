@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["fp8_max", "amax", "compute_scale", "delayed_update"]
+__all__ = ["fp8_max", "amax", "leading_amax", "compute_scale", "delayed_update"]
 
 
 def fp8_max(dtype) -> float:
@@ -13,13 +13,23 @@ def fp8_max(dtype) -> float:
   return float(jnp.finfo(dtype).max)
 
 
-def amax(x: jnp.ndarray) -> jnp.ndarray:
-  """``max(|x|)`` over the whole tensor as float32 of shape (1,); inf if any element is NaN."""
+def _magnitudes(x: jnp.ndarray) -> jnp.ndarray:
   # XLA:CPU's vectorised max drops NaNs in large arrays, so NaN is mapped to inf first (one
   # fused reduction): a tensor with a NaN or inf gets an infinite amax, and the scale rule keeps
   # the old scale.
-  a = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)))
-  return a.astype(jnp.float32).reshape(1)
+  return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+
+
+def amax(x: jnp.ndarray) -> jnp.ndarray:
+  """``max(|x|)`` over the whole tensor as float32 of shape (1,); inf if any element is NaN."""
+  return jnp.max(_magnitudes(x)).astype(jnp.float32).reshape(1)
+
+
+def leading_amax(x: jnp.ndarray) -> jnp.ndarray:
+  """``amax`` of each ``x[b]`` (one per index of the leading dim), float32 of shape (B,): the
+  grouped GEMM's kernels, one amax per expert."""
+  axes = tuple(range(1, x.ndim))
+  return jnp.max(_magnitudes(x), axis=axes, initial=0.0).astype(jnp.float32)
 
 
 def compute_scale(
