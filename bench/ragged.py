@@ -111,11 +111,16 @@ def traffic_floor(m: int, k: int, n: int, groups: int, *, amax_passes: bool,
   return elements * (per_element + high_bytes)
 
 
+def floor_ms(floor_bytes: int, bandwidth_tbs: float) -> float:
+  """The time (ms) of moving ``floor_bytes`` at ``bandwidth_tbs``."""
+  return floor_bytes / (bandwidth_tbs * 1e12) * 1e3
+
+
 def floor_line(m: int, k: int, n: int, groups: int, bandwidth_tbs: float) -> str:
   """The header line with the step's memory floors (GB and ms at ``bandwidth_tbs``)."""
   def show(**kw):
     b = traffic_floor(m, k, n, groups, **kw)
-    return f"{b / 1e9:.1f} GB = {b / (bandwidth_tbs * 1e12) * 1e3:.2f} ms"
+    return f"{b / 1e9:.1f} GB = {floor_ms(b, bandwidth_tbs):.2f} ms"
 
   return (f"memory floor of the step at {bandwidth_tbs:g} TB/s: FP8 operands in memory "
           f"{show(amax_passes=False)} (delayed), {show(amax_passes=True)} (current); converted "
@@ -277,11 +282,12 @@ def bench_groups(args, num_groups: int) -> None:
     speedup = f"{base_ms / ms:.2f}x" if base_ms else "-"
     runs_ms = ", ".join(f"{r * 1e3:.2f}" for r in runs)
     floor = variant_floor(variant, m, k, n, num_groups)
-    floor_ms = "-" if floor is None else (
-        f"{floor / (args.bandwidth * 1e12) * 1e3:.2f} ms = "
-        f"{floor / (args.bandwidth * 1e12) / (ms * 1e-3):.0%}")
+    floor_cell = "-"
+    if floor is not None:
+      floor_cell = (f"{floor_ms(floor, args.bandwidth):.2f} ms = "
+                    f"{floor_ms(floor, args.bandwidth) / ms:.0%}")
     print(f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
-          f"{fp8} | {err} | {floor_ms} |")
+          f"{fp8} | {err} | {floor_cell} |")
     sys.stdout.flush()
 
 

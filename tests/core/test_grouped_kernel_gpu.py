@@ -180,8 +180,9 @@ def test_ragged_dot_runs_the_kernel(recipe, dtype):
     assert _norm_err(dw[g], rdw[g]) < 0.1, f"group {g}"
 
 
-@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
-                         ids=["current", "delayed"])
+@pytest.mark.parametrize(
+    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
+    ids=["current", "delayed"])
 def test_ragged_dot_matches_the_xla_path(recipe):
   """The kernel and XLA's ragged dot multiply the same FP8 operands: they agree to rounding. The
   native path casts the kernels in one pass (both orientations, and with delayed scaling the
