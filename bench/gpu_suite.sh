@@ -6,7 +6,8 @@
 # Wheels of packages the machine lacks (dm-haiku, qwix, ...) may lie in .whl/ at the repository
 # root; they are installed into a private folder first. The log, the JUnit XML and the summary line
 # go to OUTDIR. pytest-xdist, where present, runs the tests in 4 processes that allocate GPU
-# memory as they go (the suite takes about 7 minutes in one process on 16 cores).
+# memory as they go (the suite takes about 7 minutes in one process on 16 cores). The build is kept
+# in build/gpu, so that a second call on the same machine rebuilds only what changed.
 set -uo pipefail
 out=${1:?usage: bench/gpu_suite.sh OUTDIR [pytest args...]}
 shift
@@ -18,7 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target "$site" .whl/*.whl || exit 1
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
+python3 -m pip install -q --no-build-isolation --no-deps -e . -C build-dir=build/gpu >"$out/install.log" 2>&1 \
   || { tail -40 "$out/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \

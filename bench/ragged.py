@@ -6,7 +6,8 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 ``--iters`` steps each. Variants:
 
 - ``lax_bf16``: ``jax.lax.ragged_dot`` in bf16 (its own VJP).
-- ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)``.
+- ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)`` (XLA's ragged dot, or on Hopper with
+  the extension built with CUTLASS the native bfloat16 grouped GEMM, as ``native_bf16``).
 - ``native_bf16``: the native grouped GEMM with bfloat16 operands
   (``te_adapters.core._grouped_kernel.bf16_ragged_dot``; Hopper, extension built with CUTLASS).
 - ``ours_current``, ``ours_delayed``: ``te_adapters.core.ragged_dot`` with FP8 current / delayed

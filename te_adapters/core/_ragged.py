@@ -12,7 +12,8 @@ XLA's GPU compiler (its ``RaggedDotRewriter``) expands a ragged dot into a dense
 group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs. On a
 Hopper GPU with the extension built with CUTLASS (``TE_ADAPTERS_CUTLASS_DIR``), the per-tensor
 recipes run the three GEMMs on the native grouped GEMM instead (``_grouped_kernel``), the same
-FP8 operands and per-group scales, with the recipe's accumulation per GEMM.
+FP8 operands and per-group scales, with the recipe's accumulation per GEMM; and with
+``recipe=None`` bfloat16 operands run there too (float32 sums, ``bf16_ragged_dot``).
 ``MXFP8BlockScaling`` (block scales, no state) is in ``_ragged_mxfp8``.
 
 Scales are **per group** for every role: the rows of group g (x, and the output gradient) share
@@ -229,7 +230,10 @@ def ragged_dot(
       Explicit), or inside ``shard_map`` with each device's own experts and tokens; each equals
       one device.
     recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``), or
-      ``None`` for a plain ``jax.lax.ragged_dot`` in the operands' precision.
+      ``None`` for a plain ``jax.lax.ragged_dot`` in the operands' precision. With ``None``,
+      bfloat16 operands and a bfloat16 result on a Hopper GPU with the grouped GEMM built (and
+      no ``out_sharding``), the three GEMMs run on the native grouped kernel with float32 sums
+      instead of XLA's ragged dot.
     state: this GEMM's recipe state (``init_ragged_state(recipe, G)``); ``None`` for stateless
       recipes.
 
@@ -261,15 +265,6 @@ def ragged_dot(
   group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported; pass group_offset=None")
-  if recipe is None:
-    if state:
-      raise ValueError("state was given but recipe is None")
-    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
-                          out_sharding=out_sharding)
-  recipe = check_ragged_recipe(recipe)
-  if not recipe.block_scaled:
-    _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
-  state = check_ragged_state(recipe, state, rhs.shape[0])
   # The dtype lax.ragged_dot gives (its rule is dot_general's), from shapes without shardings:
   # ragged_dot_general has no sharding inference on Explicit mesh axes.
   out_dtype = jax.eval_shape(
@@ -279,6 +274,18 @@ def ragged_dot(
       ),
       jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype),
   ).dtype
+  if recipe is None:
+    if state:
+      raise ValueError("state was given but recipe is None")
+    if out_sharding is None and _grouped_kernel.bf16_refusal(lhs, rhs, out_dtype) is None:
+      # Hopper with the grouped GEMM built: bfloat16 in and out, float32 sums, as XLA's.
+      return _grouped_kernel.bf16_ragged_dot(lhs, rhs, group_sizes)
+    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
+                          out_sharding=out_sharding)
+  recipe = check_ragged_recipe(recipe)
+  if not recipe.block_scaled:
+    _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
+  state = check_ragged_state(recipe, state, rhs.shape[0])
   if recipe.block_scaled:
     grouped_gemm = GROUPED_GEMMS[_block_scaled.format_of(recipe)]
 

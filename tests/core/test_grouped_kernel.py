@@ -8,7 +8,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _grouped_kernel
+from te_adapters.core import _ffi, _grouped_kernel
 
 
 def test_padded_columns_places_each_group_at_a_multiple_of_16():
@@ -86,6 +86,47 @@ def test_bf16_ragged_dot_wires_its_gemms_as_lax_ragged_dot(monkeypatch):
   assert np.all(np.asarray(got[0][32:]) == 0) and np.all(np.asarray(got[1][32:]) == 0)
   assert np.all(np.asarray(got[2][1]) == 0)  # the empty group's kernel gradient
 
+
+
+def test_ragged_dot_without_recipe_takes_the_bf16_kernel_where_it_runs(monkeypatch):
+  """``core.ragged_dot(recipe=None)``: bfloat16 operands and result go to the native kernel where
+  it runs (here it is said to, with the kernel's modes replaced by their models): forward,
+  dgrad and wgrad on it, lax.ragged_dot's values; a float32 operand or result, or a K that is not
+  a multiple of 16, stays on XLA's ragged dot."""
+  monkeypatch.setattr(_grouped_kernel, "available", lambda: True)
+  monkeypatch.setattr(_ffi, "single_device", lambda x: True)
+  calls = []
+
+  def spy(name, model):
+    def run(*args, **kwargs):
+      calls.append(name)
+      return model(*args, **kwargs)
+    return run
+
+  monkeypatch.setattr(_grouped_kernel, "rows_gemm", spy("rows", _rows_gemm_model))
+  monkeypatch.setattr(_grouped_kernel, "wgrad_gemm", spy("wgrad", _wgrad_gemm_model))
+  rng = np.random.default_rng(1)
+  sizes = jnp.asarray([9, 0, 15, 6], jnp.int32)  # 30 rows in groups, 2 past them
+  x = jnp.asarray(rng.standard_normal((32, 32)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.bfloat16)
+
+  def grads(f, x, w):
+    loss = lambda x, w: jnp.sum(f(x, w, sizes).astype(jnp.float32) ** 2)
+    return f(x, w, sizes), *jax.grad(loss, argnums=(0, 1))(x, w)
+
+  got = grads(lambda x, w, s: core.ragged_dot(x, w, s, recipe=None), x, w)
+  assert calls == ["rows", "rows", "rows", "wgrad"]  # forward twice (value, then under grad)
+  want = grads(lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=jax.lax.Precision.HIGHEST),
+               x, w)
+  for a, b in zip(got, want, strict=True):
+    assert a.dtype == jnp.bfloat16 and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=2e-2)
+  calls.clear()
+  core.ragged_dot(x.astype(jnp.float32), w, sizes, recipe=None)
+  core.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, recipe=None)
+  core.ragged_dot(x[:, :24], w[:, :24], sizes, recipe=None)
+  assert calls == []
 
 def test_bf16_refusal_says_why():
   x, w = jnp.ones((32, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)

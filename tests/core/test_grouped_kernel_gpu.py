@@ -134,6 +134,29 @@ def test_bf16_ragged_dot_matches_float64_and_lax():
     assert _norm_err(a, np.asarray(b, np.float64)) < 8e-3
 
 
+
+def test_ragged_dot_without_recipe_runs_bf16_on_the_kernel():
+  """``core.ragged_dot(recipe=None)`` with bfloat16 operands and result takes the native kernel
+  (three grouped GEMMs in the step, the same values as ``bf16_ragged_dot``); a float32 result
+  asked for keeps XLA's ragged dot."""
+  kx, kw = jax.random.split(jax.random.PRNGKey(6))
+  x = jax.random.normal(kx, (M, K)).astype(jnp.bfloat16)
+  w = (0.2 * jax.random.normal(kw, (len(SIZES), K, N))).astype(jnp.bfloat16)
+  sizes = jnp.asarray(SIZES)
+
+  def step(f):
+    return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2),
+                                      argnums=(0, 1)))
+
+  ours = step(lambda x, w: core.ragged_dot(x, w, sizes, recipe=None))
+  assert ours.lower(x, w).as_text().count("te_adapters_grouped_gemm") == 3
+  direct = step(lambda x, w: _grouped_kernel.bf16_ragged_dot(x, w, sizes))
+  for a, b in zip(jax.tree.leaves(ours(x, w)), jax.tree.leaves(direct(x, w)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  wide = step(lambda x, w: core.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32,
+                                           recipe=None))
+  assert "te_adapters_grouped_gemm" not in wide.lower(x, w).as_text()
+
 def _reference(x, w, dy):
   """Per-group float64 forward, dgrad and wgrad of the unquantized values."""
   x, w, dy = (np.asarray(t, np.float64) for t in (x, w, dy))
