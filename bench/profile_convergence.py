@@ -44,6 +44,8 @@ def main(argv=None):
   p.add_argument("--recipes", default="bf16,current,block")
   p.add_argument("--steps", type=int, default=3, help="profiled steps")
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--hlo-dir", default=None,
+                 help="write each recipe's compiled step (HLO text) here, to read its fusions")
   args = p.parse_args(argv)
   size = conv.SIZES[args.size]
   corpus = conv.stdlib_corpus()
@@ -57,6 +59,10 @@ def main(argv=None):
     step = jax.jit(trainer.step)
     compiled = step.lower(trainer.carry, sample).compile()
     gemms = conv.count_gemms(trainer.step, trainer.carry, sample, compiled.as_text())
+    if args.hlo_dir:
+      os.makedirs(args.hlo_dir, exist_ok=True)
+      with open(os.path.join(args.hlo_dir, f"step_{args.adapter}_{name}.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
     per_kernel = speed.gpu_kernel_ms(step, (trainer.carry, sample), args.steps)
     total = sum(per_kernel.values())
     groups: dict[str, float] = {}
