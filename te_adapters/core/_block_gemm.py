@@ -75,11 +75,16 @@ class _Layout:
   def out(self, y3):
     return _explicit_sharding.reshape(y3, self.out_shape)
 
-  def rhs_kn(self, rhs):
-    """``rhs`` as (B, K, N) where that is a reshape of it with no transpose (a kernel stored
-    contracting dims first, as a Dense layer's), else None."""
+  @property
+  def rhs_stored_kn(self) -> bool:
+    """Whether ``rhs`` is stored batch, contracting, then free dims (a Dense layer's kernel), so
+    that (B, K, N) is a reshape of it with no transpose."""
     (_, rc), (_, rb) = self.dn
-    if tuple(rb) + tuple(rc) + tuple(self.rhs_free) != tuple(range(len(self.rhs_shape))):
+    return tuple(rb) + tuple(rc) + tuple(self.rhs_free) == tuple(range(len(self.rhs_shape)))
+
+  def rhs_kn(self, rhs):
+    """``rhs`` as (B, K, N) where ``rhs_stored_kn``, else None."""
+    if not self.rhs_stored_kn:
       return None
     return _explicit_sharding.reshape(rhs, (self.b, self.k, self.n))
 
@@ -372,9 +377,17 @@ def _block_bwd(dn, out_dtype, operands, recipe, plan, kernels, residuals, g):
   dx_dtype = lhs_dtype if witness[0] is None else jnp.float32
   dw_dtype = rhs_dtype if witness[1] is None else jnp.float32
   dx3 = _block_scaled.gemm(qg, qw_t, dx_dtype, _swapped_sharding(qx_t), choice)
-  dw3 = _block_scaled.gemm(qg_t, qx_t, dw_dtype, _swapped_sharding(qw_t), choice)
+  if layout.rhs_stored_kn:
+    # A kernel stored (K, N): the wgrad GEMM writes (B, K, N), the kernel's own layout, so that
+    # nothing transposes the gradient after it (the optimizer's update would read it strided).
+    dw_kn = _block_scaled.gemm(qx_t, qg_t, dw_dtype, _cotangents.transposed_out_sharding(
+      qw_t.data, None), choice)
+    dw = _explicit_sharding.reshape(dw_kn, rhs_shape)
+  else:
+    dw3 = _block_scaled.gemm(qg_t, qx_t, dw_dtype, _swapped_sharding(qw_t), choice)
+    dw = layout.rhs_from3(dw3)
   dx = _cotangents.match_cotangent(layout.lhs_from3(dx3), witness[0]).astype(lhs_dtype)
-  dw = _cotangents.match_cotangent(layout.rhs_from3(dw3), witness[1]).astype(rhs_dtype)
+  dw = _cotangents.match_cotangent(dw, witness[1]).astype(rhs_dtype)
   return dx, dw, None
 
 
