@@ -285,8 +285,8 @@ def bench_groups(args, num_groups: int) -> None:
     floor = variant_floor(variant, m, k, n, num_groups)
     floor_cell = "-"
     if floor is not None:
-      floor_cell = (f"{floor_ms(floor, args.bandwidth):.2f} ms = "
-                    f"{floor_ms(floor, args.bandwidth) / ms:.0%}")
+      fms = floor_ms(floor, args.bandwidth)
+      floor_cell = f"{fms:.2f} ms = {fms / ms:.0%}"
     print(f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
           f"{fp8} | {err} | {floor_cell} |")
     sys.stdout.flush()

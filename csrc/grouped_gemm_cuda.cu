@@ -126,12 +126,6 @@ int out_code(ffi::DataType t) {
 // outputs (float32 sums), in both tile configurations.
 std::string dispatch(int a, int b, int d, int fast, int cfg, const Problem& p,
                      cudaStream_t stream) {
-  if (a == grouped::kBf16Code && b == grouped::kBf16Code) {
-    if (d == 0) return cfg == 1 ? grouped::Run<2, 2, 0, 0, 1>(p, stream)
-                                : grouped::Run<2, 2, 0, 0, 0>(p, stream);
-    return cfg == 1 ? grouped::Run<2, 2, 1, 0, 1>(p, stream)
-                    : grouped::Run<2, 2, 1, 0, 0>(p, stream);
-  }
 #define TE_GG_CASE(A, B, D, F)                                 \
   if (a == A && b == B && d == D && fast == F) {               \
     return cfg == 1 ? grouped::Run<A, B, D, F, 1>(p, stream)   \
@@ -142,6 +136,8 @@ std::string dispatch(int a, int b, int d, int fast, int cfg, const Problem& p,
   TE_GG_OUTS(0, 0)
   TE_GG_OUTS(1, 0)
   TE_GG_OUTS(0, 1)
+  // bfloat16 (code 2): float32 sums only (the handler passes fast = 0 for it).
+  TE_GG_CASE(2, 2, 0, 0) TE_GG_CASE(2, 2, 1, 0)
 #undef TE_GG_OUTS
 #undef TE_GG_CASE
   return "no kernel for this pair of operand types (both float8_e5m2 is not built, and bfloat16 "
