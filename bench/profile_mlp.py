@@ -69,6 +69,7 @@ def main(argv=None):
       return y[0] if isinstance(y, tuple) else y
 
     step = speed._speedometer(apply_fn)
+    variables = speed.trained_state(step, variables, x, dy)
     fp8 = speed._count_cublas_fp8(step, (variables, x, dy))
     events = speed.gpu_trace_events(step, (variables, x, dy), args.steps)
     per_kernel = speed.kernel_ms(events, args.steps)

@@ -16,7 +16,8 @@ its wall time measures the launch (and grows with every array passed, such as De
 state). On GPUs the sweep therefore also reports, for points under 2 ms, the GPU time per step:
 the sum of the step's kernel times in a JAX profiler trace. The flags use it where it exists.
 In the sweep, DelayedScaling's state is fed back and donated from step to step, as a training
-step does.
+step does; the other cases time their steps on the recipe state of three training steps
+(``trained_state``), not on the initial state.
 """
 
 from __future__ import annotations
@@ -83,6 +84,44 @@ def _speedometer(apply_fn):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+_WARM_STEPS = 3
+
+
+def fast_sums(recipe):
+  """``recipe`` with fast FP8 accumulation in dgrad and wgrad as well as in fprop: what
+  TransformerEngine's JAX layer runs by default (it ignores the recipe's ``MMParams`` unless
+  ``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION=1``), and what Flax's fp8 op and Qwix get from
+  XLA's cuBLASLt GEMMs. Our recipes' defaults promote the backward GEMMs' sums (TE's recipe
+  defaults), which costs GEMM time: these rows compare the peers at their own numerics."""
+  fast = MMParams(use_split_accumulator=False)
+  return dataclasses.replace(recipe, fp8_gemm_fprop=fast, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+
+
+def trained_state(step, variables, *args, steps: int = _WARM_STEPS):
+  """``variables`` with their recipe state after ``steps`` training steps of ``step``.
+
+  By the overwrite-with-gradient rule a step's gradient with respect to the recipe state is the
+  next state. Timing every step on the initial state would run DelayedScaling (TE's, Flax's and
+  ours) with a scale of 1 throughout: seed 000's kernel (lecun-normal, std 0.011) then becomes
+  mostly subnormal FP8 codes, which the H100's tensor cores multiply faster than the codes of a
+  scaled tensor, so the step would look faster than in training. The state is found by structure:
+  a Linen collection ``_overwrite_with_gradient`` (ours and Flax's fp8 op), the core's
+  ``{"w", "state"}``, or the second half of an adapter's ``(params, recipe_state)`` pair.
+  """
+  def with_next(v, g):
+    if isinstance(v, dict):
+      keys = [k for k in ("_overwrite_with_gradient", "state") if k in v]
+      return {**v, **{k: g[k] for k in keys}} if keys else v
+    if isinstance(v, tuple) and len(v) == 2:
+      return (v[0], g[1])
+    return v
+
+  for _ in range(steps):
+    _, (grads, _) = step(variables, *args)
+    variables = with_next(variables, grads)
+  return jax.block_until_ready(variables)
+
+
 def _linen_variants(make_model, recipes, include_flax=True):
   """(name, model) pairs: bf16, ours through Linen per recipe, Flax's fp8 op."""
   out = [("bf16", make_model(lambda: None))]
@@ -134,19 +173,19 @@ def bench_dense(batch, seq, hidden, out_features, steps, repeats, recipes, log) 
   # The core doing nn.Dense's work (a bf16 copy of the kernel first), then with the float32
   # kernel straight into the cast, then also with fast sums in dgrad and wgrad (what TE's JAX
   # layer and Flax's fp8 op do).
-  fast = MMParams(use_split_accumulator=False)
-  for suffix, kernel_dtype, fast_sums in [("", jnp.bfloat16, False),
-                                          (", f32 kernel", jnp.float32, False),
-                                          (", f32 kernel, fast sums", jnp.float32, True)]:
+  for suffix, kernel_dtype, fast in [("", jnp.bfloat16, False),
+                                     (", f32 kernel", jnp.float32, False),
+                                     (", f32 kernel, fast sums", jnp.float32, True)]:
     for label, recipe in recipes:
-      if fast_sums:
-        recipe = dataclasses.replace(recipe, fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast)
+      if fast:
+        recipe = fast_sums(recipe)
       apply_fn, init = _core_variant(recipe, (hidden, out_features), kernel_dtype)
       variants.append((f"core {label}{suffix}", apply_fn, init(k_init)))
   for extra in _adapter_variants(hidden, out_features, recipes, k_init, x):
     variants.append(extra)
   for name, apply_fn, variables in variants:
     step = _speedometer(apply_fn)
+    variables = trained_state(step, variables, x, dy)
     ms, spread = _timed(step, (variables, x, dy), steps, repeats)
     rows.append(dict(case="seed000 dense", variant=name, ms=ms, spread_ms=spread,
                      cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
@@ -166,10 +205,10 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
       for label, recipe in recipes:
         model = ta_nnx.Linear(hidden, out_features, use_bias=False, dtype=jnp.bfloat16,
                               recipe=recipe, threshold=None, rngs=nnx.Rngs(0))
-        graphdef, state = nnx.split(model)
+        graphdef, recipe_state, rest = nnx.split(model, ta_nnx.RecipeState, ...)
         def apply_fn(variables, x, graphdef=graphdef):
-          return nnx.merge(graphdef, variables)(x)
-        out.append((f"nnx {label}", apply_fn, state))
+          return nnx.merge(graphdef, variables[0], variables[1])(x)
+        out.append((f"nnx {label}", apply_fn, (rest, recipe_state)))
   except ImportError:
     pass
   try:
@@ -217,7 +256,7 @@ def bench_layer(dtype, steps, repeats, recipes, log, size, attention="flax") -> 
   if dtype is not None:
     # The same layer from te_adapters' Linen modules (computed in bf16, as this variant's).
     from bench.seed_layer import ModulesTransformerLayer
-    for label, recipe in recipes:
+    for label, recipe in recipes + [(f"{n}, fast sums", fast_sums(r)) for n, r in recipes]:
       variants.append((f"modules {label}", ModulesTransformerLayer(
           hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, recipe=recipe,
           attention=attention)))
@@ -225,6 +264,7 @@ def bench_layer(dtype, steps, repeats, recipes, log, size, attention="flax") -> 
     variables = model.init(key, x, deterministic=True)
     apply_fn = lambda v, x, model=model: model.apply(v, x, deterministic=True)
     step = _speedometer(apply_fn)
+    variables = trained_state(step, variables, x, dy)
     ms, spread = _timed(step, (variables, x, dy), steps, repeats)
     rows.append(dict(case=f"seed001 layer ({label_dtype})", variant=name, ms=ms,
                      spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
@@ -422,6 +462,9 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
       for suffix, config in configs:
         variants.append((f"LayerNormMLP {label}{suffix}",
                          te_layernorm_mlp(intermediate, recipe, config)))
+    for label, recipe in recipes:
+      variants.append((f"LayerNormMLP {label} fused, fast sums",
+                       te_layernorm_mlp(intermediate, fast_sums(recipe), configs[0][1])))
   rows = []
   for name, model in variants:
     kw = {"deterministic": True} if isinstance(model, getattr(ta_linen, "LayerNormMLP", ())) else {}
@@ -432,6 +475,7 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
       return y[0] if isinstance(y, tuple) else y
 
     step = _speedometer(apply_fn)
+    variables = trained_state(step, variables, x, dy)
     ms, spread = _timed(step, (variables, x, dy), steps, repeats)
     rows.append(dict(case="seed001 LayerNorm+MLP", variant=name, ms=ms, spread_ms=spread,
                      cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))

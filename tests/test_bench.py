@@ -208,3 +208,61 @@ def test_ragged_bench_runs_and_prints_its_floor(capsys):
   assert ragged.variant_floor("dense_current", 64, 32, 32, 2) == ragged.traffic_floor(
       64, 32, 32, 1, amax_passes=True)
   assert ragged.variant_floor("loop_current", 64, 32, 32, 2) is None
+
+
+def test_trained_state_gives_every_delayed_variant_the_scale_training_reaches():
+  """The Dense case times DelayedScaling on the state of a few training steps, not on the initial
+  scale of 1: in every variant (Linen, Flax's op, the core, NNX, Haiku) the kernel's scale is
+  then E4M3's 448 over the bf16 kernel's amax (Flax's op: its inverse), as the state rule gives
+  after a step."""
+  import te_adapters as ta
+  batch, seq, hidden, out = 2, 8, 64, 32
+  kx, kd = jax.random.split(jax.random.PRNGKey(3))
+  x = jax.random.normal(kx, (batch, seq, hidden)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (batch, seq, out)).astype(jnp.bfloat16)
+  recipes = [("delayed", ta.DelayedScaling(amax_history_len=4))]
+  key = jax.random.PRNGKey(0)
+  variants = [(n, m.apply, m.init(key, x))
+              for n, m in speed._linen_variants(speed._make_dense(out), recipes)
+              if "delayed" in n or "Fp8Direct" in n]
+  apply_fn, init = speed._core_variant(recipes[0][1], (hidden, out))
+  variants.append(("core delayed", apply_fn, init(key)))
+  variants += speed._adapter_variants(hidden, out, recipes, key, x)
+  assert len(variants) >= 3
+  seen = []
+  for name, apply_fn, variables in variants:
+    step = speed._speedometer(apply_fn)
+    trained = speed.trained_state(step, variables, x, dy)
+    before = dict(_leaves_named(variables, "kernel_scale"))
+    after = dict(_leaves_named(trained, "kernel_scale"))
+    assert after and before.keys() == after.keys(), name
+    weights = [np.asarray(v, np.float32) for p, v in _leaves_named(trained, "")
+               if p.endswith(("kernel", "w")) and np.ndim(v) == 2]
+    assert len(weights) == 1, (name, [p for p, _ in _leaves_named(trained, "")])
+    amax = np.max(np.abs(np.asarray(jnp.asarray(weights[0]).astype(jnp.bfloat16), np.float32)))
+    for path, scale in after.items():
+      np.testing.assert_array_equal(np.asarray(before[path]), 1.0, err_msg=name)
+      # Flax's fp8 op stores the dequantizing factor (amax / 448), TE and we the quantizing one.
+      want = amax / 448.0 if "Fp8Direct" in name else 448.0 / amax
+      np.testing.assert_allclose(np.asarray(scale), want, rtol=1e-5, err_msg=name)
+    seen.append(name)
+  assert any(n.startswith("nnx") for n in seen) == _imports("flax.nnx")
+  assert any(n.startswith("haiku") for n in seen) == _imports("haiku")
+
+
+def _leaves_named(tree, suffix):
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    name = name.removesuffix("/value")  # an NNX variable's array
+    if name.endswith(suffix):
+      out.append((name, leaf))
+  return out
+
+
+def _imports(module):
+  try:
+    __import__(module)
+  except ImportError:
+    return False
+  return True
