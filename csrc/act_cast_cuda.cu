@@ -7,7 +7,8 @@
 // DactCast: dh = dz * act'(h + b) (M, n_act*F) from GEMM 2's dgrad output dz (M, F) and h, cast
 // to FP8 in both orientations with its amax, and the bias gradient sum_rows(dh) (n_act, F) as
 // per-tile float32 column sums reduced by a second kernel (a fixed order: the same bits on every
-// run).
+// run). With one linear activation it never reads h: dh = dz, the cast of an output gradient
+// with its bias gradient in one pass (the MLP's output bias; TE's dbias + quantize).
 //
 // ActAmax, DactAmax: the amax alone of ActCast's and DactCast's values (their kernels with no
 // output but the amax): current scaling's pass before the cast, the same float32 values.
@@ -318,6 +319,9 @@ __global__ void __launch_bounds__(kThreads)
                      uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
                      uint32_t* __restrict__ amax, float* __restrict__ partial, Dims d,
                      bool aligned) {
+  // One linear activation (fixed at compile time): dh = dz, the cast of an output gradient with
+  // its bias gradient summed in the same pass (the MLP's second GEMM's dy and its bias).
+  constexpr bool kGradOnly = kNAct == 1 && kAct0 == kLinear;
   __shared__ __align__(16) uint8_t tile[kNAct][kTile * kSmemStride];
   __shared__ float sums[kNAct][kRowStep][kTile];
   const int64_t tile_r = blockIdx.x / d.tiles_f;
@@ -353,14 +357,20 @@ __global__ void __launch_bounds__(kThreads)
     if (r < rows && mine > 0) {
       float g[kVec];
       load_vec<In>(dz + (r0 + r) * d.f + f0 + c0, vec, mine, g);
-      const In* row = h + (r0 + r) * n + f0 + c0;
       float v[kNAct][kVec];
+      if constexpr (kGradOnly) {
+        // A linear activation's derivative is 1 whatever h is: h is not read.
 #pragma unroll
-      for (int i = 0; i < kNAct; ++i) {
-        load_vec<In>(row + i * d.f, vec, mine, v[i]);
+        for (int k = 0; k < kVec; ++k) v[0][k] = 0.0f;
+      } else {
+        const In* row = h + (r0 + r) * n + f0 + c0;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if (bias != nullptr) v[i][k] = add(v[i][k], b[i][k]);
+        for (int i = 0; i < kNAct; ++i) {
+          load_vec<In>(row + i * d.f, vec, mine, v[i]);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            if (bias != nullptr) v[i][k] = add(v[i][k], b[i][k]);
+          }
         }
       }
 #pragma unroll
@@ -518,6 +528,8 @@ void dispatch_acts(const Dims& d, Launch&& launch) {
         return launch(One{}, integral_constant<int, kSilu>{}, Any{});
       case kRelu:
         return launch(One{}, integral_constant<int, kRelu>{}, Any{});
+      case kLinear:
+        return launch(One{}, Linear{}, Any{});
       default:
         return launch(One{}, Any{}, Any{});
     }

@@ -73,8 +73,9 @@ def norm_fuses(x, config) -> bool:
 
 
 def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
-              ln_bias=None, ffn1_ckpt_name="ffn1"):
-  """``q(act(q(y) . q(wi) + wi_bias)) . q(wo)`` with both GEMMs' per-tensor FP8 scaling.
+              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None):
+  """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs' per-tensor FP8
+  scaling.
 
   Args:
     y: GEMM 1's input ``(M, K)``, or with ``norm`` the norm's input.
@@ -88,6 +89,8 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
       cast the float32 result to GEMM 1's FP8 operand; None: ``y`` is GEMM 1's input.
     ffn1_ckpt_name: ``checkpoint_name`` of GEMM 1's output (before the bias), the residual the
       backward pass reads.
+    wo_bias: ``(K_out,)`` or None: GEMM 2's bias, whose gradient is summed in the pass that casts
+      the output gradient to FP8 (TE's dbias + quantize).
 
   Returns:
     ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
@@ -106,7 +109,7 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
   if norm is not None and ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   static = (tuple(names), recipe, config, ffn1_ckpt_name, norm)
-  return _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static)
+  return _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static)
 
 
 _PLAN = _spmd_plan.SpmdPlan()
@@ -177,6 +180,18 @@ def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
   return q, q_t, a, jnp.sum(dh, axis=0)
 
 
+def _dbias_cast(g, q_dtype, scale, with_amax, config):
+  """The output gradient ``g (M, N)`` in FP8 in both orientations, its amax and its float32 column
+  sums (the output bias's gradient): the activation-gradient kernel with a linear activation,
+  which then reads ``g`` alone, where it runs; the ordinary cast and XLA's sum otherwise."""
+  if _kernels_run(g, config, _ffi.DACT_CAST_TARGET):
+    q, q_t, a, db = _ffi.dact_cast_call(g, g, None, scale, q_dtype, (KERNEL_ACTIVATIONS["linear"],),
+                                        with_amax)
+    return q, q_t, (a if with_amax else None), db
+  q, q_t, a = _gemm._cast_both(g, scale, q_dtype, config, with_amax)
+  return q, q_t, a, jnp.sum(g.astype(jnp.float32), axis=0)
+
+
 def _act_amax(h, b, names, config):
   """The amax of the activation (current scaling's pass before ``_act_cast``): the kernel's own
   float32 values where it runs, XLA's reduce over the formula otherwise."""
@@ -206,13 +221,13 @@ def _norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype,
   return _both(y, scale, q_dtype, with_amax)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
-  out, _ = _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static):
+  out, _ = _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static)
   return out
 
 
-def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
+def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static):
   names, recipe, config, ffn1_ckpt_name, norm = static
   fwd = recipe.fwd_dtype
   out_dtype = np.dtype(y.dtype)
@@ -246,13 +261,15 @@ def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, state_0, state_1, static):
   sinv_z, sinv_wo = _scaling.scale_inverse(scale_z), _scaling.scale_inverse(scale_wo)
   out = _gemm._tn_dot(q_z, q_wot, (sinv_z, sinv_wo), out_dtype, None, "fwd", recipe, config)
   out = checkpoint_name(out, _remat.GEMM_OUTPUT)
+  if wo_bias is not None:
+    out = out + wo_bias.astype(out.dtype)
   del q_y, q_z
   q_yt, sinv_y = _remat.name_quantized((q_yt, sinv_y), _remat.QUANTIZED_X)
   q_zt, sinv_z = _remat.name_quantized((q_zt, sinv_z), _remat.QUANTIZED_X)
   q_wi, sinv_wi = _remat.name_quantized((q_wi, sinv_wi), _remat.QUANTIZED_KERNEL)
   q_wo, sinv_wo = _remat.name_quantized((q_wo, sinv_wo), _remat.QUANTIZED_KERNEL)
   protos = tuple(np.zeros((0,), a.dtype) for a in (y, wi2, wo))
-  bias_proto = None if wi_bias is None else np.zeros((0,), wi_bias.dtype)
+  bias_proto = tuple(None if b is None else np.zeros((0,), b.dtype) for b in (wi_bias, wo_bias))
   new_fwd = ({"x": new_y, "kernel": new_wi}, {"x": new_z, "kernel": new_wo})
   residuals = (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd,
                (state_0, state_1), protos, bias_proto, norm_residuals)
@@ -267,8 +284,17 @@ def _mlp_bwd(static, residuals, g):
   y_proto, wi_proto, wo_proto = protos
   bwd = recipe.bwd_dtype
   quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
-  # GEMM 2's backward.
-  q_g, q_gt, scale_g, new_g1 = quantize(g, "grad", bwd, state=state_1)
+  # GEMM 2's backward; with an output bias, its gradient is summed in g's cast.
+  wi_bias_proto, wo_bias_proto = bias_proto
+  g_sums = []
+
+  def g_cast(scale, with_amax):
+    q, q_t, a, db = _dbias_cast(g, bwd, scale, with_amax, config)
+    g_sums.append(db)
+    return q, q_t, a
+
+  q_g, q_gt, scale_g, new_g1 = quantize(
+      g, "grad", bwd, state=state_1, cast=None if wo_bias_proto is None else g_cast)
   sinv_g = _scaling.scale_inverse(scale_g)
   dz = _gemm._tn_dot(q_g, q_wo, (sinv_g, sinv_wo), h.dtype, None, "dgrad", recipe, config)
   dwo = _gemm._tn_dot(q_zt, q_gt, (sinv_z, sinv_g), wo_proto.dtype, None, "wgrad", recipe, config)
@@ -289,11 +315,12 @@ def _mlp_bwd(static, residuals, g):
                       config)
   new_state_0 = _gemm.next_gemm_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
   new_state_1 = _gemm.next_gemm_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
-  db = None if bias_proto is None else dbias[0].astype(bias_proto.dtype)
+  db = None if wi_bias_proto is None else dbias[0].astype(wi_bias_proto.dtype)
+  db_out = None if wo_bias_proto is None else g_sums[0].astype(wo_bias_proto.dtype)
   dgamma = dbeta = None
   if norm is not None:
     dy, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)
-  return (dy, dgamma, dbeta, dwi.astype(wi_proto.dtype), db, dwo.astype(wo_proto.dtype),
+  return (dy, dgamma, dbeta, dwi.astype(wi_proto.dtype), db, dwo.astype(wo_proto.dtype), db_out,
           new_state_0, new_state_1)
 
 

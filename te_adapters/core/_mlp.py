@@ -183,8 +183,8 @@ def layernorm_mlp(
         x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
         ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
-        ffn1_ckpt_name=ffn1_ckpt_name).reshape(x.shape)
-    return _output(out, wo_bias, ffn2_ckpt_name), None
+        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+    return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
                   zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
@@ -193,8 +193,8 @@ def layernorm_mlp(
   if fused:
     out = _fused_mlp.fused_mlp(
         y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
-        config=config, ffn1_ckpt_name=ffn1_ckpt_name).reshape(x.shape)
-    return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
+        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+    return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)
   h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
@@ -210,6 +210,10 @@ def layernorm_mlp(
   out = dot_general(z, wo_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
                     state=state_1, rng=rng_1, threshold=threshold, config=config)
   return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
+
+
+def _as_array(b):
+  return None if b is None else jnp.asarray(b)
 
 
 def _output(out, wo_bias, ffn2_ckpt_name):

@@ -114,6 +114,35 @@ def test_activation_gradient_cast_matches_pure_jax(activations, shape):
 
 
 @pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_output_gradient_cast_with_its_bias_gradient(shape, dtype):
+  """dy's cast with the output bias's gradient in the same pass (the activation-gradient kernel
+  with a linear activation, reading dy alone): the FP8 codes of the ordinary cast bit for bit,
+  and float32 column sums against float64."""
+  m, n = shape
+  rng = np.random.default_rng(2)
+  g = rng.normal(size=(m, n)) * 3.0
+  g[5, 7], g[9, 1] = 1e6, -1e6  # saturate to the largest finite E5M2 value
+  g = jnp.asarray(g, dtype)
+  scale = jnp.asarray([57344.0 / 16.0], jnp.float32)
+
+  def cast(config):
+    return jax.jit(lambda g: _fused_mlp._dbias_cast(g, jnp.float8_e5m2, scale, True, config))(g)
+
+  hlo = jax.jit(lambda g: _fused_mlp._dbias_cast(g, jnp.float8_e5m2, scale, True, KERNEL)).lower(
+      g).compile().as_text()
+  assert _ffi.DACT_CAST_TARGET in hlo
+  q, q_t, a, db = cast(KERNEL)
+  rq, rq_t, ra, _ = cast(JAX)
+  np.testing.assert_array_equal(_ordinal(q), _ordinal(rq))  # dh = dy exactly: the same cast
+  np.testing.assert_array_equal(_ordinal(q_t), _ordinal(q).T)
+  np.testing.assert_array_equal(a, ra)
+  g64 = np.asarray(g.astype(jnp.float32), np.float64)
+  assert db.shape == (n,) and db.dtype == jnp.float32
+  np.testing.assert_allclose(db, g64.sum(axis=0), rtol=0, atol=1e-6 * np.abs(g64).sum(axis=0).max())
+
+
+@pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
 @pytest.mark.parametrize("norm", [("layernorm", False), ("rmsnorm", True)],
                          ids=["layernorm", "rmsnorm-zero-centered"])
 def test_norm_cast_matches_pure_jax(norm, shape):
@@ -204,22 +233,29 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
   dy = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
   states = (core.init_state(recipe), core.init_state(recipe)) if core.init_state(recipe) else None
 
-  def loss(x, wi, wo, bi, states, config):
-    out, _ = core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, bi,
+  bo = jnp.asarray(rng.normal(size=(k,)) * 0.1, jnp.float32)
+
+  def loss(x, wi, wo, bi, bo, states, config):
+    out, _ = core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, bi, bo,
                                 activations=("gelu", "linear"), recipe=recipe, states=states,
                                 threshold=None, config=config)
     return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
 
-  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
-  hlo = grad.lower(x, wi, wo, bi, states, KERNEL).compile().as_text()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
+  hlo = grad.lower(x, wi, wo, bi, bo, states, KERNEL).compile().as_text()
   targets = [_ffi.NORM_CAST_TARGET, _ffi.ACT_CAST_TARGET, _ffi.DACT_CAST_TARGET]
   if isinstance(recipe, ta.Float8CurrentScaling):
     targets += [_ffi.ACT_AMAX_TARGET, _ffi.DACT_AMAX_TARGET]  # the amax passes before the casts
   for target in targets:
     assert target in hlo, target
-  ours, ref = (grad(x, wi, wo, bi, states, c) for c in (KERNEL, JAX))
+  # The activation's gradient and dy with the output bias's gradient: two calls of one kernel.
+  assert hlo.count(f'custom_call_target="{_ffi.DACT_CAST_TARGET}"') == 2
+  ours, ref = (grad(x, wi, wo, bi, bo, states, c) for c in (KERNEL, JAX))
   for a, b in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
     assert rel_err(a, b) < 5e-3  # the rare one-step FP8 differences, through the GEMMs
+  dy64 = np.asarray(dy.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(ours[4], dy64.sum(axis=0), atol=1e-6 * np.abs(dy64).sum(0).max())
+  np.testing.assert_allclose(ours[4], ref[4], atol=1e-6 * np.abs(dy64).sum(0).max())
   if states is not None:
-    for a, b in zip(jax.tree.leaves(ours[4]), jax.tree.leaves(ref[4]), strict=True):
+    for a, b in zip(jax.tree.leaves(ours[5]), jax.tree.leaves(ref[5]), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5)
