@@ -33,7 +33,8 @@ from te_adapters.core._layer import (
 )
 from te_adapters.core._lora import check_lora_rank, lora_shapes, low_rank_adaptation
 from te_adapters.core._mlp import dropout, layernorm_mlp
-from te_adapters.core._norm import LAYERNORM_TYPES, layernorm, layernorm_dense
+from te_adapters.core._norm import LAYERNORM_TYPES, layernorm
+from te_adapters.core._norm_dense import layernorm_dense
 from te_adapters.core._partition import ShardingFallbackWarning
 from te_adapters.core._quantize import ScaledTensor, dequantize, quantize
 from te_adapters.core._ragged import init_ragged_state, ragged_dot

@@ -65,7 +65,10 @@ class GemmConfig:
       and compile-time activations (seed 001's LayerNorm + MLP, GPU time per fwd+bwd step:
       delayed 6.19 ms fused; current 6.64 fused against 6.99 composed). With activations
       narrower than float32 the two differ by the rounding of the norm's output, the activation
-      and its gradient to that dtype, which only the composed path does.
+      and its gradient to that dtype, which only the composed path does. The same switch
+      chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast straight to the
+      GEMM's FP8 operand in one custom VJP (a per-tensor recipe, the GEMM in FP8, the norm's
+      output neither returned nor constrained).
 
   Example:
     >>> import te_adapters as ta

@@ -1,13 +1,8 @@
-"""LayerNorm and RMSNorm over the last axis, and the norm followed by a quantized GEMM.
+"""LayerNorm and RMSNorm over the last axis.
 
 ``layernorm`` computes in float32 whatever the input dtype and returns the input's dtype; its
 custom VJP saves the input, the row statistics and gamma (as TE's does), not the normalized
-tensor. ``layernorm_dense`` feeds the norm's output into ``dot_general`` within one jitted
-computation: the amax and the FP8 cast of the GEMM's input consume it there, the backward pass
-keeps only its FP8 copy, and it is returned only on request (``return_layernorm_output=True``).
-Whether XLA also fuses the norm's elementwise pass into the amax and cast fusions, so that the
-normalized tensor is never written, is XLA's choice per backend (``bench/layernorm_fusion.py``
-lists what the compiled forward writes).
+tensor. The norm followed by a quantized GEMM is ``_norm_dense.layernorm_dense``.
 """
 
 from __future__ import annotations
@@ -18,11 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core._gemm import dot_general
-from te_adapters.core._layer import check_last_axis
-from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD
-
-__all__ = ["LAYERNORM_TYPES", "layernorm", "layernorm_dense"]
+__all__ = ["LAYERNORM_TYPES", "layernorm"]
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -160,95 +151,3 @@ def _norm_bwd(layernorm_type, zero_centered_gamma, epsilon, residuals, dy):
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
-
-
-def _dense_dims(x_ndim, kernel_ndim, axis, kernel_axes):
-  """``dot_general`` dimension numbers of ``x`` (contracting ``axis``) with the kernel
-  (contracting ``kernel_axes``), as TE's ``LayerNormDenseGeneral`` contracts them."""
-  axis = tuple(a % x_ndim for a in axis)
-  kernel_axes = tuple(a % kernel_ndim for a in kernel_axes)
-  return ((axis, kernel_axes), ((), ()))
-
-
-def layernorm_dense(
-    x,
-    scale,
-    bias,
-    kernel,
-    *,
-    layernorm_type: str = "layernorm",
-    zero_centered_gamma: bool = False,
-    epsilon: float = 1e-6,
-    axis=-1,
-    kernel_axes=None,
-    recipe,
-    state=None,
-    rng=None,
-    threshold=DEFAULT_SIZE_THRESHOLD,
-    config=None,
-    return_layernorm_output: bool = False,
-    dot_input_constraint=None,
-):
-  """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
-
-  The GEMM is ``core.dot_general`` itself (same recipes, state rule, size threshold and
-  ``GemmConfig``): ``z = dot_general(layernorm(x), kernel, ((axis, kernel_axes), ((), ())))``.
-  As TE's ``LayerNormDenseGeneral``, the norm runs over the last axis of ``x``, which is also
-  the contracting axis (``axis`` must be -1), and the kernel contracts its leading axes.
-
-  Under ``jit`` the norm's output feeds the GEMM's amax and FP8 cast in the same computation,
-  and only its FP8 copy is kept for the backward pass; with ``return_layernorm_output=True`` it
-  is also returned.
-
-  Args:
-    x: the input, ``(..., K)``.
-    scale, bias: gamma and beta of the norm, ``(K,)`` each (``bias=None`` for rmsnorm).
-    kernel: ``(K, *features)`` (or ``(*x.shape[axis], *features)``).
-    layernorm_type, zero_centered_gamma, epsilon: as for ``layernorm``.
-    axis: the contracting axis of ``x``: -1 (TE accepts no other).
-    kernel_axes: the contracting axes of the kernel; default its leading ``len(axis)`` axes.
-    recipe, state, rng, threshold, config: as for ``dot_general``.
-    return_layernorm_output: also return the norm's output.
-    dot_input_constraint: a function applied to the norm's output before the GEMM, for a
-      sharding constraint (``lambda y: jax.lax.with_sharding_constraint(y, spec)``); the
-      adapters pass TE's ``dot_input_axes`` this way.
-
-  Returns:
-    ``(z, ln_out)``: the GEMM's output ``(..., *features)`` in ``x``'s dtype (as TE's), and the
-    norm's output (in ``x``'s dtype) or ``None``.
-
-  Example:
-    >>> import jax.numpy as jnp, te_adapters as ta
-    >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
-    >>> z, ln = ta.core.layernorm_dense(x, jnp.ones(32), jnp.zeros(32), w,
-    ...                                 recipe=ta.Float8CurrentScaling())
-    >>> z.shape, ln
-    ((16, 16), None)
-  """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
-  check_last_axis(axis, x.ndim, "layernorm_dense", "LayerNormDenseGeneral")
-  if kernel_axes is None:
-    kernel_axes = (0,)
-  kernel_axes = tuple(kernel_axes) if isinstance(kernel_axes, (tuple, list)) else (kernel_axes,)
-  if len(kernel_axes) != 1:
-    raise ValueError(
-        f"layernorm_dense: the kernel contracts one axis with x's last axis, got kernel_axes="
-        f"{kernel_axes}"
-    )
-  if kernel.ndim < 1 or kernel.shape[kernel_axes[0]] != x.shape[-1]:
-    raise ValueError(
-        f"layernorm_dense: kernel of shape {tuple(kernel.shape)} does not contract x of shape "
-        f"{tuple(x.shape)}: its axis {kernel_axes[0]} must have size {x.shape[-1]}"
-    )
-  y = layernorm(
-      x, scale, bias, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma,
-      epsilon=epsilon,
-  )
-  if dot_input_constraint is not None:
-    y = dot_input_constraint(y)
-  dims = _dense_dims(x.ndim, kernel.ndim, (x.ndim - 1,), kernel_axes)
-  z = dot_general(
-      y, kernel, dims, preferred_element_type=x.dtype, recipe=recipe, state=state, rng=rng,
-      threshold=threshold, config=config,
-  )
-  return z, (y if return_layernorm_output else None)

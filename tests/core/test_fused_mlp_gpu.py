@@ -1,6 +1,6 @@
 """The CUDA kernels of the MLP's fused casts (csrc/act_cast_cuda.cu: the norm's, the
 activation's and its gradient's) against the pure-JAX formulas on the same GPU, and
-core.layernorm_mlp running them.
+core.layernorm_mlp and core.layernorm_dense running them.
 
 The kernels compute the sigmoid-shaped activations (gelu's tanh form as x * sigmoid(2u), silu,
 quick_gelu) with the GPU's approximate 2**x and reciprocal, a few ulp of float32 from XLA's tanh
@@ -259,3 +259,33 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
   if states is not None:
     for a, b in zip(jax.tree.leaves(ours[5]), jax.tree.leaves(ref[5]), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()],
+                         ids=["current", "delayed"])
+def test_layernorm_dense_runs_the_norm_cast_with_pure_jaxs_results(recipe):
+  """core.layernorm_dense's fused path casts the norm's output with the CUDA norm cast (never
+  written in bf16): gradients and state as with the pure-JAX casts."""
+  m, k, n = 512, 256, 384
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(m, k)) * 2.0 + 0.5, jnp.bfloat16)
+  g = jnp.asarray(1.0 + 0.3 * rng.normal(size=(k,)), jnp.float32)
+  b = jnp.asarray(0.2 * rng.normal(size=(k,)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.float32)
+  dz = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
+  state = core.init_state(recipe) or None
+
+  def loss(x, g, b, w, state, config):
+    z, _ = core.layernorm_dense(x, g, b, w, recipe=recipe, state=state, threshold=None,
+                                config=config)
+    return jnp.sum(z.astype(jnp.float32) * dz.astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
+  hlo = grad.lower(x, g, b, w, state, KERNEL).compile().as_text()
+  assert _ffi.NORM_CAST_TARGET in hlo
+  ours, ref = (grad(x, g, b, w, state, c) for c in (KERNEL, JAX))
+  for a, r in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
+    assert rel_err(a, r) < 5e-3
+  if state is not None:
+    for a, r in zip(jax.tree.leaves(ours[4]), jax.tree.leaves(ref[4]), strict=True):
+      np.testing.assert_allclose(a, r, rtol=1e-5)

@@ -208,8 +208,9 @@ def test_no_high_precision_norm_output_is_saved(recipe):
   saved = _saved(f, x, g, b, w)
   big = [(s, d) for s, d in saved if int(np.prod(s)) >= x.size]
   high = [(s, d) for s, d in big if d.itemsize > 1]
-  # The only high-precision residual of x's size is x itself (the kernel is kept in FP8 too).
-  assert high == [(x.shape, jnp.dtype(jnp.bfloat16))], saved
+  # The only high-precision residual of x's size is x itself, as (M, K) on the fused path (the
+  # kernel is kept in FP8 too).
+  assert [(int(np.prod(s)), d) for s, d in high] == [(x.size, jnp.dtype(jnp.bfloat16))], saved
   assert any(d.itemsize == 1 and int(np.prod(s)) == x.size for s, d in big), saved
 
 
@@ -250,3 +251,57 @@ def test_remat_gives_the_same_grads_and_state():
       # FP8 value on a rounding boundary with it (seen on an H100 with the pure-JAX casts).
       np.testing.assert_allclose(a, r, rtol=1e-2, atol=1e-2 * float(np.max(np.abs(a))))
   assert float(plain[4]["x_amax_history"][-1]) > 0
+
+
+def _takes_fused(**kw):
+  x, g, b, _ = _inputs()
+  w = _data([(128, 256)], seed=1)[0]
+  jaxpr = jax.make_jaxpr(lambda x, w: core.layernorm_dense(x, g, b, w, **kw)[0])(x, w)
+  return "name=_ln_dense" in str(jaxpr)
+
+
+def test_layernorm_dense_fuses_the_norm_into_the_cast_where_it_applies():
+  current = ta.Float8CurrentScaling()
+  assert _takes_fused(recipe=current, threshold=None)
+  assert _takes_fused(recipe=DELAYED, state=core.init_state(DELAYED), threshold=None)
+  # Composed: block scaling, high precision, the norm's output returned or constrained, the
+  # switch off, a GEMM the default size threshold keeps in bf16.
+  assert not _takes_fused(recipe=ta.Float8BlockScaling(), threshold=None)
+  assert not _takes_fused(recipe=None)
+  assert not _takes_fused(recipe=current, threshold=None, return_layernorm_output=True)
+  assert not _takes_fused(recipe=current, threshold=None, dot_input_constraint=lambda y: y)
+  assert not _takes_fused(recipe=current, threshold=None,
+                          config=core.GemmConfig(fuse_activation_cast=False))
+  with pytest.warns(core.HighPrecisionGemmWarning):
+    assert not _takes_fused(recipe=current)
+
+
+@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), DELAYED], ids=["current", "delayed"])
+def test_fused_layernorm_dense_equals_the_composed_path(recipe, layernorm_type):
+  """float32 x (the composed norm's output is not rounded to bf16 first): the same FP8 operands,
+  so the fused custom VJP gives the composed path's output, gradients and state over 3 steps."""
+  x, g, b, _ = _inputs()
+  w, dz = _data([(128, 2, 128), (4, 32, 2, 128)], seed=1)
+  b = b if layernorm_type == "layernorm" else None
+  state = core.init_state(recipe) or None
+
+  def step(fuse):
+    config = core.GemmConfig(fuse_activation_cast=fuse)
+
+    def loss(x, g, b, w, state):
+      z, _ = core.layernorm_dense(x, g, b, w, layernorm_type=layernorm_type, recipe=recipe,
+                                  state=state, threshold=None, config=config)
+      return jnp.sum(z * dz), z
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+  out = {}
+  for fuse in (True, False):
+    s, f = state, step(fuse)
+    for _ in range(3):
+      (_, z), grads = f(x, g, b, w, s)
+      s = grads[4]
+    out[fuse] = (z, grads)
+  assert z.shape == (4, 32, 2, 128)
+  for a, r in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False]), strict=True):
+    np.testing.assert_allclose(a, r, rtol=2e-6, atol=2e-6 * float(np.max(np.abs(r))))
