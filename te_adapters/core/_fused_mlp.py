@@ -4,7 +4,9 @@
 its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in both orientations
 (no activation buffer in the input's dtype), and in the backward pass
 ``dh = dz * act'(h + b)`` is cast straight to GEMM 1's FP8 output gradient in both orientations,
-with its amax and the bias gradient, from one read of ``dz`` and ``h``. Each GEMM keeps its own
+with its amax and the bias gradient, from one read of ``dz`` and ``h``; the block's output
+gradient is cast for GEMM 2 in the pass that sums the output bias's gradient (the same kernel
+with a linear activation, which reads the gradient alone). Each GEMM keeps its own
 recipe state with ``dot_general``'s contract (the gradient with respect to it is the next
 state). With ``norm``, the norm runs inside too: its float32 output is cast straight to GEMM 1's
 FP8 operand, and the backward pass computes the norm's gradients from GEMM 1's dgrad.
