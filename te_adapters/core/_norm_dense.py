@@ -5,8 +5,9 @@ With a per-tensor recipe and the GEMM in FP8 it runs as one custom VJP (``_ln_de
 structure of ``core.layernorm_mlp``'s fused path with one GEMM: the norm's float32 output is
 cast straight to the GEMM's FP8 operand in both orientations with its amax (the CUDA norm cast
 of ``csrc/act_cast_cuda.cu`` on Hopper, the pure-JAX formula that XLA fuses elsewhere), so the
-normalized tensor is never written in the input's dtype, and the backward pass computes the
-norm's gradients from the GEMM's dgrad. Otherwise (a block-scaled recipe, a GEMM the size
+normalized tensor is never written in the input's dtype, the GEMM's bias (``dense_bias``) gets
+its gradient from the pass that casts the output gradient to FP8, and the backward pass computes
+the norm's gradients from the GEMM's dgrad. Otherwise (a block-scaled recipe, a GEMM the size
 threshold keeps in high precision, the norm's output asked for, a sharding constraint on it, a
 stochastic-rounding key, inside ``shard_map``, ``GemmConfig(fuse_activation_cast=False)``) the
 norm's output feeds ``dot_general``.
@@ -60,6 +61,7 @@ def layernorm_dense(
     config=None,
     return_layernorm_output: bool = False,
     dot_input_constraint=None,
+    dense_bias=None,
 ):
   """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
 
@@ -88,6 +90,9 @@ def layernorm_dense(
     dot_input_constraint: a function applied to the norm's output before the GEMM, for a
       sharding constraint (``lambda y: jax.lax.with_sharding_constraint(y, spec)``); the
       adapters pass TE's ``dot_input_axes`` this way.
+    dense_bias: the GEMM's bias (TE's ``bias``; ``bias`` here is the norm's beta), shaped as the
+      kernel's features, added to the output in its dtype. On the fused path its gradient is
+      summed in the pass that casts the output gradient to FP8 (TE's dbias + quantize).
 
   Returns:
     ``(z, ln_out)``: the GEMM's output ``(..., *features)`` in ``x``'s dtype (as TE's), and the
@@ -122,6 +127,13 @@ def layernorm_dense(
   kernel_k = jnp.moveaxis(kernel, kernel_axes[0], 0)  # (K, *features)
   features = kernel_k.shape[1:]
   m, n = math.prod(x.shape[:-1]), math.prod(features)
+  if dense_bias is not None:
+    dense_bias = jnp.asarray(dense_bias)
+    if dense_bias.shape != features:
+      raise ValueError(
+          f"layernorm_dense: dense_bias must have the kernel's feature shape {features}, got "
+          f"{dense_bias.shape}"
+      )
   if (not return_layernorm_output and gemm_dims_refusal(k, n) is None
       and _fused_mlp.applies(recipe, config, gemm_shapes=((m, k, n),), threshold=threshold,
                              dropout_active=False, constrained=dot_input_constraint is not None,
@@ -129,7 +141,8 @@ def layernorm_dense(
       and _fused_mlp.norm_fuses(x, config)):
     _norm.check_norm_args(x, scale, bias, layernorm_type)
     z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
-               kernel_k.reshape(k, n), state, recipe=recipe, config=config,
+               kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
+               state, recipe=recipe, config=config,
                norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)))
     return z.reshape(*x.shape[:-1], *features), None
   y = layernorm(
@@ -143,12 +156,14 @@ def layernorm_dense(
       y, kernel, dims, preferred_element_type=x.dtype, recipe=recipe, state=state, rng=rng,
       threshold=threshold, config=config,
   )
+  if dense_bias is not None:
+    z = z + dense_bias.astype(z.dtype)
   return z, (y if return_layernorm_output else None)
 
 
-def _fused(x, ln_scale, ln_bias, w, state, *, recipe, config, norm):
-  """``q(norm(x)) . q(w)`` for ``x (M, K)``, ``w (K, N)``: one custom VJP, ``(M, N)`` in ``x``'s
-  dtype; the gradient with respect to ``state`` is its next value."""
+def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
+  """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
+  VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
   recipe = check_recipe(recipe)
   state = check_state(recipe, state)
   if state:
@@ -156,16 +171,16 @@ def _fused(x, ln_scale, ln_bias, w, state, *, recipe, config, norm):
     x, w, state = _frozen.watch_state(x, w, state)
   if ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
-  return _ln_dense(x, ln_scale, ln_bias, w, state, (recipe, config, norm))
+  return _ln_dense(x, ln_scale, ln_bias, w, b, state, (recipe, config, norm))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ln_dense(x, ln_scale, ln_bias, w, state, static):
-  out, _ = _ln_dense_fwd(x, ln_scale, ln_bias, w, state, static)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ln_dense(x, ln_scale, ln_bias, w, b, state, static):
+  out, _ = _ln_dense_fwd(x, ln_scale, ln_bias, w, b, state, static)
   return out
 
 
-def _ln_dense_fwd(x, ln_scale, ln_bias, w, state, static):
+def _ln_dense_fwd(x, ln_scale, ln_bias, w, b, state, static):
   recipe, config, norm = static
   layernorm_type, zero_centered_gamma, epsilon = norm
   fwd = recipe.fwd_dtype
@@ -182,10 +197,12 @@ def _ln_dense_fwd(x, ln_scale, ln_bias, w, state, static):
   sinv_y, sinv_w = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_w)
   out = _gemm._tn_dot(q_y, q_wt, (sinv_y, sinv_w), np.dtype(x.dtype), None, "fwd", recipe, config)
   out = checkpoint_name(out, _remat.GEMM_OUTPUT)
+  if b is not None:
+    out = out + b.astype(out.dtype)
   del q_y
   q_yt, sinv_y = _remat.name_quantized((q_yt, sinv_y), _remat.QUANTIZED_X)
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
-  protos = tuple(np.zeros((0,), a.dtype) for a in (x, w))
+  protos = tuple(None if a is None else np.zeros((0,), a.dtype) for a in (x, w, b))
   norm_residuals = (x, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
   residuals = (q_yt, sinv_y, q_w, sinv_w, {"x": new_y, "kernel": new_w}, state, protos,
                norm_residuals)
@@ -195,16 +212,25 @@ def _ln_dense_fwd(x, ln_scale, ln_bias, w, state, static):
 def _ln_dense_bwd(static, residuals, g):
   recipe, config, norm = static
   q_yt, sinv_y, q_w, sinv_w, new_fwd, state, protos, norm_residuals = residuals
-  x_proto, w_proto = protos
+  x_proto, w_proto, b_proto = protos
   bwd = recipe.bwd_dtype
-  q_g, q_gt, scale_g, new_g = _gemm._quantize_both(g, "grad", bwd, recipe, state,
-                                                   _fused_mlp._PLAN, config)
+  sums = []
+
+  def g_cast(scale, with_amax):  # the bias gradient summed in g's cast
+    q, q_t, a, db = _fused_mlp._dbias_cast(g, bwd, scale, with_amax, config)
+    sums.append(db)
+    return q, q_t, a
+
+  q_g, q_gt, scale_g, new_g = _gemm._quantize_both(
+      g, "grad", bwd, recipe, state, _fused_mlp._PLAN, config,
+      cast=None if b_proto is None else g_cast)
   sinv_g = _scaling.scale_inverse(scale_g)
   dy = _gemm._tn_dot(q_g, q_w, (sinv_g, sinv_w), x_proto.dtype, None, "dgrad", recipe, config)
   dw = _gemm._tn_dot(q_yt, q_gt, (sinv_y, sinv_g), w_proto.dtype, None, "wgrad", recipe, config)
   new_state = _gemm.next_gemm_state(recipe, state, {**new_fwd, "grad": new_g})
   dx, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)
-  return dx, dgamma, dbeta, dw.astype(w_proto.dtype), new_state
+  db = None if b_proto is None else sums[0].astype(b_proto.dtype)
+  return dx, dgamma, dbeta, dw.astype(w_proto.dtype), db, new_state
 
 
 _ln_dense.defvjp(_ln_dense_fwd, _ln_dense_bwd)

@@ -164,19 +164,21 @@ class LayerNormDenseGeneral(hk.Module):
     gemm = {"recipe": self.recipe, "state": recipe_state(self, self.recipe) or None,
             "rng": rounding_key(self, self.recipe), "threshold": self.threshold,
             "config": self.config}
+    bias = None
+    if self.use_bias:
+      bias = hk.get_parameter("bias", self.features, self.param_dtype, init=self.out_bias_init)
     if self.enable_layernorm:
       z, ln_out = core.layernorm_dense(
           inputs, scale, ln_bias, kernel, layernorm_type=self.layernorm_type,
           zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-          return_layernorm_output=self.return_layernorm_output, **gemm,
+          return_layernorm_output=self.return_layernorm_output, dense_bias=bias, **gemm,
       )
     else:
       dims = (((inputs.ndim - 1,), (0,)), ((), ()))
       z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
       ln_out = inputs if self.return_layernorm_output else None
-    if self.use_bias:
-      bias = hk.get_parameter("bias", self.features, self.param_dtype, init=self.out_bias_init)
-      z = z + bias.astype(z.dtype)
+      if bias is not None:
+        z = z + bias.astype(z.dtype)
     if self.depth_scaling is not None:
       z = z / self.depth_scaling
     return z, ln_out

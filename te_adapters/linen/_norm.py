@@ -193,6 +193,9 @@ class LayerNormDenseGeneral(nn.Module):
     state = _recipe_state(self, recipe)
     gemm = {"recipe": recipe, "state": state, "rng": _sr_rng(self, recipe),
             "threshold": threshold, "config": config}
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", _with_axes(self.bias_init, self.bias_axes), features, self.dtype)
     if self.enable_layernorm:
       inputs = _constrain(inputs, self.layernorm_input_axes)
       constraint = None
@@ -202,16 +205,15 @@ class LayerNormDenseGeneral(nn.Module):
           inputs, scale, ln_bias, kernel, layernorm_type=self.layernorm_type,
           zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
           return_layernorm_output=self.return_layernorm_output,
-          dot_input_constraint=constraint, **gemm,
+          dot_input_constraint=constraint, dense_bias=bias, **gemm,
       )
     else:
       inputs = _constrain(inputs, self.dot_input_axes)
       dims = (((inputs.ndim - 1,), (0,)), ((), ()))
       z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
       ln_out = inputs if self.return_layernorm_output else None
-    if self.use_bias:
-      bias = self.param("bias", _with_axes(self.bias_init, self.bias_axes), features, self.dtype)
-      z = z + bias.astype(z.dtype)
+      if bias is not None:
+        z = z + bias.astype(z.dtype)
     if self.depth_scaling is not None:
       z = z / self.depth_scaling
     return z, ln_out

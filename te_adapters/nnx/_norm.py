@@ -165,19 +165,20 @@ class LayerNormDenseGeneral(nnx.Module):
     else:
       gemm = self.dot_general.gemm_arguments(rngs)
     kernel = self.kernel[...]
+    dense_bias = None if self.bias is None else self.bias[...]
     if self.enable_layernorm:
       bias = None if self.ln_bias is None else self.ln_bias[...]
       z, ln_out = core.layernorm_dense(
           inputs, self.scale[...], bias, kernel, layernorm_type=self.layernorm_type,
           zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-          return_layernorm_output=self.return_layernorm_output, **gemm,
+          return_layernorm_output=self.return_layernorm_output, dense_bias=dense_bias, **gemm,
       )
     else:
       dims = (((inputs.ndim - 1,), (0,)), ((), ()))
       z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
       ln_out = inputs if self.return_layernorm_output else None
-    if self.bias is not None:
-      z = z + self.bias[...].astype(z.dtype)
+      if dense_bias is not None:
+        z = z + dense_bias.astype(z.dtype)
     if self.depth_scaling is not None:
       z = z / self.depth_scaling
     return z, ln_out

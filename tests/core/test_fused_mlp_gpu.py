@@ -272,20 +272,25 @@ def test_layernorm_dense_runs_the_norm_cast_with_pure_jaxs_results(recipe):
   g = jnp.asarray(1.0 + 0.3 * rng.normal(size=(k,)), jnp.float32)
   b = jnp.asarray(0.2 * rng.normal(size=(k,)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.float32)
+  c = jnp.asarray(0.1 * rng.normal(size=(n,)), jnp.float32)
   dz = jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16)
   state = core.init_state(recipe) or None
 
-  def loss(x, g, b, w, state, config):
+  def loss(x, g, b, w, c, state, config):
     z, _ = core.layernorm_dense(x, g, b, w, recipe=recipe, state=state, threshold=None,
-                                config=config)
+                                config=config, dense_bias=c)
     return jnp.sum(z.astype(jnp.float32) * dz.astype(jnp.float32))
 
-  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
-  hlo = grad.lower(x, g, b, w, state, KERNEL).compile().as_text()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
+  hlo = grad.lower(x, g, b, w, c, state, KERNEL).compile().as_text()
   assert _ffi.NORM_CAST_TARGET in hlo
-  ours, ref = (grad(x, g, b, w, state, c) for c in (KERNEL, JAX))
+  # dz's cast with the dense bias's gradient: the activation-gradient kernel, linear.
+  assert hlo.count(f'custom_call_target="{_ffi.DACT_CAST_TARGET}"') == 1
+  ours, ref = (grad(x, g, b, w, c, state, cfg) for cfg in (KERNEL, JAX))
   for a, r in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
     assert rel_err(a, r) < 5e-3
+  dz64 = np.asarray(dz.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(ours[4], dz64.sum(axis=0), atol=1e-6 * np.abs(dz64).sum(0).max())
   if state is not None:
-    for a, r in zip(jax.tree.leaves(ours[4]), jax.tree.leaves(ref[4]), strict=True):
+    for a, r in zip(jax.tree.leaves(ours[5]), jax.tree.leaves(ref[5]), strict=True):
       np.testing.assert_allclose(a, r, rtol=1e-5)

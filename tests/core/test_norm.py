@@ -282,26 +282,37 @@ def test_fused_layernorm_dense_equals_the_composed_path(recipe, layernorm_type):
   """float32 x (the composed norm's output is not rounded to bf16 first): the same FP8 operands,
   so the fused custom VJP gives the composed path's output, gradients and state over 3 steps."""
   x, g, b, _ = _inputs()
-  w, dz = _data([(128, 2, 128), (4, 32, 2, 128)], seed=1)
+  w, dz, c = _data([(128, 2, 128), (4, 32, 2, 128), (2, 128)], seed=1)
   b = b if layernorm_type == "layernorm" else None
   state = core.init_state(recipe) or None
 
   def step(fuse):
     config = core.GemmConfig(fuse_activation_cast=fuse)
 
-    def loss(x, g, b, w, state):
+    def loss(x, g, b, w, c, state):
       z, _ = core.layernorm_dense(x, g, b, w, layernorm_type=layernorm_type, recipe=recipe,
-                                  state=state, threshold=None, config=config)
+                                  state=state, threshold=None, config=config, dense_bias=c)
       return jnp.sum(z * dz), z
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
 
   out = {}
   for fuse in (True, False):
     s, f = state, step(fuse)
     for _ in range(3):
-      (_, z), grads = f(x, g, b, w, s)
-      s = grads[4]
+      (_, z), grads = f(x, g, b, w, c, s)
+      s = grads[5]
     out[fuse] = (z, grads)
   assert z.shape == (4, 32, 2, 128)
   for a, r in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False]), strict=True):
     np.testing.assert_allclose(a, r, rtol=2e-6, atol=2e-6 * float(np.max(np.abs(r))))
+  # The dense bias's gradient: dz's sums over the rows.
+  np.testing.assert_allclose(out[True][1][4], np.sum(np.asarray(dz, np.float64), axis=(0, 1)),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_dense_refuses_a_dense_bias_of_another_shape():
+  x, g, b, _ = _inputs()
+  for config in (None, core.GemmConfig(fuse_activation_cast=False)):
+    with pytest.raises(ValueError, match=r"dense_bias must have the kernel's feature shape"):
+      core.layernorm_dense(x, g, b, jnp.ones((128, 256)), recipe=ta.Float8CurrentScaling(),
+                           threshold=None, config=config, dense_bias=jnp.ones((128,)))

@@ -96,6 +96,27 @@ def test_layer_norm_dense_general_against_float64(recipe, rel):
   assert errs["z"] > 0.005 and errs["dkernel"] > 0.005, errs  # FP8, not float32
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_layer_norm_dense_general_with_bias_against_float64(recipe, rel):
+  """use_bias=True (TE's ``bias``): with a per-tensor recipe the layer takes the fused path,
+  whose bias gradient is dz's float32 column sums from the pass that casts dz to FP8."""
+  x, g, b, _ = _inputs()
+  w, dz, c = _data([(128, 256), (4, 32, 256), (256,)], seed=1)
+  params = {"scale": g, "ln_bias": b, "kernel": w, "bias": c}
+  _, z, grads, _ = _loop(recipe, x, dz, params, steps=3, use_bias=True)
+  ref, (_, dg, db, dw) = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w, dz=dz)
+  ref = ref + np.asarray(c, np.float64)
+  errs = {"z": rel(z, ref), "dgamma": rel(grads["scale"], dg), "dbeta": rel(grads["ln_bias"], db),
+          "dkernel": rel(grads["kernel"], dw)}
+  assert errs["z"] < 0.05 and max(errs.values()) < 0.08, errs
+  assert rel(grads["bias"], np.sum(np.asarray(dz, np.float64), axis=(0, 1))) < 1e-6
+  layer = ta_linen.LayerNormDenseGeneral(256, recipe=recipe, threshold=None, use_bias=True,
+                                         return_layernorm_output=False)
+  variables = layer.init(jax.random.key(0), x)
+  fused = "name=_ln_dense" in str(jax.make_jaxpr(lambda v: layer.apply(v, x)[0])(variables))
+  assert fused == (not core.check_recipe(recipe).block_scaled)
+
+
 def test_delayed_state_follows_training():
   # Three SGD steps: each step's x amax is the amax of the norm's output under that step's
   # parameters, and the history rolls them in.
