@@ -65,8 +65,9 @@ def layernorm_dense(
 ):
   """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
 
-  The GEMM is ``core.dot_general`` itself (same recipes, state rule, size threshold and
-  ``GemmConfig``): ``z = dot_general(layernorm(x), kernel, ((axis, kernel_axes), ((), ())))``.
+  The GEMM keeps ``core.dot_general``'s contract (recipes, state rule, size threshold and
+  ``GemmConfig``): ``z = dot_general(layernorm(x), kernel, ((axis, kernel_axes), ((), ())))``
+  plus ``dense_bias``.
   As TE's ``LayerNormDenseGeneral``, the norm runs over the last axis of ``x``, which is also
   the contracting axis (``axis`` must be -1), and the kernel contracts its leading axes.
 
