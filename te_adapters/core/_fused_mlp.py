@@ -100,14 +100,10 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
   """
   recipe = check_recipe(recipe)
   k, n_act, f = wi.shape
-  state_0, state_1 = (check_state(recipe, s) for s in states)
-  state_0 = shared_max_grad(state_0) if state_0 else state_0
-  state_1 = shared_max_grad(state_1) if state_1 else state_1
+  state_0, state_1 = states
   wi2 = wi.reshape(k, n_act * f)
-  if state_0:
-    y, wi2, state_0 = _frozen.watch_state(y, wi2, state_0)
-  if state_1:
-    y, wo, state_1 = _frozen.watch_state(y, wo, state_1)
+  y, wi2, state_0 = gemm_state(recipe, y, wi2, state_0)
+  y, wo, state_1 = gemm_state(recipe, y, wo, state_1)
   if norm is not None and ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   static = (tuple(names), recipe, config, ffn1_ckpt_name, norm)
@@ -115,6 +111,17 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
 
 
 _PLAN = _spmd_plan.SpmdPlan()
+
+
+def gemm_state(recipe, lhs, rhs, state):
+  """One GEMM's recipe state checked against ``recipe``, its reused-GEMM gradient rule set
+  (``shared_max_grad``), and ``(lhs, rhs, state)`` watched for a state left out of
+  differentiation (``_frozen.watch_state``), as ``dot_general`` does; returns them."""
+  state = check_state(recipe, state)
+  if state:
+    state = shared_max_grad(state)
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+  return lhs, rhs, state
 
 
 def _hb(h, b, n_act):
@@ -194,6 +201,45 @@ def _dbias_cast(g, q_dtype, scale, with_amax, config):
   return q, q_t, a, jnp.sum(g.astype(jnp.float32), axis=0)
 
 
+def quantizer(recipe, config):
+  """``_gemm._quantize_both`` with the recipe, the fused paths' SPMD plan and the config bound:
+  ``quantize(x, role, q_dtype, state=..., cast=..., amax=...)``."""
+  return functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
+
+
+def quantize_norm_output(y, ln_scale, ln_bias, norm, q_dtype, quantize, state, config):
+  """A GEMM's FP8 operand made from the norm of its input ``y`` (``norm``: ``(layernorm_type,
+  zero_centered_gamma, epsilon)``), cast from float32 in the pass that computes it
+  (``quantize``: a ``quantizer``). Returns ``(q, q_t, scale, new_state, norm_residuals)``; the
+  backward pass keeps the input and the row statistics, as ``core.layernorm``'s does
+  (``_norm._norm_bwd``'s residuals)."""
+  layernorm_type, zero_centered_gamma, epsilon = norm
+  mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
+  args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+  q, q_t, scale, new = quantize(
+      y, "x", q_dtype, state=state,
+      cast=lambda scale, with_amax: _norm_cast(*args, q_dtype, scale, with_amax, config),
+      amax=lambda: _scaling.amax(_norm.normalized(*args)))
+  return q, q_t, scale, new, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
+
+
+def quantize_output_grad(g, q_dtype, quantize, state, config, *, with_bias):
+  """A GEMM's output gradient ``g (M, N)`` in FP8 (``quantize``: a ``quantizer``):
+  ``(q, q_t, scale, new_state, dbias)``. ``with_bias``: the bias gradient, float32 ``(N,)``,
+  summed in the pass that casts ``g`` (``_dbias_cast``); else the ordinary cast and None."""
+  if not with_bias:
+    return (*quantize(g, "grad", q_dtype, state=state), None)
+  sums = []
+
+  def cast(scale, with_amax):
+    q, q_t, a, db = _dbias_cast(g, q_dtype, scale, with_amax, config)
+    sums.append(db)
+    return q, q_t, a
+
+  q, q_t, scale, new = quantize(g, "grad", q_dtype, state=state, cast=cast)
+  return q, q_t, scale, new, sums[0]
+
+
 def _act_amax(h, b, names, config):
   """The amax of the activation (current scaling's pass before ``_act_cast``): the kernel's own
   float32 values where it runs, XLA's reduce over the formula otherwise."""
@@ -233,23 +279,15 @@ def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, 
   names, recipe, config, ffn1_ckpt_name, norm = static
   fwd = recipe.fwd_dtype
   out_dtype = np.dtype(y.dtype)
-  quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
+  quantize = quantizer(recipe, config)
   # GEMM 1: y (M, K) and wi (K, N); the copy of wi as stored is dgrad's operand, its transposed
   # copy the forward's.
   norm_residuals = None
   if norm is None:
     q_y, q_yt, scale_y, new_y = quantize(y, "x", fwd, state=state_0)
   else:
-    # y is the norm's input: its output is cast from float32 in the pass that computes it, and
-    # the backward pass keeps the input and the row statistics (as core.layernorm's).
-    layernorm_type, zero_centered_gamma, epsilon = norm
-    mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
-    args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
-    q_y, q_yt, scale_y, new_y = quantize(
-        y, "x", fwd, state=state_0,
-        cast=lambda scale, with_amax: _norm_cast(*args, fwd, scale, with_amax, config),
-        amax=lambda: _scaling.amax(_norm.normalized(*args)))
-    norm_residuals = (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
+    q_y, q_yt, scale_y, new_y, norm_residuals = quantize_norm_output(
+        y, ln_scale, ln_bias, norm, fwd, quantize, state_0, config)
   q_wi, q_wit, scale_wi, new_wi = quantize(wi2, "kernel", fwd, state=state_0)
   sinv_y, sinv_wi = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_wi)
   h = _gemm._tn_dot(q_y, q_wit, (sinv_y, sinv_wi), out_dtype, None, "fwd", recipe, config)
@@ -285,18 +323,11 @@ def _mlp_bwd(static, residuals, g):
   state_0, state_1 = states
   y_proto, wi_proto, wo_proto = protos
   bwd = recipe.bwd_dtype
-  quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
+  quantize = quantizer(recipe, config)
   # GEMM 2's backward; with an output bias, its gradient is summed in g's cast.
   wi_bias_proto, wo_bias_proto = bias_proto
-  g_sums = []
-
-  def g_cast(scale, with_amax):
-    q, q_t, a, db = _dbias_cast(g, bwd, scale, with_amax, config)
-    g_sums.append(db)
-    return q, q_t, a
-
-  q_g, q_gt, scale_g, new_g1 = quantize(
-      g, "grad", bwd, state=state_1, cast=None if wo_bias_proto is None else g_cast)
+  q_g, q_gt, scale_g, new_g1, g_sum = quantize_output_grad(
+      g, bwd, quantize, state_1, config, with_bias=wo_bias_proto is not None)
   sinv_g = _scaling.scale_inverse(scale_g)
   dz = _gemm._tn_dot(q_g, q_wo, (sinv_g, sinv_wo), h.dtype, None, "dgrad", recipe, config)
   dwo = _gemm._tn_dot(q_zt, q_gt, (sinv_z, sinv_g), wo_proto.dtype, None, "wgrad", recipe, config)
@@ -318,7 +349,7 @@ def _mlp_bwd(static, residuals, g):
   new_state_0 = _gemm.next_gemm_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
   new_state_1 = _gemm.next_gemm_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
   db = None if wi_bias_proto is None else dbias[0].astype(wi_bias_proto.dtype)
-  db_out = None if wo_bias_proto is None else g_sums[0].astype(wo_bias_proto.dtype)
+  db_out = None if wo_bias_proto is None else g_sum.astype(wo_bias_proto.dtype)
   dgamma = dbeta = None
   if norm is not None:
     dy, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)

@@ -23,13 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _frozen, _fused_mlp, _gemm, _norm, _remat, _scaling
+from te_adapters.core import _fused_mlp, _gemm, _norm, _remat, _scaling
 from te_adapters.core._config import check_config
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._layer import check_last_axis, gemm_dims_refusal
 from te_adapters.core._norm import layernorm
 from te_adapters.core._recipes import check_recipe
-from te_adapters.core._state import check_state, shared_max_grad
 from te_adapters.core._threshold import DEFAULT_SIZE_THRESHOLD, check_threshold
 
 __all__ = ["layernorm_dense"]
@@ -166,10 +165,7 @@ def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
   """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
   VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
   recipe = check_recipe(recipe)
-  state = check_state(recipe, state)
-  if state:
-    state = shared_max_grad(state)
-    x, w, state = _frozen.watch_state(x, w, state)
+  x, w, state = _fused_mlp.gemm_state(recipe, x, w, state)
   if ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   return _ln_dense(x, ln_scale, ln_bias, w, b, state, (recipe, config, norm))
@@ -183,16 +179,10 @@ def _ln_dense(x, ln_scale, ln_bias, w, b, state, static):
 
 def _ln_dense_fwd(x, ln_scale, ln_bias, w, b, state, static):
   recipe, config, norm = static
-  layernorm_type, zero_centered_gamma, epsilon = norm
   fwd = recipe.fwd_dtype
-  quantize = functools.partial(_gemm._quantize_both, recipe=recipe, plan=_fused_mlp._PLAN,
-                               config=config)
-  mean, rsigma = _norm._stats(x.astype(jnp.float32), layernorm_type, epsilon)
-  args = (x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
-  q_y, q_yt, scale_y, new_y = quantize(
-      x, "x", fwd, state=state,
-      cast=lambda scale, with_amax: _fused_mlp._norm_cast(*args, fwd, scale, with_amax, config),
-      amax=lambda: _scaling.amax(_norm.normalized(*args)))
+  quantize = _fused_mlp.quantizer(recipe, config)
+  q_y, q_yt, scale_y, new_y, norm_residuals = _fused_mlp.quantize_norm_output(
+      x, ln_scale, ln_bias, norm, fwd, quantize, state, config)
   # The kernel as stored (K, N) is dgrad's operand, its transposed copy the forward's.
   q_w, q_wt, scale_w, new_w = quantize(w, "kernel", fwd, state=state)
   sinv_y, sinv_w = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_w)
@@ -204,7 +194,6 @@ def _ln_dense_fwd(x, ln_scale, ln_bias, w, b, state, static):
   q_yt, sinv_y = _remat.name_quantized((q_yt, sinv_y), _remat.QUANTIZED_X)
   q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
   protos = tuple(None if a is None else np.zeros((0,), a.dtype) for a in (x, w, b))
-  norm_residuals = (x, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
   residuals = (q_yt, sinv_y, q_w, sinv_w, {"x": new_y, "kernel": new_w}, state, protos,
                norm_residuals)
   return out, residuals
@@ -215,22 +204,14 @@ def _ln_dense_bwd(static, residuals, g):
   q_yt, sinv_y, q_w, sinv_w, new_fwd, state, protos, norm_residuals = residuals
   x_proto, w_proto, b_proto = protos
   bwd = recipe.bwd_dtype
-  sums = []
-
-  def g_cast(scale, with_amax):  # the bias gradient summed in g's cast
-    q, q_t, a, db = _fused_mlp._dbias_cast(g, bwd, scale, with_amax, config)
-    sums.append(db)
-    return q, q_t, a
-
-  q_g, q_gt, scale_g, new_g = _gemm._quantize_both(
-      g, "grad", bwd, recipe, state, _fused_mlp._PLAN, config,
-      cast=None if b_proto is None else g_cast)
+  q_g, q_gt, scale_g, new_g, g_sum = _fused_mlp.quantize_output_grad(
+      g, bwd, _fused_mlp.quantizer(recipe, config), state, config, with_bias=b_proto is not None)
   sinv_g = _scaling.scale_inverse(scale_g)
   dy = _gemm._tn_dot(q_g, q_w, (sinv_g, sinv_w), x_proto.dtype, None, "dgrad", recipe, config)
   dw = _gemm._tn_dot(q_yt, q_gt, (sinv_y, sinv_g), w_proto.dtype, None, "wgrad", recipe, config)
   new_state = _gemm.next_gemm_state(recipe, state, {**new_fwd, "grad": new_g})
   dx, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)
-  db = None if b_proto is None else sums[0].astype(b_proto.dtype)
+  db = None if b_proto is None else g_sum.astype(b_proto.dtype)
   return dx, dgamma, dbeta, dw.astype(w_proto.dtype), db, new_state
 
 

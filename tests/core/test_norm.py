@@ -343,3 +343,32 @@ def test_fused_layernorm_dense_with_rows_sharded_equals_one_device(recipe):
   many = grads(jax.device_put(x, rows), jax.device_put(dz, rows))
   for a, r in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
     np.testing.assert_allclose(r, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
+
+
+def test_fused_paths_warn_when_delayed_state_is_left_out_of_the_gradient():
+  """layernorm_dense's and layernorm_mlp's fused paths, differentiated with respect to the
+  inputs and weights only (plain jax.grad that leaves DelayedScaling's state out), warn as
+  dot_general does instead of freezing the state silently; with the state differentiated,
+  no warning."""
+  import warnings
+  x, g, b, _ = _inputs()
+  w = _data([(128, 256)], seed=1)[0]
+  wi, wo = _data([(128, 1, 256), (256, 128)], seed=2)
+
+  def dense(x, w, state):
+    return jnp.sum(core.layernorm_dense(x, g, b, w, recipe=DELAYED, state=state,
+                                        threshold=None)[0])
+
+  def mlp(x, w, state):
+    return jnp.sum(core.layernorm_mlp(x, g, b, wi, wo, recipe=DELAYED, states=state,
+                                      threshold=None)[0])
+
+  cases = [(dense, core.init_state(DELAYED), "_ln_dense"),
+           (mlp, (core.init_state(DELAYED), core.init_state(DELAYED)), "_mlp")]
+  for f, state, path in cases:
+    assert f"name={path}" in str(jax.make_jaxpr(f)(x, w, state))
+    with pytest.warns(core.FrozenStateWarning):
+      jax.grad(f, argnums=(0, 1))(x, w, state)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", core.FrozenStateWarning)
+      jax.grad(f, argnums=(0, 1, 2))(x, w, state)
