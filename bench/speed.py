@@ -309,10 +309,11 @@ def kernel_ms(events, steps: int) -> dict[str, float]:
   return per_kernel
 
 
-def gpu_idle(events, steps: int, top: int = 5):
+def gpu_idle(events, steps: int, top: int | None = 5):
   """Where the GPU waits: ``(idle ms per step, [(gap us, kernel before, kernel after), ...])``,
   the time between the first event's start and the last one's end in which no event runs (on any
-  stream), and its ``top`` longest gaps with the kernels that end before and start after them."""
+  stream), and its ``top`` longest gaps (all of them for ``None``) with the kernels that end before
+  and start after them."""
   spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events)
   idle, gaps = 0.0, []
   if not spans:
@@ -325,7 +326,7 @@ def gpu_idle(events, steps: int, top: int = 5):
     if stop >= end:
       end, last = stop, name
   gaps.sort(key=lambda g: -g[0])
-  return idle / steps / 1e3, gaps[:top]
+  return idle / steps / 1e3, gaps if top is None else gaps[:top]
 
 
 def _gpu_ms(step, args, steps: int) -> float | None:

@@ -164,6 +164,7 @@ def test_gpu_idle_counts_time_no_stream_runs_and_names_the_gaps():
   idle_ms, gaps = speed.gpu_idle(events, steps=2, top=2)
   assert idle_ms == pytest.approx((30 + 1000 + 10) / 2 / 1e3)
   assert gaps == [(1000.0, "cast", "gemm"), (30.0, "copy", "cast")]
+  assert speed.gpu_idle(events, steps=2, top=None)[1] == gaps + [(10.0, "gemm", "tiny")]
   assert speed.kernel_ms(events, steps=2) == pytest.approx(
       {"gemm": 0.1, "copy": 0.015, "cast": 0.025, "tiny": 0.0025})
   assert speed.gpu_idle([], steps=1) == (0.0, [])
