@@ -216,6 +216,14 @@ class DenseGeneral(nn.DenseGeneral):
   To train the adapters alone, leave ``kernel`` out of the optimizer (``optax.masked`` or
   ``optax.multi_transform`` on the parameter names).
 
+  TE's sharding fields, so that a TE-style model runs unchanged: ``kernel_axes`` and
+  ``bias_axes`` name the logical axes of ``kernel`` (one name per dimension of its full shape)
+  and ``bias`` (``nn.LogicallyPartitioned`` parameters, as ``nn.with_logical_partitioning``
+  gives); ``input_axes`` constrains the input to those logical axes
+  (``nn.with_logical_constraint``) before the GEMM. ``transpose_batch_sequence`` is accepted and
+  has no effect, as in TE's ``DenseGeneral``. ``dtype`` keeps Flax's meaning (the computation's
+  dtype; ``param_dtype`` is the parameters'), where TE's ``dtype`` is the parameters' dtype.
+
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from te_adapters import linen as ta_linen
@@ -234,13 +242,23 @@ class DenseGeneral(nn.DenseGeneral):
   enable_low_rank_adaptation: bool = False
   low_rank_adaptation_dim: int = 32
   low_rank_adaptation_alpha: float | None = None
+  kernel_axes: tuple[str | None, ...] = ()
+  bias_axes: tuple[str | None, ...] = ()
+  input_axes: tuple[str | None, ...] = ()
+  transpose_batch_sequence: bool = False
 
   def __post_init__(self):
     _with_recipe_dot_general(self)
+    for field, axes in (("kernel_init", self.kernel_axes), ("bias_init", self.bias_axes)):
+      init = getattr(self, field)
+      if axes and not (isinstance(init, _NamedAxesInit) and init.axes == tuple(axes)):
+        object.__setattr__(self, field, _NamedAxesInit(init, tuple(axes)))
     super().__post_init__()
 
   @nn.compact
   def __call__(self, inputs):
+    if self.input_axes:
+      inputs = nn.with_logical_constraint(inputs, tuple(self.input_axes))
     if not self.enable_low_rank_adaptation:
       return super().__call__(inputs)
     if _as_tuple(self.batch_dims):
@@ -252,14 +270,38 @@ class DenseGeneral(nn.DenseGeneral):
     core.check_lora_rank(rank, in_shape, features, f"DenseGeneral({features})")
     y = super().__call__(inputs)
     a_shape, b_shape = core.lora_shapes(in_shape, features, rank)
-    lora_a = self.param("lora_a_kernel", _flat_init(self.kernel_init, len(in_shape)), a_shape,
-                        self.param_dtype)
+    lora_a = self.param("lora_a_kernel", _flat_init(_unnamed(self.kernel_init), len(in_shape)),
+                        a_shape, self.param_dtype)
     lora_b = self.param("lora_b_kernel", nn.initializers.zeros_init(), b_shape, self.param_dtype)
     inputs, lora_a, lora_b = self.promote_dtype(inputs, lora_a, lora_b, dtype=self.dtype)
     lora = core.low_rank_adaptation(
         inputs, lora_a, lora_b, axis=axis, alpha=self.low_rank_adaptation_alpha
     )
     return y + lora.astype(y.dtype)
+
+
+class _NamedAxesInit:
+  """An initialiser whose parameter is annotated with logical axis names (TE's ``kernel_axes``,
+  ``bias_axes``), as ``nn.with_logical_partitioning(init, axes)`` gives; a class, so that a
+  module's clone recognises it and does not annotate twice."""
+
+  def __init__(self, init, axes: tuple):
+    self.init, self.axes = init, axes
+    self._named = nn.with_logical_partitioning(init, axes)
+
+  def __call__(self, key, shape, dtype=jnp.float32):
+    return self._named(key, shape, dtype)
+
+  def __eq__(self, other):
+    return (isinstance(other, _NamedAxesInit) and other.init == self.init
+            and other.axes == self.axes)
+
+  def __hash__(self):
+    return hash((self.init, self.axes))
+
+
+def _unnamed(init):
+  return init.init if isinstance(init, _NamedAxesInit) else init
 
 
 def _as_tuple(value) -> tuple:

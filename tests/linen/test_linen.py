@@ -170,6 +170,60 @@ def test_dense_general_matches_flax_parameters_and_numerics(rel):
                           dot_general=jax.lax.dot_general).init(jax.random.PRNGKey(0), x)
 
 
+def test_dense_general_takes_te_sharding_fields(rel):
+  # A TE-style model passes TE's DenseGeneral fields: the parameters carry the logical axis
+  # names, the numbers are those of the unnamed layer, and training through the boxed
+  # parameters (jax.grad over the whole variables, DelayedScaling's state replaced by its
+  # "gradient") gives the unnamed layer's gradients and state.
+  P = jax.sharding.PartitionSpec
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 64))
+  te_fields = {"kernel_axes": ("embed", "mlp"), "bias_axes": ("mlp",),
+               "input_axes": ("batch", "length", "embed"), "transpose_batch_sequence": False}
+  named = ta_linen.DenseGeneral(32, threshold=None, recipe=recipe, **te_fields)
+  plain = ta_linen.DenseGeneral(32, threshold=None, recipe=recipe)
+  variables = named.init(jax.random.PRNGKey(0), x)
+  assert nn.get_partition_spec(variables)["params"] == {"kernel": P("embed", "mlp"),
+                                                        "bias": P("mlp")}
+  unboxed = nn.unbox(variables)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, unboxed,
+                         plain.init(jax.random.PRNGKey(0), x))
+  # A clone (as nn.scan, nn.remat and bind make) does not annotate twice.
+  assert named.clone().kernel_init == named.kernel_init
+  v_named, v_plain = variables, unboxed
+  for _ in range(3):
+    g_named = jax.grad(lambda v: jnp.sum(named.apply(v, x) ** 2))(v_named)
+    g_plain = jax.grad(lambda v: jnp.sum(plain.apply(v, x) ** 2))(v_plain)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, nn.unbox(g_named), g_plain)
+    v_named = {**v_named, "_overwrite_with_gradient": g_named["_overwrite_with_gradient"]}
+    v_plain = {**v_plain, "_overwrite_with_gradient": g_plain["_overwrite_with_gradient"]}
+  np.testing.assert_array_equal(named.apply(v_named, x), plain.apply(v_plain, x))
+  ref = np.einsum("blk,kn->bln", np.asarray(x, np.float64),
+                  np.asarray(unboxed["params"]["kernel"], np.float64))
+  assert rel(named.apply(v_named, x), ref) < 0.05
+  lora = ta_linen.DenseGeneral(32, enable_low_rank_adaptation=True, low_rank_adaptation_dim=4,
+                               recipe=None, **te_fields)
+  assert nn.get_partition_spec(lora.init(jax.random.PRNGKey(0), x))["params"] == {
+      "kernel": P("embed", "mlp"), "bias": P("mlp"), "lora_a_kernel": P(), "lora_b_kernel": P()}
+
+
+@pytest.mark.skipif(
+    jax.device_count() < 8,
+    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts")
+def test_dense_general_input_axes_constrain_the_input_on_a_mesh():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jnp.ones((8, 4, 32))
+  rules = (("batch", "data"), ("embed", None))
+  specs = []
+  for axes in ((), ("batch", None, "embed")):
+    layer = ta_linen.DenseGeneral(16, recipe=None, input_axes=axes)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      variables = jax.jit(layer.init)(jax.random.key(0), x)
+      y = jax.jit(layer.apply)(variables, x)
+    specs.append(tuple(y.sharding.spec))
+  assert specs[0] in ((), (None, None, None)) and specs[1][0] == "data", specs
+
+
 def test_train_state_keeps_recipe_state_out_of_optimizer():
   recipe = ta.DelayedScaling(amax_history_len=4)
   model = ta_linen.Dense(16, threshold=None, recipe=recipe)
