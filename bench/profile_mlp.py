@@ -91,7 +91,7 @@ def main(argv=None):
                  help="steps per timed repeat of the wall-clock step time (3 repeats; 0: none); "
                       "a comma-separated list times each")
   p.add_argument("--clocks", action="store_true",
-                 help="sample the GPU's SM clock and power with nvidia-smi while the steps are timed")
+                 help="sample the GPU's SM clock and power with nvidia-smi while steps are timed")
   args = p.parse_args(argv)
   batch, seq, hidden, intermediate = (int(s) for s in args.size.split("x"))
   x = jax.random.normal(jax.random.PRNGKey(7), (batch, seq, hidden)).astype(jnp.bfloat16)

@@ -97,3 +97,67 @@ def test_the_three_adapters_agree():
   for i in range(2):
     for name, value in results[0][2][i].items():
       np.testing.assert_allclose(value, states[i][name][0], rtol=ref.STATE_RTOL)
+
+
+CURRENT = {**KW, "recipe": ta.Float8CurrentScaling()}
+
+
+def _linen_grads(params, x, dy):
+  layer = ta_linen.LayerNormMLP(ref.F, **CURRENT)
+  variables = {**layer.init(jax.random.key(0), x), "params": params}
+
+  def loss(v, x):
+    out, _ = layer.apply(v, x)
+    return jnp.sum(out * dy), out
+
+  (_, out), (grads, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+      variables, x)
+  return out, dx, grads["params"]
+
+
+def _nnx_grads(params, x, dy):
+  layer = ta_nnx.LayerNormMLP(ref.K, ref.F, rngs=nnx.Rngs(0), **CURRENT)
+  for name, value in params.items():
+    getattr(layer, name).set_value(value)
+
+  @nnx.jit
+  def step(layer, x):
+    def loss(m, x):
+      out, _ = m(x)
+      return jnp.sum(out * dy), out
+    return nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layer, x)
+
+  (_, out), (grads, dx) = step(layer, x)
+  return out, dx, nnx.to_pure_dict(grads)
+
+
+def _haiku_grads(params, x, dy):
+  model = hk.transform_with_state(lambda x: ta_hk.LayerNormMLP(ref.F, **CURRENT)(x))
+  _, state = model.init(jax.random.key(0), x)
+
+  def loss(p, x):
+    out, _ = model.apply(p, state, None, x)[0]
+    return jnp.sum(out * dy), out
+
+  (_, out), (grads, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+      {"layer_norm_mlp": params}, x)
+  return out, dx, grads["layer_norm_mlp"]
+
+
+def test_current_scaling_in_every_adapter_against_float64(rel):
+  # The default recipe (stateless), gated silu with both biases: the output, the input's
+  # gradient and every parameter's gradient against float64, in each framework's own grad.
+  params = ref.block_params(5)
+  x, dy = ref.inputs(6)
+  want_out, want_dx, want = ref.float64_reference(x, params, dy, activations=KW["activations"])
+  results = [run(params, x, dy) for run in (_linen_grads, _nnx_grads, _haiku_grads)]
+  for out, dx, grads in results:
+    errs = {"out": rel(out, want_out), "dx": rel(dx, want_dx),
+            **{k: rel(grads[k], want[k]) for k in params}}
+    assert errs["out"] < 0.08 and max(errs.values()) < 0.12, errs
+    assert errs["out"] > 0.005 and errs["dx"] > 0.005 and errs["wi_kernel"] > 0.005, errs
+    np.testing.assert_allclose(out, results[0][0], rtol=ref.CROSS_RTOL, atol=ref.CROSS_RTOL)
+    np.testing.assert_allclose(dx, results[0][1], rtol=ref.CROSS_RTOL, atol=ref.CROSS_RTOL)
+    for k in params:
+      np.testing.assert_allclose(grads[k], results[0][2][k], rtol=ref.CROSS_RTOL,
+                                 atol=ref.CROSS_RTOL)

@@ -121,3 +121,12 @@ def test_softmax():
   sm = ta_nnx.Softmax(scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked")
   np.testing.assert_array_equal(
       sm(x), core.softmax(x, scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked"))
+  # A padding mask (1 = masked out, TE's convention) and a bias, with the masked kind.
+  mask = jnp.asarray(np.random.default_rng(0).integers(0, 2, (2, 1, 8, 8)), jnp.uint8)
+  mask = mask.at[..., 0].set(0)  # every row keeps a position
+  bias = jax.random.normal(jax.random.key(1), (1, 3, 8, 8))
+  masked = ta_nnx.Softmax(scale_factor=0.5, softmax_fusion_type="scaled_masked")
+  want = core.softmax(x, mask, bias, scale_factor=0.5, softmax_fusion_type="scaled_masked")
+  np.testing.assert_array_equal(masked(x, mask, bias), want)
+  masked_out = np.broadcast_to(np.asarray(mask), want.shape) == 1
+  np.testing.assert_array_equal(np.asarray(want)[masked_out], 0)
