@@ -1,12 +1,14 @@
 """LayerNormDenseGeneral stacked and scanned in each framework (nn.scan, nnx.scan over an
-nnx.vmap stack, hk.layer_stack): one recipe state per layer, the same gradients and new state as
-the layers applied one by one."""
+nnx.vmap stack, hk.layer_stack), with and without the framework's remat around the scanned
+block: one recipe state per layer, the same gradients and new state as the layers applied one by
+one."""
 
 import flax.linen as nn
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import te_adapters as ta
@@ -47,14 +49,15 @@ def _check(scanned, unrolled):
   assert np.all(history[:, -1] > 0) and len(set(history[:, -1].tolist())) == LAYERS
 
 
-def test_linen_scan():
+@pytest.mark.parametrize("remat", [False, True])
+def test_linen_scan(remat):
   class Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):
       z, _ = ta_linen.LayerNormDenseGeneral(K, **FIELDS)(h)
       return jnp.tanh(z), None
 
-  stack = nn.scan(Block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True},
+  stack = nn.scan(nn.remat(Block) if remat else Block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True},
                   length=LAYERS)
   variables = stack().init(jax.random.key(0), X, None)
   params = {"LayerNormDenseGeneral_0": _stacked_params()}
@@ -76,9 +79,11 @@ def test_linen_scan():
     value, (g, s) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, state)
     results.append((value, g, s["LayerNormDenseGeneral_0"]))
   _check(*results)
+  assert ("remat" in str(jax.make_jaxpr(scan_loss)(params, state))) == remat
 
 
-def test_nnx_scan():
+@pytest.mark.parametrize("remat", [False, True])
+def test_nnx_scan(remat):
   @nnx.split_rngs(splits=LAYERS)
   @nnx.vmap(in_axes=(0,), out_axes=0)
   def make(rngs):
@@ -89,9 +94,10 @@ def test_nnx_scan():
     getattr(stack, name).set_value(value)
 
   def scan_loss(stack):
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-    def body(layer, h):
+    def block(layer, h):
       return jnp.tanh(layer(h)[0])
+    body = nnx.scan(nnx.remat(block) if remat else block, in_axes=(0, nnx.Carry),
+                    out_axes=nnx.Carry)
     return jnp.sum(body(stack, X) ** 2)
 
   diff = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
@@ -113,15 +119,18 @@ def test_nnx_scan():
   value, (gp, gs) = jax.jit(jax.value_and_grad(unrolled_loss, argnums=(0, 1)))(p0, s0)
   unrolled = (value, nnx.to_pure_dict(gp), nnx.to_pure_dict(gs)["dot_general"])
   _check(scanned, unrolled)
+  jaxpr = jax.make_jaxpr(lambda p, s: scan_loss(nnx.merge(graphdef, p, s)))(p0, s0)
+  assert ("remat" in str(jaxpr)) == remat
 
 
-def test_haiku_layer_stack():
+@pytest.mark.parametrize("remat", [False, True])
+def test_haiku_layer_stack(remat):
   def block(h):
     z, _ = ta_hk.LayerNormDenseGeneral(K, name="block", **FIELDS)(h)
     return jnp.tanh(z)
 
   stacked = hk.transform_with_state(
-      lambda x: jnp.sum(hk.layer_stack(LAYERS)(block)(x) ** 2))
+      lambda x: jnp.sum(hk.layer_stack(LAYERS)(hk.remat(block) if remat else block)(x) ** 2))
   one = hk.transform_with_state(block)
   _, state = stacked.init(jax.random.key(0), X)
   (path,) = state
@@ -142,3 +151,4 @@ def test_haiku_layer_stack():
     value, (g, s) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, state)
     results.append((value, g[path], s[path]))
   _check(*results)
+  assert ("remat" in str(jax.make_jaxpr(scan_loss)(params, state))) == remat

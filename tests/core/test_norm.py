@@ -122,7 +122,7 @@ def _train_ln_dense(recipe, x, g, b, w, dz, steps, layernorm_type="layernorm"):
 
 @pytest.mark.parametrize(
     "recipe, layernorm_type",
-    [(r, "layernorm") for r in RECIPES] + [(RECIPES[0], "rmsnorm")],
+    [(r, "layernorm") for r in [*RECIPES, ta.MXFP8BlockScaling()]] + [(RECIPES[0], "rmsnorm")],
     ids=lambda v: v if isinstance(v, str) else type(v).__name__,
 )
 def test_layernorm_dense_against_float64(recipe, layernorm_type, rel):

@@ -170,6 +170,53 @@ def test_dense_general_matches_flax_parameters_and_numerics(rel):
                           dot_general=jax.lax.dot_general).init(jax.random.PRNGKey(0), x)
 
 
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4),
+                                    ta.Float8BlockScaling(), ta.MXFP8BlockScaling()],
+                         ids=lambda r: type(r).__name__)
+def test_dense_general_ordinary_loop_against_float64(recipe, rel):
+  # features (2, 64) over x's last axis, with a bias: the output and the gradients of x, the
+  # kernel and the bias after three steps of Linen's ordinary loop (grads of the whole
+  # variables, the state collection replaced by its gradient), against float64.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 64, 128)), jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(2, 64, 2, 64)), jnp.float32)
+  layer = ta_linen.DenseGeneral((2, 64), recipe=recipe, threshold=None,
+                                bias_init=nn.initializers.normal(0.1))
+  variables = layer.init(jax.random.PRNGKey(3), x)
+
+  @jax.jit
+  def step(variables, x):
+    def loss(v, x):
+      y = layer.apply(v, x)
+      return jnp.sum(y * dy), y
+    (_, y), (grads, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
+    return y, dx, grads
+
+  for _ in range(3):
+    y, dx, grads = step(variables, x)
+    if OWG in grads:
+      variables = {**variables, OWG: grads[OWG]}
+  w = np.asarray(variables["params"]["kernel"], np.float64)
+  b = np.asarray(variables["params"]["bias"], np.float64)
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  want = {"y": np.einsum("bsk,kfn->bsfn", x64, w) + b,
+          "dx": np.einsum("bsfn,kfn->bsk", dy64, w),
+          "dkernel": np.einsum("bsk,bsfn->kfn", x64, dy64), "dbias": dy64.sum(axis=(0, 1))}
+  got = {"y": y, "dx": dx, "dkernel": grads["params"]["kernel"],
+         "dbias": grads["params"]["bias"]}
+  errs = {k: rel(got[k], want[k]) for k in want}
+  assert errs["y"] < 0.05 and max(errs.values()) < 0.1, errs
+  assert errs["y"] > 1e-3 and errs["dx"] > 1e-3 and errs["dkernel"] > 1e-3, errs  # FP8 ran
+  assert errs["dbias"] < 1e-6, errs
+  if isinstance(recipe, ta.DelayedScaling):
+    state = variables[OWG]["DelayedScalingDotGeneral_0"]
+    a = float(jnp.max(jnp.abs(x)))
+    np.testing.assert_allclose(state["x_amax_history"], [0, a, a, a], rtol=1e-6)
+    np.testing.assert_allclose(state["x_scale"], [448 / a], rtol=1e-6)
+    g = float(jnp.max(jnp.abs(dy)))
+    np.testing.assert_allclose(state["grad_amax_history"], [0, g, g, g], rtol=1e-6)
+
+
 def test_dense_general_takes_te_sharding_fields(rel):
   # A TE-style model passes TE's DenseGeneral fields: the parameters carry the logical axis
   # names, the numbers are those of the unnamed layer, and training through the boxed
