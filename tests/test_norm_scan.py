@@ -57,7 +57,8 @@ def test_linen_scan(remat):
       z, _ = ta_linen.LayerNormDenseGeneral(K, **FIELDS)(h)
       return jnp.tanh(z), None
 
-  stack = nn.scan(nn.remat(Block) if remat else Block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True},
+  stack = nn.scan(nn.remat(Block) if remat else Block, variable_axes={"params": 0, OWG: 0},
+                  split_rngs={"params": True},
                   length=LAYERS)
   variables = stack().init(jax.random.key(0), X, None)
   params = {"LayerNormDenseGeneral_0": _stacked_params()}

@@ -170,7 +170,8 @@ def test_dense_general_matches_flax_parameters_and_numerics(rel):
                           dot_general=jax.lax.dot_general).init(jax.random.PRNGKey(0), x)
 
 
-@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4),
+@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(),
+                                    ta.DelayedScaling(amax_history_len=4),
                                     ta.Float8BlockScaling(), ta.MXFP8BlockScaling()],
                          ids=lambda r: type(r).__name__)
 def test_dense_general_ordinary_loop_against_float64(recipe, rel):
