@@ -8,7 +8,7 @@ stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in
 from te_adapters.core._activation import ACTIVATIONS, activation, normalize_activations
 from te_adapters.core._collectives import Collective, hlo_collectives
 from te_adapters.core._config import GemmConfig, check_config
-from te_adapters.core._frozen import FrozenStateWarning
+from te_adapters.core._frozen import FrozenStateWarning, watch_lora_state
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._inspect import (
     count_fp8_cublas_gemms,
@@ -158,5 +158,6 @@ __all__ = [
     "softmax",
     "state_names",
     "updated_state",
+    "watch_lora_state",
     "with_max_grad",
 ]

@@ -6,15 +6,21 @@ the parameters only (``jax.grad`` over params, ``nnx.value_and_grad`` with its d
 initial values for the whole run. ``watch_state`` is an identity whose forward rule, run only
 under differentiation, sees which operands are being differentiated and warns once per GEMM at
 trace time when the operands are and the state is not.
+
+A layer with low-rank adaptation trained alone (its frozen base kernel and the input not
+differentiated, only the LoRA factors) never differentiates its base GEMM's operands, so that
+GEMM cannot see the step. ``watch_lora_state`` watches the factors against the base GEMM's state
+in the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
 
-__all__ = ["FrozenStateWarning", "watch_state"]
+__all__ = ["FrozenStateWarning", "watch_lora_state", "watch_state"]
 
 HOW_TO_FIX = (
     "Differentiate the state too (its gradient is the new state): Flax NNX "
@@ -34,31 +40,38 @@ def _describe(lhs, rhs) -> str:
   return f"x {tuple(lhs.shape)} {lhs.dtype} . kernel {tuple(rhs.shape)} {rhs.dtype}"
 
 
-@jax.custom_vjp
-def _watch(lhs, rhs, state):
+def _message(kind: str, lhs, rhs) -> str:
+  if kind == "lora":
+    return (
+        f"te_adapters: the low-rank adaptation factors {tuple(lhs.shape)} and "
+        f"{tuple(rhs.shape)} are differentiated while the DelayedScaling state of their layer's "
+        "base GEMM is not, so its amax histories and scales never update (the scales stay as "
+        f"initialised). {HOW_TO_FIX}"
+    )
+  return (
+      f"te_adapters: the DelayedScaling state of the GEMM {_describe(lhs, rhs)} is not "
+      "differentiated while its operands are, so its amax histories and scales never "
+      f"update (the scales stay as initialised). {HOW_TO_FIX}"
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _watch(kind, lhs, rhs, state):
   return lhs, rhs, state
 
 
-def _watch_fwd(lhs, rhs, state):
+def _watch_fwd(kind, lhs, rhs, state):
   operands = lhs.perturbed or rhs.perturbed
   leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda v: hasattr(v, "perturbed"))
   if operands and leaves and not all(v.perturbed for v in leaves):
-    lhs_v, rhs_v = lhs.value, rhs.value
-    warnings.warn(
-        FrozenStateWarning(
-            f"te_adapters: the DelayedScaling state of the GEMM {_describe(lhs_v, rhs_v)} is not "
-            "differentiated while its operands are, so its amax histories and scales never "
-            f"update (the scales stay as initialised). {HOW_TO_FIX}"
-        ),
-        stacklevel=2,
-    )
+    warnings.warn(FrozenStateWarning(_message(kind, lhs.value, rhs.value)), stacklevel=2)
   values = jax.tree_util.tree_map(
       lambda v: v.value, (lhs, rhs, state), is_leaf=lambda v: hasattr(v, "perturbed")
   )
   return values, None
 
 
-def _watch_bwd(_, cts):
+def _watch_bwd(kind, _, cts):
   return jax.tree_util.tree_map(
       lambda c: None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c,
       cts,
@@ -72,4 +85,14 @@ _watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 def watch_state(lhs, rhs, state):
   """``(lhs, rhs, state)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when ``lhs`` or ``rhs`` is differentiated and some leaf of ``state`` is not."""
-  return _watch(lhs, rhs, state)
+  return _watch("gemm", lhs, rhs, state)
+
+
+def watch_lora_state(lora_a, lora_b, state):
+  """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
+  when a LoRA factor is differentiated and some leaf of ``state`` (the recipe state of the
+  layer's base GEMM) is not. Nothing to watch without state (``None`` or empty)."""
+  if not state:
+    return lora_a, lora_b
+  lora_a, lora_b, _ = _watch("lora", lora_a, lora_b, state)
+  return lora_a, lora_b

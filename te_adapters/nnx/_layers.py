@@ -93,9 +93,10 @@ def _lora_term(layer, inputs, y, axis):
   """``y`` plus the layer's LoRA term (``core.low_rank_adaptation``) when it has one."""
   if not layer.enable_low_rank_adaptation:
     return y
-  x, a, b = layer.promote_dtype(
-      (inputs, layer.lora_a_kernel[...], layer.lora_b_kernel[...]), dtype=layer.dtype
-  )
+  op_state = getattr(layer.dot_general, "recipe_state", None)  # None: no recipe
+  a, b = core.watch_lora_state(layer.lora_a_kernel[...], layer.lora_b_kernel[...],
+                               op_state() if op_state is not None else None)
+  x, a, b = layer.promote_dtype((inputs, a, b), dtype=layer.dtype)
   lora = core.low_rank_adaptation(x, a, b, axis=axis, alpha=layer.low_rank_adaptation_alpha)
   return y + lora.astype(y.dtype)
 
