@@ -51,7 +51,7 @@ class LayerNormMLP(hk.Module):
       zero_centered_gamma: bool = False, scale_init=None, ln_bias_init=jnp.zeros,
       kernel_init=None, use_bias: bool = False, bias_init=jnp.zeros,
       return_layernorm_output: bool = True, intermediate_dropout_rate: float = 0.0,
-      intermediate_hidden_dropout_dims=(), param_dtype=jnp.float32,
+      intermediate_hidden_dropout_dims=(), param_dtype=jnp.float32, axis=-1,
       recipe: Any = core.DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, config=None,
       name: str | None = None,
   ):
@@ -71,11 +71,13 @@ class LayerNormMLP(hk.Module):
         from ``hk.next_rng_key()`` unless the call is ``deterministic``.
       intermediate_hidden_dropout_dims: axes sharing one dropout mask.
       param_dtype: the parameters' dtype.
+      axis: the normalized and contracted axis: -1 (TE's ``LayerNormMLP`` accepts no other).
       recipe: a te_adapters recipe for both GEMMs (default ``core.DEFAULT_RECIPE``), or None.
       threshold, config: passed to ``core.dot_general``.
       name: the module's name (default ``"layer_norm_mlp"``).
     """
     super().__init__(name=name)
+    core.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
     _check_type("LayerNormMLP", layernorm_type)
     self.intermediate_dim = intermediate_dim
     self.activations = core.normalize_activations(activations)

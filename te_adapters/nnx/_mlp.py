@@ -41,6 +41,7 @@ class LayerNormMLP(nnx.Module):
       ``nnx.Dropout``; ``deterministic=True`` (or ``model.eval()``) turns it off.
     intermediate_hidden_dropout_dims: axes sharing one dropout mask.
     param_dtype: the parameters' dtype.
+    axis: the normalized and contracted axis: -1 (TE's ``LayerNormMLP`` accepts no other).
     recipe: a te_adapters recipe for both GEMMs (default ``core.DEFAULT_RECIPE``), or ``None``.
     threshold, config: passed to ``core.dot_general``.
     rngs: an ``nnx.Rngs``.
@@ -63,9 +64,10 @@ class LayerNormMLP(nnx.Module):
       kernel_init=None, use_bias: bool = False, bias_init=nnx.initializers.zeros,
       return_layernorm_output: bool = True, intermediate_dropout_rate: float = 0.0,
       intermediate_hidden_dropout_dims=(), deterministic: bool = False,
-      param_dtype=jnp.float32, recipe: Any = core.DEFAULT_RECIPE,
+      param_dtype=jnp.float32, axis=-1, recipe: Any = core.DEFAULT_RECIPE,
       threshold=core.DEFAULT_THRESHOLD, config=None, rngs: nnx.Rngs,
   ):
+    core.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
     _check_type("LayerNormMLP", layernorm_type)
     names = core.normalize_activations(activations)
     n_act, k, f = len(names), in_features, intermediate_dim

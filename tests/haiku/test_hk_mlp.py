@@ -130,6 +130,8 @@ def test_dropout_draws_from_the_apply_rng():
     ({"activations": ("gelu", "geglu")}, "unknown activation 'geglu'"),
     ({"layernorm_type": "batchnorm"}, "layernorm_type must be one of"),
     ({"recipe": RECIPES["current"]}, "wi_kernel .* multiples of 16, got N=72"),
+    ({"axis": 0}, r"LayerNormMLP: axis must be -1 .*, got 0"),
+    ({"axis": (-2, -1)}, r"LayerNormMLP: axis must be -1 .*, got \(-2, -1\)"),
 ])
 def test_bad_input_is_a_clear_error(kwargs, match):
   x, _ = ref.inputs()

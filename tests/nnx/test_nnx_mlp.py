@@ -151,6 +151,8 @@ def test_dropout_follows_train_and_eval():
 @pytest.mark.parametrize("kwargs, match", [
     ({"activations": ("gelu", "geglu")}, "unknown activation 'geglu'"),
     ({"layernorm_type": "batchnorm"}, "layernorm_type must be one of"),
+    ({"axis": 0}, r"LayerNormMLP: axis must be -1 .*, got 0"),
+    ({"axis": (-2, -1)}, r"LayerNormMLP: axis must be -1 .*, got \(-2, -1\)"),
 ])
 def test_bad_input_is_a_clear_error(kwargs, match):
   with pytest.raises(ValueError, match=match):
