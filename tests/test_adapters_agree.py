@@ -214,3 +214,94 @@ def test_haiku_value_grad_and_state_is_value_and_grad_reordered():
   for a, b in zip(jax.tree_util.tree_leaves((loss, aux, grads, new_state)),
                   jax.tree_util.tree_leaves(old), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+DENSE_RECIPES = [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4),
+                 ta.Float8BlockScaling(), ta.MXFP8BlockScaling()]
+
+
+def _dense_linen(recipe, x, dy, steps):
+  layer = ta_linen.Dense(128, recipe=recipe, threshold=None)
+  variables = layer.init(jax.random.key(0), x)
+
+  @jax.jit
+  def step(variables, x):
+    def loss(v, x):
+      y = layer.apply(v, x)
+      return jnp.sum(y * dy), y
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
+
+  for _ in range(steps):
+    (_, y), (grads, dx) = step(variables, x)
+    if ta_linen.OVERWRITE_WITH_GRADIENT in grads:
+      variables = {**variables, ta_linen.OVERWRITE_WITH_GRADIENT:
+                   grads[ta_linen.OVERWRITE_WITH_GRADIENT]}
+  # The one GEMM's state, in its dot_general child's variables (none for stateless recipes).
+  children = variables.get(ta_linen.OVERWRITE_WITH_GRADIENT, {})
+  state = dict(*children.values()) if children else {}
+  p = variables["params"]
+  return y, dx, grads["params"]["kernel"], grads["params"]["bias"], p["kernel"], state
+
+
+def _dense_nnx(recipe, x, dy, steps):
+  layer = ta_nnx.Linear(128, 128, recipe=recipe, threshold=None, rngs=nnx.Rngs(0))
+  diff = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
+
+  @nnx.jit
+  def step(layer, x):
+    def loss(m, x):
+      y = m(x)
+      return jnp.sum(y * dy), y
+    (_, y), (grads, dx) = nnx.value_and_grad(loss, argnums=(diff, 1), has_aux=True)(layer, x)
+    params, state = nnx.split_state(grads, nnx.Param, ta_nnx.RecipeState)
+    nnx.update(layer, state)
+    return y, dx, params
+
+  for _ in range(steps):
+    y, dx, grads = step(layer, x)
+  state = layer.dot_general.recipe_state() if recipe.__class__ is ta.DelayedScaling else {}
+  return y, dx, grads["kernel"][...], grads["bias"][...], layer.kernel[...], state
+
+
+def _dense_haiku(recipe, x, dy, steps):
+  f = hk.transform_with_state(lambda x: ta_hk.Linear(128, recipe=recipe, threshold=None)(x))
+  params, state = f.init(jax.random.key(0), x)
+
+  @jax.jit
+  def step(params, state, x):
+    def loss(p, s, x):
+      y, _ = f.apply(p, s, None, x)
+      return jnp.sum(y * dy), y
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, state, x)
+
+  for _ in range(steps):
+    (_, y), (grads, state, dx) = step(params, state, x)
+  return (y, dx, grads["linear"]["w"], grads["linear"]["b"], params["linear"]["w"],
+          dict(state.get("linear", {})))
+
+
+@pytest.mark.parametrize("recipe", DENSE_RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("loop", [_dense_linen, _dense_nnx, _dense_haiku],
+                         ids=["linen-Dense", "nnx-Linear", "haiku-Linear"])
+def test_dense_layers_in_each_frameworks_loop_against_float64(loop, recipe, rel):
+  # Three steps of the framework's plain loop (the recipe state, where there is one, replaced by
+  # its gradient): the output and the gradients of x, the kernel and the bias against float64,
+  # and DelayedScaling's state after the steps.
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(2, 64, 128)), jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(2, 64, 128)), jnp.float32)
+  y, dx, dw, db, w, state = loop(recipe, x, dy, steps=3)
+  x64, dy64, w64 = (np.asarray(v, np.float64) for v in (x, dy, w))
+  errs = {"y": rel(y, x64 @ w64), "dx": rel(dx, dy64 @ w64.T),
+          "dkernel": rel(dw, np.einsum("bsk,bsn->kn", x64, dy64))}
+  assert errs["y"] < 0.05 and max(errs.values()) < 0.1, errs
+  assert min(errs.values()) > 1e-3, errs  # FP8 ran in the forward, dgrad and wgrad
+  assert rel(db, dy64.sum(axis=(0, 1))) < 1e-6
+  if isinstance(recipe, ta.DelayedScaling):
+    assert sorted(state) == sorted(core.state_names(recipe))
+    for role, operand, fp8_max in (("x", x, 448), ("kernel", w, 448), ("grad", dy, 57344)):
+      a = float(jnp.max(jnp.abs(operand)))
+      np.testing.assert_allclose(state[f"{role}_amax_history"], [0, a, a, a], rtol=1e-6)
+      np.testing.assert_allclose(state[f"{role}_scale"], [fp8_max / a], rtol=1e-6)
+  else:
+    assert not state
