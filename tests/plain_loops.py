@@ -1,4 +1,5 @@
-"""A float64 reference for DelayedScaling state under reuse, and the data the plain-loop tests use.
+"""A float64 reference for DelayedScaling state under reuse, the data the plain-loop tests use,
+and Linen's plain loop of one layer.
 
 One layer (kernel ``w``) is used twice per step, on ``X1`` (amax 3) and ``X2`` (amax 5), with
 output gradients ``DY1`` (amax 0.5) and ``DY2`` (amax 2): loss ``sum(y1 * DY1) + sum(y2 * DY2)``.
@@ -6,6 +7,8 @@ The reference state is what one use seeing the largest amaxes gives (TE's rule);
 uses would put 8 and 2.5 in the histories.
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 HISTORY = 4
@@ -48,3 +51,26 @@ def assert_state(got, want, what=""):
   for name, value in want.items():
     np.testing.assert_allclose(np.asarray(got[name], np.float64), value, rtol=1e-6,
                                err_msg=f"{what}{name}")
+
+
+def linen_loop(layer, x, dy, steps, key=None):
+  """``steps`` steps of Linen's plain loop of ``layer`` on ``x``: ``jax.value_and_grad`` of
+  ``sum(y * dy)`` over the whole variables and ``x``, the recipe state collection replaced by its
+  gradient (the parameters kept). Returns ``(y, dx, grads, variables)`` of the last step, with
+  the variables it ran on."""
+  from te_adapters.linen import OVERWRITE_WITH_GRADIENT  # the core's tests need no Flax
+
+  variables = layer.init(jax.random.key(0) if key is None else key, x)
+
+  @jax.jit
+  def step(variables, x):
+    def loss(v, x):
+      y = layer.apply(v, x)
+      return jnp.sum(y * dy), y
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
+
+  for _ in range(steps):
+    (_, y), (grads, dx) = step(variables, x)
+    if OVERWRITE_WITH_GRADIENT in grads:
+      variables = {**variables, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+  return y, dx, grads, variables

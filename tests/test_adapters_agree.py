@@ -17,6 +17,7 @@ from te_adapters import core
 from te_adapters import haiku as ta_hk
 from te_adapters import linen as ta_linen
 from te_adapters import nnx as ta_nnx
+from tests import plain_loops
 
 CURRENT = ta.Float8CurrentScaling()
 # (K, N) of one layer: accepted, K not a multiple of 16, N not, both not.
@@ -222,20 +223,7 @@ DENSE_RECIPES = [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4
 
 def _dense_linen(recipe, x, dy, steps):
   layer = ta_linen.Dense(128, recipe=recipe, threshold=None)
-  variables = layer.init(jax.random.key(0), x)
-
-  @jax.jit
-  def step(variables, x):
-    def loss(v, x):
-      y = layer.apply(v, x)
-      return jnp.sum(y * dy), y
-    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
-
-  for _ in range(steps):
-    (_, y), (grads, dx) = step(variables, x)
-    if ta_linen.OVERWRITE_WITH_GRADIENT in grads:
-      variables = {**variables, ta_linen.OVERWRITE_WITH_GRADIENT:
-                   grads[ta_linen.OVERWRITE_WITH_GRADIENT]}
+  y, dx, grads, variables = plain_loops.linen_loop(layer, x, dy, steps)
   # The one GEMM's state, in its dot_general child's variables (none for stateless recipes).
   children = variables.get(ta_linen.OVERWRITE_WITH_GRADIENT, {})
   state = dict(*children.values()) if children else {}

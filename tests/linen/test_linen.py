@@ -14,6 +14,7 @@ import te_adapters as ta
 from bench.seed_layer import FlaxDenseBlock, FlaxTransformerLayer
 from te_adapters import core
 from te_adapters import linen as ta_linen
+from tests import plain_loops
 
 OWG = ta_linen.OVERWRITE_WITH_GRADIENT
 
@@ -183,20 +184,7 @@ def test_dense_general_ordinary_loop_against_float64(recipe, rel):
   dy = jnp.asarray(rng.normal(size=(2, 64, 2, 64)), jnp.float32)
   layer = ta_linen.DenseGeneral((2, 64), recipe=recipe, threshold=None,
                                 bias_init=nn.initializers.normal(0.1))
-  variables = layer.init(jax.random.PRNGKey(3), x)
-
-  @jax.jit
-  def step(variables, x):
-    def loss(v, x):
-      y = layer.apply(v, x)
-      return jnp.sum(y * dy), y
-    (_, y), (grads, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
-    return y, dx, grads
-
-  for _ in range(3):
-    y, dx, grads = step(variables, x)
-    if OWG in grads:
-      variables = {**variables, OWG: grads[OWG]}
+  y, dx, grads, variables = plain_loops.linen_loop(layer, x, dy, 3, key=jax.random.PRNGKey(3))
   w = np.asarray(variables["params"]["kernel"], np.float64)
   b = np.asarray(variables["params"]["bias"], np.float64)
   x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
