@@ -18,17 +18,25 @@ RECIPES = [DELAYED, ta.Float8BlockScaling()]
 NAME = "layer_norm_dense_general"
 
 
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
 @pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
-def test_layer_norm(layernorm_type):
-  x, g, b, _ = _inputs()
-  f = hk.transform(lambda x: ta_hk.LayerNorm(layernorm_type=layernorm_type, epsilon=1e-5)(x))
+def test_layer_norm(layernorm_type, zero_centered_gamma):
+  # The output and the gradients of x, gamma and beta (jax.grad) against float64.
+  x, g, b, dy = _inputs()
+  f = hk.transform(lambda x: ta_hk.LayerNorm(layernorm_type=layernorm_type, epsilon=1e-5,
+                                             zero_centered_gamma=zero_centered_gamma)(x))
   params = f.init(jax.random.key(0), x)
   names = ["ln_bias", "scale"] if layernorm_type == "layernorm" else ["scale"]
   assert sorted(params["layer_norm"]) == names
   params = {"layer_norm": {"scale": g} | ({"ln_bias": b} if "ln_bias" in names else {})}
-  ref, _ = _reference(x, g, b if "ln_bias" in names else jnp.zeros_like(b), x, layernorm_type,
-                      False, 1e-5)
+  ref, (dx, dg, db) = _reference(x, g, b if "ln_bias" in names else jnp.zeros_like(b), dy,
+                                 layernorm_type, zero_centered_gamma, 1e-5)
   np.testing.assert_allclose(f.apply(params, None, x), ref, rtol=1e-5, atol=1e-5)
+  grads, gx = jax.grad(lambda p, x: jnp.sum(f.apply(p, None, x) * dy), argnums=(0, 1))(params, x)
+  np.testing.assert_allclose(gx, dx, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(grads["layer_norm"]["scale"], dg, rtol=1e-4, atol=1e-4)
+  if "ln_bias" in names:
+    np.testing.assert_allclose(grads["layer_norm"]["ln_bias"], db, rtol=1e-4, atol=1e-4)
 
 
 def _model(recipe, **kwargs):

@@ -19,19 +19,27 @@ RECIPES = [DELAYED, ta.Float8BlockScaling()]
 DIFF = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
 
 
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
 @pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
-def test_layer_norm(layernorm_type):
-  x, g, b, _ = _inputs()
-  norm = ta_nnx.LayerNorm(128, layernorm_type=layernorm_type, epsilon=1e-5, rngs=nnx.Rngs(0))
+def test_layer_norm(layernorm_type, zero_centered_gamma):
+  # The output and the gradients of x, gamma and beta (nnx.grad) against float64.
+  x, g, b, dy = _inputs()
+  norm = ta_nnx.LayerNorm(128, layernorm_type=layernorm_type, epsilon=1e-5,
+                          zero_centered_gamma=zero_centered_gamma, rngs=nnx.Rngs(0))
   params = nnx.state(norm, nnx.Param)
   assert sorted(nnx.to_pure_dict(params)) == (
       ["ln_bias", "scale"] if layernorm_type == "layernorm" else ["scale"])
   norm.scale.set_value(g)
   if norm.ln_bias is not None:
     norm.ln_bias.set_value(b)
-  ref, _ = _reference(x, g, b if norm.ln_bias is not None else jnp.zeros_like(b), x,
-                      layernorm_type, False, 1e-5)
+  ref, (dx, dg, db) = _reference(x, g, b if norm.ln_bias is not None else jnp.zeros_like(b), dy,
+                                 layernorm_type, zero_centered_gamma, 1e-5)
   np.testing.assert_allclose(norm(x), ref, rtol=1e-5, atol=1e-5)
+  grads, gx = nnx.grad(lambda m, x: jnp.sum(m(x) * dy), argnums=(0, 1))(norm, x)
+  np.testing.assert_allclose(gx, dx, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(grads["scale"][...], dg, rtol=1e-4, atol=1e-4)
+  if norm.ln_bias is not None:
+    np.testing.assert_allclose(grads["ln_bias"][...], db, rtol=1e-4, atol=1e-4)
 
 
 def _model(recipe, params=None, **kwargs):
