@@ -54,7 +54,13 @@ class _Clocks:
       self.lines = self.proc.communicate()[0].splitlines()
 
   def summary(self) -> str:
-    rows = [[float(v) for v in line.split(",")] for line in self.lines if line.strip()]
+    rows = []
+    for line in self.lines:  # a "[N/A]" field or a line cut short by terminate() is skipped
+      try:
+        rows.append([float(v) for v in line.split(",")][:2])
+      except ValueError:
+        continue
+    rows = [r for r in rows if len(r) == 2]
     if not rows:
       return ""
     clock = sorted(r[0] for r in rows)

@@ -412,13 +412,15 @@ def test_nnx_lora_param_alone_in_the_diff_state_leaves_the_recipe_state_frozen()
     np.testing.assert_array_equal(value, np.ones(1) if name.endswith("_scale") else np.zeros(4))
 
 
-def _lora_alone(fw, with_state):
+def _lora_alone(fw, with_state, threshold=None):
   """One gradient of the LoRA factors alone (the base kernel and x not differentiated), with or
   without DelayedScaling's state, in each framework's plain way."""
   if fw == "nnx":
-    _delayed_nnx(steps=1, grads="DiffState" if with_state else "LoRAParam")
+    layer = ta_nnx.Linear(K, N, recipe=DELAYED, threshold=threshold, rngs=nnx.Rngs(0), **LORA)
+    wrt = nnx.Any(nnx.LoRAParam, ta_nnx.RecipeState) if with_state else nnx.LoRAParam
+    nnx.grad(lambda m: jnp.sum(m(X) * DY), argnums=nnx.DiffState(0, wrt))(layer)
   elif fw == "linen":
-    layer = ta_linen.DenseGeneral(N, recipe=DELAYED, threshold=None, **LORA)
+    layer = ta_linen.DenseGeneral(N, recipe=DELAYED, threshold=threshold, **LORA)
     v = layer.init(jax.random.key(0), X)
     lora = {k: v["params"][k] for k in ("lora_a_kernel", "lora_b_kernel")}
 
@@ -427,7 +429,7 @@ def _lora_alone(fw, with_state):
     jax.grad(loss, argnums=(0, 1) if with_state else 0)(lora, v[OWG])
   else:
     f = hk.transform_with_state(
-        lambda x: ta_hk.Linear(N, recipe=DELAYED, threshold=None, **LORA)(x))
+        lambda x: ta_hk.Linear(N, recipe=DELAYED, threshold=threshold, **LORA)(x))
     params, state = f.init(jax.random.key(0), X)
     trainable, frozen = hk.data_structures.partition(
         lambda module, name, value: name.startswith("lora_"), params)
@@ -446,6 +448,33 @@ def test_training_lora_alone_without_the_state_warns(fw):
   with warnings.catch_warnings():
     warnings.simplefilter("error", core.FrozenStateWarning)
     _lora_alone(fw, with_state=True)
+
+
+@pytest.mark.parametrize("fw", ["linen", "nnx", "haiku"])
+def test_training_lora_alone_below_the_threshold_does_not_warn(fw):
+  # Below the size threshold the base GEMM runs in high precision and its state does not move
+  # whatever is differentiated: nothing is frozen, so nothing to warn about.
+  always_high = core.SizeThreshold(min_mkn=10**12, min_dim=1, platforms=("cpu", "gpu", "tpu"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", core.FrozenStateWarning)
+    warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
+    _lora_alone(fw, with_state=False, threshold=always_high)
+
+
+def test_forward_mode_through_the_lora_factors_with_delayed_scaling(rel):
+  # jax.jvp with respect to the factors alone (the base GEMM's operands fixed): the tangent is
+  # the LoRA term's, s * (x @ (dA @ B + A @ dB)).
+  layer = ta_linen.DenseGeneral(N, recipe=DELAYED, threshold=None, **LORA)
+  v = layer.init(jax.random.key(0), X)
+
+  def y(a, b):
+    return layer.apply({**v, "params": {**v["params"], "lora_a_kernel": a,
+                                        "lora_b_kernel": b}}, X)
+
+  da, db = _rand((K, R), 11, 0.2), _rand((R, N), 12, 0.2)
+  _, tangent = jax.jvp(y, (A, B), (da, db))
+  x64, a64, b64, da64, db64 = (np.float64(t) for t in (X, A, B, da, db))
+  _hp_close(tangent, x64 @ (da64 @ b64 + a64 @ db64) * (ALPHA / R), rel)
 
 
 IN, OUT = (4, 8), (2, 16)  # LinearGeneral: K = 32 contracted, features (2, 16), N = 16

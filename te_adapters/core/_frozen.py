@@ -19,6 +19,7 @@ import functools
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 __all__ = ["FrozenStateWarning", "watch_lora_state", "watch_state"]
 
@@ -88,11 +89,37 @@ def watch_state(lhs, rhs, state):
   return _watch("gemm", lhs, rhs, state)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _watch_factors(kind, lhs, rhs, state):
+  return lhs, rhs
+
+
+def _watch_factors_jvp(kind, primals, tangents):
+  # A custom JVP, not a VJP: forward-mode differentiation through the factors keeps working.
+  # Tangents of what is not differentiated arrive as symbolic zeros.
+  lhs, rhs, state = primals
+  t_lhs, t_rhs, t_state = tangents
+  zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
+  leaves = jax.tree_util.tree_leaves(t_state, is_leaf=zero)
+  if (not zero(t_lhs) or not zero(t_rhs)) and leaves and any(zero(t) for t in leaves):
+    warnings.warn(FrozenStateWarning(_message(kind, lhs, rhs)), stacklevel=2)
+  tangents = tuple(jax.numpy.zeros_like(p) if zero(t) else t
+                   for p, t in ((lhs, t_lhs), (rhs, t_rhs)))
+  return (lhs, rhs), tangents
+
+
+_watch_factors.defjvp(_watch_factors_jvp, symbolic_zeros=True)
+
+
 def watch_lora_state(lora_a, lora_b, state):
   """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
-  when a LoRA factor is differentiated and some leaf of ``state`` (the recipe state of the
-  layer's base GEMM) is not. Nothing to watch without state (``None`` or empty)."""
+  when a LoRA factor is differentiated and some leaf of ``state`` is not.
+
+  ``state`` is the recipe state of the layer's base GEMM where that GEMM runs in FP8; pass
+  ``None`` where it does not (below the size threshold the state does not move, so nothing is
+  frozen) or the recipe is stateless. A custom JVP: forward-mode differentiation through the
+  factors works, and warns in the same case.
+  """
   if not state:
     return lora_a, lora_b
-  lora_a, lora_b, _ = _watch("lora", lora_a, lora_b, state)
-  return lora_a, lora_b
+  return _watch_factors("lora", lora_a, lora_b, state)

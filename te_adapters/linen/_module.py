@@ -250,9 +250,9 @@ class DenseGeneral(nn.DenseGeneral):
   def __post_init__(self):
     _with_recipe_dot_general(self)
     for field, axes in (("kernel_init", self.kernel_axes), ("bias_init", self.bias_axes)):
-      init = getattr(self, field)
-      if axes and not (isinstance(init, _NamedAxesInit) and init.axes == tuple(axes)):
-        object.__setattr__(self, field, _NamedAxesInit(init, tuple(axes)))
+      # A clone passes the annotated initialiser back in: annotate the bare one, once.
+      init = _unnamed(getattr(self, field))
+      object.__setattr__(self, field, _NamedAxesInit(init, tuple(axes)) if axes else init)
     super().__post_init__()
 
   @nn.compact
@@ -273,8 +273,11 @@ class DenseGeneral(nn.DenseGeneral):
     lora_a = self.param("lora_a_kernel", _flat_init(_unnamed(self.kernel_init), len(in_shape)),
                         a_shape, self.param_dtype)
     lora_b = self.param("lora_b_kernel", nn.initializers.zeros_init(), b_shape, self.param_dtype)
-    # The base GEMM's recipe state (its child's variables; none without a stateful recipe).
-    state = self.variables.get(OVERWRITE_WITH_GRADIENT) if self.recipe is not None else None
+    # The base GEMM's recipe state (its child's variables), where that GEMM runs in FP8.
+    dims = ((axis, tuple(range(len(axis)))), ((), ()))
+    fp8 = self.recipe is not None and core.runs_in_fp8(inputs.shape, in_shape + features, dims,
+                                                       self.threshold)
+    state = self.variables.get(OVERWRITE_WITH_GRADIENT) if fp8 else None
     lora_a, lora_b = core.watch_lora_state(lora_a, lora_b, state)
     inputs, lora_a, lora_b = self.promote_dtype(inputs, lora_a, lora_b, dtype=self.dtype)
     lora = core.low_rank_adaptation(

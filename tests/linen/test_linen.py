@@ -224,8 +224,12 @@ def test_dense_general_takes_te_sharding_fields(rel):
   unboxed = nn.unbox(variables)
   jax.tree_util.tree_map(np.testing.assert_array_equal, unboxed,
                          plain.init(jax.random.PRNGKey(0), x))
-  # A clone (as nn.scan, nn.remat and bind make) does not annotate twice.
+  # A clone (as nn.scan, nn.remat and bind make) does not annotate twice; one with other axes
+  # takes them.
   assert named.clone().kernel_init == named.kernel_init
+  for axes, spec in ((("a", "b"), P("a", "b")), ((), P())):
+    clone = named.clone(kernel_axes=axes)
+    assert nn.get_partition_spec(clone.init(jax.random.PRNGKey(0), x))["params"]["kernel"] == spec
   v_named, v_plain = variables, unboxed
   for _ in range(3):
     g_named = jax.grad(lambda v: jnp.sum(named.apply(v, x) ** 2))(v_named)
