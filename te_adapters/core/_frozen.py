@@ -15,11 +15,12 @@ in the same way.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
+
+from te_adapters.core import _threshold
 
 __all__ = ["FrozenStateWarning", "watch_lora_state", "watch_state"]
 
@@ -56,23 +57,23 @@ def _message(kind: str, lhs, rhs) -> str:
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _watch(kind, lhs, rhs, state):
+@jax.custom_vjp
+def _watch(lhs, rhs, state):
   return lhs, rhs, state
 
 
-def _watch_fwd(kind, lhs, rhs, state):
+def _watch_fwd(lhs, rhs, state):
   operands = lhs.perturbed or rhs.perturbed
   leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda v: hasattr(v, "perturbed"))
   if operands and leaves and not all(v.perturbed for v in leaves):
-    warnings.warn(FrozenStateWarning(_message(kind, lhs.value, rhs.value)), stacklevel=2)
+    warnings.warn(FrozenStateWarning(_message("gemm", lhs.value, rhs.value)), stacklevel=2)
   values = jax.tree_util.tree_map(
       lambda v: v.value, (lhs, rhs, state), is_leaf=lambda v: hasattr(v, "perturbed")
   )
   return values, None
 
 
-def _watch_bwd(kind, _, cts):
+def _watch_bwd(_, cts):
   return jax.tree_util.tree_map(
       lambda c: None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c,
       cts,
@@ -86,15 +87,15 @@ _watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 def watch_state(lhs, rhs, state):
   """``(lhs, rhs, state)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when ``lhs`` or ``rhs`` is differentiated and some leaf of ``state`` is not."""
-  return _watch("gemm", lhs, rhs, state)
+  return _watch(lhs, rhs, state)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _watch_factors(kind, lhs, rhs, state):
+@jax.custom_jvp
+def _watch_factors(lhs, rhs, state):
   return lhs, rhs
 
 
-def _watch_factors_jvp(kind, primals, tangents):
+def _watch_factors_jvp(primals, tangents):
   # A custom JVP, not a VJP: forward-mode differentiation through the factors keeps working.
   # Tangents of what is not differentiated arrive as symbolic zeros.
   lhs, rhs, state = primals
@@ -102,8 +103,8 @@ def _watch_factors_jvp(kind, primals, tangents):
   zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
   leaves = jax.tree_util.tree_leaves(t_state, is_leaf=zero)
   if (not zero(t_lhs) or not zero(t_rhs)) and leaves and any(zero(t) for t in leaves):
-    warnings.warn(FrozenStateWarning(_message(kind, lhs, rhs)), stacklevel=2)
-  tangents = tuple(jax.numpy.zeros_like(p) if zero(t) else t
+    warnings.warn(FrozenStateWarning(_message("lora", lhs, rhs)), stacklevel=2)
+  tangents = tuple(jnp.zeros_like(p) if zero(t) else t
                    for p, t in ((lhs, t_lhs), (rhs, t_rhs)))
   return (lhs, rhs), tangents
 
@@ -111,15 +112,28 @@ def _watch_factors_jvp(kind, primals, tangents):
 _watch_factors.defjvp(_watch_factors_jvp, symbolic_zeros=True)
 
 
-def watch_lora_state(lora_a, lora_b, state):
+def watch_lora_state(lora_a, lora_b, state, *, x_shape, kernel_shape, axis=-1,
+                     threshold=_threshold.DEFAULT_SIZE_THRESHOLD):
   """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
-  when a LoRA factor is differentiated and some leaf of ``state`` is not.
+  when a LoRA factor is differentiated and some leaf of ``state`` is not, where the base GEMM
+  runs in FP8.
 
-  ``state`` is the recipe state of the layer's base GEMM where that GEMM runs in FP8; pass
-  ``None`` where it does not (below the size threshold the state does not move, so nothing is
-  frozen) or the recipe is stateless. A custom JVP: forward-mode differentiation through the
-  factors works, and warns in the same case.
+  Args:
+    lora_a, lora_b: the layer's LoRA factors.
+    state: the recipe state of the layer's base GEMM; ``None`` or empty (no recipe, or a
+      stateless one): nothing to watch.
+    x_shape, kernel_shape, axis, threshold: the base GEMM, ``x`` contracting ``axis`` with the
+      kernel's leading axes (as ``low_rank_adaptation``), under ``dot_general``'s ``threshold``.
+      Below the threshold it runs in high precision and its state does not move, so nothing is
+      frozen.
+
+  A custom JVP: forward-mode differentiation through the factors works, and warns in the same
+  case.
   """
   if not state:
     return lora_a, lora_b
-  return _watch_factors("lora", lora_a, lora_b, state)
+  axes = tuple(a % len(x_shape) for a in (axis if isinstance(axis, (tuple, list)) else (axis,)))
+  dims = ((axes, tuple(range(len(axes)))), ((), ()))
+  if not _threshold.runs_in_fp8(tuple(x_shape), tuple(kernel_shape), dims, threshold):
+    return lora_a, lora_b
+  return _watch_factors(lora_a, lora_b, state)

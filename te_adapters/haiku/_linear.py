@@ -226,12 +226,9 @@ class Linear(hk.Linear):
     w_init = self.w_init or hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(self.input_size))
     lora_a = hk.get_parameter("lora_a_kernel", a_shape, dtype, init=w_init)
     lora_b = hk.get_parameter("lora_b_kernel", b_shape, dtype, init=jnp.zeros)
-    # The base GEMM's recipe state, where that GEMM runs in FP8.
-    dims = (((jnp.ndim(inputs) - 1,), (0,)), ((), ()))
-    fp8 = self.recipe is not None and core.runs_in_fp8(
-        jnp.shape(inputs), (self.input_size, self.output_size), dims, self.threshold)
-    state = recipe_state(self, self.recipe) if fp8 else None
-    lora_a, lora_b = core.watch_lora_state(lora_a, lora_b, state)
+    lora_a, lora_b = core.watch_lora_state(
+        lora_a, lora_b, recipe_state(self, self.recipe), x_shape=jnp.shape(inputs),
+        kernel_shape=(self.input_size, self.output_size), threshold=self.threshold)
     lora = core.low_rank_adaptation(inputs, lora_a, lora_b, alpha=self.low_rank_adaptation_alpha)
     return out + lora.astype(out.dtype)
 

@@ -273,12 +273,11 @@ class DenseGeneral(nn.DenseGeneral):
     lora_a = self.param("lora_a_kernel", _flat_init(_unnamed(self.kernel_init), len(in_shape)),
                         a_shape, self.param_dtype)
     lora_b = self.param("lora_b_kernel", nn.initializers.zeros_init(), b_shape, self.param_dtype)
-    # The base GEMM's recipe state (its child's variables), where that GEMM runs in FP8.
-    dims = ((axis, tuple(range(len(axis)))), ((), ()))
-    fp8 = self.recipe is not None and core.runs_in_fp8(inputs.shape, in_shape + features, dims,
-                                                       self.threshold)
-    state = self.variables.get(OVERWRITE_WITH_GRADIENT) if fp8 else None
-    lora_a, lora_b = core.watch_lora_state(lora_a, lora_b, state)
+    # The base GEMM's recipe state: its child's variables.
+    state = self.variables.get(OVERWRITE_WITH_GRADIENT) if self.recipe is not None else None
+    lora_a, lora_b = core.watch_lora_state(
+        lora_a, lora_b, state, x_shape=inputs.shape, kernel_shape=in_shape + features, axis=axis,
+        threshold=self.threshold)
     inputs, lora_a, lora_b = self.promote_dtype(inputs, lora_a, lora_b, dtype=self.dtype)
     lora = core.low_rank_adaptation(
         inputs, lora_a, lora_b, axis=axis, alpha=self.low_rank_adaptation_alpha

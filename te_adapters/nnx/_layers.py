@@ -89,23 +89,15 @@ def _add_lora(layer, in_shape, features, given, lora, what: str) -> None:
   layer.lora_b_kernel = nnx.LoRAParam(jnp.zeros(b_shape, dtype))
 
 
-def _base_gemm_state(layer, inputs, axis):
-  """The recipe state of the layer's base GEMM where that GEMM runs in FP8, else None."""
-  op_state = getattr(layer.dot_general, "recipe_state", None)  # None: no recipe
-  axes = tuple(a % inputs.ndim for a in (axis if isinstance(axis, (tuple, list)) else (axis,)))
-  dims = ((axes, tuple(range(len(axes)))), ((), ()))
-  if op_state is None or not core.runs_in_fp8(inputs.shape, layer.kernel.shape, dims,
-                                              layer.threshold):
-    return None
-  return op_state()
-
-
 def _lora_term(layer, inputs, y, axis):
   """``y`` plus the layer's LoRA term (``core.low_rank_adaptation``) when it has one."""
   if not layer.enable_low_rank_adaptation:
     return y
-  a, b = core.watch_lora_state(layer.lora_a_kernel[...], layer.lora_b_kernel[...],
-                               _base_gemm_state(layer, inputs, axis))
+  op_state = getattr(layer.dot_general, "recipe_state", None)  # None: no recipe
+  a, b = core.watch_lora_state(
+      layer.lora_a_kernel[...], layer.lora_b_kernel[...],
+      op_state() if op_state is not None else None, x_shape=inputs.shape,
+      kernel_shape=layer.kernel.shape, axis=axis, threshold=layer.threshold)
   x, a, b = layer.promote_dtype((inputs, a, b), dtype=layer.dtype)
   lora = core.low_rank_adaptation(x, a, b, axis=axis, alpha=layer.low_rank_adaptation_alpha)
   return y + lora.astype(y.dtype)
