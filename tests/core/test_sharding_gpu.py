@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import te_adapters as ta
 from te_adapters import core
 from te_adapters.core import _cast_transpose, _ffi
+from tests import spmd_checks
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -77,6 +78,8 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
   # The same FP8 operands; the GEMMs may sum in another order and y, dx are bfloat16, rounded
   # twice (GEMM output, then the float32 rescale): they may differ by a bfloat16 ulp (2**-8) in
   # places (2.9e-3 normwise measured for tp2 on two H200s), against 0.04 for FP8 itself.
+  for name, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
+    spmd_checks.record(name, a, b)
   for a, b in zip(got[:3], ref[:3], strict=True):
     assert _rel(a, b) < 4e-3
   for name in ref[3]:  # the next step's scales and histories: identical
@@ -101,5 +104,7 @@ def test_fsdp_fp8_gather_moves_fp8_bytes_into_fp8_gemms():
     dtype, shape = c.arrays[-1]
     # Either orientation: the contracting-last layout gathers the kernel as (features, hidden).
     assert dtype in ("u8", "f8e4m3fn") and shape in (W_SHAPE, W_SHAPE[::-1]), c.line
+  for name, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
+    spmd_checks.record(name, a, b)
   for a, b in zip(got[:3], ref[:3], strict=True):
     assert _rel(a, b) < 4e-3

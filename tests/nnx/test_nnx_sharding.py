@@ -101,9 +101,21 @@ def test_row_parallel_linear_with_out_sharding_on_an_explicit_mesh():
     dys = jax.device_put(dy, NamedSharding(mesh, P("dp", None)))
     (_, y), grads = jax.jit(step, static_argnums=3)(sharded, xs, dys, P("dp", None))
   assert y.sharding.spec == P("dp", None)
-  # The row-parallel sum adds the two K halves across devices: float32 reassociation only.
-  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), rtol=1e-6, atol=1e-6)
+  # The row-parallel sum adds the two K halves across devices: float32 reassociation only on
+  # CPU; on a GPU each half's FP8 GEMM also sums in another order (spmd_checks). The recipe
+  # state (amaxes, scales) is exact everywhere.
+  def close(got, want, name):
+    if spmd_checks.ON_GPU:
+      spmd_checks.assert_close_to_one_device(got, want, name)
+    else:
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6,
+                                 err_msg=name)
+
+  close(y, ref_y, "y")
   for path, want in jax.tree_util.tree_leaves_with_path(ref_grads):
     got = dict(jax.tree_util.tree_leaves_with_path(grads))[path]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+    if spmd_checks.is_recipe_state(path):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                    err_msg=jax.tree_util.keystr(path))
+    else:
+      close(got, want, jax.tree_util.keystr(path))
