@@ -53,6 +53,7 @@ def _parse(argv):
   p.add_argument("--frameworks", default="linen,nnx,haiku")
   p.add_argument("--variants", default="bf16,current,delayed")
   p.add_argument("--json", default=None, help="write the header and rows here")
+  p.add_argument("--hlo-dir", default=None, help="write each mesh program's compiled HLO here")
   add_common_arguments(p)
   return p.parse_args(argv)
 
@@ -202,6 +203,56 @@ def hlo_summary(text):
   return gemms, counts, gathered
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _payload(c):
+  """``[(dtype, shape)]`` a collective moves: an async start's type lists operands and results,
+  of which the larger side is taken (the gathered result, the reduce-scattered operand)."""
+  arrays = list(c.arrays)
+  if "-start(" in c.line and len(arrays) % 2 == 0 and len(arrays) > 1:
+    half = len(arrays) // 2
+    size = lambda arrs: sum(int(np.prod(s)) for _, s in arrs)
+    arrays = max(arrays[:half], arrays[half:], key=size)
+  return arrays
+
+
+def collective_details(text):
+  """Each collective of compiled HLO text: op, what it carries (from its op_name: an amax, a
+  GEMM's output, the loss), replica groups, arrays and bytes."""
+  import re
+
+  rows = []
+  for c in core.hlo_collectives(text):
+    arrays = _payload(c)
+    nbytes = sum(_DTYPE_BYTES.get(d, 1 if d.startswith("f8") else 4) * int(np.prod(s))
+                 for d, s in arrays)
+    name = re.search(r'op_name="([^"]*)"', c.line)
+    name = name.group(1) if name else ""
+    carries = sorted({what for key, what in (("reduce_max", "amax"), ("dot_general", "gemm"),
+                                             ("reduce_sum", "loss")) if key in name}
+                     | ({"gather"} if c.op == "all-gather" else set()))
+    groups = re.search(r"replica_groups=(.*?)(?:, [a-z_]+=|$)", c.line)
+    rows.append(dict(op=c.op, carries=carries, groups=groups.group(1) if groups else "",
+                     arrays=[(d, list(s)) for d, s in arrays], bytes=nbytes,
+                     name=c.line.split("=")[0].strip()))
+  return rows
+
+
+def format_collectives(rows):
+  """One line per mesh program: each collective with its dtypes, shapes and bytes."""
+  lines = []
+  for r in rows:
+    parts = []
+    for c in r.get("collective_details", []):
+      arrs = " ".join(f"{d}[{','.join(map(str, s))}]" for d, s in c["arrays"])
+      parts.append(f"{c['op']}({'+'.join(c['carries']) or '?'}: {arrs}, "
+                   f"{c['bytes'] / 2**20:.2f} MiB, {c['groups'][:60]})")
+    lines.append(f"{r['framework']:<6}{r['variant']:<9}" + "; ".join(parts))
+  return "\n".join(lines)
+
+
 def run_one(model: Model, x, dy, mesh, args):
   """Compiles and runs the step on ``mesh`` (None: the first device alone).
 
@@ -288,11 +339,16 @@ def run(args, log=print):
       errs = compare(mesh_out, one_out)
       del one_out, mesh_out
       gemms, collectives, gathered = hlo_summary(text)
+      if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        with open(os.path.join(args.hlo_dir, f"{framework}_{variant}.txt"), "w") as fh:
+          fh.write(text)
       rows.append(dict(
           framework=framework, variant=variant, ms_1=ms1, ms_2x2=ms4, speedup=ms1 / ms4,
           efficiency=ms1 / (n * ms4), tflops_per_dev_2x2=flops / (ms4 * 1e-3) / 1e12 / n,
           rel_y=errs["y"], rel_dx=errs["dx"], rel_dw=errs["dw"], rel_state=errs["state"],
           gemms=gemms, collectives=collectives, all_gather_bytes=gathered,
+          collective_details=collective_details(text),
           flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
       ))
       log(f"  {framework:<6}{variant:<9}1 device {ms1:9.3f} ms   2x2 {ms4:9.3f} ms   "
@@ -347,6 +403,8 @@ def main():
   rows = run(args)
   print()
   print(format_table(rows))
+  print("\ncollectives of each mesh program (what they carry, arrays, bytes, replica groups):")
+  print(format_collectives(rows))
   print(f"\nreference, seed 000 section 4 shape: {TE_REFERENCE}")
   if args.json:
     with open(args.json, "w") as fh:
