@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 import te_adapters as ta
 import te_adapters.nnx as ta_nnx
 from te_adapters import core
+from tests import spmd_checks
+from tests.conftest import FP8_GEMM_RTOL
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4,
@@ -230,9 +232,20 @@ def test_nnx_grouped_linear_trains_with_experts_sharded():
   with jax.set_mesh(mesh):
     losses2, model2 = train(mesh)
   assert model2.kernel[...].sharding.spec[0] == "ep"
-  np.testing.assert_allclose(losses2, losses1, rtol=1e-6)
-  np.testing.assert_array_equal(model2.kernel[...], model1.kernel[...])
-  for name in model1.state_names:
-    np.testing.assert_array_equal(getattr(model2, name)[...], getattr(model1, name)[...])
+  if spmd_checks.ON_GPU:
+    # The loss sums y * dy over the devices' outputs in another order, and y's FP8 GEMMs may sum
+    # in another order too (spmd_checks); the first loss cancels to about 1 out of terms of
+    # about 1e3, so its relative error is that of the terms' sums, FP8_GEMM_RTOL. The kernel
+    # and its amax (which moves by at most the kernel's largest change) to the same bound.
+    np.testing.assert_allclose(losses2, losses1, rtol=FP8_GEMM_RTOL)
+    spmd_checks.assert_close_to_one_device(model2.kernel[...], model1.kernel[...], "kernel")
+    for name in model1.state_names:
+      spmd_checks.assert_close_to_one_device(getattr(model2, name)[...],
+                                             getattr(model1, name)[...], name)
+  else:
+    np.testing.assert_allclose(losses2, losses1, rtol=1e-6)
+    np.testing.assert_array_equal(model2.kernel[...], model1.kernel[...])
+    for name in model1.state_names:
+      np.testing.assert_array_equal(getattr(model2, name)[...], getattr(model1, name)[...])
   assert np.asarray(model1.x_amax_history[...])[GROUP_SIZES > 0].max() > 0  # state moved
 

@@ -153,11 +153,18 @@ def test_gemma_shaped_model_plain_loop_under_its_sharding_matches_the_helper_loo
   with jax.set_mesh(mesh):
     _, sharded = _train(mesh, helper=False)
   _, reference = _train(None, helper=True)  # one device, the helper's max
+  # On CPU the states after three steps agree to float32 rounding. On a GPU the sharded FP8
+  # GEMMs sum in another order (tests/spmd_checks.py); from the second step on, the parameters
+  # differ by that much, and the quantized operands of the next steps can then land one FP8
+  # step (E4M3 2**-3, E5M2 2**-2 of the value) away on a few elements: amaxes 0.5% apart after
+  # three steps on four H100s. A state that adds the uses instead of taking their max, or one
+  # left frozen, is off by 2x or more.
+  rtol = 5e-2 if jax.default_backend() == "gpu" else 1e-5
   for path, value in jax.tree_util.tree_leaves_with_path(reference):
     got = sharded
     for key in path:
       got = got[key.key]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(value), rtol=1e-5, err_msg=str(path))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(value), rtol=rtol, err_msg=str(path))
   history = reference["block"]["q"]["einsum_op"]["x_amax_history"]
   assert np.all(np.asarray(history)[-3:] > 0)  # the state did move
 
