@@ -29,9 +29,12 @@ def use_cpu_devices(count: int | None) -> None:
     ).strip()
 
 
-def time_steps(step_once, iters: int, warmup: int, trials: int) -> float:
+def time_steps(step_once, iters: int, warmup: int, trials: int,
+               sync_each_step: bool = True) -> float:
   """ms per step: the median over ``trials`` of the mean of ``iters`` steps, each step ended by
-  ``block_until_ready``, after ``warmup`` steps."""
+  ``block_until_ready``, after ``warmup`` steps. ``sync_each_step=False``: the ``iters`` steps
+  of a trial run back to back and only the last is waited for (the host dispatches the next
+  step while the devices run this one, as in a training loop)."""
   import jax
   import numpy as np
 
@@ -39,6 +42,14 @@ def time_steps(step_once, iters: int, warmup: int, trials: int) -> float:
     jax.block_until_ready(step_once())
   per_trial = []
   for _ in range(trials):
+    if not sync_each_step:
+      start = time.perf_counter()
+      out = None
+      for _ in range(iters):
+        out = step_once()
+      jax.block_until_ready(out)
+      per_trial.append((time.perf_counter() - start) / iters)
+      continue
     times = []
     for _ in range(iters):
       start = time.perf_counter()

@@ -54,6 +54,9 @@ def _parse(argv):
   p.add_argument("--variants", default="bf16,current,delayed")
   p.add_argument("--json", default=None, help="write the header and rows here")
   p.add_argument("--hlo-dir", default=None, help="write each mesh program's compiled HLO here")
+  p.add_argument("--pipelined", action="store_true",
+                 help="time each trial's steps back to back, synchronising after the last only "
+                      "(as a training loop runs), not after every step")
   add_common_arguments(p)
   return p.parse_args(argv)
 
@@ -218,25 +221,51 @@ def _payload(c):
   return arrays
 
 
-def collective_details(text):
-  """Each collective of compiled HLO text: op, what it carries (from its op_name: an amax, a
-  GEMM's output, the loss), replica groups, arrays and bytes."""
+def _reductions(text):
+  """Each HLO computation's name -> "max" or "sum", for those that reduce by one of them."""
   import re
 
+  kinds, name = {}, None
+  for line in text.splitlines():
+    head = re.match(r"^%?([\w.\-]+) \(.*\{\s*$", line)
+    if head:
+      name = head.group(1)
+    elif name and re.search(r"\bROOT .* (maximum|add)\(", line):
+      kinds[name] = "max" if " maximum(" in line else "sum"
+  return kinds
+
+
+def collective_details(text):
+  """Each collective of compiled HLO text: op, what it carries, replica groups, arrays, bytes.
+
+  What it carries: ``amax`` (a max of scalars), ``loss`` (a sum of scalars), ``grad`` (a sum of
+  a GEMM's output: dx or dW), ``gather``; from the reduction and the arrays' sizes."""
+  import re
+
+  kinds = _reductions(text)
   rows = []
   for c in core.hlo_collectives(text):
     arrays = _payload(c)
     nbytes = sum(_DTYPE_BYTES.get(d, 1 if d.startswith("f8") else 4) * int(np.prod(s))
                  for d, s in arrays)
-    name = re.search(r'op_name="([^"]*)"', c.line)
-    name = name.group(1) if name else ""
-    carries = sorted({what for key, what in (("reduce_max", "amax"), ("dot_general", "gemm"),
-                                             ("reduce_sum", "loss")) if key in name}
-                     | ({"gather"} if c.op == "all-gather" else set()))
+    apply = re.search(r"to_apply=%?([\w.\-]+)", c.line)
+    reduction = kinds.get(apply.group(1)) if apply else None
+    scalars = all(int(np.prod(s)) == 1 for _, s in arrays)
+    if c.op == "all-gather":
+      carries = "gather"
+    elif reduction == "max":
+      carries = "amax"
+    elif scalars:
+      carries = "loss"
+    elif any(int(np.prod(s)) == 1 for _, s in arrays):
+      carries = "grad+loss"  # the loss combined into a gradient's all-reduce
+    else:
+      carries = "grad"
     groups = re.search(r"replica_groups=(.*?)(?:, [a-z_]+=|$)", c.line)
-    rows.append(dict(op=c.op, carries=carries, groups=groups.group(1) if groups else "",
+    rows.append(dict(op=c.op, carries=[carries], reduction=reduction,
+                     groups=groups.group(1) if groups else "",
                      arrays=[(d, list(s)) for d, s in arrays], bytes=nbytes,
-                     name=c.line.split("=")[0].strip()))
+                     name=c.line.split("=")[0].replace("ROOT", "").strip().lstrip("%")))
   return rows
 
 
@@ -285,7 +314,8 @@ def run_one(model: Model, x, dy, mesh, args):
       (_, y), (g_params, new_state, dx) = step_once()
     (dw,) = jax.tree.leaves(g_params)
     checked = dict(y=y, dx=dx, dw=dw, state=jax.device_get(new_state))
-    ms = time_steps(step_once, args.iters, args.warmup, args.trials)
+    ms = time_steps(step_once, args.iters, args.warmup, args.trials,
+                    sync_each_step=not args.pipelined)
   return ms, checked, compiled.as_text()
 
 
@@ -391,13 +421,14 @@ def main():
       haiku=hk.__version__, python=platform.python_version(),
       shape=dict(batch=args.batch, seq=args.seq, hidden=args.hidden, features=args.features),
       iters=args.iters, warmup=args.warmup, trials=args.trials,
+      timing="pipelined (one sync a trial)" if args.pipelined else "each step synchronised",
   )
   print(f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
         f"(mesh 2x2 over the first 4); jax {meta['jax']}, flax {meta['flax']}, "
         f"haiku {meta['haiku']}, python {meta['python']}")
   print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
         f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
-        f"mean of {args.iters} steps, median of {args.trials} trials")
+        f"mean of {args.iters} steps, median of {args.trials} trials; {meta['timing']}")
   print(f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
         f"recipe state {P()}; errors at step {CHECK_STEP} against the first device alone\n")
   rows = run(args)
