@@ -54,7 +54,7 @@ def figures(got, want, dtype=None):
   return dict(
       rel=float(np.linalg.norm(d) / norm),
       max_over_max=float(np.abs(d).max() / np.abs(w).max()),
-      max_ulps=float(np.max(np.abs(d) / _ulp(w, dtype))),
+      max_ulps=float(np.max(np.abs(d) / _ulp(w, dtype))),  # large where w is near 0
       differ=float(np.mean(d != 0)),
       along=float(np.vdot(d, w) / norm**2),  # d's component along w: a scale error
   )
@@ -103,10 +103,11 @@ def gemm_part(log):
         rows.append(row)
         ex, xl = row["ext_vs_exact"], row["xla_vs_exact"]
         ev, hv = row["ext_vs_xla"], row["half_rows_vs_whole"]
-        log(f"  gemm M={m:5d} N={n:5d} K={k:5d} {row['dtype']:9s} fast={int(fast)}: ulps vs exact "
-            f"ext {ex['max_ulps']:6.2f} xla {xl['max_ulps']:6.2f}; ext vs xla "
-            f"{ev['max_ulps']:5.2f} ulps ({ev['differ']:.3f}); half rows vs whole "
-            f"{hv['max_ulps']:5.2f} ulps ({hv['differ']:.3f}); rel ext {ex['rel']:.2e}")
+        log(f"  gemm M={m:5d} N={n:5d} K={k:5d} {row['dtype']:9s} fast={int(fast)}: vs exact "
+            f"(normwise, max err / max) ext {ex['rel']:.2e} {ex['max_over_max']:.2e}"
+            f", xla {xl['rel']:.2e} {xl['max_over_max']:.2e}; ext vs xla {ev['max_ulps']:.0f} ulps"
+            f" ({ev['differ']:.3f} differ); half rows vs whole {hv['max_ulps']:.0f} ulps "
+            f"({hv['differ']:.3f} differ)")
   return rows
 
 
