@@ -8,6 +8,7 @@ stay in high precision (``SizeThreshold``, ``DEFAULT_SIZE_THRESHOLD``, ``runs_in
 from te_adapters.core._activation import ACTIVATIONS, activation, normalize_activations
 from te_adapters.core._collectives import Collective, hlo_collectives
 from te_adapters.core._config import GemmConfig, check_config
+from te_adapters.core._format import Producer, QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core._frozen import FrozenStateWarning, watch_lora_state
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._inspect import (
@@ -49,6 +50,9 @@ from te_adapters.core._recipes import (
     Recipe,
     check_recipe,
 )
+from te_adapters.core._registry import format_of
+from te_adapters.core._registry import register as register_format
+from te_adapters.core._registry import unregister as unregister_format
 from te_adapters.core._remat import (
     CHECKPOINT_NAMES,
     GEMM_OUTPUT,
@@ -71,6 +75,8 @@ from te_adapters.core._state import (
     updated_state,
     with_max_grad,
 )
+from te_adapters.core._tensor_format import tensor_format
+from te_adapters.core._tensor_scaling import TensorScaling
 from te_adapters.core._threshold import (
     DEFAULT_SIZE_THRESHOLD,
     HighPrecisionGemmWarning,
@@ -81,6 +87,15 @@ from te_adapters.core._threshold import (
 )
 
 __all__ = [
+    "Producer",
+    "QuantizationFormat",
+    "Quantized",
+    "QuantizeRequest",
+    "TensorScaling",
+    "format_of",
+    "register_format",
+    "tensor_format",
+    "unregister_format",
     "ACTIVATIONS",
     "activation",
     "normalize_activations",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 __all__ = ["GemmConfig", "check_config"]
 
@@ -10,10 +11,16 @@ _CHOICES = {
   "backend": ("auto", "jax", "ffi"),
   "fp8_gemm": ("auto", "native", "xla"),
   "block_gemm": ("auto", "native", "xla"),
-  "layout": ("tn", "xla"),
-  "output": ("mixed32", "f32", "direct", "direct32", "mixed"),
-  "transpose": ("cast", "fp8"),
-  "amax": ("jax", "ffi"),
+}
+# Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
+_DEPRECATED = {
+  "layout": (("tn", "xla"), "both operands of every per-tensor FP8 GEMM go in contracting-last"),
+  "output": (
+    ("mixed32", "f32", "direct", "direct32", "mixed"),
+    "the forward and dgrad GEMMs write the output dtype rescaled in float32, wgrad float32",
+  ),
+  "transpose": (("cast", "fp8"), "one pass writes both FP8 orientations of an operand"),
+  "amax": (("jax", "ffi"), "current scaling's amax pass is XLA's reduction"),
 }
 
 
@@ -45,16 +52,8 @@ class GemmConfig:
       and NVFP4 on Blackwell GPUs), XLA elsewhere. ``"native"``: the device's, an error where it
       cannot run. ``"xla"``: one FP8 GEMM per 128-wide K slice for FP8 blocks, a GEMM of the
       dequantized values for MXFP8 and NVFP4.
-    layout: measurement only. ``"tn"``: every per-tensor FP8 GEMM gets both operands
-      contracting-last; ``"xla"``: the operand layouts are left to XLA.
-    output: measurement only. How XLA's per-tensor FP8 GEMM writes its output: ``"f32"`` (float32
-      sums rescaled, one rounding), ``"direct32"`` (the output dtype, rescaled in float32),
-      ``"direct"`` (the output dtype, rescaled in it: biased by the scale's rounding),
-      ``"mixed32"``/``"mixed"``: direct32/direct for the forward and dgrad GEMMs, f32 for wgrad.
-    transpose: measurement only. ``"cast"``: one pass writes both FP8 orientations of an operand;
-      ``"fp8"``: the transposed copy is made from the FP8 one.
-    amax: measurement only. Current scaling's amax pass: ``"jax"`` (XLA's reduction, which can
-      fuse into the producer) or ``"ffi"`` (the extension's kernel, where ``backend`` allows it).
+    layout, output, transpose, amax: deprecated measurement-only choices, accepted with a
+      ``DeprecationWarning`` and without effect; removed in the next release.
     fuse_activation_cast: ``core.layernorm_mlp`` with a per-tensor recipe (both GEMMs in FP8, no
       dropout, no sharding constraints) casts the activation of GEMM 1's output straight to
       GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
@@ -79,10 +78,10 @@ class GemmConfig:
   backend: str = "auto"
   fp8_gemm: str = "auto"
   block_gemm: str = "auto"
-  layout: str = "tn"
-  output: str = "mixed32"
-  transpose: str = "cast"
-  amax: str = "jax"
+  layout: str | None = None
+  output: str | None = None
+  transpose: str | None = None
+  amax: str | None = None
   fuse_activation_cast: bool | None = None
 
   def __post_init__(self):
@@ -94,6 +93,16 @@ class GemmConfig:
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
+    for name, (allowed, what) in _DEPRECATED.items():
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if value not in allowed:
+        raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
+      warnings.warn(
+          f"GemmConfig.{name} is deprecated and has no effect ({what}); it was a measurement "
+          "choice and will be removed in the next release: leave it out",
+          DeprecationWarning, stacklevel=3)
 
 
 def check_config(config) -> GemmConfig:

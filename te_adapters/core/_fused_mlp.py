@@ -18,12 +18,11 @@ extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``_kern
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from te_adapters.core import (
   _cast_transpose,
@@ -32,12 +31,14 @@ from te_adapters.core import (
   _gemm,
   _mesh,
   _norm,
-  _remat,
+  _registry,
   _scaled_tensor,
   _scaling,
   _spmd_plan,
+  _tensor_format,
 )
 from te_adapters.core._activation import _product
+from te_adapters.core._format import Producer
 from te_adapters.core._recipes import check_recipe
 from te_adapters.core._state import check_state, shared_max_grad
 
@@ -53,9 +54,9 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
   """Whether ``layernorm_mlp`` takes the fused path: a per-tensor recipe, both GEMMs in FP8
   (``gemm_shapes``: their ``(M, K, N)``), no dropout, no sharding constraint, no PRNG keys, not
   inside ``shard_map``, and ``config.fuse_activation_cast`` not ``False``."""
-  if recipe is None or config.fuse_activation_cast is False or config.layout != "tn":
+  if recipe is None or config.fuse_activation_cast is False:
     return False
-  if check_recipe(recipe).block_scaled:
+  if not _registry.format_of(check_recipe(recipe)).per_tensor:
     return False
   if dropout_active or constrained or any(r is not None for r in rngs) or _mesh.manual_axes():
     return False
@@ -106,11 +107,21 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
   y, wo, state_1 = gemm_state(recipe, y, wo, state_1)
   if norm is not None and ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
-  static = (tuple(names), recipe, config, ffn1_ckpt_name, norm)
-  return _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static)
+  dtype = np.dtype(y.dtype)
+  stages = (
+      _gemm.Stage(dtype, kernel_kn=True, name=ffn1_ckpt_name,
+                  activation=ActivationProducer(tuple(names))),
+      _gemm.Stage(dtype, kernel_kn=True,
+                  bias_grad=None if wo_bias is None else BiasGradProducer()),
+  )
+  lhs = None if norm is None else NormProducer(norm)
+  inputs = (y,) if norm is None else (y, ln_scale, ln_bias)
+  chain = _gemm.Chain(recipe, PLAN, config, None, stages, lhs)
+  return _gemm.quantized_gemms(inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1), None,
+                               chain)
 
 
-_PLAN = _spmd_plan.SpmdPlan()
+PLAN = _spmd_plan.SpmdPlan()
 
 
 def gemm_state(recipe, lhs, rhs, state):
@@ -197,47 +208,8 @@ def _dbias_cast(g, q_dtype, scale, with_amax, config):
     q, q_t, a, db = _ffi.dact_cast_call(g, g, None, scale, q_dtype, (KERNEL_ACTIVATIONS["linear"],),
                                         with_amax)
     return q, q_t, (a if with_amax else None), db
-  q, q_t, a = _gemm._cast_both(g, scale, q_dtype, config, with_amax)
+  q, q_t, a = _tensor_format.cast_both(g, scale, q_dtype, config, with_amax)
   return q, q_t, a, jnp.sum(g.astype(jnp.float32), axis=0)
-
-
-def quantizer(recipe, config):
-  """``_gemm._quantize_both`` with the recipe, the fused paths' SPMD plan and the config bound:
-  ``quantize(x, role, q_dtype, state=..., cast=..., amax=...)``."""
-  return functools.partial(_gemm._quantize_both, recipe=recipe, plan=_PLAN, config=config)
-
-
-def quantize_norm_output(y, ln_scale, ln_bias, norm, q_dtype, quantize, state, config):
-  """A GEMM's FP8 operand made from the norm of its input ``y`` (``norm``: ``(layernorm_type,
-  zero_centered_gamma, epsilon)``), cast from float32 in the pass that computes it
-  (``quantize``: a ``quantizer``). Returns ``(q, q_t, scale, new_state, norm_residuals)``; the
-  backward pass keeps the input and the row statistics, as ``core.layernorm``'s does
-  (``_norm._norm_bwd``'s residuals)."""
-  layernorm_type, zero_centered_gamma, epsilon = norm
-  mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
-  args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
-  q, q_t, scale, new = quantize(
-      y, "x", q_dtype, state=state,
-      cast=lambda scale, with_amax: _norm_cast(*args, q_dtype, scale, with_amax, config),
-      amax=lambda: _scaling.amax(_norm.normalized(*args)))
-  return q, q_t, scale, new, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
-
-
-def quantize_output_grad(g, q_dtype, quantize, state, config, *, with_bias):
-  """A GEMM's output gradient ``g (M, N)`` in FP8 (``quantize``: a ``quantizer``):
-  ``(q, q_t, scale, new_state, dbias)``. ``with_bias``: the bias gradient, float32 ``(N,)``,
-  summed in the pass that casts ``g`` (``_dbias_cast``); else the ordinary cast and None."""
-  if not with_bias:
-    return (*quantize(g, "grad", q_dtype, state=state), None)
-  sums = []
-
-  def cast(scale, with_amax):
-    q, q_t, a, db = _dbias_cast(g, q_dtype, scale, with_amax, config)
-    sums.append(db)
-    return q, q_t, a
-
-  q, q_t, scale, new = quantize(g, "grad", q_dtype, state=state, cast=cast)
-  return q, q_t, scale, new, sums[0]
 
 
 def _act_amax(h, b, names, config):
@@ -269,92 +241,74 @@ def _norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype,
   return _both(y, scale, q_dtype, with_amax)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _mlp(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static):
-  out, _ = _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static)
-  return out
+# --- producers: the operands cast to FP8 in the pass that computes them ---------------------------
 
 
-def _mlp_fwd(y, ln_scale, ln_bias, wi2, wi_bias, wo, wo_bias, state_0, state_1, static):
-  names, recipe, config, ffn1_ckpt_name, norm = static
-  fwd = recipe.fwd_dtype
-  out_dtype = np.dtype(y.dtype)
-  quantize = quantizer(recipe, config)
-  # GEMM 1: y (M, K) and wi (K, N); the copy of wi as stored is dgrad's operand, its transposed
-  # copy the forward's.
-  norm_residuals = None
-  if norm is None:
-    q_y, q_yt, scale_y, new_y = quantize(y, "x", fwd, state=state_0)
-  else:
-    q_y, q_yt, scale_y, new_y, norm_residuals = quantize_norm_output(
-        y, ln_scale, ln_bias, norm, fwd, quantize, state_0, config)
-  q_wi, q_wit, scale_wi, new_wi = quantize(wi2, "kernel", fwd, state=state_0)
-  sinv_y, sinv_wi = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_wi)
-  h = _gemm._tn_dot(q_y, q_wit, (sinv_y, sinv_wi), out_dtype, None, "fwd", recipe, config)
-  h = checkpoint_name(h, ffn1_ckpt_name)
-  # GEMM 2's input, cast from h in the pass that computes it.
-  q_z, q_zt, scale_z, new_z = quantize(
-      h, "x", fwd, state=state_1,
-      cast=lambda scale, with_amax: _act_cast(h, wi_bias, names, fwd, scale, with_amax, config),
-      amax=lambda: _act_amax(h, wi_bias, names, config))
-  q_wo, q_wot, scale_wo, new_wo = quantize(wo, "kernel", fwd, state=state_1)
-  sinv_z, sinv_wo = _scaling.scale_inverse(scale_z), _scaling.scale_inverse(scale_wo)
-  out = _gemm._tn_dot(q_z, q_wot, (sinv_z, sinv_wo), out_dtype, None, "fwd", recipe, config)
-  out = checkpoint_name(out, _remat.GEMM_OUTPUT)
-  if wo_bias is not None:
-    out = out + wo_bias.astype(out.dtype)
-  del q_y, q_z
-  q_yt, sinv_y = _remat.name_quantized((q_yt, sinv_y), _remat.QUANTIZED_X)
-  q_zt, sinv_z = _remat.name_quantized((q_zt, sinv_z), _remat.QUANTIZED_X)
-  q_wi, sinv_wi = _remat.name_quantized((q_wi, sinv_wi), _remat.QUANTIZED_KERNEL)
-  q_wo, sinv_wo = _remat.name_quantized((q_wo, sinv_wo), _remat.QUANTIZED_KERNEL)
-  protos = tuple(np.zeros((0,), a.dtype) for a in (y, wi2, wo))
-  bias_proto = tuple(None if b is None else np.zeros((0,), b.dtype) for b in (wi_bias, wo_bias))
-  new_fwd = ({"x": new_y, "kernel": new_wi}, {"x": new_z, "kernel": new_wo})
-  residuals = (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd,
-               (state_0, state_1), protos, bias_proto, norm_residuals)
-  return out, residuals
+@dataclasses.dataclass(frozen=True)
+class NormProducer:
+  """The first GEMM's input ``norm(y)``: the norm's float32 output cast straight to its FP8
+  copies with its amax, never written in the input's dtype; the backward pass keeps the input
+  and the row statistics, as ``core.layernorm``'s does. ``norm``: ``(layernorm_type,
+  zero_centered_gamma, epsilon)``."""
+
+  norm: tuple
+
+  def quantize(self, fmt, request, y, ln_scale, ln_bias):
+    layernorm_type, zero_centered_gamma, epsilon = self.norm
+    mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
+    args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+    q_dtype, config = request.recipe.fwd_dtype, request.config
+    producer = Producer(
+        cast=lambda scale, with_amax: _norm_cast(*args, q_dtype, scale, with_amax, config),
+        amax=lambda: _scaling.amax(_norm.normalized(*args)))
+    q = fmt.quantize(dataclasses.replace(request, producer=producer))
+    return q, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
+
+  def backward(self, residuals, dy):
+    return _norm._norm_bwd(*self.norm, residuals, dy)
 
 
-def _mlp_bwd(static, residuals, g):
-  names, recipe, config, _, norm = static
-  (q_yt, sinv_y, q_wi, sinv_wi, h, wi_bias, q_zt, sinv_z, q_wo, sinv_wo, new_fwd, states,
-   protos, bias_proto, norm_residuals) = residuals
-  state_0, state_1 = states
-  y_proto, wi_proto, wo_proto = protos
-  bwd = recipe.bwd_dtype
-  quantize = quantizer(recipe, config)
-  # GEMM 2's backward; with an output bias, its gradient is summed in g's cast.
-  wi_bias_proto, wo_bias_proto = bias_proto
-  q_g, q_gt, scale_g, new_g1, g_sum = quantize_output_grad(
-      g, bwd, quantize, state_1, config, with_bias=wo_bias_proto is not None)
-  sinv_g = _scaling.scale_inverse(scale_g)
-  dz = _gemm._tn_dot(q_g, q_wo, (sinv_g, sinv_wo), h.dtype, None, "dgrad", recipe, config)
-  dwo = _gemm._tn_dot(q_zt, q_gt, (sinv_z, sinv_g), wo_proto.dtype, None, "wgrad", recipe, config)
-  # The activation's backward, cast straight to GEMM 1's FP8 output gradient.
-  dbias = []
+@dataclasses.dataclass(frozen=True)
+class ActivationProducer:
+  """Between two GEMMs: the next one's input ``act(h + b)`` and this one's output gradient
+  ``dz * act'(h + b)`` (with ``b``'s gradient summed in the same pass), each cast to FP8 as it
+  is computed (``names``: normalized activation names)."""
 
-  def cast(scale, with_amax):
-    q, q_t, a, db = _dact_cast(dz, h, wi_bias, names, bwd, scale, with_amax, config)
-    dbias.append(db)
-    return q, q_t, a
+  names: tuple
 
-  q_dh, q_dht, scale_dh, new_g0 = quantize(
-      h, "grad", bwd, state=state_0, cast=cast,
-      amax=lambda: _dact_amax(dz, h, wi_bias, names, config))
-  sinv_dh = _scaling.scale_inverse(scale_dh)
-  dy = _gemm._tn_dot(q_dh, q_wi, (sinv_dh, sinv_wi), y_proto.dtype, None, "dgrad", recipe, config)
-  dwi = _gemm._tn_dot(q_yt, q_dht, (sinv_y, sinv_dh), wi_proto.dtype, None, "wgrad", recipe,
-                      config)
-  new_state_0 = _gemm.next_gemm_state(recipe, state_0, {**new_fwd[0], "grad": new_g0})
-  new_state_1 = _gemm.next_gemm_state(recipe, state_1, {**new_fwd[1], "grad": new_g1})
-  db = None if wi_bias_proto is None else dbias[0].astype(wi_bias_proto.dtype)
-  db_out = None if wo_bias_proto is None else g_sum.astype(wo_bias_proto.dtype)
-  dgamma = dbeta = None
-  if norm is not None:
-    dy, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)
-  return (dy, dgamma, dbeta, dwi.astype(wi_proto.dtype), db, dwo.astype(wo_proto.dtype), db_out,
-          new_state_0, new_state_1)
+  def quantize(self, fmt, request, h, b):
+    q_dtype, config = request.recipe.fwd_dtype, request.config
+    producer = Producer(
+        cast=lambda scale, with_amax: _act_cast(h, b, self.names, q_dtype, scale, with_amax,
+                                                config),
+        amax=lambda: _act_amax(h, b, self.names, config))
+    return fmt.quantize(dataclasses.replace(request, producer=producer))
+
+  def quantize_grad(self, fmt, request, dz, h, b):
+    q_dtype, config = request.recipe.bwd_dtype, request.config
+    dbias = []
+
+    def cast(scale, with_amax):
+      q, q_t, a, db = _dact_cast(dz, h, b, self.names, q_dtype, scale, with_amax, config)
+      dbias.append(db)
+      return q, q_t, a
+
+    producer = Producer(cast, amax=lambda: _dact_amax(dz, h, b, self.names, config))
+    return fmt.quantize(dataclasses.replace(request, producer=producer)), dbias[0]
 
 
-_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+@dataclasses.dataclass(frozen=True)
+class BiasGradProducer:
+  """The output gradient ``g (M, N)`` of a GEMM with a bias, in FP8, with the bias's float32
+  gradient (its column sums) summed in the pass that casts it (TE's dbias + quantize)."""
+
+  def quantize_grad(self, fmt, request, g):
+    q_dtype, config = request.recipe.bwd_dtype, request.config
+    sums = []
+
+    def cast(scale, with_amax):
+      q, q_t, a, db = _dbias_cast(g, q_dtype, scale, with_amax, config)
+      sums.append(db)
+      return q, q_t, a
+
+    return fmt.quantize(dataclasses.replace(request, producer=Producer(cast))), sums[0]

@@ -15,15 +15,12 @@ norm's output feeds ``dot_general``.
 
 from __future__ import annotations
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
-from te_adapters.core import _fused_mlp, _gemm, _norm, _remat, _scaling
+from te_adapters.core import _fused_mlp, _gemm, _norm
 from te_adapters.core._config import check_config
 from te_adapters.core._gemm import dot_general
 from te_adapters.core._layer import check_last_axis, gemm_dims_refusal
@@ -168,51 +165,8 @@ def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
   x, w, state = _fused_mlp.gemm_state(recipe, x, w, state)
   if ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
-  return _ln_dense(x, ln_scale, ln_bias, w, b, state, (recipe, config, norm))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ln_dense(x, ln_scale, ln_bias, w, b, state, static):
-  out, _ = _ln_dense_fwd(x, ln_scale, ln_bias, w, b, state, static)
-  return out
-
-
-def _ln_dense_fwd(x, ln_scale, ln_bias, w, b, state, static):
-  recipe, config, norm = static
-  fwd = recipe.fwd_dtype
-  quantize = _fused_mlp.quantizer(recipe, config)
-  q_y, q_yt, scale_y, new_y, norm_residuals = _fused_mlp.quantize_norm_output(
-      x, ln_scale, ln_bias, norm, fwd, quantize, state, config)
-  # The kernel as stored (K, N) is dgrad's operand, its transposed copy the forward's.
-  q_w, q_wt, scale_w, new_w = quantize(w, "kernel", fwd, state=state)
-  sinv_y, sinv_w = _scaling.scale_inverse(scale_y), _scaling.scale_inverse(scale_w)
-  out = _gemm._tn_dot(q_y, q_wt, (sinv_y, sinv_w), np.dtype(x.dtype), None, "fwd", recipe, config)
-  out = checkpoint_name(out, _remat.GEMM_OUTPUT)
-  if b is not None:
-    out = out + b.astype(out.dtype)
-  del q_y
-  q_yt, sinv_y = _remat.name_quantized((q_yt, sinv_y), _remat.QUANTIZED_X)
-  q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
-  protos = tuple(None if a is None else np.zeros((0,), a.dtype) for a in (x, w, b))
-  residuals = (q_yt, sinv_y, q_w, sinv_w, {"x": new_y, "kernel": new_w}, state, protos,
-               norm_residuals)
-  return out, residuals
-
-
-def _ln_dense_bwd(static, residuals, g):
-  recipe, config, norm = static
-  q_yt, sinv_y, q_w, sinv_w, new_fwd, state, protos, norm_residuals = residuals
-  x_proto, w_proto, b_proto = protos
-  bwd = recipe.bwd_dtype
-  q_g, q_gt, scale_g, new_g, g_sum = _fused_mlp.quantize_output_grad(
-      g, bwd, _fused_mlp.quantizer(recipe, config), state, config, with_bias=b_proto is not None)
-  sinv_g = _scaling.scale_inverse(scale_g)
-  dy = _gemm._tn_dot(q_g, q_w, (sinv_g, sinv_w), x_proto.dtype, None, "dgrad", recipe, config)
-  dw = _gemm._tn_dot(q_yt, q_gt, (sinv_y, sinv_g), w_proto.dtype, None, "wgrad", recipe, config)
-  new_state = _gemm.next_gemm_state(recipe, state, {**new_fwd, "grad": new_g})
-  dx, dgamma, dbeta = _norm._norm_bwd(*norm, norm_residuals, dy)
-  db = None if b_proto is None else g_sum.astype(b_proto.dtype)
-  return dx, dgamma, dbeta, dw.astype(w_proto.dtype), db, new_state
-
-
-_ln_dense.defvjp(_ln_dense_fwd, _ln_dense_bwd)
+  stage = _gemm.Stage(np.dtype(x.dtype), kernel_kn=True,
+                      bias_grad=None if b is None else _fused_mlp.BiasGradProducer())
+  chain = _gemm.Chain(recipe, _fused_mlp.PLAN, config, None, (stage,),
+                      _fused_mlp.NormProducer(norm))
+  return _gemm.quantized_gemms((x, ln_scale, ln_bias), (w,), (b,), (state,), None, chain)

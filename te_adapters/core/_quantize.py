@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _block, _block_scaled, _rng, _scaling, _tensor_scaling
+from te_adapters.core import _block, _block_scaled, _registry, _rng, _scaling
 from te_adapters.core._recipes import check_recipe
 from te_adapters.core._scaled_tensor import (
     ScaledTensor,
@@ -83,7 +83,7 @@ def quantize(
             f"{type(recipe).__name__} computes its block scales from x; do not pass scale"
         )
       return _quantize_blocks(x, recipe, role, axis, rng, rht)
-    if _tensor_scaling.of(recipe).state_shapes(recipe) and scale is None:
+    if _registry.format_of(recipe).state_shapes(recipe) and scale is None:
       # A scaling that keeps state quantizes with the scale it stored (delayed scaling).
       raise ValueError(
           f"{type(recipe).__name__} quantizes with its stored scale: pass "
@@ -168,7 +168,7 @@ def dequantize(t: ScaledTensor, dtype=None) -> jax.Array:
     raise TypeError(f"dequantize expects a ScaledTensor, got {type(t).__name__}")
   dtype = t.dq_dtype if dtype is None else dtype
   if t.scaling_mode != "tensor":
-    if t.scaling_mode not in _block_scaled.BLOCK_MODES:
+    if not _block_scaled.is_block_mode(t.scaling_mode):
       raise ValueError(f"unknown scaling mode {t.scaling_mode!r}")
     return _block_scaled.dequantize(t, dtype)
   out = _block.keep_narrow(t.data).astype(jnp.float32) * t.scale_inv.reshape(())

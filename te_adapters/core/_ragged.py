@@ -62,11 +62,11 @@ from te_adapters.core import (
   _grouping,
   _mxfp8,
   _ragged_mxfp8,
+  _registry,
   _remat,
   _scaled_tensor,
   _scaling,
   _state,
-  _tensor_scaling,
 )
 from te_adapters.core._grouping import row_groups
 from te_adapters.core._recipe_state import DelayedScalingState
@@ -110,7 +110,7 @@ def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
   """
   recipe = check_ragged_recipe(recipe)
   num_groups = _check_num_groups(num_groups)
-  one = _tensor_scaling.of(recipe).init_state(recipe)
+  one = _registry.format_of(recipe).init_state(recipe)
   return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_groups, *leaf.shape)), one)
 
 
@@ -128,7 +128,7 @@ GROUPED_GEMMS = {_mxfp8.FORMAT: _ragged_mxfp8.mxfp8_ragged_dot}
 def check_ragged_recipe(recipe):
   """``check_recipe`` for grouped GEMMs: also refuses the recipes ``ragged_dot`` lacks."""
   recipe = check_recipe(recipe)
-  if recipe.block_scaled and _block_scaled.format_of(recipe) not in GROUPED_GEMMS:
+  if recipe.block_scaled and _block_scaled.block_of(recipe) not in GROUPED_GEMMS:
     raise NotImplementedError(
         f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support "
         f"{_SUPPORTED}"
@@ -147,7 +147,7 @@ def _check_num_groups(num_groups) -> int:
 def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
   if recipe.block_scaled:
     return {}
-  shapes = _tensor_scaling.of(recipe).state_shapes(recipe)
+  shapes = _registry.format_of(recipe).state_shapes(recipe)
   return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
 
@@ -287,7 +287,7 @@ def ragged_dot(
     _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
   state = check_ragged_state(recipe, state, rhs.shape[0])
   if recipe.block_scaled:
-    grouped_gemm = GROUPED_GEMMS[_block_scaled.format_of(recipe)]
+    grouped_gemm = GROUPED_GEMMS[_block_scaled.block_of(recipe)]
 
     def call(lhs, rhs, group_sizes, state):
       del state
@@ -386,8 +386,9 @@ def _role_scales(amax, role, q_dtype, recipe, state):
 
   Each group is one GEMM of the recipe's scaling (``_tensor_scaling``), its state slice g.
   """
+  scaling = _registry.format_of(recipe).scaling
   next_scale = functools.partial(
-      _tensor_scaling.of(recipe).next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
+      scaling.next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
   )
   scale, new = jax.vmap(lambda a, s: next_scale(a, s))(amax[:, None], state)
   return scale[:, 0], new
@@ -414,7 +415,7 @@ def _quantize_experts(w, role, q_dtype, recipe, state, granularity, native=False
   as ``data`` (the extension's per-expert cast on the GPU), and with delayed scaling that pass
   also takes the amax that rolls into the history; otherwise ``data_t`` is None.
   """
-  stored = _tensor_scaling.of(recipe).stored_scale(state, role) if state else None
+  stored = _registry.format_of(recipe).scaling.stored_scale(state, role) if state else None
   # Delayed scaling on the native path casts with the stored scales and takes the amax (an
   # expert's amax is inf where it holds a NaN or inf, as the per-tensor amax) in the same pass.
   one_pass = native and stored is not None
@@ -485,7 +486,8 @@ def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, 
   q_g, sinv_g, new_g = _quantize_rows(
       g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, state, granularity
   )
-  new_state = _tensor_scaling.of(recipe).next_state(state, {**new_fwd_state, "grad": new_g})
+  scaling = _registry.format_of(recipe).scaling
+  new_state = scaling.next_state(state, {**new_fwd_state, "grad": new_g})
   if native:
     sizes = _grouped_kernel.clamped_sizes(group_sizes, q_x.shape[0])
     dx = _grouped_kernel.rows_gemm(

@@ -360,7 +360,7 @@ def check_recipe(recipe: object) -> Recipe:
         f"recipe must be a recipe instance, got the class {recipe.__name__}; "
         f"write {recipe.__name__}()"
     )
-  if not isinstance(recipe, _RECIPES):
+  if not isinstance(recipe, Recipe):
     names = ", ".join(f"te_adapters.{r.__name__}" for r in _RECIPES)
     raise TypeError(
         f"recipe must be one of {names}; got "

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _accumulate, _tensor_scaling
+from te_adapters.core import _accumulate, _registry
 from te_adapters.core._recipe_state import (
     ROLES,
     DelayedScalingState,
@@ -40,7 +40,7 @@ State = DelayedScalingState | dict[str, Any]
 
 def state_names(recipe) -> tuple[str, ...]:
   """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes)."""
-  return tuple(_tensor_scaling.of(recipe).state_shapes(recipe))
+  return tuple(_registry.format_of(recipe).state_shapes(recipe))
 
 
 def init_state(recipe) -> State:
@@ -56,11 +56,11 @@ def init_state(recipe) -> State:
     ['grad_amax_history', 'grad_scale']
   """
   recipe = check_recipe(recipe)
-  return _tensor_scaling.of(recipe).init_state(recipe)
+  return _registry.format_of(recipe).init_state(recipe)
 
 
 def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
-  return _tensor_scaling.of(recipe).state_shapes(recipe)
+  return _registry.format_of(recipe).state_shapes(recipe)
 
 
 def check_state(recipe, state: Mapping[str, Any] | None) -> State:

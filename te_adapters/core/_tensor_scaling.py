@@ -2,8 +2,8 @@
 
 A scaling is a few pure functions, as a block format is (``_format.BlockFormat``): the state it
 keeps for one GEMM, the scale it knows before an operand is cast, and the scale and state that
-follow from the operand's amax. ``of(recipe)`` picks one; the per-tensor GEMM
-(``_gemm``) calls its functions and never names a recipe class.
+follow from the operand's amax. ``_tensor_format.tensor_format`` makes a per-tensor recipe's
+``Format`` from one, and the registry maps the recipe to it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import jax.numpy as jnp
 
 from te_adapters.core import _accumulate, _mesh, _scaling
 from te_adapters.core._recipe_state import ROLES, DelayedScalingState, RoleState
-from te_adapters.core._recipes import DelayedScaling
 
-__all__ = ["CURRENT", "DELAYED", "TensorScaling", "of"]
+__all__ = ["CURRENT", "DELAYED", "TensorScaling"]
 
 
 class TensorScaling(NamedTuple):
@@ -115,8 +114,3 @@ CURRENT = TensorScaling(
     next_scale=_current_next,
     next_state=lambda state, roles: {},
 )
-
-
-def of(recipe) -> TensorScaling:
-  """The scaling of a recipe: delayed for ``DelayedScaling``, current (stateless) otherwise."""
-  return DELAYED if isinstance(recipe, DelayedScaling) else CURRENT

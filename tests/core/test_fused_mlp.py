@@ -74,7 +74,9 @@ def _step_fn(recipe, activations, config, **kw):
 def _takes_fused(x, p, activations, recipe, config, **kw):
   jaxpr = jax.make_jaxpr(
       lambda x, p, s: _block(x, p, s, activations, recipe, config, **kw))(x, p, _states(recipe))
-  return "name=_mlp" in str(jaxpr)
+  # Fused: both GEMMs and the activation in one run of the quantized GEMM rule.
+  text = str(jaxpr)
+  return text.count("name=_quantized_gemms") == 1 and "name=_activation" not in text
 
 
 def _run(recipe, activations, config, steps=3, seed=0, dtype=jnp.bfloat16):

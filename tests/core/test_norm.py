@@ -253,11 +253,19 @@ def test_remat_gives_the_same_grads_and_state():
   assert float(plain[4]["x_amax_history"][-1]) > 0
 
 
+def _one_fused_rule(jaxpr) -> bool:
+  """Whether a traced program runs its norm (and activation) inside the quantized GEMM rule:
+  the rule's custom VJP is there and the norm's and the activation's own ones are not."""
+  text = str(jaxpr)
+  return ("name=_quantized_gemms" in text and "name=_norm" not in text
+          and "name=_activation" not in text)
+
+
 def _takes_fused(**kw):
   x, g, b, _ = _inputs()
   w = _data([(128, 256)], seed=1)[0]
   jaxpr = jax.make_jaxpr(lambda x, w: core.layernorm_dense(x, g, b, w, **kw)[0])(x, w)
-  return "name=_ln_dense" in str(jaxpr)
+  return _one_fused_rule(jaxpr)
 
 
 def test_layernorm_dense_fuses_the_norm_into_the_cast_where_it_applies():
@@ -343,7 +351,7 @@ def test_fused_layernorm_dense_with_rows_sharded_equals_one_device(recipe):
       z, _ = core.layernorm_dense(x, g, b, w, recipe=recipe, state=state, threshold=None,
                                   dense_bias=c, config=config)
       return jnp.sum(z * dz)
-    assert "name=_ln_dense" in str(jax.make_jaxpr(loss)(x, g, b, w, c, state))
+    assert _one_fused_rule(jax.make_jaxpr(loss)(x, g, b, w, c, state))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(x, g, b, w, c, state)
 
   one = grads(x, dz)
@@ -374,10 +382,10 @@ def test_fused_paths_warn_when_delayed_state_is_left_out_of_the_gradient():
     return jnp.sum(core.layernorm_mlp(x, g, b, wi, wo, recipe=DELAYED, states=state,
                                       threshold=None)[0])
 
-  cases = [(dense, core.init_state(DELAYED), "_ln_dense"),
-           (mlp, (core.init_state(DELAYED), core.init_state(DELAYED)), "_mlp")]
-  for f, state, path in cases:
-    assert f"name={path}" in str(jax.make_jaxpr(f)(x, w, state))
+  cases = [(dense, core.init_state(DELAYED)),
+           (mlp, (core.init_state(DELAYED), core.init_state(DELAYED)))]
+  for f, state in cases:
+    assert _one_fused_rule(jax.make_jaxpr(f)(x, w, state))
     with pytest.warns(core.FrozenStateWarning):
       jax.grad(f, argnums=(0, 1))(x, w, state)
     with warnings.catch_warnings():

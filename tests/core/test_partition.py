@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import sys
 import warnings
 
 import jax
@@ -166,15 +165,6 @@ def test_explicit_mesh_axes_run_the_cast_per_shard():
   got, text = _sharded(DELAYED, plan, AxisType.Explicit)
   _assert_equal_to_one_device(got, _one_device(DELAYED), plan)
   assert len(_cast_calls(text)) >= 3
-
-
-def test_current_scaling_amax_kernel_reduces_over_the_mesh(monkeypatch):
-  monkeypatch.setattr(sys.modules[__name__], "FFI", core.GemmConfig(backend="ffi", amax="ffi"))
-  recipe = ta.Float8CurrentScaling()
-  plan = PLANS[-1]
-  got, text = _sharded(recipe, plan)
-  _assert_equal_to_one_device(got, _one_device(recipe), plan)
-  assert 'custom_call_target="te_adapters_amax"' in text
 
 
 def test_inside_shard_map_the_kernels_outputs_vary_like_their_inputs():

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _gemm, _sharding
+from te_adapters.core import _sharding
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -519,8 +519,11 @@ def test_quantized_data_and_scales_are_bit_identical():
   e4m3 = jnp.dtype(jnp.float8_e4m3fn)
 
   def quantize(x, plan):
-    data, scale_inv, _ = _gemm._quantize_role(x, "x", e4m3, CURRENT, {}, plan)
-    return lax.bitcast_convert_type(data, jnp.uint8), scale_inv
+    fmt = core.format_of(CURRENT)
+    request = core.QuantizeRequest(x, "x", CURRENT, {}, plan, core.GemmConfig(), cols=False)
+    q = fmt.quantize(request).rows
+    assert q.dtype == e4m3
+    return lax.bitcast_convert_type(q.data, jnp.uint8), q.scale_inv
 
   ref_data, ref_scale_inv = jax.jit(functools.partial(quantize, plan=plan))(x)
   spec = P("dp", None, "tp")
@@ -556,7 +559,10 @@ def test_nan_on_one_shard_reaches_every_device():
   plan = _sharding.make_plan(rhs_ndim=2)
 
   def new_x_state(x, state):
-    _, _, new = _gemm._quantize_role(x, "x", e4m3, DELAYED, state, plan)
+    request = core.QuantizeRequest(x, "x", DELAYED, state, plan, core.GemmConfig(), cols=False)
+    q = core.format_of(DELAYED).quantize(request)
+    assert q.rows.dtype == e4m3
+    new = q.state
     return {"x_scale": new.scale, "x_amax_history": new.amax_history}
 
   ref = jax.jit(new_x_state)(x, state)
