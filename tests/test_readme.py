@@ -135,3 +135,18 @@ def test_scale_out_block_on_four_devices():
   got = ns["grads"]
   assert got.shape == w.shape and len(got.sharding.device_set) == 4
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_formats_block_registers_a_format_that_runs():
+  x, _ = _batch()
+  ns = {"ta": ta, "jnp": jnp, "x": x, "w": jnp.ones((32, 16)) / 8}
+  try:
+    exec(_block("ta.core.register_format("), ns)
+    recipe = ns["PowerOfTwoScaling"]()
+    assert core.format_of(recipe).recipe_type is ns["PowerOfTwoScaling"]
+    y = core.dot_general(x, ns["w"], (((1,), (0,)), ((), ())), recipe=recipe, threshold=None)
+    want = np.asarray(x, np.float64) @ np.asarray(ns["w"], np.float64)
+    assert np.linalg.norm(np.asarray(y) - want) / np.linalg.norm(want) < 0.1
+    assert ns["y"].shape == (8, 16)
+  finally:
+    core.unregister_format(ns["PowerOfTwoScaling"])
