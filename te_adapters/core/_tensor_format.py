@@ -63,6 +63,11 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
   dq = np.dtype(x.dtype)
   if not req.cols and req.producer is None:
     # One orientation (inference, or FSDP's kernel shard, transposed in FP8 after its gather).
+    # The barrier keeps a narrow input's rounding: XLA would otherwise fuse this cast with the
+    # convert that made x (a float32 kernel computed in bfloat16) and drop the rounding, giving
+    # the FP8 codes of the float32 values, where the two-orientation cast reads the bfloat16 x.
+    if np.dtype(x.dtype).itemsize < 4:
+      x = _block.keep_narrow(x)
     a = _scaling.amax(x)
     scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     data = cast_with_scale(x, scale, q_dtype)

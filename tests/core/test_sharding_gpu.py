@@ -86,14 +86,6 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
     np.testing.assert_array_equal(np.asarray(got[3][name]), np.asarray(ref[3][name]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the FSDP path quantizes the kernel shard with a pure-JAX cast that XLA fuses with the "
-    "caller's float32->bfloat16 convert and, allowing excess precision, drops that rounding: the "
-    "FP8 codes of the float32 values, where one device's FFI cast reads the bfloat16 kernel "
-    "(y and dx 1.2e-2 normwise from one device on H100s; the same with backend='jax' or "
-    "without the gather: 0)",
-)
 def test_fsdp_fp8_gather_moves_fp8_bytes_into_fp8_gemms():
   recipe = ta.Float8CurrentScaling()
   x, w, dy = _data()
