@@ -76,7 +76,8 @@ def _variants(cases, full_size):
     add("seed001 LayerNorm+MLP", "bf16", plain.apply, plain.init(key, x), x, dy)
     for label, recipe in recipes:
       for fused in (True, False):
-        model = speed.te_layernorm_mlp(inter, recipe, ta.core.GemmConfig(fuse_activation_cast=fused))
+        config = ta.core.GemmConfig(fuse_activation_cast=fused)
+        model = speed.te_layernorm_mlp(inter, recipe, config)
 
         def apply_fn(v, x, model=model):
           return model.apply(v, x, deterministic=True)[0]
@@ -86,7 +87,8 @@ def _variants(cases, full_size):
   if "layer" in cases:
     from bench.seed_layer import FlaxTransformerLayer, ModulesTransformerLayer
 
-    batch, seq, hidden, ffn, heads = (4, 2048, 4096, 16384, 32) if full_size else (2, 64, 128, 256, 4)
+    size = (4, 2048, 4096, 16384, 32) if full_size else (2, 64, 128, 256, 4)
+    batch, seq, hidden, ffn, heads = size
     key = jax.random.PRNGKey(42)
     x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
     dy = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
@@ -109,10 +111,10 @@ def _variants(cases, full_size):
 
 def _program(step, args) -> dict:
   """What the compiled program holds: FP8 and other GEMMs, fusions, custom-call targets."""
-  from te_adapters import core
+  from te_adapters import inspect
 
   hlo = step.lower(*args).compile().as_text()
-  fp8, other = core.count_fp8_gemms(hlo)
+  fp8, other = inspect.count_fp8_gemms(hlo)
   targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
   fusions = len(re.findall(r"^\s*(?:ROOT )?\S+ = \S+ fusion\(", hlo, flags=re.M))
   return dict(fp8_gemms=fp8, other_gemms=other, fusions=fusions, custom_calls=dict(targets))

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from te_adapters import core  # noqa: E402
-from te_adapters.core import _fused_mlp, _norm  # noqa: E402
 from bench import speed  # noqa: E402
+from te_adapters import core  # noqa: E402
+from te_adapters.core.fused import _fused_mlp  # noqa: E402
+from te_adapters.core.ops import _norm  # noqa: E402
 
 
 def main():

@@ -53,7 +53,7 @@ import numpy as np
 import optax
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 
 VOCAB = 256
 ADAPTERS = ("linen", "nnx", "haiku")
@@ -517,9 +517,9 @@ def count_gemms(step, carry, tokens, compiled_text: str) -> dict:
   """FP8 GEMMs of the compiled step (GPU), or of its jaxpr elsewhere: XLA's CPU compiler may
   rewrite FP8 dots in the compiled program, where they are emulated anyway."""
   if jax.default_backend() == "gpu":
-    fp8, other = core.count_fp8_gemms(compiled_text)
+    fp8, other = inspect.count_fp8_gemms(compiled_text)
     return dict(fp8_gemms=fp8, gemms=fp8 + other, gemm_count_source="compiled HLO")
-  fp8, total = core.count_fp8_dot_generals(step, carry, tokens)
+  fp8, total = inspect.count_fp8_dot_generals(step, carry, tokens)
   return dict(fp8_gemms=fp8, gemms=total, gemm_count_source="jaxpr")
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 
 DN = (((1,), (0,)), ((), ()))
 recipe = ta.Float8CurrentScaling()
@@ -21,9 +21,9 @@ for m, k, n in [(256, 512, 384), (8, 512, 384), (24, 512, 384), (256, 40, 384), 
                                                                        threshold=None)
                                             .astype(jnp.float32)), argnums=(0, 1)))
   hlo = f.lower(x, w).compile().as_text()
-  fp8, other = core.count_fp8_gemms(hlo)
-  print(f"{m:>6}{k:>6}{n:>6}  {core.count_fp8_cublas_gemms(hlo):>11}  {fp8:>7}/{other:<7}  "
-        f"{core.hlo_dot_operand_types(hlo)}")
+  fp8, other = inspect.count_fp8_gemms(hlo)
+  print(f"{m:>6}{k:>6}{n:>6}  {inspect.count_fp8_cublas_gemms(hlo):>11}  {fp8:>7}/{other:<7}  "
+        f"{inspect.hlo_dot_operand_types(hlo)}")
   if out_dir and m == 256 and k == 512 and n == 384:
     with open(os.path.join(out_dir, f"hlo_{m}x{k}x{n}.txt"), "w") as f:
       f.write(hlo)

@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from te_adapters.core import _ffi, _grouped_kernel
+from te_adapters.core.kernels import _ffi, _grouped_kernel
 
 
 def _time(fn, *args, iters=10):

@@ -22,7 +22,8 @@ by block_until_ready. Scaling efficiency is strong scaling, t(1 device) / (4 * t
 Checks: y, dx and dW of the mesh run against the one-device run of the same framework and
 variant (normwise relative error, flagged above 1e-2), and the new recipe state (DelayedScaling),
 all at the second step (so DelayedScaling uses scales from the first step's amaxes). The
-compiled mesh program's FP8/other GEMMs (core.count_fp8_gemms, GPU only) and collectives.
+compiled mesh program's FP8/other GEMMs (te_adapters.inspect.count_fp8_gemms, GPU only) and
+collectives.
 
 Usage (4 GPUs, seed 000's sizes):
   python bench/mesh2x2.py --json mesh2x2.json
@@ -75,8 +76,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from seed_layer import FlaxDenseBlock  # noqa: E402  (bench/, on sys.path above)
 
 import te_adapters as ta  # noqa: E402
-from te_adapters import core  # noqa: E402
 from te_adapters import haiku as ta_hk  # noqa: E402
+from te_adapters import inspect  # noqa: E402
 from te_adapters import linen as ta_linen  # noqa: E402
 from te_adapters import nnx as ta_nnx  # noqa: E402
 
@@ -192,10 +193,10 @@ def hlo_summary(text):
   """FP8/other GEMMs (GPU only, else None) and the collectives of compiled HLO text."""
   gemms = None
   if jax.default_backend() == "gpu":
-    fp8, other = core.count_fp8_gemms(text)
+    fp8, other = inspect.count_fp8_gemms(text)
     gemms = f"{fp8}/{other}"
   counts, gathered = {}, {}
-  for c in core.hlo_collectives(text):
+  for c in inspect.hlo_collectives(text):
     counts[c.op] = counts.get(c.op, 0) + 1
     if c.op == "all-gather":
       dtype, shape = c.arrays[-1]
@@ -244,7 +245,7 @@ def collective_details(text):
 
   kinds = _reductions(text)
   rows = []
-  for c in core.hlo_collectives(text):
+  for c in inspect.hlo_collectives(text):
     arrays = _payload(c)
     nbytes = sum(_DTYPE_BYTES.get(d, 1 if d.startswith("f8") else 4) * int(np.prod(s))
                  for d, s in arrays)

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from te_adapters.core import _cast_transpose as ct  # noqa: E402
+from te_adapters.core.formats import _cast_transpose as ct  # noqa: E402
 
 
 def _bits(a):

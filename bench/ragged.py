@@ -9,7 +9,8 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 - ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)`` (XLA's ragged dot, or on Hopper with
   the extension built with CUTLASS the native bfloat16 grouped GEMM, as ``native_bf16``).
 - ``native_bf16``: the native grouped GEMM with bfloat16 operands
-  (``te_adapters.core._grouped_kernel.bf16_ragged_dot``; Hopper, extension built with CUTLASS).
+  (``te_adapters.core.kernels._grouped_kernel.bf16_ragged_dot``; Hopper, extension built with
+  CUTLASS).
 - ``ours_current``, ``ours_delayed``: ``te_adapters.core.ragged_dot`` with FP8 current / delayed
   scaling (HYBRID).
 - ``ours_mxfp8``: ``te_adapters.core.ragged_dot`` with ``MXFP8BlockScaling`` (E4M3; the GEMMs
@@ -60,7 +61,7 @@ import numpy as np
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _grouped_kernel
+from te_adapters.core.kernels import _grouped_kernel
 
 VARIANTS = (
   "lax_bf16",

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import _ragged
-from te_adapters.core._recipes import DelayedScaling, Float8CurrentScaling
+from te_adapters.core.gemm import _ragged
+from te_adapters.core.recipes import DelayedScaling, Float8CurrentScaling
 
 CURRENT = Float8CurrentScaling()
 

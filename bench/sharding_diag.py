@@ -32,8 +32,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
-from te_adapters import core
-from te_adapters.core import _ffi, _partition
+from te_adapters import core, inspect
+from te_adapters.core.kernels import _ffi, _partition
 
 DN = (((2,), (0,)), ((), ()))
 X_SHAPE, W_SHAPE = (8, 128, 256), (256, 512)
@@ -175,8 +175,8 @@ def fsdp_part(log, hlo_dir=None):
     x64, w64, dy64 = (np.asarray(t, np.float64) for t in (x, w.astype(jnp.bfloat16), dy))
     exact = dict(y=x64 @ w64, dx=dy64 @ w64.T,
                  dW=np.einsum("bsk,bsn->kn", x64, dy64))
-    row = dict(case=name, fp8_gemms=core.count_fp8_gemms(text),
-               collectives=[(c.op, c.arrays) for c in core.hlo_collectives(text)])
+    row = dict(case=name, fp8_gemms=inspect.count_fp8_gemms(text),
+               collectives=[(c.op, c.arrays) for c in inspect.hlo_collectives(text)])
     for key, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
       row[key] = figures(a, b)
       row[key]["mesh_vs_unquantized"] = float(np.linalg.norm(np.asarray(a, np.float64) - exact[key])

@@ -41,7 +41,7 @@ from flax import linen as nn
 import te_adapters as ta
 from bench.qwix_variants import qwix_variants
 from bench.seed_layer import ATTENTIONS, FlaxDenseBlock
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters import linen as ta_linen
 from te_adapters.core import MMParams
 
@@ -72,7 +72,7 @@ def _count_cublas_fp8(step, args) -> str | None:
   """'FP8 GEMMs/other GEMMs' in the compiled GPU program (None off GPU)."""
   if jax.default_backend() != "gpu":
     return None
-  fp8, other = core.count_fp8_gemms(step.lower(*args).compile().as_text())
+  fp8, other = inspect.count_fp8_gemms(step.lower(*args).compile().as_text())
   return f"{fp8}/{other}"
 
 

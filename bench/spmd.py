@@ -17,7 +17,7 @@ Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
 
 Scaling efficiency is strong scaling: ``t(single) / (n * t(plan))`` for the same variant and the
 same global shapes. The second table lists what the compiled HLO holds: FP8 GEMMs against other
-GEMMs (core.count_fp8_gemms) and the all-gathers (dtype and bytes per step).
+GEMMs (te_adapters.inspect.count_fp8_gemms) and the all-gathers (dtype and bytes per step).
 
 Usage (two GPUs, seed 000's sizes):
   python bench/spmd.py --devices 2
@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from te_adapters import core  # noqa: E402
+from te_adapters import core, inspect  # noqa: E402
 
 DN = (((2,), (0,)), ((), ()))
 
@@ -105,11 +105,11 @@ def make_step(variant, plan, mesh):
 
 def hlo_summary(text):
   """``"FP8 GEMMs/other GEMMs"`` and the all-gathers (dtype: bytes) of compiled HLO text."""
-  fp8, other = core.count_fp8_gemms(text)
+  fp8, other = inspect.count_fp8_gemms(text)
   gemms = f"{fp8}/{other}"
   itemsize = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
   gathers = {}
-  for c in core.hlo_collectives(text):
+  for c in inspect.hlo_collectives(text):
     if c.op != "all-gather":
       continue
     dtype, shape = c.arrays[-1]  # the gathered result

@@ -132,7 +132,7 @@ def train(recipe, params, state, cfg: Config):
 
   losses = []
   data = batches(cfg)
-  gemms = ta.core.count_fp8_dot_generals(
+  gemms = ta.inspect.count_fp8_dot_generals(
       ta_hk.value_grad_and_state(loss_fn), params, state, *batches(cfg).__next__())
   for _ in range(cfg.steps):
     tokens, targets = next(data)

@@ -125,7 +125,7 @@ def fp8_gemms(model, tokens) -> tuple[int, int]:
   """(GEMMs with FP8 operands, all GEMMs) in one training step's forward and backward pass."""
   graphdef, state = nnx.split(model)
   step = lambda state, tokens: ta_nnx.value_and_grad(loss_fn)(nnx.merge(graphdef, state), tokens)
-  return ta.core.count_fp8_dot_generals(step, state, tokens)
+  return ta.inspect.count_fp8_dot_generals(step, state, tokens)
 
 
 def train(cfg: Config, recipe, steps: int, seed: int) -> tuple[list[float], tuple[int, int]]:

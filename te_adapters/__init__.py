@@ -4,7 +4,7 @@
 ``te_adapters.haiku`` adapt it to Flax Linen, Flax NNX and Haiku (import them explicitly).
 """
 
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters.core import (
     DelayedScaling,
     Float8BlockScaling,
@@ -37,5 +37,6 @@ __all__ = [
     "dequantize",
     "dot_general",
     "init_state",
+    "inspect",
     "quantize",
 ]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters import core
+from te_adapters import core, inspect
 
 _DN = (((1,), (0,)), ((), ()))
 
@@ -77,11 +77,11 @@ def run(
       *_, new_state = step_jit(x, w, dy, state)
       state = core.updated_state(state, new_state) if state else state
     y, dx, dw, _ = step_jit(x, w, dy, state)
-    fp8_dots, dots = core.count_fp8_dot_generals(step, x, w, dy, state)
+    fp8_dots, dots = inspect.count_fp8_dot_generals(step, x, w, dy, state)
     cublas = None
     if jax.default_backend() == "gpu":
       hlo = step_jit.lower(x, w, dy, state).compile().as_text()
-      cublas = "{}/{}".format(*core.count_fp8_gemms(hlo))
+      cublas = "{}/{}".format(*inspect.count_fp8_gemms(hlo))
     rows.append(
         dict(
             recipe=label,

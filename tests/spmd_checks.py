@@ -186,7 +186,7 @@ def compare_with_one_device(loss, params, new_params, x, dy):
 def fsdp_gathers(fn, args):
   """``(compiled fn, [(dtype, shape)] of its all-gathers)`` for ``fn`` jitted over ``args``."""
   compiled = jax.jit(fn).lower(*args).compile()
-  gathers = [c.arrays[-1] for c in ta.core.hlo_collectives(compiled.as_text())
+  gathers = [c.arrays[-1] for c in ta.inspect.hlo_collectives(compiled.as_text())
              if c.op == "all-gather"]
   return compiled, gathers
 

@@ -33,19 +33,19 @@ def _linen_layer(k, n):
   layer = ta_linen.Dense(n, recipe=CURRENT, threshold=None)
   x = _x(k)
   variables = layer.init(jax.random.key(0), x)
-  return core.count_fp8_dot_generals(layer.apply, variables, x)
+  return ta.inspect.count_fp8_dot_generals(layer.apply, variables, x)
 
 
 def _nnx_layer(k, n):
   layer = ta_nnx.Linear(k, n, recipe=CURRENT, threshold=None, rngs=nnx.Rngs(0))
-  return core.count_fp8_dot_generals(lambda x: layer(x), _x(k))
+  return ta.inspect.count_fp8_dot_generals(lambda x: layer(x), _x(k))
 
 
 def _haiku_layer(k, n):
   f = hk.transform(lambda x: ta_hk.Linear(n, recipe=CURRENT, threshold=None)(x))
   x = _x(k)
   params = f.init(jax.random.key(0), x)
-  return core.count_fp8_dot_generals(lambda p, x: f.apply(p, None, x), params, x)
+  return ta.inspect.count_fp8_dot_generals(lambda p, x: f.apply(p, None, x), params, x)
 
 
 @pytest.mark.parametrize("k, n", SIZES)
@@ -126,14 +126,15 @@ def test_layers_built_without_a_recipe_use_the_default_one():
   linen = ta_linen.Dense(n, threshold=None)
   variables = linen.init(jax.random.key(0), x)
   assert set(variables) == {"params"}
-  assert core.count_fp8_dot_generals(linen.apply, variables, x) == (1, 1)
+  assert ta.inspect.count_fp8_dot_generals(linen.apply, variables, x) == (1, 1)
   layer = ta_nnx.Linear(k, n, threshold=None, rngs=nnx.Rngs(0))
   assert layer.recipe == CURRENT
-  assert core.count_fp8_dot_generals(lambda x: layer(x), x) == (1, 1)
+  assert ta.inspect.count_fp8_dot_generals(lambda x: layer(x), x) == (1, 1)
   f = hk.transform_with_state(lambda x: ta_hk.Linear(n, threshold=None)(x))
   params, state = f.init(jax.random.key(0), x)
   assert state == {}
-  assert core.count_fp8_dot_generals(lambda p, x: f.apply(p, state, None, x), params, x) == (1, 1)
+  assert ta.inspect.count_fp8_dot_generals(
+      lambda p, x: f.apply(p, state, None, x), params, x) == (1, 1)
 
 
 def test_training_helpers_share_one_shape_and_agree_after_several_steps():

@@ -12,7 +12,7 @@ import pytest
 
 from bench import speed
 from bench.qwix_variants import qwix_variants
-from te_adapters import core
+from te_adapters import core, inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,7 +54,7 @@ def test_bench_qwix_variants_quantize_what_their_names_say():
   for name, model in variants.items():
     variables = model.init(jax.random.PRNGKey(2), x)
     step = speed._speedometer(model.apply)
-    pairs = core.dot_general_operand_dtypes(step, variables, x, dy)
+    pairs = inspect.dot_general_operand_dtypes(step, variables, x, dy)
     assert sum(a in fp8 and b in fp8 for a, b in pairs) == expected[name], (name, pairs)
     loss, (grads, dx) = step(variables, x, dy)
     leaves = [loss, dx, *jax.tree_util.tree_leaves(grads)]
@@ -116,7 +116,8 @@ def test_seed_layer_from_the_modules_runs_its_gemms_in_fp8():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 128)).astype(jnp.bfloat16)
   variables = layer.init(jax.random.PRNGKey(1), x)
   loss = lambda v, x: jnp.sum(layer.apply(v, x).astype(jnp.float32) ** 2)
-  fp8, total = core.count_fp8_dot_generals(jax.value_and_grad(loss, argnums=(0, 1)), variables, x)
+  fp8, total = inspect.count_fp8_dot_generals(
+      jax.value_and_grad(loss, argnums=(0, 1)), variables, x)
   assert fp8 == 12, (fp8, total)
   y = layer.apply(variables, x)
   assert y.shape == x.shape and y.dtype == jnp.bfloat16 and bool(jnp.isfinite(y).all())

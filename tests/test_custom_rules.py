@@ -63,8 +63,9 @@ def test_every_rule_is_listed_with_its_reason():
 
 def test_one_quantized_gemm_rule_serves_the_dense_and_fused_paths():
   quantizing = {name for name, q in rules_in_doc().items() if q}
-  assert "te_adapters.core._gemm._quantized_gemms" in quantizing
+  assert "te_adapters.core.gemm._gemm._quantized_gemms" in quantizing
   # The dense, block-scaled, norm+GEMM and MLP paths have no quantized rule of their own;
   # only the grouped GEMM's two remain beside it.
-  assert quantizing - {"te_adapters.core._gemm._quantized_gemms"} == {
-      "te_adapters.core._ragged._fp8_ragged_dot", "te_adapters.core._ragged_mxfp8._mxfp8_vjp"}
+  assert quantizing - {"te_adapters.core.gemm._gemm._quantized_gemms"} == {
+      "te_adapters.core.gemm._ragged._fp8_ragged_dot",
+      "te_adapters.core.gemm._ragged_mxfp8._mxfp8_vjp"}

@@ -11,7 +11,7 @@ import pytest
 from flax import linen as nn
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters import linen as ta_linen
 
 pytestmark = [
@@ -41,7 +41,7 @@ def _train_core(recipe, x, w, dy, **kwargs):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
   hlo = step.lower(x, w, state, dy).compile().as_text()
-  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+  assert inspect.count_fp8_gemms(hlo) == (3, 0), inspect.hlo_dot_operand_types(hlo)
   for _ in range(3):
     (_, y), (dx, dw, new_state) = step(x, w, state, dy)
     state = core.updated_state(state, new_state) if state else state
@@ -87,7 +87,7 @@ def test_linen_dense_emits_fp8_gemms(recipe):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # dgrad too
   hlo = step.lower(variables, x, dy).compile().as_text()
-  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+  assert inspect.count_fp8_gemms(hlo) == (3, 0), inspect.hlo_dot_operand_types(hlo)
 
 
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: type(r).__name__)
@@ -108,10 +108,10 @@ def test_default_threshold_quantizes_large_gemms_only(recipe):
   with warnings.catch_warnings():
     warnings.simplefilter("error", core.HighPrecisionGemmWarning)
     hlo = compiled_hlo(8192, 8192, 8192)
-  assert core.count_fp8_gemms(hlo) == (3, 0), core.hlo_dot_operand_types(hlo)
+  assert inspect.count_fp8_gemms(hlo) == (3, 0), inspect.hlo_dot_operand_types(hlo)
   assert not core.runs_in_fp8((1024, 1024), (1024, 1024), DN)
   with pytest.warns(core.HighPrecisionGemmWarning, match="M=1024, K=1024, N=1024"):
     hlo = compiled_hlo(1024, 1024, 1024)
-  fp8, other = core.count_fp8_gemms(hlo)
-  assert fp8 == 0 and core.count_fp8_cublas_gemms(hlo) == 0 and other >= 3, (
-      core.hlo_dot_operand_types(hlo))
+  fp8, other = inspect.count_fp8_gemms(hlo)
+  assert fp8 == 0 and inspect.count_fp8_cublas_gemms(hlo) == 0 and other >= 3, (
+      inspect.hlo_dot_operand_types(hlo))

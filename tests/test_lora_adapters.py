@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters import haiku as ta_hk
 from te_adapters import linen as ta_linen
 from te_adapters import nnx as ta_nnx
@@ -104,7 +104,7 @@ def test_lora_term_is_high_precision_beside_the_fp8_kernel(fw, rel):
   # The base GEMM is FP8: its error against float64 is an FP8 one.
   w = np.float64(params[KERNEL[fw]])
   assert 0.01 < rel(y_base - np.float64(params.get("bias", params.get("b"))), np.float64(X) @ w)
-  assert core.count_fp8_dot_generals(apply, params, X) == (1, 3)
+  assert inspect.count_fp8_dot_generals(apply, params, X) == (1, 3)
 
 
 def _loss(y):
@@ -505,7 +505,7 @@ def test_nnx_linear_general_lora_over_two_axes(rel):
   base = np.einsum("pij,ijkn->pkn", x64, np.float64(layer.kernel[...])) + np.float64(
       layer.bias[...])
   assert 0.005 < rel(y_base, base) < 0.1
-  assert core.count_fp8_dot_generals(lambda x: layer(x), x) == (1, 3)
+  assert inspect.count_fp8_dot_generals(lambda x: layer(x), x) == (1, 3)
 
 
 @pytest.mark.parametrize("rank", [17, 0])

@@ -36,13 +36,13 @@ def test_core_imports_and_runs_without_flax_or_haiku():
   done = _run_without_frameworks("""
 import jax, jax.numpy as jnp, numpy as np
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 
 x = jnp.arange(64.0).reshape(4, 16) / 64
 w = jnp.ones((16, 16)) / 16
 y = core.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling(),
                      threshold=None)
-assert core.count_fp8_dot_generals(
+assert inspect.count_fp8_dot_generals(
     lambda x, w: core.dot_general(x, w, (((1,), (0,)), ((), ())),
                                   recipe=ta.Float8CurrentScaling(), threshold=None), x, w) == (1, 1)
 np.testing.assert_allclose(np.asarray(y), np.asarray(x @ w), rtol=0.07, atol=1e-3)

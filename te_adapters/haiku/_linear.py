@@ -38,7 +38,8 @@ def linear_forward(
 
   ``hk.Linear.__call__`` computes its GEMM with ``jnp.dot`` and has no hook for another, so its
   body is repeated here with the GEMM replaced (running it only for its parameters would leave
-  an extra high-precision GEMM in every trace, which ``core.count_fp8_dot_generals`` counts).
+  an extra high-precision GEMM in every trace, which ``te_adapters.inspect.count_fp8_dot_generals``
+  counts).
   """
   if not inputs.shape:
     raise ValueError("Input must not be scalar.")

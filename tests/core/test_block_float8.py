@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core import _float8_block
+from te_adapters.core.formats import _float8_block
 from tests.conftest import SCALE_ULPS, assert_scales_equal
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)

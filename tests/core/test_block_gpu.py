@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters import core
-from te_adapters.core import _block_scaled, _ffi, _float8_block
+from te_adapters import inspect
+from te_adapters.core import formats
+from te_adapters.core.formats import _float8_block
+from te_adapters.core.kernels import _ffi
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -69,8 +71,8 @@ def test_float8_block_gemms_are_fp8_gemms(gemm):
   else:
     # XLA's formulation: FP8 cuBLASLt calls, or FP8 dots in Triton fusions where XLA's Triton
     # GEMMs are on (its default); no dot of other operand types.
-    fp8, other = core.count_fp8_gemms(hlo)
-    assert fp8 >= 3 and other == 0, (fp8, other, core.hlo_dot_operand_types(hlo))
+    fp8, other = inspect.count_fp8_gemms(hlo)
+    assert fp8 >= 3 and other == 0, (fp8, other, inspect.hlo_dot_operand_types(hlo))
   y, dx, dw = compiled(x, w, g)
   x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
   bound = 1.15 * np.sqrt(2) * 0.0265
@@ -137,7 +139,7 @@ def test_nvfp4_stochastic_rounding_on_gpu():
 
 
 @pytest.mark.skipif(
-  not _block_scaled.native_gemm_available("mxfp8"),
+  not formats.native_gemm_available("mxfp8"),
   reason="needs jax.nn.scaled_matmul hardware (Blackwell)",
 )
 @pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2]], ids=["mxfp8", "nvfp4"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core import _nvfp4
+from te_adapters.core import formats
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E2M1 = np.dtype(jnp.float4_e2m1fn)
@@ -135,12 +135,12 @@ def test_round_e2m1_is_nearest_even_on_every_float32_in_range():
   v = np.concatenate([bits.view(np.float32), -bits.view(np.float32)])
   ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
   v = np.concatenate([v, ties, -ties, np.nextafter(ties, 0), np.nextafter(ties, 7)])
-  got = np.asarray(jax.jit(_nvfp4.round_e2m1)(v))
+  got = np.asarray(jax.jit(formats.round_e2m1)(v))
   want = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
   # Ties go to the even mantissa.
-  np.testing.assert_array_equal(np.asarray(_nvfp4.round_e2m1(ties)), [0, 1, 1, 2, 2, 4, 4])
+  np.testing.assert_array_equal(np.asarray(formats.round_e2m1(ties)), [0, 1, 1, 2, 2, 4, 4])
 
 
 def test_stochastic_rounding_probabilities():
@@ -149,8 +149,8 @@ def test_stochastic_rounding_probabilities():
   hi = np.array([0.0, 0.5, 6.0, -3.0, 3.0, -0.5, 6.0, 6.0], np.float32)
   p_hi = np.array([0, 0, 0, 0, 0.6, 0.2, 0.25, 0.9995])
   n = 4096
-  seed = _nvfp4.random_seed(jax.random.key(0))
-  r = np.asarray(jax.jit(_nvfp4.stochastic_round_e2m1)(np.tile(v, (n, 1)), seed))
+  seed = formats.random_seed(jax.random.key(0))
+  r = np.asarray(jax.jit(formats.stochastic_round_e2m1)(np.tile(v, (n, 1)), seed))
   assert np.all((r == lo) | (r == hi))
   freq = (r == hi).mean(axis=0)
   freq[hi == lo] = 0
@@ -183,16 +183,16 @@ def test_hadamard_transform():
   hadamard = np.array([[1.0]])
   for _ in range(4):
     hadamard = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), hadamard)
-  h = _f32(_nvfp4.rht_matrix())
-  np.testing.assert_array_equal(h, np.diag(_nvfp4.RHT_SIGNS) @ hadamard / 4)
+  h = _f32(formats.rht_matrix())
+  np.testing.assert_array_equal(h, np.diag(formats.RHT_SIGNS) @ hadamard / 4)
   np.testing.assert_array_equal(h @ h.T, np.eye(16))
   x = np.random.default_rng(4).standard_normal((8, 64)).astype(np.float32)
-  y = jax.jit(_nvfp4.apply_rht)(x)
+  y = jax.jit(formats.apply_rht)(x)
   assert y.dtype == jnp.bfloat16
   xb = x.astype(ml_dtypes.bfloat16).astype(np.float64)
   want = (xb.reshape(8, 4, 16) @ h.astype(np.float64)).reshape(8, 64)
   np.testing.assert_array_equal(_f32(y), want.astype(ml_dtypes.bfloat16).astype(np.float32))
-  back = _f32(jax.jit(_nvfp4.invert_rht)(y))
+  back = _f32(jax.jit(formats.invert_rht)(y))
   assert np.linalg.norm(back - xb) / np.linalg.norm(xb) < 2.0**-8
 
 
@@ -201,7 +201,7 @@ def test_rht_copy_bitwise():
   x = np.random.default_rng(5).standard_normal((64, 32)).astype(np.float32)
   t = _jit_quantize(RECIPE, "x", 0, True)(x)
   assert t.scaling_mode == "nvfp4_rht" and t.scale_inv.shape == (4, 32)
-  h = _f32(_nvfp4.rht_matrix()).astype(np.float64)
+  h = _f32(formats.rht_matrix()).astype(np.float64)
   xt = x.T.astype(ml_dtypes.bfloat16).astype(np.float64)
   transformed = (xt.reshape(32, 4, 16) @ h).reshape(32, 64).astype(ml_dtypes.bfloat16)
   data, sdec, a = ref_nvfp4(transformed.astype(np.float32), (16,))

@@ -7,7 +7,8 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _block_scaled, _ffi
+from te_adapters.core import formats
+from te_adapters.core.kernels import _ffi
 from tests.conftest import FP8_GEMM_RTOL
 
 DN = (((1,), (0,)), ((), ()))
@@ -86,7 +87,7 @@ def test_native_gemm_is_refused_where_it_cannot_run():
                          ids=["mxfp8", "float8_block"])
 def test_native_block_gemm_is_refused_where_it_cannot_run(recipe):
   if isinstance(recipe, ta.MXFP8BlockScaling):
-    if _block_scaled.native_gemm_available("mxfp8"):
+    if formats.native_gemm_available("mxfp8"):
       pytest.skip("jax.nn.scaled_matmul runs MXFP8 here")
   elif _ffi.cublas_gemm_available():
     pytest.skip("cuBLASLt's block-scaled GEMM runs here")

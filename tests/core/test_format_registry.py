@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 
 DN = (((1,), (0,)), ((), ()))
 E4M3_MAX = 448.0
@@ -127,7 +127,7 @@ def test_toy_format_runs_through_dot_general(pow2):
   # And FP8 accuracy against the unquantized product (a wrong scale is off by O(1)).
   y64 = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   assert np.linalg.norm(np.asarray(y, np.float64) - y64) / np.linalg.norm(y64) < 0.1
-  fp8, total = core.count_fp8_dot_generals(
+  fp8, total = inspect.count_fp8_dot_generals(
       jax.grad(lambda x, w: loss(x, w)[0], argnums=(0, 1)), x, w)
   assert (fp8, total) == (3, 3)
 

@@ -10,7 +10,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _ffi
+from te_adapters.core.kernels import _ffi
 
 pytestmark = [
     pytest.mark.gpu,

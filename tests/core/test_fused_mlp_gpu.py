@@ -16,7 +16,10 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _ffi, _fused_mlp, _norm, _scaling
+from te_adapters.core import kernels
+from te_adapters.core.formats import _scaling
+from te_adapters.core.fused import _fused_mlp
+from te_adapters.core.ops import _norm
 from tests.conftest import rel_err
 
 pytestmark = [
@@ -36,7 +39,7 @@ ACTIVATIONS = [("gelu",), ("gelu", "linear"), ("silu", "linear"), ("relu",), ("q
 
 @pytest.fixture(autouse=True)
 def _needs_the_kernels():
-  if not _ffi.registered(_ffi.ACT_CAST_TARGET, "gpu"):
+  if not kernels.registered(kernels.ACT_CAST_TARGET, "gpu"):
     pytest.skip("the extension's CUDA part is not built")
 
 
@@ -131,7 +134,7 @@ def test_output_gradient_cast_with_its_bias_gradient(shape, dtype):
 
   hlo = jax.jit(lambda g: _fused_mlp._dbias_cast(g, jnp.float8_e5m2, scale, True, KERNEL)).lower(
       g).compile().as_text()
-  assert _ffi.DACT_CAST_TARGET in hlo
+  assert kernels.DACT_CAST_TARGET in hlo
   q, q_t, a, db = cast(KERNEL)
   rq, rq_t, ra, _ = cast(JAX)
   np.testing.assert_array_equal(_ordinal(q), _ordinal(rq))  # dh = dy exactly: the same cast
@@ -243,13 +246,14 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
   hlo = grad.lower(x, wi, wo, bi, bo, states, KERNEL).compile().as_text()
-  targets = [_ffi.NORM_CAST_TARGET, _ffi.ACT_CAST_TARGET, _ffi.DACT_CAST_TARGET]
+  targets = [kernels.NORM_CAST_TARGET, kernels.ACT_CAST_TARGET, kernels.DACT_CAST_TARGET]
   if isinstance(recipe, ta.Float8CurrentScaling):
-    targets += [_ffi.ACT_AMAX_TARGET, _ffi.DACT_AMAX_TARGET]  # the amax passes before the casts
+    targets += [
+        kernels.ACT_AMAX_TARGET, kernels.DACT_AMAX_TARGET]  # the amax passes before the casts
   for target in targets:
     assert target in hlo, target
   # The activation's gradient and dy with the output bias's gradient: two calls of one kernel.
-  assert hlo.count(f'custom_call_target="{_ffi.DACT_CAST_TARGET}"') == 2
+  assert hlo.count(f'custom_call_target="{kernels.DACT_CAST_TARGET}"') == 2
   ours, ref = (grad(x, wi, wo, bi, bo, states, c) for c in (KERNEL, JAX))
   for a, b in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
     assert rel_err(a, b) < 5e-3  # the rare one-step FP8 differences, through the GEMMs
@@ -283,9 +287,9 @@ def test_layernorm_dense_runs_the_norm_cast_with_pure_jaxs_results(recipe):
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
   hlo = grad.lower(x, g, b, w, c, state, KERNEL).compile().as_text()
-  assert _ffi.NORM_CAST_TARGET in hlo
+  assert kernels.NORM_CAST_TARGET in hlo
   # dz's cast with the dense bias's gradient: the activation-gradient kernel, linear.
-  assert hlo.count(f'custom_call_target="{_ffi.DACT_CAST_TARGET}"') == 1
+  assert hlo.count(f'custom_call_target="{kernels.DACT_CAST_TARGET}"') == 1
   ours, ref = (grad(x, g, b, w, c, state, cfg) for cfg in (KERNEL, JAX))
   for a, r in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
     assert rel_err(a, r) < 5e-3

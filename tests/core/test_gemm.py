@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 
 DN = (((1,), (0,)), ((), ()))
 RECIPES = [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=8),
@@ -118,11 +118,11 @@ def test_three_gemms_get_fp8_operands():
     def loss(x, w, state, recipe=recipe):
       return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=recipe,
                                       state=state or None) ** 2)
-    pairs = core.dot_general_operand_dtypes(jax.grad(loss, argnums=(0, 1, 2)), x, w, state)
+    pairs = inspect.dot_general_operand_dtypes(jax.grad(loss, argnums=(0, 1, 2)), x, w, state)
     assert pairs[0] == ("float8_e4m3fn", "float8_e4m3fn")
     # dgrad and wgrad: the gradient in the recipe's backward dtype times an E4M3 operand.
     assert [sorted(p) for p in pairs[1:]] == [sorted((grad_dtype, "float8_e4m3fn"))] * 2
-    assert core.count_fp8_dot_generals(jax.grad(loss), x, w, state) == (3, 3)
+    assert inspect.count_fp8_dot_generals(jax.grad(loss), x, w, state) == (3, 3)
 
 
 def test_delayed_quantizes_with_stored_scale():
@@ -151,7 +151,7 @@ def test_drops_into_functions_taking_dot_general(rel):
   dg = functools.partial(core.dot_general, threshold=None, recipe=ta.Float8CurrentScaling())
   y = jnp.einsum("bsk,kn->bsn", x, w, _dot_general=dg)
   assert rel(y, np.einsum("bsk,kn->bsn", np.float64(x), np.float64(w))) < 0.05
-  assert core.count_fp8_dot_generals(
+  assert inspect.count_fp8_dot_generals(
       lambda a, b: jnp.einsum("bsk,kn->bsn", a, b, _dot_general=dg), x, w) == (1, 1)
 
 
@@ -202,7 +202,7 @@ def test_nan_in_operand_propagates_to_output_not_to_scale(rows):
 
 def _gemm_precisions(recipe, precision=None, config=None):
   """{"fwd"|"dgrad"|"wgrad": the precision each FP8 dot_general of one fwd+bwd was given}."""
-  from te_adapters.core import _inspect
+  from te_adapters import inspect as _inspect
 
   x, w = _data([(16, 32), (32, 48)])
   def loss(x, w):

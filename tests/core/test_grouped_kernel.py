@@ -8,7 +8,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _ffi, _grouped_kernel
+from te_adapters.core.kernels import _ffi, _grouped_kernel
 
 
 def test_padded_columns_places_each_group_at_a_multiple_of_16():

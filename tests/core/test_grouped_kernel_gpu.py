@@ -11,7 +11,8 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _grouped_kernel, _ragged
+from te_adapters.core.gemm import _ragged
+from te_adapters.core.kernels import _grouped_kernel
 
 pytestmark = [
     pytest.mark.gpu,

@@ -335,7 +335,7 @@ def test_fused_layernorm_dense_with_rows_sharded_equals_one_device(recipe):
 
   The casts are pure JAX (as on CPU): the CUDA norm cast has no partitioning rule, and under jit
   on a host with several GPUs the placement of a traced value is unknown, so the fused path
-  takes the CUDA kernel there only inside shard_map (``core._fused_mlp.norm_fuses``).
+  takes the CUDA kernel there only inside shard_map (``core.fused._fused_mlp.norm_fuses``).
   """
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

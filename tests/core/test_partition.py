@@ -27,8 +27,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
-from te_adapters import core
-from te_adapters.core import _cast_transpose, _partition
+from te_adapters import core, inspect
+from te_adapters.core.formats import _cast_transpose
+from te_adapters.core.kernels import _partition
 from tests import spmd_checks
 
 pytestmark = [
@@ -306,10 +307,10 @@ def test_gemm_rule_runs_the_kernel_on_shards(name, a_spec, b_spec, summed):
   a_local = tuple(n // (2 if e else 1) for n, e in zip(a.shape, entries, strict=True))
   assert (a_local, np.dtype(jnp.float32 if summed else jnp.bfloat16)) in [
       (c[0], c[2]) for c in calls], calls
-  ops = [c.op for c in core.hlo_collectives(compiled.as_text())]
+  ops = [c.op for c in inspect.hlo_collectives(compiled.as_text())]
   assert ("all-reduce" in ops) == summed and "all-gather" not in ops, ops
   if summed:  # summed in float32, rounded once after
-    reduces = [c for c in core.hlo_collectives(compiled.as_text()) if c.op == "all-reduce"]
+    reduces = [c for c in inspect.hlo_collectives(compiled.as_text()) if c.op == "all-reduce"]
     assert all(dtype == "f32" for c in reduces for dtype, _ in c.arrays), reduces
 
 
@@ -371,7 +372,7 @@ def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   """Through core.dot_general with the GEMM kernel emulated (the real one is cuBLASLt, GPU only):
   DP x column-parallel TP, whose dgrad contracts the tp-sharded features. The float32 partial
   products are summed, then rounded once, so even that GEMM equals one device bit for bit."""
-  from te_adapters.core import _ffi
+  from te_adapters.core.kernels import _ffi
 
   calls = []
   monkeypatch.setattr(_ffi, "cublas_gemm_available", lambda: True)
@@ -384,7 +385,7 @@ def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   assert ((64, 64), (16, 64), np.dtype(jnp.bfloat16)) in sharded_calls, sharded_calls
   # dgrad contracts N (tp) and wgrad M (dp): float32 partial products, summed in float32.
   assert ((64, 16), (64, 16), np.dtype(jnp.float32)) in sharded_calls, sharded_calls
-  reduces = [c for c in core.hlo_collectives(text) if c.op == "all-reduce"]
+  reduces = [c for c in inspect.hlo_collectives(text) if c.op == "all-reduce"]
   assert any(("f32", (64, 64)) in c.arrays for c in reduces), reduces
 
 
@@ -396,7 +397,7 @@ def _one_device_uncached(recipe):
 
 
 def _block_operands():
-  from te_adapters.core import _float8_block
+  from te_adapters.core.formats import _float8_block
 
   rng = np.random.default_rng(5)
   a = jnp.asarray(rng.standard_normal((1, 64, 256)), jnp.float32)
@@ -407,7 +408,7 @@ def _block_operands():
 
 
 def _block_kernel(calls):
-  from te_adapters.core import _float8_block
+  from te_adapters.core.formats import _float8_block
 
   def kernel(a, sa, a_block, b, sb, b_block, dtype):
     calls.append((a.shape, sa.shape, b.shape, sb.shape))
@@ -417,7 +418,7 @@ def _block_kernel(calls):
 
 
 def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
-  from te_adapters.core import _float8_block
+  from te_adapters.core.formats import _float8_block
 
   (a, sa), (b, sb) = _block_operands()
   want = _float8_block._xla_gemm(a, sa, (128,), b, sb, (128, 128))
@@ -444,7 +445,7 @@ def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
 
 
 def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
-  from te_adapters.core import _float8_block
+  from te_adapters.core.formats import _float8_block
 
   (a, sa), (b, sb) = _block_operands()
   mesh = _mesh()
@@ -477,5 +478,5 @@ def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
     compiled = f.lower(a_s, b).compile()
   np.testing.assert_array_equal(np.asarray(compiled(a_s, b)),
                                 np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
-  ops = [c.op for c in core.hlo_collectives(compiled.as_text())]
+  ops = [c.op for c in inspect.hlo_collectives(compiled.as_text())]
   assert "all-gather" not in ops and "all-reduce" in ops, ops

@@ -13,7 +13,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _grouped_kernel
+from te_adapters.core.kernels import _grouped_kernel
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -206,7 +206,7 @@ def test_native_kernel_cast_equals_the_xla_cast(recipe_name, granularity):
   next state, with a NaN in one expert and an infinity in another (their amaxes inf, their old
   scales kept). On the GPU the pass is the extension's kernel (tests/csrc checks it against
   pure JAX bit for bit); here it is pure JAX."""
-  from te_adapters.core import _ragged
+  from te_adapters.core.gemm import _ragged
 
   recipe = RECIPES[recipe_name]
   rng = np.random.default_rng(11)

@@ -14,7 +14,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _ragged_mxfp8
+from te_adapters.core import gemm
 from tests.core.test_ragged import host_traffic, reference
 
 E4M3 = ta.MXFP8BlockScaling()
@@ -139,8 +139,8 @@ def test_quantized_operands_are_core_quantize_per_group():
 
   @jax.jit
   def operands(x, w, dy, sizes):
-    qx, qw, qx_t, qw_t, padding = _ragged_mxfp8.forward_operands(x, w, sizes, recipe)
-    qg, qg_t, _ = _ragged_mxfp8.gradient_operands(dy, sizes, g, recipe)
+    qx, qw, qx_t, qw_t, padding = gemm.forward_operands(x, w, sizes, recipe)
+    qg, qg_t, _ = gemm.gradient_operands(dy, sizes, g, recipe)
     return qx, qw, qx_t, qw_t, padding.padded_sizes, qg, qg_t
 
   out = operands(x, w, dy, jnp.asarray(sizes))

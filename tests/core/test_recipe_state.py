@@ -7,7 +7,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import _accumulate
+from te_adapters.core import state as core_state
 
 RECIPE = ta.DelayedScaling(amax_history_len=4)
 DN = (((1,), (0,)), ((), ()))
@@ -83,7 +83,7 @@ def test_with_max_grad_marks_scales_and_histories_by_kind():
     marked = core.with_max_grad({"layer": state})["layer"]
     assert type(marked) is type(state)
     for name in NAMES:
-      assert _accumulate.is_accumulating(marked[name])
+      assert core_state.is_accumulating(marked[name])
       want = "scale" if name.endswith("_scale") else "max"
       assert marked[name].dtype.combine == want, name
 

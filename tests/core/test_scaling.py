@@ -93,7 +93,7 @@ def test_non_finite_amax_keeps_scale_and_quantizes_with_stored_scale():
 def test_leading_amax_is_the_amax_of_each_leading_index():
   """One amax per expert: max |w[g]| exactly (float64 reference), inf where w[g] holds a NaN or
   an inf, as the per-tensor amax of that slice."""
-  from te_adapters.core import _scaling
+  from te_adapters.core.formats import _scaling
 
   rng = np.random.default_rng(3)
   w = rng.standard_normal((4, 6, 5)) * np.array([1e-3, 1.0, 50.0, 2.0])[:, None, None]

@@ -21,8 +21,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
-from te_adapters import core
-from te_adapters.core import _sharding
+from te_adapters import core, inspect
+from te_adapters.core import sharding
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -162,7 +162,7 @@ def _shard_map_step(plan, mesh, recipe, use_gather=True, amax_axes=None):
     if plan.row_parallel:
       y = lax.psum(y, "tp").astype(jnp.bfloat16)
     loss = jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-    return lax.psum(loss, tuple(sorted(_sharding.varying_axes(loss)))), y
+    return lax.psum(loss, tuple(sorted(sharding.varying_axes(loss)))), y
 
   y_spec = P(plan.dy[0]) if plan.row_parallel else plan.dy
   mapped = jax.shard_map(
@@ -208,11 +208,11 @@ def _check_against_reference(recipe, result, rel, plan):
 
 
 def _ops(compiled_text):
-  return [c.op for c in core.hlo_collectives(compiled_text)]
+  return [c.op for c in inspect.hlo_collectives(compiled_text)]
 
 
 def _check_collectives(plan, text, use_gather):
-  cols = core.hlo_collectives(text)
+  cols = inspect.hlo_collectives(text)
   gathers = [c for c in cols if c.op == "all-gather"]
   assert not [c for c in cols if c.op in ("all-to-all", "collective-permute")], cols
   if plan.gather is None:
@@ -367,7 +367,7 @@ def test_block_scaled_under_jit_matches_single_device(recipe, rel):
   with jax.set_mesh(mesh):
     compiled = jax.jit(functools.partial(_block_grads, recipe=recipe)).lower(*args).compile()
   _check_block(recipe, compiled(*args), rel)
-  assert not [c for c in core.hlo_collectives(compiled.as_text()) if c.op == "all-gather"]
+  assert not [c for c in inspect.hlo_collectives(compiled.as_text()) if c.op == "all-gather"]
 
 
 @pytest.mark.parametrize(
@@ -443,15 +443,15 @@ def test_block_scaled_with_explicit_axes_needs_whole_blocks_per_device():
 
 def test_reshape_spec_keeps_each_group_s_major_sharding():
   sizes = {"dp": 2, "tp": 4}
-  spec = _sharding.reshape_spec((4, 64, 256), P("dp", None, "tp"), (1, 256, 8, 32), sizes)
+  spec = sharding.reshape_spec((4, 64, 256), P("dp", None, "tp"), (1, 256, 8, 32), sizes)
   assert spec == P(None, "dp", "tp", None)
-  assert _sharding.reshape_spec((1, 256, 8), P(None, "dp", "tp"), (4, 64, 8), sizes) == P(
+  assert sharding.reshape_spec((1, 256, 8), P(None, "dp", "tp"), (4, 64, 8), sizes) == P(
       "dp", None, "tp"
   )
   with pytest.raises(ValueError, match=r"only the first of them may be sharded"):
-    _sharding.reshape_spec((4, 64, 256), P(None, "dp"), (256, 256), sizes)
+    sharding.reshape_spec((4, 64, 256), P(None, "dp"), (256, 256), sizes)
   with pytest.raises(ValueError, match=r"cannot hold the 4 shards"):
-    _sharding.reshape_spec((8, 16), P("tp"), (2, 64), sizes)
+    sharding.reshape_spec((8, 16), P("tp"), (2, 64), sizes)
 
 
 NVFP4_RN = BLOCK_RECIPES[1]
@@ -514,8 +514,8 @@ def test_quantized_data_and_scales_are_bit_identical():
   """Inside shard_map each device quantizes its shard with the global scale, like one device."""
   mesh = COLUMN.mesh()
   x = _data()[0].at[3, 5, 40].set(-50.0)  # the global amax sits on one shard only
-  plan = _sharding.make_plan(rhs_ndim=2)
-  local_plan = _sharding.make_plan(amax_axes=(), rhs_ndim=2)
+  plan = sharding.make_plan(rhs_ndim=2)
+  local_plan = sharding.make_plan(amax_axes=(), rhs_ndim=2)
   e4m3 = jnp.dtype(jnp.float8_e4m3fn)
 
   def quantize(x, plan):
@@ -556,7 +556,7 @@ def test_nan_on_one_shard_reaches_every_device():
   x = _data()[0].at[6, 0, 0].set(jnp.nan)
   state = core.init_state(DELAYED)
   e4m3 = jnp.dtype(jnp.float8_e4m3fn)
-  plan = _sharding.make_plan(rhs_ndim=2)
+  plan = sharding.make_plan(rhs_ndim=2)
 
   def new_x_state(x, state):
     request = core.QuantizeRequest(x, "x", DELAYED, state, plan, core.GemmConfig(), cols=False)
@@ -594,7 +594,7 @@ def _all_gathers(fn, *args):
   """``[(dtype name, bytes)]`` of the all-gathers in ``fn``'s compiled HLO."""
   itemsize = {"u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "f32": 4}
   out = []
-  for c in core.hlo_collectives(jax.jit(fn).lower(*args).compile().as_text()):
+  for c in inspect.hlo_collectives(jax.jit(fn).lower(*args).compile().as_text()):
     if c.op == "all-gather":
       dtype, shape = c.arrays[-1]
       out.append((dtype, itemsize[dtype] * int(np.prod(shape))))
@@ -675,7 +675,7 @@ def _trace_in_shard_map(fn, mesh, in_specs, args, check_vma=True):
 def _sum_gemm(**kw):
   def fn(x, w, state=None):
     y = core.dot_general(x, w, DN, state=state or None, threshold=None, **kw)
-    return lax.psum(jnp.sum(y), tuple(sorted(_sharding.varying_axes(jnp.sum(y)))))
+    return lax.psum(jnp.sum(y), tuple(sorted(sharding.varying_axes(jnp.sum(y)))))
   return fn
 
 

@@ -15,8 +15,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
-from te_adapters import core
-from te_adapters.core import _cast_transpose, _ffi
+from te_adapters import core, inspect
+from te_adapters.core import formats
+from te_adapters.core.kernels import _ffi
 from tests import spmd_checks
 from tests.conftest import rel_err as _rel
 
@@ -69,9 +70,9 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
     compiled = _step(recipe).lower(*args).compile()
   got = compiled(*args)
   text = compiled.as_text()
-  assert core.count_fp8_gemms(text)[0] >= 3  # fprop, dgrad, wgrad
+  assert inspect.count_fp8_gemms(text)[0] >= 3  # fprop, dgrad, wgrad
   # The extension's kernels run on the shards (their partitioning rules, core/_partition.py).
-  if _cast_transpose.backend() == "ffi":
+  if formats.backend() == "ffi":
     assert text.count('custom_call_target="te_adapters_cast_transpose"') >= 3
   if _ffi.cublas_gemm_available():
     assert text.count('custom_call_target="te_adapters_block_gemm"') >= 3
@@ -97,8 +98,8 @@ def test_fsdp_fp8_gather_moves_fp8_bytes_into_fp8_gemms():
     compiled = _step(recipe, kernel_all_gather=P("fsdp", None)).lower(*args).compile()
   got = compiled(*args)
   text = compiled.as_text()
-  assert core.count_fp8_gemms(text)[0] >= 3
-  gathers = [c for c in core.hlo_collectives(text) if c.op == "all-gather"]
+  assert inspect.count_fp8_gemms(text)[0] >= 3
+  gathers = [c for c in inspect.hlo_collectives(text) if c.op == "all-gather"]
   assert gathers
   for c in gathers:  # one byte per element: the FP8 kernel, not a widened copy
     dtype, shape = c.arrays[-1]

@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
-from te_adapters import core
-from te_adapters.core import _threshold
+from te_adapters import core, inspect
+from te_adapters.core.gemm import _threshold
 from tests import conftest
 from tests.conftest import rel_err
 
@@ -75,11 +75,11 @@ def test_below_threshold_is_exactly_lax_dot_general(recipe, preferred):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert results[0][0].dtype == (preferred or jnp.bfloat16)
   loss = lambda x, w, s: jnp.sum(ours(x, w, s).astype(jnp.float32))
-  assert core.count_fp8_dot_generals(jax.grad(loss, argnums=(0, 1)), x, w, state) == (0, 3)
+  assert inspect.count_fp8_dot_generals(jax.grad(loss, argnums=(0, 1)), x, w, state) == (0, 3)
   # threshold=None quantizes the same GEMM.
   forced = lambda x, w, s: jnp.sum(core.dot_general(x, w, DN, recipe=recipe, state=s or None,
                                                     threshold=None).astype(jnp.float32))
-  assert core.count_fp8_dot_generals(jax.grad(forced, argnums=(0, 1)), x, w, state) == (3, 3)
+  assert inspect.count_fp8_dot_generals(jax.grad(forced, argnums=(0, 1)), x, w, state) == (3, 3)
 
 
 def test_warning_names_the_gemm_the_rule_and_the_way_out():
@@ -223,7 +223,7 @@ def test_default_threshold_applies_where_the_backend_is_gpu(monkeypatch):
   assert not core.runs_in_fp8(x, w, DN)
   loss = lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=ta.Float8CurrentScaling()))
   with pytest.warns(core.HighPrecisionGemmWarning, match=r"on (cpu, )?gpu\)"):
-    assert core.count_fp8_dot_generals(jax.grad(loss, argnums=(0, 1)), x, w) == (0, 3)
+    assert inspect.count_fp8_dot_generals(jax.grad(loss, argnums=(0, 1)), x, w) == (0, 3)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core import _cast_transpose as ct
+from te_adapters.core.formats import _cast_transpose as ct
 from tests.conftest import assert_scales_equal, rel_err
 
 needs_ext = pytest.mark.skipif(
@@ -311,7 +311,7 @@ def test_pure_jax_fallback_without_extension():
             raise ImportError("hidden")
       sys.meta_path.insert(0, Hide())
       import jax, jax.numpy as jnp, numpy as np, te_adapters as ta
-      from te_adapters.core import _cast_transpose as ct
+      from te_adapters.core.formats import _cast_transpose as ct
       assert not ct.ffi_available("cpu") and not ct.ffi_available("gpu")
       assert ct.backend("cpu") == "jax" and ct.backend("gpu") == "jax"
       x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
@@ -342,7 +342,7 @@ def test_sharded_operands_run_the_kernel_per_shard():
     """
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from te_adapters.core import _cast_transpose as ct
+      from te_adapters.core.formats import _cast_transpose as ct
       mesh = jax.make_mesh((4,), ("d",))
       x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64, 32)), jnp.bfloat16)
       x = jax.device_put(x, NamedSharding(mesh, P("d")))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core import _cast_transpose as ct
+from te_adapters.core.formats import _cast_transpose as ct
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -112,7 +112,7 @@ def test_cuda_dense_grad_identical(recipe):
   (l2, (g2, s2)), hlo_jax = run("jax")
   assert "te_adapters_cast_transpose" in hlo_ffi and "te_adapters_cast_transpose" not in hlo_jax
   # Forward and wgrad (x is a constant here, so no dgrad GEMM), both FP8.
-  assert ta.core.count_fp8_gemms(hlo_ffi) == (2, 0)
+  assert ta.inspect.count_fp8_gemms(hlo_ffi) == (2, 0)
   # The quantized operands are bit-identical (test_cuda_bit_identical); the two programs are
   # compiled separately, and cuBLAS autotuning may pick GEMM algorithms that sum in another order
   # (with float32 promotion, HIGHEST: ~1e-4 from the exact sum on an H100; without it, the fast

@@ -84,7 +84,7 @@ import json, os, sys
 
 
 def pytest_sessionfinish(session):
-  from te_adapters.core import _cast_transpose as ct
+  from te_adapters.core.formats import _cast_transpose as ct
   files = sorted(m.__file__ for n, m in list(sys.modules.items())
                  if n.split(".")[0] == "te_adapters" and getattr(m, "__file__", None))
   ffi = {p: ct.ffi_available(p) for p in ("cpu", "gpu")}

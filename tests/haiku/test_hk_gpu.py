@@ -36,8 +36,8 @@ def test_step_runs_fp8_gemms(recipe, remat_policy):
   step = jax.jit(ta_hk.value_grad_and_state(loss_fn))
   hlo = step.lower(params, state, x).compile().as_text()
   # Forward and wgrad (the input's gradient is not asked for, so XLA drops dgrad), all FP8.
-  fp8, other = ta.core.count_fp8_gemms(hlo)
-  assert fp8 >= 2 and other == 0, ta.core.hlo_dot_operand_types(hlo)
+  fp8, other = ta.inspect.count_fp8_gemms(hlo)
+  assert fp8 >= 2 and other == 0, ta.inspect.hlo_dot_operand_types(hlo)
   loss, _, grads, _ = step(params, state, x)
   assert np.isfinite(float(loss))
   assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in jax.tree.leaves(grads))

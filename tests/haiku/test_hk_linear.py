@@ -257,7 +257,7 @@ def test_threshold_is_passed_to_the_core():
       y, _ = f.apply(params, state, None, x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
   forced = hk.transform_with_state(lambda x: ta_hk.Linear(16, recipe=recipe, threshold=None)(x))
-  assert ta.core.count_fp8_dot_generals(
+  assert ta.inspect.count_fp8_dot_generals(
       lambda p, s, x: forced.apply(p, s, None, x), params, state, x) == (1, 1)
   assert ta_hk.quantize(recipe).threshold == ta.core.DEFAULT_SIZE_THRESHOLD
   with pytest.raises(TypeError, match="threshold must be"):

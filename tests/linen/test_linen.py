@@ -12,7 +12,7 @@ from flax import linen as nn
 
 import te_adapters as ta
 from bench.seed_layer import FlaxDenseBlock, FlaxTransformerLayer
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters import linen as ta_linen
 from tests import plain_loops
 
@@ -301,7 +301,7 @@ def test_seed_001_transformer_layer_trains(recipe):
   target = jnp.roll(x, 1, axis=1).astype(jnp.float32)
   variables = layer.init(key, x, attention_mask=None, deterministic=True)
   state = ta_linen.TrainState.create(apply_fn=layer.apply, variables=variables, tx=optax.adam(3e-3))
-  fp8_dots, dots = core.count_fp8_dot_generals(
+  fp8_dots, dots = inspect.count_fp8_dot_generals(
       jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True))), state.variables)
   assert fp8_dots == 12  # 4 Dense layers x 3 GEMMs; attention stays in high precision
 
@@ -341,7 +341,7 @@ def test_threshold_is_passed_to_the_core():
       np.testing.assert_array_equal(layer.apply(v, x), ref.apply(variables, x))
   forced = ta_linen.Dense(32, dtype=jnp.bfloat16, recipe=recipe, threshold=None)
   v = forced.init(jax.random.PRNGKey(0), x)
-  assert core.count_fp8_dot_generals(forced.apply, v, x) == (1, 1)
+  assert inspect.count_fp8_dot_generals(forced.apply, v, x) == (1, 1)
   with pytest.raises(TypeError, match="threshold must be"):
     ta_linen.make_dot_general_cls(recipe, threshold=2**36)
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from bench.seed_layer import FlaxDenseBlock
-from te_adapters import core
+from te_adapters import inspect
 from te_adapters import linen as ta_linen
 from tests import spmd_checks
 
@@ -118,7 +118,7 @@ def test_seed_000_dp_tp_under_jit_matches_single_device(recipe, rel):
   _compare(result, reference, rel)
   y = result[0]
   assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp")), 3)
-  ops = {c.op for c in core.hlo_collectives(text)}
+  ops = {c.op for c in inspect.hlo_collectives(text)}
   assert ops == {"all-reduce"}, ops  # amaxes, dx over tp, dW over dp; no gather of activations
 
 

@@ -39,5 +39,5 @@ def test_training_step_runs_fp8_gemms(recipe, remat):
 
   hlo = jax.jit(step).lower(state, x).compile().as_text()
   # Forward and wgrad (the input's gradient is not asked for, so XLA drops dgrad), all FP8.
-  fp8, other = ta.core.count_fp8_gemms(hlo)
-  assert fp8 >= 2 and other == 0, ta.core.hlo_dot_operand_types(hlo)
+  fp8, other = ta.inspect.count_fp8_gemms(hlo)
+  assert fp8 >= 2 and other == 0, ta.inspect.hlo_dot_operand_types(hlo)

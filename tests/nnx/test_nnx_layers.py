@@ -236,7 +236,7 @@ def test_threshold_is_passed_to_the_core():
     with pytest.warns(ta.core.HighPrecisionGemmWarning, match="threshold=None"):
       np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(theirs(x)))
   forced = ta_nnx.Linear(32, 48, recipe=DELAYED, threshold=None, rngs=nnx.Rngs(0))
-  assert ta.core.count_fp8_dot_generals(lambda x: forced(x), _normal(0, (4, 32))) == (1, 1)
+  assert ta.inspect.count_fp8_dot_generals(lambda x: forced(x), _normal(0, (4, 32))) == (1, 1)
   assert ta_nnx.Linear(32, 48, rngs=nnx.Rngs(0)).dot_general.threshold == (
       ta.core.DEFAULT_SIZE_THRESHOLD)
   with pytest.raises(TypeError, match="threshold must be"):

@@ -1,0 +1,185 @@
+"""The one format interface: what every recipe's quantization gives the quantized GEMM.
+
+A format is a few pure functions bundled in a ``QuantizationFormat``, the way optax bundles a
+transformation's ``init`` and ``update``: the state it keeps per GEMM, the quantized copies of an
+operand for its uses, the GEMM those copies feed, dequantization and the next state.
+``_registry.format_of`` maps a recipe to its format (an unknown recipe is an error); the quantized
+GEMM (``_gemm``) and the fused norm and MLP paths (producers into the same rule) and the grouped
+GEMM (``_ragged``) call these functions and never name a recipe class.
+
+Two families build most formats: per-tensor scaling (``_tensor_format.tensor_format`` over a
+``_tensor_scaling.TensorScaling``: delayed and current scaling) and block scaling
+(``_block_scaled.block_format`` over a ``BlockFormat``: MXFP8, NVFP4, FP8 1x128/128x128). A new
+format implements ``QuantizationFormat`` directly or through one of them.
+
+Operands arrive contracting-last: ``(..., P, C)``, the GEMM's contracting dimension ``C`` last.
+``quantize`` gives the copy for that use (``rows``: blocks or scales along ``C``) and the copy of
+the swapped operand ``(..., C, P)`` (``cols``: along ``P``), which the backward GEMMs take: x's
+for the weight gradient, the kernel's for the input gradient, the output gradient's for the
+weight gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from te_adapters.core import recipes, sharding
+
+__all__ = [
+    "BlockFormat", "OperandSpec", "Producer", "QuantizationFormat", "Quantized", "QuantizeRequest",
+]
+
+
+class Quantized(NamedTuple):
+  """The copies of one operand that ``Format.quantize`` made (None where not asked for), and
+  the operand's role state for the next step (None for stateless formats)."""
+
+  rows: Any
+  cols: Any
+  state: Any
+
+
+class Producer(NamedTuple):
+  """An operand made inside its own cast (a fused norm or activation; per-tensor formats).
+
+  Attributes:
+    cast: ``(scale, with_amax) -> (rows data, cols data, amax or None)``: the FP8 copies, cast
+      from float32 in the pass that computes the operand.
+    amax: ``() -> amax`` (float32 (1,)): the operand's amax, for scalings that need it before
+      the cast (current scaling); None to compute it from the operand.
+  """
+
+  cast: Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]]
+  amax: Callable[[], jax.Array] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeRequest:
+  """What the quantized GEMM asks a format to quantize (not a pytree: built inside a trace).
+
+  Attributes:
+    x: the operand, contracting-last ``(..., P, C)``; with a ``producer`` only its type counts.
+    role: ``"x"``, ``"kernel"`` or ``"grad"``.
+    recipe: the recipe.
+    state: the GEMM's recipe state (the format's state type; None for stateless formats).
+    plan: the ``SpmdPlan`` (amax reductions inside ``shard_map``, FSDP); None: no plan.
+    config: the ``GemmConfig`` (which kernels cast); None: the default.
+    rows: whether the copy along ``C`` is needed.
+    cols: whether the copy of the swapped operand is needed.
+    key: PRNG key for stochastic rounding (formats that use one), else None.
+    producer: a ``Producer`` that casts the operand in the pass that makes it, or None.
+  """
+
+  x: Any
+  role: str
+  recipe: Any
+  state: Any = None
+  plan: Any = None
+  config: Any = None
+  rows: bool = True
+  cols: bool = True
+  key: Any = None
+  producer: Producer | None = None
+
+  def __post_init__(self):
+    if self.role not in ("x", "kernel", "grad"):
+      raise ValueError(f"role must be 'x', 'kernel' or 'grad', got {self.role!r}")
+    if self.state is None:
+      object.__setattr__(self, "state", {})
+    if self.plan is None:
+      object.__setattr__(self, "plan", sharding.SpmdPlan())
+    if self.config is None:
+      object.__setattr__(self, "config", recipes.GemmConfig())
+
+
+class QuantizationFormat(NamedTuple):
+  """The functions of one quantization format.
+
+  Attributes:
+    recipe_type: the recipe class whose GEMMs use this format.
+    scaling_modes: the ``ScaledTensor.scaling_mode`` values of its tensors.
+    init_state: ``recipe -> state``: one GEMM's initial state (an empty ``{}`` when stateless).
+    state_shapes: ``recipe -> {name: shape}``: the state one GEMM keeps, with TE's names.
+    quantize: ``QuantizeRequest -> Quantized``: the operand's copies (``ScaledTensor``) and its
+      role's next state.
+    gemm: ``(a, b, out_dtype, which, recipe, config, precision, out_sharding) -> array``:
+      ``(..., M, K) x (..., N, K) -> (..., M, N)`` from two copies quantized along K, in
+      ``out_dtype``; ``which`` is ``"fwd"``, ``"dgrad"`` or ``"wgrad"``.
+    next_state: ``(recipe, state, {role: role state}) -> state``: the GEMM's next state.
+    dequantize: ``(t, dtype) -> array``: the high-precision values of one of its tensors.
+    check: ``(recipe, layout, backward, lhs, rhs) -> None``: raises where the format cannot
+      quantize a GEMM of this ``_layout.GemmLayout`` (``backward``: its gradient GEMMs too;
+      ``lhs``/``rhs``: the operands, for their shardings, or None).
+    per_tensor: one scale per tensor. Its FP8 copies transpose exactly, so FSDP gathers the FP8
+      kernel shard and transposes it after the gather (``kernel_all_gather``); block formats
+      refuse that. Inside ``shard_map`` block formats sum cotangents in float32 and name the
+      forward GEMM's output sharding under Explicit mesh axes.
+    scaling: the per-tensor ``TensorScaling`` (state, scale rule), which the grouped GEMM applies
+      per group; None for block formats.
+    block: the ``BlockFormat`` of a block format (its operand blocks), else None.
+  """
+
+  recipe_type: type
+  scaling_modes: tuple[str, ...]
+  init_state: Callable[..., Any]
+  state_shapes: Callable[..., dict[str, tuple[int, ...]]]
+  quantize: Callable[[QuantizeRequest], Quantized]
+  gemm: Callable[..., jax.Array]
+  next_state: Callable[..., Any]
+  dequantize: Callable[..., jax.Array]
+  check: Callable[..., None]
+  per_tensor: bool
+  scaling: Any = None
+  block: Any = None
+
+
+# --- the block family's parameters --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandSpec:
+  """How one copy of one GEMM operand is quantized in blocks (static)."""
+
+  mode: str  # "mxfp8", "nvfp4" or "float8_block"
+  block_shape: tuple[int, ...]
+  q_dtype: np.dtype
+  rht: bool = False
+  stochastic: bool = False
+  power_2: bool = True
+
+  @property
+  def block_size(self) -> int:
+    return self.block_shape[-1]
+
+
+class BlockFormat(NamedTuple):
+  """The block-level functions of one block-scaled format (``_block_scaled.block_format`` makes
+  its ``QuantizationFormat``).
+
+  Attributes:
+    recipe_type: the recipe class whose GEMMs use this format.
+    scaling_modes: the ``ScaledTensor.scaling_mode`` values of its tensors.
+    operand_spec: ``(recipe, role, wgrad) -> OperandSpec``: how ``recipe`` quantizes the
+      operand ``role`` (``"x"``, ``"kernel"``, ``"grad"``); ``wgrad`` marks the copy that feeds
+      the weight-gradient GEMM.
+    quantize: ``(x, spec, key, stream, reduce_amax) -> (data, scale_inv, amax, scaling_mode)``:
+      blocks of ``spec.block_shape`` over the trailing axes of ``x`` (already checked to divide
+      them); ``key`` and its random ``stream`` feed stochastic rounding (``spec.stochastic``),
+      ``reduce_amax`` maps a shard's amax to the whole tensor's (or is None).
+    dequantize: ``(t, dtype) -> array``: the high-precision values of a ``ScaledTensor``.
+    gemm: ``(a, b, out_dtype, out_sharding, choice) -> array``: ``(B, M, K) x (B, N, K) ->
+      (B, M, N)`` from two ``ScaledTensor`` operands blocked along K, float32 (or ``out_dtype``
+      where the kernel writes it); ``choice`` is ``GemmConfig.block_gemm``.
+  """
+
+  recipe_type: type
+  scaling_modes: tuple[str, ...]
+  operand_spec: Callable[..., OperandSpec]
+  quantize: Callable[..., tuple[jax.Array, jax.Array, jax.Array, str]]
+  dequantize: Callable[..., jax.Array]
+  gemm: Callable[..., jax.Array]

@@ -1,0 +1,137 @@
+"""The one map from a recipe to its ``QuantizationFormat``: an unknown recipe is an error.
+
+The package registers delayed and current scaling (per-tensor), MXFP8, NVFP4 and FP8 1x128/128x128
+blocks. ``register_format`` adds a format for a new recipe class (a ``Recipe`` subclass), after
+which ``dot_general``, ``layernorm_dense``, ``layernorm_mlp`` and ``ragged_dot`` take that recipe
+like any other, as far as the format serves them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from te_adapters.core.formats import _block_scaled, _float8_block, _mxfp8, _nvfp4, _tensor_format
+from te_adapters.core.formats._format import QuantizationFormat
+from te_adapters.core.formats._tensor_scaling import CURRENT, DELAYED
+from te_adapters.core.recipes import DelayedScaling, Float8CurrentScaling, Recipe, check_recipe
+from te_adapters.core.state import DelayedScalingState, check_leaves
+
+State = DelayedScalingState | dict[str, Any]
+
+__all__ = [
+    "check_state", "format_of", "formats", "init_state", "register_format", "state_names",
+    "unregister_format",
+]
+
+_FORMATS: list[QuantizationFormat] = [
+    _tensor_format.tensor_format(DelayedScaling, DELAYED),
+    _tensor_format.tensor_format(Float8CurrentScaling, CURRENT),
+    _block_scaled.block_format(_mxfp8.FORMAT),
+    _block_scaled.block_format(_nvfp4.FORMAT),
+    _block_scaled.block_format(_float8_block.FORMAT),
+]
+
+
+def formats() -> tuple[QuantizationFormat, ...]:
+  """The registered formats, the package's first."""
+  return tuple(_FORMATS)
+
+
+def format_of(recipe) -> QuantizationFormat:
+  """The ``QuantizationFormat`` of ``recipe`` (an instance of a registered recipe class).
+
+  Raises:
+    TypeError: for an object no registered format takes.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> from te_adapters.core.formats import _registry
+    >>> _registry.format_of(ta.DelayedScaling()).per_tensor
+    True
+  """
+  for fmt in _FORMATS:
+    if type(recipe) is fmt.recipe_type:
+      return fmt
+  for fmt in _FORMATS:
+    if isinstance(recipe, fmt.recipe_type):
+      return fmt
+  names = ", ".join(f.recipe_type.__name__ for f in _FORMATS)
+  raise TypeError(
+      f"no quantization format is registered for {type(recipe).__module__}."
+      f"{type(recipe).__name__}; registered recipes: {names} "
+      "(te_adapters.core.register_format adds one)"
+  )
+
+
+def register_format(fmt: QuantizationFormat) -> None:
+  """Registers ``fmt`` for its ``recipe_type`` (a ``Recipe`` subclass not registered yet)."""
+  if not isinstance(fmt, QuantizationFormat):
+    raise TypeError(f"register takes a QuantizationFormat, got {type(fmt).__name__}")
+  if not (isinstance(fmt.recipe_type, type) and issubclass(fmt.recipe_type, Recipe)):
+    raise TypeError(f"Format.recipe_type must be a Recipe subclass, got {fmt.recipe_type!r}")
+  if any(f.recipe_type is fmt.recipe_type for f in _FORMATS):
+    raise ValueError(f"a format for {fmt.recipe_type.__name__} is already registered")
+  _FORMATS.append(fmt)
+  if fmt.block is not None:
+    _block_scaled.register_block(fmt.block)
+
+
+def unregister_format(recipe_type: type) -> None:
+  """Removes the format registered for ``recipe_type`` (not one of the package's own)."""
+  for fmt in _FORMATS[5:]:
+    if fmt.recipe_type is recipe_type:
+      _FORMATS.remove(fmt)
+      if fmt.block is not None:
+        _block_scaled.unregister_block(fmt.block)
+      return
+  raise ValueError(f"no format registered by register_format() for {recipe_type!r}")
+
+
+# --- a recipe's state, as its format keeps it ----------------------------------------------------
+
+
+def state_names(recipe) -> tuple[str, ...]:
+  """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes)."""
+  return tuple(format_of(recipe).state_shapes(recipe))
+
+
+def init_state(recipe) -> State:
+  """The initial state of one GEMM under ``recipe``.
+
+  For ``DelayedScaling`` a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` (float32
+  (1,), initialised to 1) and ``{x,kernel,grad}_amax_history`` (float32 (L,), zeros), which
+  reads as a mapping of those names; for stateless recipes ``{}``.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> sorted(ta.core.init_state(ta.DelayedScaling(amax_history_len=4)))[:2]
+    ['grad_amax_history', 'grad_scale']
+  """
+  recipe = check_recipe(recipe)
+  return format_of(recipe).init_state(recipe)
+
+
+def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
+  return format_of(recipe).state_shapes(recipe)
+
+
+def check_state(recipe, state: Mapping[str, Any] | None) -> State:
+  """Validates ``state`` against ``recipe``; returns it typed (a ``DelayedScalingState``, or
+  ``{}`` for stateless recipes). A dict of TE's names (an old checkpoint) is accepted. Raises
+  naming the mismatch."""
+  expected = _expected_shapes(recipe)
+  if state is None:
+    if expected:
+      raise ValueError(
+          f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
+      )
+    return {}
+  return check_leaves(
+      state,
+      expected,
+      mismatch=f"state does not match {recipe!r}",
+      bad_shape=lambda name, got, shape: (
+          f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
+      ),
+  )

@@ -1,0 +1,14 @@
+"""A norm and the MLP block around quantized GEMMs, fused into TE's kernels or composed."""
+
+from te_adapters.core.fused._fused_mlp import KERNEL_ACTIVATIONS, applies, fused_mlp
+from te_adapters.core.fused._mlp import dropout, layernorm_mlp
+from te_adapters.core.fused._norm_dense import layernorm_dense
+
+__all__ = [
+    "KERNEL_ACTIVATIONS",
+    "applies",
+    "dropout",
+    "fused_mlp",
+    "layernorm_dense",
+    "layernorm_mlp",
+]

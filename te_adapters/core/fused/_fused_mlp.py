@@ -1,0 +1,304 @@
+"""The MLP's norm, two per-tensor FP8 GEMMs and activation in one custom VJP (TE's structure).
+
+``out = q(act(h + b)) . q(wo)`` with ``h = q(y) . q(wi)``: the activation of GEMM 1's output and
+its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in both orientations
+(no activation buffer in the input's dtype), and in the backward pass
+``dh = dz * act'(h + b)`` is cast straight to GEMM 1's FP8 output gradient in both orientations,
+with its amax and the bias gradient, from one read of ``dz`` and ``h``; the block's output
+gradient is cast for GEMM 2 in the pass that sums the output bias's gradient (the same kernel
+with a linear activation, which reads the gradient alone). Each GEMM keeps its own
+recipe state with ``dot_general``'s contract (the gradient with respect to it is the next
+state). With ``norm``, the norm runs inside too: its float32 output is cast straight to GEMM 1's
+FP8 operand, and the backward pass computes the norm's gradients from GEMM 1's dgrad.
+``core.layernorm_mlp`` takes this path where it applies (``applies``, ``norm_fuses``).
+
+The casts run as the pure-JAX formulas here (XLA fuses them), or on Hopper GPUs with the
+extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``_kernels_run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_adapters.core import formats, gemm, sharding
+from te_adapters.core.formats import Producer, _cast_transpose, _scaling, check_state
+from te_adapters.core.kernels import _ffi
+from te_adapters.core.ops import _norm
+from te_adapters.core.ops._activation import _product
+from te_adapters.core.recipes import check_recipe
+from te_adapters.core.state._state import shared_max_grad
+
+__all__ = ["KERNEL_ACTIVATIONS", "applies", "fused_mlp"]
+
+# The activations the CUDA kernels compute (one, or a gated pair), by their id there.
+KERNEL_ACTIVATIONS = {
+    "linear": 0, "gelu": 1, "relu": 2, "silu": 3, "swish": 3, "quick_gelu": 4, "squared_relu": 5,
+}
+
+
+def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
+  """Whether ``layernorm_mlp`` takes the fused path: a per-tensor recipe, both GEMMs in FP8
+  (``gemm_shapes``: their ``(M, K, N)``), no dropout, no sharding constraint, no PRNG keys, not
+  inside ``shard_map``, and ``config.fuse_activation_cast`` not ``False``."""
+  if recipe is None or config.fuse_activation_cast is False:
+    return False
+  if not formats.format_of(check_recipe(recipe)).per_tensor:
+    return False
+  if dropout_active or constrained or any(r is not None for r in rngs) or sharding.manual_axes():
+    return False
+  if threshold is not None:
+    backend = jax.default_backend()
+    if not all(threshold.allows_fp8(m, k, n, backend) for m, k, n in gemm_shapes):
+      return False
+  return True
+
+
+def norm_fuses(x, config) -> bool:
+  """Whether the norm's output is cast inside the fused path (from float32, never written):
+  where the casts are pure JAX (XLA fuses the norm into them) or the CUDA norm cast runs."""
+  if _cast_transpose.backend(requested=config.backend) == "jax":
+    return True
+  return _kernels_run(x, config, _ffi.NORM_CAST_TARGET)
+
+
+def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
+              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None):
+  """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs' per-tensor FP8
+  scaling.
+
+  Args:
+    y: GEMM 1's input ``(M, K)``, or with ``norm`` the norm's input.
+    wi: ``(K, n_act, F)``. wi_bias: ``(n_act, F)`` or None. wo: ``(F, K_out)``.
+    states: ``(state_0, state_1)`` (``None`` entries for a stateless recipe).
+    names: normalized activation names (``normalize_activations``).
+    recipe: ``DelayedScaling`` or ``Float8CurrentScaling``.
+    config: a ``GemmConfig``.
+    norm: ``(layernorm_type, zero_centered_gamma, epsilon)`` to normalize ``y`` first (as
+      ``core.layernorm``, with gamma ``ln_scale`` and beta ``ln_bias``, None for rmsnorm) and
+      cast the float32 result to GEMM 1's FP8 operand; None: ``y`` is GEMM 1's input.
+    ffn1_ckpt_name: ``checkpoint_name`` of GEMM 1's output (before the bias), the residual the
+      backward pass reads.
+    wo_bias: ``(K_out,)`` or None: GEMM 2's bias, whose gradient is summed in the pass that casts
+      the output gradient to FP8 (TE's dbias + quantize).
+
+  Returns:
+    ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
+    values.
+  """
+  recipe = check_recipe(recipe)
+  k, n_act, f = wi.shape
+  state_0, state_1 = states
+  wi2 = wi.reshape(k, n_act * f)
+  y, wi2, state_0 = gemm_state(recipe, y, wi2, state_0)
+  y, wo, state_1 = gemm_state(recipe, y, wo, state_1)
+  if norm is not None and ln_bias is None:
+    ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
+  dtype = np.dtype(y.dtype)
+  stages = (
+      gemm.Stage(dtype, kernel_kn=True, name=ffn1_ckpt_name,
+                  activation=ActivationProducer(tuple(names))),
+      gemm.Stage(dtype, kernel_kn=True,
+                  bias_grad=None if wo_bias is None else BiasGradProducer()),
+  )
+  lhs = None if norm is None else NormProducer(norm)
+  inputs = (y,) if norm is None else (y, ln_scale, ln_bias)
+  chain = gemm.Chain(recipe, PLAN, config, None, stages, lhs)
+  return gemm.quantized_gemms(inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1), None,
+                               chain)
+
+
+PLAN = sharding.SpmdPlan()
+
+
+def gemm_state(recipe, lhs, rhs, state):
+  """One GEMM's recipe state checked against ``recipe``, its reused-GEMM gradient rule set
+  (``shared_max_grad``), and ``(lhs, rhs, state)`` watched for a state left out of
+  differentiation (``_frozen.watch_state``), as ``dot_general`` does; returns them."""
+  state = check_state(recipe, state)
+  if state:
+    state = shared_max_grad(state)
+    lhs, rhs, state = gemm.watch_state(lhs, rhs, state)
+  return lhs, rhs, state
+
+
+def _hb(h, b, n_act):
+  """GEMM 1's output (M, n_act * F) plus its bias, float32 (M, n_act, F)."""
+  m = h.shape[0]
+  hb = h.astype(jnp.float32).reshape(m, n_act, -1)
+  return hb if b is None else hb + b.astype(jnp.float32)
+
+
+def activation_f32(h, b, names):
+  """The activation (gated product) of ``h (M, n_act*F)`` plus ``b``: float32 (M, F)."""
+  return _product(_hb(h, b, len(names)), names)
+
+
+def dact_f32(dz, h, b, names):
+  """``dz * act'(h + b)``: float32 (M, n_act, F)."""
+  _, vjp = jax.vjp(lambda a: _product(a, names), _hb(h, b, len(names)))
+  return vjp(dz.astype(jnp.float32))[0]
+
+
+def _both(v, scale, q_dtype, with_amax):
+  q = formats.cast_with_scale(v, scale, q_dtype)
+  q_t = formats.cast_with_scale(v.T, scale, q_dtype)
+  return q, q_t, (_scaling.amax(v) if with_amax else None)
+
+
+def _kernels_run(x, config, target) -> bool:
+  """Whether the CUDA kernel ``target`` casts ``x``: on a GPU with it built, ``config.backend``
+  not ``"jax"``, a float32/bfloat16/float16 ``x`` on one device."""
+  if jax.default_backend() != "gpu" or not _ffi.registered(target, "gpu"):
+    return False
+  if np.dtype(x.dtype) not in _cast_transpose._FFI_INPUT_DTYPES:
+    return False
+  return _cast_transpose.backend(requested=config.backend) == "ffi" and _ffi.single_device(x)
+
+
+def kernel_activations(h, names, config, target):
+  """The CUDA kernels' activation ids where the kernel ``target`` runs on ``h``'s activation (one
+  or two activations they know, ``_kernels_run``), else None (pure JAX)."""
+  if len(names) > 2 or not all(isinstance(n, str) and n in KERNEL_ACTIVATIONS for n in names):
+    return None
+  if not _kernels_run(h, config, target):
+    return None
+  return tuple(KERNEL_ACTIVATIONS[n] for n in names)
+
+
+def _act_cast(h, b, names, q_dtype, scale, with_amax, config):
+  """The FP8 activation in both orientations (and its amax): (M, F), (F, M), (1,)."""
+  acts = kernel_activations(h, names, config, _ffi.ACT_CAST_TARGET)
+  if acts is not None:
+    q, q_t, a = _ffi.act_cast_call(h, b, scale, q_dtype, acts, with_amax)
+    return q, q_t, (a if with_amax else None)
+  return _both(activation_f32(h, b, names), scale, q_dtype, with_amax)
+
+
+def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
+  """GEMM 1's FP8 output gradient in both orientations, its amax and the float32 bias gradient:
+  (M, n_act*F), (n_act*F, M), (1,), (n_act, F)."""
+  acts = kernel_activations(h, names, config, _ffi.DACT_CAST_TARGET)
+  if acts is not None:
+    q, q_t, a, db = _ffi.dact_cast_call(dz, h, b, scale, q_dtype, acts, with_amax)
+    return q, q_t, (a if with_amax else None), db.reshape(len(names), -1)
+  dh = dact_f32(dz, h, b, names)
+  q, q_t, a = _both(dh.reshape(dh.shape[0], -1), scale, q_dtype, with_amax)
+  return q, q_t, a, jnp.sum(dh, axis=0)
+
+
+def _dbias_cast(g, q_dtype, scale, with_amax, config):
+  """The output gradient ``g (M, N)`` in FP8 in both orientations, its amax and its float32 column
+  sums (the output bias's gradient): the activation-gradient kernel with a linear activation,
+  which then reads ``g`` alone, where it runs; the ordinary cast and XLA's sum otherwise."""
+  if _kernels_run(g, config, _ffi.DACT_CAST_TARGET):
+    q, q_t, a, db = _ffi.dact_cast_call(g, g, None, scale, q_dtype, (KERNEL_ACTIVATIONS["linear"],),
+                                        with_amax)
+    return q, q_t, (a if with_amax else None), db
+  q, q_t, a = formats.cast_both(g, scale, q_dtype, config, with_amax)
+  return q, q_t, a, jnp.sum(g.astype(jnp.float32), axis=0)
+
+
+def _act_amax(h, b, names, config):
+  """The amax of the activation (current scaling's pass before ``_act_cast``): the kernel's own
+  float32 values where it runs, XLA's reduce over the formula otherwise."""
+  acts = kernel_activations(h, names, config, _ffi.ACT_AMAX_TARGET)
+  if acts is not None:
+    return _ffi.act_amax_call(h, b, acts)
+  return _scaling.amax(activation_f32(h, b, names))
+
+
+def _dact_amax(dz, h, b, names, config):
+  """The amax of ``dz * act'(h + b)`` (current scaling's pass before ``_dact_cast``)."""
+  acts = kernel_activations(h, names, config, _ffi.DACT_AMAX_TARGET)
+  if acts is not None:
+    return _ffi.dact_amax_call(dz, h, b, acts)
+  return _scaling.amax(dact_f32(dz, h, b, names))
+
+
+def _norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale,
+               with_amax, config):
+  """The norm's FP8 output in both orientations (and its amax): (M, K), (K, M), (1,)."""
+  if _kernels_run(x, config, _ffi.NORM_CAST_TARGET):
+    gamma = _norm._gamma(ln_scale, zero_centered_gamma)
+    beta = ln_bias if ln_bias.size else None
+    q, q_t, a = _ffi.norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax)
+    return q, q_t, (a if with_amax else None)
+  y = _norm.normalized(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+  return _both(y, scale, q_dtype, with_amax)
+
+
+# --- producers: the operands cast to FP8 in the pass that computes them ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NormProducer:
+  """The first GEMM's input ``norm(y)``: the norm's float32 output cast straight to its FP8
+  copies with its amax, never written in the input's dtype; the backward pass keeps the input
+  and the row statistics, as ``core.layernorm``'s does. ``norm``: ``(layernorm_type,
+  zero_centered_gamma, epsilon)``."""
+
+  norm: tuple
+
+  def quantize(self, fmt, request, y, ln_scale, ln_bias):
+    layernorm_type, zero_centered_gamma, epsilon = self.norm
+    mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
+    args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+    q_dtype, config = request.recipe.fwd_dtype, request.config
+    producer = Producer(
+        cast=lambda scale, with_amax: _norm_cast(*args, q_dtype, scale, with_amax, config),
+        amax=lambda: _scaling.amax(_norm.normalized(*args)))
+    q = fmt.quantize(dataclasses.replace(request, producer=producer))
+    return q, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
+
+  def backward(self, residuals, dy):
+    return _norm._norm_bwd(*self.norm, residuals, dy)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationProducer:
+  """Between two GEMMs: the next one's input ``act(h + b)`` and this one's output gradient
+  ``dz * act'(h + b)`` (with ``b``'s gradient summed in the same pass), each cast to FP8 as it
+  is computed (``names``: normalized activation names)."""
+
+  names: tuple
+
+  def quantize(self, fmt, request, h, b):
+    q_dtype, config = request.recipe.fwd_dtype, request.config
+    producer = Producer(
+        cast=lambda scale, with_amax: _act_cast(h, b, self.names, q_dtype, scale, with_amax,
+                                                config),
+        amax=lambda: _act_amax(h, b, self.names, config))
+    return fmt.quantize(dataclasses.replace(request, producer=producer))
+
+  def quantize_grad(self, fmt, request, dz, h, b):
+    q_dtype, config = request.recipe.bwd_dtype, request.config
+    dbias = []
+
+    def cast(scale, with_amax):
+      q, q_t, a, db = _dact_cast(dz, h, b, self.names, q_dtype, scale, with_amax, config)
+      dbias.append(db)
+      return q, q_t, a
+
+    producer = Producer(cast, amax=lambda: _dact_amax(dz, h, b, self.names, config))
+    return fmt.quantize(dataclasses.replace(request, producer=producer)), dbias[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class BiasGradProducer:
+  """The output gradient ``g (M, N)`` of a GEMM with a bias, in FP8, with the bias's float32
+  gradient (its column sums) summed in the pass that casts it (TE's dbias + quantize)."""
+
+  def quantize_grad(self, fmt, request, g):
+    q_dtype, config = request.recipe.bwd_dtype, request.config
+    sums = []
+
+    def cast(scale, with_amax):
+      q, q_t, a, db = _dbias_cast(g, q_dtype, scale, with_amax, config)
+      sums.append(db)
+      return q, q_t, a
+
+    return fmt.quantize(dataclasses.replace(request, producer=Producer(cast))), sums[0]

@@ -1,0 +1,225 @@
+"""The LayerNorm + MLP block as one function: TE's ``layernorm_mlp``.
+
+``norm -> GEMM 1 (wi_kernel, n_act stacked kernels) -> bias -> activation (gated product) ->
+dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM with its own recipe state.
+
+With a per-tensor recipe (both GEMMs in FP8, no dropout, no sharding constraint) the norm, the
+two GEMMs and the activation between them are one custom VJP (``_fused_mlp``): the norm's output
+is cast straight to GEMM 1's FP8 operand, the activation straight to GEMM 2's, and the
+activation's gradient straight to GEMM 1's FP8 output gradient with the bias gradient, as TE
+does. Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``) each GEMM is a
+``dot_general`` and the activation sits between them inside one jitted computation, which leaves
+XLA free to fuse it into the amax and FP8 cast of GEMM 2's input (``bench/mlp_fusion.py`` lists
+the activation-sized buffers the compiled forward writes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from te_adapters.core.fused import _fused_mlp
+from te_adapters.core.gemm import (
+  DEFAULT_SIZE_THRESHOLD,
+  check_kernel_gemm_dims,
+  check_threshold,
+  dot_general,
+)
+from te_adapters.core.ops import _norm, activation, layernorm, normalize_activations
+from te_adapters.core.recipes import check_config
+
+__all__ = ["dropout", "layernorm_mlp"]
+
+
+def dropout(x, rate: float, rng, *, broadcast_dims=(), deterministic: bool = False):
+  """Inverted dropout of ``x``, as ``flax.linen.Dropout`` computes it (same mask for a key).
+
+  Keeps each element with probability ``1 - rate`` and scales it by ``1 / (1 - rate)``;
+  ``broadcast_dims`` share one mask. ``rate == 0`` or ``deterministic`` returns ``x``; otherwise
+  ``rng`` (a PRNG key) is required.
+  """
+  if not 0.0 <= rate <= 1.0:
+    raise ValueError(f"dropout rate must be in [0, 1], got {rate!r}")
+  if rate == 0.0 or deterministic:
+    return x
+  if rate == 1.0:
+    return jnp.zeros_like(x)
+  if rng is None:
+    raise ValueError(
+        f"dropout with rate {rate} needs a PRNG key (dropout_rng=...), or deterministic=True"
+    )
+  keep = 1.0 - rate
+  shape = list(x.shape)
+  for d in broadcast_dims:
+    shape[d] = 1
+  mask = jnp.broadcast_to(jax.random.bernoulli(rng, p=keep, shape=shape), x.shape)
+  return lax.select(mask, x / keep, jnp.zeros_like(x))
+
+
+def _pair(value, what):
+  value = (None, None) if value is None else tuple(value)
+  if len(value) != 2:
+    raise ValueError(f"layernorm_mlp: {what} must be a pair (one per GEMM), got {value!r}")
+  return value
+
+
+def layernorm_mlp(
+    x,
+    scale,
+    ln_bias,
+    wi_kernel,
+    wo_kernel,
+    wi_bias=None,
+    wo_bias=None,
+    *,
+    activations=("gelu",),
+    layernorm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    enable_layernorm: bool = True,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    dropout_broadcast_dims=(),
+    deterministic: bool = False,
+    recipe,
+    states=None,
+    rngs=None,
+    threshold=DEFAULT_SIZE_THRESHOLD,
+    config=None,
+    return_layernorm_output: bool = False,
+    ffn1_ckpt_name: str = "ffn1",
+    ffn2_ckpt_name: str = "ffn2",
+    dot_1_input_constraint=None,
+    dot_2_input_constraint=None,
+):
+  """LayerNorm, then the MLP of two quantized GEMMs around an activation (TE's ``layernorm_mlp``).
+
+  Args:
+    x: the input ``(..., K)``; normalized and contracted over its last axis.
+    scale, ln_bias: gamma and beta of the norm, ``(K,)`` (``ln_bias=None`` for rmsnorm).
+    wi_kernel: GEMM 1's kernel, ``(K, n_act, F)`` with ``n_act = len(activations)``.
+    wo_kernel: GEMM 2's kernel, ``(F, K)``.
+    wi_bias: ``(n_act, F)`` or None. wo_bias: ``(K,)`` or None.
+    activations: as for ``core.activation`` (``("gelu",)``, ``("silu", "linear")``, ...).
+    layernorm_type, zero_centered_gamma, epsilon: as for ``core.layernorm``.
+    enable_layernorm: False skips the norm (``scale`` and ``ln_bias`` are then unused).
+    dropout_rate, dropout_rng, dropout_broadcast_dims, deterministic: dropout on the
+      activation's output (see ``dropout``); a rate above 0 needs ``dropout_rng`` unless
+      ``deterministic``.
+    recipe: the recipe of both GEMMs (``None``: high precision).
+    states: ``(state_0, state_1)``, each GEMM's recipe state (``init_state(recipe)``), or None
+      for a stateless recipe. The gradient with respect to them is the next step's states.
+    rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
+    threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
+      (default None: as True) takes the fused path where it applies: a per-tensor recipe
+      (``DelayedScaling``, ``Float8CurrentScaling``), both GEMMs in FP8 under ``threshold``, no
+      dropout (rate 0 or ``deterministic``), no input constraints, outside ``shard_map``. It
+      casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
+      dtype first, and the norm's float32 output too unless it is asked for, so with bfloat16
+      ``x`` its results differ from the composed path's by those roundings; the states follow
+      the same contract.
+    return_layernorm_output: also return the norm's output.
+    ffn1_ckpt_name, ffn2_ckpt_name: ``checkpoint_name`` tags of GEMM 1's output (before the
+      activation) and of the block's output, for remat policies (TE's names).
+    dot_1_input_constraint, dot_2_input_constraint: functions applied to each GEMM's input (the
+      norm's output; the activation's, after dropout), for sharding constraints; the adapters
+      pass TE's ``dot_1_input_axes`` and ``dot_2_input_axes`` this way.
+
+  Returns:
+    ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> x = jnp.ones((16, 32))
+    >>> out, ln = ta.core.layernorm_mlp(
+    ...     x, jnp.ones(32), jnp.zeros(32), jnp.ones((32, 2, 64)), jnp.ones((64, 32)),
+    ...     activations=("silu", "linear"), recipe=ta.Float8CurrentScaling())
+    >>> out.shape, ln
+    ((16, 32), None)
+  """
+  x, wi_kernel, wo_kernel = jnp.asarray(x), jnp.asarray(wi_kernel), jnp.asarray(wo_kernel)
+  names = normalize_activations(activations)
+  n_act = len(names)
+  if x.ndim < 1:
+    raise ValueError("layernorm_mlp: x must have a feature axis")
+  k = x.shape[-1]
+  if wi_kernel.ndim != 3 or wi_kernel.shape[:2] != (k, n_act):
+    raise ValueError(
+        f"layernorm_mlp: wi_kernel must have shape (K={k}, n_act={n_act}, F) for x of shape "
+        f"{x.shape} and activations {names}, got {wi_kernel.shape}"
+    )
+  f = wi_kernel.shape[2]
+  if wo_kernel.shape != (f, k):
+    raise ValueError(
+        f"layernorm_mlp: wo_kernel must have shape (F={f}, K={k}), got {wo_kernel.shape}"
+    )
+  if wi_bias is not None and jnp.shape(wi_bias) != (n_act, f):
+    raise ValueError(f"layernorm_mlp: wi_bias must have shape ({n_act}, {f}), got "
+                     f"{jnp.shape(wi_bias)}")
+  if wo_bias is not None and jnp.shape(wo_bias) != (k,):
+    raise ValueError(f"layernorm_mlp: wo_bias must have shape ({k},), got {jnp.shape(wo_bias)}")
+  state_0, state_1 = _pair(states, "states")
+  rng_0, rng_1 = _pair(rngs, "rngs")
+  dims = (((x.ndim - 1,), (0,)), ((), ()))  # x's last axis with the kernel's first
+  check_kernel_gemm_dims(recipe, wi_kernel.shape, dims, "layernorm_mlp's first GEMM")
+  check_kernel_gemm_dims(recipe, wo_kernel.shape, dims, "layernorm_mlp's second GEMM")
+
+  config = check_config(config)
+  threshold = check_threshold(threshold)
+  m = math.prod(x.shape[:-1])
+  fused = _fused_mlp.applies(
+      recipe, config, gemm_shapes=((m, k, n_act * f), (m, f, k)), threshold=threshold,
+      # An out-of-range rate takes the composed path, whose dropout raises the error.
+      dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
+      constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
+      rngs=(rng_0, rng_1))
+  if (fused and enable_layernorm and not return_layernorm_output
+      and _fused_mlp.norm_fuses(x, config)):
+    # The norm inside the fused path: its output is cast to FP8 as it is computed.
+    _norm.check_norm_args(x, scale, ln_bias, layernorm_type)
+    out = _fused_mlp.fused_mlp(
+        x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
+        config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
+        ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
+        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+    return _output(out, None, ffn2_ckpt_name), None
+  if enable_layernorm:
+    y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
+                  zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
+  else:
+    y = x
+  if fused:
+    out = _fused_mlp.fused_mlp(
+        y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
+        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+    return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
+  if dot_1_input_constraint is not None:
+    y = dot_1_input_constraint(y)
+  h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
+                  state=state_0, rng=rng_0, threshold=threshold, config=config)
+  if wi_bias is not None:
+    h = h + jnp.asarray(wi_bias).astype(h.dtype)
+  h = checkpoint_name(h, ffn1_ckpt_name)
+  z = activation(h, names)
+  z = dropout(z, dropout_rate, dropout_rng, broadcast_dims=dropout_broadcast_dims,
+              deterministic=deterministic)
+  if dot_2_input_constraint is not None:
+    z = dot_2_input_constraint(z)
+  out = dot_general(z, wo_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
+                    state=state_1, rng=rng_1, threshold=threshold, config=config)
+  return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
+
+
+def _as_array(b):
+  return None if b is None else jnp.asarray(b)
+
+
+def _output(out, wo_bias, ffn2_ckpt_name):
+  """The block's output: GEMM 2's plus its bias, tagged for remat policies."""
+  if wo_bias is not None:
+    out = out + jnp.asarray(wo_bias).astype(out.dtype)
+  return checkpoint_name(out, ffn2_ckpt_name)

@@ -1,0 +1,500 @@
+"""The quantized ``dot_general`` and its one custom VJP, written over the format interface.
+
+Every recipe's GEMM runs the same rule (``_quantized_gemm``), in the contracting-last layout
+(``_layout.GemmLayout``): ``x3 (.., M, K)`` and ``w3 (.., N, K)`` (or ``(.., K, N)``, a Dense
+kernel as it is stored). The recipe's ``Format`` (``_registry.format_of``) quantizes each operand
+into the copies its GEMMs take, in the pass that reads it, and runs the GEMMs:
+
+- forward ``y = x3 . w3^T``: x's copy along K and the kernel's along K;
+- dgrad ``dx = g . w``: the gradient's copy along N and the kernel's copy along N;
+- wgrad ``dw = x^T . g``: the swapped copies of x and of the gradient, along M.
+
+The backward copies of x and of the kernel are made in the forward pass and saved (checkpoint
+names ``QUANTIZED_X``, ``QUANTIZED_KERNEL``); the gradient is quantized once in the backward
+pass. Recipe state travels through the gradient channel: the cotangent returned for ``state`` is
+the state for the next step ("overwrite with gradient"), which the format computes from its
+roles' new states. Below the size threshold (or with ``recipe=None``) the GEMM is
+``lax.dot_general`` in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from te_adapters.core import formats, recipes, sharding
+from te_adapters.core.formats import QuantizeRequest, check_state
+from te_adapters.core.gemm import _dimension_numbers, _frozen, _remat, _threshold
+from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
+from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
+from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
+from te_adapters.core.state import ROLES, is_accumulating
+from te_adapters.core.state._state import shared_max_grad
+
+__all__ = ["Chain", "Stage", "dot_general", "quantized_gemms"]
+
+
+def dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe,
+    state=None,
+    rng=None,
+    out_sharding=None,
+    amax_axes=None,
+    kernel_all_gather=None,
+    threshold=DEFAULT_SIZE_THRESHOLD,
+    config: GemmConfig | None = None,
+):
+  """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
+
+  Drops into anything that takes a ``dot_general``, for example
+  ``functools.partial(dot_general, recipe=r, state=s)``.
+
+  Args:
+    lhs: the activation ``x`` (real floating point).
+    rhs: the ``kernel`` (real floating point).
+    dimension_numbers: as for ``lax.dot_general``: any contracting and batch dimensions.
+    precision: the ``lax.dot_general`` precision of each per-tensor FP8 GEMM whose recipe
+      ``MMParams`` do not ask for a split accumulator (by default the forward GEMM). On Hopper,
+      ``DEFAULT`` lets cuBLASLt accumulate FP8 products in the tensor cores' reduced precision
+      ("fast accumulation"); ``HIGHEST`` promotes the sums to float32 as they go, which is what a
+      split accumulator (by default dgrad and wgrad) gets. Block-scaled recipes promote per
+      128-wide (or 32/16-wide) block and do not use it.
+    preferred_element_type: output dtype; default as ``lax.dot_general`` would give.
+    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``,
+      ``NVFP4BlockScaling``, ``Float8BlockScaling``), or ``None`` for a plain
+      ``lax.dot_general``.
+    state: this GEMM's recipe state (``init_state(recipe)``); ``None`` for stateless recipes.
+    rng: a PRNG key for the stochastic rounding of the gradient, required when differentiating
+      under ``NVFP4BlockScaling`` unless ``disable_stochastic_rounding``; use a fresh key per step
+      and per GEMM. Must be ``None`` for recipes that do not use it (``recipe.uses_rng``).
+      Inside ``shard_map`` each shard folds its index along the mesh axes the gradient varies
+      over into the key, so shards round with different random bits.
+    out_sharding: as for ``lax.dot_general`` (needed with Explicit mesh axes when a contracting
+      dimension is sharded, e.g. row-parallel tensor parallelism).
+    amax_axes: inside ``shard_map``, the mesh axes over which each operand's amax is
+      max-reduced so that all devices share one scale: an axis name, a sequence of names, or a
+      dict by role (``"x"``, ``"kernel"``, ``"grad"``). ``None`` (default): every manual axis the
+      operand varies over, less those its DelayedScaling state varies over (a pipeline axis
+      with per-stage state); with ``shard_map(check_vma=False)``, every manual axis. ``()``
+      keeps per-shard scales (stateless recipes only). Under ``jit`` amaxes are global anyway.
+      NVFP4's per-tensor amax is reduced the same way; MXFP8 and FP8 block scales are per block
+      and need no reduction (each shard must hold whole blocks).
+    kernel_all_gather: FSDP. A ``PartitionSpec`` (or ``NamedSharding``) naming, per kernel
+      dimension, the mesh axes the kernel is sharded over; the kernel is quantized shard by shard
+      and the FP8 shards are all-gathered for the GEMM, and its gradient is reduce-scattered back.
+      Works under ``jit`` (mesh from ``jax.set_mesh`` or the ``NamedSharding``) and inside
+      ``shard_map``.
+    threshold: a ``SizeThreshold``: GEMMs below it (by default: on GPU only, small ones, see
+      ``DEFAULT_SIZE_THRESHOLD``) are slower in FP8 than in high precision and run as
+      ``lax.dot_general`` on the unquantized operands instead, with a
+      ``HighPrecisionGemmWarning`` at trace time (``runs_in_fp8`` tells in advance). ``rng`` and
+      ``amax_axes`` are unused then, ``kernel_all_gather`` gathers the unquantized kernel, and
+      the state gradient is the unchanged state (under ``with_max_grad``: no contribution, so
+      ``updated_state`` keeps the state). ``None``: always quantize.
+    config: a ``GemmConfig``: which kernels cast and multiply (``None``: ``GemmConfig()``, the
+      fastest where each runs). It leaves the quantized values alone.
+
+  Returns:
+    The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
+    gradient with respect to ``state`` is the state for the next step.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
+    >>> y = ta.core.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling())
+    >>> round(float(y[0, 0]), 4)
+    32.0
+  """
+  formats.check_float_operand("lhs", lhs)
+  formats.check_float_operand("rhs", rhs)
+  lhs = jnp.asarray(lhs)
+  rhs = jnp.asarray(rhs)
+  threshold = _threshold.check_threshold(threshold)
+  config = check_config(config)
+  if recipe is None:
+    if state:
+      raise ValueError("state was given but recipe is None")
+    if rng is not None:
+      raise ValueError("rng was given but recipe is None")
+    if amax_axes is not None or kernel_all_gather is not None:
+      raise ValueError("amax_axes and kernel_all_gather need a recipe; recipe is None")
+    dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    return lax.dot_general(
+        lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
+    )
+  plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
+  recipe = check_recipe(recipe)
+  fmt = formats.format_of(recipe)
+  if fmt.per_tensor:
+    sharding.check_amax_axes(plan)
+  else:
+    sharding.check_block_scaled(recipe, plan)
+  # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
+  gemm_rhs = sharding.gathered_kernel_type(rhs, plan)
+  dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
+  state = check_state(recipe, state)
+  if state:
+    # Every use of one traced state gets the same max-marked arrays, so a plain jax.grad
+    # combines several uses by max, never by sum (see core.with_max_grad).
+    state = shared_max_grad(state)
+  rng = recipes.check_rng(recipe, rng)
+  out = jax.eval_shape(
+      functools.partial(
+          lax.dot_general,
+          dimension_numbers=dn,
+          precision=precision,
+          preferred_element_type=preferred_element_type,
+          out_sharding=out_sharding,
+      ),
+      lhs,
+      gemm_rhs,
+  )
+  # What the format cannot take is refused before the size decides the precision, so bad input
+  # gets the same error at every size (the backward's checks under differentiation).
+  layout = GemmLayout(dn, lhs.shape, gemm_rhs.shape)
+  fmt.check(recipe, layout, False, lhs, rhs)
+  if not fmt.per_tensor or recipe.uses_rng:
+    lhs, rhs = _checked_under_grad(lhs, rhs, dn, gemm_rhs.shape, recipe, rng is None)
+  m, k, n = _threshold.gemm_mkn(lhs.shape, gemm_rhs.shape, dn)
+  dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
+  if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
+    return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+  if state:
+    # Under differentiation: warns at trace time when the state would stay frozen.
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+  return _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _checked_under_grad(lhs, rhs, dn, rhs_shape, recipe, no_rng):
+  """``(lhs, rhs)``; under differentiation, first the checks of the format's backward GEMMs
+  (blocks that must tile M and N, a missing PRNG key), so the same input gets the same error at
+  every size, the GEMMs below the size threshold included."""
+  del dn, rhs_shape, recipe, no_rng
+  return lhs, rhs
+
+
+def _checked_fwd(lhs, rhs, dn, rhs_shape, recipe, no_rng):
+  fmt = formats.format_of(recipe)
+  fmt.check(recipe, GemmLayout(dn, lhs.shape, rhs_shape), True, lhs, rhs)
+  if recipe.uses_rng and no_rng:
+    raise ValueError(
+      f"{type(recipe).__name__} rounds the gradient stochastically: pass rng=<PRNG key> to "
+      "dot_general (a fresh key per step), or use disable_stochastic_rounding=True"
+    )
+  return (lhs, rhs), None
+
+
+def _checked_bwd(dn, rhs_shape, recipe, no_rng, residuals, g):
+  del dn, rhs_shape, recipe, no_rng, residuals
+  return g
+
+
+_checked_under_grad.defvjp(_checked_fwd, _checked_bwd)
+
+
+def _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan):
+  """The GEMM below the size threshold: ``lax.dot_general`` on the unquantized operands."""
+  # FSDP inside shard_map: the kernel is a shard, gathered (and its gradient reduce-scattered by
+  # autodiff) in high precision; under jit the gather is a sharding constraint.
+  rhs = sharding.gather_kernel(rhs, plan)
+  y = lax.dot_general(
+      lhs, rhs, dn, precision, preferred_element_type, out_sharding=plan.out_sharding
+  )
+  y = checkpoint_name(y, _remat.GEMM_OUTPUT)
+  return _keep_state(y, state) if state else y
+
+
+@jax.custom_vjp
+def _keep_state(y, state):
+  """``y``, with the state's gradient set to the unchanged state (its "new state")."""
+  del state
+  return y
+
+
+def _keep_state_fwd(y, state):
+  return y, (state, jax.tree_util.tree_map(sharding.type_witness, state))
+
+
+def _keep_state_bwd(residuals, g):
+  state, witness = residuals
+  return g, _match_state(jax.tree_util.tree_map(_unchanged, state), witness)
+
+
+def _match_state(new_state, witness):
+  """The new state, each leaf with its old leaf's varying mesh axes (see ``match_cotangent``)."""
+  return jax.tree_util.tree_map(sharding.match_cotangent, new_state, witness)
+
+
+def _unchanged(leaf):
+  # Marked for max (always, under differentiation): the identity of the max/scale combination
+  # (-inf): this use contributes nothing, so other uses of the state win, and alone it decodes
+  # to the old state. Plain float32: the old value itself.
+  if is_accumulating(leaf):
+    return lax.convert_element_type(jnp.full(leaf.shape, -jnp.inf, jnp.float32), leaf.dtype)
+  return leaf
+
+
+_keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+
+
+
+# For tests and tools: roles in the order the state lists them.
+STATE_ROLES = ROLES
+
+
+# ---------------------------------------------------------------------------------------------
+# The one quantized GEMM rule. The operands are brought to x3 (.., M, K) and w3 (.., N, K) (or a
+# Dense kernel as stored, (.., K, N)) outside the VJP (plain JAX transposes and reshapes, which
+# XLA fuses into the casts; autodiff transposes the cotangents back), and inside it each operand
+# is quantized into the copies its GEMMs need, in the pass that reads it:
+#   y  (M, N) = q(x3)     . q(w3)^T      contracting K
+#   dx (M, K) = q(g)      . q(w3^T)^T    contracting N
+#   dw (K, N) = q(x3^T)   . q(g^T)^T     contracting M  (then transposed back to (N, K), which
+#                                                       cancels against the caller's transpose)
+# A chain of such GEMMs (the MLP block: GEMM 1, activation, GEMM 2) runs in the same rule, so
+# that what sits before or between GEMMs (a norm, an activation and its gradient, a bias's
+# gradient) is the format's quantize with a producer: cast to FP8 in the pass that computes it.
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One GEMM of a chain (static).
+
+  Attributes:
+    out_dtype: the GEMM's output dtype.
+    kernel_kn: the kernel is ``(.., K, N)``, as a Dense kernel is stored (its two FP8 copies
+      trade places), else ``(.., N, K)``.
+    name: the ``checkpoint_name`` of the GEMM's output (before any bias).
+    activation: between this GEMM and the next: an object with ``quantize(fmt, request, h, b)
+      -> Quantized`` (the next GEMM's FP8 input ``act(h + b)``, cast as it is computed) and
+      ``quantize_grad(fmt, request, dz, h, b) -> (Quantized, dbias)`` (this GEMM's FP8 output
+      gradient ``dz * act'(h + b)`` and the float32 gradient of ``b``); None for the last GEMM.
+    bias_grad: for the last GEMM, with a bias: an object with ``quantize_grad(fmt, request, g)
+      -> (Quantized, dbias)`` (the output gradient in FP8, the bias's float32 gradient summed in
+      the same pass).
+  """
+
+  out_dtype: np.dtype
+  kernel_kn: bool
+  name: str = _remat.GEMM_OUTPUT
+  activation: Any = None
+  bias_grad: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """The static facts of one quantized GEMM or a chain of them (a hashable argument of the VJP).
+
+  Attributes:
+    recipe, plan, config, precision: as ``dot_general`` takes them.
+    stages: the GEMMs, in order.
+    lhs: how the first GEMM's input is made from the chain's input arrays: None (the input is
+      ``x3``), or an object with ``quantize(fmt, request, *inputs) -> (Quantized, residuals)``
+      and ``backward(residuals, d_operand) -> the inputs' cotangents`` (a norm, cast to FP8 in
+      the pass that computes it).
+  """
+
+  recipe: Any
+  plan: Any
+  config: GemmConfig
+  precision: Any
+  stages: tuple[Stage, ...]
+  lhs: Any = None
+
+  @property
+  def format(self):
+    return formats.format_of(self.recipe)
+
+
+def quantized_gemms(inputs, kernels, biases, states, rng, chain: Chain):
+  """The chain's output ``q(... act(q(lhs(inputs)) . q(w0)^T + b0) ...) . q(wn)^T + bn``.
+
+  Args:
+    inputs: the first GEMM's input arrays (``(x3,)`` without ``chain.lhs``).
+    kernels, biases, states: one per stage (a bias None: none; the last one's gradient needs
+      the stage's ``bias_grad``).
+    rng: the PRNG key for stochastic rounding of the output gradient, or None.
+    chain: the ``Chain``.
+
+  Returns:
+    The last GEMM's output. The gradient with respect to each state is its next value.
+  """
+  n = len(chain.stages)
+  if not (len(kernels) == len(biases) == len(states) == n):
+    raise ValueError(f"a chain of {n} GEMMs takes {n} kernels, biases and states")
+  if biases[-1] is not None and chain.stages[-1].bias_grad is None:
+    raise ValueError("the last GEMM's bias needs the stage's bias_grad")
+  return _quantized_gemms(tuple(inputs), tuple(kernels), tuple(biases), tuple(states), rng, chain)
+
+
+def _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt):
+  dn = sorted_contracting(dn)
+  gemm_rhs_shape = sharding.gathered_kernel_type(rhs, plan).shape
+  layout = GemmLayout(dn, lhs.shape, gemm_rhs_shape)
+  lead = layout.lead if fmt.per_tensor else (layout.b,)  # block GEMMs take (B, M, K) always
+  # The kernel's own (N, K): inside shard_map with kernel_all_gather, that of its shard.
+  local = layout.kernel_shape(rhs.shape)
+  if fmt.per_tensor:
+    plan = sharding.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
+  else:
+    # Explicit mesh axes: the forward GEMM's output sharding, in the (B, M, N) layout.
+    out3 = sharding.reshaped_sharding(
+        sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n))
+    plan = dataclasses.replace(plan, out_sharding=out3)
+  # A kernel stored contracting-first (a Dense kernel (K, N)) goes in as it is: the cast writes
+  # both orientations anyway, so a transpose here would be a pass for nothing (1 GB of float32
+  # read and written for seed 000's kernel).
+  identity = tuple(range(rhs.ndim))
+  kernel_kn = (
+      plan.kernel_all_gather is None and layout.rhs_perm != identity and layout.rhs_stored_kn
+  )
+  # Under Explicit mesh axes the reshapes name their output sharding (a clear error where a
+  # merge would split a sharded dimension's shards).
+  x3 = sharding.reshape(jnp.transpose(lhs, layout.lhs_perm), lead + (layout.m, layout.k))
+  if kernel_kn:
+    w3 = sharding.reshape(rhs, lead + local[::-1])
+  else:
+    w3 = sharding.reshape(jnp.transpose(rhs, layout.rhs_perm), lead + local)
+  stage = Stage(out_dtype=np.dtype(out.dtype), kernel_kn=kernel_kn)
+  chain = Chain(recipe, plan, config, precision, (stage,))
+  y3 = _quantized_gemms((x3,), (w3,), (None,), (state,), rng, chain)
+  return sharding.reshape(y3, layout.out_shape)
+
+
+def _swap_last(a):
+  return jnp.swapaxes(a, -1, -2)
+
+
+def _request(x, role, chain, state, **kw):
+  return QuantizeRequest(x, role, chain.recipe, state, chain.plan, chain.config, **kw)
+
+
+def _proto(a):
+  return None if a is None else np.zeros((0,), a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _quantized_gemms(inputs, kernels, biases, states, rng, chain: Chain):
+  # Not differentiated (inference): only the copies the forward GEMMs take.
+  y, _ = _forward(inputs, kernels, biases, states, rng, chain, backward=False)
+  return y
+
+
+def _quantized_gemms_fwd(inputs, kernels, biases, states, rng, chain: Chain):
+  return _forward(inputs, kernels, biases, states, rng, chain, backward=True)
+
+
+def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool):
+  fmt, plan, last = chain.format, chain.plan, len(chain.stages) - 1
+  # The first GEMM's input in both orientations: this one for the forward GEMM, the swapped copy
+  # (kept for the backward pass) for wgrad.
+  lhs = inputs[0]
+  request = _request(lhs, "x", chain, states[0], cols=backward)
+  if chain.lhs is None:
+    qx, lhs_residuals = fmt.quantize(request), None
+  else:
+    qx, lhs_residuals = chain.lhs.quantize(fmt, request, *inputs)
+  saved, y = [], None
+  for i, stage in enumerate(chain.stages):
+    w3, state = kernels[i], states[i]
+    shard = None
+    if plan.kernel_all_gather is None:
+      # The forward GEMM's copy is along K: the swapped one of a kernel stored (K, N).
+      rows, cols = (backward, True) if stage.kernel_kn else (True, backward)
+      qw = fmt.quantize(_request(w3, "kernel", chain, state, rows=rows, cols=cols))
+      w_fwd, w_dgrad = (qw.cols, qw.rows) if stage.kernel_kn else (qw.rows, qw.cols)
+      if backward:
+        w_dgrad = _remat.name_quantized(w_dgrad, _remat.QUANTIZED_KERNEL)
+    else:
+      # FSDP (per-tensor formats): the FP8 shard is cast, named (a remat policy that saves only
+      # it gathers again in the backward pass) and all-gathered; the gathered kernel is
+      # transposed in FP8.
+      qw = fmt.quantize(_request(w3, "kernel", chain, state, cols=False))
+      shard = _remat.name_quantized(qw.rows, _remat.QUANTIZED_KERNEL)
+      w_fwd = dataclasses.replace(shard, data=sharding.gather_kernel(shard.data, plan))
+      w_dgrad = dataclasses.replace(w_fwd, data=_swap_last(w_fwd.data))
+    x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X) if backward else None
+    y = fmt.gemm(
+        qx.rows, w_fwd, stage.out_dtype, "fwd", chain.recipe, chain.config, chain.precision,
+        plan.out_sharding,
+    )
+    y = checkpoint_name(y, stage.name)
+    new_fwd = {"x": qx.state, "kernel": qw.state}
+    protos = (_proto(lhs), _proto(w3), _proto(biases[i]))
+    # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
+    witness = jax.tree_util.tree_map(sharding.type_witness, (lhs, w3, state))
+    between = None
+    if i < last:
+      # The next GEMM's input, cast from this one's output in the pass that computes it.
+      between = (y, biases[i])
+      lhs = y
+      qx = stage.activation.quantize(fmt, _request(y, "x", chain, states[i + 1]), y, biases[i])
+    elif biases[i] is not None:
+      y = y + biases[i].astype(y.dtype)
+    saved.append((x_wgrad, w_dgrad, shard, new_fwd, between, protos, witness))
+  return y, (tuple(saved), lhs_residuals, states, rng)
+
+
+def _quantized_gemms_bwd(chain: Chain, residuals, g):
+  saved, lhs_residuals, states, rng = residuals
+  fmt, last = chain.format, len(chain.stages) - 1
+  # Inside shard_map each shard of the gradient rounds with its own key.
+  key = sharding.shard_key(rng, g)
+  d_kernels, d_biases, new_states = [None] * (last + 1), [None] * (last + 1), [None] * (last + 1)
+  dz = None
+  for i in reversed(range(last + 1)):
+    stage, state = chain.stages[i], states[i]
+    x_wgrad, w_dgrad, shard, new_fwd, between, protos, witness = saved[i]
+    x_proto, w_proto, b_proto = protos
+    if i < last:
+      h, b = between
+      request = _request(h, "grad", chain, state, key=key)
+      qg, db = stage.activation.quantize_grad(fmt, request, dz, h, b)
+    elif stage.bias_grad is not None and b_proto is not None:
+      qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
+    else:
+      qg, db = fmt.quantize(_request(g, "grad", chain, state, key=key)), None
+    d_biases[i] = None if db is None or b_proto is None else db.astype(b_proto.dtype)
+    ndim = x_wgrad.data.ndim
+    swap = (*range(ndim - 2), ndim - 1, ndim - 2)
+    # With Explicit mesh axes each cotangent gets its primal's sharding.
+    dx_sharding = sharding.transposed_out_sharding(x_wgrad.data, swap)
+    w3_layout = w_dgrad if shard is None else shard
+    dw_sharding = sharding.transposed_out_sharding(
+        w3_layout.data, swap if shard is not None else None)
+    # Inside shard_map a cotangent is summed over the mesh axes its primal is replicated on:
+    # block formats sum the input gradient in float32, and every format the weight gradient.
+    dx_dtype = x_proto.dtype
+    if witness[0] is not None and not fmt.per_tensor:
+      dx_dtype = np.dtype(np.float32)
+    dx = fmt.gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
+                  chain.precision, dx_sharding)
+    dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
+    dw = fmt.gemm(x_wgrad, qg.cols, dw_dtype, "wgrad", chain.recipe, chain.config,
+                  chain.precision, dw_sharding)
+    if not stage.kernel_kn:
+      dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
+    dw = sharding.scatter_kernel_grad(dw, None if shard is None else shard.data, chain.plan)
+    dz = sharding.match_cotangent(dx, witness[0]).astype(x_proto.dtype)  # (.., M, K)
+    d_kernels[i] = sharding.match_cotangent(dw, witness[1]).astype(w_proto.dtype)
+    new_state = fmt.next_state(chain.recipe, state, {**new_fwd, "grad": qg.state})
+    new_states[i] = _match_state(new_state, witness[2])
+  d_inputs = (dz,) if chain.lhs is None else tuple(chain.lhs.backward(lhs_residuals, dz))
+  return d_inputs, tuple(d_kernels), tuple(d_biases), tuple(new_states), None
+
+
+_quantized_gemms.defvjp(_quantized_gemms_fwd, _quantized_gemms_bwd)

@@ -1,0 +1,376 @@
+"""The extension's XLA FFI targets: their registration, their names and their calls.
+
+``csrc/`` builds ``te_adapters._csrc_cpu`` (C++ handlers) and ``te_adapters._csrc_cuda`` (CUDA
+handlers; with CUDA 12.9+ also the cuBLASLt FP8 GEMM). Each module lists its handlers in
+``registrations()``; they are registered with XLA the first time a platform is asked for. Every
+``jax.ffi.ffi_call`` of the package is in this module, and nothing here decides whether to call:
+the callers do (``_cast_transpose``, ``_float8_block``, ``_gemm``).
+
+In a sharded ``jit`` program the cast, the amax and the GEMMs run on each shard through the
+partitioning rules of ``_partition.py``, which these calls are wrapped in (the GEMM callers wrap
+``gemm_call`` themselves).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_adapters.core.kernels import _partition
+
+__all__ = [
+  "ACT_AMAX_TARGET",
+  "ACT_CAST_TARGET",
+  "AMAX_TARGET",
+  "BLOCK_CAST_TARGET",
+  "CAST_TRANSPOSE_TARGET",
+  "DACT_AMAX_TARGET",
+  "DACT_CAST_TARGET",
+  "GEMM_TARGET",
+  "NORM_CAST_TARGET",
+  "act_amax_call",
+  "act_cast_call",
+  "amax_call",
+  "block_cast_call",
+  "cast_transpose_call",
+  "cast_transpose_per_batch_call",
+  "cublas_gemm_available",
+  "dact_amax_call",
+  "dact_cast_call",
+  "ffi_available",
+  "gemm_call",
+  "grouped_gemm_call",
+  "hopper_target_available",
+  "norm_cast_call",
+  "padded_transpose_call",
+  "registered",
+  "single_device",
+]
+
+CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
+AMAX_TARGET = "te_adapters_amax"
+# Float8BlockScaling's cast: 1x128 blocks in both orientations, or 128x128 tiles, in one pass.
+BLOCK_CAST_TARGET = "te_adapters_block_cast"
+# The MLP's fused activation casts (GPU only): act(h + b) to FP8, and dact to FP8 with dbias.
+ACT_CAST_TARGET = "te_adapters_act_cast"
+DACT_CAST_TARGET = "te_adapters_dact_cast"
+# Their amax alone (current scaling's pass before the cast; GPU only).
+ACT_AMAX_TARGET = "te_adapters_act_amax"
+DACT_AMAX_TARGET = "te_adapters_dact_amax"
+# The norm's output (from its row statistics) to FP8 in both orientations (GPU only).
+NORM_CAST_TARGET = "te_adapters_norm_cast"
+# The cuBLASLt FP8 GEMM: per-tensor scales and 1x128 / 128x128 block scales.
+GEMM_TARGET = "te_adapters_block_gemm"
+# The CUTLASS grouped FP8 GEMM and its operand layout kernel (built with TE_ADAPTERS_CUTLASS_DIR).
+GROUPED_GEMM_TARGET = "te_adapters_grouped_gemm"
+PADDED_TRANSPOSE_TARGET = "te_adapters_padded_transpose"
+# jax.default_backend() name -> (extension module, XLA platform name).
+_MODULES = {"cpu": ("te_adapters._csrc_cpu", "cpu"), "gpu": ("te_adapters._csrc_cuda", "CUDA")}
+_GEMM_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+@functools.cache
+def _registrations(platform: str) -> frozenset[str]:
+  """Registers ``platform``'s handlers with XLA (once); returns their target names."""
+  if platform not in _MODULES:
+    return frozenset()
+  module_name, xla_platform = _MODULES[platform]
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError:
+    return frozenset()
+  targets = module.registrations()
+  for name, capsule in targets.items():
+    jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)
+  return frozenset(targets)
+
+
+def ffi_available(platform: str) -> bool:
+  """Whether the FFI kernels are built for ``platform`` (``"cpu"`` or ``"gpu"``) and registered.
+
+  Example:
+    >>> from te_adapters.core.kernels import _ffi
+    >>> isinstance(_ffi.ffi_available("cpu"), bool)
+    True
+  """
+  return bool(_registrations(platform))
+
+
+def hopper_target_available(target: str) -> bool:
+  """Whether the GPU ``target`` is built here and every local device is a Hopper GPU."""
+  if jax.default_backend() != "gpu" or target not in _registrations("gpu"):
+    return False
+  try:
+    capabilities = {str(d.compute_capability) for d in jax.local_devices()}
+  except AttributeError:
+    return False
+  return capabilities == {"9.0"}
+
+
+def cublas_gemm_available() -> bool:
+  """Whether the cuBLASLt FP8 GEMM is built here and the devices are Hopper GPUs (cuBLAS runs
+  the 1x128 / 128x128 modes on compute capability 9.0 only)."""
+  return hopper_target_available(GEMM_TARGET)
+
+
+def single_device(x) -> bool:
+  """False when ``x`` is known to be spread over several devices (a kernel without a
+  partitioning rule, the grouped GEMM's, cannot take it)."""
+  sharding = getattr(x, "sharding", None)  # concrete arrays
+  if sharding is None:
+    try:
+      sharding = jax.typeof(x).sharding  # explicit-mode types under jit
+    except Exception:
+      sharding = None
+  if sharding is not None:
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None and getattr(mesh, "size", 1) > 1:
+      if any(s is not None for s in spec):
+        return False
+    num = getattr(sharding, "num_devices", None)
+    if isinstance(num, int) and num > 1 and not getattr(sharding, "is_fully_replicated", True):
+      return False
+  # Under jit the sharding of a traced value is unknown: only a one-device program is safe.
+  if isinstance(x, jax.core.Tracer):
+    return jax.device_count() == 1 or _tracing_single_device()
+  return True
+
+
+def _tracing_single_device() -> bool:
+  # Inside a shard_map body every value is a per-device shard, so the kernel is safe there.
+  try:
+    from jax._src import core as jax_core
+
+    return bool(jax_core.get_axis_env().axis_sizes)
+  except Exception:
+    return False
+
+
+def _empty(dtype):
+  return jax.ShapeDtypeStruct((0,), dtype)
+
+
+@functools.cache
+def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
+  """The FFI cast for one configuration, ``f(x, scale) -> (q, q_t, amax)`` (an output not asked
+  for is an empty array), batched under ``vmap`` without looping where it can."""
+  def call(x, scale):
+    t_shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if x.ndim >= 2 else (0,)
+    outs = (
+      jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+      jax.ShapeDtypeStruct(t_shape, q_dtype) if colwise else _empty(q_dtype),
+      jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+    )
+    return jax.ffi.ffi_call(CAST_TRANSPOSE_TARGET, outs)(
+      x, scale, rowwise=rowwise, colwise=colwise, compute_amax=with_amax
+    )
+
+  # Per shard in a sharded program (the partitioning rules of _partition.py).
+  per_shard = _partition.cast_transpose(call, ndim, rowwise, colwise, with_amax)
+
+  @jax.custom_batching.custom_vmap
+  def cast(x, scale):
+    return per_shard(x, scale)
+
+  @cast.def_vmap
+  def _cast_vmap(axis_size, in_batched, x, scale):
+    x_batched, scale_batched = in_batched
+    out_batched = (rowwise, colwise, with_amax)
+    if x_batched and not scale_batched and not with_amax:
+      # One scale for every element: the batch dim is one more leading dim for the kernel
+      # (which only swaps the last two). A 1-D input gains a row dim that is dropped after.
+      outs = _partition.cast_transpose(call, x.ndim, rowwise, colwise, with_amax)(x, scale)
+      return tuple(outs), out_batched
+    x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+    scale = scale if scale_batched else jnp.broadcast_to(scale, (axis_size, *scale.shape))
+    outs = jax.lax.map(lambda args: cast(*args), (x, scale))
+    return tuple(outs), (True, True, True)
+
+  return cast
+
+
+@functools.cache
+def cast_transpose_per_batch_call(q_dtype, with_amax):
+  """The FFI cast with one scale per leading index, ``f(x (B, R, C), scales (B,)) -> (q (B, R, C),
+  q_t (B, C, R), amax (B,))`` (amax empty unless ``with_amax``): the grouped GEMM's kernels, each
+  with its expert's scale, read once. No partitioning rule: for arrays on one device (the native
+  grouped GEMM's condition); looped under ``vmap``."""
+
+  def call(x, scales):
+    b, r, c = x.shape
+    outs = (
+      jax.ShapeDtypeStruct((b, r, c), q_dtype),
+      jax.ShapeDtypeStruct((b, c, r), q_dtype),
+      jax.ShapeDtypeStruct((b,), jnp.float32) if with_amax else _empty(jnp.float32),
+    )
+    return jax.ffi.ffi_call(CAST_TRANSPOSE_TARGET, outs, vmap_method="sequential")(
+      x, scales, rowwise=True, colwise=True, compute_amax=with_amax
+    )
+
+  return call
+
+
+@functools.cache
+def amax_call():
+  """The FFI amax, ``f(x) -> max(|x|)`` as float32 of shape (1,), looped under ``vmap``."""
+
+  def call(x):
+    return jax.ffi.ffi_call(AMAX_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32))(x)
+
+  @jax.custom_batching.custom_vmap
+  def amax_fn(x):
+    return _partition.amax(call, x.ndim)(x)
+
+  @amax_fn.def_vmap
+  def _amax_vmap(axis_size, in_batched, x):
+    del axis_size, in_batched
+    return jax.lax.map(amax_fn, x), True
+
+  return amax_fn
+
+
+def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, power_2: bool):
+  """The FP8 block cast (``csrc/block_cast_cuda.cu``) of ``x`` (.., R, C), R and C multiples of
+  128: ``(q, q_scale_inv, q_t, q_t_scale_inv, amax)``. 1x128 mode: ``q`` (.., R, C) with scales
+  (.., R, C/128), ``q_t`` (.., C, R) with scales (.., C, R/128). Tile mode: ``q`` and ``q_t``
+  with one scale per 128x128 tile of ``q``, (.., R/128, C/128) (``q_t_scale_inv`` is empty).
+  Outputs not asked for are empty arrays."""
+  lead, (r, c) = x.shape[:-2], x.shape[-2:]
+  f32 = jnp.float32
+  q_scales = (*lead, r // 128, c // 128) if tile else (*lead, r, c // 128)
+  outs = (
+    jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+    jax.ShapeDtypeStruct(q_scales, f32) if rowwise else _empty(f32),
+    jax.ShapeDtypeStruct((*lead, c, r), q_dtype) if colwise else _empty(q_dtype),
+    jax.ShapeDtypeStruct((*lead, c, r // 128), f32) if colwise and not tile else _empty(f32),
+    jax.ShapeDtypeStruct((1,), f32),
+  )
+  return jax.ffi.ffi_call(BLOCK_CAST_TARGET, outs, vmap_method="sequential")(
+    x, rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
+  )
+
+
+def _act_attrs(acts, bias, with_amax=None):
+  act0, act1 = (*acts, -1) if len(acts) == 1 else acts
+  has_bias = bias is not None
+  bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32).reshape(-1)
+  attrs = dict(act0=np.int32(act0), act1=np.int32(act1), has_bias=has_bias)
+  if with_amax is not None:
+    attrs["compute_amax"] = with_amax
+  return bias, attrs
+
+
+def act_amax_call(h, bias, acts):
+  """The amax (1,) of ``act_cast_call``'s values, with no FP8 output."""
+  bias, attrs = _act_attrs(acts, bias)
+  out = jax.ShapeDtypeStruct((1,), jnp.float32)
+  return jax.ffi.ffi_call(ACT_AMAX_TARGET, out, vmap_method="sequential")(h, bias, **attrs)
+
+
+def dact_amax_call(dz, h, bias, acts):
+  """The amax (1,) of ``dact_cast_call``'s values, with no FP8 output or bias gradient."""
+  bias, attrs = _act_attrs(acts, bias)
+  out = jax.ShapeDtypeStruct((1,), jnp.float32)
+  return jax.ffi.ffi_call(DACT_AMAX_TARGET, out, vmap_method="sequential")(dz, h, bias, **attrs)
+
+
+def act_cast_call(h, bias, scale, q_dtype, acts, with_amax):
+  """The activation cast (``csrc/act_cast_cuda.cu``): ``h`` (M, n_act*F), ``bias`` (n_act, F) or
+  None, ``acts`` the activation ids (``_fused_mlp.KERNEL_ACTIVATIONS``) -> ``(q (M, F),
+  q_t (F, M), amax (1,) or empty)``."""
+  m, f = h.shape[0], h.shape[1] // len(acts)
+  bias, attrs = _act_attrs(acts, bias, with_amax)
+  outs = (
+    jax.ShapeDtypeStruct((m, f), q_dtype),
+    jax.ShapeDtypeStruct((f, m), q_dtype),
+    jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+  )
+  return jax.ffi.ffi_call(ACT_CAST_TARGET, outs, vmap_method="sequential")(
+    h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
+
+
+def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
+  """The activation's backward cast (``csrc/act_cast_cuda.cu``): ``dz`` (M, F), ``h``
+  (M, n_act*F) -> ``(q (M, n_act*F), q_t (n_act*F, M), amax (1,) or empty, dbias (n_act*F,)
+  float32)``."""
+  m, n = h.shape
+  tiles = -(-m // 64)
+  bias, attrs = _act_attrs(acts, bias, with_amax)
+  outs = (
+    jax.ShapeDtypeStruct((m, n), q_dtype),
+    jax.ShapeDtypeStruct((n, m), q_dtype),
+    jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+    jax.ShapeDtypeStruct((n,), jnp.float32),
+    jax.ShapeDtypeStruct((tiles * n,), jnp.float32),  # per-tile column sums (workspace)
+  )
+  q, q_t, a, dbias, _ = jax.ffi.ffi_call(DACT_CAST_TARGET, outs, vmap_method="sequential")(
+    dz, h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
+  return q, q_t, a, dbias
+
+
+def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):
+  """The norm's cast (``csrc/act_cast_cuda.cu``): ``x`` (M, K), the row statistics ``mean`` and
+  ``rsigma`` (M,), float32 ``gamma`` (K,) and ``beta`` (K,) or None -> ``(q (M, K), q_t (K, M),
+  amax (1,) or empty)`` of ``(x - mean) * rsigma * gamma + beta``."""
+  m, k = x.shape
+  f32 = jnp.float32
+  outs = (
+    jax.ShapeDtypeStruct((m, k), q_dtype),
+    jax.ShapeDtypeStruct((k, m), q_dtype),
+    jax.ShapeDtypeStruct((1,), f32) if with_amax else _empty(f32),
+  )
+  has_beta = beta is not None
+  beta = jnp.zeros((0,), f32) if beta is None else beta.astype(f32)
+  return jax.ffi.ffi_call(NORM_CAST_TARGET, outs, vmap_method="sequential")(
+    x, mean.reshape(m).astype(f32), rsigma.reshape(m).astype(f32), gamma.astype(f32), beta,
+    scale.reshape(1).astype(f32), has_beta=has_beta, compute_amax=with_amax)
+
+
+def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+  """The cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times ``b (.., N, K)``
+  into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim.
+
+  Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
+  Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (see
+  ``_float8_block``).
+  """
+  outs = (
+    jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), out_dtype),
+    jax.ShapeDtypeStruct((_GEMM_WORKSPACE_BYTES,), jnp.uint8),
+  )
+  y, _ = jax.ffi.ffi_call(GEMM_TARGET, outs, vmap_method="sequential")(
+    a, b, a_scales, b_scales,
+    lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
+  )
+  return y
+
+
+def registered(target: str, platform: str = "gpu") -> bool:
+  """Whether ``target`` is built and registered for ``platform``."""
+  return ffi_available(platform) and target in _registrations(platform)
+
+
+def grouped_gemm_call(a, b, group_sizes, alpha, out_shape, out_dtype, workspace_bytes, *, mode,
+                      fast_accum, config):
+  """The grouped FP8 GEMM (``csrc/grouped_gemm_cuda.cu``), ``mode`` 0 (rows) or 1 (wgrad); see
+  ``_grouped_kernel`` for the operand layouts."""
+  outs = (
+    jax.ShapeDtypeStruct(out_shape, out_dtype),
+    jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+  )
+  y, _ = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, outs, vmap_method="sequential")(
+    a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
+    mode=np.int32(mode), fast_accum=np.int32(fast_accum), config=np.int32(config),
+  )
+  return y
+
+
+def padded_transpose_call(q, src):
+  """``q`` (M, F) gathered by column sources ``src`` (P,) into (F, P), zeros where ``src < 0``."""
+  out = jax.ShapeDtypeStruct((q.shape[1], src.shape[0]), q.dtype)
+  return jax.ffi.ffi_call(PADDED_TRANSPOSE_TARGET, out, vmap_method="sequential")(q, src)

@@ -1,0 +1,465 @@
+"""Partitioning rules for the extension's FFI calls, so sharded ``jit`` programs run them per shard.
+
+XLA cannot split a custom call it knows nothing about: it would gather every operand onto every
+device first. Each function here wraps one FFI call, given as a function of its operands, in
+``jax.experimental.custom_partitioning``: the rule tells XLA's partitioner (Shardy, or GSPMD) how
+the outputs are sharded given the operands' shardings, and what runs on each shard. Operands
+sharded over Explicit mesh axes, whose types carry their shardings, take the same rule through
+``shard_map`` instead.
+
+- ``cast_transpose`` and ``amax`` serve every sharding. The FP8 copy keeps the input's sharding,
+  the transposed copy has it with its last two dims swapped, and each shard's amax is
+  max-reduced over the mesh axes that shard the input, so every device holds the amax of the
+  whole tensor (what ``amax_axes`` does inside ``shard_map``).
+- ``gemm`` runs ``a (B, M, K) . b (B, N, K)^T -> (B, M, N)``. B and M keep ``a``'s sharding, N
+  keeps ``b``'s. Where a mesh axis shards K in both operands, each device multiplies its slices
+  into float32 and the float32 partial products are summed (``psum``) and rounded to the output
+  dtype once: one device's result up to the order of the float32 additions. A combination the
+  kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
+  one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
+  case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
+
+Outside a ``jit`` over several devices (one device, or inside ``shard_map``, where every value is
+a shard) the call runs as it is; inside ``shard_map`` its outputs are typed as varying over the
+mesh axes its operands vary over, which an FFI call's outputs are not by themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from te_adapters.core import sharding as core_sharding
+
+__all__ = [
+  "ShardingFallbackWarning",
+  "amax",
+  "block_scaled_gemm",
+  "cast_transpose",
+  "gemm",
+  "tensor_scaled_gemm",
+]
+
+
+class ShardingFallbackWarning(UserWarning):
+  """An extension kernel inside a sharded program needed a reshard or XLA's GEMM on its shards."""
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+  if key in _WARNED:
+    return
+  _WARNED.add(key)
+  warnings.warn(message, ShardingFallbackWarning, stacklevel=2)
+
+
+def _partitioned_here() -> bool:
+  """Whether a call traced now may see operands spread over several devices of one program."""
+  if jax.device_count() == 1:
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  # Inside shard_map the values are shards already (its manual axes).
+  return not (not mesh.empty and mesh.manual_axes)
+
+
+def _as_varying(outs, args):
+  """Inside ``shard_map``, ``outs`` typed as varying over every manual axis ``args`` vary over.
+
+  An FFI call's outputs carry no varying axes, so without this a shard's result would pass for
+  the same on every device, and the custom VJPs would skip the sums over devices it needs.
+  """
+  if not core_sharding.manual_axes() or not core_sharding.checks_vma():
+    return outs
+  axes = frozenset().union(*(core_sharding.varying_axes(a) for a in args))
+
+  def vary(out):
+    missing = axes - core_sharding.varying_axes(out)
+    return lax.pcast(out, core_sharding.in_mesh_order(missing), to="varying") if missing else out
+
+  return jax.tree.map(vary, outs)
+
+
+def _spec(sharding, ndim: int) -> tuple[tuple[str, ...], ...]:
+  """Per dim, the mesh axes that shard it (empty tuple: not sharded)."""
+  if not isinstance(sharding, NamedSharding):
+    return ((),) * ndim
+  entries = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  out = []
+  for e in entries:
+    if e is None or e is PartitionSpec.UNCONSTRAINED:
+      out.append(())
+    elif isinstance(e, str):
+      out.append((e,))
+    else:
+      out.append(tuple(e))
+  return tuple(out)
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _named(mesh, spec) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec(*[_entry(a) for a in spec]))
+
+
+def _show(spec) -> str:
+  return str(PartitionSpec(*[_entry(a) for a in spec]))
+
+
+def _axes_of(spec) -> tuple[str, ...]:
+  return tuple(a for dim in spec for a in dim)
+
+
+def _shards(mesh, axes) -> int:
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  return math.prod(sizes[a] for a in axes)
+
+
+def _letters(n: int, prefix: str) -> list[str]:
+  return [f"{prefix}{i}" for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the two lowerings
+
+
+def _explicit_mesh(args):
+  """The mesh of the first operand sharded over Explicit mesh axes, else None."""
+  for x in args:
+    sharding = core_sharding.explicit_sharding(x)
+    if sharding is not None:
+      return sharding.mesh
+  return None
+
+
+def _explicit_spec(x, ndim):
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  return _spec(sharding, ndim) if isinstance(sharding, NamedSharding) else ((),) * ndim
+
+
+def _shardable(split: Callable, call: Callable, ndims: tuple[int, ...], sharding_rule: str,
+               single: bool = False):
+  """``call`` run per shard in a multi-device ``jit``, as ``split`` says.
+
+  ``split(mesh, specs) -> (arg_specs, out_specs, per_shard)``: from the operands' specs (per dim,
+  a tuple of mesh axes), the specs the operands are brought to, those of the outputs (a tuple of
+  specs, of one spec where ``single``), and the function of one device's shards. Auto mesh axes go
+  through ``custom_partitioning`` (XLA's partitioner picks the shardings); Explicit axes, whose
+  shardings the operands' types carry, through ``shard_map``.
+  """
+
+  def out_shardings(mesh, out_specs):
+    shardings = tuple(_named(mesh, spec) for spec in out_specs)
+    return shardings[0] if single else shardings
+
+  @custom_partitioning
+  def rule(*args):
+    return call(*args)
+
+  def specs_of(arg_shapes):
+    return tuple(_spec(a.sharding, n) for a, n in zip(arg_shapes, ndims, strict=True))
+
+  def infer(mesh, arg_shapes, result_shape):
+    del result_shape
+    _, out_specs, _ = split(mesh, specs_of(arg_shapes))
+    return out_shardings(mesh, out_specs)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    arg_specs, out_specs, per_shard = split(mesh, specs_of(arg_shapes))
+    args = tuple(_named(mesh, s) for s in arg_specs)
+    return mesh, per_shard, out_shardings(mesh, out_specs), args
+
+  rule.def_partition(
+    partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule
+  )
+  # Under jit, so that eager calls on sharded arrays are partitioned too.
+  partitioned = jax.jit(rule)
+
+  def explicit(mesh, *args):
+    specs = tuple(_explicit_spec(x, n) for x, n in zip(args, ndims, strict=True))
+    arg_specs, out_specs, per_shard = split(mesh, specs)
+    args = tuple(
+      x if have == want else jax.sharding.reshard(x, _named(mesh, want))
+      for x, have, want in zip(args, specs, arg_specs, strict=True)
+    )
+    mapped = jax.shard_map(
+      per_shard,
+      mesh=mesh,
+      in_specs=tuple(_named(mesh, s).spec for s in arg_specs),
+      out_specs=jax.tree.map(lambda s: s.spec, out_shardings(mesh, out_specs)),
+      check_vma=False,
+    )
+    return mapped(*args)
+
+  def run(*args):
+    if not _partitioned_here():
+      return _as_varying(call(*args), args)
+    mesh = _explicit_mesh(args)
+    if mesh is not None:
+      return explicit(mesh, *args)
+    return partitioned(*args)
+
+  return run
+
+
+# --------------------------------------------------------------------------- cast and amax
+
+
+@functools.cache
+def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool):
+  """``call(x, scale) -> (q, q_t, amax)`` (unrequested outputs of shape (0,)) made shardable.
+
+  ``x`` has ``ndim`` dims; ``q`` is shaped like it, ``q_t`` with its last two dims swapped, and
+  ``amax`` is the global max(|x|) on every device.
+  """
+
+  def split(mesh, specs):
+    del mesh
+    spec = specs[0]
+    swapped = spec[:-2] + (spec[-1], spec[-2]) if ndim >= 2 else ((),)
+    axes = _axes_of(spec)
+
+    def per_shard(x, scale):
+      q, q_t, a = call(x, scale)
+      if with_amax and axes:
+        a = lax.pmax(a, axes)  # the amax is inf (never NaN) for NaN input: a max reduces it
+      return q, q_t, a
+
+    outs = (spec if rowwise else ((),), swapped if colwise else ((),), ((),))
+    return (spec, ((),)), outs, per_shard
+
+  dims = _letters(ndim, "d")
+  q = " ".join(dims) if rowwise else "e0"
+  q_t = " ".join(dims[:-2] + [dims[-1], dims[-2]]) if colwise else "e1"
+  return _shardable(split, call, (ndim, 1), f"{' '.join(dims)}, s -> {q}, {q_t}, a")
+
+
+@functools.cache
+def amax(call: Callable, ndim: int):
+  """``call(x) -> amax`` (float32 (1,)) made shardable: the global max(|x|) on every device."""
+
+  def split(mesh, specs):
+    del mesh
+    axes = _axes_of(specs[0])
+
+    def per_shard(x):
+      a = call(x)
+      return lax.pmax(a, axes) if axes else a
+
+    return specs, (((),),), per_shard
+
+  dims = _letters(ndim, "d")
+  return _shardable(split, call, (ndim,), f"{' '.join(dims)} -> a", single=True)
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+def gemm(
+  name: str,
+  kernel: Callable,
+  fallback: Callable,
+  a,
+  b,
+  a_scale,
+  b_scale,
+  out_dtype,
+  *,
+  block_scales: bool = False,
+  refusal: Callable | None = None,
+):
+  """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
+
+  Args:
+    name: how warnings name the GEMM.
+    kernel: the FFI GEMM of one device's operands, returning ``(B, M, N)`` of ``dtype``.
+    fallback: XLA's GEMM with the same signature (float32 or ``dtype`` out), run on the shards
+      where ``refusal`` refuses their shapes.
+    a, b: ``(M, K)``/``(N, K)``, or with one leading batch dim.
+    a_scale, b_scale: per-tensor scales of shape (1,) (replicated), or with ``block_scales``
+      block scales with one entry per block, of the operand's rank (sharded like it).
+    out_dtype: the result's dtype.
+    refusal: ``refusal(a_shape, b_shape) -> str | None``: why the kernel cannot take one shard.
+  """
+  if not _partitioned_here():
+    return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
+  shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
+  run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes)
+  return run(a, b, a_scale, b_scale)
+
+
+def _gemm_plan(mesh, a_spec, b_spec, a_shape, b_shape, scale_shapes, block_scales):
+  """The specs a and b are brought to, the output's, and the axes K is summed over."""
+  batched = len(a_shape) == 3
+  ab = a_spec[0] if batched else ()
+  am, ak = a_spec[-2], a_spec[-1]
+  bn, bk = b_spec[-2], b_spec[-1]
+  used: set[str] = set()
+
+  def keep(axes, sizes):
+    # Axes already used elsewhere in the output, or splitting a dim (or its blocks) unevenly,
+    # are dropped: that dim is gathered.
+    out = []
+    for a in axes:
+      if a in used or any(size % _shards(mesh, (*out, a)) for size in sizes):
+        continue
+      out.append(a)
+    used.update(out)
+    return tuple(out)
+
+  a_sizes = [a_shape, scale_shapes[0]] if block_scales else [a_shape]
+  b_sizes = [b_shape, scale_shapes[1]] if block_scales else [b_shape]
+  if batched:
+    ab = keep(ab, [s[0] for s in a_sizes + b_sizes])
+  m = keep(am, [s[-2] for s in a_sizes])
+  # K: the axes that shard it in a, or in b where a's K is whole (a is then sliced where it
+  # lies, with no communication); sharded differently in both: gathered.
+  k_axes = ak if (ak == bk or not bk) else (bk if not ak else ())
+  k = keep(k_axes, [s[-1] for s in a_sizes + b_sizes])
+  n = keep(bn, [s[-2] for s in b_sizes])
+  lead = (ab,) if batched else ()
+  return lead + (m, k), lead + (n, k), lead + (m, n), k
+
+
+def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes):
+  a_shape, b_shape, sa_shape, sb_shape = shapes
+  ndim = len(a_shape)
+
+  def split(mesh, specs):
+    a_spec, b_spec = specs[0], specs[1]
+    new_a, new_b, out, k = _gemm_plan(
+      mesh, a_spec, b_spec, a_shape, b_shape, (sa_shape, sb_shape), block_scales
+    )
+    # An axis added to a dim is a local slice of a replicated operand; one removed, a gather.
+    if _gathers(a_spec, new_a) or _gathers(b_spec, new_b):
+      _warn_once(
+        (name, a_spec, b_spec),
+        f"{name}: operands sharded as {_show(a_spec)} and {_show(b_spec)} are resharded to "
+        f"{_show(new_a)} and {_show(new_b)} for the extension's kernel (the dims that lost "
+        "mesh axes are all-gathered)",
+      )
+    local_a = tuple(n // _shards(mesh, s) for n, s in zip(a_shape, new_a, strict=True))
+    local_b = tuple(n // _shards(mesh, s) for n, s in zip(b_shape, new_b, strict=True))
+    why = refusal(local_a, local_b) if refusal is not None else None
+    fn = kernel
+    if why is not None:
+      fn = fallback
+      _warn_once(
+        (name, new_a, new_b, "fallback"),
+        f"{name}: with operands sharded as {_show(new_a)} and {_show(new_b)} each device holds "
+        f"{local_a} and {local_b}, which the extension's kernel cannot take ({why}); XLA's GEMM "
+        "runs on the shards instead",
+      )
+
+    def per_shard(a, b, a_scale, b_scale):
+      if not k:
+        return fn(a, b, a_scale, b_scale, out_dtype).astype(out_dtype)
+      # K is split: float32 partial products, summed, rounded once.
+      y = fn(a, b, a_scale, b_scale, np.dtype(np.float32)).astype(jnp.float32)
+      return lax.psum(y, k).astype(out_dtype)
+
+    scale = (lambda spec: spec) if block_scales else (lambda spec: ((),))
+    return (new_a, new_b, scale(new_a), scale(new_b)), (out,), per_shard
+
+  lead = ["b"] if ndim == 3 else []
+  a_dims = " ".join(lead + ["m", "k"])
+  b_dims = " ".join(lead + ["n", "k"])
+  if block_scales:
+    sa = " ".join(_letters(len(sa_shape), "sa"))
+    sb = " ".join(_letters(len(sb_shape), "sb"))
+  else:
+    sa, sb = "sa", "sb"
+  call = functools.partial(_call_with_dtype, kernel, out_dtype)
+  ndims = (ndim, ndim, len(sa_shape), len(sb_shape))
+  rule = f"{a_dims}, {b_dims}, {sa}, {sb} -> {' '.join(lead + ['m', 'n'])}"
+  return _shardable(split, call, ndims, rule, single=True)
+
+
+def _gathers(spec, new_spec) -> bool:
+  return any(set(old) - set(new) for old, new in zip(spec, new_spec, strict=True))
+
+
+def _call_with_dtype(kernel, out_dtype, a, b, a_scale, b_scale):
+  return kernel(a, b, a_scale, b_scale, out_dtype)
+
+
+# --------------------------------------------------------------------------- the extension's GEMMs
+
+
+def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool):
+  """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
+  per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16)."""
+  kernel = functools.partial(_tensor_kernel, call, fast_accum)
+  fallback = functools.partial(_tensor_fallback, fast_accum)
+  return gemm(
+    "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
+    refusal=_tensor_refusal,
+  )
+
+
+def _tensor_kernel(call, fast_accum, a, b, a_scale, b_scale, dtype):
+  return call(a, b, a_scale, b_scale, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast_accum)
+
+
+def _tensor_fallback(fast_accum, a, b, a_scale, b_scale, dtype):
+  batch = tuple(range(a.ndim - 2))
+  precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
+  y = lax.dot_general(
+    a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)), precision=precision,
+    preferred_element_type=jnp.float32,
+  )
+  return (y * (a_scale * b_scale).reshape(())).astype(dtype)
+
+
+def _tensor_refusal(a_shape, b_shape) -> str | None:
+  m, k, n = a_shape[-2], a_shape[-1], b_shape[-2]
+  if m % 16 or n % 16 or k % 16:
+    return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k} per device"
+  return None
+
+
+def block_scaled_gemm(
+  call: Callable, fallback: Callable, a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype
+):
+  """The extension's 1x128/128x128 block-scaled FP8 GEMM per shard.
+
+  ``call(a, a_scale_inv, a_block, b, b_scale_inv, b_block, dtype)`` is the kernel and
+  ``fallback`` (without ``dtype``, float32 out) XLA's formulation, run on shards cuBLAS cannot
+  take (M or N not a multiple of 16). The block scales are sharded with their data, so a shard
+  holds whole blocks (a mesh axis that would split a block is dropped, its dim gathered).
+  """
+  kernel = functools.partial(_block_kernel, call, a_block, b_block)
+  xla = functools.partial(_block_fallback, fallback, a_block, b_block)
+  dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
+  return gemm(
+    "the block-scaled FP8 GEMM", kernel, xla, a, b, a_scale_inv, b_scale_inv, dtype,
+    block_scales=True, refusal=_block_refusal,
+  )
+
+
+def _block_kernel(call, a_block, b_block, a, b, a_scale_inv, b_scale_inv, dtype):
+  return call(a, a_scale_inv, a_block, b, b_scale_inv, b_block, dtype)
+
+
+def _block_fallback(fallback, a_block, b_block, a, b, a_scale_inv, b_scale_inv, dtype):
+  del dtype
+  return fallback(a, a_scale_inv, a_block, b, b_scale_inv, b_block)
+
+
+def _block_refusal(a_shape, b_shape) -> str | None:
+  m, n = a_shape[-2], b_shape[-2]
+  if m % 16 or n % 16:
+    return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n} per device"
+  return None

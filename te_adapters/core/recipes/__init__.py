@@ -1,0 +1,30 @@
+"""What a user chooses: the quantization recipe, how the GEMMs run, the PRNG key rule."""
+
+from te_adapters.core.recipes._config import GemmConfig, check_config
+from te_adapters.core.recipes._recipes import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MMParams,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+    check_recipe,
+)
+from te_adapters.core.recipes._rng import check_rng
+
+__all__ = [
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "GemmConfig",
+    "MMParams",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "Recipe",
+    "check_config",
+    "check_recipe",
+    "check_rng",
+]

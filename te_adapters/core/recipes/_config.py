@@ -1,0 +1,112 @@
+"""How the quantized GEMMs run: implementation choices that leave a recipe's numerics alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+__all__ = ["GemmConfig", "check_config"]
+
+_CHOICES = {
+  "backend": ("auto", "jax", "ffi"),
+  "fp8_gemm": ("auto", "native", "xla"),
+  "block_gemm": ("auto", "native", "xla"),
+}
+# Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
+_DEPRECATED = {
+  "layout": (("tn", "xla"), "both operands of every per-tensor FP8 GEMM go in contracting-last"),
+  "output": (
+    ("mixed32", "f32", "direct", "direct32", "mixed"),
+    "the forward and dgrad GEMMs write the output dtype rescaled in float32, wgrad float32",
+  ),
+  "transpose": (("cast", "fp8"), "one pass writes both FP8 orientations of an operand"),
+  "amax": (("jax", "ffi"), "current scaling's amax pass is XLA's reduction"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Which kernels run a quantized GEMM; hashable, so it can be a static argument.
+
+  The defaults are the fastest choices measured (``bench/RESULTS.md``); every choice computes
+  the same quantized values.
+
+  Attributes:
+    backend: the per-tensor FP8 cast (and amax) kernel. ``"auto"``: the extension's FFI kernel on
+      GPUs where its CUDA part is built, pure JAX elsewhere. ``"jax"``: always pure JAX.
+      ``"ffi"``: the FFI kernel wherever it applies (an input of float32, bfloat16 or float16 not
+      sharded over several devices); an error where the extension is not built for the platform.
+      ``Float8BlockScaling``'s casts (both orientations of x, the kernel and the output gradient
+      in one pass each) take the extension's CUDA block cast under ``"auto"`` and ``"ffi"`` on a
+      GPU, where the last two dims are multiples of 128 on one device, and pure JAX otherwise
+      (there is no CPU block cast); the quantized values are the same. ``core.layernorm_mlp``'s
+      fused casts (the norm's and the activation's) take the extension's CUDA kernels under
+      ``"auto"`` and ``"ffi"`` on a GPU and pure JAX otherwise (there is no CPU kernel); their
+      quantized values can differ from pure JAX's by one FP8 step where the kernels' fast
+      ``2**x`` and reciprocal (gelu, silu, quick_gelu) differ from XLA's by a few ulp.
+    fp8_gemm: per-tensor FP8 GEMMs. ``"auto"``: the extension's cuBLASLt GEMM on Hopper GPUs
+      where it can run, XLA's ``dot_general`` on the FP8 arrays elsewhere. ``"native"``: the
+      extension's GEMM, an error where it cannot run. ``"xla"``: always XLA's.
+    block_gemm: block-scaled GEMMs. ``"auto"``: the device's block-scaled GEMM where it has one
+      (cuBLASLt for FP8 1x128/128x128 blocks on Hopper GPUs, ``jax.nn.scaled_matmul`` for MXFP8
+      and NVFP4 on Blackwell GPUs), XLA elsewhere. ``"native"``: the device's, an error where it
+      cannot run. ``"xla"``: one FP8 GEMM per 128-wide K slice for FP8 blocks, a GEMM of the
+      dequantized values for MXFP8 and NVFP4.
+    layout, output, transpose, amax: deprecated measurement-only choices, accepted with a
+      ``DeprecationWarning`` and without effect; removed in the next release.
+    fuse_activation_cast: ``core.layernorm_mlp`` with a per-tensor recipe (both GEMMs in FP8, no
+      dropout, no sharding constraints) casts the activation of GEMM 1's output straight to
+      GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
+      gradient with the bias gradient, in one custom VJP that also casts the norm's output
+      straight to GEMM 1's FP8 operand unless it is returned (``True``); ``False`` composes the
+      norm, the activation and two ``dot_general`` calls. ``None`` (the default): fused for every
+      per-tensor recipe, the faster path for each (``bench/RESULTS.md``). With activations
+      narrower than float32 the two differ by the rounding of the norm's output, the activation
+      and its gradient to that dtype, which only the composed path does. The same switch
+      chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast straight to the
+      GEMM's FP8 operand in one custom VJP (a per-tensor recipe, the GEMM in FP8, the norm's
+      output neither returned nor constrained).
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.GemmConfig(fp8_gemm="xla").block_gemm
+    'auto'
+  """
+
+  backend: str = "auto"
+  fp8_gemm: str = "auto"
+  block_gemm: str = "auto"
+  layout: str | None = None
+  output: str | None = None
+  transpose: str | None = None
+  amax: str | None = None
+  fuse_activation_cast: bool | None = None
+
+  def __post_init__(self):
+    if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
+      value = self.fuse_activation_cast
+      raise ValueError(
+          f"GemmConfig.fuse_activation_cast must be True, False or None, got {value!r}")
+    for name, allowed in _CHOICES.items():
+      value = getattr(self, name)
+      if value not in allowed:
+        raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
+    for name, (allowed, what) in _DEPRECATED.items():
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if value not in allowed:
+        raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
+      warnings.warn(
+          f"GemmConfig.{name} is deprecated and has no effect ({what}); it was a measurement "
+          "choice and will be removed in the next release: leave it out",
+          DeprecationWarning, stacklevel=3)
+
+
+def check_config(config) -> GemmConfig:
+  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else."""
+  if config is None:
+    return GemmConfig()
+  if not isinstance(config, GemmConfig):
+    raise TypeError(f"config must be a GemmConfig or None, got {type(config).__name__}")
+  return config

@@ -1,0 +1,37 @@
+"""Recipe state as explicit pytrees: its type, checks and updates, max-combined gradients."""
+
+from te_adapters.core.state._accumulate import (
+    MAX_F32,
+    SCALE_F32,
+    is_accumulating,
+    to_accumulating,
+    to_accumulating_shared,
+    to_float32,
+)
+from te_adapters.core.state._batching import combine_over_batch
+from te_adapters.core.state._recipe_state import (
+    ROLES,
+    DelayedScalingState,
+    RoleState,
+    is_state_mapping,
+    leaf_kind,
+)
+from te_adapters.core.state._state import check_leaves, updated_state, with_max_grad
+
+__all__ = [
+    "DelayedScalingState",
+    "MAX_F32",
+    "ROLES",
+    "RoleState",
+    "SCALE_F32",
+    "check_leaves",
+    "combine_over_batch",
+    "is_accumulating",
+    "is_state_mapping",
+    "leaf_kind",
+    "to_accumulating",
+    "to_accumulating_shared",
+    "to_float32",
+    "updated_state",
+    "with_max_grad",
+]

@@ -1,0 +1,128 @@
+"""Recipe state: explicit pytrees, one per GEMM, with TE's variable names.
+
+``DelayedScaling`` state is a ``DelayedScalingState`` (``_recipe_state``); stateless recipes keep
+``{}``. A dict of TE's six names (the layout before the typed state, an old checkpoint, an
+adapter's variables) is accepted wherever state is, and converted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_adapters.core.state import _accumulate
+from te_adapters.core.state._recipe_state import (
+  ROLES,
+  DelayedScalingState,
+  RoleState,
+  is_state_mapping,
+  leaf_kind,
+)
+
+__all__ = [
+    "ROLES",
+    "DelayedScalingState",
+    "RoleState",
+    "check_leaves",
+    "is_state_mapping",
+    "with_max_grad",
+    "updated_state",
+]
+
+State = DelayedScalingState | dict[str, Any]
+# A recipe's initial state and its checks (init_state, check_state) come from its format: they
+# live with the format registry (formats._registry), above this module.
+
+
+def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
+  """Checks a state's names, shapes (against ``expected``) and float32 leaves.
+
+  ``mismatch`` starts the message for wrong names; ``bad_shape(name, got, shape)`` gives the
+  message for a wrong shape. Returns the state typed: a ``DelayedScalingState``, or ``{}``.
+  """
+  if not isinstance(state, Mapping):
+    raise TypeError(
+        f"state must be a DelayedScalingState or a dict of arrays, got {type(state).__name__}"
+    )
+  missing = sorted(set(expected) - set(state))
+  extra = sorted(set(state) - set(expected))
+  if missing or extra:
+    raise ValueError(f"{mismatch}: missing {missing}, unexpected {extra}")
+  for name, shape in expected.items():
+    leaf = state[name]
+    if tuple(np.shape(leaf)) != shape:
+      raise ValueError(bad_shape(name, tuple(np.shape(leaf)), shape))
+    dtype = getattr(leaf, "dtype", None)
+    if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
+      raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
+  return DelayedScalingState.from_mapping(state) if expected else {}
+
+
+def with_max_grad(state):
+  """Marks recipe state so that several uses in one step combine by max, not by sum.
+
+  Call it on the state *inside* the differentiated function, before the state reaches any GEMM:
+
+    def loss_fn(params, state, batch):
+      state = te_adapters.core.with_max_grad(state)
+      ...
+
+  Amax histories then combine by max, and scales take the value of the use with the largest
+  amax (a use that kept its old scale, for a zero or non-finite amax, gives way to one that
+  updated it). The values are unchanged, and the gradient with respect to the float32 state stays
+  float32. ``dot_general`` marks the state it is given in the same way (once per traced array,
+  shared by all its uses), so a plain ``jax.grad`` already combines uses of one state passed
+  around unchanged; calling this first also covers state rebuilt between uses (sliced, stacked,
+  copied into a new array). Works on any
+  pytree of recipe state (one GEMM's ``DelayedScalingState`` or dict of TE's names, or a nested
+  tree of them); the entries TE names as scales (``x_scale``, ``kernel_scale``, ``grad_scale``)
+  are treated as scales, everything else by max.
+  """
+
+  def convert(path, leaf):
+    key = path[-1] if path else None
+    kind = leaf_kind(getattr(key, "key", getattr(key, "name", None)))
+    return _accumulate.to_accumulating(leaf, kind or "max")
+
+  return jax.tree_util.tree_map_with_path(convert, state)
+
+
+def shared_max_grad(state: DelayedScalingState) -> DelayedScalingState:
+  """One GEMM's state, marked as by ``with_max_grad`` once per traced leaf (see
+  ``_accumulate.to_accumulating_shared``): every use of one state in a trace gets the same marked
+  arrays, so a plain ``jax.grad`` combines the uses by max."""
+  return DelayedScalingState(**{
+      name: _accumulate.to_accumulating_shared(state[name], leaf_kind(name)) for name in state
+  })
+
+
+def updated_state(old_state, state_grads):
+  """The new state from the gradient with respect to the state.
+
+  The gradient is the new state (see ``dot_general``), except for a GEMM whose output did not
+  reach the loss: its state gradient is zero, and that GEMM keeps its old state. A valid scale is
+  never zero, so a zero scale marks such a GEMM. Works on any pytree of recipe states (typed, or
+  dicts of TE's names as Linen collections and Haiku state hold them); each keeps its type.
+  """
+
+  def pick(old, new):
+    return jax.tree_util.tree_map(lambda o, n: n.astype(o.dtype), old, new)
+
+  def merge(old, new):
+    if is_state_mapping(old):
+      new_typed = DelayedScalingState.from_mapping(new)
+      used = jnp.all(jnp.stack([jnp.all(s != 0) for s in new_typed.scales()]))
+      merged = {
+          name: jnp.where(used, new_typed[name], old[name]).astype(old[name].dtype)
+          for name in old
+      }
+      return DelayedScalingState(**merged) if isinstance(old, DelayedScalingState) else merged
+    if isinstance(old, Mapping):
+      return {k: merge(old[k], new[k]) for k in old}
+    return pick(old, new)
+
+  return merge(old_state, state_grads)

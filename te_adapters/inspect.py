@@ -1,0 +1,157 @@
+"""What a compiled program really runs: FP8 GEMMs in the jaxpr and in compiled HLO, and its
+collectives (for tests, benchmarks and users checking their own models)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core as jax_core
+
+from te_adapters.core import kernels
+
+__all__ = [
+    "Collective",
+    "count_fp8_cublas_gemms",
+    "count_fp8_dot_generals",
+    "count_fp8_gemms",
+    "dot_general_operand_dtypes",
+    "hlo_collectives",
+    "hlo_dot_operand_types",
+]
+
+
+_FP8_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(item, jax_core.ClosedJaxpr):
+        yield item.jaxpr
+      elif isinstance(item, jax_core.Jaxpr):
+        yield item
+
+
+def _walk(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in _sub_jaxprs(eqn):
+      yield from _walk(sub)
+
+
+# The extension's cuBLASLt FP8 GEMM (per-tensor and block-scaled), called through the FFI.
+_FFI_GEMM_TARGET = kernels.GEMM_TARGET
+
+
+def _is_gemm(eqn) -> bool:
+  if eqn.primitive.name == "dot_general":
+    return True
+  return eqn.primitive.name == "ffi_call" and eqn.params.get("target_name") == _FFI_GEMM_TARGET
+
+
+def dot_general_operand_dtypes(fn: Callable, *args, **kwargs) -> list[tuple[str, str]]:
+  """The operand dtypes of every GEMM in ``fn``'s jaxpr (sub-jaxprs included): each
+  ``dot_general``, and each call of the extension's cuBLASLt FP8 GEMM (used on Hopper GPUs)."""
+  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  out = []
+  for eqn in _walk(closed.jaxpr):
+    if _is_gemm(eqn):
+      out.append(tuple(str(np.dtype(v.aval.dtype)) for v in eqn.invars[:2]))
+  return out
+
+
+def count_fp8_dot_generals(fn: Callable, *args, **kwargs) -> tuple[int, int]:
+  """``(number of dot_generals with two FP8 operands, number of dot_generals)`` in the jaxpr."""
+  dtypes = dot_general_operand_dtypes(fn, *args, **kwargs)
+  fp8 = sum(all(d in _FP8_NAMES for d in pair) for pair in dtypes)
+  return fp8, len(dtypes)
+
+
+def count_fp8_cublas_gemms(hlo_text: str) -> int:
+  """Number of cuBLASLt FP8 GEMM custom calls in compiled GPU HLO text: XLA's, and the
+  extension's (whose operands are always FP8)."""
+  xla = re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo_text)
+  return len(xla) + hlo_text.count(f'custom_call_target="{_FFI_GEMM_TARGET}"')
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+)\[")
+_DOT_ARGS = re.compile(r"\bdot\(([^)]*)\)")
+
+
+def hlo_dot_operand_types(hlo_text: str) -> list[tuple[str, str]]:
+  """Operand element types of every ``dot`` instruction left in compiled HLO text.
+
+  On GPU, dots that XLA did not turn into cuBLAS calls remain as ``dot`` instructions inside
+  (Triton) GEMM fusions; their operand types show whether they run in FP8.
+  """
+  types = {}
+  for line in hlo_text.splitlines():
+    if m := _DEF.match(line):
+      types[m.group(1)] = m.group(2)
+  out = []
+  for line in hlo_text.splitlines():
+    if " dot(" not in line or not (m := _DOT_ARGS.search(line)):
+      continue
+    names = [a.strip().split()[-1].lstrip("%") for a in m.group(1).split(",")[:2]]
+    out.append(tuple(types.get(n, "?") for n in names))
+  return out
+
+
+def count_fp8_gemms(hlo_text: str) -> tuple[int, int]:
+  """``(FP8 GEMMs, other GEMMs)`` in compiled HLO: cuBLASLt FP8 calls plus FP8 fused dots
+  against cuBLAS calls and dots of other types."""
+  fp8_dots = sum(a.startswith("f8") and b.startswith("f8") for a, b in hlo_dot_operand_types(
+      hlo_text))
+  other_dots = len(hlo_dot_operand_types(hlo_text)) - fp8_dots
+  other_calls = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', hlo_text))
+  return count_fp8_cublas_gemms(hlo_text) + fp8_dots, other_dots + other_calls
+
+
+class Collective(NamedTuple):
+  """One collective in compiled HLO text.
+
+  Attributes:
+    op: ``all-gather``, ``all-reduce``, ``reduce-scatter``, ``all-to-all`` or
+      ``collective-permute`` (asynchronous ``-start`` forms are reported under these names).
+    arrays: ``(dtype, shape)`` of each array in the op's result type; for a ``-start`` op the
+      operand's arrays come first.
+    line: the HLO instruction.
+  """
+
+  op: str
+  arrays: tuple[tuple[str, tuple[int, ...]], ...]
+  line: str
+
+
+_COLLECTIVE_RE = re.compile(
+    r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|"
+    r"collective-permute)(?:-start)?\("
+)
+
+
+_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def hlo_collectives(hlo_text: str) -> list[Collective]:
+  """The collectives of compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``).
+
+  Example:
+    >>> import jax, te_adapters as ta
+    >>> ta.inspect.hlo_collectives(jax.jit(lambda x: x + 1).lower(1.0).compile().as_text())
+    []
+  """
+  found = []
+  for line in hlo_text.splitlines():
+    m = _COLLECTIVE_RE.search(line)
+    if m is None:
+      continue
+    arrays = tuple(
+        (dtype, tuple(int(n) for n in dims.split(",") if n))
+        for dtype, dims in _ARRAY_RE.findall(m.group("type"))
+    )
+    found.append(Collective(m.group("op"), arrays, line.strip()))
+  return found
