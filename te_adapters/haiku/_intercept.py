@@ -10,7 +10,7 @@ from collections.abc import Callable
 import haiku as hk
 
 from te_adapters import core
-from te_adapters._scope import InterceptScope
+from te_adapters._kit import InterceptScope
 from te_adapters.haiku import _linear
 
 __all__ = ["QuantizeReport", "quantize"]

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from te_adapters import core
-from te_adapters._scope import InterceptScope
+from te_adapters._kit import InterceptScope
 from te_adapters.linen._module import make_dot_general_cls
 
 __all__ = ["QuantizeReport", "quantize"]
