@@ -19,19 +19,19 @@ SR_RNG = "sr_rng"
 def missing_key_message(recipe, how: str, where: str = "") -> str:
   """The error of a layer whose ``recipe`` rounds stochastically and finds no key.
 
-  ``where`` (the layer, with its separator) comes first; ``how`` tells how this framework
-  provides keys and ends with its own separator before the common way out.
+  ``where`` (the layer, with its separator) comes first; ``how`` follows "stochastically" and
+  tells how this framework provides keys, with its own separators before the common way out.
 
   Example:
     >>> import te_adapters as ta
     >>> from te_adapters._kit import missing_key_message
-    >>> print(missing_key_message(ta.NVFP4BlockScaling(), "and needs a key, ", "f: "))
+    >>> print(missing_key_message(ta.NVFP4BlockScaling(), " and needs a key, ", "f: "))
     ... # doctest: +NORMALIZE_WHITESPACE
     f: NVFP4BlockScaling rounds the gradient stochastically and needs a key,
     or use disable_stochastic_rounding=True
   """
   return (
-      f"{where}{type(recipe).__name__} rounds the gradient stochastically {how}"
+      f"{where}{type(recipe).__name__} rounds the gradient stochastically{how}"
       "or use disable_stochastic_rounding=True"
   )
 

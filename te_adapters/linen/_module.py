@@ -19,7 +19,7 @@ OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 SR_RNG = kit.SR_RNG
 # How a Linen layer gets its rounding keys, said when it has none.
 _HOW_TO_GIVE_KEYS = (
-    f"and draws a key per call from the Linen RNG stream {SR_RNG!r}: pass "
+    f" and draws a key per call from the Linen RNG stream {SR_RNG!r}: pass "
     f"rngs={{{SR_RNG!r}: key}} to apply (a fresh key per step), "
 )
 

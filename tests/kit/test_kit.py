@@ -113,13 +113,13 @@ def test_a_recipe_that_rounds_stochastically_draws_one_key_per_call():
 
 def test_no_key_to_draw_is_an_error_with_the_way_out():
   with pytest.raises(ValueError) as info:
-    kit.rounding_key(NVFP4, lambda: None, "and needs a key from the stream 'x': pass one, ",
+    kit.rounding_key(NVFP4, lambda: None, " and needs a key from the stream 'x': pass one, ",
                      where="layer: ")
   assert str(info.value) == (
       "layer: NVFP4BlockScaling rounds the gradient stochastically and needs a key from the "
       "stream 'x': pass one, or use disable_stochastic_rounding=True")
   assert str(info.value) == kit.missing_key_message(
-      NVFP4, "and needs a key from the stream 'x': pass one, ", "layer: ")
+      NVFP4, " and needs a key from the stream 'x': pass one, ", "layer: ")
   assert kit.SR_RNG == "sr_rng"  # TE's stream name
 
 
