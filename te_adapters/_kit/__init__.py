@@ -16,7 +16,7 @@ the numerics stay in the core.
 
 from te_adapters._kit._lora import add_lora
 from te_adapters._kit._norm_dense import layernorm_dense_general
-from te_adapters._kit._options import GemmOptions, check_needs_recipe
+from te_adapters._kit._options import GemmOptionAttributes, GemmOptions, check_needs_recipe
 from te_adapters._kit._recipe import check_layernorm_type, check_recipe_or_none
 from te_adapters._kit._requires import require
 from te_adapters._kit._rng import SR_RNG, missing_key_message, rounding_key
@@ -42,6 +42,7 @@ from te_adapters.core import (
 __all__ = [
     "DEFAULT_RECIPE",
     "DEFAULT_THRESHOLD",
+    "GemmOptionAttributes",
     "GemmOptions",
     "InterceptScope",
     "QuantizeReport",

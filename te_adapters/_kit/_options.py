@@ -7,7 +7,7 @@ from typing import Any
 
 from te_adapters import core
 
-__all__ = ["GemmOptions", "check_needs_recipe"]
+__all__ = ["GemmOptions", "GemmOptionAttributes", "check_needs_recipe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,28 @@ class GemmOptions:
           "take threshold and config"
       )
     return {"threshold": self.threshold, "config": self.config}
+
+
+class GemmOptionAttributes:
+  """A layer that keeps its ``GemmOptions`` in ``self.options`` and shows each option as a
+  read-only attribute (``layer.threshold``, ...), as a layer with four attributes would.
+
+  Example:
+    >>> from te_adapters._kit import GemmOptions, GemmOptionAttributes
+    >>> class Layer(GemmOptionAttributes):
+    ...   def __init__(self, threshold):
+    ...     self.options = GemmOptions(threshold)
+    >>> Layer(None).threshold is None
+    True
+  """
+
+  options: GemmOptions
+
+  threshold = property(lambda self: self.options.threshold, doc="``GemmOptions.threshold``")
+  amax_axes = property(lambda self: self.options.amax_axes, doc="``GemmOptions.amax_axes``")
+  kernel_all_gather = property(lambda self: self.options.kernel_all_gather,
+                               doc="``GemmOptions.kernel_all_gather``")
+  config = property(lambda self: self.options.config, doc="``GemmOptions.config``")
 
 
 def check_needs_recipe(recipe, layer: str, *, amax_axes=None, kernel_all_gather=None) -> None:

@@ -101,7 +101,7 @@ def _permuted_sharding(out_sharding, perm: list[int]):
   return permuted
 
 
-class _RecipeOp(nnx.Module):
+class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
   """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names.
 
   A recipe that rounds stochastically (``recipe.uses_rng``) also gets an RNG stream of its own
@@ -128,11 +128,6 @@ class _RecipeOp(nnx.Module):
       setattr(self, name, RecipeState(value))
     self.rngs = nnx.data(None)
     self.set_rngs(rngs)
-
-  threshold = property(lambda self: self.options.threshold)
-  amax_axes = property(lambda self: self.options.amax_axes)
-  kernel_all_gather = property(lambda self: self.options.kernel_all_gather)
-  config = property(lambda self: self.options.config)
 
   def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:
     """Gives the op its rounding stream from ``rngs`` (``sr_stream``), if the recipe uses one."""
