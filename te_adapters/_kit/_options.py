@@ -78,8 +78,6 @@ class GemmOptionAttributes:
     True
   """
 
-  options: GemmOptions
-
   threshold = property(lambda self: self.options.threshold, doc="``GemmOptions.threshold``")
   amax_axes = property(lambda self: self.options.amax_axes, doc="``GemmOptions.amax_axes``")
   kernel_all_gather = property(lambda self: self.options.kernel_all_gather,

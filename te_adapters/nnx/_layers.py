@@ -23,25 +23,28 @@ from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
 _DEFAULT_RECIPE = kit.DEFAULT_RECIPE
-# The NNX parents' own defaults for the slot a recipe fills.
-_LINEAR_DOT = inspect.signature(nnx.Linear.__init__).parameters["dot_general"].default
-_EINSUM_OP = inspect.signature(nnx.Einsum.__init__).parameters["einsum_op"].default
 
 
-def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **options):
-  """The op for the parent's ``arg_name`` slot: ``op_cls(recipe, **options)``, or the slot's
-  ``given`` value when there is no recipe."""
+def _init_parent(layer, parent, slot: str, op_cls, args, kwargs, given, recipe, **options):
+  """Runs ``parent.__init__`` (the NNX layer) with its ``slot`` (``dot_general`` or
+  ``einsum_op``) holding ``op_cls(recipe, **options)``; with no recipe, as given."""
+  name = parent.__name__
   if recipe is None:
-    kit.check_needs_recipe(None, layer, amax_axes=options.get("amax_axes"),
-                           kernel_all_gather=options.get("kernel_all_gather"))
-    return given
-  if given is not default:
+    kit.check_needs_recipe(None, name, amax_axes=options["amax_axes"],
+                           kernel_all_gather=options["kernel_all_gather"])
+  elif given[slot] is not inspect.signature(parent.__init__).parameters[slot].default:
     raise ValueError(
-        f"{layer}: pass either recipe= or a custom {arg_name}=, not both (recipe={recipe!r} "
-        f"replaces the {arg_name})"
+        f"{name}: pass either recipe= or a custom {slot}=, not both (recipe={recipe!r} "
+        f"replaces the {slot})"
     )
-  # The rounding stream is forked after the parameters are drawn (see _attach_rngs).
-  return op_cls(recipe, **options)
+  else:
+    kwargs[slot] = op_cls(recipe, **options)
+  parent.__init__(layer, *args, **kwargs)
+  layer.recipe = recipe
+  layer.threshold = options["threshold"]
+  # After the NNX parent drew the parameters, so they equal those of the NNX layer.
+  if isinstance(op := getattr(layer, slot), _RecipeOp):
+    op.set_rngs(given["rngs"])
 
 
 def _add_lora(layer, in_shape, features, given, what: str, enable: bool, rank: int, alpha):
@@ -81,12 +84,6 @@ def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
   bound = inspect.signature(parent_init).bind(layer, *args, **kwargs)
   bound.apply_defaults()
   return bound.arguments
-
-
-def _attach_rngs(op, rngs) -> None:
-  # After the NNX parent drew the parameters, so they equal those of the NNX layer.
-  if isinstance(op, _RecipeOp):
-    op.set_rngs(rngs)
 
 
 class Linear(nnx.Linear):
@@ -139,19 +136,16 @@ class Linear(nnx.Linear):
   ):
     given = _parent_arguments(nnx.Linear.__init__, self, args, kwargs)
     k, n = given["in_features"], given["out_features"]
+    what = f"Linear({k}, {n})"
     if recipe is not None:
-      kit.check_gemm_dims(k, n, f"Linear({k}, {n})")
-    kwargs["dot_general"] = _quantized_op(
-        DotGeneral, recipe, given["dot_general"], _LINEAR_DOT, "dot_general", "Linear",
+      kit.check_gemm_dims(k, n, what)
+    _init_parent(
+        self, nnx.Linear, "dot_general", DotGeneral, args, kwargs, given, recipe,
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(*args, **kwargs)
-    self.recipe = recipe
-    self.threshold = threshold
-    _attach_rngs(self.dot_general, given["rngs"])
-    _add_lora(self, (k,), (n,), given, f"Linear({k}, {n})", enable_low_rank_adaptation,
-              low_rank_adaptation_dim, low_rank_adaptation_alpha)
+    _add_lora(self, (k,), (n,), given, what, enable_low_rank_adaptation, low_rank_adaptation_dim,
+              low_rank_adaptation_alpha)
 
   __init__.__signature__ = kit.signature_with_keywords(nnx.Linear.__init__, __init__)
 
@@ -205,15 +199,11 @@ class LinearGeneral(nnx.LinearGeneral):
       if given["dot_general_cls"] is not None:
         raise ValueError("LinearGeneral: pass either recipe= or dot_general_cls=, not both")
       kit.check_gemm_dims(math.prod(in_features), math.prod(out_features), what)
-    kwargs["dot_general"] = _quantized_op(
-        DotGeneral, recipe, given["dot_general"], None, "dot_general", "LinearGeneral",
+    _init_parent(
+        self, nnx.LinearGeneral, "dot_general", DotGeneral, args, kwargs, given, recipe,
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(*args, **kwargs)
-    self.recipe = recipe
-    self.threshold = threshold
-    _attach_rngs(self.dot_general, given["rngs"])
     if enable_low_rank_adaptation and given["batch_axis"]:
       raise ValueError("LinearGeneral: low-rank adaptation does not take batch_axis")
     _add_lora(self, in_features, out_features, given, what, enable_low_rank_adaptation,
@@ -266,15 +256,11 @@ class Einsum(nnx.Einsum):
       dims = kit.einsum_gemm_dims(einsum_str, kernel_shape)
       if dims is not None:
         kit.check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
-    kwargs["einsum_op"] = _quantized_op(
-        EinsumOp, recipe, given["einsum_op"], _EINSUM_OP, "einsum_op", "Einsum",
+    _init_parent(
+        self, nnx.Einsum, "einsum_op", EinsumOp, args, kwargs, given, recipe,
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(*args, **kwargs)
-    self.recipe = recipe
-    self.threshold = threshold
-    _attach_rngs(self.einsum_op, given["rngs"])
 
   __init__.__signature__ = kit.signature_with_keywords(nnx.Einsum.__init__, __init__)
 

@@ -76,6 +76,20 @@ def test_gemm_options_keywords_are_what_the_core_takes():
     options.keywords(spmd=False)
 
 
+def test_option_attributes_read_the_options():
+  class Layer(kit.GemmOptionAttributes):
+    def __init__(self, **options):
+      self.options = kit.GemmOptions(**options)
+
+  config = core.GemmConfig(backend="jax")
+  layer = Layer(threshold=None, amax_axes="dp", kernel_all_gather=("fsdp",), config=config)
+  assert (layer.threshold, layer.amax_axes, layer.kernel_all_gather, layer.config) == (
+      None, "dp", ("fsdp",), config)
+  assert Layer().threshold is core.DEFAULT_THRESHOLD and Layer().config == core.GemmConfig()
+  with pytest.raises(AttributeError):
+    layer.threshold = core.DEFAULT_THRESHOLD  # one place holds the options: read-only
+
+
 def test_spmd_options_need_a_recipe():
   for given in ({"amax_axes": "dp"}, {"kernel_all_gather": ("fsdp",)}):
     with pytest.raises(ValueError, match="^Dense: amax_axes and kernel_all_gather need a recipe$"):
