@@ -9,7 +9,7 @@
   ``(loss, aux, param_grads, new_state)``.
 """
 
-from te_adapters._requires import require
+from te_adapters._kit import require
 
 require("haiku", "te_adapters.haiku", "haiku")
 

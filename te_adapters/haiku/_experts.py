@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_adapters import _kit as kit
 from te_adapters import core
+from te_adapters.haiku._linear import state_variable
 
 __all__ = ["GroupedLinear"]
 
@@ -56,7 +58,7 @@ class GroupedLinear(hk.Module):
     self.num_groups = num_groups
     self.output_size = output_size
     self.w_init = w_init
-    self.recipe = None if recipe is None else core.check_recipe(recipe)
+    self.recipe = kit.check_recipe_or_none(recipe)
 
   def __call__(
       self, inputs: jax.Array, group_sizes: jax.Array, *, precision: jax.lax.Precision | None = None
@@ -74,20 +76,14 @@ class GroupedLinear(hk.Module):
     inputs = jnp.asarray(inputs)
     if inputs.ndim != 2:
       raise ValueError(f"inputs must be 2-D [M, K], got shape {inputs.shape}")
-    core.check_input_dtype(self.recipe, inputs.dtype, self.module_name)
+    kit.check_input_dtype(self.recipe, inputs.dtype, self.module_name)
     input_size = inputs.shape[-1]
     w_init = self.w_init
     if w_init is None:
       w_init = hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(input_size))
     shape = [self.num_groups, input_size, self.output_size]
     w = hk.get_parameter("w", shape, inputs.dtype, init=w_init)
-    state = None
-    if self.recipe is not None and core.state_names(self.recipe):
-      initial = core.init_ragged_state(self.recipe, self.num_groups)
-      state = {
-          name: hk.get_state(name, value.shape, value.dtype, init=lambda *_, v=value: v)
-          for name, value in initial.items()
-      }
+    state = kit.recipe_state(self.recipe, state_variable, self.num_groups)
     return core.ragged_dot(
         inputs, w, group_sizes, precision=precision, recipe=self.recipe, state=state
     )

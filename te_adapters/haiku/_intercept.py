@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import haiku as hk
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters._scope import InterceptScope
 from te_adapters.haiku import _linear
 
 __all__ = ["QuantizeReport", "quantize"]
@@ -18,23 +18,23 @@ __all__ = ["QuantizeReport", "quantize"]
 _EXCLUDED = "excluded by module_filter"
 
 
-QuantizeReport = core.QuantizeReport  # one report type for every adapter
+QuantizeReport = kit.QuantizeReport  # one report type for every adapter
 
 
 def _skip_reason(module: hk.Linear, inputs, module_filter) -> str | None:
   name = module.module_name
   if module_filter is not None and not module_filter(name):
     return _EXCLUDED
-  refusal = core.input_dtype_refusal(getattr(inputs, "dtype", None))
+  refusal = kit.input_dtype_refusal(getattr(inputs, "dtype", None))
   if refusal is not None:
     return refusal
   shape = getattr(inputs, "shape", ())
   if not shape:
     return "scalar input"
-  return core.gemm_dims_refusal(shape[-1], module.output_size)
+  return kit.gemm_dims_refusal(shape[-1], module.output_size)
 
 
-class quantize(InterceptScope):  # lower case: used like a function
+class quantize(kit.GemmOptionAttributes, kit.InterceptScope):  # lower case: used like a function
   """Makes every ``hk.Linear`` called in its scope compute with ``recipe``, with no model edits.
 
   Works as a context manager or a decorator around the function given to ``hk.transform`` (or
@@ -79,16 +79,13 @@ class quantize(InterceptScope):  # lower case: used like a function
       recipe: core.Recipe | None,
       *,
       module_filter: Callable[[str], bool] | None = None,
-      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
+      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,
   ):
-    self.recipe = None if recipe is None else core.check_recipe(recipe)
-    self.threshold = core.check_threshold(threshold)
-    self.amax_axes = amax_axes
-    self.kernel_all_gather = kernel_all_gather
-    self.config = core.check_config(config)
+    self.recipe = kit.check_recipe_or_none(recipe)
+    self.options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
     if module_filter is not None and not callable(module_filter):
       raise TypeError(f"module_filter must be callable, got {type(module_filter).__name__}")
     self.module_filter = module_filter
@@ -124,14 +121,7 @@ class quantize(InterceptScope):  # lower case: used like a function
     if why is not None:
       self.report.high_precision.setdefault(name, why)
     call = functools.partial(
-        _linear.linear_forward,
-        module,
-        recipe=self.recipe,
-        threshold=self.threshold,
-        amax_axes=self.amax_axes,
-        kernel_all_gather=self.kernel_all_gather,
-        config=self.config,
-    )
+        _linear.linear_forward, module, recipe=self.recipe, options=self.options)
     return _call_like_linear(call, *args, **kwargs)
 
 

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-import inspect
-
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.haiku._scan_check import refuse_state_in_hk_scan
 
 __all__ = ["Linear"]
 
-# Every adapter's default recipe (stateless current scaling), from the core.
-_DEFAULT_RECIPE = core.DEFAULT_RECIPE
+# Every adapter's default recipe (stateless current scaling).
+_DEFAULT_RECIPE = kit.DEFAULT_RECIPE
+# How a Haiku layer gets its rounding keys, said when it has none.
+_HOW_TO_GIVE_KEYS = (
+    " and draws a key per call with hk.next_rng_key(), but apply was given rng=None: pass a PRNG "
+    "key to apply (a fresh one per step), "
+)
 
 
 def linear_forward(
@@ -24,10 +28,7 @@ def linear_forward(
     inputs: jax.Array,
     precision: lax.Precision | None,
     recipe,
-    threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
-    amax_axes=None,
-    kernel_all_gather=None,
-    config: core.GemmConfig | None = None,
+    options: kit.GemmOptions,
 ) -> jax.Array:
   """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
 
@@ -45,31 +46,21 @@ def linear_forward(
     raise ValueError("Input must not be scalar.")
   inputs = jnp.asarray(inputs)
   # Haiku creates the parameters in the inputs' dtype: the core's rules apply before that.
-  core.check_input_dtype(recipe, inputs.dtype, module.module_name)
+  kit.check_input_dtype(recipe, inputs.dtype, module.module_name)
   input_size = module.input_size = inputs.shape[-1]
   dtype = inputs.dtype
   if recipe is not None:
-    core.check_gemm_dims(input_size, module.output_size, module.module_name)
+    kit.check_gemm_dims(input_size, module.output_size, module.module_name)
 
   w_init = module.w_init
   if w_init is None:
     w_init = hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(input_size))
   w = hk.get_parameter("w", [input_size, module.output_size], dtype, init=w_init)
 
-  state = recipe_state(module, recipe)
-  dims = (((inputs.ndim - 1,), (0,)), ((), ()))
   out = core.dot_general(
-      inputs,
-      w,
-      dims,
-      precision,
-      recipe=recipe,
-      state=state,
-      rng=rounding_key(module, recipe),
-      threshold=threshold,
-      amax_axes=amax_axes,
-      kernel_all_gather=kernel_all_gather,
-      config=config,
+      inputs, w, (((inputs.ndim - 1,), (0,)), ((), ())), precision, recipe=recipe,
+      state=recipe_state(module, recipe), rng=rounding_key(module, recipe),
+      **options.keywords(),
   )
 
   if module.with_bias:
@@ -78,21 +69,21 @@ def linear_forward(
   return out
 
 
+def state_variable(name: str, initial: jax.Array) -> jax.Array:
+  """One recipe-state entry of the current module with ``hk.get_state``, ``initial`` at init."""
+  return hk.get_state(name, initial.shape, initial.dtype, init=lambda *_: initial)
+
+
 def recipe_state(module: hk.Module, recipe) -> dict | None:
-  """The recipe state of the module's GEMM from ``hk.get_state`` (TE's names), or None.
+  """The recipe state of the module's GEMM from ``hk.get_state`` (TE's names), or None where the
+  recipe keeps none.
 
   Must run inside the module's method. Refuses state cast away from float32 (an
   ``hk.mixed_precision`` policy) and state shared by the iterations of an ``hk.scan``.
   """
-  if recipe is None:
+  state = kit.recipe_state(recipe, state_variable)
+  if state is None:
     return None
-  initial = core.init_state(recipe)
-  state = {
-      name: hk.get_state(
-          name, initial[name].shape, initial[name].dtype, init=_constant(initial[name])
-      )
-      for name in core.state_names(recipe)
-  }
   cast = sorted({str(v.dtype) for v in state.values()
                  if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})
   if cast:
@@ -106,27 +97,11 @@ def recipe_state(module: hk.Module, recipe) -> dict | None:
 
 def rounding_key(module: hk.Module, recipe):
   """A fresh key from Haiku's RNG sequence when ``recipe`` rounds stochastically, else None."""
-  if recipe is None or not recipe.uses_rng:
-    return None
-  key = hk.maybe_next_rng_key()
-  if key is None:
-    raise ValueError(
-        f"{module.module_name}: {type(recipe).__name__} rounds the gradient stochastically and "
-        "draws a key per call with hk.next_rng_key(), but apply was given rng=None: pass a PRNG "
-        "key to apply (a fresh one per step), or use disable_stochastic_rounding=True"
-    )
-  return key
+  return kit.rounding_key(recipe, hk.maybe_next_rng_key, _HOW_TO_GIVE_KEYS,
+                          f"{module.module_name}: ")
 
 
-def _constant(value):
-  def init(shape, dtype):
-    del shape, dtype
-    return value
-
-  return init
-
-
-class Linear(hk.Linear):
+class Linear(kit.GemmOptionAttributes, hk.Linear):
   """``hk.Linear`` with a quantized GEMM (FP8 per ``recipe``).
 
   Takes every argument of ``hk.Linear`` and creates the same parameters (``w`` of shape
@@ -154,7 +129,7 @@ class Linear(hk.Linear):
       self,
       *args,
       recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
+      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,
@@ -192,11 +167,8 @@ class Linear(hk.Linear):
       **kwargs: keyword arguments of ``hk.Linear``.
     """
     super().__init__(*args, **kwargs)
-    self.recipe = None if recipe is None else core.check_recipe(recipe)
-    self.threshold = core.check_threshold(threshold)
-    self.amax_axes = amax_axes
-    self.kernel_all_gather = kernel_all_gather
-    self.config = core.check_config(config)
+    self.recipe = kit.check_recipe_or_none(recipe)
+    self.options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
     self.enable_low_rank_adaptation = bool(enable_low_rank_adaptation)
     self.low_rank_adaptation_dim = low_rank_adaptation_dim
     self.low_rank_adaptation_alpha = low_rank_adaptation_alpha
@@ -215,10 +187,7 @@ class Linear(hk.Linear):
       core.check_lora_rank(
           self.low_rank_adaptation_dim, jnp.shape(inputs)[-1], self.output_size, self.module_name
       )
-    out = linear_forward(
-        self, inputs, precision, self.recipe, self.threshold, self.amax_axes,
-        self.kernel_all_gather, self.config,
-    )
+    out = linear_forward(self, inputs, precision, self.recipe, self.options)
     if not self.enable_low_rank_adaptation:
       return out
     a_shape, b_shape = core.lora_shapes(self.input_size, self.output_size,
@@ -227,21 +196,12 @@ class Linear(hk.Linear):
     w_init = self.w_init or hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(self.input_size))
     lora_a = hk.get_parameter("lora_a_kernel", a_shape, dtype, init=w_init)
     lora_b = hk.get_parameter("lora_b_kernel", b_shape, dtype, init=jnp.zeros)
-    lora_a, lora_b = core.watch_lora_state(
-        lora_a, lora_b, recipe_state(self, self.recipe), x_shape=jnp.shape(inputs),
-        kernel_shape=(self.input_size, self.output_size), threshold=self.threshold)
-    lora = core.low_rank_adaptation(inputs, lora_a, lora_b, alpha=self.low_rank_adaptation_alpha)
-    return out + lora.astype(out.dtype)
-
-
-def _signature_with_keywords(base, extra):
-  """``base``'s signature (``hk.Linear.__init__``) followed by ``extra``'s keyword-only ones."""
-  params = list(inspect.signature(base).parameters.values())
-  params += [
-      p for p in inspect.signature(extra).parameters.values() if p.kind is p.KEYWORD_ONLY
-  ]
-  return inspect.Signature(params)
+    return kit.add_lora(
+        out, inputs, lora_a, lora_b, state=recipe_state(self, self.recipe),
+        kernel_shape=(self.input_size, self.output_size), threshold=self.threshold,
+        alpha=self.low_rank_adaptation_alpha,
+    )
 
 
 # hk.Linear's own signature, plus the quantization keywords (inspect.signature(Linear) shows it).
-Linear.__init__.__signature__ = _signature_with_keywords(hk.Linear.__init__, Linear.__init__)
+Linear.__init__.__signature__ = kit.signature_with_keywords(hk.Linear.__init__, Linear.__init__)

@@ -7,9 +7,10 @@ from typing import Any
 import haiku as hk
 import jax.numpy as jnp
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.haiku._linear import recipe_state, rounding_key
-from te_adapters.haiku._norm import _check_type, _norm_params
+from te_adapters.haiku._norm import _norm_params
 
 __all__ = ["LayerNormMLP"]
 
@@ -22,10 +23,10 @@ class _GemmState(hk.Module):
     self.recipe = recipe
 
   def __call__(self):
-    return recipe_state(self, self.recipe) or None, rounding_key(self, self.recipe)
+    return recipe_state(self, self.recipe), rounding_key(self, self.recipe)
 
 
-class LayerNormMLP(hk.Module):
+class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
   """TE's ``LayerNormMLP`` in Haiku: norm, GEMM, activation, dropout, GEMM.
 
   Sizes come from the input. Parameters with TE's names and shapes: ``scale`` and ``ln_bias``
@@ -52,7 +53,7 @@ class LayerNormMLP(hk.Module):
       kernel_init=None, use_bias: bool = False, bias_init=jnp.zeros,
       return_layernorm_output: bool = True, intermediate_dropout_rate: float = 0.0,
       intermediate_hidden_dropout_dims=(), param_dtype=jnp.float32, axis=-1,
-      recipe: Any = core.DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, config=None,
+      recipe: Any = kit.DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, config=None,
       name: str | None = None,
   ):
     """Constructs the block.
@@ -77,8 +78,8 @@ class LayerNormMLP(hk.Module):
       name: the module's name (default ``"layer_norm_mlp"``).
     """
     super().__init__(name=name)
-    core.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
-    _check_type("LayerNormMLP", layernorm_type)
+    kit.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
+    kit.check_layernorm_type(layernorm_type, "LayerNormMLP")
     self.intermediate_dim = intermediate_dim
     self.activations = core.normalize_activations(activations)
     self.enable_layernorm = enable_layernorm
@@ -95,16 +96,15 @@ class LayerNormMLP(hk.Module):
     self.intermediate_dropout_rate = intermediate_dropout_rate
     self.intermediate_hidden_dropout_dims = tuple(intermediate_hidden_dropout_dims)
     self.param_dtype = param_dtype
-    self.recipe = None if recipe is None else core.check_recipe(recipe)
-    self.threshold = core.check_threshold(threshold)
-    self.config = core.check_config(config)
+    self.recipe = kit.check_recipe_or_none(recipe)
+    self.options = kit.GemmOptions(threshold, config=config)
 
   def __call__(self, inputs, *, deterministic: bool = False):
     """``(out, ln_out or None)``; ``deterministic=True`` turns dropout off."""
     n_act, f, k = len(self.activations), self.intermediate_dim, inputs.shape[-1]
     dims = (((0,), (0,)), ((), ()))
-    core.check_kernel_gemm_dims(self.recipe, (k, n_act, f), dims, f"{self.module_name} wi_kernel")
-    core.check_kernel_gemm_dims(self.recipe, (f, k), dims, f"{self.module_name} wo_kernel")
+    kit.check_kernel_gemm_dims(self.recipe, (k, n_act, f), dims, f"{self.module_name} wi_kernel")
+    kit.check_kernel_gemm_dims(self.recipe, (f, k), dims, f"{self.module_name} wo_kernel")
     scale = ln_bias = None
     if self.enable_layernorm:
       scale, ln_bias = _norm_params(self, k)
@@ -133,6 +133,6 @@ class LayerNormMLP(hk.Module):
         dropout_rng=hk.next_rng_key() if dropping else None,
         dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
         deterministic=deterministic, recipe=self.recipe, states=(state_0, state_1),
-        rngs=(rng_0, rng_1), threshold=self.threshold, config=self.config,
+        rngs=(rng_0, rng_1), **self.options.keywords(spmd=False),
         return_layernorm_output=self.return_layernorm_output,
     )

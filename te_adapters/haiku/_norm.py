@@ -13,17 +13,11 @@ from typing import Any
 import haiku as hk
 import jax.numpy as jnp
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.haiku._linear import recipe_state, rounding_key
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "Softmax"]
-
-
-def _check_type(layer: str, layernorm_type: str) -> None:
-  if layernorm_type not in core.LAYERNORM_TYPES:
-    raise ValueError(
-        f"{layer}: layernorm_type must be one of {core.LAYERNORM_TYPES}, got {layernorm_type!r}"
-    )
 
 
 def _norm_params(module, features):
@@ -69,7 +63,7 @@ class LayerNorm(hk.Module):
       name: the module's name (default ``"layer_norm"``).
     """
     super().__init__(name=name)
-    _check_type("LayerNorm", layernorm_type)
+    kit.check_layernorm_type(layernorm_type, "LayerNorm")
     self.epsilon = epsilon
     self.layernorm_type = layernorm_type
     self.zero_centered_gamma = zero_centered_gamma
@@ -85,7 +79,7 @@ class LayerNorm(hk.Module):
     )
 
 
-class LayerNormDenseGeneral(hk.Module):
+class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
   """TE's ``LayerNormDenseGeneral`` in Haiku: the norm, then a quantized GEMM.
 
   Returns ``(z, ln_out)`` as TE's (``ln_out`` is ``None`` unless ``return_layernorm_output``).
@@ -111,8 +105,8 @@ class LayerNormDenseGeneral(hk.Module):
       zero_centered_gamma: bool = False, scale_init=None, ln_bias_init=jnp.zeros,
       kernel_init=None, use_bias: bool = False, bias_init=jnp.zeros,
       return_layernorm_output: bool = True, axis=-1, param_dtype=jnp.float32,
-      depth_scaling: float | None = None, recipe: Any = core.DEFAULT_RECIPE,
-      threshold=core.DEFAULT_THRESHOLD, config=None, name: str | None = None,
+      depth_scaling: float | None = None, recipe: Any = kit.DEFAULT_RECIPE,
+      threshold=kit.DEFAULT_THRESHOLD, config=None, name: str | None = None,
   ):
     """Constructs the layer.
 
@@ -133,8 +127,8 @@ class LayerNormDenseGeneral(hk.Module):
       name: the module's name (default ``"layer_norm_dense_general"``).
     """
     super().__init__(name=name)
-    core.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
-    _check_type("LayerNormDenseGeneral", layernorm_type)
+    kit.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
+    kit.check_layernorm_type(layernorm_type, "LayerNormDenseGeneral")
     self.features = tuple(features) if isinstance(features, Iterable) else (features,)
     self.enable_layernorm = enable_layernorm
     self.layernorm_type = layernorm_type
@@ -149,39 +143,29 @@ class LayerNormDenseGeneral(hk.Module):
     self.return_layernorm_output = return_layernorm_output
     self.param_dtype = param_dtype
     self.depth_scaling = depth_scaling
-    self.recipe = None if recipe is None else core.check_recipe(recipe)
-    self.threshold = core.check_threshold(threshold)
-    self.config = core.check_config(config)
+    self.recipe = kit.check_recipe_or_none(recipe)
+    self.options = kit.GemmOptions(threshold, config=config)
 
   def __call__(self, inputs):
     k = inputs.shape[-1]
     kernel_shape = (k, *self.features)
-    core.check_kernel_gemm_dims(self.recipe, kernel_shape, (((0,), (0,)), ((), ())),
-                                self.module_name)
+    kit.check_kernel_gemm_dims(self.recipe, kernel_shape, (((0,), (0,)), ((), ())),
+                               self.module_name)
+    scale = ln_bias = None
     if self.enable_layernorm:
       scale, ln_bias = _norm_params(self, k)
     kernel = hk.get_parameter("kernel", kernel_shape, self.param_dtype, init=self.kernel_init)
-    gemm = {"recipe": self.recipe, "state": recipe_state(self, self.recipe) or None,
-            "rng": rounding_key(self, self.recipe), "threshold": self.threshold,
-            "config": self.config}
+    state, rng = recipe_state(self, self.recipe), rounding_key(self, self.recipe)
     bias = None
     if self.use_bias:
       bias = hk.get_parameter("bias", self.features, self.param_dtype, init=self.out_bias_init)
-    if self.enable_layernorm:
-      z, ln_out = core.layernorm_dense(
-          inputs, scale, ln_bias, kernel, layernorm_type=self.layernorm_type,
-          zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-          return_layernorm_output=self.return_layernorm_output, dense_bias=bias, **gemm,
-      )
-    else:
-      dims = (((inputs.ndim - 1,), (0,)), ((), ()))
-      z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
-      ln_out = inputs if self.return_layernorm_output else None
-      if bias is not None:
-        z = z + bias.astype(z.dtype)
-    if self.depth_scaling is not None:
-      z = z / self.depth_scaling
-    return z, ln_out
+    return kit.layernorm_dense_general(
+        inputs, scale, ln_bias, kernel, bias, enable_layernorm=self.enable_layernorm,
+        layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
+        epsilon=self.epsilon, return_layernorm_output=self.return_layernorm_output,
+        depth_scaling=self.depth_scaling, recipe=self.recipe, state=state, rng=rng,
+        **self.options.keywords(spmd=False),
+    )
 
 
 class Softmax(hk.Module):

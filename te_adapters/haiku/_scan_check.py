@@ -1,6 +1,7 @@
 """Haiku's ``hk.scan`` carries all Haiku state through the iterations, so a plain gradient over
 the recipe state of a layer inside it would add up the iterations' amaxes (see
-``te_adapters._scan_guard``). Such a layer refuses to be differentiated that way at trace time.
+``te_adapters._kit.refuse_state_grad``). Such a layer refuses to be differentiated that way at
+trace time.
 
 The scan is found by walking the Python stack for the frame of ``hk.scan``'s body wrapper; a
 Haiku whose scan is laid out differently makes the check find nothing.
@@ -13,7 +14,7 @@ import types
 
 import jax
 
-from te_adapters._scan_guard import is_marked, refuse_state_grad
+from te_adapters._kit import is_marked, refuse_state_grad
 
 __all__ = ["refuse_state_in_hk_scan"]
 

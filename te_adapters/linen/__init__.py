@@ -2,7 +2,7 @@
 ``LayerNormDenseGeneral``, ``LayerNormMLP`` and ``Softmax``, ``wrap_function_in_te_state_module``,
 ``quantize`` (an existing model, no edits) and a train state."""
 
-from te_adapters._requires import require
+from te_adapters._kit import require
 
 require("flax", "te_adapters.linen", "flax")
 

@@ -9,9 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import _sr_rng, gemm_state
-from te_adapters.linen._norm import _constrain, _norm_params, _with_axes
+from te_adapters.linen._module import gemm_state, rounding_key
+from te_adapters.linen._norm import _constrain, _constraint, _norm_params, _with_axes
 
 __all__ = ["LayerNormMLP"]
 
@@ -98,14 +99,14 @@ class LayerNormMLP(nn.Module):
   dot_1_input_axes: tuple[str, ...] | None = None
   dot_2_input_axes: tuple[str, ...] | None = None
   transpose_batch_sequence: bool = False
-  recipe: Any = core.DEFAULT_RECIPE
-  threshold: Any = core.DEFAULT_THRESHOLD
+  recipe: Any = kit.DEFAULT_RECIPE
+  threshold: Any = kit.DEFAULT_THRESHOLD
   config: Any = None
 
   @nn.compact
   def __call__(self, inputs, deterministic: bool = False):
     what = self.name or "LayerNormMLP"
-    core.check_last_axis(self.axis, inputs.ndim, what, "LayerNormMLP")
+    kit.check_last_axis(self.axis, inputs.ndim, what, "LayerNormMLP")
     if self.enable_low_rank_adaptation:
       raise ValueError(
           f"{what}: low-rank adaptation is not supported in LayerNormMLP; use DenseGeneral("
@@ -113,10 +114,10 @@ class LayerNormMLP(nn.Module):
       )
     names = core.normalize_activations(self.activations)
     n_act, f, k = len(names), self.intermediate_dim, inputs.shape[-1]
-    recipe = None if self.recipe is None else core.check_recipe(self.recipe)
+    recipe = kit.check_recipe_or_none(self.recipe)
     dims = (((0,), (0,)), ((), ()))
-    core.check_kernel_gemm_dims(recipe, (k, n_act, f), dims, f"{what} wi_kernel")
-    core.check_kernel_gemm_dims(recipe, (f, k), dims, f"{what} wo_kernel")
+    kit.check_kernel_gemm_dims(recipe, (k, n_act, f), dims, f"{what} wi_kernel")
+    kit.check_kernel_gemm_dims(recipe, (f, k), dims, f"{what} wo_kernel")
     kernel_init = self.kernel_init or nn.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal")
 
@@ -140,7 +141,7 @@ class LayerNormMLP(nn.Module):
     if recipe is None:  # high precision computes in the input's dtype (TE casts too)
       wi, wo = wi.astype(inputs.dtype), wo.astype(inputs.dtype)
     states = (gemm_state(self, recipe, "_0"), gemm_state(self, recipe, "_1"))
-    sr_rngs = (_sr_rng(self, recipe), _sr_rng(self, recipe))
+    sr_rngs = (rounding_key(self, recipe), rounding_key(self, recipe))
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
     inputs = _constrain(inputs, self.layernorm_input_axes)
     return core.layernorm_mlp(
@@ -152,14 +153,10 @@ class LayerNormMLP(nn.Module):
         dropout_rng=self.make_rng(self.intermediate_dropout_rng_name) if dropping else None,
         dropout_broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
         deterministic=deterministic, recipe=recipe, states=states, rngs=sr_rngs,
-        threshold=core.check_threshold(self.threshold), config=core.check_config(self.config),
+        **kit.GemmOptions(self.threshold, config=self.config).keywords(spmd=False),
         return_layernorm_output=self.return_layernorm_output,
         ffn1_ckpt_name=self.ffn1_ckpt_name, ffn2_ckpt_name=self.ffn2_ckpt_name,
         dot_1_input_constraint=_constraint(self.dot_1_input_axes),
         dot_2_input_constraint=_constraint(self.dot_2_input_axes),
     )
 
-
-def _constraint(axes):
-  """A function applying TE's logical constraint ``axes``, or None when there is none."""
-  return None if axes is None else (lambda y: _constrain(y, axes))

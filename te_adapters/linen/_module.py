@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from te_adapters import _kit as kit
 from te_adapters import core
 
 __all__ = ["OVERWRITE_WITH_GRADIENT", "SR_RNG", "make_dot_general_cls", "Dense", "DenseGeneral"]
@@ -15,21 +16,24 @@ __all__ = ["OVERWRITE_WITH_GRADIENT", "SR_RNG", "make_dot_general_cls", "Dense",
 # The collection that holds recipe state; its gradient is its new value (the name Flax and TE use).
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 # The RNG stream stochastic rounding draws its keys from (TE's name).
-SR_RNG = "sr_rng"
+SR_RNG = kit.SR_RNG
+# How a Linen layer gets its rounding keys, said when it has none.
+_HOW_TO_GIVE_KEYS = (
+    f" and draws a key per call from the Linen RNG stream {SR_RNG!r}: pass "
+    f"rngs={{{SR_RNG!r}: key}} to apply (a fresh key per step), "
+)
 
 
-def _sr_rng(module: nn.Module, recipe):
+def rounding_key(module: nn.Module, recipe):
   """A fresh key from the ``sr_rng`` stream when ``recipe`` rounds stochastically, else None."""
-  if recipe is None or not recipe.uses_rng:
+
+  def draw():
+    # make_rng falls back to the "params" stream (Flax's rule), which init always has.
+    if module.has_rng(SR_RNG) or module.has_rng("params"):
+      return module.make_rng(SR_RNG)
     return None
-  # make_rng falls back to the "params" stream (Flax's rule), which init always has.
-  if not (module.has_rng(SR_RNG) or module.has_rng("params")):
-    raise ValueError(
-        f"{type(recipe).__name__} rounds the gradient stochastically and draws a key per call "
-        f"from the Linen RNG stream {SR_RNG!r}: pass rngs={{{SR_RNG!r}: key}} to apply (a fresh "
-        "key per step), or use disable_stochastic_rounding=True"
-    )
-  return module.make_rng(SR_RNG)
+
+  return kit.rounding_key(recipe, draw, _HOW_TO_GIVE_KEYS)
 
 
 def _layer_name(module: nn.Module) -> str:
@@ -48,18 +52,16 @@ def postfixed(name: str, postfix: str) -> str:
 def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = None):
   """One GEMM's recipe state (a grouped GEMM's with ``n_groups``) as variables of ``module`` in
   ``_overwrite_with_gradient`` under TE's postfixed names; ``None`` where the recipe keeps none."""
-  if recipe is None:
-    return None
-  if n_groups is None:
-    initial = core.init_state(recipe)
-  else:
-    initial = core.init_ragged_state(recipe, n_groups) if core.state_names(recipe) else {}
-  state = {
-      name: module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix),
-                            lambda v=value: v).value
-      for name, value in initial.items()
-  }
-  return state or None
+
+  def variable(name, initial):
+    return module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix), lambda: initial).value
+
+  return kit.recipe_state(recipe, variable, n_groups)
+
+
+def _options(module) -> kit.GemmOptions:
+  return kit.GemmOptions(module.threshold, module.amax_axes, module.kernel_all_gather,
+                         module.config)
 
 
 class QuantizedDotGeneral(nn.Module):
@@ -72,7 +74,7 @@ class QuantizedDotGeneral(nn.Module):
   """
 
   recipe: Any = None
-  threshold: Any = core.DEFAULT_THRESHOLD
+  threshold: Any = kit.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None
@@ -89,29 +91,19 @@ class QuantizedDotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-    core.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
-    core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
-    state = gemm_state(self, self.recipe, "")
+    kit.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
+    kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
     return core.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision,
-        preferred_element_type,
-        recipe=self.recipe,
-        state=state,
-        threshold=self.threshold,
-        rng=_sr_rng(self, self.recipe),
-        amax_axes=self.amax_axes,
-        kernel_all_gather=self.kernel_all_gather,
-        config=self.config,
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
+        state=gemm_state(self, self.recipe, ""), rng=rounding_key(self, self.recipe),
+        **_options(self).keywords(),
     )
 
 
 def make_dot_general_cls(
     recipe,
     *,
-    threshold=core.DEFAULT_THRESHOLD,
+    threshold=kit.DEFAULT_THRESHOLD,
     amax_axes=None,
     kernel_all_gather=None,
     config=None,
@@ -139,38 +131,29 @@ def make_dot_general_cls(
     A subclass of ``nn.Module`` taking no required constructor arguments.
   """
   recipe = core.check_recipe(recipe)
-  threshold = core.check_threshold(threshold)
-  name = f"{type(recipe).__name__}DotGeneral"
-  fields = {
-      "recipe": recipe,
-      "threshold": threshold,
-      "amax_axes": amax_axes,
-      "kernel_all_gather": kernel_all_gather,
-      "config": core.check_config(config),
-  }
+  options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
+  fields = {"recipe": recipe, **options.keywords()}
   annotations = dict.fromkeys(fields, Any)
+  name = f"{type(recipe).__name__}DotGeneral"
   return type(name, (QuantizedDotGeneral,), {"__annotations__": annotations, **fields})
 
 
 def _with_recipe_dot_general(module):
-  if module.recipe is not None:
-    spmd = {
-        "threshold": module.threshold,
-        "amax_axes": module.amax_axes,
-        "kernel_all_gather": module.kernel_all_gather,
-        "config": core.check_config(module.config),
-    }
-    current = module.dot_general_cls
-    if isinstance(current, type) and issubclass(current, QuantizedDotGeneral):
-      if current.recipe == module.recipe and all(
-          getattr(current, k) == v for k, v in spmd.items()
-      ):
-        return  # a clone of a module already set up
-    if module.dot_general is not None or current is not None:
-      raise ValueError(f"{type(module).__name__}: give either recipe or dot_general, not both")
-    object.__setattr__(module, "dot_general_cls", make_dot_general_cls(module.recipe, **spmd))
-  elif module.amax_axes is not None or module.kernel_all_gather is not None:
-    raise ValueError(f"{type(module).__name__}: amax_axes and kernel_all_gather need a recipe")
+  """Fills a dense layer's ``dot_general_cls`` slot with its recipe's GEMM (once: a clone
+  arrives with the slot filled)."""
+  if module.recipe is None:
+    kit.check_needs_recipe(None, type(module).__name__, amax_axes=module.amax_axes,
+                           kernel_all_gather=module.kernel_all_gather)
+    return
+  options = _options(module)
+  current = module.dot_general_cls
+  if isinstance(current, type) and issubclass(current, QuantizedDotGeneral):
+    if current.recipe == module.recipe and _options(current) == options:
+      return  # a clone of a module already set up
+  if module.dot_general is not None or current is not None:
+    raise ValueError(f"{type(module).__name__}: give either recipe or dot_general, not both")
+  object.__setattr__(module, "dot_general_cls",
+                     make_dot_general_cls(module.recipe, **options.keywords()))
 
 
 class Dense(nn.Dense):
@@ -191,8 +174,8 @@ class Dense(nn.Dense):
     ['_overwrite_with_gradient', 'params']
   """
 
-  recipe: Any = core.DEFAULT_RECIPE
-  threshold: Any = core.DEFAULT_THRESHOLD
+  recipe: Any = kit.DEFAULT_RECIPE
+  threshold: Any = kit.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None
@@ -234,8 +217,8 @@ class DenseGeneral(nn.DenseGeneral):
     {'bias': (16,), 'kernel': (32, 16), 'lora_a_kernel': (32, 4), 'lora_b_kernel': (4, 16)}
   """
 
-  recipe: Any = core.DEFAULT_RECIPE
-  threshold: Any = core.DEFAULT_THRESHOLD
+  recipe: Any = kit.DEFAULT_RECIPE
+  threshold: Any = kit.DEFAULT_THRESHOLD
   amax_axes: Any = None
   kernel_all_gather: Any = None
   config: Any = None
@@ -275,14 +258,11 @@ class DenseGeneral(nn.DenseGeneral):
     lora_b = self.param("lora_b_kernel", nn.initializers.zeros_init(), b_shape, self.param_dtype)
     # The base GEMM's recipe state: its child's variables.
     state = self.variables.get(OVERWRITE_WITH_GRADIENT) if self.recipe is not None else None
-    lora_a, lora_b = core.watch_lora_state(
-        lora_a, lora_b, state, x_shape=inputs.shape, kernel_shape=in_shape + features, axis=axis,
-        threshold=self.threshold)
-    inputs, lora_a, lora_b = self.promote_dtype(inputs, lora_a, lora_b, dtype=self.dtype)
-    lora = core.low_rank_adaptation(
-        inputs, lora_a, lora_b, axis=axis, alpha=self.low_rank_adaptation_alpha
+    return kit.add_lora(
+        y, inputs, lora_a, lora_b, state=state, kernel_shape=in_shape + features, axis=axis,
+        threshold=self.threshold, alpha=self.low_rank_adaptation_alpha,
+        promote=lambda *arrays: self.promote_dtype(*arrays, dtype=self.dtype),
     )
-    return y + lora.astype(y.dtype)
 
 
 class _NamedAxesInit:

@@ -8,8 +8,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, _sr_rng
+from te_adapters.linen._module import gemm_state, rounding_key
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "Softmax"]
 
@@ -31,30 +32,20 @@ def _constrain(x, axes):
   return x if axes is None else nn.with_logical_constraint(x, tuple(axes))
 
 
+def _constraint(axes):
+  """A function applying TE's logical constraint ``axes``, or None when there is none."""
+  return None if axes is None else (lambda y: _constrain(y, axes))
+
+
 def _norm_params(module, features, bias_init, bias_axes):
   """``scale`` and (for layernorm) ``ln_bias``, of shape ``(features,)`` in ``module.dtype``."""
-  if module.layernorm_type not in core.LAYERNORM_TYPES:
-    raise ValueError(
-        f"{type(module).__name__}: layernorm_type must be one of {core.LAYERNORM_TYPES}, got "
-        f"{module.layernorm_type!r}"
-    )
+  kit.check_layernorm_type(module.layernorm_type, type(module).__name__)
   init = _scale_init(module.scale_init, module.zero_centered_gamma)
   scale = module.param("scale", _with_axes(init, module.scale_axes), (features,), module.dtype)
   bias = None
   if module.layernorm_type == "layernorm":
     bias = module.param("ln_bias", _with_axes(bias_init, bias_axes), (features,), module.dtype)
   return scale, bias
-
-
-def _recipe_state(module, recipe):
-  """The recipe state of the module's one GEMM, in ``_overwrite_with_gradient``; None if none."""
-  if recipe is None:
-    return None
-  state = {
-      name: module.variable(OVERWRITE_WITH_GRADIENT, name, lambda v=value: v).value
-      for name, value in core.init_state(recipe).items()
-  }
-  return state or None
 
 
 class LayerNorm(nn.Module):
@@ -167,56 +158,41 @@ class LayerNormDenseGeneral(nn.Module):
   layernorm_input_axes: tuple[str, ...] | None = None
   dot_input_axes: tuple[str, ...] | None = None
   transpose_batch_sequence: bool = True
-  recipe: Any = core.DEFAULT_RECIPE
-  threshold: Any = core.DEFAULT_THRESHOLD
+  recipe: Any = kit.DEFAULT_RECIPE
+  threshold: Any = kit.DEFAULT_THRESHOLD
   config: Any = None
 
   @nn.compact
   def __call__(self, inputs):
-    core.check_last_axis(self.axis, inputs.ndim, "LayerNormDenseGeneral",
-                         "LayerNormDenseGeneral")
+    kit.check_last_axis(self.axis, inputs.ndim, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
     features = tuple(self.features) if isinstance(self.features, Iterable) else (self.features,)
     k = inputs.shape[-1]
-    recipe = None if self.recipe is None else core.check_recipe(self.recipe)
-    threshold = core.check_threshold(self.threshold)
-    config = core.check_config(self.config)
+    recipe = kit.check_recipe_or_none(self.recipe)
+    options = kit.GemmOptions(self.threshold, config=self.config)
     kernel_shape = (k, *features)
-    core.check_kernel_gemm_dims(
+    kit.check_kernel_gemm_dims(
         recipe, kernel_shape, (((0,), (0,)), ((), ())), f"{self.name or 'LayerNormDenseGeneral'}"
     )
     kernel_init = self.kernel_init or nn.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal")
+    scale = ln_bias = None
     if self.enable_layernorm:
       scale, ln_bias = _norm_params(self, k, self.ln_bias_init, self.ln_bias_axes)
     kernel = self.param("kernel", _with_axes(kernel_init, self.kernel_axes), kernel_shape,
                         self.dtype)
-    state = _recipe_state(self, recipe)
-    gemm = {"recipe": recipe, "state": state, "rng": _sr_rng(self, recipe),
-            "threshold": threshold, "config": config}
+    state, rng = gemm_state(self, recipe, ""), rounding_key(self, recipe)
     bias = None
     if self.use_bias:
       bias = self.param("bias", _with_axes(self.bias_init, self.bias_axes), features, self.dtype)
-    if self.enable_layernorm:
-      inputs = _constrain(inputs, self.layernorm_input_axes)
-      constraint = None
-      if self.dot_input_axes is not None:
-        constraint = lambda y: _constrain(y, self.dot_input_axes)  # noqa: E731
-      z, ln_out = core.layernorm_dense(
-          inputs, scale, ln_bias, kernel, layernorm_type=self.layernorm_type,
-          zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-          return_layernorm_output=self.return_layernorm_output,
-          dot_input_constraint=constraint, dense_bias=bias, **gemm,
-      )
-    else:
-      inputs = _constrain(inputs, self.dot_input_axes)
-      dims = (((inputs.ndim - 1,), (0,)), ((), ()))
-      z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
-      ln_out = inputs if self.return_layernorm_output else None
-      if bias is not None:
-        z = z + bias.astype(z.dtype)
-    if self.depth_scaling is not None:
-      z = z / self.depth_scaling
-    return z, ln_out
+    return kit.layernorm_dense_general(
+        inputs, scale, ln_bias, kernel, bias, enable_layernorm=self.enable_layernorm,
+        layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
+        epsilon=self.epsilon, return_layernorm_output=self.return_layernorm_output,
+        depth_scaling=self.depth_scaling,
+        layernorm_input_constraint=_constraint(self.layernorm_input_axes),
+        dot_input_constraint=_constraint(self.dot_input_axes), recipe=recipe, state=state,
+        rng=rng, **options.keywords(spmd=False),
+    )
 
 
 class Softmax(nn.Module):

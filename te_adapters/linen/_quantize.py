@@ -15,8 +15,8 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters._scope import InterceptScope
 from te_adapters.linen._module import make_dot_general_cls
 
 __all__ = ["QuantizeReport", "quantize"]
@@ -36,7 +36,7 @@ _UNREACHABLE = {
 
 
 
-QuantizeReport = core.QuantizeReport  # one report type for every adapter
+QuantizeReport = kit.QuantizeReport  # one report type for every adapter
 
 
 def _path(module: nn.Module) -> str:
@@ -54,7 +54,7 @@ def _gemm_sizes(module, inputs) -> tuple[int, int]:
   return math.prod(shape[a] for a in axis), math.prod(features)
 
 
-class quantize(InterceptScope):  # lower case: used like a function
+class quantize(kit.InterceptScope):  # lower case: used like a function
   """Makes every ``nn.Dense`` and ``nn.DenseGeneral`` called in its scope compute with ``recipe``,
   with no edits to the model.
 
@@ -93,12 +93,12 @@ class quantize(InterceptScope):  # lower case: used like a function
       recipe: core.Recipe | None,
       *,
       filter: Callable[[str], bool] | None = None,
-      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
+      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
       amax_axes=None,
       kernel_all_gather=None,
       config: core.GemmConfig | None = None,
   ):
-    self.recipe = None if recipe is None else core.check_recipe(recipe)
+    self.recipe = kit.check_recipe_or_none(recipe)
     if filter is not None and not callable(filter):
       raise TypeError(f"filter must be callable, got {type(filter).__name__}")
     self.filter = filter
@@ -144,7 +144,7 @@ class quantize(InterceptScope):  # lower case: used like a function
       return next_fun(*args, **kwargs)
     inputs = args[0] if args else kwargs.get("inputs")
     k, n = _gemm_sizes(module, inputs)
-    if (refusal := core.gemm_dims_refusal(k, n)) is not None:
+    if (refusal := kit.gemm_dims_refusal(k, n)) is not None:
       self._skip(path, refusal)
       return next_fun(*args, **kwargs)
     if path not in self.report.quantized:

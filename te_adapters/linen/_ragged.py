@@ -7,6 +7,7 @@ from typing import Any
 import jax
 from flax import linen as nn
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, gemm_state
 
@@ -42,8 +43,7 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
     >>> variables["_overwrite_with_gradient"]["RaggedDot_0"]["x_amax_history"].shape
     (4, 8)
   """
-  if recipe is not None:
-    recipe = core.check_recipe(recipe)
+  recipe = kit.check_recipe_or_none(recipe)
 
   class RaggedDot(nn.Module):
     """``jax.lax.ragged_dot`` quantized per the recipe given to ``make_ragged_dot_cls``."""
@@ -58,7 +58,7 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
         preferred_element_type: Any = None,
         group_offset: jax.Array | None = None,
     ) -> jax.Array:
-      core.check_input_dtype(recipe, jax.numpy.result_type(lhs), type(self).__name__)
+      kit.check_input_dtype(recipe, jax.numpy.result_type(lhs), type(self).__name__)
       state = None
       if recipe is not None and core.state_names(recipe):
         if getattr(rhs, "ndim", None) != 3:

@@ -8,8 +8,9 @@ from typing import Any
 
 import flax.linen as nn
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import _sr_rng, gemm_state
+from te_adapters.linen._module import gemm_state, rounding_key
 
 __all__ = ["wrap_function_in_te_state_module"]
 
@@ -19,7 +20,7 @@ def wrap_function_in_te_state_module(
     recipe: core.Recipe | None,
     name: str | None = None,
     *,
-    threshold=core.DEFAULT_THRESHOLD,
+    threshold=kit.DEFAULT_THRESHOLD,
     config: core.GemmConfig | None = None,
 ) -> type[nn.Module]:
   """A Linen module class that runs ``f`` with recipe state it owns (TE's function of this name).
@@ -73,10 +74,8 @@ def wrap_function_in_te_state_module(
   """
   if not callable(f):
     raise TypeError(f"wrap_function_in_te_state_module: f must be callable, got {f!r}")
-  if recipe is not None:
-    recipe = core.check_recipe(recipe)
-  threshold = core.check_threshold(threshold)
-  config = core.check_config(config)
+  recipe = kit.check_recipe_or_none(recipe)
+  options = kit.GemmOptions(threshold, config=config)
   label = name if name is not None else getattr(f, "__name__", "function")
 
   class Wrapper(nn.Module):
@@ -101,8 +100,8 @@ def wrap_function_in_te_state_module(
         state = gemm_state(self, recipe, postfix, n_groups)
         if n_groups is not None:
           return {"recipe": recipe, "state": state}
-        return {"recipe": recipe, "state": state, "rng": _sr_rng(self, recipe),
-                "threshold": threshold, "config": config}
+        return {"recipe": recipe, "state": state, "rng": rounding_key(self, recipe),
+                **options.keywords(spmd=False)}
 
       return f(quantization, *args, **kwargs)
 

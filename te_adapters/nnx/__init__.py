@@ -12,7 +12,7 @@ A training step::
   te_adapters.nnx.update_recipe_state(model, state_grads)
 """
 
-from te_adapters._requires import require
+from te_adapters._kit import require
 
 require("flax", "te_adapters.nnx", "flax")
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
 from te_adapters.nnx._ops import (
@@ -21,7 +22,7 @@ from te_adapters.nnx._ops import (
 __all__ = ["QuantizeReport", "quantize_model"]
 
 
-QuantizeReport = core.QuantizeReport  # one report type for every adapter
+QuantizeReport = kit.QuantizeReport  # one report type for every adapter
 
 _UNREACHABLE_ATTEND = (
     "not converted: {}.attend (a tied output projection) computes its GEMM outside any "
@@ -44,7 +45,7 @@ def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | No
     return "einsum_op", None, None, "it has a custom einsum_op"
   if layer.einsum_str is None:
     return "einsum_op", None, None, "its equation is given at call time"
-  dims = core.einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
+  dims = kit.einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
   if dims is None:
     return "einsum_op", None, None, f"its equation {layer.einsum_str!r} is not one GEMM"
   return "einsum_op", len(layer.kernel_shape), dims, None
@@ -55,7 +56,7 @@ def quantize_model(
     recipe: core.Recipe,
     *,
     filter=None,
-    threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
+    threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
     rngs: nnx.Rngs | nnx.RngStream | None = None,
     amax_axes=None,
     kernel_all_gather=None,
@@ -107,14 +108,11 @@ def quantize_model(
     (['layers/0'], ['layers/1'])
   """
   recipe = core.check_recipe(recipe)
-  threshold = core.check_threshold(threshold)
-  config = core.check_config(config)
+  options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
   if recipe.uses_rng and source_stream(rngs) is None:
-    raise ValueError(
-        f"quantize_model: {type(recipe).__name__} rounds the gradient stochastically, so every "
-        f"converted layer needs a key stream: pass rngs=nnx.Rngs({SR_RNG}=seed) (an Rngs with a "
-        f"{SR_RNG!r} or 'default' stream), or use disable_stochastic_rounding=True"
-    )
+    raise ValueError(kit.missing_key_message(
+        recipe, f", so every converted layer needs a key stream: pass rngs=nnx.Rngs({SR_RNG}=seed)"
+        f" (an Rngs with a {SR_RNG!r} or 'default' stream), ", "quantize_model: "))
   predicate = nnx.filterlib.to_predicate(filter) if filter is not None else None
   layers, quantized, skipped, high_precision = [], [], [], []
   for path, node in nnx.iter_graph(model):
@@ -139,16 +137,13 @@ def quantize_model(
       skipped.append((name, reason))
       continue
     k, n = dims
-    if (refusal := core.gemm_dims_refusal(k, n)) is not None:
+    if (refusal := kit.gemm_dims_refusal(k, n)) is not None:
       skipped.append((name, refusal))
       continue
     kernel = layer.kernel.get_value()
     stack_shape = tuple(kernel.shape[: kernel.ndim - ndim])
     op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
-    op = op_cls(
-        recipe, threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
-        config=config,
-    )
+    op = op_cls(recipe, **options.keywords())
     op.set_rngs(rngs, stack_shape)
     for state_name in core.state_names(recipe):
       variable = getattr(op, state_name)
@@ -158,9 +153,9 @@ def quantize_model(
     setattr(layer, slot, nnx.data(op))
     if isinstance(layer, (Linear, LinearGeneral, Einsum)):
       layer.recipe = recipe  # a te_adapters layer built with recipe=None
-      layer.threshold = threshold
+      layer.threshold = options.threshold
     quantized.append(name)
-    if (why := core.high_precision_reason(threshold, k, n)) is not None:
+    if (why := core.high_precision_reason(options.threshold, k, n)) is not None:
       high_precision.append((name, why))
   return QuantizeReport(
       quantized=quantized, skipped=dict(skipped), high_precision=dict(high_precision)

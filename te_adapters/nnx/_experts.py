@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._variables import RecipeState
 
@@ -70,8 +71,7 @@ class GroupedLinear(nnx.Module):
       rngs: nnx.Rngs,
       kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
-    if recipe is not None:
-      recipe = core.check_recipe(recipe)
+    recipe = kit.check_recipe_or_none(recipe)
     self.kernel = nnx.Param(
         kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype),
         **kernel_metadata,
@@ -102,7 +102,7 @@ class GroupedLinear(nnx.Module):
       [M, N]; rows past ``sum(group_sizes)`` are zero.
     """
     inputs, kernel = dtypes.promote_dtype((inputs, self.kernel[...]), dtype=self.dtype)
-    core.check_input_dtype(self.recipe, inputs.dtype, type(self).__name__)
+    kit.check_input_dtype(self.recipe, inputs.dtype, type(self).__name__)
     state = {name: getattr(self, name)[...] for name in self.state_names} or None
     return core.ragged_dot(
         inputs,

@@ -16,70 +16,47 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import linear as nnx_linear
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, check_gemm_dims
+from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
-_DEFAULT_RECIPE = core.DEFAULT_RECIPE
-# The NNX parents' own defaults for the slot a recipe fills.
-_LINEAR_DOT = inspect.signature(nnx.Linear.__init__).parameters["dot_general"].default
-_EINSUM_OP = inspect.signature(nnx.Einsum.__init__).parameters["einsum_op"].default
+_DEFAULT_RECIPE = kit.DEFAULT_RECIPE
 
 
-def _quantized_op(op_cls, recipe, given, default, arg_name: str, layer: str, **options):
+def _init_parent(layer, parent, slot: str, op_cls, args, kwargs, given, recipe, **options):
+  """Runs ``parent.__init__`` (the NNX layer) with its ``slot`` (``dot_general`` or
+  ``einsum_op``) holding ``op_cls(recipe, **options)``; with no recipe, as given."""
+  name = parent.__name__
   if recipe is None:
-    if options.get("amax_axes") is not None or options.get("kernel_all_gather") is not None:
-      raise ValueError(f"{layer}: amax_axes and kernel_all_gather need a recipe")
-    return given
-  if given is not default:
+    kit.check_needs_recipe(None, name, amax_axes=options["amax_axes"],
+                           kernel_all_gather=options["kernel_all_gather"])
+  elif given[slot] is not inspect.signature(parent.__init__).parameters[slot].default:
     raise ValueError(
-        f"{layer}: pass either recipe= or a custom {arg_name}=, not both (recipe={recipe!r} "
-        f"replaces the {arg_name})"
+        f"{name}: pass either recipe= or a custom {slot}=, not both (recipe={recipe!r} "
+        f"replaces the {slot})"
     )
-  # The rounding stream is forked after the parameters are drawn (see _attach_rngs).
-  return op_cls(recipe, **options)
+  else:
+    kwargs[slot] = op_cls(recipe, **options)
+  parent.__init__(layer, *args, **kwargs)
+  layer.recipe = recipe
+  layer.threshold = options["threshold"]
+  # After the NNX parent drew the parameters, so they equal those of the NNX layer.
+  if isinstance(op := getattr(layer, slot), _RecipeOp):
+    op.set_rngs(given["rngs"])
 
 
-def _with_options(parent_init, lora: bool = False):
-  """The NNX parent's ``__init__`` signature plus the quantization options, keyword-only: what
-  ``inspect.signature`` and ``help`` show for a layer that passes the parent's arguments on."""
-  sig = inspect.signature(parent_init)
-  options = [
-      inspect.Parameter("recipe", inspect.Parameter.KEYWORD_ONLY, default=_DEFAULT_RECIPE),
-      inspect.Parameter("threshold", inspect.Parameter.KEYWORD_ONLY,
-                        default=core.DEFAULT_THRESHOLD),
-      inspect.Parameter("amax_axes", inspect.Parameter.KEYWORD_ONLY, default=None),
-      inspect.Parameter("kernel_all_gather", inspect.Parameter.KEYWORD_ONLY, default=None),
-      inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
-  ]
-  if lora:
-    options += [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-        for name, default in _LORA_DEFAULTS.items()
-    ]
-  return sig.replace(parameters=[*sig.parameters.values(), *options])
-
-
-# TE's low-rank adaptation fields, with TE's defaults.
-_LORA_DEFAULTS = {
-    "enable_low_rank_adaptation": False,
-    "low_rank_adaptation_dim": 32,
-    "low_rank_adaptation_alpha": None,
-}
-
-
-def _add_lora(layer, in_shape, features, given, lora, what: str) -> None:
+def _add_lora(layer, in_shape, features, given, what: str, enable: bool, rank: int, alpha):
   """Creates TE's ``lora_a_kernel`` / ``lora_b_kernel`` as ``nnx.LoRAParam`` when enabled.
 
   ``lora_a_kernel`` takes the layer's ``kernel_init`` on its matrix view (fan-in = the
   contracted size), ``lora_b_kernel`` zeros, so the layer starts equal to its base.
   """
-  layer.enable_low_rank_adaptation = bool(lora["enable_low_rank_adaptation"])
-  layer.low_rank_adaptation_alpha = lora["low_rank_adaptation_alpha"]
+  layer.enable_low_rank_adaptation = bool(enable)
+  layer.low_rank_adaptation_alpha = alpha
   if not layer.enable_low_rank_adaptation:
     return
-  rank = lora["low_rank_adaptation_dim"]
   core.check_lora_rank(rank, in_shape, features, what)
   a_shape, b_shape = core.lora_shapes(in_shape, features, rank)
   flat = (math.prod(in_shape), math.prod(a_shape[len(in_shape):]))
@@ -90,21 +67,16 @@ def _add_lora(layer, in_shape, features, given, lora, what: str) -> None:
 
 
 def _lora_term(layer, inputs, y, axis):
-  """``y`` plus the layer's LoRA term (``core.low_rank_adaptation``) when it has one."""
+  """``y`` plus the layer's LoRA term (``kit.add_lora``) when it has one."""
   if not layer.enable_low_rank_adaptation:
     return y
   op_state = getattr(layer.dot_general, "recipe_state", None)  # None: no recipe
-  a, b = core.watch_lora_state(
-      layer.lora_a_kernel[...], layer.lora_b_kernel[...],
-      op_state() if op_state is not None else None, x_shape=inputs.shape,
-      kernel_shape=layer.kernel.shape, axis=axis, threshold=layer.threshold)
-  x, a, b = layer.promote_dtype((inputs, a, b), dtype=layer.dtype)
-  lora = core.low_rank_adaptation(x, a, b, axis=axis, alpha=layer.low_rank_adaptation_alpha)
-  return y + lora.astype(y.dtype)
-
-
-def _pop_lora(kwargs) -> dict:
-  return {name: kwargs.pop(name, default) for name, default in _LORA_DEFAULTS.items()}
+  return kit.add_lora(
+      y, inputs, layer.lora_a_kernel[...], layer.lora_b_kernel[...],
+      state=op_state() if op_state is not None else None, kernel_shape=layer.kernel.shape,
+      axis=axis, threshold=layer.threshold, alpha=layer.low_rank_adaptation_alpha,
+      promote=lambda *arrays: layer.promote_dtype(arrays, dtype=layer.dtype),
+  )
 
 
 def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
@@ -112,12 +84,6 @@ def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
   bound = inspect.signature(parent_init).bind(layer, *args, **kwargs)
   bound.apply_defaults()
   return bound.arguments
-
-
-def _attach_rngs(op, rngs) -> None:
-  # After the NNX parent drew the parameters, so they equal those of the NNX layer.
-  if isinstance(op, _RecipeOp):
-    op.set_rngs(rngs)
 
 
 class Linear(nnx.Linear):
@@ -164,26 +130,24 @@ class Linear(nnx.Linear):
   """
 
   def __init__(
-      self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
-      kernel_all_gather=None, config=None, **kwargs,
+      self, *args, recipe=_DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, amax_axes=None,
+      kernel_all_gather=None, config=None, enable_low_rank_adaptation=False,
+      low_rank_adaptation_dim=32, low_rank_adaptation_alpha=None, **kwargs,
   ):
-    lora = _pop_lora(kwargs)
     given = _parent_arguments(nnx.Linear.__init__, self, args, kwargs)
     k, n = given["in_features"], given["out_features"]
+    what = f"Linear({k}, {n})"
     if recipe is not None:
-      check_gemm_dims(k, n, f"Linear({k}, {n})")
-    kwargs["dot_general"] = _quantized_op(
-        DotGeneral, recipe, given["dot_general"], _LINEAR_DOT, "dot_general", "Linear",
+      kit.check_gemm_dims(k, n, what)
+    _init_parent(
+        self, nnx.Linear, "dot_general", DotGeneral, args, kwargs, given, recipe,
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(*args, **kwargs)
-    self.recipe = recipe
-    self.threshold = threshold
-    _attach_rngs(self.dot_general, given["rngs"])
-    _add_lora(self, (k,), (n,), given, lora, f"Linear({k}, {n})")
+    _add_lora(self, (k,), (n,), given, what, enable_low_rank_adaptation, low_rank_adaptation_dim,
+              low_rank_adaptation_alpha)
 
-  __init__.__signature__ = _with_options(nnx.Linear.__init__, lora=True)
+  __init__.__signature__ = kit.signature_with_keywords(nnx.Linear.__init__, __init__)
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
@@ -223,36 +187,29 @@ class LinearGeneral(nnx.LinearGeneral):
   """
 
   def __init__(
-      self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
-      kernel_all_gather=None, config=None, **kwargs,
+      self, *args, recipe=_DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, amax_axes=None,
+      kernel_all_gather=None, config=None, enable_low_rank_adaptation=False,
+      low_rank_adaptation_dim=32, low_rank_adaptation_alpha=None, **kwargs,
   ):
-    lora = _pop_lora(kwargs)
     given = _parent_arguments(nnx.LinearGeneral.__init__, self, args, kwargs)
-    in_features, out_features = given["in_features"], given["out_features"]
+    in_features = nnx_linear._canonicalize_tuple(given["in_features"])
+    out_features = nnx_linear._canonicalize_tuple(given["out_features"])
+    what = f"LinearGeneral({given['in_features']}, {given['out_features']})"
     if recipe is not None:
       if given["dot_general_cls"] is not None:
         raise ValueError("LinearGeneral: pass either recipe= or dot_general_cls=, not both")
-      k = math.prod(nnx_linear._canonicalize_tuple(in_features))
-      n = math.prod(nnx_linear._canonicalize_tuple(out_features))
-      check_gemm_dims(k, n, f"LinearGeneral({in_features}, {out_features})")
-    kwargs["dot_general"] = _quantized_op(
-        DotGeneral, recipe, given["dot_general"], None, "dot_general", "LinearGeneral",
+      kit.check_gemm_dims(math.prod(in_features), math.prod(out_features), what)
+    _init_parent(
+        self, nnx.LinearGeneral, "dot_general", DotGeneral, args, kwargs, given, recipe,
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(*args, **kwargs)
-    self.recipe = recipe
-    self.threshold = threshold
-    _attach_rngs(self.dot_general, given["rngs"])
-    if lora["enable_low_rank_adaptation"] and given["batch_axis"]:
+    if enable_low_rank_adaptation and given["batch_axis"]:
       raise ValueError("LinearGeneral: low-rank adaptation does not take batch_axis")
-    _add_lora(
-        self, nnx_linear._canonicalize_tuple(in_features),
-        nnx_linear._canonicalize_tuple(out_features), given, lora,
-        f"LinearGeneral({in_features}, {out_features})",
-    )
+    _add_lora(self, in_features, out_features, given, what, enable_low_rank_adaptation,
+              low_rank_adaptation_dim, low_rank_adaptation_alpha)
 
-  __init__.__signature__ = _with_options(nnx.LinearGeneral.__init__, lora=True)
+  __init__.__signature__ = kit.signature_with_keywords(nnx.LinearGeneral.__init__, __init__)
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
@@ -290,26 +247,22 @@ class Einsum(nnx.Einsum):
   """
 
   def __init__(
-      self, *args, recipe=_DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, amax_axes=None,
+      self, *args, recipe=_DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, amax_axes=None,
       kernel_all_gather=None, config=None, **kwargs,
   ):
     given = _parent_arguments(nnx.Einsum.__init__, self, args, kwargs)
     einsum_str, kernel_shape = given["einsum_str"], given["kernel_shape"]
     if recipe is not None and einsum_str is not None:
-      dims = core.einsum_gemm_dims(einsum_str, kernel_shape)
+      dims = kit.einsum_gemm_dims(einsum_str, kernel_shape)
       if dims is not None:
-        check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
-    kwargs["einsum_op"] = _quantized_op(
-        EinsumOp, recipe, given["einsum_op"], _EINSUM_OP, "einsum_op", "Einsum",
+        kit.check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
+    _init_parent(
+        self, nnx.Einsum, "einsum_op", EinsumOp, args, kwargs, given, recipe,
         threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
         config=config,
     )
-    super().__init__(*args, **kwargs)
-    self.recipe = recipe
-    self.threshold = threshold
-    _attach_rngs(self.einsum_op, given["rngs"])
 
-  __init__.__signature__ = _with_options(nnx.Einsum.__init__)
+  __init__.__signature__ = kit.signature_with_keywords(nnx.Einsum.__init__, __init__)
 
   def __call__(self, inputs, einsum_str=None, out_sharding=None, *, rngs=None):
     """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""

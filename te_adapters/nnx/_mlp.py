@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.nnx._norm import _check_type, _norm_params
+from te_adapters.nnx._norm import _norm_params, _value
 from te_adapters.nnx._ops import DotGeneral
 
 __all__ = ["LayerNormMLP"]
@@ -64,17 +65,17 @@ class LayerNormMLP(nnx.Module):
       kernel_init=None, use_bias: bool = False, bias_init=nnx.initializers.zeros,
       return_layernorm_output: bool = True, intermediate_dropout_rate: float = 0.0,
       intermediate_hidden_dropout_dims=(), deterministic: bool = False,
-      param_dtype=jnp.float32, axis=-1, recipe: Any = core.DEFAULT_RECIPE,
-      threshold=core.DEFAULT_THRESHOLD, config=None, rngs: nnx.Rngs,
+      param_dtype=jnp.float32, axis=-1, recipe: Any = kit.DEFAULT_RECIPE,
+      threshold=kit.DEFAULT_THRESHOLD, config=None, rngs: nnx.Rngs,
   ):
-    core.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
-    _check_type("LayerNormMLP", layernorm_type)
+    kit.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
+    kit.check_layernorm_type(layernorm_type, "LayerNormMLP")
     names = core.normalize_activations(activations)
     n_act, k, f = len(names), in_features, intermediate_dim
     what = f"LayerNormMLP({in_features}, {intermediate_dim})"
     dims = (((0,), (0,)), ((), ()))
-    core.check_kernel_gemm_dims(recipe, (k, n_act, f), dims, f"{what} wi_kernel")
-    core.check_kernel_gemm_dims(recipe, (f, k), dims, f"{what} wo_kernel")
+    kit.check_kernel_gemm_dims(recipe, (k, n_act, f), dims, f"{what} wi_kernel")
+    kit.check_kernel_gemm_dims(recipe, (f, k), dims, f"{what} wo_kernel")
     self.activations = names
     self.enable_layernorm = enable_layernorm
     self.layernorm_type = layernorm_type
@@ -123,13 +124,9 @@ class LayerNormMLP(nnx.Module):
       sr_rngs = (args[0]["rng"], args[1]["rng"])
       wi, wo = self.wi_kernel[...], self.wo_kernel[...]
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
-
-    def value(v):
-      return None if v is None else v[...]
-
     return core.layernorm_mlp(
-        inputs, value(self.scale), value(self.ln_bias), wi, wo, value(self.wi_bias),
-        value(self.wo_bias), activations=self.activations, layernorm_type=self.layernorm_type,
+        inputs, _value(self.scale), _value(self.ln_bias), wi, wo, _value(self.wi_bias),
+        _value(self.wo_bias), activations=self.activations, layernorm_type=self.layernorm_type,
         zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
         enable_layernorm=self.enable_layernorm, dropout_rate=self.intermediate_dropout_rate,
         dropout_rng=self.dropout_rngs() if dropping else None,

@@ -14,17 +14,11 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._ops import DotGeneral
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "Softmax"]
-
-
-def _check_type(layer: str, layernorm_type: str) -> None:
-  if layernorm_type not in core.LAYERNORM_TYPES:
-    raise ValueError(
-        f"{layer}: layernorm_type must be one of {core.LAYERNORM_TYPES}, got {layernorm_type!r}"
-    )
 
 
 def _norm_params(module, num_features, scale_init, bias_init, param_dtype, rngs):
@@ -36,10 +30,14 @@ def _norm_params(module, num_features, scale_init, bias_init, param_dtype, rngs)
     module.ln_bias = nnx.Param(bias_init(rngs.params(), (num_features,), param_dtype))
 
 
+def _value(variable):
+  """A variable's value, or None for an absent one."""
+  return None if variable is None else variable[...]
+
+
 def _norm(module, x):
-  bias = None if module.ln_bias is None else module.ln_bias[...]
   return core.layernorm(
-      x, module.scale[...], bias, layernorm_type=module.layernorm_type,
+      x, module.scale[...], _value(module.ln_bias), layernorm_type=module.layernorm_type,
       zero_centered_gamma=module.zero_centered_gamma, epsilon=module.epsilon,
   )
 
@@ -74,7 +72,7 @@ class LayerNorm(nnx.Module):
       zero_centered_gamma: bool = False, scale_init=None, bias_init=nnx.initializers.zeros,
       param_dtype=jnp.float32, rngs: nnx.Rngs,
   ):
-    _check_type("LayerNorm", layernorm_type)
+    kit.check_layernorm_type(layernorm_type, "LayerNorm")
     self.epsilon = epsilon
     self.layernorm_type = layernorm_type
     self.zero_centered_gamma = zero_centered_gamma
@@ -128,14 +126,14 @@ class LayerNormDenseGeneral(nnx.Module):
       ln_bias_init=nnx.initializers.zeros, kernel_init=None, use_bias: bool = False,
       bias_init=nnx.initializers.zeros, return_layernorm_output: bool = True, axis=-1,
       param_dtype=jnp.float32, depth_scaling: float | None = None,
-      recipe: Any = core.DEFAULT_RECIPE, threshold=core.DEFAULT_THRESHOLD, config=None,
+      recipe: Any = kit.DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, config=None,
       rngs: nnx.Rngs,
   ):
-    core.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
-    _check_type("LayerNormDenseGeneral", layernorm_type)
+    kit.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
+    kit.check_layernorm_type(layernorm_type, "LayerNormDenseGeneral")
     features = tuple(features) if isinstance(features, Iterable) else (features,)
     kernel_shape = (in_features, *features)
-    core.check_kernel_gemm_dims(recipe, kernel_shape, (((0,), (0,)), ((), ())),
+    kit.check_kernel_gemm_dims(recipe, kernel_shape, (((0,), (0,)), ((), ())),
                                 f"LayerNormDenseGeneral({in_features}, {features})")
     self.enable_layernorm = enable_layernorm
     self.layernorm_type = layernorm_type
@@ -164,24 +162,16 @@ class LayerNormDenseGeneral(nnx.Module):
       gemm = {"recipe": None, "threshold": self.threshold, "config": self.config}
     else:
       gemm = self.dot_general.gemm_arguments(rngs)
-    kernel = self.kernel[...]
-    dense_bias = None if self.bias is None else self.bias[...]
+    scale = ln_bias = None
     if self.enable_layernorm:
-      bias = None if self.ln_bias is None else self.ln_bias[...]
-      z, ln_out = core.layernorm_dense(
-          inputs, self.scale[...], bias, kernel, layernorm_type=self.layernorm_type,
-          zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-          return_layernorm_output=self.return_layernorm_output, dense_bias=dense_bias, **gemm,
-      )
-    else:
-      dims = (((inputs.ndim - 1,), (0,)), ((), ()))
-      z = core.dot_general(inputs, kernel, dims, preferred_element_type=inputs.dtype, **gemm)
-      ln_out = inputs if self.return_layernorm_output else None
-      if dense_bias is not None:
-        z = z + dense_bias.astype(z.dtype)
-    if self.depth_scaling is not None:
-      z = z / self.depth_scaling
-    return z, ln_out
+      scale, ln_bias = self.scale[...], _value(self.ln_bias)
+    return kit.layernorm_dense_general(
+        inputs, scale, ln_bias, self.kernel[...], _value(self.bias),
+        enable_layernorm=self.enable_layernorm, layernorm_type=self.layernorm_type,
+        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
+        return_layernorm_output=self.return_layernorm_output, depth_scaling=self.depth_scaling,
+        **gemm,
+    )
 
 
 class Softmax(nnx.Module):

@@ -20,18 +20,20 @@ import opt_einsum
 from flax import nnx
 from flax.core.frozen_dict import FrozenDict
 
+from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._scan_check import refuse_shared_scan_state
 from te_adapters.nnx._variables import RecipeState
 
-__all__ = ["DotGeneral", "EinsumOp", "GEMM_DIM_MULTIPLE", "SR_RNG"]
+__all__ = ["DotGeneral", "EinsumOp", "SR_RNG"]
 
-# The core's rule on a quantized layer's GEMM sizes (K and N multiples of 16), shared by every
-# adapter.
-GEMM_DIM_MULTIPLE = core.GEMM_DIM_MULTIPLE
-check_gemm_dims = core.check_gemm_dims
 # The RNG stream stochastic rounding draws its keys from (TE's name; "default" when absent).
-SR_RNG = "sr_rng"
+SR_RNG = kit.SR_RNG
+# How an NNX layer gets its rounding keys, said when it has none.
+_HOW_TO_GIVE_KEYS = (
+    f" and needs a key per call from the {SR_RNG!r} stream: build the layer with "
+    f"rngs=nnx.Rngs({SR_RNG}=...) (a 'default' stream works too), or call it with rngs=...; "
+)
 # rngs= given to a quantized layer's __call__, for its GEMM op (the NNX parent calls the op).
 _CALL_RNGS: contextvars.ContextVar = contextvars.ContextVar("te_adapters_nnx_rngs", default=None)
 
@@ -99,31 +101,31 @@ def _permuted_sharding(out_sharding, perm: list[int]):
   return permuted
 
 
-class _RecipeOp(nnx.Module):
+class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
   """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names.
 
   A recipe that rounds stochastically (``recipe.uses_rng``) also gets an RNG stream of its own
-  (``self.rngs``, see ``sr_stream``); each call draws one key from it.
+  (``self.rngs``, see ``sr_stream``); each call draws one key from it. The GEMM options are
+  ``self.options``, a ``GemmOptions`` (also read as ``threshold``, ``amax_axes``,
+  ``kernel_all_gather`` and ``config``).
   """
 
   def __init__(
       self,
       recipe: core.Recipe,
       *,
-      threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD,
+      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
       rngs: nnx.Rngs | nnx.RngStream | None = None,
       amax_axes: Any = None,
       kernel_all_gather: Any = None,
       config: core.GemmConfig | None = None,
   ):
     self.recipe = core.check_recipe(recipe)
-    self.threshold = core.check_threshold(threshold)
-    self.config = core.check_config(config)
-    for name, value in core.init_state(self.recipe).items():
+    # A static attribute of the graph: hashable, so nnx.jit can key its cache on it.
+    self.options = kit.GemmOptions(
+        threshold, _hashable(amax_axes), _hashable(kernel_all_gather), config)
+    for name, value in kit.initial_state(self.recipe).items():
       setattr(self, name, RecipeState(value))
-    # Static attributes of the graph: hashable, so nnx.jit can key its cache on them.
-    self.amax_axes = _hashable(amax_axes)
-    self.kernel_all_gather = _hashable(kernel_all_gather)
     self.rngs = nnx.data(None)
     self.set_rngs(rngs)
 
@@ -134,25 +136,20 @@ class _RecipeOp(nnx.Module):
       self.rngs = nnx.data(None) if stream is None else stream
 
   def _rounding_key(self, rngs):
-    """The key for this call's stochastic rounding (None when the recipe does not use one)."""
-    if not self.recipe.uses_rng:
-      return None
-    if rngs is None:
-      rngs = _CALL_RNGS.get()
-    if rngs is None:
-      rngs = self.rngs
-    if rngs is None:
-      raise ValueError(
-          f"{type(self.recipe).__name__} rounds the gradient stochastically and needs a key per "
-          f"call from the {SR_RNG!r} stream: build the layer with rngs=nnx.Rngs({SR_RNG}=...) (a "
-          "'default' stream works too), or call it with rngs=...; or use "
-          "disable_stochastic_rounding=True"
-      )
-    if isinstance(rngs, nnx.Rngs):
-      return rngs[SR_RNG]()
-    if isinstance(rngs, nnx.RngStream):
-      return rngs()
-    return rngs  # a key
+    """The key for this call's stochastic rounding (None when the recipe does not use one):
+    from the call's ``rngs``, else the layer call's, else the op's own stream."""
+
+    def draw():
+      source = rngs if rngs is not None else _CALL_RNGS.get()
+      if source is None:
+        source = self.rngs
+      if isinstance(source, nnx.Rngs):
+        return source[SR_RNG]()
+      if isinstance(source, nnx.RngStream):
+        return source()
+      return source  # a key, or None
+
+    return kit.rounding_key(self.recipe, draw, _HOW_TO_GIVE_KEYS)
 
   def gemm_arguments(self, rngs=None) -> dict[str, Any]:
     """This op's keywords for a core function that runs its GEMM (``core.layernorm_dense``):
@@ -161,8 +158,8 @@ class _RecipeOp(nnx.Module):
         "recipe": self.recipe,
         "state": refuse_shared_scan_state(self, self.recipe_state()) or None,
         "rng": self._rounding_key(rngs),
-        "threshold": self.threshold,
-        "config": self.config,
+        "threshold": self.options.threshold,
+        "config": self.options.config,
     }
 
   def recipe_state(self) -> dict[str, jax.Array]:
@@ -173,22 +170,12 @@ class _RecipeOp(nnx.Module):
       self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,
       out_sharding=None,
   ):
-    core.check_input_dtype(self.recipe, lhs.dtype, type(self).__name__)
-    core.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
+    kit.check_input_dtype(self.recipe, lhs.dtype, type(self).__name__)
+    kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
     return core.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision,
-        preferred_element_type,
-        recipe=self.recipe,
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=refuse_shared_scan_state(self, self.recipe_state()),
-        threshold=self.threshold,
-        rng=self._rounding_key(rngs),
-        amax_axes=self.amax_axes,
-        kernel_all_gather=self.kernel_all_gather,
-        out_sharding=out_sharding,
-        config=self.config,
+        rng=self._rounding_key(rngs), out_sharding=out_sharding, **self.options.keywords(),
     )
 
 

@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 from flax.nnx import filterlib
 
-from te_adapters._scan_guard import is_marked, refuse_state_grad
+from te_adapters._kit import is_marked, refuse_state_grad
 
 try:
   from flax.nnx.transforms.iteration import ScanFn as _ScanFn
