@@ -126,7 +126,6 @@ __all__ = [
     "quantize",
     "quantize_trailing",
     "random_seed",
-    "register",
     "register_format",
     "repeat",
     "rht_matrix",
@@ -138,7 +137,6 @@ __all__ = [
     "tensor",
     "tensor_format",
     "transpose_tiles",
-    "unregister",
     "unregister_format",
     "use_native_gemm",
 ]
