@@ -186,8 +186,10 @@ GAMMA, BETA = 1.0 + _rand((32,), 3, 0.1), _rand((32,), 4, 0.1)
 
 def test_without_the_norm_the_layer_is_a_dense_gemm():
   ref = np.einsum("mk,kbn->mbn", np.float64(X), np.float64(KERNEL)) + np.float64(BIAS)
-  z, ln_out = kit.layernorm_dense_general(
-      X, None, None, KERNEL, BIAS, enable_layernorm=False, depth_scaling=4.0, recipe=None)
+  # recipe=None: a float32 GEMM, kept float32 on GPUs too (their default is TF32's products).
+  with jax.default_matmul_precision("float32"):
+    z, ln_out = kit.layernorm_dense_general(
+        X, None, None, KERNEL, BIAS, enable_layernorm=False, depth_scaling=4.0, recipe=None)
   assert z.shape == (8, 2, 16) and z.dtype == X.dtype
   assert _rel(z, ref / 4.0) < 1e-6
   assert ln_out is X  # the GEMM's input, returned as TE's ln_out
@@ -204,8 +206,9 @@ def test_without_the_norm_the_layer_is_a_dense_gemm():
 def test_with_the_norm_the_layer_is_the_cores_layernorm_dense():
   normed = _ln_ref(X, GAMMA, BETA)
   ref = np.einsum("mk,kbn->mbn", normed, np.float64(KERNEL)) + np.float64(BIAS)
-  z, ln_out = kit.layernorm_dense_general(
-      X, GAMMA, BETA, KERNEL, BIAS, depth_scaling=2.0, recipe=None)
+  with jax.default_matmul_precision("float32"):  # as above: float32 products on GPUs too
+    z, ln_out = kit.layernorm_dense_general(
+        X, GAMMA, BETA, KERNEL, BIAS, depth_scaling=2.0, recipe=None)
   assert _rel(z, ref / 2.0) < 1e-5 and _rel(ln_out, normed) < 1e-5
   z, ln_out = kit.layernorm_dense_general(
       X, GAMMA, BETA, KERNEL, recipe=DELAYED, state=core.init_state(DELAYED), threshold=None,
