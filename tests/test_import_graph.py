@@ -49,11 +49,9 @@ PRIVATE_REACH = {
         "te_adapters.core.kernels._ffi",
         "te_adapters.core.ops._activation",
         "te_adapters.core.ops._norm",
-        "te_adapters.core.state._state",
     ),
     "te_adapters.core.fused._mlp": ("te_adapters.core.ops._norm",),
     "te_adapters.core.fused._norm_dense": ("te_adapters.core.ops._norm",),
-    "te_adapters.core.gemm._gemm": ("te_adapters.core.state._state",),
     "te_adapters.core.gemm._ragged": (
         "te_adapters.core.formats._mxfp8",
         "te_adapters.core.formats._scaling",

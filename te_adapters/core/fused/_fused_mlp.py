@@ -30,7 +30,7 @@ from te_adapters.core.kernels import _ffi
 from te_adapters.core.ops import _norm
 from te_adapters.core.ops._activation import _product
 from te_adapters.core.recipes import check_recipe
-from te_adapters.core.state._state import shared_max_grad
+from te_adapters.core.state import shared_max_grad
 
 __all__ = ["KERNEL_ACTIVATIONS", "applies", "fused_mlp"]
 

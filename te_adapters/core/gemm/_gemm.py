@@ -35,8 +35,7 @@ from te_adapters.core.gemm import _dimension_numbers, _frozen, _remat, _threshol
 from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
-from te_adapters.core.state import ROLES, is_accumulating
-from te_adapters.core.state._state import shared_max_grad
+from te_adapters.core.state import ROLES, is_accumulating, shared_max_grad
 
 __all__ = ["Chain", "Stage", "dot_general", "quantized_gemms"]
 
@@ -168,7 +167,7 @@ def dot_general(
   fmt.check(recipe, layout, False, lhs, rhs)
   if not fmt.per_tensor or recipe.uses_rng:
     lhs, rhs = _checked_under_grad(lhs, rhs, dn, gemm_rhs.shape, recipe, rng is None)
-  m, k, n = _threshold.gemm_mkn(lhs.shape, gemm_rhs.shape, dn)
+  m, k, n = layout.b * layout.m, layout.k, layout.n
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
   if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
     return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)

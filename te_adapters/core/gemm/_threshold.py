@@ -9,7 +9,6 @@ so with a ``HighPrecisionGemmWarning``; ``runs_in_fp8`` tells in advance.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from collections.abc import Sequence
 import jax
 
 from te_adapters.core.gemm import _dimension_numbers
+from te_adapters.core.gemm._layout import GemmLayout
 
 __all__ = [
     "DEFAULT_SIZE_THRESHOLD",
@@ -119,11 +119,9 @@ def check_threshold(threshold: object) -> SizeThreshold | None:
 def gemm_mkn(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
   """``(M, K, N)`` of a ``dot_general``: M multiplies the lhs batch and free dims, K the
   contracting dims, N the rhs free dims."""
-  (lc, rc), (lb, rb) = _dimension_numbers.normalize(dimension_numbers, lhs_shape, rhs_shape)
-  m = math.prod(s for d, s in enumerate(lhs_shape) if d not in lc)
-  k = math.prod(lhs_shape[d] for d in lc)
-  n = math.prod(s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb)
-  return int(m), int(k), int(n)
+  dn = _dimension_numbers.normalize(dimension_numbers, lhs_shape, rhs_shape)
+  layout = GemmLayout(dn, lhs_shape, rhs_shape)
+  return int(layout.b * layout.m), int(layout.k), int(layout.n)
 
 
 def runs_in_fp8(

@@ -82,10 +82,10 @@ class MMParams:
   On Hopper, cuBLASLt's FP8 GEMMs either keep their running sums in the tensor cores' reduced
   precision ("fast accumulation") or promote them to float32 as they go ("split accumulator").
   The fast sums err about 20 times more than the promoted ones at large K, and the promoted
-  ones cost GEMM time (``bench/RESULTS.md`` has the figures). TE's recipes ask for fast sums in the forward
-  GEMM and promoted sums in dgrad and wgrad, whose K is the token count; this library honours
-  them (TE's JAX layer ignores them and uses fast sums everywhere unless an environment variable
-  says otherwise, as Flax's fp8 op does).
+  ones cost GEMM time (``bench/RESULTS.md`` has the figures). TE's recipes ask for fast sums in
+  the forward GEMM and promoted sums in dgrad and wgrad, whose K is the token count; this library
+  honours them (TE's JAX layer ignores them and uses fast sums everywhere unless an environment
+  variable says otherwise, as Flax's fp8 op does).
 
   Args:
     use_split_accumulator: promote the sums to float32 (``lax.Precision.HIGHEST``). ``False``:

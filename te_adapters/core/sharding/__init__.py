@@ -1,4 +1,34 @@
-"""The GEMMs on JAX's SPMD engine: mesh context, SPMD plans, global amaxes, FSDP gathers."""
+"""The quantized GEMM on JAX's SPMD engine: global amaxes, sharded transposes, FSDP FP8 gathers.
+
+Per-tensor scaling needs the amax of the *global* tensor, so that every device uses one scale and
+the sharded result equals the single-device one.
+
+- Under ``jax.jit`` with sharded inputs (``NamedSharding``, Auto or Explicit mesh axes), JAX sees
+  global arrays: ``max(|x|)`` is already global, and XLA inserts the all-reduce. Nothing to do,
+  except giving the backward GEMMs the primal operands' shardings, as JAX's own ``dot_general``
+  transpose does (Explicit axes require it).
+- Inside ``shard_map`` every device sees its shard. The amax of each operand is max-reduced over
+  the manual mesh axes it varies over (or over the axes the caller names), and the custom VJP
+  reduces cotangents the way JAX's implicit ``pvary`` transposes would.
+
+``kernel_all_gather`` (FSDP) quantizes the kernel shard by shard and all-gathers the FP8 bytes:
+half of bf16's traffic. The FP8 data travel as ``uint8`` so no backend can widen them before the
+collective (XLA's CPU backend turns FP8 GEMM operands into float16 early). The gathered FP8
+kernel is kept for the backward pass (under a remat policy that saves only the named FP8 shard,
+it is gathered again there instead), and the kernel gradient is reduce-scattered onto the shard.
+
+All mesh information comes from the arguments and from JAX's own mesh context
+(``jax.set_mesh``, ``shard_map``); no module keeps state.
+
+One module per concern; this face gathers their names:
+
+- ``_spmd_plan``: the checked plan of one GEMM (``SpmdPlan``, ``make_plan``).
+- ``_mesh``: the mesh context (manual and varying axes, axis names in mesh order).
+- ``_amax_reduction``: global amaxes inside ``shard_map`` and the checks of ``amax_axes``.
+- ``_explicit_sharding``: reshapes that carry Explicit shardings.
+- ``_cotangents``: cotangents with their primals' types (the backward passes' sums).
+- ``_fsdp_gather``: ``kernel_all_gather``, the FP8 gather and the gradient's reduce-scatter.
+"""
 
 from te_adapters.core.sharding._amax_reduction import (
     check_amax_axes,

@@ -16,7 +16,12 @@ from te_adapters.core.state._recipe_state import (
     is_state_mapping,
     leaf_kind,
 )
-from te_adapters.core.state._state import check_leaves, updated_state, with_max_grad
+from te_adapters.core.state._state import (
+    check_leaves,
+    shared_max_grad,
+    updated_state,
+    with_max_grad,
+)
 
 __all__ = [
     "DelayedScalingState",
@@ -29,6 +34,7 @@ __all__ = [
     "is_accumulating",
     "is_state_mapping",
     "leaf_kind",
+    "shared_max_grad",
     "to_accumulating",
     "to_accumulating_shared",
     "to_float32",

@@ -16,22 +16,12 @@ import numpy as np
 
 from te_adapters.core.state import _accumulate
 from te_adapters.core.state._recipe_state import (
-  ROLES,
   DelayedScalingState,
-  RoleState,
   is_state_mapping,
   leaf_kind,
 )
 
-__all__ = [
-    "ROLES",
-    "DelayedScalingState",
-    "RoleState",
-    "check_leaves",
-    "is_state_mapping",
-    "with_max_grad",
-    "updated_state",
-]
+__all__ = ["check_leaves", "shared_max_grad", "updated_state", "with_max_grad"]
 
 State = DelayedScalingState | dict[str, Any]
 # A recipe's initial state and its checks (init_state, check_state) come from its format: they
