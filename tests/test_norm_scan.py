@@ -105,7 +105,7 @@ def test_nnx_scan(remat):
   value, grads = nnx.jit(nnx.value_and_grad(scan_loss, argnums=diff))(stack)
   params, state = nnx.split_state(grads, nnx.Param, ta_nnx.RecipeState)
   scanned = (value, nnx.to_pure_dict(params),
-             nnx.to_pure_dict(state)["dot_general"])
+             nnx.to_pure_dict(state)["dot_general"]["state"])
 
   graphdef, p0, s0 = nnx.split(stack, nnx.Param, ta_nnx.RecipeState)
 
@@ -118,7 +118,7 @@ def test_nnx_scan(remat):
     return jnp.sum(h ** 2)
 
   value, (gp, gs) = jax.jit(jax.value_and_grad(unrolled_loss, argnums=(0, 1)))(p0, s0)
-  unrolled = (value, nnx.to_pure_dict(gp), nnx.to_pure_dict(gs)["dot_general"])
+  unrolled = (value, nnx.to_pure_dict(gp), nnx.to_pure_dict(gs)["dot_general"]["state"])
   _check(scanned, unrolled)
   jaxpr = jax.make_jaxpr(lambda p, s: scan_loss(nnx.merge(graphdef, p, s)))(p0, s0)
   assert ("remat" in str(jaxpr)) == remat

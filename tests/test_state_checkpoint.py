@@ -61,7 +61,8 @@ def test_old_bytes_restore_into_the_typed_state_and_continue_exactly(saved):
 def test_old_dict_passed_as_is_trains_and_stays_a_dict(saved):
   state = {k: jnp.asarray(v) for k, v in saved["core_state"].items()}
   x, w = old.inputs()
-  new = old.step(w, state, x, 3)
+  with pytest.warns(DeprecationWarning, match="typed_state"):
+    new = old.step(w, state, x, 3)
   assert type(new) is dict
   assert_state_equal(new, saved["core_state_after_4"], rtol=CONTINUED)
 

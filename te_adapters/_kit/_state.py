@@ -33,9 +33,9 @@ def initial_state(recipe, n_groups: int | None = None) -> Mapping[str, Any]:
 
 def recipe_state(
     recipe, variable: Callable[[str, Any], Any], n_groups: int | None = None
-) -> dict[str, Any] | None:
-  """``{name: variable(name, initial value)}`` over ``initial_state(recipe, n_groups)``, or None
-  where the recipe keeps no state.
+) -> core.DelayedScalingState | None:
+  """The typed state (``core.typed_state``) of ``{name: variable(name, initial value)}`` over
+  ``initial_state(recipe, n_groups)``, or None where the recipe keeps no state.
 
   ``variable`` is the framework's way of declaring one state entry and reading its current value
   (a Linen variable, ``hk.get_state``); it is called once per entry, in the state's order.
@@ -45,10 +45,11 @@ def recipe_state(
     >>> from te_adapters._kit import recipe_state
     >>> store = {}
     >>> state = recipe_state(ta.DelayedScaling(), lambda name, v: store.setdefault(name, v))
-    >>> sorted(state) == sorted(store) and len(store)
-    6
+    >>> type(state).__name__, sorted(state) == sorted(store) and len(store)
+    ('DelayedScalingState', 6)
     >>> recipe_state(ta.Float8CurrentScaling(), lambda name, v: v) is None
     True
   """
   state = {name: variable(name, value) for name, value in initial_state(recipe, n_groups).items()}
-  return state or None
+  # Typed here, where the framework's variables (TE's names) meet the core.
+  return core.typed_state(recipe, state) if state else None

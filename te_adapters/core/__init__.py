@@ -25,6 +25,7 @@ from te_adapters.core.formats import (
   register_format,
   state_names,
   tensor_format,
+  typed_state,
   unregister_format,
 )
 from te_adapters.core.fused import dropout, layernorm_dense, layernorm_mlp
@@ -91,6 +92,7 @@ from te_adapters.core.recipes import (
 )
 from te_adapters.core.state import (
   DelayedScalingState,
+  EmptyState,
   RoleState,
   is_state_mapping,
   updated_state,
@@ -128,6 +130,7 @@ __all__ = [
     "DEFAULT_SIZE_THRESHOLD",
     "DelayedScaling",
     "DelayedScalingState",
+    "EmptyState",
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
@@ -176,6 +179,7 @@ __all__ = [
     "save_quantized_operands",
     "softmax",
     "state_names",
+    "typed_state",
     "updated_state",
     "watch_lora_state",
     "with_max_grad",

@@ -26,7 +26,13 @@ from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
 from te_adapters.nnx._mlp import LayerNormMLP
 from te_adapters.nnx._norm import LayerNorm, LayerNormDenseGeneral, Softmax
 from te_adapters.nnx._ops import DotGeneral, EinsumOp
-from te_adapters.nnx._train import grad, recipe_state, update_recipe_state, value_and_grad
+from te_adapters.nnx._train import (
+    grad,
+    recipe_state,
+    update_recipe_state,
+    upgrade_state_dict,
+    value_and_grad,
+)
 from te_adapters.nnx._variables import RecipeState
 
 __all__ = [
@@ -46,5 +52,6 @@ __all__ = [
     "quantize_model",
     "recipe_state",
     "update_recipe_state",
+    "upgrade_state_dict",
     "value_and_grad",
 ]

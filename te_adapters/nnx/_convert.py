@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
@@ -145,8 +146,7 @@ def quantize_model(
     op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
     op = op_cls(recipe, **options.keywords())
     op.set_rngs(rngs, stack_shape)
-    for state_name in core.state_names(recipe):
-      variable = getattr(op, state_name)
+    for variable in jax.tree.leaves(op.state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
       value = variable.get_value()
       variable.set_value(jnp.broadcast_to(value, stack_shape + value.shape))
     # The slot held a function (static); mark the submodule as data so NNX tracks its state.

@@ -13,7 +13,7 @@ from flax.nnx.nn import dtypes
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.nnx._variables import RecipeState
+from te_adapters.nnx._variables import hold_state, state_value, te_name_aliases
 
 __all__ = ["GroupedLinear"]
 
@@ -21,15 +21,17 @@ __all__ = ["GroupedLinear"]
 default_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
 
 
+@te_name_aliases
 class GroupedLinear(nnx.Module):
   """The expert layer of a mixture of experts: ``y[i] = x[i] @ kernel[group(i)]``.
 
   ``x`` [M, K] holds the tokens sorted by expert, ``group_sizes`` [G] (on the device, e.g. from a
   router under ``jit``) says how many rows each expert gets, and rows past ``sum(group_sizes)``
   give zeros. The GEMM is ``te_adapters.core.ragged_dot`` quantized per ``recipe``. Recipe state
-  (``DelayedScaling``: one scale and amax history per expert and role, TE's names) is held in
-  ``RecipeState`` variables, which ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches;
-  the gradient of the loss with respect to them is their next value.
+  (``DelayedScaling``: one scale and amax history per expert and role, TE's names) is
+  ``self.state``, the typed state of ``core.init_ragged_state`` with a ``RecipeState`` variable
+  at each entry (None without a recipe). ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never
+  touches those variables; the gradient of the loss with respect to them is their next value.
 
   Args:
     num_groups: G, the number of experts.
@@ -52,7 +54,7 @@ class GroupedLinear(nnx.Module):
     ...                       rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((24, 32)), jnp.array([8, 0, 8, 8], jnp.int32)).shape
     (24, 16)
-    >>> layer.x_amax_history[...].shape
+    >>> layer.state.x_amax_history[...].shape
     (4, 8)
   """
 
@@ -77,10 +79,10 @@ class GroupedLinear(nnx.Module):
         **kernel_metadata,
     )
     self.state_names = ()
+    self.state = nnx.data(None)
     if recipe is not None:
       initial = core.init_ragged_state(recipe, num_groups)
-      for name, value in initial.items():
-        setattr(self, name, RecipeState(value))
+      self.state = hold_state(initial)
       self.state_names = tuple(initial)
     self.num_groups = num_groups
     self.in_features = in_features
@@ -103,7 +105,7 @@ class GroupedLinear(nnx.Module):
     """
     inputs, kernel = dtypes.promote_dtype((inputs, self.kernel[...]), dtype=self.dtype)
     kit.check_input_dtype(self.recipe, inputs.dtype, type(self).__name__)
-    state = {name: getattr(self, name)[...] for name in self.state_names} or None
+    state = state_value(self.state) or None
     return core.ragged_dot(
         inputs,
         kernel,

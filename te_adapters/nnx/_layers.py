@@ -92,7 +92,7 @@ class Linear(nnx.Linear):
   Takes every argument of ``flax.nnx.Linear`` with the same defaults, and creates the same
   parameters (``kernel`` (in, out), ``bias`` (out,)) with the same initialisers, so weights load
   from and into an ``nnx.Linear``. The recipe state lives in ``RecipeState`` variables of the
-  ``dot_general`` submodule (``layer.dot_general.x_scale``, ...), which
+  ``dot_general`` submodule (``layer.dot_general.state.x_scale``, ...), which
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches.
 
   Under a recipe that rounds stochastically (``NVFP4BlockScaling``), the layer keeps an RNG
@@ -125,7 +125,7 @@ class Linear(nnx.Linear):
     ...                       rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((4, 32))).shape
     (4, 16)
-    >>> layer.dot_general.x_amax_history.shape
+    >>> layer.dot_general.state.x_amax_history.shape
     (16,)
   """
 
@@ -223,7 +223,7 @@ class Einsum(nnx.Einsum):
 
   Takes every argument of ``flax.nnx.Einsum`` with the same defaults and creates the same
   parameters. The recipe state (and the rounding stream, as for ``Linear``) lives in the
-  ``einsum_op`` submodule (``layer.einsum_op.x_scale``, ...). The equation must contract the
+  ``einsum_op`` submodule (``layer.einsum_op.state.x_scale``, ...). The equation must contract the
   input with the kernel in one GEMM: no label repeated in an operand, and every summed label
   present in both operands.
 

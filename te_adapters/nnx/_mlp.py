@@ -54,7 +54,7 @@ class LayerNormMLP(nnx.Module):
     >>> mlp = ta_nnx.LayerNormMLP(32, 64, activations=("gelu", "linear"),
     ...                           recipe=ta.DelayedScaling(), rngs=nnx.Rngs(0))
     >>> out, ln_out = mlp(jnp.ones((4, 32)))
-    >>> out.shape, mlp.wi_kernel.shape, mlp.dot_general_1.x_scale.shape
+    >>> out.shape, mlp.wi_kernel.shape, mlp.dot_general_1.state.x_scale.shape
     ((4, 32), (32, 2, 64), (1,))
   """
 

@@ -88,7 +88,7 @@ class LayerNormDenseGeneral(nnx.Module):
   Returns ``(z, ln_out)`` as TE's (``ln_out`` is ``None`` unless ``return_layernorm_output``).
   Parameters ``scale``, ``ln_bias`` ``(in_features,)``, ``kernel`` ``(in_features, *features)``
   and ``bias`` ``features`` (with ``use_bias``). With a recipe, its state lives in
-  ``layer.dot_general`` (``layer.dot_general.x_scale``, ...), ``RecipeState`` variables that
+  ``layer.dot_general`` (``layer.dot_general.state.x_scale``, ...), ``RecipeState`` variables that
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never touches.
 
   Args:
@@ -115,7 +115,7 @@ class LayerNormDenseGeneral(nnx.Module):
     >>> layer = ta_nnx.LayerNormDenseGeneral(16, 32, recipe=ta.DelayedScaling(),
     ...                                      rngs=nnx.Rngs(0))
     >>> z, ln_out = layer(jnp.ones((4, 16)))
-    >>> z.shape, ln_out.shape, layer.dot_general.x_scale.shape
+    >>> z.shape, ln_out.shape, layer.dot_general.state.x_scale.shape
     ((4, 32), (4, 16), (1,))
   """
 

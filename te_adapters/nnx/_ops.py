@@ -2,9 +2,10 @@
 
 An NNX layer that takes ``dot_general=`` (``nnx.Linear``, ``nnx.LinearGeneral``) or
 ``einsum_op=`` (``nnx.Einsum``) calls these modules in place of ``lax.dot_general`` /
-``jnp.einsum``. Because the operation is a submodule, its ``RecipeState`` variables follow the
-layer through ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``nnx.scan``, ``nnx.vmap`` and
-``nnx.remat`` like any other variable.
+``jnp.einsum``. Because the operation is a submodule, its recipe state (``op.state``: the
+format's typed state, a ``RecipeState`` variable at each entry) follows the layer through
+``nnx.split``/``nnx.merge``, ``nnx.jit``, ``nnx.scan``, ``nnx.vmap`` and ``nnx.remat`` like any
+other variable.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flax.core.frozen_dict import FrozenDict
 from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._scan_check import refuse_shared_scan_state
-from te_adapters.nnx._variables import RecipeState
+from te_adapters.nnx._variables import hold_state, state_value, te_name_aliases
 
 __all__ = ["DotGeneral", "EinsumOp", "SR_RNG"]
 
@@ -101,8 +102,10 @@ def _permuted_sharding(out_sharding, perm: list[int]):
   return permuted
 
 
+@te_name_aliases
 class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
-  """Holds a recipe and one ``RecipeState`` variable per state entry, with TE's names.
+  """Holds a recipe and its GEMM's typed recipe state, ``self.state`` (``core.init_state``'s
+  type, a ``RecipeState`` variable at each entry, TE's names: ``self.state.x_scale``, ...).
 
   A recipe that rounds stochastically (``recipe.uses_rng``) also gets an RNG stream of its own
   (``self.rngs``, see ``sr_stream``); each call draws one key from it. The GEMM options are
@@ -124,8 +127,7 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     # A static attribute of the graph: hashable, so nnx.jit can key its cache on it.
     self.options = kit.GemmOptions(
         threshold, _hashable(amax_axes), _hashable(kernel_all_gather), config)
-    for name, value in kit.initial_state(self.recipe).items():
-      setattr(self, name, RecipeState(value))
+    self.state = hold_state(kit.initial_state(self.recipe))
     self.rngs = nnx.data(None)
     self.set_rngs(rngs)
 
@@ -162,9 +164,10 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
         "config": self.options.config,
     }
 
-  def recipe_state(self) -> dict[str, jax.Array]:
-    """The current recipe state as a dict ``{name: array}`` (empty for stateless recipes)."""
-    return {name: getattr(self, name).get_value() for name in core.state_names(self.recipe)}
+  def recipe_state(self):
+    """The current recipe state, typed: a ``core.DelayedScalingState`` of arrays, or an
+    ``EmptyState`` for stateless recipes (both read as mappings of TE's names)."""
+    return state_value(self.state)
 
   def _dot(
       self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,

@@ -46,9 +46,9 @@ def _describe_axis(axis) -> str | None:
 def _state_axis(op, names, path, axes) -> str | None:
   if isinstance(axes, nnx.StateAxes):
     for name in names:
-      variable = getattr(op, name)
+      variable = op.state[name]
       for filter_, axis in zip(axes.filters, axes.axes, strict=True):
-        if filterlib.to_predicate(filter_)((*path, name), variable):
+        if filterlib.to_predicate(filter_)((*path, "state", name), variable):
           described = _describe_axis(axis)
           if described is not None:
             return f"StateAxes {axis!r} for {name}" if axis is not None else described

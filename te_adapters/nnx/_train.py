@@ -21,7 +21,9 @@ from flax.nnx import graphlib
 from te_adapters import core
 from te_adapters.nnx._variables import RecipeState
 
-__all__ = ["value_and_grad", "grad", "update_recipe_state", "recipe_state"]
+__all__ = [
+    "value_and_grad", "grad", "update_recipe_state", "recipe_state", "upgrade_state_dict",
+]
 
 
 def _argnum_tuple(argnums) -> tuple[int, ...]:
@@ -143,7 +145,7 @@ def value_and_grad(
     >>> loss, (grads, state_grads) = ta_nnx.value_and_grad(loss_fn)(model, jnp.ones((4, 32)))
     >>> _ = optimizer.update(model, grads)
     >>> ta_nnx.update_recipe_state(model, state_grads)
-    >>> float(model.dot_general.x_amax_history[-1])
+    >>> float(model.dot_general.state.x_amax_history[-1])
     1.0
   """
   return _grad_general(f, argnums, has_aux, wrt, return_value=True, **kwargs)
@@ -170,6 +172,39 @@ def recipe_state(model) -> nnx.State:
   """The ``RecipeState`` variables of ``model``, as an ``nnx.State`` (``nnx.state(model,
   RecipeState)``); ``nnx.to_pure_dict`` of it is a plain dict for a checkpointer."""
   return nnx.state(model, RecipeState)
+
+
+def upgrade_state_dict(saved: Mapping) -> dict:
+  """A pure-dict checkpoint of an NNX model (``nnx.to_pure_dict``) written before the recipe
+  state was typed, in today's layout.
+
+  Each quantized op held its state entries (``x_scale``, ``x_amax_history``, ...) directly; now
+  they are its typed ``state`` (``dot_general/x_scale`` became ``dot_general/state/x_scale``).
+  This moves every such group of TE's names under ``state`` and leaves everything else, so
+  ``nnx.replace_by_pure_dict(nnx.state(model), upgrade_state_dict(old))`` loads an old checkpoint.
+  A checkpoint in today's layout comes back unchanged.
+
+  Example:
+    >>> import numpy as np, te_adapters as ta
+    >>> from te_adapters.nnx import upgrade_state_dict
+    >>> old = {"dense": {"kernel": np.ones((2, 2)), "dot_general": dict(
+    ...     ta.core.init_state(ta.DelayedScaling()))}}
+    >>> sorted(upgrade_state_dict(old)["dense"]["dot_general"]["state"])[:2]
+    ['grad_amax_history', 'grad_scale']
+  """
+  names = core.state_names(core.DelayedScaling())
+
+  def upgrade(node, key=None):
+    if not isinstance(node, Mapping):
+      return node
+    out = {k: upgrade(v, k) for k, v in node.items()}
+    if key != "state" and all(n in node for n in names) and "state" not in node:
+      out["state"] = {n: out.pop(n) for n in names}
+    return out
+
+  if not isinstance(saved, Mapping):
+    raise TypeError(f"saved must be a pure dict (nnx.to_pure_dict), got {type(saved).__name__}")
+  return upgrade(saved)
 
 
 def _gemm_updated(old: dict, new: dict) -> dict:

@@ -29,7 +29,7 @@ def test_parameters_state_and_init():
   layer = GroupedLinear(G, K, N, recipe=ta.DelayedScaling(amax_history_len=5), rngs=nnx.Rngs(0))
   params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
   assert jax.tree.map(jnp.shape, params) == {"kernel": (G, K, N)}
-  recipe_state = nnx.to_pure_dict(nnx.state(layer, RecipeState))
+  recipe_state = nnx.to_pure_dict(nnx.state(layer, RecipeState))["state"]
   assert sorted(recipe_state) == sorted(core.state_names(ta.DelayedScaling()))
   assert recipe_state["kernel_scale"].shape == (G, 1)
   assert recipe_state["grad_amax_history"].shape == (G, 5)
@@ -84,8 +84,9 @@ def test_training_step_updates_params_and_recipe_state(rel):
   pairs = zip(SIZES, ends, strict=True)
   x_amax = [np.abs(np.asarray(x)[e - s : e]).max() if s else 0.0 for s, e in pairs]
   np.testing.assert_allclose(model.x_amax_history[...][:, 2], x_amax, rtol=1e-6)
-  np.testing.assert_array_equal(model.x_scale[...][1], 1.0)  # the empty expert keeps its scale
-  assert np.all(np.asarray(model.x_scale[...])[[0, 2, 3]] != 1.0)
+  # The empty expert keeps its scale.
+  np.testing.assert_array_equal(model.state.x_scale[...][1], 1.0)
+  assert np.all(np.asarray(model.state.x_scale[...])[[0, 2, 3]] != 1.0)
 
 
 def test_no_recipe_is_lax_ragged_dot_and_dtype_promotion():

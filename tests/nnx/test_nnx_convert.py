@@ -50,7 +50,7 @@ def test_quantize_model_converts_in_place_and_reports(rel):
   jax.tree.map(np.testing.assert_array_equal, params_after, params_before)
   state = nnx.to_pure_dict(ta_nnx.recipe_state(model))
   assert set(state) == {"up", "mix", "proj"}
-  assert set(state["proj"]["einsum_op"]) == set(ta.core.state_names(recipe))
+  assert set(state["proj"]["einsum_op"]["state"]) == set(ta.core.state_names(recipe))
   assert isinstance(model.up.dot_general, ta_nnx.DotGeneral)
   assert model.small.dot_general is jax.lax.dot_general
 
@@ -67,7 +67,7 @@ def test_quantize_model_converts_in_place_and_reports(rel):
   err = rel(forward(model, x), y_before)
   assert 1e-3 < err < 0.1, err  # FP8 error, not bf16's and not a broken GEMM's
   step(model, optimizer, x)
-  up = nnx.to_pure_dict(ta_nnx.recipe_state(model))["up"]["dot_general"]
+  up = nnx.to_pure_dict(ta_nnx.recipe_state(model))["up"]["dot_general"]["state"]
   np.testing.assert_allclose(up["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
 
   # Converting again changes nothing.
@@ -89,8 +89,8 @@ def test_quantize_model_filter_and_stacked_layers():
   assert report.quantized == ["stack"]
   assert report.skipped == {"other": "excluded by the filter"}
   # Stacked state, one per layer, for nnx.scan.
-  assert model["stack"].dot_general.x_amax_history.shape == (3, 4)
-  assert model["stack"].dot_general.x_scale.shape == (3, 1)
+  assert model["stack"].dot_general.state.x_amax_history.shape == (3, 4)
+  assert model["stack"].dot_general.state.x_scale.shape == (3, 1)
 
   xs = _normal(0, (8, 32))
 
@@ -103,7 +103,7 @@ def test_quantize_model_filter_and_stacked_layers():
 
   _, (_, state_grads) = nnx.jit(ta_nnx.value_and_grad(loss))(model["stack"], xs)
   ta_nnx.update_recipe_state(model["stack"], state_grads)
-  history = np.asarray(model["stack"].dot_general.x_amax_history[...])
+  history = np.asarray(model["stack"].dot_general.state.x_amax_history[...])
   np.testing.assert_allclose(history[0, -1], np.max(np.abs(xs)), rtol=1e-6)
   assert np.all(history[:, -1] > 0)
 

@@ -110,7 +110,7 @@ def test_recipe_none_bf16_matches_nnx_linear():
 
 def test_state_variables_have_te_names_and_shapes():
   layer = ta_nnx.Linear(32, 16, threshold=None, recipe=DELAYED, rngs=nnx.Rngs(0))
-  state = nnx.to_pure_dict(ta_nnx.recipe_state(layer))["dot_general"]
+  state = nnx.to_pure_dict(ta_nnx.recipe_state(layer))["dot_general"]["state"]
   assert set(state) == set(ta.core.state_names(DELAYED))
   for name, value in state.items():
     assert value.dtype == jnp.float32
@@ -165,9 +165,9 @@ def test_fp8_numerics_against_float64(case, recipe, rel):
   if isinstance(recipe, ta.DelayedScaling):
     # Delayed scaling quantizes with the stored scales: give it the scales of this data.
     op = getattr(layer, "dot_general", None) or layer.einsum_op
-    op.x_scale.set_value(jnp.full((1,), 448 / 4.0))
-    op.kernel_scale.set_value(jnp.full((1,), 448 / 4.0))
-    op.grad_scale.set_value(jnp.full((1,), 57344 / 4.0))
+    op.state.x_scale.set_value(jnp.full((1,), 448 / 4.0))
+    op.state.kernel_scale.set_value(jnp.full((1,), 448 / 4.0))
+    op.state.grad_scale.set_value(jnp.full((1,), 57344 / 4.0))
   x = _normal(2, x_shape)
   y_ref = np.einsum(contract, np.asarray(x, np.float64), np.asarray(kernel, np.float64))
   g = _normal(3, y_ref.shape)
@@ -187,7 +187,7 @@ def test_fp8_numerics_against_float64(case, recipe, rel):
   if isinstance(recipe, ta.DelayedScaling):
     # The x role recorded the input's amax, the kernel role the kernel's, whatever order
     # jnp.einsum chose.
-    op_grads = next(iter(nnx.to_pure_dict(state_grads).values()))
+    op_grads = next(iter(nnx.to_pure_dict(state_grads).values()))["state"]
     np.testing.assert_allclose(op_grads["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
     np.testing.assert_allclose(
         op_grads["kernel_amax_history"][-1], np.max(np.abs(kernel)), rtol=1e-6

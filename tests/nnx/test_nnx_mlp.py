@@ -36,7 +36,7 @@ def test_te_parameters_and_gemm_state():
                     "wo_kernel": (128, 128), "wi_bias": (2, 128), "wo_bias": (128,)}
   state = nnx.to_pure_dict(nnx.state(layer, ta_nnx.RecipeState))
   assert set(state) == {"dot_general_0", "dot_general_1"}
-  assert jax.tree.map(jnp.shape, state["dot_general_1"]) == jax.tree.map(
+  assert jax.tree.map(jnp.shape, state["dot_general_1"]["state"]) == jax.tree.map(
       jnp.shape, core.init_state(RECIPES["delayed"]))
 
 
@@ -84,7 +84,8 @@ def test_ordinary_loop_against_float64(name, rel):
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b[0], rtol=ref.STATE_RTOL),
                    dict(op.recipe_state()), dict(want[i]))
     a = float(jnp.max(jnp.abs(core.layernorm(x, params["scale"], params["ln_bias"]))))
-    np.testing.assert_allclose(layer.dot_general_0.x_amax_history[...], [0, a, a, a], rtol=1e-6)
+    np.testing.assert_allclose(
+        layer.dot_general_0.state.x_amax_history[...], [0, a, a, a], rtol=1e-6)
 
 
 def test_nnx_scan_with_remat_over_two_blocks_matches_unrolled():
@@ -132,7 +133,7 @@ def test_nnx_scan_with_remat_over_two_blocks_matches_unrolled():
     for i, op in enumerate((blocks.dot_general_0, blocks.dot_general_1)):
       jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
                    dict(op.recipe_state()), dict(states[i]))
-  history = np.asarray(blocks.dot_general_0.x_amax_history[...])
+  history = np.asarray(blocks.dot_general_0.state.x_amax_history[...])
   assert history.shape == (2, 4) and history[0, -1] != history[1, -1]
 
 

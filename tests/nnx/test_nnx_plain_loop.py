@@ -165,7 +165,7 @@ def test_gemma_shaped_model_plain_loop_under_its_sharding_matches_the_helper_loo
     for key in path:
       got = got[key.key]
     np.testing.assert_allclose(np.asarray(got), np.asarray(value), rtol=rtol, err_msg=str(path))
-  history = reference["block"]["q"]["einsum_op"]["x_amax_history"]
+  history = reference["block"]["q"]["einsum_op"]["state"]["x_amax_history"]
   assert np.all(np.asarray(history)[-3:] > 0)  # the state did move
 
 
@@ -220,7 +220,7 @@ def test_library_grad_through_scan_over_one_layer_takes_the_max(how):
   iteration with the largest amax (5.0) gives, as TE's rule asks."""
   model = ta_nnx.Linear(32, 32, threshold=None, recipe=RECIPE, rngs=nnx.Rngs(0))
   _, (_, state_grads) = nnx.jit(ta_nnx.value_and_grad(_scan_loss(how)))(model)
-  state = nnx.to_pure_dict(state_grads)["dot_general"]
+  state = nnx.to_pure_dict(state_grads)["dot_general"]["state"]
   history = np.asarray(state["x_amax_history"])
   assert history[-1] == 5.0, history  # a sum over the iterations would be 10.0
   np.testing.assert_allclose(state["x_scale"], [448.0 / 5.0], rtol=1e-6)
@@ -244,5 +244,5 @@ def test_plain_grad_through_scan_over_stacked_layers_gives_each_layer_its_state(
     return jnp.sum(body(m, _SCAN_XS))
 
   grads = nnx.jit(nnx.grad(loss, argnums=DIFF))(model)
-  state = nnx.to_pure_dict(nnx.state(grads, ta_nnx.RecipeState))["dot_general"]
+  state = nnx.to_pure_dict(nnx.state(grads, ta_nnx.RecipeState))["dot_general"]["state"]
   np.testing.assert_array_equal(np.asarray(state["x_amax_history"])[:, -1], [2.0, 5.0, 3.0])

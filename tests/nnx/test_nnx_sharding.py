@@ -32,7 +32,7 @@ def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device()
 
   steps = spmd_checks.compare_with_one_device(loss, state, new_state, x, dy)
   _, grads = steps[-1]
-  assert float(grads["dot_general"]["x_amax_history"][...][-1]) == 7.0  # the global amax
+  assert float(grads["dot_general"]["state"]["x_amax_history"][...][-1]) == 7.0  # the global amax
 
 
 def _linear_general(x, **kw):

@@ -60,7 +60,7 @@ def test_delayed_scaling_history_over_optimizer_steps():
     seen["kernel"].append(_amax(model.kernel[...]))  # the kernel this step quantizes
     seen["grad"].append(_amax(c))
     _train_step(model, optimizer, x, c)
-    state = _state(model, "dot_general")
+    state = _state(model, "dot_general", "state")
     for role, fp8_max in (("x", E4M3_MAX), ("kernel", E4M3_MAX), ("grad", E5M2_MAX)):
       a = seen[role]
       expected = [0.0] + [0.0] * max(0, 2 - len(a)) + a[-2:]
@@ -97,7 +97,7 @@ def test_layer_called_twice_takes_the_max_not_the_sum():
 
   k_amax = _amax(model.kernel[...])
   step(model, xa, xb, ca, cb)
-  state = _state(model, "dot_general")
+  state = _state(model, "dot_general", "state")
   np.testing.assert_allclose(state["x_amax_history"], [0, 0, 0, 3.0], rtol=1e-6)
   np.testing.assert_allclose(state["x_scale"], [E4M3_MAX / 3.0], rtol=1e-6)
   np.testing.assert_allclose(state["grad_amax_history"], [0, 0, 0, 7.0], rtol=1e-6)
@@ -143,8 +143,9 @@ def test_layer_outside_the_loss_keeps_its_state():
   model = _Pair(ta.DelayedScaling(amax_history_len=4), nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   _train_step(model, optimizer, _normal(0, (8, 32), 2.0), _normal(1, (8, 16)))
-  np.testing.assert_allclose(_state(model, "used", "dot_general", "x_amax_history")[-1], 2.0)
-  unused = _state(model, "unused", "dot_general")
+  used = _state(model, "used", "dot_general", "state")
+  np.testing.assert_allclose(used["x_amax_history"][-1], 2.0)
+  unused = _state(model, "unused", "dot_general", "state")
   np.testing.assert_array_equal(unused["x_scale"], [1.0])
   np.testing.assert_array_equal(unused["x_amax_history"], np.zeros(4))
 
@@ -194,12 +195,12 @@ def test_scan_over_stacked_layers_matches_unrolled_loop():
         (s_u[i], g_u[i]),
     )
   # Each layer recorded its own input's amax: the first one saw x.
-  history = s_s["linear"]["dot_general"]["x_amax_history"]
+  history = s_s["linear"]["dot_general"]["state"]["x_amax_history"]
   np.testing.assert_allclose(history[0, -1], 3.0, rtol=1e-6)
   assert np.all(history[1:, -1] < 1.0)  # tanh outputs
 
   ta_nnx.update_recipe_state(stack, s_s)
-  np.testing.assert_array_equal(stack.linear.dot_general.x_amax_history[...], history)
+  np.testing.assert_array_equal(stack.linear.dot_general.state.x_amax_history[...], history)
 
 
 def test_scan_with_broadcast_layer_takes_the_max():
@@ -215,7 +216,7 @@ def test_scan_with_broadcast_layer_takes_the_max():
     return jnp.sum(body(m, xs))
 
   _, (_, state_grads) = nnx.jit(ta_nnx.value_and_grad(loss))(model, xs)
-  state = nnx.to_pure_dict(state_grads)["dot_general"]
+  state = nnx.to_pure_dict(state_grads)["dot_general"]["state"]
   np.testing.assert_allclose(state["x_amax_history"], [0, 0, 0, 5.0], rtol=1e-6)
   np.testing.assert_allclose(state["x_scale"], [E4M3_MAX / 5.0], rtol=1e-6)
 
@@ -263,9 +264,9 @@ def test_vmap_over_stacked_models_keeps_per_model_state():
     ta_nnx.update_recipe_state(models, state_grads)
 
   step(ensemble, xs)
-  history = np.asarray(ensemble.dot_general.x_amax_history[...])
+  history = np.asarray(ensemble.dot_general.state.x_amax_history[...])
   np.testing.assert_allclose(history[:, -1], [2.0, 3.0], rtol=1e-6)
-  np.testing.assert_allclose(ensemble.dot_general.x_scale[...][:, 0], [224.0, E4M3_MAX / 3])
+  np.testing.assert_allclose(ensemble.dot_general.state.x_scale[...][:, 0], [224.0, E4M3_MAX / 3])
 
 
 def _state_leaf(tree, name):
@@ -303,7 +304,7 @@ def test_split_merge_and_plain_dict_round_trip():
 
   # What a checkpointer stores: a nested dict of numpy arrays.
   saved = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-  assert set(saved["dot_general"]) == set(ta.core.state_names(recipe))
+  assert set(saved["dot_general"]["state"]) == set(ta.core.state_names(recipe))
   restored = ta_nnx.Linear(32, 16, threshold=None, recipe=recipe, rngs=nnx.Rngs(1))
   state = nnx.state(restored)
   nnx.replace_by_pure_dict(state, saved)
@@ -340,7 +341,7 @@ def test_update_recipe_state_refuses_mismatched_grads():
   with pytest.raises(ValueError, match="do not match the recipe state"):
     ta_nnx.update_recipe_state(model, grads)  # parameter grads by mistake
   bad = nnx.to_pure_dict(state_grads)
-  bad["dot_general"]["x_amax_history"] = np.zeros(3, np.float32)
+  bad["dot_general"]["state"]["x_amax_history"] = np.zeros(3, np.float32)
   with pytest.raises(ValueError, match="x_amax_history has shape"):
     ta_nnx.update_recipe_state(model, bad)
   with pytest.raises(TypeError, match="state_grads must be"):

@@ -57,6 +57,7 @@ from te_adapters.core.formats._registry import (
     init_state,
     register_format,
     state_names,
+    typed_state,
     unregister_format,
 )
 from te_adapters.core.formats._scaled_tensor import (
@@ -137,6 +138,7 @@ __all__ = [
     "tensor",
     "tensor_format",
     "transpose_tiles",
+    "typed_state",
     "unregister_format",
     "use_native_gemm",
 ]

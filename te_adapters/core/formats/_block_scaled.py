@@ -38,6 +38,7 @@ from te_adapters.core.formats._format import (
 )
 from te_adapters.core.formats._scaled_tensor import ScaledTensor
 from te_adapters.core.kernels import _ffi
+from te_adapters.core.state import EmptyState
 
 __all__ = [
   "BLOCK_MODES",
@@ -305,7 +306,7 @@ def block_format(block: BlockFormat) -> QuantizationFormat:
   return QuantizationFormat(
       recipe_type=block.recipe_type,
       scaling_modes=block.scaling_modes,
-      init_state=lambda recipe: {},
+      init_state=lambda recipe: EmptyState(),
       state_shapes=lambda recipe: {},
       quantize=functools.partial(_quantize, block),
       gemm=functools.partial(_gemm, block),

@@ -8,20 +8,23 @@ like any other, as far as the format serves them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
+
+import jax
 
 from te_adapters.core.formats import _block_scaled, _float8_block, _mxfp8, _nvfp4, _tensor_format
 from te_adapters.core.formats._format import QuantizationFormat
 from te_adapters.core.formats._tensor_scaling import CURRENT, DELAYED
 from te_adapters.core.recipes import DelayedScaling, Float8CurrentScaling, Recipe, check_recipe
-from te_adapters.core.state import DelayedScalingState, check_leaves
+from te_adapters.core.state import DelayedScalingState, EmptyState, check_leaves, warn_dict_state
 
-State = DelayedScalingState | dict[str, Any]
+State = DelayedScalingState | EmptyState
 
 __all__ = [
     "check_state", "format_of", "formats", "init_state", "register_format", "state_names",
-    "unregister_format",
+    "typed_state", "unregister_format",
 ]
 
 _FORMATS: list[QuantizationFormat] = [
@@ -97,19 +100,62 @@ def state_names(recipe) -> tuple[str, ...]:
 
 
 def init_state(recipe) -> State:
-  """The initial state of one GEMM under ``recipe``.
+  """The initial state of one GEMM under ``recipe``, of its format's state type.
 
   For ``DelayedScaling`` a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` (float32
   (1,), initialised to 1) and ``{x,kernel,grad}_amax_history`` (float32 (L,), zeros), which
-  reads as a mapping of those names; for stateless recipes ``{}``.
+  reads as a mapping of those names; for stateless recipes an ``EmptyState`` (equal to ``{}``).
 
   Example:
     >>> import te_adapters as ta
     >>> sorted(ta.core.init_state(ta.DelayedScaling(amax_history_len=4)))[:2]
     ['grad_amax_history', 'grad_scale']
+    >>> ta.core.init_state(ta.MXFP8BlockScaling())
+    EmptyState()
   """
   recipe = check_recipe(recipe)
   return format_of(recipe).init_state(recipe)
+
+
+@functools.lru_cache(maxsize=64)
+def _state_template(recipe):
+  """The format's state type for ``recipe``, by name: ``(names, treedef)``."""
+  shapes = jax.eval_shape(lambda: format_of(recipe).init_state(recipe))
+  paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  names = tuple(jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in paths)
+  return names, treedef
+
+
+def typed_state(recipe, state: Mapping[str, Any]) -> State:
+  """``state`` as the state type of ``recipe``'s format: a mapping of TE's names (a saved dict,
+  a Linen collection, an old checkpoint) becomes a ``DelayedScalingState``, an empty one an
+  ``EmptyState``; a state of the format's type comes back as it is. Shapes are not checked
+  (one GEMM's state and a grouped GEMM's stacked state both convert); the core's functions check
+  them where the state is used.
+
+  Example:
+    >>> import numpy as np, te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=4)
+    >>> saved = {k: np.asarray(v) for k, v in ta.core.init_state(recipe).items()}
+    >>> type(ta.core.typed_state(recipe, saved)).__name__
+    'DelayedScalingState'
+  """
+  names, treedef = _state_template(check_recipe(recipe))
+  if isinstance(state, type(treedef.unflatten([None] * len(names)))):
+    return state
+  if not isinstance(state, Mapping):
+    raise TypeError(
+        f"state must be a mapping of {type(recipe).__name__}'s state names or its typed state, "
+        f"got {type(state).__name__}"
+    )
+  missing = [n for n in names if n not in state]
+  extra = sorted(str(k) for k in state if k not in names)
+  if missing or extra:
+    raise ValueError(
+        f"state does not match {recipe!r}: missing {missing}, unexpected {extra}; the state of "
+        f"{type(recipe).__name__} has the entries {list(names)}"
+    )
+  return treedef.unflatten([state[n] for n in names])
 
 
 def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
@@ -117,17 +163,20 @@ def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
 
 
 def check_state(recipe, state: Mapping[str, Any] | None) -> State:
-  """Validates ``state`` against ``recipe``; returns it typed (a ``DelayedScalingState``, or
-  ``{}`` for stateless recipes). A dict of TE's names (an old checkpoint) is accepted. Raises
-  naming the mismatch."""
+  """Validates ``state`` against ``recipe``; returns it typed (``typed_state``). The core's
+  functions call it once, where a call enters the core. A dict of TE's names (the spelling before
+  the typed state) is accepted with a ``DeprecationWarning``. Raises naming the mismatch."""
   expected = _expected_shapes(recipe)
   if state is None:
     if expected:
       raise ValueError(
           f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
       )
-    return {}
-  return check_leaves(
+    return typed_state(recipe, {})
+  warn_dict_state(
+      state, "te_adapters.core.init_state(recipe), or te_adapters.core.typed_state(recipe, "
+      "saved) for a saved dict")
+  check_leaves(
       state,
       expected,
       mismatch=f"state does not match {recipe!r}",
@@ -135,3 +184,4 @@ def check_state(recipe, state: Mapping[str, Any] | None) -> State:
           f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
       ),
   )
+  return typed_state(recipe, state)

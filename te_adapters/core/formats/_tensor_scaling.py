@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from te_adapters.core import sharding
 from te_adapters.core.formats import _scaling
-from te_adapters.core.state import ROLES, DelayedScalingState, RoleState, _accumulate
+from te_adapters.core.state import ROLES, DelayedScalingState, EmptyState, RoleState, _accumulate
 
 __all__ = ["CURRENT", "DELAYED", "TensorScaling"]
 
@@ -108,10 +108,10 @@ DELAYED = TensorScaling(
     next_state=_delayed_next_state,
 )
 CURRENT = TensorScaling(
-    init_state=lambda recipe: {},
+    init_state=lambda recipe: EmptyState(),
     state_shapes=lambda recipe: {},
     stored_scale=lambda state, role: None,
     state_varying=lambda state, role: None,
     next_scale=_current_next,
-    next_state=lambda state, roles: {},
+    next_state=lambda state, roles: EmptyState(),
 )

@@ -84,14 +84,14 @@ def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
 
   For ``DelayedScaling``: a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` float32
   (G, 1), ones, and ``{x,kernel,grad}_amax_history`` float32 (G, L), zeros; slice ``g`` of each
-  is the state of expert g. ``{}`` for stateless recipes.
+  is the state of expert g. An ``EmptyState`` for stateless recipes.
 
   Args:
     recipe: a recipe instance.
     num_groups: G, the number of groups (experts).
 
   Returns:
-    The state (``{}`` for stateless recipes).
+    The state (an ``EmptyState`` for stateless recipes).
 
   Example:
     >>> import te_adapters as ta
@@ -142,8 +142,9 @@ def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
   return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
 
-def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int) -> dict:
-  """Validates the state of a grouped GEMM against ``recipe``; raises naming the mismatch."""
+def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int):
+  """Validates the state of a grouped GEMM against ``recipe``; returns it typed (``typed_state``);
+  raises naming the mismatch."""
   expected = _expected_shapes(recipe, num_groups)
   if state is None:
     if expected:
@@ -151,7 +152,7 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
           f"{type(recipe).__name__} keeps state: pass "
           f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
       )
-    return {}
+    return formats.typed_state(recipe, {})
 
   def bad_shape(name, got, shape):
     hint = ""
@@ -162,12 +163,16 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
         f"{shape}{hint}"
     )
 
-  return core_state.check_leaves(
+  core_state.warn_dict_state(
+      state, f"te_adapters.core.init_ragged_state(recipe, {num_groups}), or "
+      "te_adapters.core.typed_state(recipe, saved) for a saved dict")
+  core_state.check_leaves(
       state,
       expected,
       mismatch=f"state does not match {recipe!r} for a grouped GEMM",
       bad_shape=bad_shape,
   )
+  return formats.typed_state(recipe, state)
 
 
 def ragged_dot(

@@ -12,6 +12,7 @@ from te_adapters.core.state._batching import combine_over_batch
 from te_adapters.core.state._recipe_state import (
     ROLES,
     DelayedScalingState,
+    EmptyState,
     RoleState,
     is_state_mapping,
     leaf_kind,
@@ -20,11 +21,13 @@ from te_adapters.core.state._state import (
     check_leaves,
     shared_max_grad,
     updated_state,
+    warn_dict_state,
     with_max_grad,
 )
 
 __all__ = [
     "DelayedScalingState",
+    "EmptyState",
     "MAX_F32",
     "ROLES",
     "RoleState",
@@ -39,5 +42,6 @@ __all__ = [
     "to_accumulating_shared",
     "to_float32",
     "updated_state",
+    "warn_dict_state",
     "with_max_grad",
 ]

@@ -8,7 +8,8 @@ pytree keys and the read-only mapping view, so Linen collections, NNX variables,
 checkpoints keep the names users see. A dict of those six names (the state layout before the
 typed state, and what the adapters' variables hold) converts with ``from_mapping``.
 
-Stateless recipes (current scaling and the block-scaled formats) keep no state: ``{}``.
+Stateless recipes (current scaling and the block-scaled formats) keep no state: an
+``EmptyState``, a pytree without leaves that reads as an empty mapping.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["ROLES", "RoleState", "DelayedScalingState", "is_state_mapping", "leaf_kind"]
+__all__ = [
+    "ROLES", "RoleState", "DelayedScalingState", "EmptyState", "is_state_mapping", "leaf_kind",
+]
 
 ROLES = ("x", "kernel", "grad")
 
@@ -143,6 +146,46 @@ class DelayedScalingState(Mapping):
   def tree_unflatten(cls, aux, children):
     del aux
     return cls(**dict(zip(_SORTED, children, strict=True)))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class EmptyState(Mapping):
+  """The state of a recipe that keeps none (current scaling, the block-scaled formats).
+
+  A pytree without leaves, so it passes through ``jit``, ``grad``, ``vmap`` and checkpointers
+  unchanged, and an empty read-only mapping, so it equals ``{}`` (the spelling before the state
+  was typed) and ``dict(state)`` is ``{}``.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> s = ta.core.init_state(ta.Float8CurrentScaling())
+    >>> s, s == {}, len(s), jax.tree_util.tree_leaves(s)
+    (EmptyState(), True, 0, [])
+  """
+
+  def __getitem__(self, name: str):
+    raise KeyError(name)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(())
+
+  def __len__(self) -> int:
+    return 0
+
+  def __repr__(self) -> str:
+    return "EmptyState()"
+
+  def tree_flatten_with_keys(self):
+    return [], None
+
+  def tree_flatten(self):
+    return [], None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux, children
+    return cls()
 
 
 def _check_role(role) -> None:

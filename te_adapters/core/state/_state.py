@@ -1,14 +1,17 @@
 """Recipe state: explicit pytrees, one per GEMM, with TE's variable names.
 
 ``DelayedScaling`` state is a ``DelayedScalingState`` (``_recipe_state``); stateless recipes keep
-``{}``. A dict of TE's six names (the layout before the typed state, an old checkpoint, an
-adapter's variables) is accepted wherever state is, and converted.
+an ``EmptyState``. The core types the state once, where a call enters it (``check_state``); a
+dict of TE's six names (an old checkpoint, a Linen collection) converts there, and a user's call
+that passes one warns that the dict spelling is deprecated.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +20,16 @@ import numpy as np
 from te_adapters.core.state import _accumulate
 from te_adapters.core.state._recipe_state import (
   DelayedScalingState,
+  EmptyState,
   is_state_mapping,
   leaf_kind,
 )
 
-__all__ = ["check_leaves", "shared_max_grad", "updated_state", "with_max_grad"]
+__all__ = [
+    "check_leaves", "shared_max_grad", "updated_state", "warn_dict_state", "with_max_grad",
+]
 
-State = DelayedScalingState | dict[str, Any]
+State = DelayedScalingState | EmptyState
 # A recipe's initial state and its checks (init_state, check_state) come from its format: they
 # live with the format registry (formats._registry), above this module.
 
@@ -32,7 +38,7 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
   """Checks a state's names, shapes (against ``expected``) and float32 leaves.
 
   ``mismatch`` starts the message for wrong names; ``bad_shape(name, got, shape)`` gives the
-  message for a wrong shape. Returns the state typed: a ``DelayedScalingState``, or ``{}``.
+  message for a wrong shape. Returns ``state`` unchanged (the format's ``typed_state`` types it).
   """
   if not isinstance(state, Mapping):
     raise TypeError(
@@ -49,7 +55,34 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
     dtype = getattr(leaf, "dtype", None)
     if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
       raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
-  return DelayedScalingState.from_mapping(state) if expected else {}
+  return state
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_JAX = os.path.dirname(os.path.abspath(jax.__file__))
+
+
+def _caller_stacklevel() -> int:
+  """The ``stacklevel`` that points a warning at the first frame outside this package and JAX
+  (the user's call, through any ``jit`` or ``grad`` tracing in between)."""
+  frame, level = sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, _JAX)):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def warn_dict_state(state, fix: str) -> None:
+  """Warns (``DeprecationWarning``, at the user's call) when ``state`` is recipe state spelled
+  as a plain dict of TE's names rather than the typed state; ``fix`` names the typed spelling.
+  An empty dict for a stateless recipe passes silently: it equals the ``EmptyState``."""
+  if isinstance(state, Mapping) and not isinstance(state, (DelayedScalingState, EmptyState)):
+    if len(state):
+      warnings.warn(
+          "recipe state as a dict of TE's names is deprecated and will be refused in the next "
+          f"release; pass the typed state: {fix}",
+          DeprecationWarning,
+          stacklevel=_caller_stacklevel(),
+      )
 
 
 def with_max_grad(state):
