@@ -68,7 +68,10 @@ def _mesh(axis_type=AxisType.Auto):
                        axis_types=(axis_type, axis_type))
 
 
-FFI = core.GemmConfig(backend="ffi")
+# Float32 sums of partial products over a split K (GemmConfig.partial_sums), so that with the
+# extension's GEMM (a GPU) the sharded programs equal one device's; the default, bf16 sums, has
+# its own test below.
+FFI = core.GemmConfig(backend="ffi", partial_sums="float32")
 
 
 def _data():
@@ -379,8 +382,7 @@ def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   monkeypatch.setattr(_ffi, "cublas_gemm_available", lambda: True)
   monkeypatch.setattr(_ffi, "gemm_call", _emulated_cublas(calls))
   plan = dataclasses.replace(PLANS[-1], bf16_sums=())
-  config = core.GemmConfig(backend="ffi", partial_sums="float32")
-  got, text = _sharded(DELAYED, plan, step=_step(DELAYED, config))
+  got, text = _sharded(DELAYED, plan)
   sharded_calls, calls[:] = list(calls), []
   _assert_equal_to_one_device(got, _one_device_uncached(DELAYED), plan)
   # Shards: x3 (128, 64) split over dp, the kernel (32, 64) over tp.
@@ -410,7 +412,7 @@ def test_fp8_gemm_call_site_sums_partial_products_in_the_output_dtype(monkeypatc
   monkeypatch.setattr(_ffi, "gemm_call", _emulated_cublas(calls))
   assert core.GemmConfig().partial_sums == "output"
   plan = PLANS[-1]
-  got, text = _sharded(DELAYED, plan)
+  got, text = _sharded(DELAYED, plan, step=_step(DELAYED, core.GemmConfig(backend="ffi")))
   sharded_calls, calls[:] = list(calls), []
   want = _one_device_uncached(DELAYED)
   # dgrad's and wgrad's shards write bf16.
