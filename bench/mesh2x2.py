@@ -58,6 +58,9 @@ def _parse(argv):
   p.add_argument("--pipelined", action="store_true",
                  help="time each trial's steps back to back, synchronising after the last only "
                       "(as a training loop runs), not after every step")
+  p.add_argument("--partial-sums", choices=("output", "float32"), default=None,
+                 help="GemmConfig.partial_sums of the FP8 layers: the dtype the sharded GEMMs "
+                      "sum their partial products in (default: the package's default)")
   add_common_arguments(p)
   return p.parse_args(argv)
 
@@ -90,6 +93,12 @@ CHECK_STEP = 2  # outputs compared at this step (DelayedScaling: scales from ear
 TE_REFERENCE = "TE (GB200s, published): 5.52 ms bf16, 3.71 ms MXFP8"
 
 
+def _config():
+  """The FP8 layers' GemmConfig: None (the package's default) unless --partial-sums is given."""
+  choice = ARGS.partial_sums if ARGS is not None else None
+  return None if choice is None else ta.core.GemmConfig(partial_sums=choice)
+
+
 def _recipe(variant):
   return {
       "bf16": None,
@@ -113,7 +122,7 @@ def build_linen(variant, hidden, features, x_init) -> Model:
   if recipe is None:
     cls = lambda: None  # nn.Dense's own dot_general
   else:
-    cls = ta_linen.make_dot_general_cls(recipe, threshold=None)
+    cls = ta_linen.make_dot_general_cls(recipe, threshold=None, config=_config())
   model = FlaxDenseBlock(features, dot_general_cls=cls)
   variables = dict(model.init(jax.random.PRNGKey(1), x_init))
   owg = ta_linen.OVERWRITE_WITH_GRADIENT
@@ -132,7 +141,7 @@ def build_nnx(variant, hidden, features, x_init) -> Model:
   if recipe is None:
     layer = nnx.Linear(hidden, features, **kw)
   else:
-    layer = ta_nnx.Linear(hidden, features, recipe=recipe, threshold=None, **kw)
+    layer = ta_nnx.Linear(hidden, features, recipe=recipe, threshold=None, config=_config(), **kw)
   graphdef, params, state = nnx.split(layer, nnx.Param, ta_nnx.RecipeState)
 
   def apply(params, state, x):
@@ -148,7 +157,8 @@ def build_haiku(variant, hidden, features, x_init) -> Model:
   def forward(x):
     if recipe is None:
       return hk.Linear(features, with_bias=False)(x)
-    return ta_hk.Linear(features, with_bias=False, recipe=recipe, threshold=None)(x)
+    return ta_hk.Linear(features, with_bias=False, recipe=recipe, threshold=None,
+                        config=_config())(x)
 
   f = hk.transform_with_state(forward)
   # float32 parameters (initialised from a float32 input), computed in bf16 like nn.Dense.
@@ -423,13 +433,16 @@ def main():
       shape=dict(batch=args.batch, seq=args.seq, hidden=args.hidden, features=args.features),
       iters=args.iters, warmup=args.warmup, trials=args.trials,
       timing="pipelined (one sync a trial)" if args.pipelined else "each step synchronised",
+      partial_sums=args.partial_sums or ta.core.GemmConfig().partial_sums,
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
   )
   print(f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
         f"(mesh 2x2 over the first 4); jax {meta['jax']}, flax {meta['flax']}, "
         f"haiku {meta['haiku']}, python {meta['python']}")
   print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
         f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
-        f"mean of {args.iters} steps, median of {args.trials} trials; {meta['timing']}")
+        f"mean of {args.iters} steps, median of {args.trials} trials; {meta['timing']}; "
+        f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}")
   print(f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
         f"recipe state {P()}; errors at step {CHECK_STEP} against the first device alone\n")
   rows = run(args)

@@ -68,7 +68,10 @@ def _mesh(axis_type=AxisType.Auto):
                        axis_types=(axis_type, axis_type))
 
 
-FFI = core.GemmConfig(backend="ffi")
+# Float32 sums of partial products over a split K (GemmConfig.partial_sums), so that with the
+# extension's GEMM (a GPU) the sharded programs equal one device's; the default, bf16 sums, has
+# its own test below.
+FFI = core.GemmConfig(backend="ffi", partial_sums="float32")
 
 
 def _data():
@@ -79,10 +82,10 @@ def _data():
   return x.astype(jnp.bfloat16), w, dy.astype(jnp.bfloat16)
 
 
-def _step(recipe):
+def _step(recipe, config=FFI):
   def loss(x, w, state, dy, factor):
     y = core.dot_general(x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=recipe,
-                         state=state or None, threshold=None, config=FFI)
+                         state=state or None, threshold=None, config=config)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
   def step(x, w, state, dy, factor):
@@ -114,11 +117,11 @@ def _one_device(recipe):
   return _run(recipe, x, w, dy, put)[0]
 
 
-def _sharded(recipe, plan, axis_type=AxisType.Auto):
+def _sharded(recipe, plan, axis_type=AxisType.Auto, step=None):
   mesh = _mesh(axis_type)
   put = lambda a, spec=None: jax.device_put(a, NamedSharding(mesh, spec or P()))
   x, w, dy = _data()
-  return _run(recipe, put(x, plan.x), put(w, plan.w), put(dy, plan.dy), put)
+  return _run(recipe, put(x, plan.x), put(w, plan.w), put(dy, plan.dy), put, step)
 
 
 def _cast_calls(text):
@@ -370,8 +373,9 @@ def _emulated_cublas(calls):
 
 def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   """Through core.dot_general with the GEMM kernel emulated (the real one is cuBLASLt, GPU only):
-  DP x column-parallel TP, whose dgrad contracts the tp-sharded features. The float32 partial
-  products are summed, then rounded once, so even that GEMM equals one device bit for bit."""
+  DP x column-parallel TP, whose dgrad contracts the tp-sharded features and wgrad the dp-sharded
+  rows. With ``partial_sums="float32"`` the float32 partial products are summed, then rounded
+  once, so even those GEMMs equal one device bit for bit."""
   from te_adapters.core.kernels import _ffi
 
   calls = []
@@ -386,7 +390,58 @@ def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   # dgrad contracts N (tp) and wgrad M (dp): float32 partial products, summed in float32.
   assert ((64, 16), (64, 16), np.dtype(jnp.float32)) in sharded_calls, sharded_calls
   reduces = [c for c in inspect.hlo_collectives(text) if c.op == "all-reduce"]
-  assert any(("f32", (64, 64)) in c.arrays for c in reduces), reduces
+  assert any(("f32", (64, 64)) in c.arrays for c in reduces), reduces  # dx
+  assert any(("f32", (64, 16)) in c.arrays for c in reduces), reduces  # dW (K, N/tp)
+  assert not any(d == "bf16" for c in reduces for d, _ in c.arrays), reduces
+
+
+def test_fp8_gemm_call_site_sums_partial_products_in_the_output_dtype(monkeypatch):
+  """The default ``partial_sums="output"``: the shards of dgrad and wgrad (the kernel is passed
+  in bf16, so dW's dtype there is bf16) write bf16 partial products and the all-reduces sum
+  bf16, as XLA's program of the same dot does.
+
+  The bound: with n = 2 devices each partial p_i is rounded to bf16 (at most u |p_i|, u = 2**-8
+  the unit roundoff) and their sum once more (at most u (|p_1| + |p_2|) to first order), and one
+  device's output is rounded once (at most u |y|); |y| and |p_1| + |p_2| are at most
+  (|A| |B|)_ij, the product of the absolute operands (exact here: exact_data quantizes without
+  error), so the two differ by at most 2 n u (|A| |B|)_ij (1 + 2u for the second-order terms)."""
+  from te_adapters.core.kernels import _ffi
+
+  calls = []
+  monkeypatch.setattr(_ffi, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(_ffi, "gemm_call", _emulated_cublas(calls))
+  assert core.GemmConfig().partial_sums == "output"
+  plan = PLANS[-1]
+  got, text = _sharded(DELAYED, plan, step=_step(DELAYED, core.GemmConfig(backend="ffi")))
+  sharded_calls, calls[:] = list(calls), []
+  want = _one_device_uncached(DELAYED)
+  # dgrad's and wgrad's shards write bf16.
+  assert ((64, 16), (64, 16), np.dtype(jnp.bfloat16)) in sharded_calls, sharded_calls
+  # (The kernel is traced once with the global shapes too: wgrad's in float32 there.)
+  assert not any(c[2] == np.dtype(jnp.float32) and c[0][-1] < 128 for c in sharded_calls), (
+      sharded_calls)
+  reduces = [c for c in inspect.hlo_collectives(text) if c.op == "all-reduce"]
+  sums = [c for c in reduces if any(int(np.prod(s)) > 1 for _, s in c.arrays)]
+  # dx (64, 64) over tp and dW (64, 16) over dp. XLA:CPU widens bf16 all-reduces to float32
+  # (its reduction computation renamed "..._promoted"); a GPU's sum bf16 (bench/RESULTS.md).
+  assert len(sums) == 2, sums
+  for c in sums:
+    assert all(d == "bf16" for d, _ in c.arrays) or "_promoted" in c.line, c.line
+  x, w, dy = (np.abs(np.asarray(a, np.float64)) for a in _data())
+  x, dy, w = x.reshape(-1, X_SHAPE[-1]), dy.reshape(-1, Y_SHAPE[-1]), w
+  n, u = 2, 2.0**-8
+  for step, factor, (y, (dx, dw, state)), (ry, (rdx, rdw, rstate)) in zip(
+      range(len(FACTORS)), FACTORS, got, want, strict=True):
+    np.testing.assert_array_equal(y, ry, err_msg=f"step {step}: y")  # K whole: as one device
+    bounds = {"dx": factor * dy @ w.T, "dw": factor * x.T @ dy}
+    for name, a, b in (("dx", dx, rdx), ("dw", dw, rdw)):
+      a = np.asarray(a, np.float64).reshape(bounds[name].shape)
+      b = np.asarray(b, np.float64).reshape(bounds[name].shape)
+      err = np.abs(a - b)
+      assert np.all(err <= 2 * n * u * (1 + 2 * u) * bounds[name]), (step, name, err.max())
+      assert err.max() > 0  # the bf16 sums do round here
+    for key in rstate:
+      np.testing.assert_array_equal(state[key], rstate[key], err_msg=f"step {step}: {key}")
 
 
 def _one_device_uncached(recipe):

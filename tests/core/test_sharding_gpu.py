@@ -30,6 +30,9 @@ pytestmark = [
 
 DN = (((2,), (0,)), ((), ()))
 X_SHAPE, W_SHAPE = (8, 128, 256), (256, 512)
+# The tests that hold a sharded program to one device's bound sum the partial products of a split
+# K in float32 (GemmConfig.partial_sums); the default, bf16 sums, has its own test and bound.
+FLOAT32_SUMS = core.GemmConfig(partial_sums="float32")
 
 
 def _data():
@@ -40,11 +43,11 @@ def _data():
   return x, w, dy
 
 
-def _step(recipe, **kw):
+def _step(recipe, config=FLOAT32_SUMS, **kw):
   def step(x, w, state, dy):
     def layer(x, w, state):
       return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state or None,
-                              threshold=None, **kw)
+                              threshold=None, config=config, **kw)
     y, vjp = jax.vjp(layer, x, w, state)
     return (y, *vjp(dy))
   return jax.jit(step)
@@ -83,6 +86,63 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
     spmd_checks.record(name, a, b)
   for a, b in zip(got[:3], ref[:3], strict=True):
     assert _rel(a, b) < 4e-3
+  for name in ref[3]:  # the next step's scales and histories: identical
+    np.testing.assert_array_equal(np.asarray(got[3][name]), np.asarray(ref[3][name]))
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [("dp", P("dp"), P(), P("dp")), ("tp", P(), P(None, "tp"), P(None, None, "tp"))],
+    ids=["dp2", "tp2"],
+)
+def test_partial_products_are_summed_in_bf16_by_default(specs):
+  """``GemmConfig.partial_sums="output"`` (the default): the GEMM whose K is split (wgrad over
+  dp, whose K is the rows; dgrad over tp, whose K is the features) writes bf16 partial products
+  on each GPU and the all-reduce sums bf16, half the bytes of float32.
+
+  Bound, per element of that output, against one GPU: each of the n = 2 partials p_i is
+  rounded to bf16 (at most u |p_i|, u = 2**-8), their sum once (at most u (|p_1| + |p_2|) to
+  first order), and one GPU's output at most u |y| (dx is bf16; dW, float32 there, is closer);
+  |y| and |p_1| + |p_2| are at most (|qa| |qb|)_ij, the product of the absolute dequantized FP8
+  operands, and |qa| <= (1 + 2**-4) |a| for E4M3, |qg| <= (1 + 2**-3) |g| for E5M2: at most
+  2 n u (1 + 2u) 1.2 (|a| |b|)_ij, plus the bound of spmd_checks for the FP8 sums' order. A
+  missing all-reduce or a wrong shard is O(1) of the output and fails.
+  """
+  axis, x_spec, w_spec, dy_spec = specs
+  recipe = ta.DelayedScaling(amax_history_len=4)
+  x, w, dy = _data()
+  state = core.init_state(recipe)
+  ref = _step(recipe, config=None)(x, w, state, dy)
+  mesh = jax.make_mesh((2,), (axis,), devices=jax.devices()[:2], axis_types=(AxisType.Auto,))
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  args = (put(x, x_spec), put(w, w_spec), put(state, P()), put(dy, dy_spec))
+  with jax.set_mesh(mesh):
+    compiled = _step(recipe, config=None).lower(*args).compile()
+  got = compiled(*args)
+  text = compiled.as_text()
+  assert inspect.count_fp8_gemms(text)[0] >= 3
+  # The gradient's sum (the amaxes' max reductions, which XLA may combine, are a few floats).
+  sums = [c for c in inspect.hlo_collectives(text)
+          if c.op.startswith("all-reduce") and any(int(np.prod(s)) >= 1024 for _, s in c.arrays)]
+  assert sums and all(d == "bf16" for c in sums for d, s in c.arrays if int(np.prod(s)) >= 1024), (
+      [(c.arrays, c.line[:120]) for c in sums])
+  a64 = lambda t: np.abs(np.asarray(t, np.float64))
+  rows_x, rows_dy = a64(x).reshape(-1, X_SHAPE[-1]), a64(dy).reshape(-1, W_SHAPE[-1])
+  summed = "dW" if axis == "dp" else "dx"
+  products = {"dW": rows_x.T @ rows_dy,
+              "dx": (rows_dy @ a64(w.astype(jnp.bfloat16)).T).reshape(X_SHAPE)}
+  n, u = 2, 2.0**-8
+  for name, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
+    spmd_checks.record(name, a, b)
+    if name != summed:
+      spmd_checks.assert_close_to_one_device(a, b, name)
+      continue
+    b64 = np.asarray(b, np.float64)
+    bound = (2 * n * u * (1 + 2 * u) * 1.2 * products[name]
+             + spmd_checks.GPU_OUTPUT_ULPS * spmd_checks._ulp(b64, np.asarray(b).dtype)
+             + spmd_checks.FP8_GEMM_RTOL * np.max(np.abs(b64)))
+    over = np.abs(np.asarray(a, np.float64) - b64) > bound
+    assert not over.any(), (name, int(over.sum()), spmd_checks.comparison_figures(a, b))
   for name in ref[3]:  # the next step's scales and histories: identical
     np.testing.assert_array_equal(np.asarray(got[3][name]), np.asarray(ref[3][name]))
 

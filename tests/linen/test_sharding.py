@@ -45,8 +45,11 @@ def _data():
 
 
 def _model(recipe, features=FEATURES):
+  # Float32 sums of the partial products over a split K (dW over dp), so that on a GPU dW keeps
+  # one device's bound (spmd_checks); the default bf16 sums: tests/core/test_sharding_gpu.py.
+  config = ta.core.GemmConfig(partial_sums="float32")
   return FlaxDenseBlock(features=features, dot_general_cls=ta_linen.make_dot_general_cls(recipe,
-      threshold=None))
+      threshold=None, config=config))
 
 
 def _loss(model, variables, x, dy):

@@ -121,7 +121,7 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   return None
 
 
-def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
+def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None):
   """``a (.., M, K) . b (.., N, K)^T * sinv_a * sinv_b`` by cuBLASLt: both scales in the
   epilogue, one rounding to ``out_dtype`` (TE's GEMM)."""
   lead = a.shape[:-2]
@@ -137,7 +137,7 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision):
   y = kernels.tensor_scaled_gemm(
       _ffi.gemm_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
-      out_dtype, fast,
+      out_dtype, fast, sum_dtype,
   )
   return y.reshape(*lead, m, n) if lead else y
 
@@ -156,7 +156,12 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       # parameter (nn.Dense computing in bf16), XLA drops the bf16 round trip, and the
       # parameter's gradient is the GEMM's float32 output, with no pass of its own.
       gemm_dtype = jnp.float32 if which == "wgrad" else out_dtype
-      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision).astype(out_dtype)
+      # In a sharded program whose K is split over devices, the partial products are summed in
+      # the output dtype (for wgrad too: the kernel's dtype as the caller passes it) or in
+      # float32 (GemmConfig.partial_sums).
+      sum_dtype = out_dtype if config.partial_sums == "output" else jnp.float32
+      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype).astype(
+          out_dtype)
     if config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
   scale_inv = (sinv_a * sinv_b).reshape(())

@@ -13,8 +13,10 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   whole tensor (what ``amax_axes`` does inside ``shard_map``).
 - ``gemm`` runs ``a (B, M, K) . b (B, N, K)^T -> (B, M, N)``. B and M keep ``a``'s sharding, N
   keeps ``b``'s. Where a mesh axis shards K in both operands, each device multiplies its slices
-  into float32 and the float32 partial products are summed (``psum``) and rounded to the output
-  dtype once: one device's result up to the order of the float32 additions. A combination the
+  into partial products of the sum dtype it is given, which are summed (``psum``) in that dtype
+  and converted to the output dtype: in float32 (the default here), one device's result up to
+  the order of the float32 additions; in the output dtype (``GemmConfig.partial_sums="output"``),
+  as XLA's program of the same dot sums, with half the bytes for bfloat16. A combination the
   kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
   one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
   case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
@@ -279,6 +281,7 @@ def gemm(
   *,
   block_scales: bool = False,
   refusal: Callable | None = None,
+  sum_dtype=None,
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
 
@@ -292,11 +295,15 @@ def gemm(
       block scales with one entry per block, of the operand's rank (sharded like it).
     out_dtype: the result's dtype.
     refusal: ``refusal(a_shape, b_shape) -> str | None``: why the kernel cannot take one shard.
+    sum_dtype: where K is split over devices, the dtype of each device's partial product and of
+      their sum (``None``: float32); the sum is then converted to ``out_dtype``.
   """
   if not _partitioned_here():
     return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
-  run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes)
+  sum_dtype = np.dtype(np.float32 if sum_dtype is None else sum_dtype)
+  run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes,
+                   sum_dtype)
   return run(a, b, a_scale, b_scale)
 
 
@@ -333,7 +340,7 @@ def _gemm_plan(mesh, a_spec, b_spec, a_shape, b_shape, scale_shapes, block_scale
   return lead + (m, k), lead + (n, k), lead + (m, n), k
 
 
-def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes):
+def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes, sum_dtype):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
 
@@ -366,8 +373,9 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes)
     def per_shard(a, b, a_scale, b_scale):
       if not k:
         return fn(a, b, a_scale, b_scale, out_dtype).astype(out_dtype)
-      # K is split: float32 partial products, summed, rounded once.
-      y = fn(a, b, a_scale, b_scale, np.dtype(np.float32)).astype(jnp.float32)
+      # K is split: partial products in sum_dtype (float32: rounded once, after the sum; the
+      # output dtype: each partial and each addition rounded, half the bytes for bfloat16).
+      y = fn(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
       return lax.psum(y, k).astype(out_dtype)
 
     scale = (lambda spec: spec) if block_scales else (lambda spec: ((),))
@@ -398,14 +406,16 @@ def _call_with_dtype(kernel, out_dtype, a, b, a_scale, b_scale):
 # --------------------------------------------------------------------------- the extension's GEMMs
 
 
-def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool):
+def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool,
+                       sum_dtype=None):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
-  per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16)."""
+  per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
+  ``sum_dtype``: as for ``gemm``."""
   kernel = functools.partial(_tensor_kernel, call, fast_accum)
   fallback = functools.partial(_tensor_fallback, fast_accum)
   return gemm(
     "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
-    refusal=_tensor_refusal,
+    refusal=_tensor_refusal, sum_dtype=sum_dtype,
   )
 
 

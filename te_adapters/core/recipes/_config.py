@@ -1,4 +1,5 @@
-"""How the quantized GEMMs run: implementation choices that leave a recipe's numerics alone."""
+"""How the quantized GEMMs run: implementation choices that leave a recipe's quantized values
+alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ _CHOICES = {
   "backend": ("auto", "jax", "ffi"),
   "fp8_gemm": ("auto", "native", "xla"),
   "block_gemm": ("auto", "native", "xla"),
+  "partial_sums": ("output", "float32"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
 _DEPRECATED = {
@@ -29,7 +31,7 @@ class GemmConfig:
   """Which kernels run a quantized GEMM; hashable, so it can be a static argument.
 
   The defaults are the fastest choices measured (``bench/RESULTS.md``); every choice computes
-  the same quantized values.
+  the same quantized values (``partial_sums`` chooses how sums over devices are rounded).
 
   Attributes:
     backend: the per-tensor FP8 cast (and amax) kernel. ``"auto"``: the extension's FFI kernel on
@@ -66,6 +68,23 @@ class GemmConfig:
       chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast straight to the
       GEMM's FP8 operand in one custom VJP (a per-tensor recipe, the GEMM in FP8, the norm's
       output neither returned nor constrained).
+    partial_sums: how a sharded program sums the partial products of a GEMM whose contracting
+      dim is split over mesh axes (the forward GEMM of a row-parallel layer; dgrad of a
+      column-parallel one, whose K is the sharded features; wgrad under data parallelism, whose
+      K is the sharded rows), in the partitioning rule of the extension's per-tensor FP8 GEMM
+      (the block-scaled GEMM's rule sums in float32). ``"output"`` (the
+      default): each device's GEMM writes its partial product in the GEMM's output dtype (the
+      layer's compute dtype; for wgrad the kernel's dtype as the layer passes it, bfloat16 for a
+      float32 parameter computed in bfloat16) and the all-reduce sums in that dtype, as XLA's
+      program of the same ``dot_general`` in that dtype does: half the bytes of float32 for
+      bfloat16. Each partial and each addition is rounded to the output dtype, so with n devices
+      an element is within about ``(2n - 1) * eps / 2`` of ``sum |a| |b|`` over its K (eps of
+      the output dtype) from the float32 sum. ``"float32"``: float32 partial products summed in
+      float32 and rounded once, one device's result up to the order of the float32 additions,
+      at twice the bytes for bfloat16 outputs. Float32 outputs sum in float32 either way. Inside
+      ``shard_map`` the sums over devices are autodiff's (weight gradients in float32), and
+      XLA's FP8 GEMM (``fp8_gemm="xla"``, or where the extension's cannot run) is partitioned by
+      XLA, which sums in the GEMM's output dtype.
 
   Example:
     >>> import te_adapters as ta
@@ -81,6 +100,7 @@ class GemmConfig:
   transpose: str | None = None
   amax: str | None = None
   fuse_activation_cast: bool | None = None
+  partial_sums: str = "output"
 
   def __post_init__(self):
     if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
