@@ -3,7 +3,7 @@
 Normwise relative errors of ``te_adapters.core.ragged_dot`` (current scaling, HYBRID) against a
 float64 per-group reference, for the forward output, dgrad and wgrad, with scales per group (what
 the core uses) or one scale per tensor. Prints one table per scenario; the numbers quoted in
-``te_adapters/core/_ragged.py`` come from this script.
+``te_adapters/core/formats/_grouped_tensor.py`` come from this script.
 
 Usage: ``python bench/ragged_scales.py [--m 4096] [--k 256] [--n 256] [--groups 8]``
 """
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core.gemm import _ragged
+from te_adapters.core import gemm, init_ragged_state
 from te_adapters.core.recipes import DelayedScaling, Float8CurrentScaling
 
 CURRENT = Float8CurrentScaling()
@@ -44,11 +44,13 @@ def reference(x, w, dy, group_sizes):
 def fp8_grads(x, w, dy, group_sizes, granularity, recipe=CURRENT, state=None):
   state = {} if state is None else state
 
+  # The grouped GEMM's rule on XLA's route, with the scales per group or per tensor.
+  spec = gemm.Grouped(
+      recipe, None, np.dtype(np.float32), (np.dtype(x.dtype), np.dtype(w.dtype)), "xla",
+      granularity)
+
   def f(x, w, state):
-    return _ragged._fp8_ragged_dot(
-        x, w, group_sizes, state, None, np.dtype(np.float32), (x.dtype, w.dtype), recipe,
-        granularity,
-    )
+    return gemm.grouped_gemms(x, w, group_sizes, state, spec)
 
   y, vjp = jax.vjp(f, x, w, state)
   dx, dw, new_state = vjp(dy)
@@ -125,7 +127,7 @@ def delayed(m, k, n, g, steps=12, history=16):
   print("| scales | fwd | dgrad | wgrad | fwd small | dgrad small | wgrad small |")
   print("|" + "---|" * 7)
   for granularity in ("group", "tensor"):
-    state = _ragged.init_ragged_state(recipe, g)
+    state = init_ragged_state(recipe, g)
     errs = []
     for step in range(steps):
       x = rng.standard_normal((m, k)).astype(np.float32)

@@ -64,8 +64,8 @@ def test_every_rule_is_listed_with_its_reason():
 def test_one_quantized_gemm_rule_serves_the_dense_and_fused_paths():
   quantizing = {name for name, q in rules_in_doc().items() if q}
   assert "te_adapters.core.gemm._gemm._quantized_gemms" in quantizing
-  # The dense, block-scaled, norm+GEMM and MLP paths have no quantized rule of their own;
-  # only the grouped GEMM's two remain beside it.
-  assert quantizing - {"te_adapters.core.gemm._gemm._quantized_gemms"} == {
-      "te_adapters.core.gemm._ragged._fp8_ragged_dot",
-      "te_adapters.core.gemm._ragged_mxfp8._mxfp8_vjp"}
+  # The dense, block-scaled, norm+GEMM and MLP paths have no quantized rule of their own; the
+  # grouped GEMM has one, for every format with a grouped GEMM.
+  assert quantizing == {
+      "te_adapters.core.gemm._gemm._quantized_gemms",
+      "te_adapters.core.gemm._ragged._grouped_gemms"}

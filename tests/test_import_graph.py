@@ -52,15 +52,6 @@ PRIVATE_REACH = {
     ),
     "te_adapters.core.fused._mlp": ("te_adapters.core.ops._norm",),
     "te_adapters.core.fused._norm_dense": ("te_adapters.core.ops._norm",),
-    "te_adapters.core.gemm._ragged": (
-        "te_adapters.core.formats._mxfp8",
-        "te_adapters.core.formats._scaling",
-        "te_adapters.core.kernels._grouped_kernel",
-    ),
-    "te_adapters.core.gemm._ragged_mxfp8": (
-        "te_adapters.core.formats._block_scaled",
-        "te_adapters.core.formats._mxfp8",
-    ),
 }
 
 TEST_PRIVATE_IMPORTS = {
@@ -71,7 +62,6 @@ TEST_PRIVATE_IMPORTS = {
     ),
     "bench/quantize_kernel.py": ("te_adapters.core.formats._cast_transpose",),
     "bench/ragged.py": ("te_adapters.core.kernels._grouped_kernel",),
-    "bench/ragged_scales.py": ("te_adapters.core.gemm._ragged",),
     "bench/sharding_diag.py": (
         "te_adapters.core.kernels._ffi",
         "te_adapters.core.kernels._partition",
@@ -92,20 +82,14 @@ TEST_PRIVATE_IMPORTS = {
         "te_adapters.core.kernels._ffi",
         "te_adapters.core.kernels._grouped_kernel",
     ),
-    "tests/core/test_grouped_kernel_gpu.py": (
-        "te_adapters.core.gemm._ragged",
-        "te_adapters.core.kernels._grouped_kernel",
-    ),
+    "tests/core/test_grouped_kernel_gpu.py": ("te_adapters.core.kernels._grouped_kernel",),
     "tests/core/test_partition.py": (
         "te_adapters.core.formats._cast_transpose",
         "te_adapters.core.formats._float8_block",
         "te_adapters.core.kernels._ffi",
         "te_adapters.core.kernels._partition",
     ),
-    "tests/core/test_ragged.py": (
-        "te_adapters.core.gemm._ragged",
-        "te_adapters.core.kernels._grouped_kernel",
-    ),
+    "tests/core/test_ragged.py": ("te_adapters.core.kernels._grouped_kernel",),
     "tests/core/test_scaling.py": ("te_adapters.core.formats._scaling",),
     "tests/core/test_sharding_gpu.py": ("te_adapters.core.kernels._ffi",),
     "tests/core/test_threshold.py": ("te_adapters.core.gemm._threshold",),
@@ -114,7 +98,6 @@ TEST_PRIVATE_IMPORTS = {
     "tests/test_custom_rules.py": (
         "te_adapters.core.gemm._gemm",
         "te_adapters.core.gemm._ragged",
-        "te_adapters.core.gemm._ragged_mxfp8",
     ),
 }
 

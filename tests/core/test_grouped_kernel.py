@@ -139,3 +139,50 @@ def test_bf16_refusal_says_why():
                                                                    jnp.bfloat16)
     assert "writes bfloat16" in _grouped_kernel.bf16_refusal(x, w, jnp.float32)
     assert "multiples of 16" in _grouped_kernel.bf16_refusal(x[:, :8], w[:, :8], jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
+    ids=["current", "delayed"])
+def test_fp8_native_route_wires_its_gemms_as_the_xla_route(monkeypatch, recipe):
+  """The per-tensor format's grouped GEMM on the native route, with the kernel's two modes
+  replaced by their models, gives the XLA route's outputs, gradients and next state: the same FP8
+  operands and per-group scales reach each GEMM in the layout the kernel reads (the GPU test runs
+  the kernel itself)."""
+  calls = []
+
+  def spy(name, model):
+    def run(*args, **kwargs):
+      calls.append((name, str(args[0].dtype), str(args[1].dtype)))
+      return model(*args, **kwargs)
+    return run
+
+  monkeypatch.setattr(core.kernels, "rows_gemm", spy("rows", _rows_gemm_model))
+  monkeypatch.setattr(core.kernels, "wgrad_gemm", spy("wgrad", _wgrad_gemm_model))
+  rng = np.random.default_rng(2)
+  sizes = jnp.asarray([9, 0, 15, 6], jnp.int32)  # 30 rows in groups, 2 past them
+  x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, 32, 16)) * [[[0.01]], [[1]], [[3]], [[0.1]]], jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+  f32 = np.dtype(jnp.float32)
+
+  def run(route):
+    spec = core.gemm.Grouped(recipe, None, f32, (f32, f32), route)
+
+    def loss(x, w, state):
+      y = core.gemm.grouped_gemms(x, w, sizes, state, spec)
+      return jnp.sum(y * dy), y
+
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    state = core.init_ragged_state(recipe, 4)
+    for i in range(2):  # delayed scaling: the second step casts with the stored scales
+      (_, y), (dx, dw, state) = step(x * (1.0 + i), w, state)
+    return y, dx, dw, state
+
+  native = run("native")
+  e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+  assert calls[:3] == [("rows", e4m3, e4m3), ("rows", e5m2, e4m3), ("wgrad", e4m3, e5m2)]
+  xla = run("xla")
+  for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(xla), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  assert np.all(np.asarray(native[0][30:]) == 0) and np.all(np.asarray(native[2][1]) == 0)

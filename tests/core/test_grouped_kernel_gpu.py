@@ -11,7 +11,6 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core.gemm import _ragged
 from te_adapters.core.kernels import _grouped_kernel
 
 pytestmark = [
@@ -219,9 +218,10 @@ def test_ragged_dot_matches_the_xla_path(recipe):
 
   def run(native):
     def loss(x, w, state):
-      y = _ragged._fp8_ragged_dot(
-          x, w, sizes, state, None, np.dtype(jnp.float32),
-          (np.dtype(jnp.float32), np.dtype(jnp.float32)), recipe, "group", native)
+      f32 = np.dtype(jnp.float32)
+      # The one grouped rule on the per-tensor format's native route or XLA's.
+      spec = core.gemm.Grouped(recipe, None, f32, (f32, f32), "native" if native else "xla")
+      y = core.gemm.grouped_gemms(x, w, sizes, state, spec)
       return jnp.sum(y * dy), y
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     state = core.init_ragged_state(recipe, len(SIZES))

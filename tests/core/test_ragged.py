@@ -206,8 +206,6 @@ def test_native_kernel_cast_equals_the_xla_cast(recipe_name, granularity):
   next state, with a NaN in one expert and an infinity in another (their amaxes inf, their old
   scales kept). On the GPU the pass is the extension's kernel (tests/csrc checks it against
   pure JAX bit for bit); here it is pure JAX."""
-  from te_adapters.core.gemm import _ragged
-
   recipe = RECIPES[recipe_name]
   rng = np.random.default_rng(11)
   w = rng.standard_normal((4, 32, 48)) * np.array([1e-3, 1.0, 30.0, 1.0])[:, None, None]
@@ -218,11 +216,21 @@ def test_native_kernel_cast_equals_the_xla_cast(recipe_name, granularity):
     state = state.with_roles({
         role: dataclasses.replace(state.role(role), scale=jnp.asarray([[0.5], [2.0], [8.0], [1.0]]))
         for role in ("x", "kernel", "grad")})
-  run = lambda native: jax.jit(lambda w, st: _ragged._quantize_experts(
-      w, "kernel", jnp.float8_e4m3fn, recipe, st, granularity, native))(w, state)
+  sizes = jnp.asarray([8, 8, 8, 8], jnp.int32)
+
+  def run(native):
+    # The format's grouped quantize of the kernels on the native grouped GEMM's route (its
+    # one-pass cast, pure JAX here) or XLA's.
+    grouped = core.format_of(recipe).grouped
+    route = "native" if native else "xla"
+    request = lambda w, st: core.formats.GroupedRequest(
+        w, "kernel", recipe, sizes, st, route=route, granularity=granularity)
+    q = jax.jit(lambda w, st: grouped.quantize(request(w, st)))(w, state)
+    return q.cols.data, q.rows.data, q.cols.scale_inv, q.state
+
   q1, q1_t, sinv1, new1 = run(True)
-  q0, none, sinv0, new0 = run(False)
-  assert none is None and q1_t.shape == (4, 48, 32)
+  q0, q0_rows, sinv0, new0 = run(False)
+  assert q0_rows.shape == q0.shape and q1_t.shape == (4, 48, 32)  # XLA reads (G, K, N)
   bits = lambda a: np.asarray(a).view(np.uint8)
   np.testing.assert_array_equal(bits(q1), bits(q0))
   np.testing.assert_array_equal(bits(q1_t), bits(jnp.swapaxes(q0, 1, 2)))

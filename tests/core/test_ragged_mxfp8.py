@@ -14,7 +14,6 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import gemm
 from tests.core.test_ragged import host_traffic, reference
 
 E4M3 = ta.MXFP8BlockScaling()
@@ -139,9 +138,12 @@ def test_quantized_operands_are_core_quantize_per_group():
 
   @jax.jit
   def operands(x, w, dy, sizes):
-    qx, qw, qx_t, qw_t, padding = gemm.forward_operands(x, w, sizes, recipe)
-    qg, qg_t, _ = gemm.gradient_operands(dy, sizes, g, recipe)
-    return qx, qw, qx_t, qw_t, padding.padded_sizes, qg, qg_t
+    # The copies the grouped GEMM's rule asks the format for, and the padded layout's sizes.
+    grouped = core.format_of(recipe).grouped
+    quantize = lambda a, role: grouped.quantize(core.formats.GroupedRequest(a, role, recipe, sizes))
+    qx, qw, qg = quantize(x, "x"), quantize(w, "kernel"), quantize(dy, "grad")
+    padding = core.formats.group_padding(sizes, m, 32)
+    return qx.rows, qw.rows, qx.cols, qw.cols, padding.padded_sizes, qg.rows, qg.cols
 
   out = operands(x, w, dy, jnp.asarray(sizes))
   qx, qw, qx_t, qw_t, padded, qg, qg_t = (

@@ -31,6 +31,7 @@ from te_adapters.core.formats import _block, _float8_block, _mxfp8, _nvfp4
 from te_adapters.core.formats._block import emulation_dtype, native_gemm_available
 from te_adapters.core.formats._format import (
   BlockFormat,
+  GroupedFormat,
   OperandSpec,
   QuantizationFormat,
   Quantized,
@@ -301,8 +302,9 @@ def _stateless_next(recipe, state, roles):
   return state
 
 
-def block_format(block: BlockFormat) -> QuantizationFormat:
-  """The ``QuantizationFormat`` of a block-scaled recipe from its block functions (stateless)."""
+def block_format(block: BlockFormat, grouped: GroupedFormat | None = None) -> QuantizationFormat:
+  """The ``QuantizationFormat`` of a block-scaled recipe from its block functions (stateless);
+  ``grouped``: its grouped GEMM (``_grouped_block.grouped_format(block)``), or None: none."""
   return QuantizationFormat(
       recipe_type=block.recipe_type,
       scaling_modes=block.scaling_modes,
@@ -315,4 +317,5 @@ def block_format(block: BlockFormat) -> QuantizationFormat:
       check=functools.partial(_check, block),
       per_tensor=False,
       block=block,
+      grouped=grouped,
   )

@@ -5,7 +5,8 @@ transformation's ``init`` and ``update``: the state it keeps per GEMM, the quant
 operand for its uses, the GEMM those copies feed, dequantization and the next state.
 ``_registry.format_of`` maps a recipe to its format (an unknown recipe is an error); the quantized
 GEMM (``_gemm``) and the fused norm and MLP paths (producers into the same rule) and the grouped
-GEMM (``_ragged``) call these functions and never name a recipe class.
+GEMM (``_ragged``, through the format's ``GroupedFormat``) call these functions and never name a
+recipe class.
 
 Two families build most formats: per-tensor scaling (``_tensor_format.tensor_format`` over a
 ``_tensor_scaling.TensorScaling``: delayed and current scaling) and block scaling
@@ -17,6 +18,10 @@ Operands arrive contracting-last: ``(..., P, C)``, the GEMM's contracting dimens
 the swapped operand ``(..., C, P)`` (``cols``: along ``P``), which the backward GEMMs take: x's
 for the weight gradient, the kernel's for the input gradient, the output gradient's for the
 weight gradient.
+
+A format with a grouped GEMM (``ragged_dot``, one kernel per group of rows) also gives a
+``GroupedFormat``: the same quantize, GEMM and next-state steps over grouped operands, where what
+depends on the groups (a scale per group, blocks that never cross a group) is the format's own.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import numpy as np
 from te_adapters.core import recipes, sharding
 
 __all__ = [
-    "BlockFormat", "OperandSpec", "Producer", "QuantizationFormat", "Quantized", "QuantizeRequest",
+    "BlockFormat", "GroupedFormat", "GroupedRequest", "OperandSpec", "Producer",
+    "QuantizationFormat", "Quantized", "QuantizeRequest",
 ]
 
 
@@ -97,6 +103,77 @@ class QuantizeRequest:
       object.__setattr__(self, "config", recipes.GemmConfig())
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedRequest:
+  """What the grouped GEMM asks a format to quantize (not a pytree: built inside a trace).
+
+  The grouped GEMM multiplies rows ``x`` (M, K), grouped contiguously by ``group_sizes`` (rows
+  past their sum are in no group), by one kernel per group, ``w`` (G, K, N): forward ``y (M, N)``
+  contracting K, dgrad ``dx (M, K)`` contracting N, and wgrad ``dw (G, K, N)`` contracting the
+  rows of each group.
+
+  Attributes:
+    x: the operand as the grouped GEMM holds it: x (M, K) for ``"x"``, the kernels (G, K, N)
+      for ``"kernel"``, the output gradient (M, N) for ``"grad"``.
+    role: ``"x"``, ``"kernel"`` or ``"grad"``.
+    recipe: the recipe.
+    group_sizes: (G,) int32, on the device.
+    state: the grouped GEMM's state (G stacked states of the format; ``{}`` when stateless).
+    rows: whether the copy for the operand's first GEMM is needed: x's and the kernel's for the
+      forward GEMM, the gradient's for dgrad.
+    cols: whether the copy for its other GEMM is needed: x's and the gradient's for wgrad (the
+      rows of each group contracted), the kernel's for dgrad.
+    route: the format's choice of GEMMs for this grouped GEMM (``GroupedFormat.route``).
+    granularity: ``"group"`` (the grouped GEMM's scales and blocks are per group) or
+      ``"tensor"`` (per-tensor formats: one amax over all groups, the alternative kept for
+      measurements).
+  """
+
+  x: Any
+  role: str
+  recipe: Any
+  group_sizes: Any
+  state: Any = None
+  rows: bool = True
+  cols: bool = True
+  route: Any = None
+  granularity: str = "group"
+
+  def __post_init__(self):
+    if self.role not in ("x", "kernel", "grad"):
+      raise ValueError(f"role must be 'x', 'kernel' or 'grad', got {self.role!r}")
+    if self.granularity not in ("group", "tensor"):
+      raise ValueError(f"granularity must be 'group' or 'tensor', got {self.granularity!r}")
+    if self.state is None:
+      object.__setattr__(self, "state", {})
+
+
+class GroupedFormat(NamedTuple):
+  """A format's grouped GEMM (``ragged_dot``): the steps of the one grouped rule (``_ragged``).
+
+  Attributes:
+    check: ``(recipe, k, n, backward) -> None``: raises where the format cannot quantize a
+      grouped GEMM with contracting size K and output size N (``backward``: its gradient GEMMs
+      too).
+    route: ``(lhs, rhs, recipe, out_dtypes) -> hashable``: which GEMMs run (for example a native
+      grouped kernel where it runs); ``out_dtypes`` are those of y, dx and dw. The rule passes it
+      back to ``quantize`` and ``gemm``.
+    quantize: ``GroupedRequest -> Quantized``: the operand's copies (``rows``, ``cols``), in the
+      format's own grouped layout, and its role's next state (per group).
+    gemm: ``(a, b, group_sizes, out_dtype, which, recipe, precision, route) -> array``: for
+      ``which`` ``"fwd"`` (x's rows, the kernel's rows) -> (M, N), ``"dgrad"`` (the gradient's
+      rows, the kernel's cols) -> (M, K), ``"wgrad"`` (x's cols, the gradient's cols) ->
+      (G, K, N); rows past the groups give zeros.
+    next_state: ``(recipe, state, {role: role state}) -> state``: the grouped GEMM's next state.
+  """
+
+  check: Callable[..., None]
+  route: Callable[..., Any]
+  quantize: Callable[[GroupedRequest], Quantized]
+  gemm: Callable[..., jax.Array]
+  next_state: Callable[..., Any]
+
+
 class QuantizationFormat(NamedTuple):
   """The functions of one quantization format.
 
@@ -119,9 +196,9 @@ class QuantizationFormat(NamedTuple):
       kernel shard and transposes it after the gather (``kernel_all_gather``); block formats
       refuse that. Inside ``shard_map`` block formats sum cotangents in float32 and name the
       forward GEMM's output sharding under Explicit mesh axes.
-    scaling: the per-tensor ``TensorScaling`` (state, scale rule), which the grouped GEMM applies
-      per group; None for block formats.
+    scaling: the per-tensor ``TensorScaling`` (state, scale rule); None for block formats.
     block: the ``BlockFormat`` of a block format (its operand blocks), else None.
+    grouped: the format's ``GroupedFormat`` (``ragged_dot``), or None: no grouped GEMM.
   """
 
   recipe_type: type
@@ -136,6 +213,7 @@ class QuantizationFormat(NamedTuple):
   per_tensor: bool
   scaling: Any = None
   block: Any = None
+  grouped: GroupedFormat | None = None
 
 
 # --- the block family's parameters --------------------------------------------------------------

@@ -14,7 +14,14 @@ from typing import Any
 
 import jax
 
-from te_adapters.core.formats import _block_scaled, _float8_block, _mxfp8, _nvfp4, _tensor_format
+from te_adapters.core.formats import (
+    _block_scaled,
+    _float8_block,
+    _grouped_block,
+    _mxfp8,
+    _nvfp4,
+    _tensor_format,
+)
 from te_adapters.core.formats._format import QuantizationFormat
 from te_adapters.core.formats._tensor_scaling import CURRENT, DELAYED
 from te_adapters.core.recipes import DelayedScaling, Float8CurrentScaling, Recipe, check_recipe
@@ -30,7 +37,7 @@ __all__ = [
 _FORMATS: list[QuantizationFormat] = [
     _tensor_format.tensor_format(DelayedScaling, DELAYED),
     _tensor_format.tensor_format(Float8CurrentScaling, CURRENT),
-    _block_scaled.block_format(_mxfp8.FORMAT),
+    _block_scaled.block_format(_mxfp8.FORMAT, _grouped_block.grouped_format(_mxfp8.FORMAT)),
     _block_scaled.block_format(_nvfp4.FORMAT),
     _block_scaled.block_format(_float8_block.FORMAT),
 ]

@@ -19,7 +19,7 @@ from jax import lax
 
 from te_adapters.core import kernels, sharding
 from te_adapters.core import state as core_state
-from te_adapters.core.formats import _block, _cast_transpose, _scaling
+from te_adapters.core.formats import _block, _cast_transpose, _grouped_tensor, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import ScaledTensor, cast_with_scale
 from te_adapters.core.formats._tensor_scaling import TensorScaling
@@ -213,7 +213,8 @@ def _check(recipe, layout, backward, lhs=None, rhs=None):
 
 
 def tensor_format(recipe_type: type, scaling: TensorScaling) -> QuantizationFormat:
-  """The ``QuantizationFormat`` of a per-tensor recipe whose scales follow ``scaling``."""
+  """The ``QuantizationFormat`` of a per-tensor recipe whose scales follow ``scaling`` (its grouped
+  GEMM applies ``scaling`` per group: ``_grouped_tensor``)."""
   return QuantizationFormat(
       recipe_type=recipe_type,
       scaling_modes=("tensor",),
@@ -226,4 +227,5 @@ def tensor_format(recipe_type: type, scaling: TensorScaling) -> QuantizationForm
       check=_check,
       per_tensor=True,
       scaling=scaling,
+      grouped=_grouped_tensor.grouped_format(scaling),
   )

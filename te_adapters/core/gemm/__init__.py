@@ -1,16 +1,9 @@
-"""The one quantized GEMM rule (dot_general, chains of GEMMs), the grouped GEMM, the threshold."""
+"""The one quantized GEMM rule (dot_general, chains of GEMMs), the one grouped GEMM rule
+(ragged_dot), the threshold."""
 
 from te_adapters.core.gemm._dimension_numbers import normalize, transpose_lhs, transpose_rhs
 from te_adapters.core.gemm._frozen import FrozenStateWarning, watch_lora_state, watch_state
 from te_adapters.core.gemm._gemm import Chain, Stage, dot_general, quantized_gemms
-from te_adapters.core.gemm._grouping import (
-    PER_GROUP_WGRAD_DIMS,
-    ROWS_TIMES_GROUP_KERNEL_DIMS,
-    GroupPadding,
-    group_padding,
-    padded_rows,
-    row_groups,
-)
 from te_adapters.core.gemm._layer import (
     DEFAULT_RECIPE,
     DEFAULT_THRESHOLD,
@@ -26,12 +19,12 @@ from te_adapters.core.gemm._layer import (
     kernel_gemm_dims,
 )
 from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
-from te_adapters.core.gemm._ragged import check_ragged_state, init_ragged_state, ragged_dot
-from te_adapters.core.gemm._ragged_mxfp8 import (
-    check_sizes,
-    forward_operands,
-    gradient_operands,
-    mxfp8_ragged_dot,
+from te_adapters.core.gemm._ragged import (
+    Grouped,
+    check_ragged_state,
+    grouped_gemms,
+    init_ragged_state,
+    ragged_dot,
 )
 from te_adapters.core.gemm._remat import (
     CHECKPOINT_NAMES,
@@ -64,13 +57,11 @@ __all__ = [
     "GEMM_DIM_MULTIPLE",
     "GEMM_OUTPUT",
     "GemmLayout",
-    "GroupPadding",
+    "Grouped",
     "HighPrecisionGemmWarning",
-    "PER_GROUP_WGRAD_DIMS",
     "QUANTIZED_KERNEL",
     "QUANTIZED_X",
     "QuantizeReport",
-    "ROWS_TIMES_GROUP_KERNEL_DIMS",
     "SizeThreshold",
     "Stage",
     "check_gemm_dims",
@@ -78,28 +69,22 @@ __all__ = [
     "check_kernel_gemm_dims",
     "check_last_axis",
     "check_ragged_state",
-    "check_sizes",
     "check_threshold",
     "checkpoint_dots_and_quantized_gemms",
     "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
     "dot_general",
     "einsum_gemm_dims",
-    "forward_operands",
     "gemm_dims_refusal",
     "gemm_mkn",
-    "gradient_operands",
-    "group_padding",
+    "grouped_gemms",
     "high_precision_reason",
     "init_ragged_state",
     "input_dtype_refusal",
     "kernel_gemm_dims",
-    "mxfp8_ragged_dot",
     "name_quantized",
     "normalize",
-    "padded_rows",
     "quantized_gemms",
     "ragged_dot",
-    "row_groups",
     "runs_in_fp8",
     "save_quantized_gemms",
     "save_quantized_operands",

@@ -1,48 +1,34 @@
-"""Grouped GEMM for mixture-of-experts: a quantized ``ragged_dot`` with a custom VJP.
+"""Grouped GEMM for mixture-of-experts: a quantized ``ragged_dot`` and its one custom VJP.
 
 ``lhs`` [M, K] holds the rows of G groups one after another (group g has ``group_sizes[g]`` rows;
 rows past ``sum(group_sizes)`` belong to no group), ``rhs`` [G, K, N] holds one kernel per group,
 and row ``i`` of the output is ``lhs[i] @ rhs[group(i)]`` (zero for rows past the groups).
 
-Every quantity here is computed on the device from ``group_sizes``: the row-to-group map, the
-per-group amaxes and scales. Nothing is copied to the host and nothing waits for it, so the op
-runs under ``jit`` with group sizes produced by a router. The three GEMMs are
-``jax.lax.ragged_dot_general`` calls with FP8 operands, so their speed is that of XLA's lowering:
-XLA's GPU compiler (its ``RaggedDotRewriter``) expands a ragged dot into a dense dot over a
-group-masked operand, G times the FLOPs; ``bench/ragged.py`` measures what that costs. On a
-Hopper GPU with the extension built with CUTLASS (``TE_ADAPTERS_CUTLASS_DIR``), the per-tensor
-recipes run the three GEMMs on the native grouped GEMM instead (``_grouped_kernel``), the same
-FP8 operands and per-group scales, with the recipe's accumulation per GEMM; and with
-``recipe=None`` bfloat16 operands run there too (float32 sums, ``bf16_ragged_dot``).
-``MXFP8BlockScaling`` (block scales, no state) is in ``_ragged_mxfp8``.
+Every recipe's grouped GEMM runs the same rule (``_grouped_gemms``), written over the recipe's
+``QuantizationFormat`` and its ``GroupedFormat`` (``fmt.grouped``), as ``_gemm``'s rule is over
+the format: the format quantizes x and the kernels in the forward pass (the copies for the
+forward GEMM, and those the backward GEMMs read, saved under the checkpoint names
+``QUANTIZED_X`` and ``QUANTIZED_KERNEL``), the output gradient in the backward pass, runs the
+three grouped GEMMs
 
-Scales are **per group** for every role: the rows of group g (x, and the output gradient) share
-one scale, and expert g's kernel has its own. Measured on CPU with ``bench/ragged_scales.py``
-(current scaling, HYBRID, M=4096, K=N=256, G=8; normwise relative error against float64, per-group
-vs per-tensor scales):
+- forward ``y (M, N)``: x's and the kernels' copies contracting K;
+- dgrad ``dx (M, K)``: the gradient's and the kernels' copies contracting N;
+- wgrad ``dw (G, K, N)``: x's and the gradient's copies contracting the rows of each group;
 
-- N(0,1) data, random routing: fwd 0.0374 vs 0.0374, dgrad 0.0589 vs 0.0589, wgrad 0.0589 vs
-  0.0589. The same, since every group has about the same amax.
-- One expert's kernel scaled by 1e-3 or more: the same. By 1e-4: that expert's fwd 0.037 vs
-  0.064 and dgrad 0.059 vs 0.079; by 1e-5: 0.037 vs 0.58 and 0.059 vs 0.58.
-- x rows of group j scaled by gates spread from 1 down to 1e-3: the same; down to 1e-5: the
-  smallest group's fwd 0.037 vs 0.52 and wgrad 0.059 vs 0.52. Output gradients scaled the same
-  way stay equal (E5M2's range covers 1e-5).
-- Delayed scaling (history 16) over 12 steps with skewed routing (the rarest expert gets 1% of
-  the tokens): that expert's fwd 0.0375 vs 0.0374, dgrad 0.0593 vs 0.0590. A per-group history
-  does not hurt small groups.
-
-So per-group scales match per-tensor ones on ordinary data and keep a group whose values are
-1e4 or more below the others' from falling into FP8's subnormals. They cost no extra pass over
-memory (a segment-max over the row amaxes, and a per-row factor on the GEMM output where a
-per-tensor scale needs a scalar one), and under expert parallelism a per-expert amax needs no
-collective across expert shards. The state of ``DelayedScaling`` therefore holds one scale and one
-amax history per group: ``{role}_scale`` (G, 1) and ``{role}_amax_history`` (G, L), that is, G
-stacked copies of one GEMM's state (slice g is what ``dot_general`` would keep for expert g).
+and gives the next state, the cotangent of ``state`` ("overwrite with gradient"). What depends
+on the groups is the format's: per-tensor formats scale each group on its own
+(``formats._grouped_tensor``: per-group scales and state, XLA's ragged dot or, on Hopper with the
+extension built with CUTLASS, the native grouped GEMM); MXFP8 quantizes blocks that never cross a
+group (``formats._grouped_block``). A format without a grouped GEMM (``fmt.grouped`` None) is
+refused. Every quantity is computed on the device from ``group_sizes``: nothing is copied to the
+host and nothing waits for it, so the op runs under ``jit`` with group sizes produced by a
+router. With ``recipe=None`` bfloat16 operands run on the native grouped GEMM too, where it is
+built (float32 sums, ``kernels.bf16_ragged_dot``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -54,29 +40,14 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from te_adapters.core import formats
+from te_adapters.core import formats, kernels
 from te_adapters.core import state as core_state
-from te_adapters.core.formats import _mxfp8, _scaling
-from te_adapters.core.gemm import _frozen, _grouping, _ragged_mxfp8, _remat
-from te_adapters.core.gemm._grouping import row_groups
-from te_adapters.core.kernels import _grouped_kernel
+from te_adapters.core.formats import GroupedRequest
+from te_adapters.core.gemm import _frozen, _remat
 from te_adapters.core.recipes import check_recipe
 from te_adapters.core.state import DelayedScalingState
 
-__all__ = ["ragged_dot", "init_ragged_state", "check_ragged_state"]
-
-# Row i of lhs (or of the output gradient) times kernel group(i); contracting the output
-# gradient's N with the kernel's N gives dx; contracting the ragged rows gives one dW per group.
-_FWD_DIMS = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (1,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(0,),
-)
-_DGRAD_DIMS = _grouping.ROWS_TIMES_GROUP_KERNEL_DIMS
-_WGRAD_DIMS = _grouping.PER_GROUP_WGRAD_DIMS
-
-# cuBLAS FP8 GEMMs need the contracting and output feature sizes to be multiples of 16.
-_FP8_ALIGNMENT = 16
+__all__ = ["Grouped", "check_ragged_state", "grouped_gemms", "init_ragged_state", "ragged_dot"]
 
 
 def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
@@ -105,24 +76,20 @@ def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
   return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_groups, *leaf.shape)), one)
 
 
-_SUPPORTED = (
-    "DelayedScaling, Float8CurrentScaling and MXFP8BlockScaling (or recipe=None for a "
-    "high-precision GEMM)"
-)
-
-
-# The block-scaled formats with a grouped GEMM, and it: ``(lhs, rhs, group_sizes, out_dtype,
-# recipe) -> [M, N]``. A format missing here is refused by ``ragged_dot``.
-GROUPED_GEMMS = {_mxfp8.FORMAT: _ragged_mxfp8.mxfp8_ragged_dot}
+def _supported() -> str:
+  names = [f.recipe_type.__name__ for f in formats.formats() if f.grouped is not None]
+  listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+  return f"{listed} (or recipe=None for a high-precision GEMM)"
 
 
 def check_ragged_recipe(recipe):
-  """``check_recipe`` for grouped GEMMs: also refuses the recipes ``ragged_dot`` lacks."""
+  """``check_recipe`` for grouped GEMMs: also refuses a recipe whose format has no grouped GEMM
+  (``QuantizationFormat.grouped``)."""
   recipe = check_recipe(recipe)
-  if recipe.block_scaled and formats.block_of(recipe) not in GROUPED_GEMMS:
+  if formats.format_of(recipe).grouped is None:
     raise NotImplementedError(
         f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support "
-        f"{_SUPPORTED}"
+        f"{_supported()}"
     )
   return recipe
 
@@ -136,8 +103,6 @@ def _check_num_groups(num_groups) -> int:
 
 
 def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
-  if recipe.block_scaled:
-    return {}
   shapes = formats.format_of(recipe).state_shapes(recipe)
   return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
@@ -195,8 +160,8 @@ def ragged_dot(
   The VJP computes dgrad grouped like the forward pass and one weight gradient per group; an
   empty group gets zero output rows and a zero weight gradient.
 
-  Per-tensor recipes: scales are per group (see the module docstring for the measurements
-  behind that choice).
+  Per-tensor recipes: scales are per group (see ``formats._grouped_tensor`` for the
+  measurements behind that choice).
 
   ``MXFP8BlockScaling``: each GEMM quantizes both operands in blocks of 32 along the dimension it
   contracts, each copy from the high-precision input, with TE's E8M0 round-up rule, exactly as
@@ -208,7 +173,8 @@ def ragged_dot(
   of 32, as TE's MXFP8 grouped GEMM requires, and dropping the padding afterwards; group sizes
   need not be multiples of 32). K must be a multiple of 32, and N too when differentiating. No
   state. The GEMMs are emulated (dequantized values, float32 accumulation); see
-  ``_ragged_mxfp8``. ``NVFP4BlockScaling`` and ``Float8BlockScaling`` are not implemented.
+  ``formats._grouped_block``. ``NVFP4BlockScaling`` and ``Float8BlockScaling`` are not
+  implemented.
 
   Args:
     lhs: [M, K] rows of all groups, group by group (real floating point).
@@ -273,34 +239,26 @@ def ragged_dot(
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
-    if out_sharding is None and _grouped_kernel.bf16_refusal(lhs, rhs, out_dtype) is None:
+    if out_sharding is None and kernels.bf16_refusal(lhs, rhs, out_dtype) is None:
       # Hopper with the grouped GEMM built: bfloat16 in and out, float32 sums, as XLA's.
-      return _grouped_kernel.bf16_ragged_dot(lhs, rhs, group_sizes)
+      return kernels.bf16_ragged_dot(lhs, rhs, group_sizes)
     return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
                           out_sharding=out_sharding)
   recipe = check_ragged_recipe(recipe)
-  if not recipe.block_scaled:
-    _check_fp8_sizes(lhs.shape[1], rhs.shape[2])
+  grouped = formats.format_of(recipe).grouped
+  grouped.check(recipe, lhs.shape[1], rhs.shape[2], False)
   state = check_ragged_state(recipe, state, rhs.shape[0])
-  if recipe.block_scaled:
-    grouped_gemm = GROUPED_GEMMS[formats.block_of(recipe)]
+  if state:
+    # Under differentiation: warns at trace time when the state would stay frozen.
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+  operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  # Which GEMMs run is the format's choice (the native grouped GEMM where it runs), made here,
+  # where the operands' placement is the caller's.
+  route = grouped.route(lhs, rhs, recipe, (out_dtype, *operand_dtypes))
+  spec = Grouped(recipe, precision, np.dtype(out_dtype), operand_dtypes, route)
 
-    def call(lhs, rhs, group_sizes, state):
-      del state
-      return grouped_gemm(lhs, rhs, group_sizes, out_dtype, recipe)
-  else:
-    if state:
-      # Under differentiation: warns at trace time when the state would stay frozen.
-      lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
-    operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-    # On Hopper with the extension's CUTLASS grouped GEMM built, the three GEMMs run natively.
-    native = _grouped_kernel.refusal(lhs, rhs, recipe, (out_dtype, *operand_dtypes)) is None
-
-    def call(lhs, rhs, group_sizes, state):
-      return _fp8_ragged_dot(
-          lhs, rhs, group_sizes, state, precision, np.dtype(out_dtype), operand_dtypes, recipe,
-          "group", native,
-      )
+  def call(lhs, rhs, group_sizes, state):
+    return _grouped_gemms(lhs, rhs, group_sizes, state, spec)
 
   explicit = _explicit_out_sharding(lhs, rhs, out_sharding)
   if explicit is None:
@@ -346,164 +304,90 @@ def _check_group_sizes(group_sizes, num_groups: int) -> jax.Array:
   return group_sizes.astype(jnp.int32)
 
 
-def _check_fp8_sizes(k: int, n: int) -> None:
-  bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % _FP8_ALIGNMENT]
-  if bad:
-    raise ValueError(
-        f"FP8 grouped GEMMs need K and N to be multiples of {_FP8_ALIGNMENT}; got "
-        f"{', '.join(bad)}. Pad the features, or pass recipe=None for a high-precision GEMM."
-    )
+# ---------------------------------------------------------------------------------------------
+# The one grouped GEMM rule, over the format's GroupedFormat:
+#   y  (M, N)    = q(x) . q(w)           contracting K      (x's rows, the kernels' rows)
+#   dx (M, K)    = q(g) . q(w)^T         contracting N      (g's rows, the kernels' cols)
+#   dw (G, K, N) = q(x)_g^T . q(g)_g     contracting the rows of group g  (x's and g's cols)
 
 
-def _per_row(values: jax.Array, ids: jax.Array, fill: float) -> jax.Array:
-  """``values[ids]`` for per-group ``values`` [G]; ``fill`` for rows past the groups."""
-  return jnp.concatenate([values, jnp.full((1,), fill, values.dtype)])[ids]
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+  """The static facts of one grouped GEMM (a hashable argument of the VJP).
 
-
-def _group_amax(x: jax.Array, ids: jax.Array, num_groups: int) -> jax.Array:
-  """max |x| over each group's rows, float32 [G]: 0 for an empty group, NaN if a row has NaN."""
-  row_amax = jnp.max(jnp.abs(x), axis=1).astype(jnp.float32)
-  row_nan = jnp.any(jnp.isnan(x), axis=1)
-  # A masked [M, G] reduction rather than a scatter: M rows would contend for G slots.
-  member = ids[:, None] == jnp.arange(num_groups, dtype=ids.dtype)[None, :]
-  amax = jnp.max(jnp.where(member, row_amax[:, None], 0.0), axis=0)
-  has_nan = jnp.any(member & row_nan[:, None], axis=0)
-  return jnp.where(has_nan, jnp.float32(jnp.nan), amax)
-
-
-def _to_tensor_amax(amax: jax.Array) -> jax.Array:
-  # One amax for all groups (the per-tensor alternative, kept for measurements).
-  total = jnp.where(jnp.any(jnp.isnan(amax)), jnp.float32(jnp.nan), jnp.max(amax))
-  return jnp.broadcast_to(total, amax.shape)
-
-
-def _role_scales(amax, role, q_dtype, recipe, state):
-  """Per-group scales [G] for one role; returns (scale, the role's new state or None).
-
-  Each group is one GEMM of the recipe's scaling (``_tensor_scaling``), its state slice g.
+  Attributes:
+    recipe, precision: as ``ragged_dot`` takes them.
+    out_dtype: the output's dtype.
+    operand_dtypes: lhs's and rhs's dtypes (those of dx and dw).
+    route: the format's choice of GEMMs (``GroupedFormat.route``).
+    granularity: ``"group"`` (per-group scales, as ``ragged_dot`` runs) or ``"tensor"`` (one
+      amax over all groups; per-tensor formats, for measurements).
   """
-  scaling = formats.format_of(recipe).scaling
-  next_scale = functools.partial(
-      scaling.next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
-  )
-  scale, new = jax.vmap(lambda a, s: next_scale(a, s))(amax[:, None], state)
-  return scale[:, 0], new
+
+  recipe: Any
+  precision: Any
+  out_dtype: np.dtype
+  operand_dtypes: tuple[np.dtype, np.dtype]
+  route: Any = None
+  granularity: str = "group"
+
+  @property
+  def grouped(self):
+    return formats.format_of(self.recipe).grouped
 
 
-def _quantize_rows(x, ids, num_groups, role, q_dtype, recipe, state, granularity):
-  """Quantizes [M, F] rows with their group's scale; rows past the groups become 0."""
-  amax = _group_amax(x, ids, num_groups)
-  if granularity == "tensor":
-    amax = _to_tensor_amax(amax)
-  scale, new = _role_scales(amax, role, q_dtype, recipe, state)
-  limit = _scaling.fp8_max(q_dtype)
-  scaled = x.astype(jnp.float32) * _per_row(scale, ids, 1.0)[:, None]
-  data = jnp.clip(scaled, -limit, limit).astype(q_dtype)
-  data = jnp.where((ids < num_groups)[:, None], data, jnp.zeros((), q_dtype))
-  return data, _scaling.scale_inverse(scale), new
+def grouped_gemms(lhs, rhs, group_sizes, state, spec: Grouped):
+  """The quantized grouped GEMM ``y (M, N)`` of ``lhs`` (M, K), ``rhs`` (G, K, N) and
+  ``group_sizes`` (G,) int32, per ``spec``; the gradient with respect to ``state`` (the grouped
+  state, ``{}`` when stateless) is its next value. ``ragged_dot`` checks the arguments first."""
+  return _grouped_gemms(lhs, rhs, group_sizes, state, spec)
 
 
-def _quantize_experts(w, role, q_dtype, recipe, state, granularity, native=False):
-  """Quantizes the kernels [G, K, N], each with its expert's scale.
-
-  Returns ``(data, data_t, 1/scale [G], the role's new state)``. ``native`` (the native grouped
-  GEMM runs): ``data_t`` is the (G, N, K) copy its forward GEMM reads, written by the same pass
-  as ``data`` (the extension's per-expert cast on the GPU), and with delayed scaling that pass
-  also takes the amax that rolls into the history; otherwise ``data_t`` is None.
-  """
-  stored = formats.format_of(recipe).scaling.stored_scale(state, role) if state else None
-  # Delayed scaling on the native path casts with the stored scales and takes the amax (an
-  # expert's amax is inf where it holds a NaN or inf, as the per-tensor amax) in the same pass.
-  one_pass = native and stored is not None
-  if one_pass:
-    data, data_t, amax = formats.cast_transpose_per_batch(
-        w, stored.reshape(w.shape[0]), q_dtype, with_amax=True)
-  else:
-    amax = _scaling.leading_amax(w)
-  if granularity == "tensor":
-    amax = _to_tensor_amax(amax)
-  scale, new = _role_scales(amax, role, q_dtype, recipe, state)
-  if not one_pass:
-    # Off the native path the pure-JAX cast, whose transposed copy XLA drops unused.
-    data, data_t, _ = formats.cast_transpose_per_batch(
-        w, scale, q_dtype, backend=None if native else "jax")
-  return data, (data_t if native else None), _scaling.scale_inverse(scale), new
+def _request(x, role, spec: Grouped, group_sizes, state, **kw):
+  return GroupedRequest(
+      x, role, spec.recipe, group_sizes, state, route=spec.route, granularity=spec.granularity,
+      **kw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _fp8_ragged_dot(
-    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity,
-    native=False,
-):
-  y, _ = _fp8_fwd(
-      lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity,
-      native,
-  )
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped_gemms(lhs, rhs, group_sizes, state, spec: Grouped):
+  # Not differentiated (inference): only the copies the forward GEMM takes.
+  y, _ = _grouped_forward(lhs, rhs, group_sizes, state, spec, backward=False)
   return y
 
 
-def _fp8_fwd(
-    lhs, rhs, group_sizes, state, precision, out_dtype, operand_dtypes, recipe, granularity,
-    native=False,
-):
-  del operand_dtypes
-  num_groups = rhs.shape[0]
-  ids = row_groups(group_sizes, lhs.shape[0])
-  q_x, sinv_x, new_x = _quantize_rows(
-      lhs, ids, num_groups, "x", recipe.fwd_dtype, recipe, state, granularity
-  )
-  q_w, q_w_t, sinv_w, new_w = _quantize_experts(
-      rhs, "kernel", recipe.fwd_dtype, recipe, state, granularity, native
-  )
-  q_x, sinv_x = _remat.name_quantized((q_x, sinv_x), _remat.QUANTIZED_X)
-  q_w, sinv_w = _remat.name_quantized((q_w, sinv_w), _remat.QUANTIZED_KERNEL)
-  if native:
-    y = _grouped_kernel.rows_gemm(
-        q_x, q_w_t,
-        _grouped_kernel.clamped_sizes(group_sizes, lhs.shape[0]), sinv_x * sinv_w, out_dtype,
-        _grouped_kernel.fast_accumulation(precision, "fwd", recipe),
-    )
-  else:
-    y = lax.ragged_dot_general(
-        q_x, q_w, group_sizes, _FWD_DIMS, precision=precision, preferred_element_type=jnp.float32
-    )
-    y = (y * _per_row(sinv_x * sinv_w, ids, 0.0)[:, None]).astype(out_dtype)
+def _grouped_fwd(lhs, rhs, group_sizes, state, spec: Grouped):
+  spec.grouped.check(spec.recipe, lhs.shape[1], rhs.shape[2], True)
+  return _grouped_forward(lhs, rhs, group_sizes, state, spec, backward=True)
+
+
+def _grouped_forward(lhs, rhs, group_sizes, state, spec: Grouped, backward: bool):
+  grouped = spec.grouped
+  qx = grouped.quantize(_request(lhs, "x", spec, group_sizes, state, cols=backward))
+  qw = grouped.quantize(_request(rhs, "kernel", spec, group_sizes, state, cols=backward))
+  x_wgrad = w_dgrad = None
+  if backward:
+    x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X)
+    w_dgrad = _remat.name_quantized(qw.cols, _remat.QUANTIZED_KERNEL)
+  y = grouped.gemm(
+      qx.rows, qw.rows, group_sizes, spec.out_dtype, "fwd", spec.recipe, spec.precision,
+      spec.route)
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
-  residuals = (q_x, sinv_x, q_w, sinv_w, group_sizes, {"x": new_x, "kernel": new_w}, state)
-  return y, residuals
+  new_fwd = {"x": qx.state, "kernel": qw.state}
+  return y, (x_wgrad, w_dgrad, group_sizes, new_fwd, state)
 
 
-def _fp8_bwd(precision, out_dtype, operand_dtypes, recipe, granularity, native, residuals, g):
-  q_x, sinv_x, q_w, sinv_w, group_sizes, new_fwd_state, state = residuals
-  lhs_dtype, rhs_dtype = operand_dtypes
-  del out_dtype
-  num_groups = q_w.shape[0]
-  ids = row_groups(group_sizes, q_x.shape[0])
-  q_g, sinv_g, new_g = _quantize_rows(
-      g, ids, num_groups, "grad", recipe.bwd_dtype, recipe, state, granularity
-  )
-  scaling = formats.format_of(recipe).scaling
-  new_state = scaling.next_state(state, {**new_fwd_state, "grad": new_g})
-  if native:
-    sizes = _grouped_kernel.clamped_sizes(group_sizes, q_x.shape[0])
-    dx = _grouped_kernel.rows_gemm(
-        q_g, q_w, sizes, sinv_g * sinv_w, lhs_dtype,
-        _grouped_kernel.fast_accumulation(precision, "dgrad", recipe),
-    )
-    dw = _grouped_kernel.wgrad_gemm(
-        q_x, q_g, sizes, sinv_x * sinv_g, rhs_dtype,
-        _grouped_kernel.fast_accumulation(precision, "wgrad", recipe),
-    )
-    return dx, dw, None, new_state
-  dx = lax.ragged_dot_general(
-      q_g, q_w, group_sizes, _DGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
-  )
-  dx = (dx * _per_row(sinv_g * sinv_w, ids, 0.0)[:, None]).astype(lhs_dtype)
-  dw = lax.ragged_dot_general(
-      q_x, q_g, group_sizes, _WGRAD_DIMS, precision=precision, preferred_element_type=jnp.float32
-  )
-  dw = (dw * (sinv_x * sinv_g)[:, None, None]).astype(rhs_dtype)
+def _grouped_bwd(spec: Grouped, residuals, g):
+  x_wgrad, w_dgrad, group_sizes, new_fwd, state = residuals
+  grouped = spec.grouped
+  lhs_dtype, rhs_dtype = spec.operand_dtypes
+  qg = grouped.quantize(_request(g, "grad", spec, group_sizes, state))
+  new_state = grouped.next_state(spec.recipe, state, {**new_fwd, "grad": qg.state})
+  dx = grouped.gemm(
+      qg.rows, w_dgrad, group_sizes, lhs_dtype, "dgrad", spec.recipe, spec.precision, spec.route)
+  dw = grouped.gemm(
+      x_wgrad, qg.cols, group_sizes, rhs_dtype, "wgrad", spec.recipe, spec.precision, spec.route)
   return dx, dw, None, new_state
 
 
-_fp8_ragged_dot.defvjp(_fp8_fwd, _fp8_bwd)
+_grouped_gemms.defvjp(_grouped_fwd, _grouped_bwd)

@@ -1,0 +1,140 @@
+"""The grouped GEMM of a block format: blocks along each GEMM's contracting dim, never across
+a group (the ``GroupedFormat`` the registry gives ``MXFP8BlockScaling``).
+
+Each GEMM quantizes both of its operands in the blocks of the format's ``operand_spec`` along
+the dimension it contracts, each copy from the high-precision tensor, with the rules of
+``core.dot_general`` under the same recipe (MXFP8: 1x32 blocks, TE's E8M0 round-up):
+
+- forward ``y[i] = x[i] · W[g(i)]`` contracts K: x in blocks along K (within a row, so groups do
+  not matter), each expert's kernel in blocks along K;
+- dgrad ``dx[i] = dy[i] · W[g(i)]^T`` contracts N: dy along N, each expert's kernel along N;
+- wgrad ``dW[g] = x_g^T · dy_g`` contracts the rows (tokens) of group g: x and dy in blocks of
+  rows **of one group**. The rows of each group are quantized as if the group were padded with
+  zero rows to a multiple of the block, its first block starting at the group's first row; the
+  zero rows change no block amax and add nothing to the product.
+
+The wgrad copies are built in a padded layout (``_grouping.group_padding``) of static size
+``P = B * ((M + (B - 1) * G) // B)`` rows for blocks of B, in which every group starts on a
+multiple of B: for MXFP8 the layout of TE's grouped GEMM, whose MXFP8 path takes group sizes that
+are multiples of 32 (TE's PyTorch MoE pads each expert's tokens to 32 with ``Fp8Padding``). The
+result therefore equals padding every group with zero rows to a multiple of the block, running
+the grouped GEMM, and dropping the padding; where the group sizes already are multiples of the
+block nothing is padded. The padding is computed on the device from ``group_sizes`` by gathers,
+without a host transfer.
+
+The GEMMs are emulated: the quantized values are dequantized (exactly, to bfloat16 on GPUs and
+float32 elsewhere) and multiplied by ``jax.lax.ragged_dot_general`` accumulating in float32.
+JAX has no ragged counterpart of ``jax.nn.scaled_matmul`` for hardware with MX GEMMs. Stateless.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from te_adapters.core.formats import _block_scaled
+from te_adapters.core.formats._block import emulation_dtype
+from te_adapters.core.formats._format import BlockFormat, GroupedFormat, GroupedRequest, Quantized
+from te_adapters.core.formats._grouping import (
+  PER_GROUP_WGRAD_DIMS,
+  ROWS_TIMES_GROUP_KERNEL_DIMS,
+  group_padding,
+  padded_rows,
+  row_groups,
+)
+
+__all__ = ["grouped_format"]
+
+_WHAT = {"x": "lhs (x)", "kernel": "rhs (kernel)", "grad": "output gradient"}
+
+
+def _check(block: BlockFormat, recipe, k: int, n: int, backward: bool) -> None:
+  """Raises a ValueError naming K (always) or N (under differentiation) if the blocks do not
+  tile it. M is free (groups are padded)."""
+  size = block.operand_spec(recipe, "kernel", False).block_size
+  name = type(recipe).__name__
+  checks = [
+    ("the contracting size K", k, "the forward GEMM quantizes lhs and rhs in blocks along K")
+  ]
+  if backward:
+    why = "the dgrad GEMM quantizes the output gradient and rhs in blocks along N"
+    checks.append(("the output size N (rhs dim 2)", n, why))
+  for text, dim, why in checks:
+    if dim % size:
+      raise ValueError(
+        f"{name}: {text} is {dim}, which is not a multiple of {size}; {why}. Pad the "
+        "features, or pass recipe=None for a high-precision GEMM."
+      )
+
+
+def _route(lhs, rhs, recipe, out_dtypes):
+  del lhs, rhs, recipe, out_dtypes  # one route: the emulated GEMMs
+  return None
+
+
+def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
+  """x and the gradient: ``rows`` [M, F] in blocks along F (rows in no group are zeros),
+  ``cols`` [F, P] in blocks of padded rows of one group. The kernels: ``rows`` (G, N, K) in
+  blocks along K, ``cols`` (G, K, N) in blocks along N."""
+  x, role, recipe = req.x, req.role, req.recipe
+  what = _WHAT[role]
+  spec = block.operand_spec(recipe, role, False)
+  rows = cols = None
+  if role == "kernel":
+    if req.rows:
+      rows = _block_scaled.quantize_trailing(jnp.swapaxes(x, 1, 2), spec, what=what)
+    if req.cols:
+      cols = _block_scaled.quantize_trailing(x, spec, what=what)
+    return Quantized(rows, cols, None)
+  if req.rows:
+    in_group = row_groups(req.group_sizes, x.shape[0]) < req.group_sizes.shape[0]
+    x_rows = jnp.where(in_group[:, None], x, jnp.zeros((), x.dtype))
+    rows = _block_scaled.quantize_trailing(x_rows, spec, what=what)
+  if req.cols:
+    spec_t = block.operand_spec(recipe, role, True)
+    padding = group_padding(req.group_sizes, x.shape[0], spec_t.block_size)
+    cols = _block_scaled.quantize_trailing(padded_rows(x, padding).T, spec_t, what=what)
+  return Quantized(rows, cols, None)
+
+
+def _values(t):
+  return _block_scaled.dequantize(t, emulation_dtype())
+
+
+def _ragged(a, b, group_sizes, dims):
+  return lax.ragged_dot_general(
+    a, b, group_sizes, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+  )
+
+
+def _gemm(block, a, b, group_sizes, out_dtype, which, recipe, precision=None, route=None):
+  """The emulated grouped GEMM of two block-scaled copies; ``precision`` is unused (float32 sums
+  of the dequantized values)."""
+  del precision, route
+  if which == "wgrad":
+    # The padding rows are zero in both operands, so each group's padded size may be contracted.
+    size = block.operand_spec(recipe, "x", True).block_size
+    padded_sizes = (group_sizes.astype(jnp.int32) + (size - 1)) // size * size
+    out = _ragged(_values(a).T, _values(b).T, padded_sizes, PER_GROUP_WGRAD_DIMS)
+  else:
+    out = _ragged(_values(a), _values(b), group_sizes, ROWS_TIMES_GROUP_KERNEL_DIMS)
+  return out.astype(out_dtype)
+
+
+def _stateless_next(recipe, state, roles):
+  del recipe, roles
+  return state
+
+
+def grouped_format(block: BlockFormat) -> GroupedFormat:
+  """The ``GroupedFormat`` of a block format whose blocks are 1-D along each GEMM's contracting
+  dim (MXFP8)."""
+  return GroupedFormat(
+      check=functools.partial(_check, block),
+      route=_route,
+      quantize=functools.partial(_quantize, block),
+      gemm=functools.partial(_gemm, block),
+      next_state=_stateless_next,
+  )
