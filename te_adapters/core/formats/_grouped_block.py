@@ -51,15 +51,34 @@ _WHAT = {"x": "lhs (x)", "kernel": "rhs (kernel)", "grad": "output gradient"}
 
 
 def _check(block: BlockFormat, recipe, k: int, n: int, backward: bool) -> None:
-  """Raises a ValueError naming K (always) or N (under differentiation) if the blocks do not
-  tile it. M is free (groups are padded)."""
-  size = block.operand_spec(recipe, "kernel", False).block_size
+  """Raises where the blocks cannot quantize the grouped GEMM: K (always) or N (under
+  differentiation, or in the forward GEMM where the kernel is tiled) that the blocks do not tile
+  (a ValueError), or rows (x, the gradient) in 2-D tiles, which would cross groups, or blocks with
+  the random Hadamard transform or stochastic rounding (a NotImplementedError). M is free (groups
+  are padded)."""
   name = type(recipe).__name__
+  for role in ("x", "grad"):
+    for wgrad in (False, True):
+      spec = block.operand_spec(recipe, role, wgrad)
+      if len(spec.block_shape) != 1:
+        shape = "x".join(map(str, spec.block_shape))
+        raise NotImplementedError(
+          f"{name}: ragged_dot cannot quantize {role} in {shape} tiles, which would cross "
+          "groups (its blocks run along one row, or along one group's rows)")
+      if spec.rht or spec.stochastic:
+        raise NotImplementedError(
+          f"{name}: ragged_dot does not implement the random Hadamard transform or stochastic "
+          f"rounding of {role}")
+  w_spec = block.operand_spec(recipe, "kernel", False)
+  size = w_spec.block_size
+  tiled = len(w_spec.block_shape) == 2
   checks = [
     ("the contracting size K", k, "the forward GEMM quantizes lhs and rhs in blocks along K")
   ]
-  if backward:
+  if backward or tiled:
     why = "the dgrad GEMM quantizes the output gradient and rhs in blocks along N"
+    if not backward:
+      why = f"the kernel is quantized in {size}x{size} tiles over (K, N)"
     checks.append(("the output size N (rhs dim 2)", n, why))
   for text, dim, why in checks:
     if dim % size:

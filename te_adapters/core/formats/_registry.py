@@ -39,7 +39,8 @@ _FORMATS: list[QuantizationFormat] = [
     _tensor_format.tensor_format(Float8CurrentScaling, CURRENT),
     _block_scaled.block_format(_mxfp8.FORMAT, _grouped_block.grouped_format(_mxfp8.FORMAT)),
     _block_scaled.block_format(_nvfp4.FORMAT),
-    _block_scaled.block_format(_float8_block.FORMAT),
+    _block_scaled.block_format(
+        _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT)),
 ]
 
 

@@ -1,0 +1,147 @@
+"""core.ragged_dot under Float8BlockScaling: 1x128 blocks of x and the gradient that never cross
+a group, 128x128 tiles of each expert's kernel, against a float64 product of the same quantized
+values (each group quantized on its own with ``core.quantize``)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_adapters as ta
+from te_adapters import core
+from tests.core.test_ragged import reference
+
+BLOCK = 128
+RECIPE = ta.Float8BlockScaling()  # x and the gradient 1x128, the kernel 128x128 (TE's default)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _qdq(a, recipe, role, axis):
+  t = core.quantize(a.astype(jnp.float32), recipe=recipe, role=role, axis=axis)
+  return core.dequantize(t, jnp.float32)
+
+
+def qdq(a, role, axis, recipe=RECIPE):
+  """float64 values of ``a`` after ``core.quantize``'s blocks (1-D along ``axis``, or tiles)."""
+  return np.asarray(_qdq(a, recipe, role, axis), np.float64)
+
+
+def alone(a, rows):
+  """[rows, F]: one group's rows first, zero rows after: its blocks start at its first row."""
+  return np.concatenate([a, np.zeros((rows - len(a),) + a.shape[1:], a.dtype)])
+
+
+def block_reference(x, w, dy, sizes, recipe=RECIPE):
+  """Forward, dgrad and wgrad with every group quantized on its own, in float64."""
+  x, w, dy = (np.asarray(a, np.float32) for a in (x, w, dy))
+  rows = -(-len(x) // BLOCK) * BLOCK
+  ends = np.cumsum(sizes)
+  y, dx, dw = np.zeros((len(x), w.shape[2])), np.zeros(x.shape), np.zeros(w.shape)
+  for g, (s, e) in enumerate(zip(ends - sizes, ends, strict=True)):
+    if s == e:
+      continue
+    x_g, dy_g = alone(x[s:e], rows), alone(dy[s:e], rows)
+    # The kernel's 128x128 tiles are the same in either orientation.
+    w_q = qdq(w[g], "kernel", (0, 1), recipe)
+    y[s:e] = (qdq(x_g, "x", 1, recipe) @ w_q)[: e - s]
+    dx[s:e] = (qdq(dy_g, "grad", 1, recipe) @ w_q.T)[: e - s]
+    dw[g] = qdq(x_g, "x", 0, recipe).T @ qdq(dy_g, "grad", 0, recipe)
+  return y, dx, dw
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def train_step(x, w, group_sizes, dy, recipe=RECIPE):
+  def loss(x, w):
+    y = core.ragged_dot(x, w, group_sizes, recipe=recipe)
+    return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32)), y
+
+  (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+  return y, grads
+
+
+def group_scaled(rng, shape, sizes, exponents):
+  """N(0,1) rows times 2**exponents[g] for group g, so that blocks mixing groups show."""
+  a = rng.standard_normal(shape).astype(np.float32)
+  ends = np.cumsum(sizes)
+  for s, e, k in zip(ends - sizes, ends, exponents, strict=True):
+    a[s:e] *= np.float32(2.0**k)
+  return a
+
+
+def test_forward_and_gradients_equal_the_per_group_reference(rel):
+  rng = np.random.default_rng(20)
+  sizes = np.array([37, 0, 150, 21], np.int32)  # an empty group; rows 208..255 in no group
+  g, m, k, n, used = len(sizes), 256, 256, 128, int(sizes.sum())
+  # Groups 2**8 apart: a block of rows straddling two groups would flush the smaller one.
+  x = group_scaled(rng, (m, k), sizes, [8, 0, -8, 4])
+  dy = group_scaled(rng, (m, n), sizes, [-6, 0, 6, 0])
+  x[used:], dy[used:] = 1e30, -1e30  # rows past the groups must reach nothing
+  w = rng.standard_normal((g, k, n)).astype(np.float32)
+  w[-1] *= 2.0**-10
+
+  y, (dx, dw) = jax.tree.map(np.asarray, train_step(x, w, jnp.asarray(sizes), dy))
+
+  assert y.dtype == dx.dtype == dw.dtype == np.float32
+  want = block_reference(x, w, dy, sizes)
+  ends = np.cumsum(sizes)
+  for i, (s, e) in enumerate(zip(ends - sizes, ends, strict=True)):
+    if s == e:
+      np.testing.assert_array_equal(dw[i], 0.0)  # the empty group's expert
+      continue
+    for got, ref, rows in zip((y, dx, dw), want, (slice(s, e), slice(s, e), i), strict=True):
+      assert rel(got[rows], ref[rows]) < 1e-5, (i, rel(got[rows], ref[rows]))
+  np.testing.assert_array_equal(y[used:], 0.0)
+  np.testing.assert_array_equal(dx[used:], 0.0)
+  # Against the exact product: FP8's error (E5M2 gradients), not O(1) and not none.
+  exact = reference(x[:used], w, dy[:used], sizes)
+  for got, ref, bound in zip((y[:used], dx[:used], dw), exact, (0.05, 0.1, 0.1), strict=True):
+    assert 0.01 < rel(got, ref) < bound, rel(got, ref)
+
+
+def test_sizes_and_tiles_it_cannot_take_are_clear_errors():
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  gs = jnp.array([16, 16], jnp.int32)
+  fwd = lambda x, w, recipe=RECIPE: core.ragged_dot(x, w, gs, recipe=recipe)
+  with pytest.raises(ValueError, match=r"contracting size K is 64, which is not a multiple of 128"):
+    jax.eval_shape(fwd, f32(32, 64), f32(2, 64, 128))
+  # The kernel's 128x128 tiles cover N in the forward GEMM already.
+  with pytest.raises(ValueError, match=r"N \(rhs dim 2\) is 64.*128x128 tiles"):
+    jax.eval_shape(fwd, f32(32, 128), f32(2, 128, 64))
+  one_d = ta.Float8BlockScaling(w_block_scaling_dim=1)
+  assert jax.eval_shape(functools.partial(fwd, recipe=one_d), f32(40, 128), f32(2, 128, 64)).shape \
+      == (40, 64)
+  tiled_x = ta.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1)
+  with pytest.raises(NotImplementedError, match=r"x in 128x128 tiles.*cross"):
+    core.ragged_dot(jnp.ones((32, 128)), jnp.ones((2, 128, 128)), gs, recipe=tiled_x)
+
+
+def test_nnx_expert_layer_trains_with_it_as_the_core_computes():
+  nnx = pytest.importorskip("flax.nnx")
+  optax = pytest.importorskip("optax")
+  from te_adapters.nnx import GroupedLinear
+
+  rng = np.random.default_rng(3)
+  sizes = jnp.array([100, 0, 28], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
+  layer = GroupedLinear(3, 128, 256, recipe=RECIPE, rngs=nnx.Rngs(0))
+  w0 = layer.kernel[...]
+  optimizer = nnx.Optimizer(layer, optax.sgd(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(layer, optimizer):
+    def loss(layer):
+      return jnp.vdot(layer(x, sizes), dy)
+
+    value, grads = nnx.value_and_grad(loss)(layer)
+    optimizer.update(layer, grads)
+    return value
+
+  value = step(layer, optimizer)
+  y, (_, dw) = train_step(x, w0, sizes, dy)
+  np.testing.assert_allclose(float(value), float(jnp.vdot(y, dy)), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(layer.kernel[...]), np.asarray(w0 - 1e-2 * dw),
+                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...])[1], np.asarray(w0)[1])  # no tokens
