@@ -18,7 +18,7 @@ Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
 Scaling efficiency is strong scaling: ``t(single) / (n * t(plan))`` for the same variant and the
 same global shapes. The second table lists what the compiled HLO holds: FP8 GEMMs against other
 GEMMs (te_adapters.inspect.count_fp8_gemms), the all-gathers (dtype and bytes per step) and the
-all-reduces (how many, dtype and bytes per step).
+all-reduces and reduce-scatters (how many, dtype and bytes per step).
 
 Usage (two GPUs, seed 000's sizes):
   python bench/spmd.py --devices 2
@@ -105,8 +105,9 @@ def make_step(variant, plan, mesh):
 
 
 def hlo_summary(text):
-  """``"FP8 GEMMs/other GEMMs"``, the all-gathers and the all-reduces (dtype: bytes per step)
-  of compiled HLO text, and the number of all-reduces."""
+  """``"FP8 GEMMs/other GEMMs"``, the all-gathers and the reductions (all-reduces and
+  reduce-scatters; dtype: bytes per step, a reduce-scatter's operand) of compiled HLO text, and
+  the number of reductions."""
   fp8, other = inspect.count_fp8_gemms(text)
   gemms = f"{fp8}/{other}"
   itemsize = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
@@ -115,11 +116,13 @@ def hlo_summary(text):
     if c.op == "all-gather":
       dtype, shape = c.arrays[-1]  # the gathered result
       gathers[dtype] = gathers.get(dtype, 0) + itemsize.get(dtype, 0) * int(np.prod(shape))
-    elif c.op == "all-reduce":
+    elif c.op in ("all-reduce", "reduce-scatter"):  # FSDP's gradient: a reduce-scatter
       n_reduces += 1
       arrays = list(c.arrays)
       if "-start(" in c.line and len(arrays) > 1 and len(arrays) % 2 == 0:
-        arrays = arrays[len(arrays) // 2:]  # an async start may list operands and results
+        # An async start may list operands and results; a reduce-scatter's operand is the larger.
+        half = len(arrays) // 2
+        arrays = arrays[:half] if c.op == "reduce-scatter" else arrays[half:]
       for dtype, shape in arrays:
         reduces[dtype] = reduces.get(dtype, 0) + itemsize.get(dtype, 0) * int(np.prod(shape))
   return gemms, gathers, reduces, n_reduces
@@ -182,7 +185,7 @@ def format_tables(rows):
     lines.append(f"{r['plan']:<8}{r['n']:>8}  {r['variant']:<20}{r['ms']:>9.3f}"
                  f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}")
   lines += ["", f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"
-             "; all-reduces: count (dtype: MiB)"]
+             "; all-reduces and reduce-scatters: count (dtype: MiB)"]
   mib = lambda d: ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(d.items()))
   for r in rows:
     lines.append(f"{r['plan']:<8}{r['variant']:<22}{r['gemms']:>16}  {mib(r['gathers']) or '-'}"
