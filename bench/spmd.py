@@ -17,7 +17,8 @@ Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
 
 Scaling efficiency is strong scaling: ``t(single) / (n * t(plan))`` for the same variant and the
 same global shapes. The second table lists what the compiled HLO holds: FP8 GEMMs against other
-GEMMs (te_adapters.inspect.count_fp8_gemms) and the all-gathers (dtype and bytes per step).
+GEMMs (te_adapters.inspect.count_fp8_gemms), the all-gathers (dtype and bytes per step) and the
+all-reduces and reduce-scatters (how many, dtype and bytes per step).
 
 Usage (two GPUs, seed 000's sizes):
   python bench/spmd.py --devices 2
@@ -104,17 +105,27 @@ def make_step(variant, plan, mesh):
 
 
 def hlo_summary(text):
-  """``"FP8 GEMMs/other GEMMs"`` and the all-gathers (dtype: bytes) of compiled HLO text."""
+  """``"FP8 GEMMs/other GEMMs"``, the all-gathers and the reductions (all-reduces and
+  reduce-scatters; dtype: bytes per step, a reduce-scatter's operand) of compiled HLO text, and
+  the number of reductions."""
   fp8, other = inspect.count_fp8_gemms(text)
   gemms = f"{fp8}/{other}"
   itemsize = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
-  gathers = {}
+  gathers, reduces, n_reduces = {}, {}, 0
   for c in inspect.hlo_collectives(text):
-    if c.op != "all-gather":
-      continue
-    dtype, shape = c.arrays[-1]  # the gathered result
-    gathers[dtype] = gathers.get(dtype, 0) + itemsize.get(dtype, 0) * int(np.prod(shape))
-  return gemms, gathers
+    if c.op == "all-gather":
+      dtype, shape = c.arrays[-1]  # the gathered result
+      gathers[dtype] = gathers.get(dtype, 0) + itemsize.get(dtype, 0) * int(np.prod(shape))
+    elif c.op in ("all-reduce", "reduce-scatter"):  # FSDP's gradient: a reduce-scatter
+      n_reduces += 1
+      arrays = list(c.arrays)
+      if "-start(" in c.line and len(arrays) > 1 and len(arrays) % 2 == 0:
+        # An async start may list operands and results; a reduce-scatter's operand is the larger.
+        half = len(arrays) // 2
+        arrays = arrays[:half] if c.op == "reduce-scatter" else arrays[half:]
+      for dtype, shape in arrays:
+        reduces[dtype] = reduces.get(dtype, 0) + itemsize.get(dtype, 0) * int(np.prod(shape))
+  return gemms, gathers, reduces, n_reduces
 
 
 def run(args):
@@ -152,10 +163,12 @@ def run(args):
         with jax.set_mesh(mesh):
           compiled = step.lower(*call_args).compile()
       ms = time_steps(functools.partial(compiled, *call_args), args.iters, args.warmup, args.trials)
-      gemms, gathers = hlo_summary(compiled.as_text())
+      gemms, gathers, reduces, n_reduces = hlo_summary(compiled.as_text())
       rows.append(dict(plan=plan, n=1 if mesh is None else n, variant=variant, ms=ms,
                        tflops=flops / (ms * 1e-3) / 1e12 / (1 if mesh is None else n),
-                       gemms=gemms, gathers=gathers))
+                       gemms=gemms, gathers=gathers, reduces=reduces, n_reduces=n_reduces))
+      # As it goes, so that a run cut short still shows what it measured.
+      print(f"  {plan} {variant}: {ms:.3f} ms, FP8/other GEMMs {gemms}", flush=True)
   return rows
 
 
@@ -171,10 +184,12 @@ def format_tables(rows):
     eff = "" if base is None or r["plan"] == "single" else f"{base / (r['n'] * r['ms']):.2f}"
     lines.append(f"{r['plan']:<8}{r['n']:>8}  {r['variant']:<20}{r['ms']:>9.3f}"
                  f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}")
-  lines += ["", f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"]
+  lines += ["", f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"
+             "; all-reduces and reduce-scatters: count (dtype: MiB)"]
+  mib = lambda d: ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(d.items()))
   for r in rows:
-    gathers = ", ".join(f"{d}: {v / 2**20:.1f}" for d, v in sorted(r["gathers"].items())) or "-"
-    lines.append(f"{r['plan']:<8}{r['variant']:<22}{r['gemms']:>16}  {gathers}")
+    lines.append(f"{r['plan']:<8}{r['variant']:<22}{r['gemms']:>16}  {mib(r['gathers']) or '-'}"
+                 f"; {r['n_reduces']} ({mib(r['reduces']) or '-'})")
   return "\n".join(lines)
 
 
