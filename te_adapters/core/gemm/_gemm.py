@@ -348,7 +348,7 @@ def _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, co
   # The kernel's own (N, K): inside shard_map with kernel_all_gather, that of its shard.
   local = layout.kernel_shape(rhs.shape)
   if fmt.per_tensor:
-    plan = sharding.plan_for_tn_layout(plan, dn, lhs.ndim, rhs.ndim)
+    plan = sharding.plan_for_tn_layout(plan, layout)
   else:
     # Explicit mesh axes: the forward GEMM's output sharding, in the (B, M, N) layout.
     out3 = sharding.reshaped_sharding(

@@ -88,15 +88,16 @@ def _merged(entries, what: str, dims):
   return entries[0] if entries else ()
 
 
-def plan_for_tn_layout(plan: SpmdPlan, dn, lhs_ndim: int, rhs_ndim: int) -> SpmdPlan:
+def plan_for_tn_layout(plan: SpmdPlan, layout) -> SpmdPlan:
   """``plan`` for the contracting-last operands: x3 (B, M, K), w3 (B, N, K), y3 (B, M, N).
 
   The kernel's FSDP dims and the output sharding are mapped through the transpose and reshape
-  that make w3 and y3 from the kernel and the output.
+  that make w3 and y3 from the kernel and the output. ``layout`` is the GEMM's
+  ``gemm.GemmLayout`` (its ``dn``, ``lhs_free`` and ``rhs_free``: the layout arithmetic is done
+  there once).
   """
-  (lc, rc), (lb, rb) = dn
-  lf = [d for d in range(lhs_ndim) if d not in lc and d not in lb]
-  rf = [d for d in range(rhs_ndim) if d not in rc and d not in rb]
+  (_, rc), (lb, rb) = layout.dn
+  lf, rf = list(layout.lhs_free), list(layout.rhs_free)
   lead = [rb] if lb else []
   gather = plan.kernel_all_gather
   if gather is not None:
