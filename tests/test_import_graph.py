@@ -37,64 +37,16 @@ SUBPACKAGES = ("recipes", "ops", "sharding", "kernels", "state", "formats", "gem
 
 UPWARD = set()
 
-PRIVATE_REACH = {
-    "te_adapters.core.formats._block_scaled": ("te_adapters.core.kernels._ffi",),
-    "te_adapters.core.formats._cast_transpose": ("te_adapters.core.kernels._ffi",),
-    "te_adapters.core.formats._float8_block": ("te_adapters.core.kernels._ffi",),
-    "te_adapters.core.formats._tensor_format": ("te_adapters.core.kernels._ffi",),
-    "te_adapters.core.formats._tensor_scaling": ("te_adapters.core.state._accumulate",),
-    "te_adapters.core.fused._fused_mlp": (
-        "te_adapters.core.formats._cast_transpose",
-        "te_adapters.core.formats._scaling",
-        "te_adapters.core.kernels._ffi",
-        "te_adapters.core.ops._activation",
-        "te_adapters.core.ops._norm",
-    ),
-    "te_adapters.core.fused._mlp": ("te_adapters.core.ops._norm",),
-    "te_adapters.core.fused._norm_dense": ("te_adapters.core.ops._norm",),
-}
+PRIVATE_REACH = {}
 
 TEST_PRIVATE_IMPORTS = {
-    "bench/cast_kernels.py": ("te_adapters.core.fused._fused_mlp", "te_adapters.core.ops._norm"),
-    "bench/grouped_kernel.py": (
-        "te_adapters.core.kernels._ffi",
-        "te_adapters.core.kernels._grouped_kernel",
-    ),
-    "bench/quantize_kernel.py": ("te_adapters.core.formats._cast_transpose",),
-    "bench/ragged.py": ("te_adapters.core.kernels._grouped_kernel",),
-    "bench/sharding_diag.py": (
-        "te_adapters.core.kernels._ffi",
-        "te_adapters.core.kernels._partition",
-    ),
     "tests/core/test_block_float8.py": ("te_adapters.core.formats._float8_block",),
-    "tests/core/test_block_gpu.py": (
-        "te_adapters.core.formats._float8_block",
-        "te_adapters.core.kernels._ffi",
-    ),
-    "tests/core/test_config.py": ("te_adapters.core.kernels._ffi",),
-    "tests/core/test_fp8_gemm_gpu.py": ("te_adapters.core.kernels._ffi",),
-    "tests/core/test_fused_mlp_gpu.py": (
-        "te_adapters.core.formats._scaling",
-        "te_adapters.core.fused._fused_mlp",
-        "te_adapters.core.ops._norm",
-    ),
+    "tests/core/test_block_gpu.py": ("te_adapters.core.formats._float8_block",),
     "tests/core/test_grouped_kernel.py": (
         "te_adapters.core.kernels._ffi",
         "te_adapters.core.kernels._grouped_kernel",
     ),
-    "tests/core/test_grouped_kernel_gpu.py": ("te_adapters.core.kernels._grouped_kernel",),
-    "tests/core/test_partition.py": (
-        "te_adapters.core.formats._cast_transpose",
-        "te_adapters.core.formats._float8_block",
-        "te_adapters.core.kernels._ffi",
-        "te_adapters.core.kernels._partition",
-    ),
-    "tests/core/test_ragged.py": ("te_adapters.core.kernels._grouped_kernel",),
-    "tests/core/test_scaling.py": ("te_adapters.core.formats._scaling",),
-    "tests/core/test_sharding_gpu.py": ("te_adapters.core.kernels._ffi",),
-    "tests/core/test_threshold.py": ("te_adapters.core.gemm._threshold",),
-    "tests/csrc/test_cast_transpose.py": ("te_adapters.core.formats._cast_transpose",),
-    "tests/csrc/test_cast_transpose_gpu.py": ("te_adapters.core.formats._cast_transpose",),
+    "tests/core/test_partition.py": ("te_adapters.core.formats._float8_block",),
     "tests/test_custom_rules.py": (
         "te_adapters.core.gemm._gemm",
         "te_adapters.core.gemm._ragged",
