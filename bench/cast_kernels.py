@@ -25,8 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import speed  # noqa: E402
 from te_adapters import core  # noqa: E402
-from te_adapters.core.fused import _fused_mlp  # noqa: E402
-from te_adapters.core.ops import _norm  # noqa: E402
+from te_adapters.core import fused, ops  # noqa: E402
 
 
 def main():
@@ -50,24 +49,24 @@ def main():
   names = ("gelu",)
 
   def act(config):
-    return jax.jit(lambda h, b: _fused_mlp._act_cast(
+    return jax.jit(lambda h, b: fused.act_cast(
         h, b, names, jnp.float8_e4m3fn, s4, True, config))
 
   def dact(config):
-    return jax.jit(lambda dz, h, b: _fused_mlp._dact_cast(
+    return jax.jit(lambda dz, h, b: fused.dact_cast(
         dz, h, b, names, jnp.float8_e5m2, s5, True, config))
 
-  mean, rsigma = _norm._stats(x.astype(jnp.float32), "layernorm", 1e-6)
+  mean, rsigma = ops.norm_stats(x.astype(jnp.float32), "layernorm", 1e-6)
 
   def norm(config):
-    return jax.jit(lambda x, mean, rsigma: _fused_mlp._norm_cast(
+    return jax.jit(lambda x, mean, rsigma: fused.norm_cast(
         x, mean, rsigma, gamma, beta, False, jnp.float8_e4m3fn, s4, True, config))
 
   def act_amax(config):
-    return jax.jit(lambda h, b: _fused_mlp._act_amax(h, b, names, config))
+    return jax.jit(lambda h, b: fused.act_amax(h, b, names, config))
 
   def dact_amax(config):
-    return jax.jit(lambda dz, h, b: _fused_mlp._dact_amax(dz, h, b, names, config))
+    return jax.jit(lambda dz, h, b: fused.dact_amax(dz, h, b, names, config))
 
   # (name, jitted function of a GemmConfig, its arguments, bytes read and written, FP8 codes out)
   cases = [

@@ -1,4 +1,4 @@
-"""The native grouped FP8 GEMM alone (``te_adapters/core/_grouped_kernel.py``), beside the
+"""The native grouped FP8 GEMM alone (``te_adapters/core/kernels/_grouped_kernel.py``), beside the
 extension's dense cuBLASLt FP8 GEMM of the same total size, on FP8 operands made beforehand.
 
 Times each GEMM of a grouped layer (forward, dgrad, wgrad; the wgrad with and without the
@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from te_adapters.core.kernels import _ffi, _grouped_kernel
+from te_adapters.core import kernels
 
 
 def _time(fn, *args, iters=10):
@@ -40,7 +40,7 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--configs", type=int, nargs="+", default=[0, 1])
   args = p.parse_args(argv)
-  if not _grouped_kernel.available():  # this also registers the extension's FFI targets
+  if not kernels.available():  # this also registers the extension's FFI targets
     raise SystemExit("needs a Hopper GPU and the extension built with TE_ADAPTERS_CUTLASS_DIR")
   m, k, n = args.tokens, args.k, args.n
   flops = 2.0 * m * k * n
@@ -58,7 +58,7 @@ def main(argv=None):
   dy_t = dy.T
   for fast in (True, False):
     sums = "fast" if fast else "promoted"
-    dense = jax.jit(lambda a, b, f=fast: _ffi.gemm_call(
+    dense = jax.jit(lambda a, b, f=fast: kernels.gemm_call(
       a, b, one, one, bf, lhs_mode=0, rhs_mode=0, fast_accum=f))
     for name, a, b in (("fwd", x, w_nk), ("dgrad", dy, w_kn), ("wgrad", x_t, dy_t)):
       ms = _time(dense, a, b, iters=args.iters)
@@ -70,16 +70,16 @@ def main(argv=None):
     alpha = jnp.ones((g,), jnp.float32)
     w_nk = jax.random.normal(keys[2], (g, n, k)).astype(e4)
     w_kn = jax.random.normal(keys[3], (g, k, n)).astype(e4)
-    gather = jax.jit(lambda x, dy, s: (_grouped_kernel.padded_columns(x, s),
-                                       _grouped_kernel.padded_columns(dy, s)))
+    gather = jax.jit(lambda x, dy, s: (kernels.padded_columns(x, s),
+                                       kernels.padded_columns(dy, s)))
     ms = _time(gather, x, dy, sizes, iters=args.iters)
     print(f"| wgrad operand gather | {g} | - | - | {ms:.3f} | - |")
     for cfg in args.configs:
       for fast in (True, False):
         sums = "fast" if fast else "promoted"
-        rows = jax.jit(lambda a, b, s, al, f=fast, c=cfg: _grouped_kernel.rows_gemm(
+        rows = jax.jit(lambda a, b, s, al, f=fast, c=cfg: kernels.rows_gemm(
           a, b, s, al, bf, f, c))
-        wgrad = jax.jit(lambda a, b, s, al, f=fast, c=cfg: _grouped_kernel.wgrad_gemm(
+        wgrad = jax.jit(lambda a, b, s, al, f=fast, c=cfg: kernels.wgrad_gemm(
           a, b, s, al, bf, f, c))
         for name, fn, a, b in (("fwd", rows, x, w_nk), ("dgrad", rows, dy, w_kn),
                                ("wgrad (with gather)", wgrad, x, dy)):

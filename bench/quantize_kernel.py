@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from te_adapters.core.formats import _cast_transpose as ct  # noqa: E402
+from te_adapters.core import formats, kernels  # noqa: E402
 
 
 def _bits(a):
@@ -70,8 +70,8 @@ def identity_checks():
             s = jnp.array([2.5], jnp.float32)
             col = len(shape) >= 2
             kw = dict(colwise=col, with_amax=True)
-            f = jax.jit(lambda x, s: ct.cast_transpose(x, s, q_dtype, backend="ffi", **kw))
-            g = jax.jit(lambda x, s: ct.cast_transpose(x, s, q_dtype, backend="jax", **kw))
+            f = jax.jit(lambda x, s: formats.cast_transpose(x, s, q_dtype, backend="ffi", **kw))
+            g = jax.jit(lambda x, s: formats.cast_transpose(x, s, q_dtype, backend="jax", **kw))
             assert "te_adapters_cast_transpose" in f.lower(x, s).as_text(), "FFI call missing"
             got, want = f(x, s), g(x, s)
             bad = []
@@ -88,7 +88,7 @@ def identity_checks():
               bad.append(f"amax ffi={a[0]!r} jax={b[0]!r}")
             if specials and not np.isposinf(a[0]):
               bad.append(f"amax {a[0]!r} is not inf (a NaN or inf input gives amax inf)")
-            am = np.asarray(ct.amax(x, backend="ffi"))
+            am = np.asarray(formats.amax(x, backend="ffi"))
             if not (np.array_equal(_bits(am), _bits(b)) or (np.isnan(am[0]) and np.isnan(b[0]))):
               bad.append(f"amax kernel ffi={am[0]!r} jax={b[0]!r}")
             return "; ".join(bad) if bad else None
@@ -131,7 +131,7 @@ def bandwidth(sizes_mb, iters):
         for be in ("ffi", "jax"):
 
           def run(x, s, be=be, kw=kw):
-            return ct.cast_transpose(x, s, jnp.float8_e5m2, backend=be, **kw)
+            return formats.cast_transpose(x, s, jnp.float8_e5m2, backend=be, **kw)
 
           try:
             t = _time(jax.jit(run), (x, s), iters)
@@ -148,7 +148,7 @@ def bandwidth(sizes_mb, iters):
               )
             )
       for be in ("ffi", "jax"):
-        t = _time(jax.jit(lambda x, be=be: ct.amax(x, backend=be)), (x,), iters)
+        t = _time(jax.jit(lambda x, be=be: formats.amax(x, backend=be)), (x,), iters)
         rows.append((f"{mb} MB {shape}", f"{be} amax only", t, 2 * n / t, 2 * n / t / copy_bw))
       del x
     except Exception as e:
@@ -217,12 +217,12 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(
     f"device: {dev.platform} {dev.device_kind}; jax {jax.__version__}; "
-    f"FFI built for gpu: {ct.ffi_available('gpu')}, cpu: {ct.ffi_available('cpu')}; "
+    f"FFI built for gpu: {kernels.ffi_available('gpu')}, cpu: {kernels.ffi_available('cpu')}; "
     f"date {time.strftime('%Y-%m-%d')}",
     flush=True,
   )
   platform = "gpu" if dev.platform == "gpu" else dev.platform
-  if not ct.ffi_available(platform):
+  if not kernels.ffi_available(platform):
     print(f"the FFI extension is not built for {platform}: nothing to measure")
     return 1
   bad = 0

@@ -9,7 +9,7 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 - ``ours_bf16``: ``te_adapters.core.ragged_dot(recipe=None)`` (XLA's ragged dot, or on Hopper with
   the extension built with CUTLASS the native bfloat16 grouped GEMM, as ``native_bf16``).
 - ``native_bf16``: the native grouped GEMM with bfloat16 operands
-  (``te_adapters.core.kernels._grouped_kernel.bf16_ragged_dot``; Hopper, extension built with
+  (``te_adapters.core.kernels.bf16_ragged_dot``; Hopper, extension built with
   CUTLASS).
 - ``ours_current``, ``ours_delayed``: ``te_adapters.core.ragged_dot`` with FP8 current / delayed
   scaling (HYBRID).
@@ -61,7 +61,7 @@ import numpy as np
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core.kernels import _grouped_kernel
+from te_adapters.core import kernels
 
 VARIANTS = (
   "lax_bf16",
@@ -166,10 +166,10 @@ def make_forward(variant: str, num_groups: int):
     return (lambda x, w, gs, st: core.ragged_dot(x, w, gs, recipe=None)), {}
   if variant == "native_bf16":
     def forward(x, w, gs, st):
-      why = _grouped_kernel.bf16_refusal(x, w, x.dtype)
+      why = kernels.bf16_refusal(x, w, x.dtype)
       if why is not None:
         raise RuntimeError(f"the native bfloat16 grouped GEMM cannot run: {why}")
-      return _grouped_kernel.bf16_ragged_dot(x, w, gs)
+      return kernels.bf16_ragged_dot(x, w, gs)
 
     return forward, {}
   if variant.startswith("ours_") and variant[5:] in RECIPES:

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core, inspect
-from te_adapters.core.kernels import _ffi, _partition
+from te_adapters.core import kernels
 
 DN = (((2,), (0,)), ((), ()))
 X_SHAPE, W_SHAPE = (8, 128, 256), (256, 512)
@@ -70,7 +70,7 @@ def _fp8(shape, seed, dtype=jnp.float8_e4m3fn):
 
 def gemm_part(log):
   rows = []
-  if not _ffi.cublas_gemm_available():
+  if not kernels.cublas_gemm_available():
     log("the extension's cuBLASLt GEMM is not available here: part 1 skipped")
     return rows
   sa, sb = jnp.full((1,), 0.0123, jnp.float32), jnp.full((1,), 0.0371, jnp.float32)
@@ -83,9 +83,9 @@ def gemm_part(log):
     exact = (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T) * float(sa[0]) * float(sb[0])
     for dtype in (jnp.bfloat16, jnp.float32):
       for fast in (True, False):
-        ext = jax.jit(lambda a, b, dtype=dtype, fast=fast: _ffi.gemm_call(
+        ext = jax.jit(lambda a, b, dtype=dtype, fast=fast: kernels.gemm_call(
             a, b, sa, sb, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast))
-        xla = jax.jit(lambda a, b, dtype=dtype, fast=fast: _partition._tensor_fallback(
+        xla = jax.jit(lambda a, b, dtype=dtype, fast=fast: kernels.tensor_fallback(
             fast, a, b, sa, sb, dtype))
         y_ext, y_xla = np.asarray(ext(a, b)), np.asarray(xla(a, b))
         half = m // 2

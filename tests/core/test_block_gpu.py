@@ -11,9 +11,8 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import inspect
-from te_adapters.core import formats
+from te_adapters.core import formats, kernels
 from te_adapters.core.formats import _float8_block
-from te_adapters.core.kernels import _ffi
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -38,7 +37,7 @@ def _on_cpu(x):
 
 
 def _skip_unless_cublas_runs_under_jit():
-  if not _ffi.cublas_gemm_available():
+  if not kernels.cublas_gemm_available():
     pytest.skip("cuBLASLt's block-scaled GEMM is not built or the GPU is not a Hopper GPU")
   if jax.device_count() > 1:
     # A traced operand's placement is unknown under jit when the host has several devices, so
@@ -156,7 +155,7 @@ def test_native_scaled_matmul_matches_emulation(recipe):
 
 
 @pytest.mark.skipif(
-  not _ffi.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
+  not kernels.cublas_gemm_available(), reason="needs cuBLASLt's block-scaled GEMM (Hopper)"
 )
 @pytest.mark.parametrize("blocks", [(1, 2), (1, 1), (2, 1)], ids=["1dx2d", "1dx1d", "2dx1d"])
 def test_float8_block_cublas_gemm_matches_the_xla_formulation(blocks):
@@ -210,7 +209,7 @@ def test_float8_block_cublas_refusals():
   t = jnp.zeros((1, 256, 256), jnp.float8_e4m3fn)
   s2 = jnp.ones((1, 2, 2), jnp.float32)
   # Without the extension (a pure-JAX install) cuBLASLt is refused before the tiles are looked at.
-  why = "128x128 tiles on both operands" if _ffi.cublas_gemm_available() else "not built"
+  why = "128x128 tiles on both operands" if kernels.cublas_gemm_available() else "not built"
   with pytest.raises(RuntimeError, match=why):
     _float8_block.gemm(t, s2, (128, 128), t, s2, (128, 128), choice="native")
   with pytest.raises(ValueError, match="block_gemm must be"):
@@ -218,7 +217,7 @@ def test_float8_block_cublas_refusals():
 
 
 def _skip_unless_block_cast():
-  if not _ffi.registered(_ffi.BLOCK_CAST_TARGET):
+  if not kernels.registered(kernels.BLOCK_CAST_TARGET):
     pytest.skip("the extension's CUDA block cast is not built here")
 
 
@@ -246,7 +245,7 @@ def test_block_cast_kernel_quantizes_like_cpu(dtype, tile, q_dtype, power_2):
   """The CUDA block cast gives, bit for bit, the CPU's pure-JAX quantization of both copies."""
   _skip_unless_block_cast()
   x = _block_cast_input(dtype)
-  q, s, q_t, s_t, amax = jax.jit(lambda x: _ffi.block_cast_call(
+  q, s, q_t, s_t, amax = jax.jit(lambda x: kernels.block_cast_call(
       x, q_dtype, rowwise=True, colwise=True, tile=tile, power_2=power_2))(x)
   block = (128, 128) if tile else (128,)
   cpu_x = _on_cpu(x)
@@ -274,7 +273,7 @@ def test_block_cast_kernel_nan():
   _skip_unless_block_cast()
   x = np.full((128, 256), 3.0, np.float32)
   x[5, 200] = np.nan
-  q, s, q_t, s_t, amax = jax.jit(lambda x: _ffi.block_cast_call(
+  q, s, q_t, s_t, amax = jax.jit(lambda x: kernels.block_cast_call(
       x, jnp.float8_e4m3fn, rowwise=True, colwise=True, tile=False, power_2=True))(x)
   s, s_t = np.asarray(s), np.asarray(s_t)
   q, q_t = np.asarray(q, np.float32), np.asarray(q_t, np.float32)

@@ -7,8 +7,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import formats
-from te_adapters.core.kernels import _ffi
+from te_adapters.core import formats, kernels
 from tests.conftest import FP8_GEMM_RTOL
 
 DN = (((1,), (0,)), ((), ()))
@@ -74,7 +73,7 @@ def test_every_choice_computes_the_same_step(recipe, config, rel):
 
 
 def test_native_gemm_is_refused_where_it_cannot_run():
-  if _ffi.cublas_gemm_available():
+  if kernels.cublas_gemm_available():
     pytest.skip("the extension's cuBLASLt GEMM runs here")
   x = jnp.ones((32, 64))
   w = jnp.ones((64, 32))
@@ -89,7 +88,7 @@ def test_native_block_gemm_is_refused_where_it_cannot_run(recipe):
   if isinstance(recipe, ta.MXFP8BlockScaling):
     if formats.native_gemm_available("mxfp8"):
       pytest.skip("jax.nn.scaled_matmul runs MXFP8 here")
-  elif _ffi.cublas_gemm_available():
+  elif kernels.cublas_gemm_available():
     pytest.skip("cuBLASLt's block-scaled GEMM runs here")
   x = jnp.ones((128, 128))
   with pytest.raises(RuntimeError, match="block_gemm='native', but"):

@@ -10,12 +10,12 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core.kernels import _ffi
+from te_adapters.core import kernels
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        jax.default_backend() != "gpu" or not _ffi.cublas_gemm_available(),
+        jax.default_backend() != "gpu" or not kernels.cublas_gemm_available(),
         reason="needs a Hopper GPU and the extension's CUDA part",
     ),
 ]

@@ -16,10 +16,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core import kernels
-from te_adapters.core.formats import _scaling
-from te_adapters.core.fused import _fused_mlp
-from te_adapters.core.ops import _norm
+from te_adapters.core import formats, fused, kernels, ops
 from tests.conftest import rel_err
 
 pytestmark = [
@@ -80,7 +77,7 @@ def test_activation_cast_matches_pure_jax(activations, shape, with_bias):
   scale = jnp.asarray([448.0 / 20.0], jnp.float32)
 
   def cast(config):
-    return jax.jit(lambda h, b: _fused_mlp._act_cast(
+    return jax.jit(lambda h, b: fused.act_cast(
         h, b, activations, jnp.float8_e4m3fn, scale, True, config))(h, bias)
 
   q, q_t, a = cast(KERNEL)
@@ -101,7 +98,7 @@ def test_activation_gradient_cast_matches_pure_jax(activations, shape):
   scale = jnp.asarray([57344.0 / 64.0], jnp.float32)
 
   def cast(config):
-    return jax.jit(lambda dz, h, b: _fused_mlp._dact_cast(
+    return jax.jit(lambda dz, h, b: fused.dact_cast(
         dz, h, b, activations, jnp.float8_e5m2, scale, True, config))(dz, h, bias)
 
   q, q_t, a, db = cast(KERNEL)
@@ -111,7 +108,7 @@ def test_activation_gradient_cast_matches_pure_jax(activations, shape):
   np.testing.assert_allclose(a, ra, rtol=1e-5)
   assert db.shape == (n_act, f) and db.dtype == jnp.float32
   # Float32 sums of M rows in another order: compared to the sum of the magnitudes.
-  dh = _fused_mlp.dact_f32(dz, h, bias, activations)
+  dh = fused.dact_f32(dz, h, bias, activations)
   atol = 1e-5 * float(jnp.max(jnp.sum(jnp.abs(dh), axis=0)))
   np.testing.assert_allclose(db, rdb, atol=atol)
 
@@ -130,9 +127,9 @@ def test_output_gradient_cast_with_its_bias_gradient(shape, dtype):
   scale = jnp.asarray([57344.0 / 16.0], jnp.float32)
 
   def cast(config):
-    return jax.jit(lambda g: _fused_mlp._dbias_cast(g, jnp.float8_e5m2, scale, True, config))(g)
+    return jax.jit(lambda g: fused.dbias_cast(g, jnp.float8_e5m2, scale, True, config))(g)
 
-  hlo = jax.jit(lambda g: _fused_mlp._dbias_cast(g, jnp.float8_e5m2, scale, True, KERNEL)).lower(
+  hlo = jax.jit(lambda g: fused.dbias_cast(g, jnp.float8_e5m2, scale, True, KERNEL)).lower(
       g).compile().as_text()
   assert kernels.DACT_CAST_TARGET in hlo
   q, q_t, a, db = cast(KERNEL)
@@ -162,8 +159,8 @@ def test_norm_cast_matches_pure_jax(norm, shape):
 
   def cast(config):
     def f(x, scale, bias):
-      mean, rsigma = _norm._stats(x.astype(jnp.float32), layernorm_type, 1e-6)
-      return _fused_mlp._norm_cast(x, mean, rsigma, scale, bias, zero_centered,
+      mean, rsigma = ops.norm_stats(x.astype(jnp.float32), layernorm_type, 1e-6)
+      return fused.norm_cast(x, mean, rsigma, scale, bias, zero_centered,
                                    jnp.float8_e4m3fn, q_scale, True, config)
     return jax.jit(f)(x, scale, bias)
 
@@ -186,8 +183,8 @@ def test_activation_casts_of_nan_and_inf_are_pure_jaxs(activations):
   scale = jnp.asarray([448.0 / 20.0], jnp.float32)
 
   def casts(config):
-    fwd = _fused_mlp._act_cast(h, bias, activations, jnp.float8_e4m3fn, scale, True, config)
-    bwd = _fused_mlp._dact_cast(dz, h, bias, activations, jnp.float8_e5m2, scale, True, config)
+    fwd = fused.act_cast(h, bias, activations, jnp.float8_e4m3fn, scale, True, config)
+    bwd = fused.dact_cast(dz, h, bias, activations, jnp.float8_e5m2, scale, True, config)
     return fwd, bwd
 
   (q, _, a), (dq, _, da, _) = casts(KERNEL)
@@ -209,18 +206,18 @@ def test_current_scalings_amax_pass_is_the_casts_amax(activations, shape):
   h, bias = _h_and_bias(m, f, len(activations), jnp.bfloat16)
   dz = jnp.asarray(np.random.default_rng(1).normal(size=(m, f)), jnp.bfloat16)
   one = jnp.ones(1)
-  amax = jax.jit(lambda h, b: _fused_mlp._act_amax(h, b, activations, KERNEL))(h, bias)
-  _, _, cast_amax = _fused_mlp._act_cast(h, bias, activations, jnp.float8_e4m3fn, one, True,
+  amax = jax.jit(lambda h, b: fused.act_amax(h, b, activations, KERNEL))(h, bias)
+  _, _, cast_amax = fused.act_cast(h, bias, activations, jnp.float8_e4m3fn, one, True,
                                          KERNEL)
   np.testing.assert_array_equal(amax, cast_amax)
-  formula = _scaling.amax(_fused_mlp.activation_f32(h, bias, activations))
+  formula = formats.tensor_amax(fused.activation_f32(h, bias, activations))
   np.testing.assert_allclose(amax, formula, rtol=1e-5)
-  d_amax = jax.jit(lambda dz, h, b: _fused_mlp._dact_amax(dz, h, b, activations, KERNEL))(
+  d_amax = jax.jit(lambda dz, h, b: fused.dact_amax(dz, h, b, activations, KERNEL))(
       dz, h, bias)
-  _, _, d_cast_amax, _ = _fused_mlp._dact_cast(dz, h, bias, activations, jnp.float8_e5m2, one,
+  _, _, d_cast_amax, _ = fused.dact_cast(dz, h, bias, activations, jnp.float8_e5m2, one,
                                                True, KERNEL)
   np.testing.assert_array_equal(d_amax, d_cast_amax)
-  d_formula = _scaling.amax(_fused_mlp.dact_f32(dz, h, bias, activations))
+  d_formula = formats.tensor_amax(fused.dact_f32(dz, h, bias, activations))
   np.testing.assert_allclose(d_amax, d_formula, rtol=1e-5)
 
 

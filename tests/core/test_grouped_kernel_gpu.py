@@ -11,12 +11,12 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core.kernels import _grouped_kernel
+from te_adapters.core import kernels
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        jax.default_backend() != "gpu" or not _grouped_kernel.available(),
+        jax.default_backend() != "gpu" or not kernels.available(),
         reason="needs a Hopper GPU and the extension built with TE_ADAPTERS_CUTLASS_DIR",
     ),
 ]
@@ -55,7 +55,7 @@ def test_rows_gemm_matches_float64(fast, out_dtype, types):
   a = _fp8(ka, (M, K), types[0], 3.0)
   b = _fp8(kb, (len(SIZES), N, K), types[1], 2.0)
   alpha = jnp.array([0.5, 3.0, 0.013, 1.7], jnp.float32)
-  y = jax.jit(functools.partial(_grouped_kernel.rows_gemm, out_dtype=out_dtype, fast=fast))(
+  y = jax.jit(functools.partial(kernels.rows_gemm, out_dtype=out_dtype, fast=fast))(
       a, b, jnp.asarray(SIZES), alpha)
   assert y.dtype == out_dtype and y.shape == (M, N)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -77,7 +77,7 @@ def test_wgrad_gemm_matches_float64(fast, out_dtype, types):
   x = _fp8(kx, (M, K), types[0], 3.0)
   dy = _fp8(kg, (M, N), types[1], 2.0)
   alpha = jnp.array([0.25, 9.0, 0.031, 1.1], jnp.float32)
-  dw = jax.jit(functools.partial(_grouped_kernel.wgrad_gemm, out_dtype=out_dtype, fast=fast))(
+  dw = jax.jit(functools.partial(kernels.wgrad_gemm, out_dtype=out_dtype, fast=fast))(
       x, dy, jnp.asarray(SIZES), alpha)
   assert dw.dtype == out_dtype and dw.shape == (len(SIZES), K, N)
   x64, g64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
@@ -94,8 +94,8 @@ def test_wgrad_gemm_matches_float64(fast, out_dtype, types):
 def test_padded_columns_kernel_equals_xla(dtype):
   q = _fp8(jax.random.PRNGKey(4), (M, K), dtype, 3.0)
   sizes = jnp.asarray(SIZES)
-  native = jax.jit(lambda q, s: _grouped_kernel.padded_columns(q, s, native=True))(q, sizes)
-  xla = jax.jit(lambda q, s: _grouped_kernel.padded_columns(q, s, native=False))(q, sizes)
+  native = jax.jit(lambda q, s: kernels.padded_columns(q, s, native=True))(q, sizes)
+  xla = jax.jit(lambda q, s: kernels.padded_columns(q, s, native=False))(q, sizes)
   assert native.shape == xla.shape and native.dtype == xla.dtype
   np.testing.assert_array_equal(np.asarray(native).view(np.uint8), np.asarray(xla).view(np.uint8))
 
@@ -109,7 +109,7 @@ def test_bf16_ragged_dot_matches_float64_and_lax():
   w = (0.2 * jax.random.normal(kw, (len(SIZES), K, N))).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (M, N)).astype(jnp.bfloat16)
   sizes = jnp.asarray(SIZES)
-  assert _grouped_kernel.bf16_refusal(x, w, jnp.bfloat16) is None
+  assert kernels.bf16_refusal(x, w, jnp.bfloat16) is None
 
   def step(f):
     def loss(x, w):
@@ -117,7 +117,7 @@ def test_bf16_ragged_dot_matches_float64_and_lax():
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
-  native = step(_grouped_kernel.bf16_ragged_dot)
+  native = step(kernels.bf16_ragged_dot)
   assert native.lower(x, w).as_text().count("te_adapters_grouped_gemm") == 3
   (_, y), (dx, dw) = native(x, w)
   assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
@@ -150,7 +150,7 @@ def test_ragged_dot_without_recipe_runs_bf16_on_the_kernel():
 
   ours = step(lambda x, w: core.ragged_dot(x, w, sizes, recipe=None))
   assert ours.lower(x, w).as_text().count("te_adapters_grouped_gemm") == 3
-  direct = step(lambda x, w: _grouped_kernel.bf16_ragged_dot(x, w, sizes))
+  direct = step(lambda x, w: kernels.bf16_ragged_dot(x, w, sizes))
   for a, b in zip(jax.tree.leaves(ours(x, w)), jax.tree.leaves(direct(x, w)), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   wide = step(lambda x, w: core.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32,

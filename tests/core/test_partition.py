@@ -28,13 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core, inspect
-from te_adapters.core.formats import _cast_transpose
-from te_adapters.core.kernels import _partition
+from te_adapters.core import formats, kernels
 from tests import spmd_checks
 
 pytestmark = [
     pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)"),
-    pytest.mark.skipif(not _cast_transpose.ffi_available("cpu"), reason="extension not built"),
+    pytest.mark.skipif(not kernels.ffi_available("cpu"), reason="extension not built"),
 ]
 
 DN = (((2,), (0,)), ((), ()))  # x (batch, seq, hidden) . kernel (hidden, features)
@@ -206,11 +205,11 @@ def test_amax_of_a_sharded_tensor_is_global_on_every_device():
   x[5, 3] = -9.0  # on one device's shard only
   x[1, 30] = 2.0
   xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("dp", "tp")))
-  a = jax.jit(lambda v: _cast_transpose.amax(v, backend="ffi"))(xs)
+  a = jax.jit(lambda v: formats.amax(v, backend="ffi"))(xs)
   assert [float(s.data[0]) for s in a.addressable_shards] == [9.0] * 4
   x[0, 0] = np.nan  # NaN on another shard: inf everywhere
   xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("dp", "tp")))
-  _, _, a = jax.jit(lambda v: _cast_transpose.cast_transpose(
+  _, _, a = jax.jit(lambda v: formats.cast_transpose(
       v, jnp.ones((1,)), jnp.float8_e4m3fn, with_amax=True, backend="ffi"))(xs)
   assert [float(s.data[0]) for s in a.addressable_shards] == [np.inf] * 4
 
@@ -298,7 +297,7 @@ def test_gemm_rule_runs_the_kernel_on_shards(name, a_spec, b_spec, summed):
     calls.append((a.shape, b.shape, np.dtype(dtype)))
     return _cpu_gemm(a, b, sa, sb, dtype)
 
-  f = jax.jit(lambda a, b: _partition.gemm("test GEMM", kernel, _cpu_gemm, a, b, sa, sb,
+  f = jax.jit(lambda a, b: kernels.gemm("test GEMM", kernel, _cpu_gemm, a, b, sa, sb,
                                            jnp.bfloat16))
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
@@ -323,7 +322,7 @@ def test_gemm_rule_warns_once_where_it_reshards():
   # The same mesh axis on the rows of a and the columns of b: the output cannot use it twice.
   a_s = jax.device_put(a, NamedSharding(mesh, P("dp")))
   b_s = jax.device_put(b, NamedSharding(mesh, P("dp")))
-  f = lambda a, b: _partition.gemm("reshard GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
+  f = lambda a, b: kernels.gemm("reshard GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
                                    jnp.float32)
   with pytest.warns(ta.core.ShardingFallbackWarning, match=r"reshard GEMM.*'dp'.*gathered"):
     y = jax.jit(f)(a_s, b_s)
@@ -347,7 +346,7 @@ def test_gemm_rule_falls_back_to_xla_on_shards_the_kernel_refuses():
     return gemm
 
   refusal = lambda a_shape, b_shape: "M must be a multiple of 32" if a_shape[0] % 32 else None
-  f = lambda a, b: _partition.gemm("picky GEMM", traced("kernel"), traced("fallback"), a, b, sa,
+  f = lambda a, b: kernels.gemm("picky GEMM", traced("kernel"), traced("fallback"), a, b, sa,
                                    sb, jnp.float32, refusal=refusal)
   with pytest.warns(ta.core.ShardingFallbackWarning,
                     match=r"picky GEMM.*\(16, 64\).*M must be a multiple of 32.*XLA's GEMM"):
@@ -366,7 +365,7 @@ def _emulated_cublas(calls):
   def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
     assert lhs_mode == rhs_mode == 0
     calls.append((a.shape, b.shape, np.dtype(out_dtype)))
-    return _partition._tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
+    return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
 
   return cublas_call
 
@@ -376,11 +375,9 @@ def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   DP x column-parallel TP, whose dgrad contracts the tp-sharded features and wgrad the dp-sharded
   rows. With ``partial_sums="float32"`` the float32 partial products are summed, then rounded
   once, so even those GEMMs equal one device bit for bit."""
-  from te_adapters.core.kernels import _ffi
-
   calls = []
-  monkeypatch.setattr(_ffi, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(_ffi, "gemm_call", _emulated_cublas(calls))
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
   plan = dataclasses.replace(PLANS[-1], bf16_sums=())
   got, text = _sharded(DELAYED, plan)
   sharded_calls, calls[:] = list(calls), []
@@ -405,11 +402,9 @@ def test_fp8_gemm_call_site_sums_partial_products_in_the_output_dtype(monkeypatc
   device's output is rounded once (at most u |y|); |y| and |p_1| + |p_2| are at most
   (|A| |B|)_ij, the product of the absolute operands (exact here: exact_data quantizes without
   error), so the two differ by at most 2 n u (|A| |B|)_ij (1 + 2u for the second-order terms)."""
-  from te_adapters.core.kernels import _ffi
-
   calls = []
-  monkeypatch.setattr(_ffi, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(_ffi, "gemm_call", _emulated_cublas(calls))
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
   assert core.GemmConfig().partial_sums == "output"
   plan = PLANS[-1]
   got, text = _sharded(DELAYED, plan, step=_step(DELAYED, core.GemmConfig(backend="ffi")))
@@ -480,7 +475,7 @@ def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
   mesh = _mesh()
   put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
   calls = []
-  f = jax.jit(lambda a, sa, b, sb: _partition.block_scaled_gemm(
+  f = jax.jit(lambda a, sa, b, sb: kernels.block_scaled_gemm(
       _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
       jnp.float32))
   # Rows over dp, K over tp: 128 of K per device, one whole block (and tile) each.
@@ -506,7 +501,7 @@ def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
   mesh = _mesh()
   put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
   calls = []
-  f = jax.jit(lambda a, sa, b, sb: _partition.block_scaled_gemm(
+  f = jax.jit(lambda a, sa, b, sb: kernels.block_scaled_gemm(
       _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
       jnp.float32))
   # N (128 rows: one row of 128x128 tiles) cannot be split over tp: it is gathered.
@@ -526,7 +521,7 @@ def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
   (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
   mesh = _mesh()
   a_s = jax.device_put(a, NamedSharding(mesh, P(None, "tp")))
-  f = jax.jit(lambda a, b: _partition.gemm("slicing GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
+  f = jax.jit(lambda a, b: kernels.gemm("slicing GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
                                            jnp.float32))
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.core.ShardingFallbackWarning)

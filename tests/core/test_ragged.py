@@ -13,7 +13,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
-from te_adapters.core.kernels import _grouped_kernel
+from te_adapters.core import kernels
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -484,7 +484,7 @@ def test_gpu_fp8_grouped_gemm_numerics_and_hlo(rel):
   sizes = te_group_sizes(rng, m, g)
   args = (x, w, {}, jnp.asarray(sizes), dy)
   hlo = train_step.lower(*args, recipe).compile().as_text()
-  if _grouped_kernel.available():
+  if kernels.available():
     assert hlo.count('custom_call_target="te_adapters_grouped_gemm"') == 3, "no grouped kernel"
   else:
     assert "__cublas$lt$matmul$f8" in hlo, "no FP8 cuBLAS GEMM in the compiled step"

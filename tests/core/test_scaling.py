@@ -93,17 +93,17 @@ def test_non_finite_amax_keeps_scale_and_quantizes_with_stored_scale():
 def test_leading_amax_is_the_amax_of_each_leading_index():
   """One amax per expert: max |w[g]| exactly (float64 reference), inf where w[g] holds a NaN or
   an inf, as the per-tensor amax of that slice."""
-  from te_adapters.core.formats import _scaling
+  from te_adapters.core import formats
 
   rng = np.random.default_rng(3)
   w = rng.standard_normal((4, 6, 5)) * np.array([1e-3, 1.0, 50.0, 2.0])[:, None, None]
   w[2, 1, 1], w[3, 4, 0] = np.nan, -np.inf
   for dtype in (jnp.float32, jnp.bfloat16):
     x = jnp.asarray(w, dtype)
-    got = np.asarray(_scaling.leading_amax(x))
+    got = np.asarray(formats.leading_amax(x))
     assert got.dtype == np.float32 and got.shape == (4,)
     want = np.max(np.abs(np.asarray(x, np.float64)[:2]), axis=(1, 2))
     np.testing.assert_array_equal(got[:2], want.astype(np.float32))
     assert np.isposinf(got[2:]).all()
     for g in range(4):
-      np.testing.assert_array_equal(got[g:g + 1], np.asarray(_scaling.amax(x[g])))
+      np.testing.assert_array_equal(got[g:g + 1], np.asarray(formats.tensor_amax(x[g])))

@@ -16,8 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core, inspect
-from te_adapters.core import formats
-from te_adapters.core.kernels import _ffi
+from te_adapters.core import formats, kernels
 from tests import spmd_checks
 from tests.conftest import rel_err as _rel
 
@@ -77,7 +76,7 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
   # The extension's kernels run on the shards (their partitioning rules, core/_partition.py).
   if formats.backend() == "ffi":
     assert text.count('custom_call_target="te_adapters_cast_transpose"') >= 3
-  if _ffi.cublas_gemm_available():
+  if kernels.cublas_gemm_available():
     assert text.count('custom_call_target="te_adapters_block_gemm"') >= 3
   # The same FP8 operands; the GEMMs may sum in another order and y, dx are bfloat16, rounded
   # twice (GEMM output, then the float32 rescale): they may differ by a bfloat16 ulp (2**-8) in

@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core, inspect
-from te_adapters.core.gemm import _threshold
 from tests import conftest
 from tests.conftest import rel_err
 
@@ -218,7 +217,7 @@ def test_default_rule_on_gpu_and_not_on_cpu():
 
 
 def test_default_threshold_applies_where_the_backend_is_gpu(monkeypatch):
-  monkeypatch.setattr(_threshold.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   x, w = _data((16, 32), (32, 48))
   assert not core.runs_in_fp8(x, w, DN)
   loss = lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=ta.Float8CurrentScaling()))

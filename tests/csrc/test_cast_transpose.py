@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core.formats import _cast_transpose as ct
+from te_adapters.core import formats, kernels
 from tests.conftest import assert_scales_equal, rel_err
 
 needs_ext = pytest.mark.skipif(
-  not ct.ffi_available("cpu"), reason="te_adapters extension not built (pure-JAX install)"
+  not kernels.ffi_available("cpu"), reason="te_adapters extension not built (pure-JAX install)"
 )
 IN_DTYPES = (np.float32, jnp.bfloat16, np.float16)
 Q_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -38,7 +38,8 @@ def _nasty(shape, dtype, seed):
 
 
 def _both(x, scale, q_dtype, **kw):
-  f = lambda be: jax.jit(lambda x, s: ct.cast_transpose(x, s, q_dtype, backend=be, **kw))(x, scale)
+  f = lambda be: jax.jit(
+      lambda x, s: formats.cast_transpose(x, s, q_dtype, backend=be, **kw))(x, scale)
   return f("ffi"), f("jax")
 
 
@@ -59,7 +60,7 @@ def test_bit_identical_to_jax(dtype, q_dtype, shape):
   np.testing.assert_array_equal(_bits(a), _bits(ra))
   assert float(a[0]) == np.inf  # the +inf planted in x
   # The same values through the stand-alone amax kernel.
-  np.testing.assert_array_equal(_bits(ct.amax(x, backend="ffi")), _bits(ra))
+  np.testing.assert_array_equal(_bits(formats.amax(x, backend="ffi")), _bits(ra))
 
 
 @needs_ext
@@ -114,18 +115,18 @@ def test_nan_propagates(dtype):
   negative_nan = 0xFF if jax.default_backend() == "cpu" else 0x7F
   assert _bits(q)[1, 7, 9] == 0x7F and _bits(q)[2, 0, 1] == negative_nan
   np.testing.assert_array_equal(a, ra)
-  assert np.isposinf(a[0]) and np.isposinf(ct.amax(x, backend="ffi")[0])
-  np.testing.assert_array_equal(ct.amax(x, backend="jax"), a)
+  assert np.isposinf(a[0]) and np.isposinf(formats.amax(x, backend="ffi")[0])
+  np.testing.assert_array_equal(formats.amax(x, backend="jax"), a)
 
 
 @needs_ext
 def test_rowwise_colwise_amax_subsets():
   x = _nasty((4, 24, 40), jnp.bfloat16, seed=1)
   s = jnp.array([2.0], jnp.float32)
-  q, q_t, a = ct.cast_transpose(x, s, jnp.float8_e5m2, rowwise=False, backend="ffi")
+  q, q_t, a = formats.cast_transpose(x, s, jnp.float8_e5m2, rowwise=False, backend="ffi")
   assert q is None and a is None
   np.testing.assert_array_equal(_bits(q_t), _bits(_both(x, s, jnp.float8_e5m2)[1][1]))
-  q, q_t, a = ct.cast_transpose(x, s, jnp.float8_e5m2, colwise=False, backend="ffi")
+  q, q_t, a = formats.cast_transpose(x, s, jnp.float8_e5m2, colwise=False, backend="ffi")
   assert q_t is None and a is None and q.shape == x.shape
 
 
@@ -135,7 +136,7 @@ def test_vmap_matches_per_example_calls():
   scales = jnp.array([[1.0], [4.0], [0.25]], jnp.float32)
   one = jnp.array([2.0], jnp.float32)
   f = lambda be, amax: (
-    lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=amax, backend=be)
+    lambda x, s: formats.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=amax, backend=be)
   )
   for be_ax, args in (((0, None), (x, one)), ((0, 0), (x, scales)), ((None, 0), (x[0], scales))):
     for with_amax in (False, True):
@@ -144,8 +145,9 @@ def test_vmap_matches_per_example_calls():
       for g, w in zip(got, want, strict=False):
         if w is not None:
           np.testing.assert_array_equal(_bits(g), _bits(w))
-  got = jax.vmap(lambda v: ct.amax(v, backend="ffi"))(x)
-  np.testing.assert_array_equal(_bits(got), _bits(jax.vmap(lambda v: ct.amax(v, backend="jax"))(x)))
+  got = jax.vmap(lambda v: formats.amax(v, backend="ffi"))(x)
+  np.testing.assert_array_equal(
+      _bits(got), _bits(jax.vmap(lambda v: formats.amax(v, backend="jax"))(x)))
 
 
 @needs_ext
@@ -160,21 +162,21 @@ def test_per_batch_scales_bit_identical_to_jax(dtype, q_dtype, shape):
     x[1] = np.where(np.abs(x[1]) < np.inf, x[1], 0.0)  # finite: its own amax, not inf
     x[2, 3, 4] = np.nan
   scales = jnp.asarray(np.geomspace(0.01, 40.0, shape[0]), jnp.float32)
-  f = lambda be: jax.jit(lambda x, s: ct.cast_transpose_per_batch(
+  f = lambda be: jax.jit(lambda x, s: formats.cast_transpose_per_batch(
     x, s, q_dtype, with_amax=True, backend=be))(x, scales)
   (q, q_t, a), (rq, rq_t, ra) = f("ffi"), f("jax")
   assert q.shape == x.shape and q_t.shape == np.swapaxes(x, 1, 2).shape and a.shape == shape[:1]
   for got, want in ((q, rq), (q_t, rq_t), (a, ra)):
     np.testing.assert_array_equal(_bits(got), _bits(want))
   for b in range(shape[0]):
-    one = ct.cast_transpose(x[b], scales[b:b + 1], q_dtype, with_amax=True, backend="jax")
+    one = formats.cast_transpose(x[b], scales[b:b + 1], q_dtype, with_amax=True, backend="jax")
     np.testing.assert_array_equal(_bits(q[b]), _bits(one[0]))
     np.testing.assert_array_equal(_bits(q_t[b]), _bits(one[1]))
     np.testing.assert_array_equal(_bits(a[b:b + 1]), _bits(one[2]))
   if shape[0] > 2:
     assert np.isposinf(a[0]) and np.isfinite(a[1]) and np.isposinf(a[2])  # inf, finite, NaN
     assert float(a[1]) == float(np.max(np.abs(np.asarray(x[1], np.float32))))
-  q2, q2_t, none = ct.cast_transpose_per_batch(x, scales, q_dtype, backend="ffi")
+  q2, q2_t, none = formats.cast_transpose_per_batch(x, scales, q_dtype, backend="ffi")
   assert none is None
   np.testing.assert_array_equal(_bits(q2), _bits(q))
   np.testing.assert_array_equal(_bits(q2_t), _bits(q_t))
@@ -183,11 +185,11 @@ def test_per_batch_scales_bit_identical_to_jax(dtype, q_dtype, shape):
 def test_per_batch_bad_input_errors():
   x = jnp.ones((3, 4, 8), jnp.float32)
   with pytest.raises(ValueError, match=r"scales must have shape \(3,\)"):
-    ct.cast_transpose_per_batch(x, jnp.ones((1,)), jnp.float8_e4m3fn)
+    formats.cast_transpose_per_batch(x, jnp.ones((1,)), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match=r"needs a \(B, R, C\) array"):
-    ct.cast_transpose_per_batch(x[0], jnp.ones((4,)), jnp.float8_e4m3fn)
+    formats.cast_transpose_per_batch(x[0], jnp.ones((4,)), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
-    ct.cast_transpose_per_batch(x, jnp.ones((3,)), jnp.bfloat16)
+    formats.cast_transpose_per_batch(x, jnp.ones((3,)), jnp.bfloat16)
 
 
 def _dense_step(recipe, backend, monkeypatch):
@@ -253,27 +255,27 @@ def test_dot_general_grad_identical_through_ffi(recipe, monkeypatch):
 def test_bad_input_errors():
   x = jnp.ones((4, 8), jnp.float32)
   with pytest.raises(ValueError, match="one element"):
-    ct.cast_transpose(x, jnp.ones((2,)), jnp.float8_e4m3fn)
+    formats.cast_transpose(x, jnp.ones((2,)), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="rank >= 2"):
-    ct.cast_transpose(jnp.ones((8,)), jnp.ones((1,)), jnp.float8_e4m3fn)
+    formats.cast_transpose(jnp.ones((8,)), jnp.ones((1,)), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2"):
-    ct.cast_transpose(x, jnp.ones((1,)), jnp.bfloat16)
+    formats.cast_transpose(x, jnp.ones((1,)), jnp.bfloat16)
   with pytest.raises(TypeError, match="floating-point"):
-    ct.cast_transpose(jnp.ones((4, 8), jnp.int32), jnp.ones((1,)), jnp.float8_e4m3fn)
+    formats.cast_transpose(jnp.ones((4, 8), jnp.int32), jnp.ones((1,)), jnp.float8_e4m3fn)
   with pytest.raises(ValueError, match="backend must be"):
-    ct.cast_transpose(x, jnp.ones((1,)), jnp.float8_e4m3fn, backend="cuda")
+    formats.cast_transpose(x, jnp.ones((1,)), jnp.float8_e4m3fn, backend="cuda")
 
 
 def test_backend_choice():
   with pytest.raises(ValueError, match="GemmConfig.backend must be"):
     ta.GemmConfig(backend="triton")
   with pytest.raises(ValueError, match="backend must be"):
-    ct.backend("cpu", "triton")
-  assert ct.backend("cpu", "jax") == "jax"
-  assert ct.backend("cpu") == "jax"  # FFI by default only on GPU
-  assert ct.backend("tpu") == "jax"
-  if ct.ffi_available("cpu"):
-    assert ct.backend("cpu", "ffi") == "ffi"
+    formats.backend("cpu", "triton")
+  assert formats.backend("cpu", "jax") == "jax"
+  assert formats.backend("cpu") == "jax"  # FFI by default only on GPU
+  assert formats.backend("tpu") == "jax"
+  if kernels.ffi_available("cpu"):
+    assert formats.backend("cpu", "ffi") == "ffi"
 
 
 def test_config_is_checked():
@@ -311,9 +313,9 @@ def test_pure_jax_fallback_without_extension():
             raise ImportError("hidden")
       sys.meta_path.insert(0, Hide())
       import jax, jax.numpy as jnp, numpy as np, te_adapters as ta
-      from te_adapters.core.formats import _cast_transpose as ct
-      assert not ct.ffi_available("cpu") and not ct.ffi_available("gpu")
-      assert ct.backend("cpu") == "jax" and ct.backend("gpu") == "jax"
+      from te_adapters.core import formats, kernels
+      assert not kernels.ffi_available("cpu") and not kernels.ffi_available("gpu")
+      assert formats.backend("cpu") == "jax" and formats.backend("gpu") == "jax"
       x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
       w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 16)), jnp.float32)
       f = lambda w: ta.core.dot_general(x, w, (((1,), (0,)), ((), ())),
@@ -323,7 +325,7 @@ def test_pure_jax_fallback_without_extension():
       assert abs(float(y) - ref.sum()) / np.abs(ref).sum() < 0.05, (float(y), ref.sum())
       assert "custom_call" not in jax.jit(jax.grad(f)).lower(w).as_text()
       try:
-        ct.backend("cpu", "ffi")
+        formats.backend("cpu", "ffi")
         raise SystemExit("forcing ffi without the extension did not fail")
       except RuntimeError as e:
         assert "not built" in str(e), e
@@ -342,23 +344,24 @@ def test_sharded_operands_run_the_kernel_per_shard():
     """
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from te_adapters.core.formats import _cast_transpose as ct
+      from te_adapters.core import formats, kernels
       mesh = jax.make_mesh((4,), ("d",))
       x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64, 32)), jnp.bfloat16)
       x = jax.device_put(x, NamedSharding(mesh, P("d")))
       s = jnp.array([2.0], jnp.float32)
-      f = jax.jit(lambda x, s: ct.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=True,
+      f = jax.jit(lambda x, s: formats.cast_transpose(x, s, jnp.float8_e4m3fn, with_amax=True,
                                                   backend="ffi"))
       hlo = f.lower(x, s).compile().as_text()
       assert "all-gather" not in hlo, hlo
       assert "te_adapters_cast_transpose" in hlo, hlo
       got = f(x, s)
-      want = ct.cast_transpose(np.asarray(x), s, jnp.float8_e4m3fn, with_amax=True, backend="jax")
+      want = formats.cast_transpose(np.asarray(x), s, jnp.float8_e4m3fn, with_amax=True,
+                                    backend="jax")
       for g, w in zip(got, want):
         assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
       assert got[0].sharding.spec[0] == "d"
       # Outside jit too, a sharded array stays sharded.
-      q, _, _ = ct.cast_transpose(x, s, jnp.float8_e4m3fn, backend="ffi")
+      q, _, _ = formats.cast_transpose(x, s, jnp.float8_e4m3fn, backend="ffi")
       assert q.sharding.spec[0] == "d"
       print("sharded-ok")
       """,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters.core.formats import _cast_transpose as ct
+from te_adapters.core import formats, kernels
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
@@ -22,7 +22,7 @@ def _bits(a):
 
 @pytest.fixture(autouse=True)
 def _needs_cuda_ext():
-  if not ct.ffi_available("gpu"):
+  if not kernels.ffi_available("gpu"):
     pytest.skip("te_adapters built without its CUDA kernels")
 
 
@@ -44,8 +44,8 @@ def test_cuda_bit_identical(dtype, q_dtype, shape, specials):
   x = jnp.asarray(x.astype(dtype))
   s = jnp.array([3.5], jnp.float32)
   kw = dict(colwise=len(shape) >= 2, with_amax=True)
-  f = jax.jit(lambda x, s: ct.cast_transpose(x, s, q_dtype, backend="ffi", **kw))
-  g = jax.jit(lambda x, s: ct.cast_transpose(x, s, q_dtype, backend="jax", **kw))
+  f = jax.jit(lambda x, s: formats.cast_transpose(x, s, q_dtype, backend="ffi", **kw))
+  g = jax.jit(lambda x, s: formats.cast_transpose(x, s, q_dtype, backend="jax", **kw))
   assert "te_adapters_cast_transpose" in f.lower(x, s).as_text()
   (q, q_t, a), (rq, rq_t, ra) = f(x, s), g(x, s)
   np.testing.assert_array_equal(_bits(q), _bits(rq))
@@ -53,8 +53,8 @@ def test_cuda_bit_identical(dtype, q_dtype, shape, specials):
     np.testing.assert_array_equal(_bits(q_t), _bits(rq_t))
   np.testing.assert_array_equal(_bits(a), _bits(ra))
   if specials:  # a NaN or inf input gives amax inf on both paths
-    assert np.isposinf(a[0]) and np.isposinf(ct.amax(x, backend="ffi")[0])
-    np.testing.assert_array_equal(_bits(ct.amax(x, backend="ffi")), _bits(ra))
+    assert np.isposinf(a[0]) and np.isposinf(formats.amax(x, backend="ffi")[0])
+    np.testing.assert_array_equal(_bits(formats.amax(x, backend="ffi")), _bits(ra))
 
 
 @pytest.mark.parametrize(
@@ -74,9 +74,9 @@ def test_cuda_per_batch_scales_bit_identical(dtype, q_dtype, shape):
   x[0, 1, 2], x[2, 3, 4] = np.inf, np.nan
   x = jnp.asarray(x.astype(dtype))
   scales = jnp.asarray(np.geomspace(1e-3, 30.0, shape[0]), jnp.float32)
-  f = jax.jit(lambda x, s: ct.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
+  f = jax.jit(lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
                                                        backend="ffi"))
-  g = jax.jit(lambda x, s: ct.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
+  g = jax.jit(lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
                                                        backend="jax"))
   assert "te_adapters_cast_transpose" in f.lower(x, scales).as_text()
   (q, q_t, a), (rq, rq_t, ra) = f(x, scales), g(x, scales)

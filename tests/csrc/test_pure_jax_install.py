@@ -84,10 +84,10 @@ import json, os, sys
 
 
 def pytest_sessionfinish(session):
-  from te_adapters.core.formats import _cast_transpose as ct
+  from te_adapters.core import kernels
   files = sorted(m.__file__ for n, m in list(sys.modules.items())
                  if n.split(".")[0] == "te_adapters" and getattr(m, "__file__", None))
-  ffi = {p: ct.ffi_available(p) for p in ("cpu", "gpu")}
+  ffi = {p: kernels.ffi_available(p) for p in ("cpu", "gpu")}
   with open(os.environ["TE_ADAPTERS_INSTALL_PROBE"], "w") as f:
     json.dump({"files": files, "ffi": ffi}, f)
 """

@@ -25,6 +25,8 @@ from te_adapters.core.formats._block_scaled import (
     transpose_tiles,
 )
 from te_adapters.core.formats._cast_transpose import (
+    FFI_INPUT_DTYPES,
+    amax,
     backend,
     cast_transpose,
     cast_transpose_per_batch,
@@ -76,14 +78,20 @@ from te_adapters.core.formats._scaled_tensor import (
     check_float_operand,
     check_fp8_dtype,
 )
-from te_adapters.core.formats._scaling import compute_scale, delayed_update, fp8_max, leading_amax
+from te_adapters.core.formats._scaling import (
+    compute_scale,
+    delayed_update,
+    fp8_max,
+    leading_amax,
+    scale_inverse,
+    tensor_amax,
+)
 from te_adapters.core.formats._tensor_format import cast_both, tensor, tensor_format
 from te_adapters.core.formats._tensor_scaling import CURRENT, DELAYED, TensorScaling
 
 # Not here, defined by several modules (import the module):
 # BLOCK (_float8_block, _mxfp8, _nvfp4)
 # FORMAT (_float8_block, _mxfp8)
-# amax (_cast_transpose, _scaling)
 # dequantize_values (_float8_block, _mxfp8, _nvfp4)
 # gemm (_block_scaled, _float8_block)
 
@@ -93,6 +101,7 @@ __all__ = [
     "CURRENT",
     "DELAYED",
     "E2M1_VALUES",
+    "FFI_INPUT_DTYPES",
     "GroupPadding",
     "GroupedFormat",
     "GroupedRequest",
@@ -106,6 +115,7 @@ __all__ = [
     "ROWS_TIMES_GROUP_KERNEL_DIMS",
     "ScaledTensor",
     "TensorScaling",
+    "amax",
     "apply_rht",
     "backend",
     "block_amax",
@@ -150,10 +160,12 @@ __all__ = [
     "round_e2m1",
     "row_groups",
     "scale_by_pow2",
+    "scale_inverse",
     "scaled_matmul",
     "state_names",
     "stochastic_round_e2m1",
     "tensor",
+    "tensor_amax",
     "tensor_format",
     "transpose_tiles",
     "typed_state",

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_adapters.core import kernels
 from te_adapters.core import sharding as core_sharding
 from te_adapters.core.formats import _block, _float8_block, _mxfp8, _nvfp4
 from te_adapters.core.formats._block import emulation_dtype, native_gemm_available
@@ -38,7 +39,6 @@ from te_adapters.core.formats._format import (
   QuantizeRequest,
 )
 from te_adapters.core.formats._scaled_tensor import ScaledTensor
-from te_adapters.core.kernels import _ffi
 from te_adapters.core.state import EmptyState
 
 __all__ = [
@@ -183,11 +183,11 @@ def _cast_both(x3, spec, spec_t, backend: str):
     return None
   if x3.shape[-1] % 128 or x3.shape[-2] % 128 or np.dtype(x3.dtype) not in _CAST_DTYPES:
     return None
-  if jax.default_backend() != "gpu" or not _ffi.registered(_ffi.BLOCK_CAST_TARGET):
+  if jax.default_backend() != "gpu" or not kernels.registered(kernels.BLOCK_CAST_TARGET):
     return None
-  if not _ffi.single_device(x3):
+  if not kernels.single_device(x3):
     return None
-  q, s, q_t, s_t, amax = _ffi.block_cast_call(
+  q, s, q_t, s_t, amax = kernels.block_cast_call(
     x3, spec.q_dtype, rowwise=True, colwise=True, tile=tile, power_2=spec.power_2)
   if tile:
     s_t = jnp.swapaxes(s, -1, -2)

@@ -22,12 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_adapters.core import kernels
 from te_adapters.core.formats import _scaled_tensor, _scaling
-from te_adapters.core.kernels import _ffi, ffi_available
+from te_adapters.core.kernels import ffi_available
 
-__all__ = ["amax", "backend", "cast_transpose", "cast_transpose_per_batch", "ffi_available"]
+__all__ = [
+    "FFI_INPUT_DTYPES",
+    "amax",
+    "backend",
+    "cast_transpose",
+    "cast_transpose_per_batch",
+    "ffi_available",
+]
 
-_FFI_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+FFI_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def backend(platform: str | None = None, requested: str | None = "auto") -> str:
@@ -62,8 +70,8 @@ def _use_ffi(x, requested: str | None) -> bool:
   # A program placed on the host CPU of a GPU machine calls the same target on the CPU platform.
   ffi_available("cpu")
   # Sharded operands run the kernel per shard (the partitioning rules of core/_partition.py).
-  ok = np.dtype(x.dtype) in _FFI_INPUT_DTYPES
-  if requested == "ffi" and np.dtype(x.dtype) not in _FFI_INPUT_DTYPES:
+  ok = np.dtype(x.dtype) in FFI_INPUT_DTYPES
+  if requested == "ffi" and np.dtype(x.dtype) not in FFI_INPUT_DTYPES:
     raise ValueError(
       f"the FFI cast takes float32, bfloat16 or float16 inputs, got {np.dtype(x.dtype)}"
     )
@@ -121,7 +129,7 @@ def cast_transpose(
   if not (rowwise or colwise or with_amax):
     return None, None, None
   if _use_ffi(x, backend):
-    fn = _ffi.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax)
+    fn = kernels.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax)
     q, q_t, a = fn(x, scale.reshape(1))
   else:
     q, q_t, a = _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax)
@@ -168,8 +176,8 @@ def cast_transpose_per_batch(
   if scales.shape != x.shape[:1]:
     raise ValueError(f"scales must have shape ({x.shape[0]},), one per batch index, got "
                      f"{scales.shape}")
-  if x.size and _use_ffi(x, backend) and _ffi.single_device(x):
-    q, q_t, a = _ffi.cast_transpose_per_batch_call(q_dtype, with_amax)(x, scales)
+  if x.size and _use_ffi(x, backend) and kernels.single_device(x):
+    q, q_t, a = kernels.cast_transpose_per_batch_call(q_dtype, with_amax)(x, scales)
     return q, q_t, (a if with_amax else None)
   limit = _scaling.fp8_max(q_dtype)
   q = jnp.clip(x.astype(jnp.float32) * scales[:, None, None], -limit, limit).astype(q_dtype)
@@ -196,12 +204,12 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
   _scaled_tensor.check_float_operand("x", x)
   x = jnp.asarray(x)
   if x.size and _use_ffi(x, backend):
-    return _ffi.amax_call()(x)
-  return _scaling.amax(x)
+    return kernels.amax_call()(x)
+  return _scaling.tensor_amax(x)
 
 
 def _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax):
   q = _scaled_tensor.cast_with_scale(x, scale, q_dtype) if rowwise else None
   q_t = _scaled_tensor.cast_with_scale(jnp.swapaxes(x, -1, -2), scale, q_dtype) if colwise else None
-  a = _scaling.amax(x) if with_amax else None
+  a = _scaling.tensor_amax(x) if with_amax else None
   return q, q_t, a

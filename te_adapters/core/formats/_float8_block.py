@@ -24,7 +24,6 @@ from jax import lax
 from te_adapters.core import kernels, sharding
 from te_adapters.core.formats import _block
 from te_adapters.core.formats._format import BlockFormat, OperandSpec
-from te_adapters.core.kernels import _ffi
 from te_adapters.core.recipes import Float8BlockScaling
 
 __all__ = [
@@ -90,7 +89,7 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
   """Why cuBLASLt cannot run this GEMM (None: it can)."""
-  if not _ffi.cublas_gemm_available():
+  if not kernels.cublas_gemm_available():
     return "cuBLASLt's block-scaled GEMM is not built here or the GPU is not a Hopper GPU"
   if len(a_block) == 2 and len(b_block) == 2:
     return "cuBLAS has no GEMM with 128x128 tiles on both operands"
@@ -102,7 +101,7 @@ def _cublas_refusal(a_data, a_block, b_data, b_block) -> str | None:
 
 def _cublas_scales(scale_inv, block, rows: int) -> jax.Array:
   """Block scales in cuBLAS's layout (see ``csrc/block_gemm_cuda.cc``), one batch entry each:
-  scale modes 1 (1x128 blocks) and 2 (128x128 tiles) of ``_ffi.gemm_call``."""
+  scale modes 1 (1x128 blocks) and 2 (128x128 tiles) of ``kernels.gemm_call``."""
   if len(block) == 1:  # (B, rows, K/128) -> (B, K/128, rows rounded up to 4)
     s = jnp.swapaxes(scale_inv, 1, 2)
     return jnp.pad(s, ((0, 0), (0, 0), (0, -rows % 4)))
@@ -115,7 +114,7 @@ def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out
   # cuBLASLt writes bfloat16 itself (rounding the float32 sums once); other dtypes are cast from
   # its float32 output.
   dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
-  return _ffi.gemm_call(
+  return kernels.gemm_call(
     a_data,
     b_data,
     _cublas_scales(a_scale_inv.astype(jnp.float32), a_block, m),

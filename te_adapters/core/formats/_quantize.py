@@ -99,7 +99,7 @@ def quantize(
   if rht:
     raise ValueError("rht=True needs recipe=NVFP4BlockScaling()")
   q_dtype = check_fp8_dtype(q_dtype)
-  a = _scaling.amax(x)
+  a = _scaling.tensor_amax(x)
   if scale is None:
     scale = _scaling.compute_scale(a, _scaling.fp8_max(q_dtype), 1.0)
   else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["fp8_max", "amax", "leading_amax", "compute_scale", "delayed_update"]
+__all__ = ["fp8_max", "tensor_amax", "leading_amax", "compute_scale", "delayed_update",
+           "scale_inverse"]
 
 
 def fp8_max(dtype) -> float:
@@ -20,13 +21,13 @@ def _magnitudes(x: jnp.ndarray) -> jnp.ndarray:
   return jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
 
 
-def amax(x: jnp.ndarray) -> jnp.ndarray:
+def tensor_amax(x: jnp.ndarray) -> jnp.ndarray:
   """``max(|x|)`` over the whole tensor as float32 of shape (1,); inf if any element is NaN."""
   return jnp.max(_magnitudes(x)).astype(jnp.float32).reshape(1)
 
 
 def leading_amax(x: jnp.ndarray) -> jnp.ndarray:
-  """``amax`` of each ``x[b]`` (one per index of the leading dim), float32 of shape (B,): the
+  """``tensor_amax`` of each ``x[b]`` (one per index of the leading dim), float32 of shape (B,): the
   grouped GEMM's kernels, one amax per expert."""
   axes = tuple(range(1, x.ndim))
   return jnp.max(_magnitudes(x), axis=axes, initial=0.0).astype(jnp.float32)

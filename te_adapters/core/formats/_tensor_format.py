@@ -23,7 +23,6 @@ from te_adapters.core.formats import _block, _cast_transpose, _grouped_tensor, _
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import ScaledTensor, cast_with_scale
 from te_adapters.core.formats._tensor_scaling import TensorScaling
-from te_adapters.core.kernels import _ffi
 
 __all__ = ["tensor_format", "tensor", "cast_both"]
 
@@ -63,7 +62,7 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
     # the FP8 codes of the float32 values, where the two-orientation cast reads the bfloat16 x.
     if np.dtype(x.dtype).itemsize < 4:
       x = _block.keep_narrow(x)
-    a = _scaling.amax(x)
+    a = _scaling.tensor_amax(x)
     scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     data = cast_with_scale(x, scale, q_dtype)
     return Quantized(tensor(data, _scaling.scale_inverse(scale), a, dq), None, new)
@@ -109,7 +108,7 @@ _CUBLAS_OUT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jn
 def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   """Why the extension's cuBLASLt GEMM cannot run ``a (.., M, K) . b (.., N, K)^T`` (None: it
   can). XLA runs it then."""
-  if not _ffi.cublas_gemm_available():
+  if not kernels.cublas_gemm_available():
     return "the extension's cuBLASLt GEMM is not built here or the GPU is not a Hopper GPU"
   if np.dtype(out_dtype) not in _CUBLAS_OUT_DTYPES:
     return f"it writes bfloat16, float16 or float32, not {np.dtype(out_dtype)}"
@@ -135,7 +134,7 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None):
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
   # Per shard in a sharded program (_partition.py).
   y = kernels.tensor_scaled_gemm(
-      _ffi.gemm_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
+      kernels.gemm_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
       out_dtype, fast, sum_dtype,
   )

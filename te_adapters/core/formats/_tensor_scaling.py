@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from te_adapters.core import sharding
+from te_adapters.core import state as core_state
 from te_adapters.core.formats import _scaling
-from te_adapters.core.state import ROLES, DelayedScalingState, EmptyState, RoleState, _accumulate
+from te_adapters.core.state import ROLES, DelayedScalingState, EmptyState, RoleState
 
 __all__ = ["CURRENT", "DELAYED", "TensorScaling"]
 
@@ -67,7 +68,7 @@ def _delayed_init(recipe) -> DelayedScalingState:
 
 
 def _delayed_stored_scale(state, role):
-  return _accumulate.to_float32(state.role(role).scale)
+  return core_state.to_float32(state.role(role).scale)
 
 
 def _delayed_varying(state, role):
@@ -78,14 +79,14 @@ def _delayed_varying(state, role):
 def _delayed_next(recipe, amax, state, role, fp8_max):
   """TE's rule: the stored scale casts this step; the history and scale roll for the next."""
   own = state.role(role)
-  scale = _accumulate.to_float32(own.scale)
-  history = _accumulate.to_float32(own.amax_history)
+  scale = core_state.to_float32(own.scale)
+  history = core_state.to_float32(own.amax_history)
   new_scale, new_history, updated = _scaling.delayed_update_and_flag(
       amax, scale, history, fp8_max, recipe.margin, recipe.amax_compute_algo
   )
   new = RoleState(
-      scale=_accumulate.encode_scale(new_scale, updated, scale, own.scale),
-      amax_history=_accumulate.like(new_history, own.amax_history),
+      scale=core_state.encode_scale(new_scale, updated, scale, own.scale),
+      amax_history=core_state.cast_like(new_history, own.amax_history),
   )
   return scale, new
 

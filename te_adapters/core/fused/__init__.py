@@ -1,14 +1,34 @@
 """A norm and the MLP block around quantized GEMMs, fused into TE's kernels or composed."""
 
-from te_adapters.core.fused._fused_mlp import KERNEL_ACTIVATIONS, applies, fused_mlp
+from te_adapters.core.fused._fused_mlp import (
+    KERNEL_ACTIVATIONS,
+    act_amax,
+    act_cast,
+    activation_f32,
+    applies,
+    dact_amax,
+    dact_cast,
+    dact_f32,
+    dbias_cast,
+    fused_mlp,
+    norm_cast,
+)
 from te_adapters.core.fused._mlp import dropout, layernorm_mlp
 from te_adapters.core.fused._norm_dense import layernorm_dense
 
 __all__ = [
     "KERNEL_ACTIVATIONS",
+    "act_amax",
+    "act_cast",
+    "activation_f32",
     "applies",
+    "dact_amax",
+    "dact_cast",
+    "dact_f32",
+    "dbias_cast",
     "dropout",
     "fused_mlp",
     "layernorm_dense",
     "layernorm_mlp",
+    "norm_cast",
 ]

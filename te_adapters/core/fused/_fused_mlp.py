@@ -24,15 +24,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_adapters.core import formats, gemm, sharding
-from te_adapters.core.formats import Producer, _cast_transpose, _scaling, check_state
-from te_adapters.core.kernels import _ffi
-from te_adapters.core.ops import _norm
-from te_adapters.core.ops._activation import _product
+from te_adapters.core import formats, gemm, kernels, sharding
+from te_adapters.core.formats import Producer, check_state
+from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
 from te_adapters.core.recipes import check_recipe
 from te_adapters.core.state import shared_max_grad
 
-__all__ = ["KERNEL_ACTIVATIONS", "applies", "fused_mlp"]
+__all__ = [
+    "KERNEL_ACTIVATIONS",
+    "act_amax",
+    "act_cast",
+    "activation_f32",
+    "applies",
+    "dact_amax",
+    "dact_cast",
+    "dact_f32",
+    "dbias_cast",
+    "fused_mlp",
+    "norm_cast",
+]
 
 # The activations the CUDA kernels compute (one, or a gated pair), by their id there.
 KERNEL_ACTIVATIONS = {
@@ -60,9 +70,9 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
 def norm_fuses(x, config) -> bool:
   """Whether the norm's output is cast inside the fused path (from float32, never written):
   where the casts are pure JAX (XLA fuses the norm into them) or the CUDA norm cast runs."""
-  if _cast_transpose.backend(requested=config.backend) == "jax":
+  if formats.backend(requested=config.backend) == "jax":
     return True
-  return _kernels_run(x, config, _ffi.NORM_CAST_TARGET)
+  return _kernels_run(x, config, kernels.NORM_CAST_TARGET)
 
 
 def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
@@ -134,29 +144,29 @@ def _hb(h, b, n_act):
 
 def activation_f32(h, b, names):
   """The activation (gated product) of ``h (M, n_act*F)`` plus ``b``: float32 (M, F)."""
-  return _product(_hb(h, b, len(names)), names)
+  return activation_product(_hb(h, b, len(names)), names)
 
 
 def dact_f32(dz, h, b, names):
   """``dz * act'(h + b)``: float32 (M, n_act, F)."""
-  _, vjp = jax.vjp(lambda a: _product(a, names), _hb(h, b, len(names)))
+  _, vjp = jax.vjp(lambda a: activation_product(a, names), _hb(h, b, len(names)))
   return vjp(dz.astype(jnp.float32))[0]
 
 
 def _both(v, scale, q_dtype, with_amax):
   q = formats.cast_with_scale(v, scale, q_dtype)
   q_t = formats.cast_with_scale(v.T, scale, q_dtype)
-  return q, q_t, (_scaling.amax(v) if with_amax else None)
+  return q, q_t, (formats.tensor_amax(v) if with_amax else None)
 
 
 def _kernels_run(x, config, target) -> bool:
   """Whether the CUDA kernel ``target`` casts ``x``: on a GPU with it built, ``config.backend``
   not ``"jax"``, a float32/bfloat16/float16 ``x`` on one device."""
-  if jax.default_backend() != "gpu" or not _ffi.registered(target, "gpu"):
+  if jax.default_backend() != "gpu" or not kernels.registered(target, "gpu"):
     return False
-  if np.dtype(x.dtype) not in _cast_transpose._FFI_INPUT_DTYPES:
+  if np.dtype(x.dtype) not in formats.FFI_INPUT_DTYPES:
     return False
-  return _cast_transpose.backend(requested=config.backend) == "ffi" and _ffi.single_device(x)
+  return formats.backend(requested=config.backend) == "ffi" and kernels.single_device(x)
 
 
 def kernel_activations(h, names, config, target):
@@ -169,65 +179,65 @@ def kernel_activations(h, names, config, target):
   return tuple(KERNEL_ACTIVATIONS[n] for n in names)
 
 
-def _act_cast(h, b, names, q_dtype, scale, with_amax, config):
+def act_cast(h, b, names, q_dtype, scale, with_amax, config):
   """The FP8 activation in both orientations (and its amax): (M, F), (F, M), (1,)."""
-  acts = kernel_activations(h, names, config, _ffi.ACT_CAST_TARGET)
+  acts = kernel_activations(h, names, config, kernels.ACT_CAST_TARGET)
   if acts is not None:
-    q, q_t, a = _ffi.act_cast_call(h, b, scale, q_dtype, acts, with_amax)
+    q, q_t, a = kernels.act_cast_call(h, b, scale, q_dtype, acts, with_amax)
     return q, q_t, (a if with_amax else None)
   return _both(activation_f32(h, b, names), scale, q_dtype, with_amax)
 
 
-def _dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
+def dact_cast(dz, h, b, names, q_dtype, scale, with_amax, config):
   """GEMM 1's FP8 output gradient in both orientations, its amax and the float32 bias gradient:
   (M, n_act*F), (n_act*F, M), (1,), (n_act, F)."""
-  acts = kernel_activations(h, names, config, _ffi.DACT_CAST_TARGET)
+  acts = kernel_activations(h, names, config, kernels.DACT_CAST_TARGET)
   if acts is not None:
-    q, q_t, a, db = _ffi.dact_cast_call(dz, h, b, scale, q_dtype, acts, with_amax)
+    q, q_t, a, db = kernels.dact_cast_call(dz, h, b, scale, q_dtype, acts, with_amax)
     return q, q_t, (a if with_amax else None), db.reshape(len(names), -1)
   dh = dact_f32(dz, h, b, names)
   q, q_t, a = _both(dh.reshape(dh.shape[0], -1), scale, q_dtype, with_amax)
   return q, q_t, a, jnp.sum(dh, axis=0)
 
 
-def _dbias_cast(g, q_dtype, scale, with_amax, config):
+def dbias_cast(g, q_dtype, scale, with_amax, config):
   """The output gradient ``g (M, N)`` in FP8 in both orientations, its amax and its float32 column
   sums (the output bias's gradient): the activation-gradient kernel with a linear activation,
   which then reads ``g`` alone, where it runs; the ordinary cast and XLA's sum otherwise."""
-  if _kernels_run(g, config, _ffi.DACT_CAST_TARGET):
-    q, q_t, a, db = _ffi.dact_cast_call(g, g, None, scale, q_dtype, (KERNEL_ACTIVATIONS["linear"],),
-                                        with_amax)
+  if _kernels_run(g, config, kernels.DACT_CAST_TARGET):
+    q, q_t, a, db = kernels.dact_cast_call(g, g, None, scale, q_dtype,
+                                           (KERNEL_ACTIVATIONS["linear"],), with_amax)
     return q, q_t, (a if with_amax else None), db
   q, q_t, a = formats.cast_both(g, scale, q_dtype, config, with_amax)
   return q, q_t, a, jnp.sum(g.astype(jnp.float32), axis=0)
 
 
-def _act_amax(h, b, names, config):
-  """The amax of the activation (current scaling's pass before ``_act_cast``): the kernel's own
+def act_amax(h, b, names, config):
+  """The amax of the activation (current scaling's pass before ``act_cast``): the kernel's own
   float32 values where it runs, XLA's reduce over the formula otherwise."""
-  acts = kernel_activations(h, names, config, _ffi.ACT_AMAX_TARGET)
+  acts = kernel_activations(h, names, config, kernels.ACT_AMAX_TARGET)
   if acts is not None:
-    return _ffi.act_amax_call(h, b, acts)
-  return _scaling.amax(activation_f32(h, b, names))
+    return kernels.act_amax_call(h, b, acts)
+  return formats.tensor_amax(activation_f32(h, b, names))
 
 
-def _dact_amax(dz, h, b, names, config):
-  """The amax of ``dz * act'(h + b)`` (current scaling's pass before ``_dact_cast``)."""
-  acts = kernel_activations(h, names, config, _ffi.DACT_AMAX_TARGET)
+def dact_amax(dz, h, b, names, config):
+  """The amax of ``dz * act'(h + b)`` (current scaling's pass before ``dact_cast``)."""
+  acts = kernel_activations(h, names, config, kernels.DACT_AMAX_TARGET)
   if acts is not None:
-    return _ffi.dact_amax_call(dz, h, b, acts)
-  return _scaling.amax(dact_f32(dz, h, b, names))
+    return kernels.dact_amax_call(dz, h, b, acts)
+  return formats.tensor_amax(dact_f32(dz, h, b, names))
 
 
-def _norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale,
+def norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale,
                with_amax, config):
   """The norm's FP8 output in both orientations (and its amax): (M, K), (K, M), (1,)."""
-  if _kernels_run(x, config, _ffi.NORM_CAST_TARGET):
-    gamma = _norm._gamma(ln_scale, zero_centered_gamma)
+  if _kernels_run(x, config, kernels.NORM_CAST_TARGET):
+    gamma = norm_gamma(ln_scale, zero_centered_gamma)
     beta = ln_bias if ln_bias.size else None
-    q, q_t, a = _ffi.norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax)
+    q, q_t, a = kernels.norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax)
     return q, q_t, (a if with_amax else None)
-  y = _norm.normalized(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
+  y = normalized(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
   return _both(y, scale, q_dtype, with_amax)
 
 
@@ -245,17 +255,17 @@ class NormProducer:
 
   def quantize(self, fmt, request, y, ln_scale, ln_bias):
     layernorm_type, zero_centered_gamma, epsilon = self.norm
-    mean, rsigma = _norm._stats(y.astype(jnp.float32), layernorm_type, epsilon)
+    mean, rsigma = norm_stats(y.astype(jnp.float32), layernorm_type, epsilon)
     args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
     q_dtype, config = request.recipe.fwd_dtype, request.config
     producer = Producer(
-        cast=lambda scale, with_amax: _norm_cast(*args, q_dtype, scale, with_amax, config),
-        amax=lambda: _scaling.amax(_norm.normalized(*args)))
+        cast=lambda scale, with_amax: norm_cast(*args, q_dtype, scale, with_amax, config),
+        amax=lambda: formats.tensor_amax(normalized(*args)))
     q = fmt.quantize(dataclasses.replace(request, producer=producer))
     return q, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
 
   def backward(self, residuals, dy):
-    return _norm._norm_bwd(*self.norm, residuals, dy)
+    return norm_bwd(*self.norm, residuals, dy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,9 +279,9 @@ class ActivationProducer:
   def quantize(self, fmt, request, h, b):
     q_dtype, config = request.recipe.fwd_dtype, request.config
     producer = Producer(
-        cast=lambda scale, with_amax: _act_cast(h, b, self.names, q_dtype, scale, with_amax,
+        cast=lambda scale, with_amax: act_cast(h, b, self.names, q_dtype, scale, with_amax,
                                                 config),
-        amax=lambda: _act_amax(h, b, self.names, config))
+        amax=lambda: act_amax(h, b, self.names, config))
     return fmt.quantize(dataclasses.replace(request, producer=producer))
 
   def quantize_grad(self, fmt, request, dz, h, b):
@@ -279,11 +289,11 @@ class ActivationProducer:
     dbias = []
 
     def cast(scale, with_amax):
-      q, q_t, a, db = _dact_cast(dz, h, b, self.names, q_dtype, scale, with_amax, config)
+      q, q_t, a, db = dact_cast(dz, h, b, self.names, q_dtype, scale, with_amax, config)
       dbias.append(db)
       return q, q_t, a
 
-    producer = Producer(cast, amax=lambda: _dact_amax(dz, h, b, self.names, config))
+    producer = Producer(cast, amax=lambda: dact_amax(dz, h, b, self.names, config))
     return fmt.quantize(dataclasses.replace(request, producer=producer)), dbias[0]
 
 
@@ -297,7 +307,7 @@ class BiasGradProducer:
     sums = []
 
     def cast(scale, with_amax):
-      q, q_t, a, db = _dbias_cast(g, q_dtype, scale, with_amax, config)
+      q, q_t, a, db = dbias_cast(g, q_dtype, scale, with_amax, config)
       sums.append(db)
       return q, q_t, a
 

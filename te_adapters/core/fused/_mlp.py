@@ -29,7 +29,7 @@ from te_adapters.core.gemm import (
   check_threshold,
   dot_general,
 )
-from te_adapters.core.ops import _norm, activation, layernorm, normalize_activations
+from te_adapters.core.ops import activation, check_norm_args, layernorm, normalize_activations
 from te_adapters.core.recipes import check_config
 
 __all__ = ["dropout", "layernorm_mlp"]
@@ -180,7 +180,7 @@ def layernorm_mlp(
   if (fused and enable_layernorm and not return_layernorm_output
       and _fused_mlp.norm_fuses(x, config)):
     # The norm inside the fused path: its output is cast to FP8 as it is computed.
-    _norm.check_norm_args(x, scale, ln_bias, layernorm_type)
+    check_norm_args(x, scale, ln_bias, layernorm_type)
     out = _fused_mlp.fused_mlp(
         x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),

@@ -29,7 +29,7 @@ from te_adapters.core.gemm import (
   dot_general,
   gemm_dims_refusal,
 )
-from te_adapters.core.ops import _norm, layernorm
+from te_adapters.core.ops import check_norm_args, layernorm
 from te_adapters.core.recipes import check_config, check_recipe
 
 __all__ = ["layernorm_dense"]
@@ -140,7 +140,7 @@ def layernorm_dense(
                              dropout_active=False, constrained=dot_input_constraint is not None,
                              rngs=(rng,))
       and _fused_mlp.norm_fuses(x, config)):
-    _norm.check_norm_args(x, scale, bias, layernorm_type)
+    check_norm_args(x, scale, bias, layernorm_type)
     z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
                kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
                state, recipe=recipe, config=config,

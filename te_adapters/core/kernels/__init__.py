@@ -45,6 +45,7 @@ from te_adapters.core.kernels._partition import (
     block_scaled_gemm,
     cast_transpose,
     gemm,
+    tensor_fallback,
     tensor_scaled_gemm,
 )
 
@@ -88,6 +89,7 @@ __all__ = [
     "registered",
     "rows_gemm",
     "single_device",
+    "tensor_fallback",
     "tensor_scaled_gemm",
     "wgrad_gemm",
 ]

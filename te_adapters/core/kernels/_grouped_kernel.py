@@ -30,8 +30,8 @@ import numpy as np
 
 from te_adapters.core.kernels import _ffi
 
-__all__ = ["available", "bf16_ragged_dot", "bf16_refusal", "padded_columns", "refusal",
-           "rows_gemm", "wgrad_gemm"]
+__all__ = ["available", "bf16_ragged_dot", "bf16_refusal", "clamped_sizes", "fast_accumulation",
+           "padded_columns", "refusal", "rows_gemm", "wgrad_gemm"]
 
 _ROWS, _WGRAD = 0, 1
 # CUTLASS's workspace (one set of TMA descriptors per multiprocessor) plus the per-group

@@ -48,6 +48,7 @@ __all__ = [
   "block_scaled_gemm",
   "cast_transpose",
   "gemm",
+  "tensor_fallback",
   "tensor_scaled_gemm",
 ]
 
@@ -412,7 +413,7 @@ def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_a
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
   ``sum_dtype``: as for ``gemm``."""
   kernel = functools.partial(_tensor_kernel, call, fast_accum)
-  fallback = functools.partial(_tensor_fallback, fast_accum)
+  fallback = functools.partial(tensor_fallback, fast_accum)
   return gemm(
     "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
     refusal=_tensor_refusal, sum_dtype=sum_dtype,
@@ -423,7 +424,7 @@ def _tensor_kernel(call, fast_accum, a, b, a_scale, b_scale, dtype):
   return call(a, b, a_scale, b_scale, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast_accum)
 
 
-def _tensor_fallback(fast_accum, a, b, a_scale, b_scale, dtype):
+def tensor_fallback(fast_accum, a, b, a_scale, b_scale, dtype):
   batch = tuple(range(a.ndim - 2))
   precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
   y = lax.dot_general(

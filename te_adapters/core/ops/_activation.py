@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ACTIVATIONS", "activation", "normalize_activations"]
+__all__ = ["ACTIVATIONS", "activation", "activation_product", "normalize_activations"]
 
 
 def _quick_gelu(x):
@@ -75,7 +75,7 @@ def normalize_activations(activations) -> tuple:
   return tuple(names)
 
 
-def _product(h, names):
+def activation_product(h, names):
   """The float32 product of each name's activation of its slice along axis -2."""
   h = h.astype(jnp.float32)
   out = None
@@ -90,7 +90,7 @@ def _product(h, names):
 # derivative from it; autodiff of gelu/silu would keep float32 intermediates as well.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _activation(h, names):
-  return _product(h, names).astype(h.dtype)
+  return activation_product(h, names).astype(h.dtype)
 
 
 def _activation_fwd(h, names):
@@ -98,7 +98,7 @@ def _activation_fwd(h, names):
 
 
 def _activation_bwd(names, h, g):
-  _, vjp = jax.vjp(lambda a: _product(a, names), h.astype(jnp.float32))
+  _, vjp = jax.vjp(lambda a: activation_product(a, names), h.astype(jnp.float32))
   (dh,) = vjp(g.astype(jnp.float32))
   return (dh.astype(h.dtype),)
 

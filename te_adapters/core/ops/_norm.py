@@ -13,7 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LAYERNORM_TYPES", "layernorm"]
+__all__ = [
+    "LAYERNORM_TYPES",
+    "check_norm_args",
+    "layernorm",
+    "norm_bwd",
+    "norm_gamma",
+    "norm_stats",
+    "normalized",
+]
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -91,7 +99,7 @@ def layernorm(
   return _norm(x, scale, bias, layernorm_type, bool(zero_centered_gamma), float(epsilon))
 
 
-def _stats(x32, layernorm_type, epsilon):
+def norm_stats(x32, layernorm_type, epsilon):
   """Row mean (zeros for rmsnorm) and 1/sigma, float32, with a trailing axis of 1."""
   if layernorm_type == "layernorm":
     mean = jnp.mean(x32, axis=-1, keepdims=True)
@@ -102,7 +110,7 @@ def _stats(x32, layernorm_type, epsilon):
   return mean, jax.lax.rsqrt(var + epsilon)
 
 
-def _gamma(scale, zero_centered_gamma):
+def norm_gamma(scale, zero_centered_gamma):
   gamma = scale.astype(jnp.float32)
   return gamma + 1.0 if zero_centered_gamma else gamma
 
@@ -115,27 +123,27 @@ def _norm(x, scale, bias, layernorm_type, zero_centered_gamma, epsilon):
 
 def normalized(x, mean, rsigma, scale, bias, zero_centered_gamma):
   """The norm's output in float32 from the row statistics (``bias``: empty for rmsnorm)."""
-  y = (x.astype(jnp.float32) - mean) * rsigma * _gamma(scale, zero_centered_gamma)
+  y = (x.astype(jnp.float32) - mean) * rsigma * norm_gamma(scale, zero_centered_gamma)
   if bias.size:
     y = y + bias.astype(jnp.float32)
   return y
 
 
 def _norm_fwd(x, scale, bias, layernorm_type, zero_centered_gamma, epsilon):
-  mean, rsigma = _stats(x.astype(jnp.float32), layernorm_type, epsilon)
+  mean, rsigma = norm_stats(x.astype(jnp.float32), layernorm_type, epsilon)
   y = normalized(x, mean, rsigma, scale, bias, zero_centered_gamma)
   protos = (np.zeros((0,), bias.dtype),)
   return y.astype(x.dtype), (x, mean, rsigma, scale, protos)
 
 
-def _norm_bwd(layernorm_type, zero_centered_gamma, epsilon, residuals, dy):
+def norm_bwd(layernorm_type, zero_centered_gamma, epsilon, residuals, dy):
   del epsilon
   x, mean, rsigma, scale, (bias_proto,) = residuals
   dy32 = dy.astype(jnp.float32)
   xhat = (x.astype(jnp.float32) - mean) * rsigma
   rows = tuple(range(x.ndim - 1))
   dgamma = jnp.sum(dy32 * xhat, axis=rows)
-  g = dy32 * _gamma(scale, zero_centered_gamma)
+  g = dy32 * norm_gamma(scale, zero_centered_gamma)
   # d/dx of xhat * gamma: 1/sigma * (g - mean(g) - xhat * mean(g * xhat)); rmsnorm has no mean
   # to subtract, so the mean(g) term drops.
   proj = jnp.mean(g * xhat, axis=-1, keepdims=True)
@@ -150,4 +158,4 @@ def _norm_bwd(layernorm_type, zero_centered_gamma, epsilon, residuals, dy):
   return dx, dgamma.astype(scale.dtype), dbeta
 
 
-_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm.defvjp(_norm_fwd, norm_bwd)

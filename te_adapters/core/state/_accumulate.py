@@ -27,6 +27,8 @@ from jax._src import dtypes as jax_dtypes
 __all__ = [
     "MAX_F32",
     "SCALE_F32",
+    "cast_like",
+    "encode_scale",
     "to_accumulating",
     "to_accumulating_shared",
     "to_float32",
@@ -217,7 +219,7 @@ def to_float32(x):
   return x
 
 
-def like(value, reference):
+def cast_like(value, reference):
   """Casts float32 ``value`` to the dtype of ``reference`` (accumulating or float32)."""
   if is_accumulating(reference):
     return lax.convert_element_type(value, reference.dtype)
