@@ -424,3 +424,38 @@ def test_gpu_runs_cublaslt_fp8_gemms(recipe, fp8_gemms):
   for name, a, b in zip(("y", "dx", "dW"), got, want, strict=True):
     assert rel_err(np.asarray(a, np.float32), b) < 1e-2, name  # bf16 outputs
 
+
+
+# --- the fused paths -----------------------------------------------------------------------------
+
+
+def test_norm_and_mlp_paths_compose():
+  """``layernorm_dense`` and ``layernorm_mlp`` take rowwise on their composed paths (the norm and
+  activation written out, then ``dot_general``), as for the block formats: a fused cast into
+  rowwise operands is not built."""
+  k, f = 64, 128
+  x = _data((32, k), 160)
+  scale, bias = jnp.ones((k,)), jnp.zeros((k,))
+  kernel = _data((k, f), 161, 0.1)
+  z, _ = core.layernorm_dense(x, scale, bias, kernel, recipe=ROWWISE, threshold=None)
+  h = core.layernorm(x, scale, bias)
+  np.testing.assert_array_equal(z, core.dot_general(h, kernel, DN, recipe=ROWWISE,
+                                                    threshold=None))
+  wi, wo = _data((k, 1, f), 162, 0.1), _data((f, k), 163, 0.1)
+
+  def mlp(x, wi, wo, fuse):
+    config = core.GemmConfig(fuse_activation_cast=fuse)
+    return core.layernorm_mlp(x, scale, bias, wi, wo, recipe=ROWWISE, threshold=None,
+                              config=config)[0]
+
+  jaxpr = jax.make_jaxpr(lambda x, wi, wo: mlp(x, wi, wo, None))(x, wi, wo)
+  assert sum("custom_vjp" in e.primitive.name for e in jaxpr.eqns) > 1  # not one fused VJP
+  loss = lambda fuse: jax.grad(  # noqa: E731
+      lambda *a: jnp.sum(mlp(*a, fuse) ** 2), argnums=(0, 1, 2))(x, wi, wo)
+  for a, b in zip(loss(None), loss(False), strict=True):
+    np.testing.assert_array_equal(a, b)
+  out = mlp(x, wi, wo, None)
+  want = core.dot_general(jax.nn.gelu(core.dot_general(h, wi[:, 0], DN, recipe=ROWWISE,
+                                                       threshold=None)), wo, DN,
+                          recipe=ROWWISE, threshold=None)
+  assert rel_err(out, want) < 1e-5
