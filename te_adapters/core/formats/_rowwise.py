@@ -111,8 +111,21 @@ def _quantize(req: QuantizeRequest) -> Quantized:
 
 
 def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=None):
-  """``(a * sinv_a) . (b * sinv_b)^T``: ``(..., M, K) x (..., N, K) -> (..., M, N)``."""
+  """``(a * sinv_a) . (b * sinv_b)^T``: ``(..., M, K) x (..., N, K) -> (..., M, N)``.
+
+  ``precision``: the recipe's ``MMParams`` for this GEMM decide as for the per-tensor formats
+  (a split accumulator: ``HIGHEST``); the high-precision wgrad follows ``fp8_gemm_wgrad`` too.
+  """
   del config  # XLA's FP8 dot always: the extension's GEMMs take per-tensor or block scales
+  precision = _gemm_precision(precision, which, recipe)
+  lead = a.data.shape[:-2]
+  if lead and all(d == 1 for d in lead) and out_sharding is None:
+    # The rule's (1, M, K) layout of a 2-D GEMM: a plain 2-D dot for XLA's FP8 rewrite.
+    squeeze = lambda t: t.reshape(t.shape[-2:])  # noqa: E731
+    a2 = ScaledTensor(squeeze(a.data), squeeze(a.scale_inv), a.amax, a.scaling_mode, a.dq_dtype)
+    b2 = ScaledTensor(squeeze(b.data), squeeze(b.scale_inv), b.amax, b.scaling_mode, b.dq_dtype)
+    out = _gemm(a2, b2, out_dtype, which, recipe, None, precision)
+    return out.reshape(*lead, *out.shape)
   batch = tuple(range(a.data.ndim - 2))
   dims = (((a.data.ndim - 1,), (b.data.ndim - 1,)), (batch, batch))
   if HIGH_PRECISION in (a.scaling_mode, b.scaling_mode):
@@ -126,8 +139,8 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
         preferred_element_type=jnp.float32, out_sharding=out_sharding)
     return out.astype(out_dtype)
   out = lax.dot_general(
-      a.data, b.data, dims, precision=_gemm_precision(precision, which, recipe),
-      preferred_element_type=jnp.float32, out_sharding=out_sharding)
+      a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
+      out_sharding=out_sharding)
   # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor.
   scales = a.scale_inv * jnp.swapaxes(b.scale_inv, -1, -2)
   return (out * scales).astype(out_dtype)
