@@ -418,6 +418,43 @@ def test_haiku_linear_trains():
   assert losses[-1] < 0.7 * losses[0], losses
 
 
+def test_conversions_take_it():
+  """The conversions of unedited models (NNX's quantize_model, Linen's and Haiku's quantize
+  scopes) quantize their layers with rowwise scaling, no state added."""
+  x = _data((32, 64), 180)
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.dense = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  model = Model()
+  report = ta_nnx.quantize_model(model, ROWWISE, threshold=None)
+  assert report.quantized == ["dense"]
+  want = core.dot_general(x, model.dense.kernel[...], DN, recipe=ROWWISE, threshold=None)
+  np.testing.assert_array_equal(model(x), want + model.dense.bias[...])
+
+  dense = nn.Dense(32)
+  with ta_linen.quantize(ROWWISE, threshold=None):
+    variables = dense.init(jax.random.PRNGKey(0), x)
+    y = dense.apply(variables, x)
+  assert sorted(variables) == ["params"]
+  p = variables["params"]
+  np.testing.assert_array_equal(
+      y, core.dot_general(x, p["kernel"], DN, recipe=ROWWISE, threshold=None) + p["bias"])
+
+  q = ta_hk.quantize(ROWWISE, threshold=None)
+  f = hk.transform_with_state(q(lambda x: hk.Linear(32)(x)))
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  assert q.report.quantized == ["linear"] and not state
+  y, _ = f.apply(params, state, None, x)
+  p = params["linear"]
+  np.testing.assert_array_equal(
+      y, core.dot_general(x, p["w"], DN, recipe=ROWWISE, threshold=None) + p["b"])
+
+
 # --- on a Hopper GPU -----------------------------------------------------------------------------
 
 
