@@ -42,13 +42,15 @@ def quantize(
       passes its stored scale). ``None`` computes it from ``x`` (current scaling):
       ``fp8_max / amax(|x|)``, or 1 when the amax is zero or not finite. Block recipes compute
       their own scales and take no ``scale``.
-    recipe: ``None`` (per-tensor, ``q_dtype`` required), a per-tensor recipe, or a block recipe
-      (``MXFP8BlockScaling``, ``NVFP4BlockScaling``, ``Float8BlockScaling``).
+    recipe: ``None`` (per-tensor, ``q_dtype`` required), a per-tensor recipe, a block recipe
+      (``MXFP8BlockScaling``, ``NVFP4BlockScaling``, ``Float8BlockScaling``), or
+      ``Float8RowwiseScaling`` (one scale per slice along ``axis``, default -1: per row).
     role: ``"x"``, ``"kernel"`` or ``"grad"``: which operand ``x`` is, which sets the dtype
       (HYBRID: E5M2 for ``"grad"``) and, for block recipes, the blocks (NVFP4 and FP8 blocks tile
       the kernel in 2-D by default) and NVFP4's stochastic rounding (``"grad"``).
-    axis: block recipes only. For 1-D blocks, the axis the blocks run along (default -1): the
-      contracting axis of the GEMM the copy is for. For 2-D tiles, the pair of axes the tiles
+    axis: block and rowwise recipes only. For 1-D blocks (and rowwise scales), the axis the
+      blocks (the amaxes) run along (default -1): the contracting axis of the GEMM the copy is
+      for. For 2-D tiles, the pair of axes the tiles
       cover (default ``(-2, -1)``).
     rng: PRNG key for NVFP4's stochastic rounding (``role="grad"`` unless disabled); required
       then, and refused otherwise.
