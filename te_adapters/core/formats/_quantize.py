@@ -10,6 +10,7 @@ import numpy as np
 
 from te_adapters.core import recipes
 from te_adapters.core.formats import _block, _block_scaled, _registry, _scaling
+from te_adapters.core.formats._format import QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import (
   ScaledTensor,
   cast_with_scale,
@@ -41,13 +42,15 @@ def quantize(
       passes its stored scale). ``None`` computes it from ``x`` (current scaling):
       ``fp8_max / amax(|x|)``, or 1 when the amax is zero or not finite. Block recipes compute
       their own scales and take no ``scale``.
-    recipe: ``None`` (per-tensor, ``q_dtype`` required), a per-tensor recipe, or a block recipe
-      (``MXFP8BlockScaling``, ``NVFP4BlockScaling``, ``Float8BlockScaling``).
+    recipe: ``None`` (per-tensor, ``q_dtype`` required), a per-tensor recipe, a block recipe
+      (``MXFP8BlockScaling``, ``NVFP4BlockScaling``, ``Float8BlockScaling``), or
+      ``Float8RowwiseScaling`` (one scale per slice along ``axis``, default -1: per row).
     role: ``"x"``, ``"kernel"`` or ``"grad"``: which operand ``x`` is, which sets the dtype
       (HYBRID: E5M2 for ``"grad"``) and, for block recipes, the blocks (NVFP4 and FP8 blocks tile
       the kernel in 2-D by default) and NVFP4's stochastic rounding (``"grad"``).
-    axis: block recipes only. For 1-D blocks, the axis the blocks run along (default -1): the
-      contracting axis of the GEMM the copy is for. For 2-D tiles, the pair of axes the tiles
+    axis: block and rowwise recipes only. For 1-D blocks (and rowwise scales), the axis the
+      blocks (the amaxes) run along (default -1): the contracting axis of the GEMM the copy is
+      for. For 2-D tiles, the pair of axes the tiles
       cover (default ``(-2, -1)``).
     rng: PRNG key for NVFP4's stochastic rounding (``role="grad"`` unless disabled); required
       then, and refused otherwise.
@@ -78,13 +81,17 @@ def quantize(
           f"q_dtype {np.dtype(q_dtype)} does not match {type(recipe).__name__}'s dtype "
           f"{expected} for role {role!r}; leave q_dtype=None"
       )
+    fmt = _registry.format_of(recipe)
+    if not fmt.per_tensor and not recipe.block_scaled:
+      # A format of its own (rowwise): its copy along ``axis``.
+      return _quantize_own(x, recipe, fmt, role, scale, axis, rng, rht)
     if recipe.block_scaled:
       if scale is not None:
         raise ValueError(
             f"{type(recipe).__name__} computes its block scales from x; do not pass scale"
         )
       return _quantize_blocks(x, recipe, role, axis, rng, rht)
-    if _registry.format_of(recipe).state_shapes(recipe) and scale is None:
+    if fmt.state_shapes(recipe) and scale is None:
       # A scaling that keeps state quantizes with the scale it stored (delayed scaling).
       raise ValueError(
           f"{type(recipe).__name__} quantizes with its stored scale: pass "
@@ -115,6 +122,24 @@ def quantize(
       scaling_mode="tensor",
       dq_dtype=np.dtype(x.dtype),
   )
+
+
+def _quantize_own(x, recipe, fmt, role, scale, axis, rng, rht) -> ScaledTensor:
+  """``x`` quantized by ``fmt`` along ``axis`` (default -1), the copy ``fmt.quantize`` makes
+  for a GEMM contracting that axis (rowwise: one scale per slice along it)."""
+  name = type(recipe).__name__
+  for arg, value in (("scale", scale), ("rng", rng)):
+    if value is not None:
+      raise ValueError(f"{name} computes its scales from x; do not pass {arg}")
+  if rht:
+    raise ValueError("rht=True needs recipe=NVFP4BlockScaling()")
+  axis = -1 if axis is None else axis
+  if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis={axis!r} is not valid for an array of shape {x.shape} under {name}")
+  moved = jnp.moveaxis(x, axis, -1)
+  t = fmt.quantize(QuantizeRequest(moved, role, recipe, cols=False)).rows
+  return dataclasses.replace(
+      t, data=jnp.moveaxis(t.data, -1, axis), scale_inv=jnp.moveaxis(t.scale_inv, -1, axis))
 
 
 def _quantize_blocks(x, recipe, role, axis, rng, rht) -> ScaledTensor:
@@ -170,7 +195,7 @@ def dequantize(t: ScaledTensor, dtype=None) -> jax.Array:
   dtype = t.dq_dtype if dtype is None else dtype
   if t.scaling_mode != "tensor":
     if not _block_scaled.is_block_mode(t.scaling_mode):
-      raise ValueError(f"unknown scaling mode {t.scaling_mode!r}")
+      return _registry.format_of_mode(t.scaling_mode).dequantize(t, dtype)
     return _block_scaled.dequantize(t, dtype)
   out = _block.keep_narrow(t.data).astype(jnp.float32) * t.scale_inv.reshape(())
   return out.astype(dtype)

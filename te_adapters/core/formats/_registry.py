@@ -1,9 +1,9 @@
 """The one map from a recipe to its ``QuantizationFormat``: an unknown recipe is an error.
 
-The package registers delayed and current scaling (per-tensor), MXFP8, NVFP4 and FP8 1x128/128x128
-blocks. ``register_format`` adds a format for a new recipe class (a ``Recipe`` subclass), after
-which ``dot_general``, ``layernorm_dense``, ``layernorm_mlp`` and ``ragged_dot`` take that recipe
-like any other, as far as the format serves them.
+The package registers delayed and current scaling (per-tensor), MXFP8, NVFP4, FP8 1x128/128x128
+blocks and rowwise FP8. ``register_format`` adds a format for a new recipe class (a ``Recipe``
+subclass), after which ``dot_general``, ``layernorm_dense``, ``layernorm_mlp`` and ``ragged_dot``
+take that recipe like any other, as far as the format serves them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from te_adapters.core.formats import (
     _grouped_block,
     _mxfp8,
     _nvfp4,
+    _rowwise,
     _tensor_format,
 )
 from te_adapters.core.formats._format import QuantizationFormat
@@ -30,8 +31,8 @@ from te_adapters.core.state import DelayedScalingState, EmptyState, check_leaves
 State = DelayedScalingState | EmptyState
 
 __all__ = [
-    "check_state", "format_of", "formats", "init_state", "register_format", "state_names",
-    "typed_state", "unregister_format",
+    "check_state", "format_of", "format_of_mode", "formats", "init_state", "register_format",
+    "state_names", "typed_state", "unregister_format",
 ]
 
 _FORMATS: list[QuantizationFormat] = [
@@ -41,7 +42,9 @@ _FORMATS: list[QuantizationFormat] = [
     _block_scaled.block_format(_nvfp4.FORMAT),
     _block_scaled.block_format(
         _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT)),
+    _rowwise.FORMAT,
 ]
+_PACKAGE_FORMATS = len(_FORMATS)
 
 
 def formats() -> tuple[QuantizationFormat, ...]:
@@ -75,6 +78,14 @@ def format_of(recipe) -> QuantizationFormat:
   )
 
 
+def format_of_mode(scaling_mode: str) -> QuantizationFormat:
+  """The registered format whose tensors have ``scaling_mode`` (a ValueError for none)."""
+  for fmt in _FORMATS:
+    if scaling_mode in fmt.scaling_modes:
+      return fmt
+  raise ValueError(f"unknown scaling mode {scaling_mode!r}")
+
+
 def register_format(fmt: QuantizationFormat) -> None:
   """Registers ``fmt`` for its ``recipe_type`` (a ``Recipe`` subclass not registered yet)."""
   if not isinstance(fmt, QuantizationFormat):
@@ -90,7 +101,7 @@ def register_format(fmt: QuantizationFormat) -> None:
 
 def unregister_format(recipe_type: type) -> None:
   """Removes the format registered for ``recipe_type`` (not one of the package's own)."""
-  for fmt in _FORMATS[5:]:
+  for fmt in _FORMATS[_PACKAGE_FORMATS:]:
     if fmt.recipe_type is recipe_type:
       _FORMATS.remove(fmt)
       if fmt.block is not None:

@@ -73,8 +73,8 @@ def dot_general(
       128-wide (or 32/16-wide) block and do not use it.
     preferred_element_type: output dtype; default as ``lax.dot_general`` would give.
     recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``,
-      ``NVFP4BlockScaling``, ``Float8BlockScaling``), or ``None`` for a plain
-      ``lax.dot_general``.
+      ``NVFP4BlockScaling``, ``Float8BlockScaling``, ``Float8RowwiseScaling``), or ``None`` for a
+      plain ``lax.dot_general``.
     state: this GEMM's recipe state (``init_state(recipe)``); ``None`` for stateless recipes.
     rng: a PRNG key for the stochastic rounding of the gradient, required when differentiating
       under ``NVFP4BlockScaling`` unless ``disable_stochastic_rounding``; use a fresh key per step
@@ -90,7 +90,9 @@ def dot_general(
       with per-stage state); with ``shard_map(check_vma=False)``, every manual axis. ``()``
       keeps per-shard scales (stateless recipes only). Under ``jit`` amaxes are global anyway.
       NVFP4's per-tensor amax is reduced the same way; MXFP8 and FP8 block scales are per block
-      and need no reduction (each shard must hold whole blocks).
+      and need no reduction (each shard must hold whole blocks). ``Float8RowwiseScaling`` scales
+      the rows of each shard (a row split over devices gets a scale per part) and refuses
+      ``amax_axes``.
     kernel_all_gather: FSDP. A ``PartitionSpec`` (or ``NamedSharding``) naming, per kernel
       dimension, the mesh axes the kernel is sharded over; the kernel is quantized shard by shard
       and the FP8 shards are all-gathered for the GEMM, and its gradient is reduce-scattered back.

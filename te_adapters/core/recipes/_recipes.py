@@ -22,6 +22,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "Float8BlockScaling",
+    "Float8RowwiseScaling",
 ]
 
 
@@ -68,6 +69,13 @@ def _check_format(name: str, value: object) -> None:
     )
   if value is Format.E2M1:
     raise ValueError(f"{name}: Format.E2M1 is the FP4 format of NVFP4BlockScaling only")
+
+
+def _check_margin(name: str, margin: object) -> None:
+  if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
+    raise TypeError(f"{name}.margin must be a real number, got {margin!r}")
+  if not np.isfinite(margin) or margin < 0:
+    raise ValueError(f"{name}.margin must be finite and >= 0, got {margin!r}")
 
 
 def _check_bool(name: str, field: str, value: object) -> None:
@@ -170,10 +178,7 @@ class DelayedScaling(Recipe):
 
   def __post_init__(self):
     name = type(self).__name__
-    if isinstance(self.margin, bool) or not isinstance(self.margin, numbers.Real):
-      raise TypeError(f"{name}.margin must be a real number, got {self.margin!r}")
-    if not np.isfinite(self.margin) or self.margin < 0:
-      raise ValueError(f"{name}.margin must be finite and >= 0, got {self.margin!r}")
+    _check_margin(name, self.margin)
     _check_format(name, self.fp8_format)
     if isinstance(self.amax_history_len, bool) or not isinstance(
         self.amax_history_len, numbers.Integral
@@ -344,12 +349,52 @@ class Float8BlockScaling(_BlockRecipe):
     return not self.use_f32_scales
 
 
+@dataclasses.dataclass(frozen=True)
+class Float8RowwiseScaling(Recipe):
+  """Rowwise FP8 scaling: one scale per row of each GEMM operand, from its current amax.
+
+  torchao's float8 ``rowwise`` recipe (``rowwise_with_gw_hp`` with
+  ``weight_grad_high_precision=True``). Every operand of each of the three GEMMs is quantized
+  with one float32 scale per row along the GEMM's contracting dimension: x per token and the
+  kernel per output channel in the forward GEMM; in dgrad the gradient per token and the kernel
+  per input channel; in wgrad x and the gradient per channel over the tokens. Each copy's scales
+  are computed from the high-precision tensor along its own contracting dimension, so one outlier
+  token costs only its own row's resolution. ``scale = fp8_max / row_amax / 2**margin``, or 1
+  where the row's amax is zero or not finite. No state. The GEMM is an FP8 GEMM whose float32
+  output is multiplied by the outer product of the two operands' scale inverses; any shape.
+
+  Args:
+    margin: the scale is divided by ``2**margin``; a non-negative number.
+    fp8_format: ``Format.HYBRID`` (default: E4M3 forward, E5M2 gradient) or ``Format.E4M3``
+      (torchao's choice: E4M3 for the gradient too).
+    weight_grad_high_precision: the weight-gradient GEMM takes x and the output gradient
+      unquantized (the forward and dgrad GEMMs stay in FP8), as torchao's ``rowwise_with_gw_hp``.
+    fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: each FP8 GEMM's ``MMParams`` (as for
+      ``Float8CurrentScaling``: fast sums forward, float32-promoted sums in dgrad and wgrad).
+  """
+
+  margin: float = 0
+  fp8_format: Format = Format.HYBRID
+  weight_grad_high_precision: bool = False
+  fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+  fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+  fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+
+  def __post_init__(self):
+    name = type(self).__name__
+    _check_margin(name, self.margin)
+    _check_format(name, self.fp8_format)
+    _check_bool(name, "weight_grad_high_precision", self.weight_grad_high_precision)
+    _check_mm_params(self)
+
+
 _RECIPES = (
     DelayedScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     Float8BlockScaling,
+    Float8RowwiseScaling,
 )
 
 

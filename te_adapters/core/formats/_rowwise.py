@@ -1,0 +1,177 @@
+"""Rowwise FP8 scaling (``Float8RowwiseScaling``): one scale per row along the contracting dim.
+
+An operand arrives contracting-last, ``(..., P, C)``. Its ``rows`` copy has one float32 scale per
+row (the amax over ``C``), for the GEMM it arrives for; its ``cols`` copy is the swapped operand
+``(..., C, P)`` with one scale per row ``C`` (the amax over ``P``), recomputed from the
+high-precision operand for its backward GEMM (x's and the gradient's for wgrad, the kernel's for
+dgrad). ``scale = fp8_max / row_amax / 2**margin`` (``_scaling.compute_scale``, as current
+scaling computes its one scale), 1 where the row's amax is zero or not finite; ``data =
+cast(clip(x * scale, ±fp8_max))``. The ``ScaledTensor`` keeps ``scale_inv = 1 / scale`` of shape
+``(..., P, 1)`` (scaling mode ``"rowwise"``), so ``data * scale_inv`` broadcasts to the values.
+
+The GEMM ``(..., M, K) x (..., N, K)`` is XLA's FP8 ``dot_general`` of the data with float32
+sums (cuBLASLt's FP8 GEMM on Hopper), whose output is multiplied by the outer product of the two
+scale-inverse vectors (``(..., M, 1) * (..., 1, N)``) in float32 and cast to the output dtype once.
+
+With ``weight_grad_high_precision`` (torchao's ``rowwise_with_gw_hp``) the ``cols`` copies of x
+and of the gradient, which only the weight-gradient GEMM reads, are the swapped high-precision
+operands wrapped as ``ScaledTensor``s of scaling mode ``"high_precision"`` (``data`` in the
+operand's dtype, ``scale_inv`` 1): the format's GEMM sees that mode and runs the wgrad GEMM as a
+high-precision ``dot_general`` with float32 sums. The kernel's copies, and the gradient's copy for
+dgrad, stay rowwise FP8. (torchao casts the kernel for dgrad per tensor in that recipe; here it
+keeps one scale per input channel.)
+
+Inside ``shard_map`` each device scales the rows of the shard it holds: a row whose contracting
+dimension is split over devices gets one scale per part, as block formats' blocks do. The GEMM
+applies them before the partial products are summed over devices, so the products are those of
+the quantized values; the quantization differs from one device's only by those finer scales.
+``amax_axes`` (one reduction per operand) cannot say which axes split which copy's rows, and is
+refused. Under ``jit`` a row's amax is that of the whole row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_adapters.core.formats import _block, _scaling
+from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
+from te_adapters.core.formats._scaled_tensor import ScaledTensor
+from te_adapters.core.formats._tensor_format import _gemm_precision
+from te_adapters.core.recipes import Float8RowwiseScaling
+from te_adapters.core.state import EmptyState
+
+__all__ = ["FORMAT", "HIGH_PRECISION", "ROWWISE", "quantize_rows", "row_amax"]
+
+ROWWISE = "rowwise"
+HIGH_PRECISION = "high_precision"
+
+
+def row_amax(x) -> jax.Array:
+  """float32 ``max(|x|)`` over the last axis, shaped ``(..., P, 1)``; inf for a row with a NaN."""
+  magnitudes = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+  return jnp.max(magnitudes, axis=-1, keepdims=True, initial=0.0).astype(jnp.float32)
+
+
+def quantize_rows(x, q_dtype, margin: float = 0.0) -> ScaledTensor:
+  """``x (..., P, C)`` in ``q_dtype`` with one scale per row (the amax over ``C``)."""
+  dq = np.dtype(x.dtype)
+  if dq.itemsize < 4:
+    # Keep a narrow input's rounding (see _tensor_format: XLA may fuse the convert that made x).
+    x = _block.keep_narrow(x)
+  a = row_amax(x)
+  limit = _scaling.fp8_max(q_dtype)
+  scale = _scaling.compute_scale(a, limit, 1.0, margin)
+  data = jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(q_dtype)
+  sinv = _scaling.scale_inverse(scale)
+  amax = jnp.max(a, initial=0.0).reshape(1)
+  return ScaledTensor(data, sinv, amax, scaling_mode=ROWWISE, dq_dtype=dq)
+
+
+def _high_precision(x) -> ScaledTensor:
+  """``x`` unquantized, as the weight-gradient GEMM's operand under
+  ``weight_grad_high_precision``."""
+  return ScaledTensor(
+      x, jnp.ones((1,), jnp.float32), None, scaling_mode=HIGH_PRECISION,
+      dq_dtype=np.dtype(x.dtype))
+
+
+def _q_dtype(recipe, role):
+  return recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
+
+
+def _check_plan(recipe, role, plan):
+  axes = plan.role_amax_axes(role)
+  if axes:
+    raise ValueError(
+        f"{type(recipe).__name__}: amax_axes={axes!r} for {role!r} is not supported; rowwise "
+        "scales are per row of the shard each device holds (leave amax_axes=None)"
+    )
+
+
+def _quantize(req: QuantizeRequest) -> Quantized:
+  if req.producer is not None:
+    raise NotImplementedError(
+        f"{type(req.recipe).__name__}: a fused cast into rowwise operands is not implemented; "
+        "the composed path quantizes the operand after it is written")
+  x, role, recipe = req.x, req.role, req.recipe
+  _check_plan(recipe, role, req.plan)
+  q_dtype = _q_dtype(recipe, role)
+  rows = quantize_rows(x, q_dtype, recipe.margin) if req.rows else None
+  cols = None
+  if req.cols:
+    swapped = jnp.swapaxes(x, -1, -2)
+    if recipe.weight_grad_high_precision and role != "kernel":
+      cols = _high_precision(swapped)  # x's and the gradient's cols feed only wgrad
+    else:
+      cols = quantize_rows(swapped, q_dtype, recipe.margin)
+  return Quantized(rows, cols, None)
+
+
+def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=None):
+  """``(a * sinv_a) . (b * sinv_b)^T``: ``(..., M, K) x (..., N, K) -> (..., M, N)``.
+
+  ``precision``: the recipe's ``MMParams`` for this GEMM decide as for the per-tensor formats
+  (a split accumulator: ``HIGHEST``); the high-precision wgrad follows ``fp8_gemm_wgrad`` too.
+  """
+  del config  # XLA's FP8 dot always: the extension's GEMMs take per-tensor or block scales
+  precision = _gemm_precision(precision, which, recipe)
+  lead = a.data.shape[:-2]
+  if lead and all(d == 1 for d in lead) and out_sharding is None:
+    # The rule's (1, M, K) layout of a 2-D GEMM: a plain 2-D dot for XLA's FP8 rewrite.
+    squeeze = lambda t: t.reshape(t.shape[-2:])  # noqa: E731
+    a2 = ScaledTensor(squeeze(a.data), squeeze(a.scale_inv), a.amax, a.scaling_mode, a.dq_dtype)
+    b2 = ScaledTensor(squeeze(b.data), squeeze(b.scale_inv), b.amax, b.scaling_mode, b.dq_dtype)
+    out = _gemm(a2, b2, out_dtype, which, recipe, None, precision)
+    return out.reshape(*lead, *out.shape)
+  batch = tuple(range(a.data.ndim - 2))
+  dims = (((a.data.ndim - 1,), (b.data.ndim - 1,)), (batch, batch))
+  if HIGH_PRECISION in (a.scaling_mode, b.scaling_mode):
+    if not (a.scaling_mode == b.scaling_mode == HIGH_PRECISION and which == "wgrad"):
+      raise ValueError(
+          f"a {which} GEMM of {a.scaling_mode} and {b.scaling_mode} operands: only the wgrad "
+          "GEMM takes high-precision operands")
+    dtype = jnp.promote_types(a.data.dtype, b.data.dtype)
+    out = lax.dot_general(
+        a.data.astype(dtype), b.data.astype(dtype), dims, precision=precision,
+        preferred_element_type=jnp.float32, out_sharding=out_sharding)
+    return out.astype(out_dtype)
+  out = lax.dot_general(
+      a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
+      out_sharding=out_sharding)
+  # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor.
+  scales = a.scale_inv * jnp.swapaxes(b.scale_inv, -1, -2)
+  return (out * scales).astype(out_dtype)
+
+
+def _dequantize(t, dtype):
+  if t.scaling_mode == HIGH_PRECISION:
+    return t.data.astype(dtype)
+  return (_block.keep_narrow(t.data).astype(jnp.float32) * t.scale_inv).astype(dtype)
+
+
+def _check(recipe, layout, backward, lhs=None, rhs=None):
+  # One scale per row: any shape. XLA pads an FP8 GEMM whose sizes are not multiples of 16 for
+  # cuBLASLt, as for the per-tensor formats.
+  del recipe, layout, backward, lhs, rhs
+
+
+def _next_state(recipe, state, roles):
+  del recipe, roles
+  return state
+
+
+FORMAT = QuantizationFormat(
+    recipe_type=Float8RowwiseScaling,
+    scaling_modes=(ROWWISE, HIGH_PRECISION),
+    init_state=lambda recipe: EmptyState(),
+    state_shapes=lambda recipe: {},
+    quantize=_quantize,
+    gemm=_gemm,
+    next_state=_next_state,
+    dequantize=_dequantize,
+    check=_check,
+    per_tensor=False,
+)
