@@ -9,9 +9,11 @@ scaling computes its one scale), 1 where the row's amax is zero or not finite; `
 cast(clip(x * scale, ±fp8_max))``. The ``ScaledTensor`` keeps ``scale_inv = 1 / scale`` of shape
 ``(..., P, 1)`` (scaling mode ``"rowwise"``), so ``data * scale_inv`` broadcasts to the values.
 
-The GEMM ``(..., M, K) x (..., N, K)`` is XLA's FP8 ``dot_general`` of the data with float32
-sums (cuBLASLt's FP8 GEMM on Hopper), whose output is multiplied by the outer product of the two
-scale-inverse vectors (``(..., M, 1) * (..., 1, N)``) in float32 and cast to the output dtype once.
+The GEMM ``(..., M, K) x (..., N, K)`` is an FP8 GEMM of the data with float32 output (on Hopper
+the extension's cuBLASLt FP8 GEMM with unit scales, where it runs; elsewhere, or with
+``GemmConfig(fp8_gemm="xla")``, XLA's FP8 ``dot_general``), whose output is multiplied by the
+outer product of the two scale-inverse vectors (``(..., M, 1) * (..., 1, N)``) in float32 and
+cast to the output dtype once.
 
 With ``weight_grad_high_precision`` (torchao's ``rowwise_with_gw_hp``) the ``cols`` copies of x
 and of the gradient, which only the weight-gradient GEMM reads, are the swapped high-precision
@@ -39,7 +41,11 @@ from jax import lax
 from te_adapters.core.formats import _block, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import ScaledTensor
-from te_adapters.core.formats._tensor_format import _gemm_precision
+from te_adapters.core.formats._tensor_format import (
+  _cublas_refusal,
+  _cublas_tn_dot,
+  _gemm_precision,
+)
 from te_adapters.core.recipes import Float8RowwiseScaling
 from te_adapters.core.state import EmptyState
 
@@ -116,7 +122,6 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
   ``precision``: the recipe's ``MMParams`` for this GEMM decide as for the per-tensor formats
   (a split accumulator: ``HIGHEST``); the high-precision wgrad follows ``fp8_gemm_wgrad`` too.
   """
-  del config  # XLA's FP8 dot always: the extension's GEMMs take per-tensor or block scales
   precision = _gemm_precision(precision, which, recipe)
   lead = a.data.shape[:-2]
   if lead and all(d == 1 for d in lead) and out_sharding is None:
@@ -124,7 +129,7 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
     squeeze = lambda t: t.reshape(t.shape[-2:])  # noqa: E731
     a2 = ScaledTensor(squeeze(a.data), squeeze(a.scale_inv), a.amax, a.scaling_mode, a.dq_dtype)
     b2 = ScaledTensor(squeeze(b.data), squeeze(b.scale_inv), b.amax, b.scaling_mode, b.dq_dtype)
-    out = _gemm(a2, b2, out_dtype, which, recipe, None, precision)
+    out = _gemm(a2, b2, out_dtype, which, recipe, config, precision)
     return out.reshape(*lead, *out.shape)
   batch = tuple(range(a.data.ndim - 2))
   dims = (((a.data.ndim - 1,), (b.data.ndim - 1,)), (batch, batch))
@@ -138,9 +143,20 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
         a.data.astype(dtype), b.data.astype(dtype), dims, precision=precision,
         preferred_element_type=jnp.float32, out_sharding=out_sharding)
     return out.astype(out_dtype)
-  out = lax.dot_general(
-      a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
-      out_sharding=out_sharding)
+  out = None
+  if config is None or config.fp8_gemm != "xla":
+    # On Hopper, the extension's cuBLASLt FP8 GEMM with unit scales, float32 out (and float32
+    # sums over devices); XLA's FP8 dot where it cannot run (or with fp8_gemm="xla").
+    refusal = _cublas_refusal(a.data, b.data, jnp.float32, out_sharding)
+    if refusal is None:
+      one = jnp.ones((1,), jnp.float32)
+      out = _cublas_tn_dot(a.data, b.data, one, one, jnp.float32, precision, jnp.float32)
+    elif config is not None and config.fp8_gemm == "native":
+      raise RuntimeError(f"fp8_gemm='native', but {refusal}")
+  if out is None:
+    out = lax.dot_general(
+        a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
+        out_sharding=out_sharding)
   # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor.
   scales = a.scale_inv * jnp.swapaxes(b.scale_inv, -1, -2)
   return (out * scales).astype(out_dtype)

@@ -1,0 +1,80 @@
+"""Seed 000's Dense under Float8RowwiseScaling beside bf16 and the per-tensor recipes, one call.
+
+The model and step are ``python -m bench``'s seed 000 Dense through Linen (``bench.speed``): a
+training step (forward, dx, dW) of ``nn.Dense`` with the recipe's ``dot_general``, bfloat16
+activations and a float32 kernel, on the trained recipe state. The variants are timed in turns,
+one repeat of ``--steps`` steps each, for ``--repeats`` rounds; the table gives the median (and
+spread) per variant, its speed against bf16 and the compiled program's FP8 GEMMs / other GEMMs.
+
+Usage (on the GPU, the extension built):
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.rowwise --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import te_adapters as ta
+from bench import speed
+from te_adapters import inspect
+
+
+def variants(full_size: bool):
+  batch, seq, hidden, features = (8, 2048, 8192, 32768) if full_size else (2, 64, 256, 512)
+  k_init, k_x, k_dy = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(k_x, (batch, seq, hidden)).astype(jnp.bfloat16)
+  dy = jax.random.normal(k_dy, (batch, seq, features)).astype(jnp.bfloat16)
+  recipes = [
+      ("current", ta.Float8CurrentScaling()),
+      ("delayed", ta.DelayedScaling(amax_history_len=1024)),
+      ("rowwise", ta.Float8RowwiseScaling()),
+      ("rowwise, wgrad high precision", ta.Float8RowwiseScaling(weight_grad_high_precision=True)),
+  ]
+  out = []
+  for name, model in speed._linen_variants(speed._make_dense(features), recipes, False):
+    step = speed._speedometer(model.apply)
+    state = speed.trained_state(step, model.init(k_init, x), x, dy)
+    out.append((name, step, (state, x, dy)))
+  return out
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--small", action="store_true", help="small sizes (a dry run off the GPU)")
+  p.add_argument("--json", default=None)
+  args = p.parse_args(argv)
+  rows = []
+  runs = variants(not args.small)
+  for name, step, call in runs:
+    jax.block_until_ready(step(*call))
+    fp8, other = inspect.count_fp8_gemms(step.lower(*call).compile().as_text())
+    rows.append(dict(variant=name, fp8_gemms=fp8, other_gemms=other, ms=[]))
+  for _ in range(args.repeats):
+    for row, (_, step, call) in zip(rows, runs, strict=True):
+      start = time.perf_counter()
+      for _ in range(args.steps):
+        out = step(*call)
+      jax.block_until_ready(out)
+      row["ms"].append((time.perf_counter() - start) / args.steps * 1e3)
+  base = next(np.median(r["ms"]) for r in rows if r["variant"] == "bf16")
+  print(f"device: {jax.devices()[0].device_kind}; {args.repeats} rounds of {args.steps} steps")
+  print(f"{'variant':38} {'ms':>8} {'spread':>7} {'vs bf16':>8}  FP8 GEMMs / other")
+  for r in rows:
+    ms = np.median(r["ms"])
+    print(f"{r['variant']:38} {ms:8.2f} {np.ptp(r['ms']):7.2f} {base / ms:8.3f}x  "
+          f"{r['fp8_gemms']} / {r['other_gemms']}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
