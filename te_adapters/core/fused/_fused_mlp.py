@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_adapters.core import formats, gemm, kernels, sharding
-from te_adapters.core.formats import Producer, check_state
+from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
 from te_adapters.core.recipes import check_recipe
-from te_adapters.core.state import shared_max_grad
 
 __all__ = [
     "KERNEL_ACTIVATIONS",
@@ -125,12 +124,11 @@ PLAN = sharding.SpmdPlan()
 
 
 def gemm_state(recipe, lhs, rhs, state):
-  """One GEMM's recipe state checked against ``recipe``, its reused-GEMM gradient rule set
-  (``shared_max_grad``), and ``(lhs, rhs, state)`` watched for a state left out of
-  differentiation (``_frozen.watch_state``), as ``dot_general`` does; returns them."""
-  state = check_state(recipe, state)
+  """One GEMM's recipe state as ``dot_general`` takes it (``gemm.checked_state``), and ``(lhs,
+  rhs, state)`` watched for a state left out of differentiation (``gemm.watch_state``, which
+  ``dot_general`` applies on its FP8 path: the fused paths are FP8 throughout); returns them."""
+  state = gemm.checked_state(recipe, state)
   if state:
-    state = shared_max_grad(state)
     lhs, rhs, state = gemm.watch_state(lhs, rhs, state)
   return lhs, rhs, state
 
@@ -154,9 +152,9 @@ def dact_f32(dz, h, b, names):
 
 
 def _both(v, scale, q_dtype, with_amax):
-  q = formats.cast_with_scale(v, scale, q_dtype)
-  q_t = formats.cast_with_scale(v.T, scale, q_dtype)
-  return q, q_t, (formats.tensor_amax(v) if with_amax else None)
+  """Both FP8 orientations of a value computed in float32 here: the pure-JAX cast (the kernels
+  that cast in the pass computing it are the producers' own)."""
+  return formats.cast_transpose(v, scale, q_dtype, with_amax=with_amax, backend="jax")
 
 
 def _kernels_run(x, config, target) -> bool:

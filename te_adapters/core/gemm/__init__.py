@@ -3,7 +3,7 @@
 
 from te_adapters.core.gemm._dimension_numbers import normalize, transpose_lhs, transpose_rhs
 from te_adapters.core.gemm._frozen import FrozenStateWarning, watch_lora_state, watch_state
-from te_adapters.core.gemm._gemm import Chain, Stage, dot_general, quantized_gemms
+from te_adapters.core.gemm._gemm import Chain, Stage, checked_state, dot_general, quantized_gemms
 from te_adapters.core.gemm._layer import (
     DEFAULT_RECIPE,
     DEFAULT_THRESHOLD,
@@ -68,6 +68,7 @@ __all__ = [
     "check_input_dtype",
     "check_kernel_gemm_dims",
     "check_last_axis",
+    "checked_state",
     "check_ragged_state",
     "check_threshold",
     "checkpoint_dots_and_quantized_gemms",

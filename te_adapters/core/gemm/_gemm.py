@@ -37,7 +37,7 @@ from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
 from te_adapters.core.state import ROLES, is_accumulating, shared_max_grad
 
-__all__ = ["Chain", "Stage", "dot_general", "quantized_gemms"]
+__all__ = ["Chain", "Stage", "checked_state", "dot_general", "quantized_gemms"]
 
 
 def dot_general(
@@ -146,11 +146,7 @@ def dot_general(
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
-  state = check_state(recipe, state)
-  if state:
-    # Every use of one traced state gets the same max-marked arrays, so a plain jax.grad
-    # combines several uses by max, never by sum (see core.with_max_grad).
-    state = shared_max_grad(state)
+  state = checked_state(recipe, state)
   rng = recipes.check_rng(recipe, rng)
   out = jax.eval_shape(
       functools.partial(
@@ -177,6 +173,15 @@ def dot_general(
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
   return _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt)
+
+
+def checked_state(recipe, state):
+  """One GEMM's recipe state, checked and typed where a call enters the core (``check_state``),
+  and marked so that every use of one traced state gets the same max-marked arrays: a plain
+  ``jax.grad`` then combines several uses by max, never by sum (see ``core.with_max_grad``).
+  ``dot_general`` and the fused paths take their state through it."""
+  state = check_state(recipe, state)
+  return shared_max_grad(state) if state else state
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
