@@ -70,8 +70,23 @@ def linear_forward(
 
 
 def state_variable(name: str, initial: jax.Array) -> jax.Array:
-  """One recipe-state entry of the current module with ``hk.get_state``, ``initial`` at init."""
-  return hk.get_state(name, initial.shape, initial.dtype, init=lambda *_: initial)
+  """One recipe-state entry of the current module with ``hk.get_state``, ``initial`` at init.
+
+  Under ``apply`` the entry must be in the state passed in: Haiku would otherwise create it
+  afresh (scale 1, empty history) and the step would quietly quantize with it, so a missing
+  entry is an error naming the module.
+  """
+  if hk.running_init():
+    return hk.get_state(name, initial.shape, initial.dtype, init=lambda *_: initial)
+  try:
+    return hk.get_state(name, initial.shape, initial.dtype)
+  except ValueError as e:
+    module = hk.experimental.current_name()
+    raise ValueError(
+        f"te_adapters.haiku: {module!r} keeps recipe state ({name!r} and the other entries of "
+        "its recipe), but the state given to apply has none for it; pass the state that init "
+        "returned (or the previous step's new state) to apply, not an empty one"
+    ) from e
 
 
 def recipe_state(module: hk.Module, recipe) -> dict | None:

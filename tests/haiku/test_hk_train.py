@@ -118,8 +118,9 @@ def test_unused_layer_keeps_its_state_and_errors():
   _assert_trees_close(new["unused"], state["unused"])
   np.testing.assert_allclose(new["used"]["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
 
-  # State that apply had to create is never updated: refused with a clear message.
-  with pytest.raises(ValueError, match="created inside apply"):
+  # State that apply would have to create is never updated: refused with a clear message (by
+  # the layer, before the helper's own check of created state).
+  with pytest.raises(ValueError, match="'used' keeps recipe state .*has none for it"):
     jax.eval_shape(ta_hk.value_grad_and_state(loss_fn), params, {}, x)
   with pytest.raises(TypeError, match=r"\(loss, new_state\)"):
     jax.eval_shape(ta_hk.value_grad_and_state(lambda p, s, x: loss_fn(p, s, x)[0]),
@@ -201,3 +202,20 @@ def test_vmap_state_equals_unbatched_layer():
     np.testing.assert_allclose(got[3]["linear"]["x_amax_history"][-1], np.max(np.abs(x)),
                                rtol=1e-6)
     state = got[3]
+
+
+def test_apply_without_the_recipe_state_is_an_error_naming_the_module():
+  """Haiku would create the missing entries afresh under apply (scale 1, empty history) and the
+  step would quantize with them unnoticed; Linen's apply raises for a missing collection too."""
+  x = jnp.ones((8, 32))
+  model = hk.transform_with_state(
+      lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)(x))
+  params, state = model.init(jax.random.key(0), x)
+  assert model.apply(params, state, None, x)[0].shape == (8, 16)
+  with pytest.raises(ValueError, match=r"'linear' keeps recipe state .*pass the state that init"):
+    model.apply(params, {}, None, x)
+  # A stateless recipe needs none.
+  current = hk.transform_with_state(
+      lambda x: ta_hk.Linear(16, recipe=ta.Float8CurrentScaling(), threshold=None)(x))
+  params, _ = current.init(jax.random.key(0), x)
+  assert current.apply(params, {}, None, x)[0].shape == (8, 16)
