@@ -235,6 +235,12 @@ def _einsum_labels(einsum_str: str, inputs, kernel) -> tuple[str, str, str]:
 
 def _check_einsum(einsum_str, in_labels, kernel_labels, out_labels, inputs, kernel) -> None:
   """Refuses equations that ``jnp.einsum`` would reduce before its GEMM (with a clear message)."""
+  for what, labels, array in (("input", in_labels, inputs), ("kernel", kernel_labels, kernel)):
+    if len(labels) != array.ndim:
+      raise ValueError(
+          f"Einsum {einsum_str!r}: the {what} has rank {array.ndim} (shape {array.shape}) but "
+          f"the equation gives it {len(labels)} labels ({labels!r})"
+      )
   for what, labels in (("input", in_labels), ("kernel", kernel_labels)):
     if len(set(labels)) != len(labels):
       raise ValueError(

@@ -223,6 +223,10 @@ def test_bad_arguments_are_refused():
   lonely = ta_nnx.Einsum("ijm,jk->ik", (16, 16), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"\['m'\] are summed over one operand"):
     lonely(jnp.ones((16, 16, 4)))
+  # An input of another rank than the equation's: the rank is named, not a label's size.
+  two_d = ta_nnx.Einsum("bd,df->bf", (32, 16), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"input has rank 3 \(shape \(2, 4, 32\)\).* 2 labels"):
+    two_d(jnp.ones((2, 4, 32)))
 
 
 def test_threshold_is_passed_to_the_core():
