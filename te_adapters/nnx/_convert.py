@@ -146,6 +146,7 @@ def quantize_model(
     op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
     op = op_cls(recipe, **options.keywords())
     op.set_rngs(rngs, stack_shape)
+    op.layer_path = name
     for variable in jax.tree.leaves(op.state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
       value = variable.get_value()
       variable.set_value(jnp.broadcast_to(value, stack_shape + value.shape))
