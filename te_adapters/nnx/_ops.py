@@ -75,6 +75,20 @@ def _hashable(value):
   return value
 
 
+def kernel_annotation(kernel, stacked: int):
+  """The kernel's sharding annotation (``nnx.with_partitioning``), one entry per dim of the
+  kernel a layer's call sees (less ``stacked`` leading dims), or None."""
+  meta = kernel.get_metadata()
+  spec = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k)),
+              None)
+  if not isinstance(spec, (tuple, list, jax.sharding.PartitionSpec)):
+    return None
+  spec = tuple(spec)
+  if len(spec) == kernel.get_value().ndim:
+    spec = spec[stacked:]
+  return tuple(tuple(e) if isinstance(e, list) else e for e in spec) or None
+
+
 @contextlib.contextmanager
 def call_rngs(rngs):
   """Within it, the quantized op called next draws its rounding key from ``rngs``."""
@@ -130,8 +144,10 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     self.state = hold_state(kit.initial_state(self.recipe))
     self.rngs = nnx.data(None)
     self.set_rngs(rngs)
-    # The layer's path in its model, where a conversion knows it (named in sharding messages).
+    # The layer's path in its model, where a conversion knows it (named in sharding messages),
+    # and its kernel's sharding annotation (orders the GEMM's layout under Auto mesh axes).
     self.layer_path = None
+    self.kernel_sharding = None
 
   def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:
     """Gives the op its rounding stream from ``rngs`` (``sr_stream``), if the recipe uses one."""
@@ -187,7 +203,7 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
         lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=refuse_shared_scan_state(self, self.recipe_state()),
         rng=self._rounding_key(rngs), out_sharding=out_sharding, **self.options.keywords(),
-        layer=self._layer_name(layer),
+        layer=self._layer_name(layer), kernel_sharding=self.kernel_sharding,
     )
 
 

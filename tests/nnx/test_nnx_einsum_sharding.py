@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters import nnx as ta_nnx
 from tests import spmd_checks
 
@@ -123,6 +123,26 @@ def test_gemma_einsums_under_auto_axes_match_one_device():
   spmd_checks.assert_trees_match_one_device(got, want)
 
 
+def test_under_auto_axes_the_annotation_orders_the_layout_and_no_kernel_is_gathered():
+  """Under jit on Auto axes the kernels' types carry no sharding: quantize_model hands each op
+  its kernel's annotation, which orders the layout, so XLA's partitioner keeps the heads' shards
+  (without it, it all-gathered each kernel and ran the GEMM whole on every device)."""
+  mesh = _mesh(AxisType.Auto)
+  x, dys = _data()
+  with jax.set_mesh(mesh):
+    model = _model(mesh)
+    assert model.qkv_einsum.einsum_op.kernel_sharding == KERNEL_SPEC
+    graphdef, state = nnx.split(model)
+
+    def loss(state, x):
+      y = nnx.merge(graphdef, state)(x)
+      return sum(jnp.sum(a * b) for a, b in zip(y, dys, strict=True))
+
+    text = jax.jit(jax.grad(loss)).lower(state, x).compile().as_text()
+  ops = [c.op for c in inspect.hlo_collectives(text)]
+  assert "all-gather" not in ops and "all-to-all" not in ops, ops
+
+
 def _train(mesh, steps=3):
   """``steps`` of SGD with nnx.Optimizer and the library's value_and_grad, under ``mesh``."""
   model = _model(mesh, exact=False)
@@ -213,3 +233,14 @@ def test_fsdp_gather_over_two_dims_of_one_group_is_refused_naming_the_layer_and_
         r"shards dimensions .*Shard one of these dimensions only, or leave this layer "
         r"unquantized \(an adapter's conversion: its filter\)")):
       nnx.jit(lambda m, x: m(x))(model, x)
+
+
+def test_a_quantized_einsum_built_directly_takes_its_kernel_annotation():
+  with jax.set_mesh(_mesh(AxisType.Auto)):
+    layer = ta_nnx.Einsum("BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), None, recipe=RECIPE,
+                          kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                            KERNEL_SPEC), rngs=nnx.Rngs(0))
+  assert layer.einsum_op.kernel_sharding == KERNEL_SPEC
+  plain = ta_nnx.Einsum("BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), None, recipe=RECIPE,
+                        rngs=nnx.Rngs(0))
+  assert plain.einsum_op.kernel_sharding is None

@@ -59,6 +59,7 @@ def dot_general(
     threshold=DEFAULT_SIZE_THRESHOLD,
     config: GemmConfig | None = None,
     layer: str | None = None,
+    kernel_sharding=None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -113,6 +114,10 @@ def dot_general(
       fastest where each runs). It leaves the quantized values alone.
     layer: what warnings and errors about this GEMM's sharding call it (an adapter passes the
       layer's name or equation); ``None``: the GEMM by its operands' shapes.
+    kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
+      not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
+      gather a kernel whose sharded dim the layout flattens behind another. It only orders the
+      layout (below); the kernel's own Explicit sharding wins over it.
 
   Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
   contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
@@ -189,7 +194,8 @@ def dot_general(
   if layer is None:
     layer = f"the GEMM {tuple(lhs.shape)} . {tuple(rhs.shape)} (dimension_numbers {dn})"
   return _contracting_last(
-      lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer)
+      lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
+      kernel_sharding)
 
 
 def checked_state(recipe, state):
@@ -379,7 +385,7 @@ def _shard_count(mesh, entries, dims) -> int:
   return int(np.prod([sizes[a] for d in dims for a in sharding.axis_tuple(entries[d], "entry")]))
 
 
-def _served(lhs, rhs, dn, plan, layer):
+def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
   """The layout that serves the operands' shardings, and the operands and plan it can take.
 
   Each group of dims the GEMM flattens is ordered with a sharded dim first (``GemmLayout``);
@@ -400,7 +406,11 @@ def _served(lhs, rhs, dn, plan, layer):
     out_ndim = lhs.ndim + rhs.ndim - 2 * len(lc) - len(lb)
     out_entries = tuple(spec) + (None,) * (out_ndim - len(tuple(spec)))
   gather = plan.kernel_all_gather
-  rhs_sharded = set(_sharded_dims(specs[1] or ()))
+  rhs_spec = specs[1]
+  if rhs_spec is None and kernel_sharding is not None and not sharding.manual_axes():
+    hint = tuple(getattr(kernel_sharding, "spec", kernel_sharding))
+    rhs_spec = hint if len(hint) <= rhs.ndim else None  # an annotation: orders the layout only
+  rhs_sharded = set(_sharded_dims(rhs_spec or ()))
   if gather is not None:
     rhs_sharded |= {d for d, axes in enumerate(gather) if axes}
   sharded = (_sharded_dims(specs[0] or ()), sorted(rhs_sharded), _sharded_dims(out_entries or ()))
@@ -445,9 +455,12 @@ def _served(lhs, rhs, dn, plan, layer):
   return layout, operands[0], operands[1], plan, restore
 
 
-def _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer):
+def _contracting_last(
+    lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
+    kernel_sharding=None,
+):
   dn = sorted_contracting(dn)
-  layout, lhs, rhs, plan, restore = _served(lhs, rhs, dn, plan, layer)
+  layout, lhs, rhs, plan, restore = _served(lhs, rhs, dn, plan, layer, kernel_sharding)
   lead = layout.lead if fmt.per_tensor else (layout.b,)  # block GEMMs take (B, M, K) always
   # The kernel's own (N, K): inside shard_map with kernel_all_gather, that of its shard.
   local = layout.kernel_shape(rhs.shape)
