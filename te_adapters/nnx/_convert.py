@@ -17,6 +17,7 @@ from te_adapters.nnx._ops import (
     DotGeneral,
     EinsumOp,
     _RecipeOp,
+    kernel_annotation,
     source_stream,
 )
 
@@ -146,6 +147,8 @@ def quantize_model(
     op_cls = EinsumOp if slot == "einsum_op" else DotGeneral
     op = op_cls(recipe, **options.keywords())
     op.set_rngs(rngs, stack_shape)
+    op.layer_path = name
+    op.kernel_sharding = kernel_annotation(layer.kernel, len(stack_shape))
     for variable in jax.tree.leaves(op.state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
       value = variable.get_value()
       variable.set_value(jnp.broadcast_to(value, stack_shape + value.shape))

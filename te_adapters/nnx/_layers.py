@@ -18,7 +18,7 @@ from flax.nnx.nn import linear as nnx_linear
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs
+from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, kernel_annotation
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
@@ -45,6 +45,7 @@ def _init_parent(layer, parent, slot: str, op_cls, args, kwargs, given, recipe, 
   # After the NNX parent drew the parameters, so they equal those of the NNX layer.
   if isinstance(op := getattr(layer, slot), _RecipeOp):
     op.set_rngs(given["rngs"])
+    op.kernel_sharding = kernel_annotation(layer.kernel, 0)
 
 
 def _add_lora(layer, in_shape, features, given, what: str, enable: bool, rank: int, alpha):

@@ -75,6 +75,20 @@ def _hashable(value):
   return value
 
 
+def kernel_annotation(kernel, stacked: int):
+  """The kernel's sharding annotation (``nnx.with_partitioning``), one entry per dim of the
+  kernel a layer's call sees (less ``stacked`` leading dims), or None."""
+  meta = kernel.get_metadata()
+  spec = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k)),
+              None)
+  if not isinstance(spec, (tuple, list, jax.sharding.PartitionSpec)):
+    return None
+  spec = tuple(spec)
+  if len(spec) == kernel.get_value().ndim:
+    spec = spec[stacked:]
+  return tuple(tuple(e) if isinstance(e, list) else e for e in spec) or None
+
+
 @contextlib.contextmanager
 def call_rngs(rngs):
   """Within it, the quantized op called next draws its rounding key from ``rngs``."""
@@ -130,6 +144,10 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     self.state = hold_state(kit.initial_state(self.recipe))
     self.rngs = nnx.data(None)
     self.set_rngs(rngs)
+    # The layer's path in its model, where a conversion knows it (named in sharding messages),
+    # and its kernel's sharding annotation (orders the GEMM's layout under Auto mesh axes).
+    self.layer_path = None
+    self.kernel_sharding = None
 
   def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:
     """Gives the op its rounding stream from ``rngs`` (``sr_stream``), if the recipe uses one."""
@@ -169,9 +187,15 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     ``EmptyState`` for stateless recipes (both read as mappings of TE's names)."""
     return state_value(self.state)
 
+  def _layer_name(self, what: str | None = None) -> str:
+    """How messages about this GEMM name its layer: ``what`` (the einsum equation), and the
+    layer's path in the model where a conversion gave it."""
+    what = what or f"{type(self).__name__} layer"
+    return what if self.layer_path is None else f"{what} at {self.layer_path!r}"
+
   def _dot(
       self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,
-      out_sharding=None,
+      out_sharding=None, layer=None,
   ):
     kit.check_input_dtype(self.recipe, lhs.dtype, type(self).__name__)
     kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
@@ -179,6 +203,7 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
         lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=refuse_shared_scan_state(self, self.recipe_state()),
         rng=self._rounding_key(rngs), out_sharding=out_sharding, **self.options.keywords(),
+        layer=self._layer_name(layer), kernel_sharding=self.kernel_sharding,
     )
 
 
@@ -319,8 +344,9 @@ class EinsumOp(_RecipeOp):
             f"Einsum {einsum_str!r}: cannot tell the input from the kernel in the GEMM that "
             "jnp.einsum formed; use distinct labels or shapes for the two operands"
         )
+      layer = f"Einsum {einsum_str!r}"
       if x_first:
-        return self._dot(a, b, dims, precision, preferred_element_type, rngs, out_sharding)
+        return self._dot(a, b, dims, precision, preferred_element_type, rngs, out_sharding, layer)
       # jnp.einsum put the kernel first: compute with x first, then restore its output layout
       # (batch, kernel free, x free); out_sharding, given for that layout, is permuted to ours.
       n_batch = len(ab)
@@ -332,7 +358,7 @@ class EinsumOp(_RecipeOp):
       ours += [n_batch + i for i in range(n_k_free)]
       out = self._dot(
           b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type, rngs,
-          _permuted_sharding(out_sharding, ours),
+          _permuted_sharding(out_sharding, ours), layer,
       )
       x_free = list(range(n_batch, n_batch + n_x_free))
       k_free = list(range(n_batch + n_x_free, n_batch + n_x_free + n_k_free))

@@ -22,7 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from te_adapters import core, inspect
+from te_adapters.core import gemm as core_gemm
 from te_adapters.core import sharding
+from tests import spmd_checks
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -759,15 +761,73 @@ def test_bad_spmd_arguments(kwargs, error, match):
     core.dot_general(x, w, DN, **kwargs)
 
 
-def test_explicit_merge_of_two_sharded_dims_is_refused_by_name():
-  # x's batch and sequence dims are both sharded; the GEMM merges them into M, which would split
-  # the "tp" shards: a ValueError that names the dims, not a failure inside JAX.
+def test_explicit_merge_of_two_sharded_dims_gathers_one_with_a_warning_naming_the_gemm():
+  # x's batch and sequence dims are both sharded; the GEMM merges them into M, which can keep
+  # only one dim's shards: x is all-gathered over the other (sequence, "tp") with a
+  # ShardingFallbackWarning that names the GEMM and the cost, and the result is unchanged.
   mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2,
                        devices=jax.devices()[:4])
+  x = spmd_checks.exact_data((4, 8, 64), 0)
+  w = spmd_checks.exact_data((64, 32), 1)
+  gemm = lambda x, w: core.dot_general(x, w, (((2,), (0,)), ((), ())), threshold=None,  # noqa: E731
+                                       recipe=CURRENT)
+  want = jax.jit(gemm)(x, w)
   with jax.set_mesh(mesh):
-    x = jax.device_put(jnp.ones((4, 8, 64), jnp.float32), NamedSharding(mesh, P("dp", "tp")))
-    w = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(mesh, P()))
-    f = jax.jit(lambda x, w: core.dot_general(x, w, (((2,), (0,)), ((), ())), threshold=None,
-                                              recipe=CURRENT))
-    with pytest.raises(ValueError, match=r"only the first of them may be sharded"):
-      f(x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))
+    ws = jax.device_put(w, NamedSharding(mesh, P()))
+    with pytest.warns(core.ShardingFallbackWarning,
+                      match=r"the GEMM \(4, 8, 64\) \. \(64, 32\).*all-gathered over dims \[1\]"):
+      got = jax.jit(gemm)(xs, ws)
+  assert got.sharding.spec == P("dp", None, None)
+  spmd_checks.assert_close_to_one_device(got, want, "y")
+
+
+# Gemma's qkv_einsum (BTD,SNDH->SBTNH) and kv_einsum (BTD,CKDH->CBTKH) as dot_general: the kernel's
+# free dims (S|C, N|K, H) are flattened into N, with the heads (not the first of them) sharded.
+GEMMA_DN = (((2,), (2,)), ((), ()))
+
+
+@pytest.mark.parametrize("kernel_shape", [(3, 4, 32, 16), (2, 2, 32, 16)], ids=["qkv", "kv"])
+@pytest.mark.parametrize("annotated", [False, True], ids=["inferred", "out_sharding"])
+def test_gemma_einsum_dimension_numbers_with_heads_sharded_match_one_device(kernel_shape,
+                                                                            annotated):
+  """The layout orders the sharded heads first within the flattened free dims and the output's
+  split and transpose put them back: outputs, gradients and the next state as on one device."""
+  x = spmd_checks.exact_data((2, 8, 32), 0)
+  w = spmd_checks.exact_data(kernel_shape, 1)
+  dy = spmd_checks.exact_data((2, 8, kernel_shape[0], kernel_shape[1], 16), 2)
+  state = core.init_state(DELAYED)
+  out = P(None, None, None, "tp", None) if annotated else None
+
+  def step(x, w, state, out_sharding=None):
+    def loss(x, w, state):
+      y = core.dot_general(x, w, GEMMA_DN, threshold=None, recipe=DELAYED, state=state,
+                           out_sharding=out_sharding)
+      return jnp.sum(y * dy), y
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, state)
+
+  want = jax.jit(step)(x, w, state)
+  mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+  with jax.set_mesh(mesh):
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp", None, None)))
+    got = jax.jit(step, static_argnums=3)(x, ws, state, out)
+  (_, y), grads = got
+  assert y.sharding.spec == P(None, None, None, "tp", None)
+  assert grads[1].sharding.spec == P(None, "tp", None, None)
+  # The input's gradient sums over the heads, split over the devices: exact for exact_data.
+  spmd_checks.assert_trees_match_one_device(got, want)
+
+
+def test_gemm_layout_orders_sharded_dims_first_and_puts_the_output_back():
+  layout = core_gemm.GemmLayout(GEMMA_DN, (2, 8, 32), (3, 4, 32, 16), ((), (1,), ()))
+  assert layout.rhs_free == [1, 0, 3] and layout.rhs_perm == (1, 0, 3, 2)
+  assert layout.out_shape == (2, 8, 3, 4, 16) and layout.split_out_shape == (2, 8, 4, 3, 16)
+  assert layout.out_perm == (0, 1, 3, 2, 4) and layout.unserved == ((), (), ())
+  # Contracting pairs follow the lhs's sharded dim; a second sharded dim of a group is unserved.
+  layout = core_gemm.GemmLayout((((1, 2), (0, 1)), ((), ())), (4, 8, 16), (8, 16, 32),
+                                ((2,), (), (0,)))
+  assert layout.dn == (((2, 1), (1, 0)), ((), ())) and layout.out_perm is None
+  assert layout.unserved == ((), (), ())
+  layout = core_gemm.GemmLayout(GEMMA_DN, (2, 8, 32), (3, 4, 32, 16), ((), (1, 3), (2,)))
+  assert layout.rhs_free[0] == 0 and layout.unserved == ((), (1, 3), ())

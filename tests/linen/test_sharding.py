@@ -17,7 +17,7 @@ import pytest
 from flax import linen as nn
 from jax import lax
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
@@ -211,3 +211,41 @@ def _dot_general_cls(x, **kw):
 )
 def test_spmd_keywords_reach_the_core(apply):
   spmd_checks.assert_spmd_keywords_reach_the_core(apply)
+
+
+class _FusedQkv(nn.Module):
+  """Gemma's qkv projection in Linen: ``nn.DenseGeneral`` to (S, N, H) (``BTD,DSNH->BTSNH``),
+  its kernel placed with the heads over "tp": not the first of the flattened free dims."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.DenseGeneral((3, 4, 16), use_bias=False)(x)
+
+
+def test_fused_qkv_dense_general_with_heads_sharded_matches_one_device():
+  """Converted by ``ta_linen.quantize``, on a 2-device Explicit mesh: outputs, gradients and the
+  next state as on one device."""
+  model, q = _FusedQkv(), ta_linen.quantize(spmd_checks.RECIPE, threshold=None)
+  x = spmd_checks.exact_data((2, 8, 32), 0)
+  dy = spmd_checks.exact_data((2, 8, 3, 4, 16), 1)
+  variables = q(model.init)(jax.random.key(0), x)
+  variables = jax.tree.map(lambda v: v, variables)
+  params = variables["params"]["DenseGeneral_0"]
+  params["kernel"] = spmd_checks.exact_data(params["kernel"].shape, 2)
+
+  def step(variables):
+    def loss(variables):
+      y = q(model.apply)(variables, x)
+      return jnp.sum(y * dy), y
+
+    return jax.value_and_grad(loss, has_aux=True)(variables)
+
+  want = jax.jit(step)(variables)
+  mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+  with jax.set_mesh(mesh):
+    heads = P(None, None, "tp", None)
+    sharded = jax.tree.map(
+        lambda v: jax.device_put(v, NamedSharding(mesh, heads if v.ndim == 4 else P())), variables)
+    got = jax.jit(step)(sharded)
+  assert got[0][1].sharding.spec == P(None, None, None, "tp", None)
+  spmd_checks.assert_trees_match_one_device(got, want)

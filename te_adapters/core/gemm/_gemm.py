@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -28,12 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
 from te_adapters.core import formats, recipes, sharding
 from te_adapters.core.formats import QuantizeRequest, check_state
 from te_adapters.core.gemm import _dimension_numbers, _frozen, _remat, _threshold
 from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
+from te_adapters.core.kernels import ShardingFallbackWarning
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
 from te_adapters.core.state import ROLES, is_accumulating, shared_max_grad
 
@@ -55,6 +58,8 @@ def dot_general(
     kernel_all_gather=None,
     threshold=DEFAULT_SIZE_THRESHOLD,
     config: GemmConfig | None = None,
+    layer: str | None = None,
+    kernel_sharding=None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -107,6 +112,20 @@ def dot_general(
       ``updated_state`` keeps the state). ``None``: always quantize.
     config: a ``GemmConfig``: which kernels cast and multiply (``None``: ``GemmConfig()``, the
       fastest where each runs). It leaves the quantized values alone.
+    layer: what warnings and errors about this GEMM's sharding call it (an adapter passes the
+      layer's name or equation); ``None``: the GEMM by its operands' shapes.
+    kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
+      not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
+      gather a kernel whose sharded dim the layout flattens behind another. It only orders the
+      layout (below); the kernel's own Explicit sharding wins over it.
+
+  Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
+  contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
+  the dims of each group are ordered with a sharded one first (the result is the same, put back
+  in ``lax.dot_general``'s layout). Where a group has more than one sharded dim (Explicit mesh
+  axes, or ``out_sharding``), the operand is all-gathered over the others (the output computed
+  without them and resharded) with a ``ShardingFallbackWarning`` naming ``layer``;
+  ``kernel_all_gather`` over more than one dim of a group is refused.
 
   Returns:
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
@@ -172,7 +191,11 @@ def dot_general(
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
-  return _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt)
+  if layer is None:
+    layer = f"the GEMM {tuple(lhs.shape)} . {tuple(rhs.shape)} (dimension_numbers {dn})"
+  return _contracting_last(
+      lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
+      kernel_sharding)
 
 
 def checked_state(recipe, state):
@@ -347,19 +370,112 @@ def quantized_gemms(inputs, kernels, biases, states, rng, chain: Chain):
   return _quantized_gemms(tuple(inputs), tuple(kernels), tuple(biases), tuple(states), rng, chain)
 
 
-def _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt):
-  dn = sorted_contracting(dn)
+def _sharded_dims(entries) -> list[int]:
+  """The dims a spec's ``entries`` shard."""
+  return [d for d, e in enumerate(entries) if sharding.axis_tuple(e, "spec entry")]
+
+
+def _without(entries, dims):
+  """``entries`` with those of ``dims`` replicated."""
+  return PartitionSpec(*(None if d in dims else e for d, e in enumerate(entries)))
+
+
+def _shard_count(mesh, entries, dims) -> int:
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  return int(np.prod([sizes[a] for d in dims for a in sharding.axis_tuple(entries[d], "entry")]))
+
+
+def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
+  """The layout that serves the operands' shardings, and the operands and plan it can take.
+
+  Each group of dims the GEMM flattens is ordered with a sharded dim first (``GemmLayout``);
+  dims sharded beside it are gathered (an operand on Explicit axes is resharded without them;
+  the output is computed without them, to be resharded to ``out_sharding`` after), with a
+  ``ShardingFallbackWarning`` that names ``layer`` and the cost. Returns ``(layout, lhs, rhs,
+  plan, out_sharding)``: ``out_sharding`` is the one to reshard the output to (None: none).
+  """
+  specs = []
+  for operand in (lhs, rhs):
+    explicit = sharding.explicit_sharding(operand)
+    specs.append(None if explicit is None else tuple(explicit.spec))
+  out = plan.out_sharding
+  out_entries = None
+  if out is not None:
+    spec = out.spec if isinstance(out, NamedSharding) else out
+    (lc, _), (lb, _) = dn
+    out_ndim = lhs.ndim + rhs.ndim - 2 * len(lc) - len(lb)
+    out_entries = tuple(spec) + (None,) * (out_ndim - len(tuple(spec)))
+  gather = plan.kernel_all_gather
+  rhs_spec = specs[1]
+  if rhs_spec is None and kernel_sharding is not None and not sharding.manual_axes():
+    hint = tuple(getattr(kernel_sharding, "spec", kernel_sharding))
+    rhs_spec = hint if len(hint) <= rhs.ndim else None  # an annotation: orders the layout only
+  rhs_sharded = set(_sharded_dims(rhs_spec or ()))
+  if gather is not None:
+    rhs_sharded |= {d for d, axes in enumerate(gather) if axes}
+  sharded = (_sharded_dims(specs[0] or ()), sorted(rhs_sharded), _sharded_dims(out_entries or ()))
   gemm_rhs_shape = sharding.gathered_kernel_type(rhs, plan).shape
-  layout = GemmLayout(dn, lhs.shape, gemm_rhs_shape)
+  layout = GemmLayout(dn, lhs.shape, gemm_rhs_shape, sharded)
+  unserved_lhs, unserved_rhs, unserved_out = layout.unserved
+  if gather is not None and any(gather[d] for d in unserved_rhs):
+    return layout, lhs, rhs, plan, None  # plan_for_tn_layout refuses it, naming the layer
+  operands = [lhs, rhs]
+  for i, (name, dims) in enumerate((("input", unserved_lhs), ("kernel", unserved_rhs))):
+    if not dims or specs[i] is None:
+      continue
+    operand = operands[i]
+    current = sharding.explicit_sharding(operand)
+    count = _shard_count(current.mesh, specs[i], dims)
+    warnings.warn(
+        f"{layer}: the {name} {tuple(operand.shape)} {operand.dtype} is sharded as "
+        f"{current.spec} and the GEMM flattens its dims {list(dims)} with another sharded dim "
+        f"into one, which can keep only one dim's shards; it is all-gathered over dims "
+        f"{list(dims)} before the GEMM on every call ({count}x each device's share of the "
+        f"{name}, and of its part of the GEMM). Shard only one dim of each group (batch, free, "
+        "contracting dims) to avoid it.",
+        ShardingFallbackWarning, stacklevel=4,
+    )
+    operands[i] = jax.sharding.reshard(operand, current.update(spec=_without(specs[i], dims)))
+  restore = None
+  if unserved_out:
+    reduced = _without(out_entries, unserved_out)
+    mesh = out.mesh if isinstance(out, NamedSharding) else sharding.abstract_mesh()
+    count = _shard_count(mesh, out_entries, unserved_out)
+    warnings.warn(
+        f"{layer}: out_sharding {out_entries} shards dims {list(unserved_out)} of the output "
+        f"{layout.out_shape} beside another dim that the GEMM writes into the same flattened "
+        f"dim; the GEMM computes its output sharded as {tuple(reduced)} ({count}x each "
+        "device's share) and then keeps each device's share. Shard only one dim of each group "
+        "to avoid it.",
+        ShardingFallbackWarning, stacklevel=4,
+    )
+    restore = out
+    reduced = out.update(spec=reduced) if isinstance(out, NamedSharding) else reduced
+    plan = dataclasses.replace(plan, out_sharding=reduced)
+  return layout, operands[0], operands[1], plan, restore
+
+
+def _contracting_last(
+    lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
+    kernel_sharding=None,
+):
+  dn = sorted_contracting(dn)
+  layout, lhs, rhs, plan, restore = _served(lhs, rhs, dn, plan, layer, kernel_sharding)
   lead = layout.lead if fmt.per_tensor else (layout.b,)  # block GEMMs take (B, M, K) always
   # The kernel's own (N, K): inside shard_map with kernel_all_gather, that of its shard.
   local = layout.kernel_shape(rhs.shape)
   if fmt.per_tensor:
-    plan = sharding.plan_for_tn_layout(plan, layout)
+    plan = sharding.plan_for_tn_layout(plan, layout, layer)
   else:
     # Explicit mesh axes: the forward GEMM's output sharding, in the (B, M, N) layout.
-    out3 = sharding.reshaped_sharding(
-        sharding.explicit_sharding(out), layout.out_shape, (layout.b, layout.m, layout.n))
+    out3 = sharding.explicit_sharding(out)
+    if out3 is not None:
+      entries = layout.in_gemm_order(tuple(out3.spec))
+      if restore is not None:
+        entries = _without(entries, [layout.out_order.index(d) for d in layout.unserved[2]])
+      out3 = sharding.reshaped_sharding(
+          out3.update(spec=PartitionSpec(*entries)), layout.split_out_shape,
+          (layout.b, layout.m, layout.n))
     plan = dataclasses.replace(plan, out_sharding=out3)
   # A kernel stored contracting-first (a Dense kernel (K, N)) goes in as it is: the cast writes
   # both orientations anyway, so a transpose here would be a pass for nothing (1 GB of float32
@@ -378,7 +494,15 @@ def _contracting_last(lhs, rhs, state, rng, dn, precision, out, recipe, plan, co
   stage = Stage(out_dtype=np.dtype(out.dtype), kernel_kn=kernel_kn)
   chain = Chain(recipe, plan, config, precision, (stage,))
   y3 = _quantized_gemms((x3,), (w3,), (None,), (state,), rng, chain)
-  return sharding.reshape(y3, layout.out_shape)
+  y = sharding.reshape(y3, layout.split_out_shape)
+  if layout.out_perm is not None:
+    y = jnp.transpose(y, layout.out_perm)  # the dims the layout ordered first, put back
+  if restore is not None:  # each device keeps its share of out_sharding (a slice)
+    if sharding.explicit_sharding(y) is not None:
+      y = jax.sharding.reshard(y, restore)
+    else:
+      y = lax.with_sharding_constraint(y, restore)
+  return y
 
 
 def _swap_last(a):

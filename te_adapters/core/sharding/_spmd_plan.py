@@ -77,43 +77,46 @@ def _normalize_kernel_all_gather(spec, rhs_ndim: int):
   return dims, mesh
 
 
-def _merged(entries, what: str, dims):
+def _merged(entries, what: str, dims, layer: str):
   """The spec entry of dims merged by a reshape: only the first (most major) may be sharded."""
   entries = [_mesh.axis_tuple(e, what) for e in entries]
   if any(entries[1:]):
     raise ValueError(
-        f"{what}: dimensions {list(dims)} are merged into one by the contracting-last GEMM "
-        f"layout, and only the first of them may be sharded; got {entries}"
+        f"{layer}: {what} shards dimensions {list(dims)} ({entries}), which the GEMM flattens "
+        "into one dimension; a flattened dimension keeps whole shards only when one of them, "
+        "ordered first, is sharded. Shard one of these dimensions only, or leave this layer "
+        "unquantized (an adapter's conversion: its filter)"
     )
   return entries[0] if entries else ()
 
 
-def plan_for_tn_layout(plan: SpmdPlan, layout) -> SpmdPlan:
+def plan_for_tn_layout(plan: SpmdPlan, layout, layer: str = "the GEMM") -> SpmdPlan:
   """``plan`` for the contracting-last operands: x3 (B, M, K), w3 (B, N, K), y3 (B, M, N).
 
   The kernel's FSDP dims and the output sharding are mapped through the transpose and reshape
   that make w3 and y3 from the kernel and the output. ``layout`` is the GEMM's
-  ``gemm.GemmLayout`` (its ``dn``, ``lhs_free`` and ``rhs_free``: the layout arithmetic is done
-  there once).
+  ``gemm.GemmLayout`` (its ``dn``, ``rhs_free`` and output order, sharded dims first: the layout
+  arithmetic is done there once); ``layer`` names the GEMM in an error.
   """
   (_, rc), (lb, rb) = layout.dn
-  lf, rf = list(layout.lhs_free), list(layout.rhs_free)
+  rf = list(layout.rhs_free)
   lead = [rb] if lb else []
   gather = plan.kernel_all_gather
   if gather is not None:
     gather = tuple(
-        _merged([gather[d] for d in group], "kernel_all_gather", group)
+        _merged([gather[d] for d in group], "kernel_all_gather", group, layer)
         for group in lead + [rf, rc]
     )
   out = plan.out_sharding
   if out is not None:
     spec = out.spec if isinstance(out, NamedSharding) else out
-    entries = tuple(spec) + (None,) * (len(lb) + len(lf) + len(rf) - len(tuple(spec)))
-    sizes = ([len(lb)] if lb else [0]) + [len(lf), len(rf)]
+    entries = layout.in_gemm_order(tuple(spec))
+    sizes = [len(lb), len(layout.lhs_free), len(rf)]
     starts = np.cumsum([0] + sizes)
     groups = [list(range(starts[i], starts[i + 1])) for i in range(3)]
     merged = [
-        _mesh.spec_entry(_merged([entries[d] for d in g], "out_sharding", g))
+        _mesh.spec_entry(_merged(
+            [entries[d] for d in g], "out_sharding", [layout.out_order[d] for d in g], layer))
         for g in (groups if lb else groups[1:])
     ]
     spec = PartitionSpec(*merged)
