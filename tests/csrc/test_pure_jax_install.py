@@ -198,6 +198,10 @@ def test_install_without_extension(tmp_path):
   assert "te_adapters: extension disabled" in log, _tail(log)
   assert (off / "te_adapters" / "__init__.py").is_file(), sorted(os.listdir(off))
   assert not _compiled_files(off), _compiled_files(off)
+  # Typed (PEP 561) and licensed: the marker in the package, the license text in its metadata.
+  assert (off / "te_adapters" / "py.typed").is_file()
+  licenses = [p for p in off.glob("te_adapters-*.dist-info/**/LICENSE*") if p.is_file()]
+  assert licenses and b"Apache License" in licenses[0].read_bytes(), sorted(off.glob("*/*"))
 
   # 2. The extension on, but no compiler: CMakeLists.txt turns it off, and the install succeeds.
   no_cc = tmp_path / "install-no-compiler"
