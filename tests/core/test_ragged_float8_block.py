@@ -13,24 +13,11 @@ import te_adapters as ta
 from te_adapters import core
 from tests.core.test_ragged import reference
 
+# The per-group reference helpers of MXFP8's grouped GEMM serve any block recipe.
+from tests.core.test_ragged_mxfp8 import alone, group_scaled, qdq, train_step
+
 BLOCK = 128
 RECIPE = ta.Float8BlockScaling()  # x and the gradient 1x128, the kernel 128x128 (TE's default)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _qdq(a, recipe, role, axis):
-  t = core.quantize(a.astype(jnp.float32), recipe=recipe, role=role, axis=axis)
-  return core.dequantize(t, jnp.float32)
-
-
-def qdq(a, role, axis, recipe=RECIPE):
-  """float64 values of ``a`` after ``core.quantize``'s blocks (1-D along ``axis``, or tiles)."""
-  return np.asarray(_qdq(a, recipe, role, axis), np.float64)
-
-
-def alone(a, rows):
-  """[rows, F]: one group's rows first, zero rows after: its blocks start at its first row."""
-  return np.concatenate([a, np.zeros((rows - len(a),) + a.shape[1:], a.dtype)])
 
 
 def block_reference(x, w, dy, sizes, recipe=RECIPE):
@@ -44,30 +31,11 @@ def block_reference(x, w, dy, sizes, recipe=RECIPE):
       continue
     x_g, dy_g = alone(x[s:e], rows), alone(dy[s:e], rows)
     # The kernel's 128x128 tiles are the same in either orientation.
-    w_q = qdq(w[g], "kernel", (0, 1), recipe)
-    y[s:e] = (qdq(x_g, "x", 1, recipe) @ w_q)[: e - s]
-    dx[s:e] = (qdq(dy_g, "grad", 1, recipe) @ w_q.T)[: e - s]
-    dw[g] = qdq(x_g, "x", 0, recipe).T @ qdq(dy_g, "grad", 0, recipe)
+    w_q = qdq(w[g], recipe, "kernel", (0, 1))
+    y[s:e] = (qdq(x_g, recipe, "x", 1) @ w_q)[: e - s]
+    dx[s:e] = (qdq(dy_g, recipe, "grad", 1) @ w_q.T)[: e - s]
+    dw[g] = qdq(x_g, recipe, "x", 0).T @ qdq(dy_g, recipe, "grad", 0)
   return y, dx, dw
-
-
-@functools.partial(jax.jit, static_argnames="recipe")
-def train_step(x, w, group_sizes, dy, recipe=RECIPE):
-  def loss(x, w):
-    y = core.ragged_dot(x, w, group_sizes, recipe=recipe)
-    return jnp.vdot(y.astype(jnp.float32), dy.astype(jnp.float32)), y
-
-  (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
-  return y, grads
-
-
-def group_scaled(rng, shape, sizes, exponents):
-  """N(0,1) rows times 2**exponents[g] for group g, so that blocks mixing groups show."""
-  a = rng.standard_normal(shape).astype(np.float32)
-  ends = np.cumsum(sizes)
-  for s, e, k in zip(ends - sizes, ends, exponents, strict=True):
-    a[s:e] *= np.float32(2.0**k)
-  return a
 
 
 def test_forward_and_gradients_equal_the_per_group_reference(rel):
@@ -81,7 +49,7 @@ def test_forward_and_gradients_equal_the_per_group_reference(rel):
   w = rng.standard_normal((g, k, n)).astype(np.float32)
   w[-1] *= 2.0**-10
 
-  y, (dx, dw) = jax.tree.map(np.asarray, train_step(x, w, jnp.asarray(sizes), dy))
+  y, (dx, dw) = jax.tree.map(np.asarray, train_step(x, w, jnp.asarray(sizes), dy, RECIPE))
 
   assert y.dtype == dx.dtype == dw.dtype == np.float32
   want = block_reference(x, w, dy, sizes)
@@ -140,7 +108,7 @@ def test_nnx_expert_layer_trains_with_it_as_the_core_computes():
     return value
 
   value = step(layer, optimizer)
-  y, (_, dw) = train_step(x, w0, sizes, dy)
+  y, (_, dw) = train_step(x, w0, sizes, dy, RECIPE)
   np.testing.assert_allclose(float(value), float(jnp.vdot(y, dy)), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(layer.kernel[...]), np.asarray(w0 - 1e-2 * dw),
                              rtol=1e-6, atol=1e-7)
