@@ -138,11 +138,11 @@ def init_state(recipe) -> State:
 
 @functools.lru_cache(maxsize=64)
 def _state_template(recipe):
-  """The format's state type for ``recipe``, by name: ``(names, treedef)``."""
+  """The format's state type for ``recipe``, by name: ``(names, treedef, type)``."""
   shapes = jax.eval_shape(lambda: format_of(recipe).init_state(recipe))
   paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   names = tuple(jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in paths)
-  return names, treedef
+  return names, treedef, type(shapes)
 
 
 def typed_state(recipe, state: Mapping[str, Any]) -> State:
@@ -159,8 +159,8 @@ def typed_state(recipe, state: Mapping[str, Any]) -> State:
     >>> type(ta.core.typed_state(recipe, saved)).__name__
     'DelayedScalingState'
   """
-  names, treedef = _state_template(check_recipe(recipe))
-  if isinstance(state, type(treedef.unflatten([None] * len(names)))):
+  names, treedef, state_type = _state_template(check_recipe(recipe))
+  if isinstance(state, state_type):
     return state
   if not isinstance(state, Mapping):
     raise TypeError(
