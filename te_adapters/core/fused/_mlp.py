@@ -185,7 +185,8 @@ def layernorm_mlp(
         x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
         ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
-        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
+        rngs=(rng_0, rng_1)).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
@@ -195,7 +196,8 @@ def layernorm_mlp(
   if fused:
     out = _fused_mlp.fused_mlp(
         y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
-        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
+        rngs=(rng_0, rng_1)).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)

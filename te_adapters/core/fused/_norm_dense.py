@@ -144,7 +144,7 @@ def layernorm_dense(
     z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
                kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
                state, recipe=recipe, config=config,
-               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)))
+               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)), rng=rng)
     return z.reshape(*x.shape[:-1], *features), None
   y = layernorm(
       x, scale, bias, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma,
@@ -162,7 +162,7 @@ def layernorm_dense(
   return z, (y if return_layernorm_output else None)
 
 
-def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
+def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None):
   """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
   VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
   recipe = check_recipe(recipe)
@@ -173,4 +173,5 @@ def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
                       bias_grad=None if b is None else _fused_mlp.BiasGradProducer())
   chain = gemm.Chain(recipe, _fused_mlp.PLAN, config, None, (stage,),
                       _fused_mlp.NormProducer(norm))
-  return gemm.quantized_gemms((x, ln_scale, ln_bias), (w,), (b,), (state,), None, chain)
+  return gemm.quantized_gemms((x, ln_scale, ln_bias), (w,), (b,), (state,),
+                              _fused_mlp.stage_keys(recipe, (rng,)), chain)
