@@ -18,6 +18,8 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 - ``ours_float8_block``: ``te_adapters.core.ragged_dot`` with ``Float8BlockScaling`` (1x128
   blocks of x and dy that never cross a group, 128x128 tiles per expert; emulated GEMMs on the
   dequantized values, as MXFP8's).
+- ``ours_rowwise``: ``te_adapters.core.ragged_dot`` with ``Float8RowwiseScaling`` (XLA's ragged
+  dots of the FP8 data, the row and column factors on their float32 outputs).
 - ``loop_bf16``: a dense loop over experts, ``sum_g mask_g * (x @ W[g])`` in bf16 (G times the
   FLOPs; what one writes without a grouped GEMM).
 - ``loop_current``: the same loop with ``te_adapters.core.dot_general`` FP8 current scaling.
@@ -74,6 +76,7 @@ VARIANTS = (
   "ours_delayed",
   "ours_mxfp8",
   "ours_float8_block",
+  "ours_rowwise",
   "loop_bf16",
   "loop_current",
   "dense_current",
@@ -83,6 +86,7 @@ RECIPES = {
   "delayed": ta.DelayedScaling(),
   "mxfp8": ta.MXFP8BlockScaling(),
   "float8_block": ta.Float8BlockScaling(),
+  "rowwise": ta.Float8RowwiseScaling(),
 }
 
 
