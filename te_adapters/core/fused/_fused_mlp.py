@@ -1,4 +1,4 @@
-"""The MLP's norm, two per-tensor FP8 GEMMs and activation in one custom VJP (TE's structure).
+"""The MLP's norm, two FP8 GEMMs and activation in one custom VJP (TE's structure).
 
 ``out = q(act(h + b)) . q(wo)`` with ``h = q(y) . q(wi)``: the activation of GEMM 1's output and
 its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in both orientations
