@@ -45,8 +45,8 @@ class Config:
   # library's default size threshold, as a user gets it.
   fp8_everywhere: bool = False
   scan: bool = True
-  # None: no rematerialisation; else the name of a jax.checkpoint_policies policy, the same for
-  # every variant.
+  # None: no rematerialisation; else "gemm_outputs" (save_gemm_outputs) or the name of a
+  # jax.checkpoint_policies policy, the same for every variant.
   remat: str | None = None
 
   @property
@@ -138,8 +138,22 @@ def is_head(path: str) -> bool:
   return path.split("/")[-1] == "head"
 
 
+def save_gemm_outputs(prim, *_, **__) -> bool:
+  """A rematerialisation policy that treats every variant's GEMMs alike: it saves the outputs of
+  ``dot_general`` and of custom-VJP calls (the library's quantized GEMMs and fused modules,
+  Flax's FP8 op, cuDNN's attention) and recomputes the rest (norms, rotary, SwiGLU's product,
+  residual adds) in the backward pass."""
+  return prim.name == "dot_general" or prim.name.startswith("custom_vjp")
+
+
 def remat_policy(cfg: Config):
-  return getattr(jax.checkpoint_policies, cfg.remat) if cfg.remat else None
+  """None (no remat), ``"gemm_outputs"`` (``save_gemm_outputs``) or a jax.checkpoint_policies
+  name."""
+  if not cfg.remat:
+    return None
+  if cfg.remat == "gemm_outputs":
+    return save_gemm_outputs
+  return getattr(jax.checkpoint_policies, cfg.remat)
 
 
 # ----------------------------------------------------------------------------------------------
