@@ -1,14 +1,16 @@
 """Tokens/s and MFU of the Llama-style decoder's training step, bf16 against FP8 variants.
 
   python -m bench.llama.train --config cpu --variants nnx-bf16,nnx-current --steps 3
+  python -m bench.llama.data bench/llama/tokens      # once, where `tokenizers` is installed
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.llama.train --config 1b \\
       --tokens bench/llama/tokens --variants nnx-bf16,nnx-current,nnx-delayed --windows 5 \\
       --window-steps 3 --profile nnx-delayed --out llama.jsonl
 
 Every variant trains the same model code from the same initial parameters on the same batches,
 with the same step: AdamW (float32 master weights, gradients clipped to norm 1), the whole step
-jitted with the carry (parameters, optimizer state, recipe state) donated. The variants differ
-only by the conversion:
+jitted with the carry (parameters, optimizer state, recipe state) donated, the layers scanned, and
+the configuration's rematerialisation policy (the 1b one: ``model.save_gemm_outputs``, which
+recomputes only elementwise work). The variants differ only by the conversion:
 
 * ``nnx-bf16`` / ``linen-bf16``: the plain model;
 * ``nnx-<recipe>``: ``te_adapters.nnx.quantize_model(model, recipe)``, the NNX README's step
@@ -262,11 +264,18 @@ def classify(event: dict, instructions: dict) -> str:
     if info["op_name"] and "jvp(" not in info["op_name"] and "transpose(" not in info["op_name"]:
       return "optimizer and state update (outside the gradient)"
     return "other XLA fusions (norms, rotary, SwiGLU, residuals, loss)"
+  # Kernels inside a CUDA graph (XLA's command buffers) name the graph as their hlo_op: by name.
+  if "te_adapters" in name:
+    return "library casts and amaxes (FFI)"
   if any(k in name for k in ("cudnn", "fmha", "sdpa", "flash")):
     return "attention (cuDNN)"
   if any(k in name for k in ("gemm", "xmma", "nvjet", "cutlass", "cublas")):
-    return "GEMMs (unmatched)"
-  return "other (unmatched)"
+    # cuBLASLt's nvjet kernels spell the operand types first: q (e4m3) and r (e5m2) are FP8.
+    types = re.search(r"nvjet_sm\d+_([a-z]+)_", name)
+    if types and types.group(1)[:2] in ("qq", "qr", "rq", "rr"):
+      return "FP8 GEMMs"
+    return "bf16 GEMMs (by kernel name)"
+  return "XLA fusions in CUDA graphs (norms, rotary, SwiGLU, residuals, loss, optimizer)"
 
 
 def profile(step_fn, carry, batches, hlo_text: str, steps: int = 3):
@@ -402,15 +411,17 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--profile", default="", help="comma-separated variants to profile (GPU)")
   p.add_argument("--no-scan", action="store_true", help="unrolled layers instead of a scan")
   p.add_argument("--remat", default=None,
-                 help="rematerialisation for every variant: gemm_outputs (model.save_gemm_outputs) "
-                      "or a jax.checkpoint_policies name")
+                 help="rematerialisation for every variant: gemm_outputs "
+                      "(model.save_gemm_outputs), a jax.checkpoint_policies name, or none "
+                      "(default: the configuration's)")
   p.add_argument("--time-limit", type=float, default=None,
                  help="seconds: start no variant after this much time has passed")
   p.add_argument("--hlo-dir", default=None)
   p.add_argument("--out", default=None, help="append the JSON records to this file")
   args = p.parse_args(argv)
-  cfg = dataclasses.replace(model_lib.CONFIGS[args.config], scan=not args.no_scan,
-                            remat=args.remat)
+  cfg = model_lib.CONFIGS[args.config]
+  remat = cfg.remat if args.remat is None else (None if args.remat == "none" else args.remat)
+  cfg = dataclasses.replace(cfg, scan=not args.no_scan, remat=remat)
   variants = args.variants.split(",")
   for v in variants:
     parse_variant(v)
