@@ -21,8 +21,9 @@ def tokens():
   return train.token_data(CFG)[0]
 
 
-@pytest.mark.parametrize("variant,remat", [("nnx-current", None), ("linen-delayed", "gemm_outputs"),
-                                           ("nnx-modules-current", "gemm_outputs")])
+@pytest.mark.parametrize("variant,remat", [
+    ("nnx-current", None), ("linen-delayed", "gemm_outputs"), ("haiku-current", "gemm_outputs"),
+    ("nnx-modules-current", "gemm_outputs")])
 def test_converted_model_gemms_are_fp8(variant, remat, tokens):
   # With the benchmark's rematerialisation policy too: it recomputes no GEMM, so the counts hold.
   cfg = dataclasses.replace(CFG, remat=remat)

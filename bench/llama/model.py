@@ -2,18 +2,21 @@
 projection; ``jax.nn.dot_product_attention``, cuDNN's flash attention on GPU), SwiGLU MLP (one
 fused gate-and-up projection), untied output head; float32 parameters, bf16 compute.
 
-Written three times with the same shapes and initialisation rule:
+Written four times with the same initialisation rule (normal 0.02, and 0.02 / sqrt(2 * layers)
+for the residual projections; each framework draws its own values):
 
 * ``nnx_model``: plain Flax NNX (``nnx.Linear``, ``nnx.RMSNorm``, ``nnx.Embed``), converted by
   ``te_adapters.nnx.quantize_model``;
 * ``linen_model``: plain Flax Linen (``nn.Dense``, ...), converted by
   ``te_adapters.linen.quantize``, or given a ``dot_general_cls`` (Flax's own FP8 op);
-* ``nnx_modules_model``: NNX with the library's fused modules, ``LayerNormDenseGeneral``
-  (RMSNorm + QKV) and ``LayerNormMLP`` (RMSNorm + SwiGLU), and ``Linear`` for the attention
-  output, each built with the recipe.
+* ``nnx_model(..., modules=True)``: NNX with the library's fused modules,
+  ``LayerNormDenseGeneral`` (RMSNorm + QKV) and ``LayerNormMLP`` (RMSNorm + SwiGLU), and
+  ``Linear`` for the attention output, each built with the recipe;
+* ``haiku_forward``: plain Haiku (``hk.Linear``, ``hk.RMSNorm``, ``hk.Embed``), converted by
+  ``te_adapters.haiku.quantize``.
 
-The layers are stacked and run by a scan (``nnx.scan`` / ``nn.scan``) when ``Config.scan``: one
-layer's program, compiled once whatever the depth.
+The layers are stacked and run by a scan (``nnx.scan`` / ``nn.scan`` / ``hk.layer_stack``) when
+``Config.scan``: one layer's program, compiled once whatever the depth.
 """
 
 from __future__ import annotations
@@ -289,3 +292,42 @@ def linen_model(cfg: Config, dot_general_cls=None):
                       kernel_init=nn.initializers.normal(std), name="head")(x)
 
   return LanguageModel()
+
+
+# ----------------------------------------------------------------------------------------------
+# Haiku
+
+
+def haiku_forward(tokens, cfg: Config, compute_dtype):
+  """The model in plain Haiku. ``hk.Linear`` creates its parameters and computes in its input's
+  dtype, so the projections' inputs are cast to ``compute_dtype``: float32 at init (float32
+  parameters), bf16 in training, where the caller passes the kernels cast to bf16."""
+  import haiku as hk
+
+  std, out_std = init_std(cfg)
+  init, out_init = hk.initializers.RandomNormal(std), hk.initializers.RandomNormal(out_std)
+
+  def linear(features, name, w_init=init):
+    layer = hk.Linear(features, with_bias=False, w_init=w_init, name=name)
+    return lambda h: layer(h.astype(compute_dtype))
+
+  def norm(name):
+    layer = hk.RMSNorm(-1, eps=cfg.norm_eps, name=name)
+    return lambda h: layer(h.astype(jnp.float32)).astype(compute_dtype)
+
+  def block(x):
+    h = norm("attn_norm")(x)
+    x = x + linear(cfg.d_model, "out", out_init)(attention(linear(cfg.qkv_features, "qkv")(h),
+                                                           cfg))
+    h = norm("mlp_norm")(x)
+    return x + linear(cfg.d_model, "down", out_init)(swiglu(linear(2 * cfg.ffn, "gate_up")(h)))
+
+  x = hk.Embed(cfg.vocab, cfg.d_model, w_init=init, name="embed")(tokens).astype(compute_dtype)
+  layer = hk.remat(block, policy=remat_policy(cfg)) if cfg.remat else block
+  if cfg.scan:
+    x = hk.layer_stack(cfg.layers, name="blocks")(layer)(x)
+  else:
+    for i in range(cfg.layers):
+      with hk.experimental.name_scope(f"block_{i}"):
+        x = layer(x)
+  return linear(cfg.vocab, "head")(norm("norm")(x))

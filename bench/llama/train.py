@@ -17,6 +17,8 @@ recomputes only elementwise work). The variants differ only by the conversion:
   (``ta_nnx.value_and_grad``, ``optimizer.update``, ``ta_nnx.update_recipe_state``);
 * ``linen-<recipe>``: ``te_adapters.linen.quantize(recipe)`` around init and apply, with
   ``te_adapters.linen.TrainState``;
+* ``haiku-bf16`` / ``haiku-<recipe>``: ``te_adapters.haiku.quantize(recipe)`` around the
+  transformed function, the Haiku README's step (``ta_hk.value_grad_and_state``);
 * ``nnx-modules-<recipe>``: the blocks written with the library's ``LayerNormDenseGeneral``,
   ``Linear`` and ``LayerNormMLP`` built with the recipe (``bf16``: recipe None);
 * ``linen-flax-fp8``: Flax's own ``nn.Fp8DirectDotGeneralOp`` as every projection's
@@ -74,9 +76,9 @@ OVERWRITE = "_overwrite_with_gradient"
 
 
 def variant_names() -> list[str]:
-  out = ["nnx-bf16", "linen-bf16", "nnx-modules-bf16", "linen-flax-fp8"]
+  out = ["nnx-bf16", "linen-bf16", "haiku-bf16", "nnx-modules-bf16", "linen-flax-fp8"]
   for r in RECIPES:
-    out += [f"nnx-{r}", f"linen-{r}", f"nnx-modules-{r}"]
+    out += [f"nnx-{r}", f"linen-{r}", f"haiku-{r}", f"nnx-modules-{r}"]
   return out
 
 
@@ -84,7 +86,7 @@ def parse_variant(name: str) -> tuple[str, str]:
   """(family, recipe name): family in nnx, linen, nnx-modules, linen-flax."""
   if name == "linen-flax-fp8":
     return "linen-flax", "flax-fp8"
-  for family in ("nnx-modules", "nnx", "linen"):
+  for family in ("nnx-modules", "nnx", "linen", "haiku"):
     prefix = family + "-"
     if name.startswith(prefix) and (name[len(prefix):] in RECIPES or name[len(prefix):] == "bf16"):
       return family, name[len(prefix):]
@@ -191,12 +193,44 @@ def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer
   return Trainer(state, step, len(q.report.quantized) if recipe is not None else 0)
 
 
+def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
+  import haiku as hk
+
+  from te_adapters import haiku as ta_hk
+
+  q = ta_hk.quantize(recipe, module_filter=lambda name: not model_lib.is_head(name),
+                     threshold=_threshold(cfg), config=config)
+  init = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.float32)))
+  model = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.bfloat16)))
+  params, state = jax.jit(init.init)(jax.random.key(seed), sample[:, :-1])
+
+  def loss_fn(params, state, tokens):
+    # float32 parameters, the projections' kernels cast to bf16 (as Linen's and NNX's
+    # dtype=bfloat16 layers do): FP8 GEMMs quantize the bf16 operands.
+    compute = jax.tree_util.tree_map_with_path(
+        lambda path, p: p.astype(jnp.bfloat16) if path[-1].key == "w" and p.ndim >= 2 else p,
+        params)
+    logits, state = model.apply(compute, state, None, tokens[:, :-1])
+    return cross_entropy(logits, tokens), state
+
+  def step(carry, tokens):  # the README's Haiku loop
+    params, state, opt_state = carry
+    loss, _, grads, state = ta_hk.value_grad_and_state(loss_fn)(params, state, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), state, opt_state), loss
+
+  quantized = len(q.report.quantized) if recipe is not None else 0
+  return Trainer((params, state, tx.init(params)), step, quantized)
+
+
 def make_trainer(cfg, variant: str, seed: int, sample, config=None) -> Trainer:
   family, recipe_name = parse_variant(variant)
   recipe = RECIPES[recipe_name]() if recipe_name in RECIPES else None
   tx = optimizer(cfg)
   if family in ("nnx", "nnx-modules"):
     return nnx_trainer(cfg, family, recipe, seed, tx, config)
+  if family == "haiku":
+    return haiku_trainer(cfg, recipe, seed, tx, sample, config)
   return linen_trainer(cfg, family, recipe, seed, tx, sample, config)
 
 
