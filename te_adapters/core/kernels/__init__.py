@@ -45,6 +45,7 @@ from te_adapters.core.kernels._partition import (
     block_scaled_gemm,
     cast_transpose,
     gemm,
+    row_scaled_gemm,
     tensor_fallback,
     tensor_scaled_gemm,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "padded_transpose_call",
     "refusal",
     "registered",
+    "row_scaled_gemm",
     "rows_gemm",
     "single_device",
     "tensor_fallback",
