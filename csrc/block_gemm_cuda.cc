@@ -5,12 +5,8 @@
 // K contiguous. Scale mode 0 (per tensor): each operand has one float32 scale, shared by every
 // batch entry, and the epilogue multiplies the float32 sums by both before the one rounding to
 // the output dtype. Modes 1 and 2 (blocks): each 128-wide K block is multiplied by its float32
-// scales before the sum. Mode 3 (outer vectors, both operands): one float32 scale per row of
-// each operand (M for lhs, N for rhs, per batch entry), out[m, n] = lhs_scale[m] *
-// rhs_scale[n] * sum, applied to the float32 sums in the epilogue
-// (CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, cuBLAS 12.9 and newer, Hopper). ``fast_accum``
-// (modes 0 and 3) lets the tensor cores keep the running sums in their reduced precision instead
-// of promoting them to float32.
+// scales before the sum. ``fast_accum`` (mode 0 only) lets the tensor cores keep the running
+// sums in their reduced precision instead of promoting them to float32.
 // Block scale layouts, one batch entry each (cuBLAS's):
 //   1-D (1x128 blocks along K):      [K / 128][R4] float32, R4 = rows rounded up to a multiple of 4
 //                                    (rows contiguous);
@@ -140,7 +136,6 @@ bool fp8_type(ffi::DataType t, cudaDataType_t* out) {
 }
 
 cublasLtMatmulMatrixScale_t scale_mode(int32_t mode) {
-  if (mode == 3) return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
   return mode == 2 ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
                    : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
 }
@@ -173,12 +168,10 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
   const LtApi& api = lt_api();
   if (!api.error.empty()) return ffi::Error::Internal("te_adapters FP8 GEMM: " + api.error);
   const bool per_tensor = lhs_mode == 0 && rhs_mode == 0;
-  const bool outer = lhs_mode == 3 && rhs_mode == 3;
-  if (!per_tensor && !outer &&
-      (lhs_mode == 0 || rhs_mode == 0 || lhs_mode == 3 || rhs_mode == 3 || fast_accum != 0)) {
+  if (!per_tensor && (lhs_mode == 0 || rhs_mode == 0 || fast_accum != 0)) {
     return ffi::Error::InvalidArgument(
-        "FP8 GEMM: per-tensor scales (mode 0) go with per-tensor scales, row scales (mode 3) "
-        "with row scales, and block scales without fast accumulation");
+        "FP8 GEMM: per-tensor scales (mode 0) go with per-tensor scales, and block scales "
+        "without fast accumulation");
   }
   if (!per_tensor && api.get_version() < kMinBlockVersion) {
     return ffi::Error::Internal("te_adapters FP8 GEMM: cuBLASLt " +
@@ -199,12 +192,7 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
       od[o + 1] != n) {
     return ffi::Error::InvalidArgument("FP8 GEMM operand shapes do not match");
   }
-  if (outer && (k % 16 != 0 || lhs_scale.element_count() != static_cast<size_t>(batch * m) ||
-                rhs_scale.element_count() != static_cast<size_t>(batch * n))) {
-    return ffi::Error::InvalidArgument(
-        "row-scaled FP8 GEMM needs K % 16 == 0 and one scale per row of each operand");
-  }
-  if (!per_tensor && !outer && k % 128 != 0) {
+  if (!per_tensor && k % 128 != 0) {
     return ffi::Error::InvalidArgument("block-scaled GEMM needs K % 128 == 0");
   }
   if (per_tensor && (k % 16 != 0 || lhs_scale.element_count() != 1 ||
@@ -251,15 +239,14 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   api.desc_set(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a));
   api.desc_set(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b));
-  if (per_tensor || outer) {
+  if (per_tensor) {
     // The default scale mode is one float32 scalar per operand.
     const int8_t fast = fast_accum != 0 ? 1 : 0;
     if ((s = api.desc_set(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast))) !=
         CUBLAS_STATUS_SUCCESS) {
       return lt_error("setting the accumulation mode", s);
     }
-  }
-  if (!per_tensor) {
+  } else {
     const int32_t a_mode = scale_mode(rhs_mode), b_mode = scale_mode(lhs_mode);
     if ((s = api.desc_set(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode))) !=
             CUBLAS_STATUS_SUCCESS ||

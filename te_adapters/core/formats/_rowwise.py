@@ -14,12 +14,14 @@ the same on CPU and GPU (float32 subnormal inputs aside, which XLA:CPU flushes t
 ``ScaledTensor`` keeps ``scale_inv = 1 / scale`` of shape ``(..., P, 1)`` (scaling mode
 ``"rowwise"``), so ``data * scale_inv`` broadcasts to the values.
 
-The GEMM ``(..., M, K) x (..., N, K)`` is an FP8 GEMM of the data, each output element times its
-row's and its column's ``scale_inv``. On Hopper it is the extension's cuBLASLt FP8 GEMM with
-cuBLAS's outer-vector scale mode, which applies the two vectors to the float32 sums in its
-epilogue and writes the output dtype (bfloat16 or float32) itself, where it runs; elsewhere, or
-with ``GemmConfig(fp8_gemm="xla")``, XLA's FP8 ``dot_general`` with float32 output multiplied by
-the outer product of the two vectors (``(..., M, 1) * (..., 1, N)``) and cast once.
+The GEMM ``(..., M, K) x (..., N, K)`` is an FP8 GEMM of the data with float32 output (on Hopper
+the extension's cuBLASLt FP8 GEMM with unit scales, where it runs; elsewhere, or with
+``GemmConfig(fp8_gemm="xla")``, XLA's FP8 ``dot_general``), whose output is multiplied by the
+outer product of the two scale-inverse vectors (``(..., M, 1) * (..., 1, N)``) in float32 and
+cast to the output dtype once. cuBLASLt's outer-vector scale mode, which applies the two vectors
+in the GEMM's epilogue and writes bfloat16 itself, was measured and not kept: seed 000's Dense
+step took 28.0 ms with it on an H100 against 25.9 ms with XLA's FP8 dot and this pass in the
+same run (``bench/RESULTS.md``, 2026-11-27).
 
 With ``weight_grad_high_precision`` (torchao's ``rowwise_with_gw_hp``) the ``cols`` copies of x
 and of the gradient, which only the weight-gradient GEMM reads, are the swapped high-precision
@@ -39,18 +41,19 @@ refused. Under ``jit`` a row's amax is that of the whole row.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core import kernels
 from te_adapters.core.formats import _block, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import ScaledTensor
-from te_adapters.core.formats._tensor_format import _cublas_refusal, _gemm_precision
+from te_adapters.core.formats._tensor_format import (
+  _cublas_refusal,
+  _cublas_tn_dot,
+  _gemm_precision,
+)
 from te_adapters.core.recipes import Float8RowwiseScaling
 from te_adapters.core.state import EmptyState
 
@@ -181,43 +184,23 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
         a.data.astype(dtype), b.data.astype(dtype), dims, precision=precision,
         preferred_element_type=jnp.float32, out_sharding=out_sharding)
     return out.astype(out_dtype)
+  out = None
   if config is None or config.fp8_gemm != "xla":
-    # On Hopper, the extension's cuBLASLt FP8 GEMM with the row and column factors in its
-    # epilogue; XLA's FP8 dot where it cannot run (or with fp8_gemm="xla").
-    # wgrad: float32, then cast (as the per-tensor formats: a float32 parameter's gradient is
-    # the GEMM's output, with no pass of its own); otherwise the output dtype where cuBLASLt
-    # writes it (bfloat16 or float32).
-    dtype = np.dtype(out_dtype)
-    if which == "wgrad" or dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float32)):
-      dtype = np.dtype(jnp.float32)
-    refusal = _cublas_refusal(a.data, b.data, dtype, out_sharding)
+    # On Hopper, the extension's cuBLASLt FP8 GEMM with unit scales, float32 out (and float32
+    # sums over devices); XLA's FP8 dot where it cannot run (or with fp8_gemm="xla").
+    refusal = _cublas_refusal(a.data, b.data, jnp.float32, out_sharding)
     if refusal is None:
-      partial_sums = "float32" if config is None else config.partial_sums
-      sum_dtype = out_dtype if partial_sums == "output" else jnp.float32
-      return _cublas_row_dot(a, b, dtype, kernels.fast_accumulation(precision, which, recipe),
-                             sum_dtype).astype(out_dtype)
-    if config is not None and config.fp8_gemm == "native":
+      one = jnp.ones((1,), jnp.float32)
+      out = _cublas_tn_dot(a.data, b.data, one, one, jnp.float32, precision, jnp.float32)
+    elif config is not None and config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
-  out = lax.dot_general(
-      a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
-      out_sharding=out_sharding)
+  if out is None:
+    out = lax.dot_general(
+        a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
+        out_sharding=out_sharding)
   # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor.
   scales = a.scale_inv * jnp.swapaxes(b.scale_inv, -1, -2)
   return (out * scales).astype(out_dtype)
-
-
-def _cublas_row_dot(a, b, out_dtype, fast: bool, sum_dtype):
-  """``a (.., M, K) . b (.., N, K)^T`` by cuBLASLt, each output element times ``a``'s row factor
-  and ``b``'s, in the epilogue (scale mode 3), one rounding to ``out_dtype``; per shard in a
-  sharded program."""
-  lead = a.data.shape[:-2]
-  (m, k), n = a.data.shape[-2:], b.data.shape[-2]
-  batch = (math.prod(lead),) if lead else ()
-  y = kernels.row_scaled_gemm(
-      kernels.gemm_call, a.data.reshape(*batch, m, k), b.data.reshape(*batch, n, k),
-      a.scale_inv.astype(jnp.float32).reshape(*batch, m, 1),
-      b.scale_inv.astype(jnp.float32).reshape(*batch, n, 1), out_dtype, fast, sum_dtype)
-  return y.reshape(*lead, m, n) if lead else y
 
 
 def _dequantize(t, dtype):

@@ -45,7 +45,6 @@ from te_adapters.core.kernels._partition import (
     block_scaled_gemm,
     cast_transpose,
     gemm,
-    row_scaled_gemm,
     tensor_fallback,
     tensor_scaled_gemm,
 )
@@ -88,7 +87,6 @@ __all__ = [
     "padded_transpose_call",
     "refusal",
     "registered",
-    "row_scaled_gemm",
     "rows_gemm",
     "single_device",
     "tensor_fallback",

@@ -337,8 +337,7 @@ def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accu
 
   Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
   Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (see
-  ``_float8_block``). Mode 3 (both operands): one float32 scale per row, ``(.., M, 1)`` and
-  ``(.., N, 1)``, applied with the per-tensor modes' epilogue (``_rowwise``).
+  ``_float8_block``).
   """
   outs = (
     jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), out_dtype),

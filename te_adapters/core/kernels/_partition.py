@@ -48,7 +48,6 @@ __all__ = [
   "block_scaled_gemm",
   "cast_transpose",
   "gemm",
-  "row_scaled_gemm",
   "tensor_fallback",
   "tensor_scaled_gemm",
 ]
@@ -282,7 +281,6 @@ def gemm(
   out_dtype,
   *,
   block_scales: bool = False,
-  row_scales: bool = False,
   refusal: Callable | None = None,
   sum_dtype=None,
 ):
@@ -295,9 +293,7 @@ def gemm(
       where ``refusal`` refuses their shapes.
     a, b: ``(M, K)``/``(N, K)``, or with one leading batch dim.
     a_scale, b_scale: per-tensor scales of shape (1,) (replicated), or with ``block_scales``
-      block scales with one entry per block, of the operand's rank (sharded like it), or with
-      ``row_scales`` one scale per row of the operand, shaped like it with K of size 1 (sharded
-      like its rows, whole along K: a device's partial product has its rows' scales).
+      block scales with one entry per block, of the operand's rank (sharded like it).
     out_dtype: the result's dtype.
     refusal: ``refusal(a_shape, b_shape) -> str | None``: why the kernel cannot take one shard.
     sum_dtype: where K is split over devices, the dtype of each device's partial product and of
@@ -308,7 +304,7 @@ def gemm(
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
   sum_dtype = np.dtype(np.float32 if sum_dtype is None else sum_dtype)
   run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes,
-                   sum_dtype, row_scales)
+                   sum_dtype)
   return run(a, b, a_scale, b_scale)
 
 
@@ -345,8 +341,7 @@ def _gemm_plan(mesh, a_spec, b_spec, a_shape, b_shape, scale_shapes, block_scale
   return lead + (m, k), lead + (n, k), lead + (m, n), k
 
 
-def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes, sum_dtype,
-               row_scales=False):
+def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes, sum_dtype):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
 
@@ -384,10 +379,7 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes,
       y = fn(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
       return lax.psum(y, k).astype(out_dtype)
 
-    if row_scales:
-      scale = lambda spec: (*spec[:-1], ())  # noqa: E731
-    else:
-      scale = (lambda spec: spec) if block_scales else (lambda spec: ((),))
+    scale = (lambda spec: spec) if block_scales else (lambda spec: ((),))
     return (new_a, new_b, scale(new_a), scale(new_b)), (out,), per_shard
 
   lead = ["b"] if ndim == 3 else []
@@ -396,9 +388,6 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes,
   if block_scales:
     sa = " ".join(_letters(len(sa_shape), "sa"))
     sb = " ".join(_letters(len(sb_shape), "sb"))
-  elif row_scales:  # the operand's rows, and a K of size 1
-    sa = " ".join(lead + ["m", "ka"])
-    sb = " ".join(lead + ["n", "kb"])
   else:
     sa, sb = "sa", "sb"
   call = functools.partial(_call_with_dtype, kernel, out_dtype)
@@ -429,35 +418,6 @@ def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_a
     "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
     refusal=_tensor_refusal, sum_dtype=sum_dtype,
   )
-
-
-def row_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool,
-                    sum_dtype=None):
-  """The extension's FP8 GEMM with one scale per row of each operand (``call``: ``gemm_call``,
-  scale mode 3): ``a (.., M, K)`` with ``a_scale (.., M, 1)``, ``b (.., N, K)`` with ``b_scale
-  (.., N, 1)``, ``out[m, n] = a_scale[m] * b_scale[n] * sum_k a[m, k] b[n, k]`` in the epilogue,
-  per shard; XLA's FP8 GEMM, its float32 output times the scales, on shards it cannot take (M, N
-  or K not a multiple of 16). ``sum_dtype``: as for ``gemm``."""
-  kernel = functools.partial(_row_kernel, call, fast_accum)
-  fallback = functools.partial(_row_fallback, fast_accum)
-  return gemm(
-    "the row-scaled FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
-    row_scales=True, refusal=_tensor_refusal, sum_dtype=sum_dtype,
-  )
-
-
-def _row_kernel(call, fast_accum, a, b, a_scale, b_scale, dtype):
-  return call(a, b, a_scale, b_scale, dtype, lhs_mode=3, rhs_mode=3, fast_accum=fast_accum)
-
-
-def _row_fallback(fast_accum, a, b, a_scale, b_scale, dtype):
-  batch = tuple(range(a.ndim - 2))
-  precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
-  y = lax.dot_general(
-    a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)), precision=precision,
-    preferred_element_type=jnp.float32,
-  )
-  return (y * (a_scale * jnp.swapaxes(b_scale, -1, -2))).astype(dtype)
 
 
 def _tensor_kernel(call, fast_accum, a, b, a_scale, b_scale, dtype):
