@@ -3,9 +3,10 @@
 The model and step are ``python -m bench``'s seed 000 Dense through Linen (``bench.speed``): a
 training step (forward, dx, dW) of ``nn.Dense`` with the recipe's ``dot_general``, bfloat16
 activations and a float32 kernel, on the trained recipe state. Rowwise runs as the library runs
-it (on Hopper the extension's cuBLASLt GEMM with the row and column factors in its epilogue),
-with its weight gradient in high precision, and with ``GemmConfig(fp8_gemm="xla")`` (XLA's FP8
-dot with float32 output, the factors multiplied in a pass after it). The variants are timed in
+it (on Hopper the extension's cuBLASLt GEMM with unit scales, the row and column factors
+multiplied into its float32 output in a pass after it), with its weight gradient in high
+precision, and with ``GemmConfig(fp8_gemm="xla")`` (XLA's FP8 dot in place of the extension's,
+the same pass after it). The variants are timed in
 turns, one repeat of ``--steps`` steps each, for ``--repeats`` rounds; the table gives the median
 (and spread) per variant, its speed against bf16 and against current scaling, and the compiled
 program's FP8 GEMMs / other GEMMs.
