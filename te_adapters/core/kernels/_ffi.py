@@ -331,9 +331,12 @@ def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):
     scale.reshape(1).astype(f32), has_beta=has_beta, compute_amax=with_amax)
 
 
-def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False,
+              sm_margin=0):
   """The cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times ``b (.., N, K)``
-  into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim.
+  into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim. ``sm_margin`` > 0:
+  cuBLASLt targets the device's SM count less that many (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``),
+  leaving them to a collective running beside the GEMM.
 
   Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
   Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (see
@@ -346,6 +349,7 @@ def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accu
   y, _ = jax.ffi.ffi_call(GEMM_TARGET, outs, vmap_method="sequential")(
     a, b, a_scales, b_scales,
     lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
+    sm_margin=np.int32(sm_margin),
   )
   return y
 
