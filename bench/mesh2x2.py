@@ -23,9 +23,9 @@ steps back to back with one sync at the end ("pipelined", as a training loop run
 the median over repeats of each. Scaling efficiency is strong scaling, t(1 device) / (4 t(2x2)).
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
-package's default), or tokens ``m<SMs>`` (``comm_sm_margin``) and ``c<n>`` (``sum_chunks``),
-e.g. ``base,m16,c4,m16c4``. The one-device program takes the default config (the levers act
-only on sharded GEMMs).
+package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
+``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. The one-device program
+takes the default config (the levers act only on sharded programs).
 
 Checks: y, dx and dW of the mesh run against the one-device run of the same framework and
 variant (normwise relative error, flagged above 1e-2), and the new recipe state (DelayedScaling),
@@ -65,7 +65,7 @@ def _parse(argv):
   p.add_argument("--hlo-dir", default=None, help="write each mesh program's compiled HLO here")
   p.add_argument("--configs", default="base",
                  help="FP8 mesh programs' GemmConfig levers: base, m<SMs> (comm_sm_margin), "
-                      "c<n> (sum_chunks), combined as m16c4; comma-separated")
+                      "c<n> (sum_chunks), f (fold_amax), combined as m16c4f; comma-separated")
   p.add_argument("--partial-sums", choices=("output", "float32"), default=None,
                  help="GemmConfig.partial_sums of the FP8 layers: the dtype the sharded GEMMs "
                       "sum their partial products in (default: the package's default)")
@@ -105,19 +105,21 @@ LEVERS: dict = {}  # the GemmConfig levers of the model being built (parse_confi
 
 
 def parse_config(token: str) -> dict:
-  """``base`` -> {}; ``m16c4`` -> {comm_sm_margin: 16, sum_chunks: 4}."""
+  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True}."""
   import re
 
   if token == "base":
     return {}
-  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?", token)
+  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?", token)
   if not m or not token:
-    raise SystemExit(f"--configs: {token!r} is not base, m<SMs>, c<n> or m<SMs>c<n>")
+    raise SystemExit(f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order")
   out = {}
   if m.group(1):
     out["comm_sm_margin"] = int(m.group(1))
   if m.group(2):
     out["sum_chunks"] = int(m.group(2))
+  if m.group(3):
+    out["fold_amax"] = True
   return out
 
 

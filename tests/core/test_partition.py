@@ -574,6 +574,27 @@ def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
 @pytest.mark.parametrize(("rows", "chunks", "want"), [
     (8192, 4, 2048), (64, 2, 32), (64, 4, 16), (64, 8, 64), (48, 2, 48), (100, 1, 100)])
 def test_sum_chunk_rows_keeps_the_kernels_multiples_of_16(rows, chunks, want):
-  from te_adapters.core.kernels import _partition
+  assert kernels.sum_chunk_rows(rows, chunks) == want
 
-  assert _partition.sum_chunk_rows(rows, chunks) == want
+
+@pytest.mark.parametrize("recipe", [DELAYED, ta.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_fold_amax_reduces_every_amax_over_the_mesh_in_one_all_reduce(recipe):
+  """``GemmConfig(fold_amax=True)`` on DP x column-parallel TP: x's amax (over dp), the
+  kernel's (over tp) and the gradient's (over both) are each reduced over all four devices, so
+  XLA combines them into one all-reduce of three amaxes; every output and the recipe state are
+  the unfolded program's bit for bit (a max over devices holding the same data changes
+  nothing). Unfolded, the amaxes take an all-reduce per group of devices."""
+
+  def amax_reduces(hlo):
+    return [c for c in inspect.hlo_collectives(hlo) if c.op == "all-reduce"
+            and all(int(np.prod(s)) <= 1 for _, s in c.arrays)]
+
+  plan = PLANS[-1]
+  got, text = _sharded(recipe, plan, step=_step(recipe, dataclasses.replace(FFI, fold_amax=True)))
+  want, base_text = _sharded(recipe, plan)
+  folded = amax_reduces(text)
+  assert len(folded) == 1 and len(folded[0].arrays) == 3, [c.line[:160] for c in folded]
+  assert "replica_groups={{0,1,2,3}}" in folded[0].line, folded[0].line[:200]
+  assert len(amax_reduces(base_text)) >= 2, [c.line[:160] for c in amax_reduces(base_text)]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -47,7 +47,8 @@ def cast_both(x, scale, q_dtype, config, with_amax=False):
   """FP8 copies of ``x`` and of ``x`` with its last two dims swapped (and the amax of ``x``), in
   one pass over ``x``: the FFI kernel or XLA's fusion, per ``config.backend``."""
   return _cast_transpose.cast_transpose(
-      x, scale, q_dtype, with_amax=with_amax, backend=config.backend
+      x, scale, q_dtype, with_amax=with_amax, backend=config.backend,
+      amax_over_mesh=config.fold_amax,
   )
 
 
@@ -82,7 +83,8 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
   else:
     # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
     # kernel and can fuse into the op that produces x.
-    a = _cast_transpose.amax(x, backend="jax") if amax is None else amax()
+    a = (_cast_transpose.amax(x, backend="jax", over_mesh=req.config.fold_amax)
+         if amax is None else amax())
     scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     q, q_t, _ = cast(scale, False)
   sinv = _scaling.scale_inverse(scale)

@@ -51,6 +51,7 @@ __all__ = [
   "block_scaled_gemm",
   "cast_transpose",
   "gemm",
+  "sum_chunk_rows",
   "tensor_fallback",
   "tensor_scaled_gemm",
 ]
@@ -223,19 +224,32 @@ def _shardable(split: Callable, call: Callable, ndims: tuple[int, ...], sharding
 # --------------------------------------------------------------------------- cast and amax
 
 
+def _amax_axes(mesh, spec, over_mesh: bool) -> tuple[str, ...]:
+  """The mesh axes a shard's amax is max-reduced over: those that shard the input, or with
+  ``over_mesh`` every axis of the mesh where any does (the same value: over an axis that does not
+  shard the input each device holds the same data), so that the amaxes of a GEMM's operands,
+  sharded over different axes, are reduced over the same devices and XLA can combine their
+  all-reduces into one."""
+  axes = _axes_of(spec)
+  if over_mesh and axes:
+    return tuple(mesh.axis_names)
+  return axes
+
+
 @functools.cache
-def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool):
+def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool,
+                   over_mesh: bool = False):
   """``call(x, scale) -> (q, q_t, amax)`` (unrequested outputs of shape (0,)) made shardable.
 
   ``x`` has ``ndim`` dims; ``q`` is shaped like it, ``q_t`` with its last two dims swapped, and
-  ``amax`` is the global max(|x|) on every device.
+  ``amax`` is the global max(|x|) on every device (reduced over every mesh axis with
+  ``over_mesh``, see ``_amax_axes``).
   """
 
   def split(mesh, specs):
-    del mesh
     spec = specs[0]
     swapped = spec[:-2] + (spec[-1], spec[-2]) if ndim >= 2 else ((),)
-    axes = _axes_of(spec)
+    axes = _amax_axes(mesh, spec, over_mesh)
 
     def per_shard(x, scale):
       q, q_t, a = call(x, scale)
@@ -253,12 +267,12 @@ def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with
 
 
 @functools.cache
-def amax(call: Callable, ndim: int):
-  """``call(x) -> amax`` (float32 (1,)) made shardable: the global max(|x|) on every device."""
+def amax(call: Callable, ndim: int, over_mesh: bool = False):
+  """``call(x) -> amax`` (float32 (1,)) made shardable: the global max(|x|) on every device
+  (reduced over every mesh axis with ``over_mesh``, see ``_amax_axes``)."""
 
   def split(mesh, specs):
-    del mesh
-    axes = _axes_of(specs[0])
+    axes = _amax_axes(mesh, specs[0], over_mesh)
 
     def per_shard(x):
       a = call(x)

@@ -98,6 +98,12 @@ class GemmConfig:
       can run while the next chunk's GEMM does (``1``, the default: one GEMM, then one
       all-reduce). Applies where the rows split into chunks of a multiple of 16; elsewhere the
       GEMM runs whole.
+    fold_amax: per-tensor recipes in a sharded ``jit`` program: each operand's amax is
+      max-reduced over every mesh axis rather than over the axes that shard it (the same value:
+      over an axis that does not shard an operand every device holds the same data), so that
+      the amaxes of operands sharded over different axes (x over data parallelism, the kernel
+      over tensor parallelism) are reduced over the same devices and XLA can combine their
+      all-reduces into one. ``False`` (the default): each over its own axes.
 
   Example:
     >>> import te_adapters as ta
@@ -116,6 +122,7 @@ class GemmConfig:
   partial_sums: str = "output"
   comm_sm_margin: int | None = None
   sum_chunks: int = 1
+  fold_amax: bool = False
 
   def __post_init__(self):
     margin = self.comm_sm_margin
@@ -126,6 +133,8 @@ class GemmConfig:
     chunks = self.sum_chunks
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
       raise ValueError(f"GemmConfig.sum_chunks must be an int >= 1, got {chunks!r}")
+    if not isinstance(self.fold_amax, bool):
+      raise ValueError(f"GemmConfig.fold_amax must be True or False, got {self.fold_amax!r}")
     if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
       value = self.fuse_activation_cast
       raise ValueError(
