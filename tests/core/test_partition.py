@@ -560,11 +560,21 @@ def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
   assert not any(m and c[0][0] == 64 for c, m in by_call), by_call  # no unchunked summed GEMM
 
   def grad_sums(hlo):
-    return sorted(tuple(s) for c in inspect.hlo_collectives(hlo) if c.op == "all-reduce"
-                  for _, s in c.arrays if int(np.prod(s)) >= 256)
+    """Elements of each array the gradient all-reduces sum (a GPU's async start lists its
+    operands, then its results)."""
+    out = []
+    for c in inspect.hlo_collectives(hlo):
+      arrays = [int(np.prod(s)) for _, s in c.arrays if int(np.prod(s)) >= 256]
+      if c.op == "all-reduce":
+        out += arrays[: len(arrays) // 2] if "-start(" in c.line else arrays
+    return sorted(out)
 
-  assert grad_sums(base_text) == [(64, 16), (64, 64)], grad_sums(base_text)
-  assert grad_sums(text) == [(32, 16), (32, 16), (32, 64), (32, 64)], grad_sums(text)
+  # dx (64, 64) and dW (64, 16), each once; chunked, in halves. XLA combines the halves of GEMMs
+  # this small into one all-reduce (under its combine threshold: XLA:CPU as a tuple of the
+  # halves, XLA:GPU flattened into one array); at seed 000's sizes they stay apart on the GPU.
+  assert sum(grad_sums(text)) == sum(grad_sums(base_text)) == 64 * 64 + 64 * 16
+  if jax.default_backend() == "cpu":
+    assert grad_sums(text) == [32 * 16] * 2 + [32 * 64] * 2, grad_sums(text)
   for step, (g, w) in enumerate(zip(got, want, strict=True)):
     for name, a, b in zip(("y", "dx", "dw", "state"), jax.tree.leaves(g), jax.tree.leaves(w),
                           strict=False):
@@ -586,15 +596,28 @@ def test_fold_amax_reduces_every_amax_over_the_mesh_in_one_all_reduce(recipe):
   nothing). Unfolded, the amaxes take an all-reduce per group of devices."""
 
   def amax_reduces(hlo):
+    """The all-reduces whose reduction is a max (the amaxes)."""
+    maxes, name = set(), None
+    for line in hlo.splitlines():
+      if head := re.match(r"^%?([\w.\-]+) \(.*\{\s*$", line):
+        name = head.group(1)
+      elif name and "ROOT" in line and " maximum(" in line:
+        maxes.add(name)
     return [c for c in inspect.hlo_collectives(hlo) if c.op == "all-reduce"
-            and all(int(np.prod(s)) <= 1 for _, s in c.arrays)]
+            and (m := re.search(r"to_apply=%?([\w.\-]+)", c.line)) and m.group(1) in maxes]
 
+  every_device = re.compile(
+      r"replica_groups=(\{\{0,1,2,3\}\}|\[1,4\]<=\[4\]|mesh\[[^\]]*\] \{'dp','tp'\})")
   plan = PLANS[-1]
   got, text = _sharded(recipe, plan, step=_step(recipe, dataclasses.replace(FFI, fold_amax=True)))
   want, base_text = _sharded(recipe, plan)
-  folded = amax_reduces(text)
-  assert len(folded) == 1 and len(folded[0].arrays) == 3, [c.line[:160] for c in folded]
-  assert "replica_groups={{0,1,2,3}}" in folded[0].line, folded[0].line[:200]
-  assert len(amax_reduces(base_text)) >= 2, [c.line[:160] for c in amax_reduces(base_text)]
+  folded, unfolded = amax_reduces(text), amax_reduces(base_text)
+  lines = lambda cs: [c.line[:200] for c in cs]
+  assert folded and all(every_device.search(c.line) for c in folded), lines(folded)
+  assert len(folded) < len(unfolded), (lines(folded), lines(unfolded))
+  # XLA:CPU combines all three (dy is an input here, so its amax is ready at the start); XLA:GPU
+  # the two of the forward GEMM (current) or all three (delayed), as bench/mesh2x2.py shows.
+  if jax.default_backend() == "cpu":
+    assert len(folded) == 1 and len(folded[0].arrays) == 3, lines(folded)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(a, b)

@@ -148,6 +148,15 @@ def test_partial_products_are_summed_in_bf16_by_default(specs):
     np.testing.assert_array_equal(np.asarray(got[3][name]), np.asarray(ref[3][name]))
 
 
+def _operands(collective):
+  """The arrays a collective reduces: an asynchronous start's type lists its operands, then its
+  results."""
+  arrays = collective.arrays
+  if "-start(" in collective.line and len(arrays) % 2 == 0:
+    return arrays[: len(arrays) // 2]
+  return arrays
+
+
 def test_chunked_sums_beside_an_sm_margin_match_the_whole_gemm():
   """``GemmConfig(sum_chunks=4, comm_sm_margin=8)`` under data parallelism on two GPUs: wgrad
   (its K, the rows, split over dp) runs as 4 cuBLASLt GEMMs of a quarter of its output rows each
@@ -171,10 +180,12 @@ def test_chunked_sums_beside_an_sm_margin_match_the_whole_gemm():
              if 'custom_call_target="te_adapters_block_gemm"' in line]
     margins = sorted(int(m) for line in calls for m in re.findall(r"sm_margin\s*=\s*(\d+)", line))
     assert margins == [0, 0, 8, 8, 8, 8], [line[:200] for line in calls]  # fprop, dgrad; wgrad x4
-  sums = [c for c in inspect.hlo_collectives(text)
-          if c.op.startswith("all-reduce") and any(int(np.prod(s)) >= 1024 for _, s in c.arrays)]
-  assert sorted(s for c in sums for _, s in c.arrays if int(np.prod(s)) >= 1024) == [
-      (64, 512)] * 4, [c.arrays for c in sums]
+  # The gradient's sums carry dW (256, 512) once, in bf16: XLA combines the chunks' all-reduces
+  # of a GEMM this small back into one (under its combine threshold; seen on two H100s, as one
+  # all-reduce of dW flattened); at seed 000's sizes they stay apart (bench/RESULTS.md).
+  summed = [(d, int(np.prod(s))) for c in inspect.hlo_collectives(text)
+            if c.op == "all-reduce" for d, s in _operands(c) if int(np.prod(s)) >= 1024]
+  assert {d for d, _ in summed} == {"bf16"} and sum(n for _, n in summed) == 256 * 512, summed
   got, ref = chunked(*args), whole(*args)
   for name, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
     spmd_checks.record(name, a, b)
