@@ -33,7 +33,12 @@ from te_adapters.core.formats._grouping import (
   ROWS_TIMES_GROUP_KERNEL_DIMS,
   row_groups,
 )
-from te_adapters.core.formats._rowwise import HIGH_PRECISION, ROWWISE, quantize_rows
+from te_adapters.core.formats._rowwise import (
+  HIGH_PRECISION,
+  ROWWISE,
+  power_of_two_scale,
+  quantize_rows,
+)
 from te_adapters.core.formats._scaled_tensor import ScaledTensor
 from te_adapters.core.formats._tensor_format import _gemm_precision
 
@@ -61,11 +66,12 @@ def _group_columns(x, ids, num_groups, q_dtype, margin) -> ScaledTensor:
   amax = jax.ops.segment_max(magnitudes, ids, num_segments=num_groups + 1)[:num_groups]
   amax = jnp.maximum(amax, 0.0)  # an empty group's -inf
   limit = _scaling.fp8_max(q_dtype)
-  scale = _scaling.compute_scale(amax, limit, 1.0, margin)  # (G, F)
+  # dot_general's rule for a row's scale (a power of two), per group and column: (G, F).
+  scale, sinv = power_of_two_scale(amax, limit / 2.0**margin)
   per_row = jnp.concatenate([scale, jnp.ones((1, x.shape[1]), jnp.float32)])[ids]
   data = jnp.clip(x.astype(jnp.float32) * per_row, -limit, limit).astype(q_dtype)
   data = _in_groups(data, ids, num_groups)
-  return ScaledTensor(data, _scaling.scale_inverse(scale), jnp.max(amax, initial=0.0).reshape(1),
+  return ScaledTensor(data, sinv, jnp.max(amax, initial=0.0).reshape(1),
                       scaling_mode=ROWWISE, dq_dtype=np.dtype(x.dtype))
 
 
