@@ -139,11 +139,15 @@ def _check_plan(recipe, role, plan):
 
 
 def _quantize(req: QuantizeRequest) -> Quantized:
-  if req.producer is not None:
-    raise NotImplementedError(
-        f"{type(req.recipe).__name__}: a fused cast into rowwise operands is not implemented; "
-        "the composed path quantizes the operand after it is written")
   x, role, recipe = req.x, req.role, req.recipe
+  if req.producer is not None:
+    # The fused norm and MLP paths: the operand's float32 values, whose formula XLA fuses into
+    # the row amaxes and the casts.
+    if req.producer.value is None:
+      raise NotImplementedError(
+          f"{type(recipe).__name__}: rowwise scales need the operand's values; this producer "
+          "gives only a per-tensor cast")
+    x = req.producer.value()
   _check_plan(recipe, role, req.plan)
   q_dtype = _q_dtype(recipe, role)
   rows = quantize_rows(x, q_dtype, recipe.margin) if req.rows else None
@@ -231,4 +235,5 @@ FORMAT = QuantizationFormat(
     dequantize=_dequantize,
     check=_check,
     per_tensor=False,
+    takes_producer=True,
 )

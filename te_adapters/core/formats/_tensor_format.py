@@ -73,7 +73,7 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
 
     amax = None
   else:
-    cast, amax = req.producer
+    cast, amax = req.producer.cast, req.producer.amax
   scale = scaling.stored_scale(state, role)
   if scale is not None:
     # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
@@ -232,4 +232,5 @@ def tensor_format(recipe_type: type, scaling: TensorScaling) -> QuantizationForm
       per_tensor=True,
       scaling=scaling,
       grouped=_grouped_tensor.grouped_format(scaling),
+      takes_producer=True,
   )

@@ -56,18 +56,21 @@ class GemmConfig:
       dequantized values for MXFP8 and NVFP4.
     layout, output, transpose, amax: deprecated measurement-only choices, accepted with a
       ``DeprecationWarning`` and without effect; removed in the next release.
-    fuse_activation_cast: ``core.layernorm_mlp`` with a per-tensor recipe (both GEMMs in FP8, no
-      dropout, no sharding constraints) casts the activation of GEMM 1's output straight to
-      GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
+    fuse_activation_cast: ``core.layernorm_mlp`` (both GEMMs in FP8, no dropout, no sharding
+      constraints, blocks that tile every GEMM) casts the activation of GEMM 1's output straight
+      to GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
       gradient with the bias gradient, in one custom VJP that also casts the norm's output
-      straight to GEMM 1's FP8 operand unless it is returned (``True``); ``False`` composes the
-      norm, the activation and two ``dot_general`` calls. ``None`` (the default): fused for every
-      per-tensor recipe, the faster path for each (``bench/RESULTS.md``). With activations
-      narrower than float32 the two differ by the rounding of the norm's output, the activation
-      and its gradient to that dtype, which only the composed path does. The same switch
-      chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast straight to the
-      GEMM's FP8 operand in one custom VJP (a per-tensor recipe, the GEMM in FP8, the norm's
-      output neither returned nor constrained).
+      straight to GEMM 1's FP8 operand unless it is returned (``True``): per-tensor recipes
+      through their cast kernels, block and rowwise recipes by quantizing the float32 values in
+      their blocks or rows. ``False`` composes the norm, the activation and two ``dot_general``
+      calls. ``None`` (the default): fused for every recipe; the faster path for the per-tensor
+      recipes on an H100, while for ``Float8BlockScaling`` the composed path was 6% faster
+      there (``bench/RESULTS.md``), since its fused casts read the float32 values from memory.
+      With activations narrower than float32 the two differ by the rounding of the norm's
+      output, the activation and its gradient to that dtype, which only the composed path does.
+      The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast
+      straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the norm's output
+      neither returned nor constrained).
     partial_sums: how a sharded program sums the partial products of a GEMM whose contracting
       dim is split over mesh axes (the forward GEMM of a row-parallel layer; dgrad of a
       column-parallel one, whose K is the sharded features; wgrad under data parallelism, whose
