@@ -60,7 +60,7 @@ def linear_forward(
   out = core.dot_general(
       inputs, w, (((inputs.ndim - 1,), (0,)), ((), ())), precision, recipe=recipe,
       state=recipe_state(module, recipe), rng=rounding_key(module, recipe),
-      **options.keywords(),
+      **options.keywords(), layer=f"layer {module.module_name!r}", framework="haiku",
   )
 
   if module.with_bias:

@@ -96,7 +96,7 @@ class QuantizedDotGeneral(nn.Module):
     return core.dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=gemm_state(self, self.recipe, ""), rng=rounding_key(self, self.recipe),
-        **_options(self).keywords(),
+        **_options(self).keywords(), layer=f"layer {_layer_name(self)!r}", framework="linen",
     )
 
 

@@ -60,6 +60,7 @@ def dot_general(
     config: GemmConfig | None = None,
     layer: str | None = None,
     kernel_sharding=None,
+    framework: str | None = None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -112,12 +113,15 @@ def dot_general(
       ``updated_state`` keeps the state). ``None``: always quantize.
     config: a ``GemmConfig``: which kernels cast and multiply (``None``: ``GemmConfig()``, the
       fastest where each runs). It leaves the quantized values alone.
-    layer: what warnings and errors about this GEMM's sharding call it (an adapter passes the
-      layer's name or equation); ``None``: the GEMM by its operands' shapes.
+    layer: what warnings and errors about this GEMM call it (an adapter passes the layer's path
+      in its model where it knows it, or its equation); ``None``: the GEMM by its operands'
+      shapes.
     kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
       not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
       gather a kernel whose sharded dim the layout flattens behind another. It only orders the
       layout (below); the kernel's own Explicit sharding wins over it.
+    framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
+      remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
 
   Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
   contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
@@ -144,6 +148,7 @@ def dot_general(
   rhs = jnp.asarray(rhs)
   threshold = _threshold.check_threshold(threshold)
   config = check_config(config)
+  framework = _frozen.check_framework(framework)
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
@@ -190,7 +195,7 @@ def dot_general(
     return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
-    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   if layer is None:
     layer = f"the GEMM {tuple(lhs.shape)} . {tuple(rhs.shape)} (dimension_numbers {dn})"
   return _contracting_last(
