@@ -119,7 +119,7 @@ class Rule:
   def describe(self) -> str:
     """The rule's pattern as messages show it: the regex, or the function's name."""
     if isinstance(self.path, str):
-      return repr(self.path)
+      return f"'{self.path}'"
     return getattr(self.path, "__qualname__", None) or repr(self.path)
 
   def options(self, base: GemmOptions) -> GemmOptions:

@@ -133,8 +133,6 @@ def quantize_model(
     filter = _path_filter(model, filter)
   conversion = kit.Conversion(
       "te_adapters.nnx.quantize_model", recipe, rules, options, ("filter", filter))
-  if not conversion.active:
-    raise ValueError("te_adapters.nnx.quantize_model: no rule gives a recipe, nothing to convert")
   if any(r.recipe is not None and r.recipe.uses_rng for r in conversion.rules) and (
       source_stream(rngs) is None):
     uses = next(r.recipe for r in conversion.rules if r.recipe is not None and r.recipe.uses_rng)

@@ -117,8 +117,10 @@ def test_quantize_model_filter_and_stacked_layers():
 def test_quantize_model_refuses_bad_recipe():
   with pytest.raises(TypeError, match="recipe must be"):
     ta_nnx.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), "fp8", threshold=None)
-  with pytest.raises(ValueError, match="no rule gives a recipe, nothing to convert"):
-    ta_nnx.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), None, threshold=None)
+  layer = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+  report = ta_nnx.quantize_model(layer, None, threshold=None)  # no rule: nothing converted
+  assert report.quantized == [] and report.high_precision == {".": "no rule selects it"}
+  assert layer.dot_general is jax.lax.dot_general
 
 
 def test_report_names_the_layers_the_threshold_keeps_in_high_precision():
