@@ -1,6 +1,7 @@
 """One conversion API in every adapter: rules on the module path (first match wins), one report,
 one warning about skipped layers at the caller's line, the same reasons everywhere."""
 
+import pathlib
 import re
 import warnings
 
@@ -216,3 +217,48 @@ def test_each_rule_gives_its_own_gemm_options_to_its_layers():
   assert list(report.high_precision) == ["attn/query", "out", "mlp/out_proj"]
   assert "below the size threshold" in report.high_precision["mlp/out_proj"]
   assert "1 of the quantized run in high precision" in str(report)
+
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_block(marker: str) -> str:
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if marker in b]
+  assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks hold {marker!r}"
+  return blocks[0]
+
+
+def test_the_readmes_rules_examples_run_as_written_and_report_alike(capsys):
+  printed = {}
+  for adapter, marker in (("linen", "ta_linen.quantize(rules="),
+                          ("nnx", "ta_nnx.quantize_model(Block("),
+                          ("haiku", "ta_hk.quantize(rules=")):
+    exec(_readme_block(marker), {})  # self-contained: nothing defined for it
+    printed[adapter] = capsys.readouterr().out.splitlines()
+    assert printed[adapter][0] == "quantized 2 layer(s), kept 4 in high precision, skipped 0"
+  # Linen and NNX name the layers alike (NNX lists them in attribute order).
+  assert sorted(printed["linen"]) == sorted(printed["nnx"])
+  assert "  quantized up: DelayedScaling" in printed["linen"]
+  assert "  quantized mlp/~/linear_0: DelayedScaling" in printed["haiku"]
+
+
+def test_gemms_the_threshold_keeps_warn_naming_the_layer_at_the_models_line():
+  x = _x()
+  nnx_model = _NnxModel(nnx.Rngs(0))
+  ta_nnx.quantize_model(nnx_model, rules=[("mlp/in_proj", CURRENT)])  # the default threshold
+  runs = {
+      "linen": lambda: ta_linen.quantize(rules=[("mlp/in_proj", CURRENT)])(
+          _LinenModel().init)(jax.random.key(0), x),
+      "nnx": lambda: nnx_model(x),
+      "haiku": lambda: hk.transform(ta_hk.quantize(rules=[("mlp/in_proj", CURRENT)])(
+          _hk_forward)).init(jax.random.key(0), x),
+  }
+  names = {"linen": "layer 'mlp/in_proj'", "nnx": "DotGeneral layer at 'mlp/in_proj'",
+           "haiku": "layer 'mlp/in_proj'"}
+  for adapter, run in runs.items():
+    with pytest.warns(ta.core.HighPrecisionGemmWarning) as record:
+      run()
+    [warning] = record
+    assert str(warning.message).startswith(
+        f"te_adapters: {names[adapter]}: a GEMM with M=4, K=32, N=64 runs in high precision")
+    assert warning.filename == __file__, adapter  # the model's call of the layer

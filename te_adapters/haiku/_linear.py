@@ -214,7 +214,8 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
     return kit.add_lora(
         out, inputs, lora_a, lora_b, state=recipe_state(self, self.recipe),
         kernel_shape=(self.input_size, self.output_size), threshold=self.threshold,
-        alpha=self.low_rank_adaptation_alpha,
+        alpha=self.low_rank_adaptation_alpha, layer=f"layer {self.module_name!r}",
+        framework="haiku",
     )
 
 

@@ -262,6 +262,7 @@ class DenseGeneral(nn.DenseGeneral):
         y, inputs, lora_a, lora_b, state=state, kernel_shape=in_shape + features, axis=axis,
         threshold=self.threshold, alpha=self.low_rank_adaptation_alpha,
         promote=lambda *arrays: self.promote_dtype(*arrays, dtype=self.dtype),
+        layer=f"layer {'/'.join(self.scope.path)!r}", framework="linen",
     )
 
 

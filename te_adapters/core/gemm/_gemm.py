@@ -191,7 +191,7 @@ def dot_general(
     lhs, rhs = _checked_under_grad(lhs, rhs, dn, gemm_rhs.shape, recipe, rng is None)
   m, k, n = layout.b * layout.m, layout.k, layout.n
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
-  if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
+  if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, layer=layer):
     return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
