@@ -38,7 +38,7 @@ from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
 from te_adapters.core.kernels import ShardingFallbackWarning
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
-from te_adapters.core.state import ROLES, is_accumulating, shared_max_grad
+from te_adapters.core.state import ROLES, caller_stacklevel, is_accumulating, shared_max_grad
 
 __all__ = ["Chain", "Stage", "checked_state", "dot_general", "quantized_gemms"]
 
@@ -438,7 +438,7 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
         f"{list(dims)} before the GEMM on every call ({count}x each device's share of the "
         f"{name}, and of its part of the GEMM). Shard only one dim of each group (batch, free, "
         "contracting dims) to avoid it.",
-        ShardingFallbackWarning, stacklevel=4,
+        ShardingFallbackWarning, stacklevel=caller_stacklevel(),
     )
     operands[i] = jax.sharding.reshard(operand, current.update(spec=_without(specs[i], dims)))
   restore = None
@@ -452,7 +452,7 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
         f"dim; the GEMM computes its output sharded as {tuple(reduced)} ({count}x each "
         "device's share) and then keeps each device's share. Shard only one dim of each group "
         "to avoid it.",
-        ShardingFallbackWarning, stacklevel=4,
+        ShardingFallbackWarning, stacklevel=caller_stacklevel(),
     )
     restore = out
     reduced = out.update(spec=reduced) if isinstance(out, NamedSharding) else reduced
