@@ -262,3 +262,67 @@ def test_gemms_the_threshold_keeps_warn_naming_the_layer_at_the_models_line():
     assert str(warning.message).startswith(
         f"te_adapters: {names[adapter]}: a GEMM with M=4, K=32, N=64 runs in high precision")
     assert warning.filename == __file__, adapter  # the model's call of the layer
+
+
+class _LinenNormBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = ta_linen.LayerNormDenseGeneral(32, recipe=DELAYED, threshold=None, name="qkv")(x)[0]
+    mlp = ta_linen.LayerNormMLP(64, recipe=DELAYED, threshold=None, name="mlp")
+    return mlp(x, deterministic=True)[0]
+
+
+class _NnxNormBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.qkv = ta_nnx.LayerNormDenseGeneral(32, 32, recipe=DELAYED, threshold=None, rngs=rngs)
+    self.mlp = ta_nnx.LayerNormMLP(32, 64, recipe=DELAYED, threshold=None, rngs=rngs)
+
+  def __call__(self, x):
+    return self.mlp(self.qkv(x)[0])[0]
+
+
+def _hk_norm_block(x):
+  x = ta_hk.LayerNormDenseGeneral(32, recipe=DELAYED, threshold=None, name="qkv")(x)[0]
+  return ta_hk.LayerNormMLP(64, recipe=DELAYED, threshold=None, name="mlp")(x)[0]
+
+
+def _frozen_linen(x):
+  model = _LinenNormBlock()
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  loss = lambda p, s: jnp.sum(model.apply({"params": p, "_overwrite_with_gradient": s}, x))  # noqa: E731
+  jax.eval_shape(jax.grad(loss), variables["params"], variables["_overwrite_with_gradient"])
+
+
+def _frozen_nnx(x):
+  model = _NnxNormBlock(nnx.Rngs(0))
+  nnx.eval_shape(nnx.grad(lambda m, x: jnp.sum(m(x))), model, x)
+
+
+def _frozen_haiku(x):
+  f = hk.transform_with_state(_hk_norm_block)
+  params, state = jax.eval_shape(f.init, jax.random.key(0), x)
+  loss = lambda p, s: jnp.sum(f.apply(p, s, None, x)[0])  # noqa: E731
+  jax.eval_shape(jax.grad(loss), params, state)
+
+
+@pytest.mark.parametrize("adapter, names, remedy", [
+    ("linen", ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
+     "te_adapters.linen.TrainState.value_and_grad"),
+    ("nnx", ["the GEMM x"] * 3, "te_adapters.nnx.value_and_grad"),  # NNX layers know no path
+    ("haiku", ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
+     "te_adapters.haiku.value_grad_and_state"),
+])
+def test_te_modules_frozen_state_warning_gives_the_frameworks_remedy(adapter, names, remedy):
+  run = {"linen": _frozen_linen, "nnx": _frozen_nnx, "haiku": _frozen_haiku}[adapter]
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    run(jnp.ones((4, 32)))  # the parameters differentiated, the state not
+  frozen = [str(w.message) for w in record
+            if issubclass(w.category, ta.core.FrozenStateWarning)]
+  # LayerNormDenseGeneral's GEMM, then LayerNormMLP's two.
+  assert len(frozen) == 3, frozen
+  others = {"te_adapters.linen.", "te_adapters.nnx.", "te_adapters.haiku."} - {
+      remedy[:remedy.index(".", len("te_adapters.")) + 1]}
+  for name, message in zip(names, frozen, strict=True):
+    assert f"DelayedScaling state of {name} (" in message, message
+    assert remedy in message and not any(o in message for o in others), message
