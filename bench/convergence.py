@@ -62,6 +62,7 @@ RECIPES = {
     "current": ta.Float8CurrentScaling,
     "delayed": ta.DelayedScaling,  # TE's defaults: amax history 1024, "max"
     "block": ta.Float8BlockScaling,
+    "rowwise": ta.Float8RowwiseScaling,
 }
 # H100 SXM dense bf16 peak; MFU is stated against it for every recipe.
 H100_BF16_PEAK_TFLOPS = 989.0
@@ -379,7 +380,9 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Train
   report = None
   if recipe is not None:
     report = ta_nnx.quantize_model(
-        model, rules=[(is_head, None), (".*", recipe)], threshold=threshold, config=config)
+        # The embedding is a lookup: its attend (a tied head) is never called.
+        model, rules=[(is_head, None), ("embed", None), (".*", recipe)], threshold=threshold,
+        config=config)
   params = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(params, shared_init(nnx.to_pure_dict(params), size, seed))
   nnx.update(model, params)

@@ -49,11 +49,12 @@ def own_slot_reason(slot: str = "dot_general") -> str:
   return f"it has a {slot} of its own"
 
 
-def attend_reason(owner: str) -> str:
-  """Why a module's ``attend`` (a tied output projection) is not converted."""
+def attend_reason(owner: str, called: bool = True) -> str:
+  """Why a module's ``attend`` (a tied output projection) is not converted; ``called=False``
+  where the adapter cannot tell whether the model calls it (NNX converts before it runs)."""
   return (
-      f"{owner}.attend (a tied output projection) computes its GEMM outside any dot_general "
-      "slot, where no conversion reaches it"
+      f"{owner}.attend (a tied output projection){'' if called else ', if the model calls it,'} "
+      "computes its GEMM outside any dot_general slot, where no conversion reaches it"
   )
 
 

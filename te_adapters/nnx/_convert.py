@@ -152,7 +152,7 @@ def quantize_model(
       if choice.recipe is None:
         conversion.keep(name, choice.reason)
       else:
-        conversion.skip(name, kit.attend_reason(type(node).__name__))
+        conversion.skip(name, kit.attend_reason(type(node).__name__, called=False))
   todo = []
   for name, layer in plan:
     slot, ndim, dims, reason = _gemm_plan(layer)
