@@ -351,7 +351,7 @@ def linen_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
   from te_adapters import linen as ta_linen
 
   model = linen_model(size)
-  q = ta_linen.quantize(recipe, filter=lambda path: not is_head(path), threshold=threshold,
+  q = ta_linen.quantize(rules=[(is_head, None), (".*", recipe)], threshold=threshold,
                         config=config)
   # Not jitted: one compile less, and shared_init replaces the random values anyway.
   variables = q(model.init)(jax.random.key(seed), sample[:, :-1])
@@ -380,8 +380,9 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Train
   report = None
   if recipe is not None:
     report = ta_nnx.quantize_model(
-        model, recipe, threshold=threshold, config=config,
-        filter=lambda path, _: not is_head("/".join(map(str, path))))
+        # The embedding is a lookup: its attend (a tied head) is never called.
+        model, rules=[(is_head, None), ("embed", None), (".*", recipe)], threshold=threshold,
+        config=config)
   params = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(params, shared_init(nnx.to_pure_dict(params), size, seed))
   nnx.update(model, params)
@@ -417,7 +418,7 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
 
   from te_adapters import haiku as ta_hk
 
-  q = ta_hk.quantize(recipe, module_filter=lambda name: not is_head(name), threshold=threshold,
+  q = ta_hk.quantize(rules=[(is_head, None), (".*", recipe)], threshold=threshold,
                      config=config)
   init = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.bfloat16)))
@@ -666,6 +667,8 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
       fp8=is_fp8,
       quantized_layers=len(report.quantized) if report is not None else 0,
       skipped_layers=sorted(dict(report.skipped)) if report is not None else [],
+      kept_layers=sorted(p for p in report.high_precision if p not in report.quantized)
+      if report is not None else [],
       high_precision_warnings=high_precision, threshold=repr(threshold),
       gemm_config=repr(config) if config is not None else None,
       device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),

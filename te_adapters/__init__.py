@@ -5,6 +5,7 @@
 """
 
 from te_adapters import core, inspect
+from te_adapters._kit import QuantizeReport, Rule, SkippedLayersWarning
 from te_adapters.core import (
     DelayedScaling,
     Float8BlockScaling,
@@ -34,7 +35,10 @@ __all__ = [
     "MMParams",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
+    "QuantizeReport",
     "Recipe",
+    "Rule",
+    "SkippedLayersWarning",
     "core",
     "dequantize",
     "dot_general",

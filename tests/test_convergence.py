@@ -78,7 +78,7 @@ def test_every_projection_gemm_runs_in_fp8(runs):
       assert result["fp8_gemms"] == 0 and not result["fp8"], what
       continue
     assert result["fp8_gemms"] == expected and result["fp8"], what
-    assert result["quantized_layers"] == 4 * SIZE.layers and "head" in result["skipped_layers"]
+    assert result["quantized_layers"] == 4 * SIZE.layers and "head" in result["kept_layers"]
 
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -25,9 +25,9 @@ recomputes only elementwise work). The variants differ only by the conversion:
   ``dot_general_cls``, its ``_overwrite_with_gradient`` state replaced by its gradient each step.
 
 Recipes: ``current`` (Float8CurrentScaling), ``delayed`` (DelayedScaling, TE's defaults),
-``block`` (Float8BlockScaling). The output head stays in bf16 in every variant (filtered out of
-the conversions, no ``dot_general_cls``), as FP8 recipes usually keep it; attention's batched
-GEMMs are cuDNN's bf16 flash attention on GPU.
+``block`` (Float8BlockScaling). The output head stays in bf16 in every variant (a rule keeps it
+in high precision in the conversions, no ``dot_general_cls``), as FP8 recipes usually keep it;
+attention's batched GEMMs are cuDNN's bf16 flash attention on GPU.
 
 Timing: after ``--warmup`` steps (the recipe state then is a trained one), ``--windows`` windows
 of ``--window-steps`` steps each, each ended by waiting for its last loss; tokens/s is the median
@@ -130,8 +130,9 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None) -> Trainer:
     model = model_lib.nnx_model(cfg, seed)
     if recipe is not None:
       report = ta_nnx.quantize_model(
-          model, recipe, threshold=_threshold(cfg), config=config,
-          filter=lambda path, _: not model_lib.is_head("/".join(map(str, path))))
+          # The embedding is a lookup: its attend (a tied head) is never called.
+          model, rules=[(model_lib.is_head, None), ("embed", None), (".*", recipe)],
+          threshold=_threshold(cfg), config=config)
       quantized = len(report.quantized)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -178,7 +179,7 @@ def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer
     return Trainer((params, fp8_state, tx.init(params)), step, 0)
 
   model = model_lib.linen_model(cfg)
-  q = ta_linen.quantize(recipe, filter=lambda path: not model_lib.is_head(path),
+  q = ta_linen.quantize(rules=[(model_lib.is_head, None), (".*", recipe)],
                         threshold=_threshold(cfg), config=config)
   variables = jax.jit(q(model.init))(jax.random.key(seed), sample[:, :-1])
   state = ta_linen.TrainState.create(apply_fn=q(model.apply), variables=variables, tx=tx)
@@ -198,7 +199,7 @@ def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
 
   from te_adapters import haiku as ta_hk
 
-  q = ta_hk.quantize(recipe, module_filter=lambda name: not model_lib.is_head(name),
+  q = ta_hk.quantize(rules=[(model_lib.is_head, None), (".*", recipe)],
                      threshold=_threshold(cfg), config=config)
   init = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.bfloat16)))

@@ -8,7 +8,8 @@ stochastic-rounding key (``rounding_key``), one GEMM's recipe state by TE's name
 arguments every quantized layer applies. Also the plumbing behind the adapters: the scope of a
 ``quantize`` conversion (``InterceptScope``), the guard on recipe state shared by a scan's
 iterations (``refuse_state_grad``) and the check that an adapter's framework is installed
-(``require``).
+(``require``), and the framework-free half of every conversion: its rules (``Rule``), what
+each layer gets, its report and its warnings (``Conversion``).
 
 The kit imports no framework and nothing of the core but ``te_adapters.core``'s public names;
 the numerics stay in the core.
@@ -20,6 +21,14 @@ from te_adapters._kit._options import GemmOptionAttributes, GemmOptions, check_n
 from te_adapters._kit._recipe import check_layernorm_type, check_recipe_or_none
 from te_adapters._kit._requires import require
 from te_adapters._kit._rng import SR_RNG, missing_key_message, rounding_key
+from te_adapters._kit._rules import (
+    UNSET,
+    Conversion,
+    Rule,
+    SkippedLayersWarning,
+    attend_reason,
+    own_slot_reason,
+)
 from te_adapters._kit._scan_guard import is_marked, refuse_state_grad
 from te_adapters._kit._scope import InterceptScope
 from te_adapters._kit._signature import signature_with_keywords
@@ -44,10 +53,15 @@ __all__ = [
     "DEFAULT_THRESHOLD",
     "GemmOptionAttributes",
     "GemmOptions",
+    "Conversion",
     "InterceptScope",
     "QuantizeReport",
+    "Rule",
     "SR_RNG",
+    "SkippedLayersWarning",
+    "UNSET",
     "add_lora",
+    "attend_reason",
     "check_gemm_dims",
     "check_input_dtype",
     "check_kernel_gemm_dims",
@@ -62,6 +76,7 @@ __all__ = [
     "is_marked",
     "layernorm_dense_general",
     "missing_key_message",
+    "own_slot_reason",
     "recipe_state",
     "refuse_state_grad",
     "require",

@@ -23,13 +23,15 @@ def add_lora(
     threshold=core.DEFAULT_THRESHOLD,
     alpha: float | None = None,
     promote: Callable | None = None,
+    layer: str | None = None,
+    framework: str | None = None,
 ):
   """``y`` plus ``core.low_rank_adaptation(inputs, lora_a, lora_b)``, in ``y``'s dtype.
 
   The factors first pass ``core.watch_lora_state`` with the base GEMM's recipe ``state``,
   ``kernel_shape``, ``axis`` and ``threshold`` (a loop that trains the factors alone is told
-  when that state would stay frozen), then ``promote(inputs, lora_a, lora_b)`` when given (the
-  Flax layers' dtype promotion).
+  when that state would stay frozen, naming ``layer`` with ``framework``'s remedy), then
+  ``promote(inputs, lora_a, lora_b)`` when given (the Flax layers' dtype promotion).
 
   Example:
     >>> import jax.numpy as jnp
@@ -41,7 +43,7 @@ def add_lora(
   """
   lora_a, lora_b = core.watch_lora_state(
       lora_a, lora_b, state, x_shape=jnp.shape(inputs), kernel_shape=tuple(kernel_shape),
-      axis=axis, threshold=threshold)
+      axis=axis, threshold=threshold, layer=layer, framework=framework)
   if promote is not None:
     inputs, lora_a, lora_b = promote(inputs, lora_a, lora_b)
   lora = core.low_rank_adaptation(inputs, lora_a, lora_b, axis=axis, alpha=alpha)

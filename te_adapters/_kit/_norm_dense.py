@@ -30,6 +30,8 @@ def layernorm_dense_general(
     rng=None,
     threshold=core.DEFAULT_THRESHOLD,
     config=None,
+    layer: str | None = None,
+    framework: str | None = None,
 ):
   """``(z, ln_out)`` of TE's ``LayerNormDenseGeneral`` from its parameters.
 
@@ -49,7 +51,8 @@ def layernorm_dense_general(
       ``layernorm_input_axes``); not used without the norm.
     dot_input_constraint: applied to the GEMM's input (TE's ``dot_input_axes``): the norm's
       output, or the inputs without the norm.
-    recipe, state, rng, threshold, config: the GEMM's, as ``core.dot_general`` takes them.
+    recipe, state, rng, threshold, config, layer, framework: the GEMM's, as
+      ``core.dot_general`` takes them.
 
   Returns:
     ``(z, ln_out or None)``.
@@ -63,7 +66,8 @@ def layernorm_dense_general(
     >>> float(z[0, 0]), ln_out is x
     (8.0, True)
   """
-  gemm = {"recipe": recipe, "state": state, "rng": rng, "threshold": threshold, "config": config}
+  gemm = {"recipe": recipe, "state": state, "rng": rng, "threshold": threshold, "config": config,
+          "layer": layer, "framework": framework}
   if enable_layernorm:
     if layernorm_input_constraint is not None:
       inputs = layernorm_input_constraint(inputs)

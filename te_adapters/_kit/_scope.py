@@ -40,8 +40,14 @@ class InterceptScope(contextlib.ContextDecorator):
     self._scopes().append(self)
     return self.report
 
-  def __exit__(self, *exc) -> None:
+  def _finished(self) -> None:
+    """Called when the outermost entry of this scope ends without an exception (one pass over
+    the model: ``init``, a traced ``apply``)."""
+
+  def __exit__(self, exc_type, *exc) -> None:
     self._scopes().pop()
     self._depth -= 1
     if self._depth == 0:
       self._stack.close()
+      if exc_type is None:
+        self._finished()

@@ -13,6 +13,7 @@ from te_adapters._kit import require
 
 require("haiku", "te_adapters.haiku", "haiku")
 
+from te_adapters._kit import Rule, SkippedLayersWarning
 from te_adapters.haiku._experts import GroupedLinear
 from te_adapters.haiku._intercept import QuantizeReport, quantize
 from te_adapters.haiku._linear import Linear
@@ -35,6 +36,8 @@ __all__ = [
     "Softmax",
     "Linear",
     "QuantizeReport",
+    "Rule",
+    "SkippedLayersWarning",
     "merge_state",
     "quantize",
     "split_state",

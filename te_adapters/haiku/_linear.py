@@ -60,7 +60,7 @@ def linear_forward(
   out = core.dot_general(
       inputs, w, (((inputs.ndim - 1,), (0,)), ((), ())), precision, recipe=recipe,
       state=recipe_state(module, recipe), rng=rounding_key(module, recipe),
-      **options.keywords(),
+      **options.keywords(), layer=f"layer {module.module_name!r}", framework="haiku",
   )
 
   if module.with_bias:
@@ -214,7 +214,8 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
     return kit.add_lora(
         out, inputs, lora_a, lora_b, state=recipe_state(self, self.recipe),
         kernel_shape=(self.input_size, self.output_size), threshold=self.threshold,
-        alpha=self.low_rank_adaptation_alpha,
+        alpha=self.low_rank_adaptation_alpha, layer=f"layer {self.module_name!r}",
+        framework="haiku",
     )
 
 

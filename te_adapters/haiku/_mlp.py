@@ -134,5 +134,6 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
         dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
         deterministic=deterministic, recipe=self.recipe, states=(state_0, state_1),
         rngs=(rng_0, rng_1), **self.options.keywords(spmd=False),
-        return_layernorm_output=self.return_layernorm_output,
+        return_layernorm_output=self.return_layernorm_output, layer=f"layer {self.module_name!r}",
+        framework="haiku",
     )

@@ -164,7 +164,8 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
         layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
         epsilon=self.epsilon, return_layernorm_output=self.return_layernorm_output,
         depth_scaling=self.depth_scaling, recipe=self.recipe, state=state, rng=rng,
-        **self.options.keywords(spmd=False),
+        **self.options.keywords(spmd=False), layer=f"layer {self.module_name!r}",
+        framework="haiku",
     )
 
 

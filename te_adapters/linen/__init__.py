@@ -10,6 +10,7 @@ from te_adapters import _flax_serialization
 
 _flax_serialization.register()
 
+from te_adapters._kit import Rule, SkippedLayersWarning
 from te_adapters.linen._mlp import LayerNormMLP
 from te_adapters.linen._module import (
     OVERWRITE_WITH_GRADIENT,
@@ -33,6 +34,8 @@ __all__ = [
     "LayerNormDenseGeneral",
     "LayerNormMLP",
     "QuantizeReport",
+    "Rule",
+    "SkippedLayersWarning",
     "QuantizedDotGeneral",
     "SR_RNG",
     "Softmax",

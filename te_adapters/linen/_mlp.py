@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import gemm_state, rounding_key
+from te_adapters.linen._module import gemm_state, layer_label, rounding_key
 from te_adapters.linen._norm import _constrain, _constraint, _norm_params, _with_axes
 
 __all__ = ["LayerNormMLP"]
@@ -158,5 +158,6 @@ class LayerNormMLP(nn.Module):
         ffn1_ckpt_name=self.ffn1_ckpt_name, ffn2_ckpt_name=self.ffn2_ckpt_name,
         dot_1_input_constraint=_constraint(self.dot_1_input_axes),
         dot_2_input_constraint=_constraint(self.dot_2_input_axes),
+        layer=layer_label(self), framework="linen",
     )
 

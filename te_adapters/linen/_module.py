@@ -43,6 +43,15 @@ def _layer_name(module: nn.Module) -> str:
   return "/".join(path) or type(module).__name__
 
 
+def layer_label(module: nn.Module, owner: bool = False) -> str | None:
+  """How the core's warnings name a layer (``layer=``): its path, ``owner`` the path of the
+  layer owning ``module`` (a dot_general child); None for a top-level layer (no path), which the
+  core then names by its operands' shapes."""
+  path = module.scope.path if module.scope is not None else ()
+  path = path[:-1] if owner else path
+  return f"layer {'/'.join(path)!r}" if path else None
+
+
 def postfixed(name: str, postfix: str) -> str:
   """TE's name of a state variable of the GEMM ``postfix``: ``x_scale`` -> ``x_0_scale``."""
   role, rest = name.split("_", 1)
@@ -96,7 +105,7 @@ class QuantizedDotGeneral(nn.Module):
     return core.dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=gemm_state(self, self.recipe, ""), rng=rounding_key(self, self.recipe),
-        **_options(self).keywords(),
+        **_options(self).keywords(), layer=layer_label(self, owner=True), framework="linen",
     )
 
 
@@ -262,6 +271,7 @@ class DenseGeneral(nn.DenseGeneral):
         y, inputs, lora_a, lora_b, state=state, kernel_shape=in_shape + features, axis=axis,
         threshold=self.threshold, alpha=self.low_rank_adaptation_alpha,
         promote=lambda *arrays: self.promote_dtype(*arrays, dtype=self.dtype),
+        layer=layer_label(self), framework="linen",
     )
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import gemm_state, rounding_key
+from te_adapters.linen._module import gemm_state, layer_label, rounding_key
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "Softmax"]
 
@@ -191,7 +191,7 @@ class LayerNormDenseGeneral(nn.Module):
         depth_scaling=self.depth_scaling,
         layernorm_input_constraint=_constraint(self.layernorm_input_axes),
         dot_input_constraint=_constraint(self.dot_input_axes), recipe=recipe, state=state,
-        rng=rng, **options.keywords(spmd=False),
+        rng=rng, **options.keywords(spmd=False), layer=layer_label(self), framework="linen",
     )
 
 

@@ -20,6 +20,7 @@ from te_adapters import _flax_serialization
 
 _flax_serialization.register()
 
+from te_adapters._kit import Rule, SkippedLayersWarning
 from te_adapters.nnx._convert import QuantizeReport, quantize_model
 from te_adapters.nnx._experts import GroupedLinear
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
@@ -46,6 +47,8 @@ __all__ = [
     "Linear",
     "LinearGeneral",
     "QuantizeReport",
+    "Rule",
+    "SkippedLayersWarning",
     "RecipeState",
     "Softmax",
     "grad",

@@ -77,6 +77,8 @@ def _lora_term(layer, inputs, y, axis):
       state=op_state() if op_state is not None else None, kernel_shape=layer.kernel.shape,
       axis=axis, threshold=layer.threshold, alpha=layer.low_rank_adaptation_alpha,
       promote=lambda *arrays: layer.promote_dtype(arrays, dtype=layer.dtype),
+      layer=getattr(layer.dot_general, "layer_path", None) and
+      f"layer {layer.dot_general.layer_path!r}", framework="nnx",
   )
 
 

@@ -132,5 +132,5 @@ class LayerNormMLP(nnx.Module):
         dropout_rng=self.dropout_rngs() if dropping else None,
         dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
         deterministic=deterministic, states=states, rngs=sr_rngs,
-        return_layernorm_output=self.return_layernorm_output, **gemm,
+        return_layernorm_output=self.return_layernorm_output, **gemm, framework="nnx",
     )

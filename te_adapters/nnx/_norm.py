@@ -170,7 +170,7 @@ class LayerNormDenseGeneral(nnx.Module):
         enable_layernorm=self.enable_layernorm, layernorm_type=self.layernorm_type,
         zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
         return_layernorm_output=self.return_layernorm_output, depth_scaling=self.depth_scaling,
-        **gemm,
+        **gemm, framework="nnx",
     )
 
 

@@ -203,7 +203,7 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
         lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=refuse_shared_scan_state(self, self.recipe_state()),
         rng=self._rounding_key(rngs), out_sharding=out_sharding, **self.options.keywords(),
-        layer=self._layer_name(layer), kernel_sharding=self.kernel_sharding,
+        layer=self._layer_name(layer), kernel_sharding=self.kernel_sharding, framework="nnx",
     )
 
 

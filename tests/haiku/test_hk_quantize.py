@@ -50,7 +50,8 @@ def test_mlp_is_quantized_without_edits(rel):
                reference(p_plain, x)]
     return p_plain, p_quant, outputs
 
-  with pytest.warns(UserWarning, match="mlp/~/linear_2 stays in high precision"):
+  with pytest.warns(ta.SkippedLayersWarning,
+                    match="mlp/~/linear_2: GEMM size K=32, N=10 is not a multiple of 16"):
     p_plain, p_quant, (y_plain, y_quant, y_ref) = run(jax.random.key(0, impl="rbg"), x)
 
   # Parameters: same names, shapes, initial values.
@@ -96,20 +97,21 @@ def test_attention_projections_filter_nesting_and_own_linear():
     h = ta_hk.Linear(32, w_init=_np_init(4), recipe=None, name="own")(h)  # a te_adapters layer
     return hk.Linear(16, w_init=_np_init(5), name="head")(h)
 
-  q = ta_hk.quantize(CURRENT, module_filter=lambda name: name != "head", threshold=None)
+  q = ta_hk.quantize(rules=[("head", None), (".*", CURRENT)], threshold=None)
   with q as report:
     params = jax.jit(hk.transform(forward).init)(None, x)
   assert report is q.report
   attention = [f"multi_head_attention/{n}" for n in ("query", "key", "value", "linear")]
-  assert report.quantized == attention  # not "kept" (inner scope), "own" or "head" (filtered)
-  assert report.skipped == {"head": "excluded by module_filter"}
+  assert report.quantized == attention  # not "kept" (inner scope), "own" or "head" (by rule)
+  assert report.skipped == {}
+  assert report.high_precision == {"head": "rule 0 ('head') keeps it in high precision"}
   assert set(params) == {*attention, "kept", "own", "head"}
 
   # Outside any scope the same function is unquantized: the scopes only act while tracing.
   @jax.jit
   def plain_and_quantized(params, x):
     plain = hk.transform(forward).apply(params, None, x)
-    with ta_hk.quantize(CURRENT, module_filter=lambda name: name != "head", threshold=None):
+    with ta_hk.quantize(rules=[("head", None), (".*", CURRENT)], threshold=None):
       return plain, hk.transform(forward).apply(params, None, x)
 
   plain, quantized = plain_and_quantized(params, x)

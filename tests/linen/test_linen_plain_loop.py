@@ -134,15 +134,15 @@ def test_converted_model_plain_loop_matches_the_train_state_loop():
   assert np.all(np.asarray(query["x_amax_history"])[-3:] > 0)
 
 
-def test_quantize_none_and_filter_keep_layers_in_high_precision():
+def test_quantize_none_and_rules_keep_layers_in_high_precision():
   tokens = jnp.arange(32).reshape(2, 16) % 64
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
-    q = ta_linen.quantize(RECIPE, filter=lambda path: path.startswith("Dense"),
-                           threshold=None)
+    q = ta_linen.quantize(rules=[(r"Dense_\d", RECIPE)], threshold=None)
     variables = q(LM().init)(jax.random.key(0), tokens)
     assert set(variables[OWG]) == {"Dense_0", "Dense_1"}
-    assert q.report.skipped["MultiHeadDotProductAttention_0/query"] == "excluded by the filter"
+    assert q.report.high_precision["MultiHeadDotProductAttention_0/query"] == "no rule selects it"
+    assert "Embed_0" not in q.report.skipped  # no rule asked for its attend
     none = ta_linen.quantize(None)
     assert set(none(LM().init)(jax.random.key(0), tokens)) == {"params"}
 

@@ -37,12 +37,13 @@ def test_quantize_model_converts_in_place_and_reports(rel):
   params_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
   recipe = ta.DelayedScaling(amax_history_len=8)
-  report = ta_nnx.quantize_model(model, recipe, threshold=None)
+  with pytest.warns(ta.SkippedLayersWarning, match="(?s)2 layer.*small: GEMM size K=32, N=10"):
+    report = ta_nnx.quantize_model(model, recipe, threshold=None)
   assert report.quantized == ["mix", "proj", "up"]
   skipped = dict(report.skipped)
   assert set(skipped) == {"custom", "small"}
   assert "K=32, N=10 is not a multiple of 16" in skipped["small"]
-  assert "custom dot_general" in skipped["custom"]
+  assert skipped["custom"] == "it has a dot_general of its own"
   assert "skipped small" in str(report)
 
   # Parameters kept; recipe state added where quantized; the optimizer ignores it.
@@ -70,10 +71,11 @@ def test_quantize_model_converts_in_place_and_reports(rel):
   up = nnx.to_pure_dict(ta_nnx.recipe_state(model))["up"]["dot_general"]["state"]
   np.testing.assert_allclose(up["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
 
-  # Converting again changes nothing.
-  again = ta_nnx.quantize_model(model, recipe, threshold=None)
-  assert again.quantized == []
-  assert dict(again.skipped)["up"] == "it is already quantized"
+  # Converting again is an error naming the converted layers, and changes nothing.
+  with pytest.raises(ValueError, match="quantized already.*: mix, proj, up. Convert each layer"):
+    ta_nnx.quantize_model(model, recipe, threshold=None)
+  assert isinstance(model.up.dot_general, ta_nnx.DotGeneral)
+  assert model.small.dot_general is jax.lax.dot_general
 
 
 def test_quantize_model_filter_and_stacked_layers():
@@ -83,11 +85,15 @@ def test_quantize_model_filter_and_stacked_layers():
     return nnx.Linear(32, 32, rngs=rngs)
 
   model = nnx.Dict(stack=make(nnx.Rngs(0)), other=nnx.Linear(32, 16, rngs=nnx.Rngs(1)))
-  report = ta_nnx.quantize_model(
-      model, ta.DelayedScaling(amax_history_len=4), filter=nnx.PathContains("stack"), threshold=None
-  )
+  with pytest.warns(DeprecationWarning, match="filter= is deprecated.*rules=") as record:
+    report = ta_nnx.quantize_model(
+        model, ta.DelayedScaling(amax_history_len=4), filter=nnx.PathContains("stack"),
+        threshold=None,
+    )
+  assert record[0].filename == __file__  # the caller's line
   assert report.quantized == ["stack"]
-  assert report.skipped == {"other": "excluded by the filter"}
+  assert report.skipped == {}
+  assert report.high_precision == {"other": "no rule selects it"}
   # Stacked state, one per layer, for nnx.scan.
   assert model["stack"].dot_general.state.x_amax_history.shape == (3, 4)
   assert model["stack"].dot_general.state.x_scale.shape == (3, 1)
@@ -110,7 +116,11 @@ def test_quantize_model_filter_and_stacked_layers():
 
 def test_quantize_model_refuses_bad_recipe():
   with pytest.raises(TypeError, match="recipe must be"):
-    ta_nnx.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), None, threshold=None)
+    ta_nnx.quantize_model(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), "fp8", threshold=None)
+  layer = nnx.Linear(32, 16, rngs=nnx.Rngs(0))
+  report = ta_nnx.quantize_model(layer, None, threshold=None)  # no rule: nothing converted
+  assert report.quantized == [] and report.high_precision == {".": "no rule selects it"}
+  assert layer.dot_general is jax.lax.dot_general
 
 
 def test_report_names_the_layers_the_threshold_keeps_in_high_precision():

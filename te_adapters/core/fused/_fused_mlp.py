@@ -112,7 +112,8 @@ def norm_fuses(x, config) -> bool:
 
 
 def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
-              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None, rngs=None):
+              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None, rngs=None, layer=None,
+              framework=None):
   """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs quantized by the
   recipe's format (one that takes producers: ``format_fuses``).
 
@@ -131,6 +132,7 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
     wo_bias: ``(K_out,)`` or None: GEMM 2's bias, whose gradient is summed in the pass that casts
       the output gradient to FP8 (TE's dbias + quantize).
     rngs: ``(key_0, key_1)``, each GEMM's key for stochastic rounding, or None.
+    layer, framework: how a ``FrozenStateWarning`` names the layer, and whose remedy it gives.
 
   Returns:
     ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
@@ -140,8 +142,8 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
   k, n_act, f = wi.shape
   state_0, state_1 = states
   wi2 = wi.reshape(k, n_act * f)
-  y, wi2, state_0 = gemm_state(recipe, y, wi2, state_0)
-  y, wo, state_1 = gemm_state(recipe, y, wo, state_1)
+  y, wi2, state_0 = gemm_state(recipe, y, wi2, state_0, layer=layer, framework=framework)
+  y, wo, state_1 = gemm_state(recipe, y, wo, state_1, layer=layer, framework=framework)
   if norm is not None and ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   dtype = np.dtype(y.dtype)
@@ -168,13 +170,13 @@ def stage_keys(recipe, rngs):
 PLAN = sharding.SpmdPlan()
 
 
-def gemm_state(recipe, lhs, rhs, state):
+def gemm_state(recipe, lhs, rhs, state, *, layer=None, framework=None):
   """One GEMM's recipe state as ``dot_general`` takes it (``gemm.checked_state``), and ``(lhs,
   rhs, state)`` watched for a state left out of differentiation (``gemm.watch_state``, which
   ``dot_general`` applies on its FP8 path: the fused paths are FP8 throughout); returns them."""
   state = gemm.checked_state(recipe, state)
   if state:
-    lhs, rhs, state = gemm.watch_state(lhs, rhs, state)
+    lhs, rhs, state = gemm.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   return lhs, rhs, state
 
 

@@ -96,6 +96,8 @@ def layernorm_mlp(
     ffn2_ckpt_name: str = "ffn2",
     dot_1_input_constraint=None,
     dot_2_input_constraint=None,
+    layer: str | None = None,
+    framework: str | None = None,
 ):
   """LayerNorm, then the MLP of two quantized GEMMs around an activation (TE's ``layernorm_mlp``).
 
@@ -131,6 +133,8 @@ def layernorm_mlp(
     dot_1_input_constraint, dot_2_input_constraint: functions applied to each GEMM's input (the
       norm's output; the activation's, after dropout), for sharding constraints; the adapters
       pass TE's ``dot_1_input_axes`` and ``dot_2_input_axes`` this way.
+    layer, framework: as for ``dot_general``: how warnings name the layer, and whose remedy a
+      ``FrozenStateWarning`` gives.
 
   Returns:
     ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
@@ -189,7 +193,7 @@ def layernorm_mlp(
         config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
         ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
         ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
-        rngs=(rng_0, rng_1)).reshape(x.shape)
+        rngs=(rng_0, rng_1), layer=layer, framework=framework).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
@@ -200,12 +204,13 @@ def layernorm_mlp(
     out = _fused_mlp.fused_mlp(
         y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
-        rngs=(rng_0, rng_1)).reshape(x.shape)
+        rngs=(rng_0, rng_1), layer=layer, framework=framework).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)
   h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
-                  state=state_0, rng=rng_0, threshold=threshold, config=config)
+                  state=state_0, rng=rng_0, threshold=threshold, config=config, layer=layer,
+                  framework=framework)
   if wi_bias is not None:
     h = h + jnp.asarray(wi_bias).astype(h.dtype)
   h = checkpoint_name(h, ffn1_ckpt_name)
@@ -215,7 +220,8 @@ def layernorm_mlp(
   if dot_2_input_constraint is not None:
     z = dot_2_input_constraint(z)
   out = dot_general(z, wo_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
-                    state=state_1, rng=rng_1, threshold=threshold, config=config)
+                    state=state_1, rng=rng_1, threshold=threshold, config=config, layer=layer,
+                    framework=framework)
   return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
 
 

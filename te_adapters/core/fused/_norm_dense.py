@@ -64,6 +64,8 @@ def layernorm_dense(
     return_layernorm_output: bool = False,
     dot_input_constraint=None,
     dense_bias=None,
+    layer: str | None = None,
+    framework: str | None = None,
 ):
   """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
 
@@ -96,6 +98,8 @@ def layernorm_dense(
     dense_bias: the GEMM's bias (TE's ``bias``; ``bias`` here is the norm's beta), shaped as the
       kernel's features, added to the output in its dtype. On the fused path its gradient is
       summed in the pass that casts the output gradient to FP8 (TE's dbias + quantize).
+    layer, framework: as for ``dot_general``: how warnings name the layer, and whose remedy a
+      ``FrozenStateWarning`` gives.
 
   Returns:
     ``(z, ln_out)``: the GEMM's output ``(..., *features)`` in ``x``'s dtype (as TE's), and the
@@ -146,7 +150,8 @@ def layernorm_dense(
     z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
                kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
                state, recipe=recipe, config=config,
-               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)), rng=rng)
+               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)), rng=rng,
+               layer=layer, framework=framework)
     return z.reshape(*x.shape[:-1], *features), None
   y = layernorm(
       x, scale, bias, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma,
@@ -157,18 +162,19 @@ def layernorm_dense(
   dims = _dense_dims(x.ndim, kernel.ndim, (x.ndim - 1,), kernel_axes)
   z = dot_general(
       y, kernel, dims, preferred_element_type=x.dtype, recipe=recipe, state=state, rng=rng,
-      threshold=threshold, config=config,
+      threshold=threshold, config=config, layer=layer, framework=framework,
   )
   if dense_bias is not None:
     z = z + dense_bias.astype(z.dtype)
   return z, (y if return_layernorm_output else None)
 
 
-def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None):
+def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None, layer=None,
+           framework=None):
   """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
   VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
   recipe = check_recipe(recipe)
-  x, w, state = _fused_mlp.gemm_state(recipe, x, w, state)
+  x, w, state = _fused_mlp.gemm_state(recipe, x, w, state, layer=layer, framework=framework)
   if ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   stage = gemm.Stage(np.dtype(x.dtype), kernel_kn=True,

@@ -15,65 +15,105 @@ in the same way.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from te_adapters.core.gemm import _threshold
+from te_adapters.core.state import caller_stacklevel
 
-__all__ = ["FrozenStateWarning", "watch_lora_state", "watch_state"]
+__all__ = ["FRAMEWORKS", "FrozenStateWarning", "check_framework", "watch_lora_state", "watch_state"]
 
-HOW_TO_FIX = (
-    "Differentiate the state too (its gradient is the new state): Flax NNX "
-    "te_adapters.nnx.value_and_grad (or nnx.grad with argnums=nnx.DiffState(0, "
-    "nnx.Any(nnx.Param, te_adapters.nnx.RecipeState))); Haiku te_adapters.haiku."
-    "value_grad_and_state (or jax.grad over params and state); Flax Linen te_adapters.linen."
-    "TrainState.value_and_grad (or jax.grad over the '_overwrite_with_gradient' collection); "
-    "plain JAX jax.grad with respect to the state."
-)
+# How to differentiate the state too (its gradient is the new state), per framework.
+REMEDIES = {
+    "linen": (
+        "te_adapters.linen.TrainState.value_and_grad (or jax.grad over the params and the "
+        "'_overwrite_with_gradient' collection, then put the new collection in the variables)"
+    ),
+    "nnx": (
+        "te_adapters.nnx.value_and_grad (or nnx.grad with argnums=nnx.DiffState(0, "
+        "nnx.Any(nnx.Param, te_adapters.nnx.RecipeState)), then "
+        "te_adapters.nnx.update_recipe_state)"
+    ),
+    "haiku": (
+        "te_adapters.haiku.value_grad_and_state (or jax.grad over params and state, the state's "
+        "gradient being the new state)"
+    ),
+    None: "jax.grad with respect to the state too (its gradient is the new state)",
+}
+FRAMEWORKS = ("linen", "nnx", "haiku")
+_NAMES = {"linen": "Flax Linen", "nnx": "Flax NNX", "haiku": "Haiku", None: "plain JAX"}
+
+# Every framework's remedy, for callers that do not say which framework they are.
+HOW_TO_FIX = "Differentiate the state too: " + "; ".join(
+    f"{_NAMES[framework]} {remedy}" for framework, remedy in REMEDIES.items()) + "."
 
 
 class FrozenStateWarning(UserWarning):
   """A DelayedScaling GEMM is differentiated without its state: the state will not update."""
 
 
+def check_framework(framework: str | None) -> str | None:
+  """``framework`` if it is one whose remedies messages know (or None), else a ValueError."""
+  if framework not in REMEDIES:
+    raise ValueError(f"framework must be one of {FRAMEWORKS} or None, got {framework!r}")
+  return framework
+
+
+def _remedy(framework: str | None) -> str:
+  if framework is None:
+    return HOW_TO_FIX
+  return f"Differentiate the state too: {REMEDIES[framework]}."
+
+
 def _describe(lhs, rhs) -> str:
   return f"x {tuple(lhs.shape)} {lhs.dtype} . kernel {tuple(rhs.shape)} {rhs.dtype}"
 
 
-def _message(kind: str, lhs, rhs) -> str:
+def _message(kind: str, lhs, rhs, layer: str | None, framework: str | None) -> str:
   if kind == "lora":
+    where = f" of {layer}" if layer else ""
     return (
         f"te_adapters: the low-rank adaptation factors {tuple(lhs.shape)} and "
-        f"{tuple(rhs.shape)} are differentiated while the DelayedScaling state of their layer's "
-        "base GEMM is not, so its amax histories and scales never update (the scales stay as "
-        f"initialised). {HOW_TO_FIX}"
+        f"{tuple(rhs.shape)}{where} are differentiated while the DelayedScaling state of their "
+        "layer's base GEMM is not, so its amax histories and scales never update (the scales "
+        f"stay as initialised). {_remedy(framework)}"
     )
+  where = f"{layer} ({_describe(lhs, rhs)})" if layer else f"the GEMM {_describe(lhs, rhs)}"
   return (
-      f"te_adapters: the DelayedScaling state of the GEMM {_describe(lhs, rhs)} is not "
-      "differentiated while its operands are, so its amax histories and scales never "
-      f"update (the scales stay as initialised). {HOW_TO_FIX}"
+      f"te_adapters: the DelayedScaling state of {where} is not differentiated while its "
+      "operands are, so its amax histories and scales never update (the scales stay as "
+      f"initialised). {_remedy(framework)}"
   )
 
 
-@jax.custom_vjp
-def _watch(lhs, rhs, state):
+def _warn(message: str) -> None:
+  # Issued while JAX traces the step: point at the user's line (their loss function's call of
+  # the model), not at JAX's or the framework's frames.
+  warnings.warn(FrozenStateWarning(message), stacklevel=caller_stacklevel())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _watch(lhs, rhs, state, layer, framework):
+  del layer, framework
   return lhs, rhs, state
 
 
-def _watch_fwd(lhs, rhs, state):
+def _watch_fwd(lhs, rhs, state, layer, framework):
   operands = lhs.perturbed or rhs.perturbed
   leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda v: hasattr(v, "perturbed"))
   if operands and leaves and not all(v.perturbed for v in leaves):
-    warnings.warn(FrozenStateWarning(_message("gemm", lhs.value, rhs.value)), stacklevel=2)
+    _warn(_message("gemm", lhs.value, rhs.value, layer, framework))
   values = jax.tree_util.tree_map(
       lambda v: v.value, (lhs, rhs, state), is_leaf=lambda v: hasattr(v, "perturbed")
   )
   return values, None
 
 
-def _watch_bwd(_, cts):
+def _watch_bwd(layer, framework, _, cts):
+  del layer, framework
   return jax.tree_util.tree_map(
       lambda c: None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c,
       cts,
@@ -84,18 +124,24 @@ def _watch_bwd(_, cts):
 _watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 
 
-def watch_state(lhs, rhs, state):
+def watch_state(lhs, rhs, state, *, layer: str | None = None, framework: str | None = None):
   """``(lhs, rhs, state)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
-  when ``lhs`` or ``rhs`` is differentiated and some leaf of ``state`` is not."""
-  return _watch(lhs, rhs, state)
+  when ``lhs`` or ``rhs`` is differentiated and some leaf of ``state`` is not.
+
+  The warning names ``layer`` (``"layer 'blocks/0/mlp'"``: the layer's path in its model, where
+  the caller knows it) beside
+  the operands' shapes, gives the remedy of ``framework`` (``"linen"``, ``"nnx"``, ``"haiku"``;
+  ``None``: every framework's), and points at the user's line."""
+  return _watch(lhs, rhs, state, layer, framework)
 
 
-@jax.custom_jvp
-def _watch_factors(lhs, rhs, state):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _watch_factors(lhs, rhs, state, layer, framework):
+  del layer, framework
   return lhs, rhs
 
 
-def _watch_factors_jvp(primals, tangents):
+def _watch_factors_jvp(layer, framework, primals, tangents):
   # A custom JVP, not a VJP: forward-mode differentiation through the factors keeps working.
   # Tangents of what is not differentiated arrive as symbolic zeros.
   lhs, rhs, state = primals
@@ -103,7 +149,7 @@ def _watch_factors_jvp(primals, tangents):
   zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)  # noqa: E731
   leaves = jax.tree_util.tree_leaves(t_state, is_leaf=zero)
   if (not zero(t_lhs) or not zero(t_rhs)) and leaves and any(zero(t) for t in leaves):
-    warnings.warn(FrozenStateWarning(_message("lora", lhs, rhs)), stacklevel=2)
+    _warn(_message("lora", lhs, rhs, layer, framework))
   tangents = tuple(jnp.zeros_like(p) if zero(t) else t
                    for p, t in ((lhs, t_lhs), (rhs, t_rhs)))
   return (lhs, rhs), tangents
@@ -113,7 +159,8 @@ _watch_factors.defjvp(_watch_factors_jvp, symbolic_zeros=True)
 
 
 def watch_lora_state(lora_a, lora_b, state, *, x_shape, kernel_shape, axis=-1,
-                     threshold=_threshold.DEFAULT_SIZE_THRESHOLD):
+                     threshold=_threshold.DEFAULT_SIZE_THRESHOLD, layer: str | None = None,
+                     framework: str | None = None):
   """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when a LoRA factor is differentiated and some leaf of ``state`` is not, where the base GEMM
   runs in FP8.
@@ -126,6 +173,7 @@ def watch_lora_state(lora_a, lora_b, state, *, x_shape, kernel_shape, axis=-1,
       kernel's leading axes (as ``low_rank_adaptation``), under ``dot_general``'s ``threshold``.
       Below the threshold it runs in high precision and its state does not move, so nothing is
       frozen.
+    layer, framework: as for ``watch_state``.
 
   A custom JVP: forward-mode differentiation through the factors works, and warns in the same
   case.
@@ -136,4 +184,4 @@ def watch_lora_state(lora_a, lora_b, state, *, x_shape, kernel_shape, axis=-1,
   dims = ((axes, tuple(range(len(axes)))), ((), ()))
   if not _threshold.runs_in_fp8(tuple(x_shape), tuple(kernel_shape), dims, threshold):
     return lora_a, lora_b
-  return _watch_factors(lora_a, lora_b, state)
+  return _watch_factors(lora_a, lora_b, state, layer, framework)

@@ -38,7 +38,7 @@ from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
 from te_adapters.core.kernels import ShardingFallbackWarning
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
-from te_adapters.core.state import ROLES, is_accumulating, shared_max_grad
+from te_adapters.core.state import ROLES, caller_stacklevel, is_accumulating, shared_max_grad
 
 __all__ = ["Chain", "Stage", "checked_state", "dot_general", "quantized_gemms"]
 
@@ -60,6 +60,7 @@ def dot_general(
     config: GemmConfig | None = None,
     layer: str | None = None,
     kernel_sharding=None,
+    framework: str | None = None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -112,12 +113,15 @@ def dot_general(
       ``updated_state`` keeps the state). ``None``: always quantize.
     config: a ``GemmConfig``: which kernels cast and multiply (``None``: ``GemmConfig()``, the
       fastest where each runs). It leaves the quantized values alone.
-    layer: what warnings and errors about this GEMM's sharding call it (an adapter passes the
-      layer's name or equation); ``None``: the GEMM by its operands' shapes.
+    layer: what warnings and errors about this GEMM call it (an adapter passes the layer's path
+      in its model where it knows it, or its equation); ``None``: the GEMM by its operands'
+      shapes.
     kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
       not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
       gather a kernel whose sharded dim the layout flattens behind another. It only orders the
       layout (below); the kernel's own Explicit sharding wins over it.
+    framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
+      remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
 
   Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
   contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
@@ -144,6 +148,7 @@ def dot_general(
   rhs = jnp.asarray(rhs)
   threshold = _threshold.check_threshold(threshold)
   config = check_config(config)
+  framework = _frozen.check_framework(framework)
   if recipe is None:
     if state:
       raise ValueError("state was given but recipe is None")
@@ -186,11 +191,11 @@ def dot_general(
     lhs, rhs = _checked_under_grad(lhs, rhs, dn, gemm_rhs.shape, recipe, rng is None)
   m, k, n = layout.b * layout.m, layout.k, layout.n
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
-  if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, stacklevel=2):
+  if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, layer=layer):
     return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
-    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   if layer is None:
     layer = f"the GEMM {tuple(lhs.shape)} . {tuple(rhs.shape)} (dimension_numbers {dn})"
   return _contracting_last(
@@ -434,7 +439,7 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
         f"{list(dims)} before the GEMM on every call ({count}x each device's share of the "
         f"{name}, and of its part of the GEMM). Shard only one dim of each group (batch, free, "
         "contracting dims) to avoid it.",
-        ShardingFallbackWarning, stacklevel=4,
+        ShardingFallbackWarning, stacklevel=caller_stacklevel(),
     )
     operands[i] = jax.sharding.reshard(operand, current.update(spec=_without(specs[i], dims)))
   restore = None
@@ -448,7 +453,7 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
         f"dim; the GEMM computes its output sharded as {tuple(reduced)} ({count}x each "
         "device's share) and then keeps each device's share. Shard only one dim of each group "
         "to avoid it.",
-        ShardingFallbackWarning, stacklevel=4,
+        ShardingFallbackWarning, stacklevel=caller_stacklevel(),
     )
     restore = out
     reduced = out.update(spec=reduced) if isinstance(out, NamedSharding) else reduced

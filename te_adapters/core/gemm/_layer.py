@@ -186,36 +186,57 @@ class QuantizeReport:
   """What a conversion did: ``te_adapters.linen.quantize``, ``te_adapters.haiku.quantize``
   (filled in while the model is traced) and ``te_adapters.nnx.quantize_model``.
 
+  Paths are the names each framework gives its modules, joined by ``/`` (Linen
+  ``"Encoder_0/Dense_1"``, Haiku ``"mlp/~/linear_0"``, NNX ``"blocks/0/mlp"``); the same model
+  written in two frameworks with the same module names gets equal reports.
+
   Attributes:
-    quantized: paths of the layers computed with the recipe (Linen ``"Encoder_0/Dense_1"``,
-      Haiku ``"mlp/~/linear_0"``, NNX ``"blocks/0/mlp"``), in the order met.
-    skipped: path -> why that layer's GEMM stays in high precision (filtered out, sizes not
-      multiples of 16, a ``dot_general`` of its own, already quantized, or a GEMM the
-      conversion cannot reach such as a tied embedding's ``attend``).
-    high_precision: path of a quantized layer -> why its GEMM runs in high precision all the
-      same: below the size threshold on this backend (``threshold=None`` quantizes it). Linen
-      and Haiku record the GEMMs that ran so; NNX, converting before the model runs, the layers
-      whose kernel alone keeps every GEMM below the threshold.
+    quantized: paths of the layers computed with a recipe, in the order met.
+    skipped: path -> why the conversion could not quantize a layer a rule gave a recipe (sizes
+      not multiples of 16, a ``dot_general`` of its own, a GEMM the conversion cannot reach such
+      as a tied embedding's ``attend``). Each conversion warns once about the layers it skips.
+    high_precision: path -> why a layer's GEMM runs in high precision by choice: a rule keeps it
+      there (``recipe=None``), or no rule selects it; or, for a quantized layer, it is below the
+      size threshold on this backend (``threshold=None`` quantizes it: Linen and Haiku record
+      the GEMMs that ran so; NNX, converting before the model runs, the layers whose kernel
+      alone keeps every GEMM below the threshold).
+    recipes: path of each quantized layer -> its recipe.
 
   Example:
+    >>> import te_adapters as ta
     >>> from te_adapters import core
-    >>> report = core.QuantizeReport(["mlp/up"], {"head": "excluded by the filter"})
+    >>> report = core.QuantizeReport(
+    ...     ["mlp/up"], {"head": "GEMM size K=32, N=10 is not a multiple of 16"},
+    ...     {"attn/query": "rule 0 ('attn/.*') keeps it in high precision"},
+    ...     {"mlp/up": ta.Float8CurrentScaling()})
     >>> print(report)
-    quantized 1 layer(s), skipped 1
-      quantized mlp/up
-      skipped head: excluded by the filter
+    quantized 1 layer(s), kept 1 in high precision, skipped 1
+      quantized mlp/up: Float8CurrentScaling
+      high precision attn/query: rule 0 ('attn/.*') keeps it in high precision
+      skipped head: GEMM size K=32, N=10 is not a multiple of 16
   """
 
   quantized: list[str] = dataclasses.field(default_factory=list)
   skipped: dict[str, str] = dataclasses.field(default_factory=dict)
   high_precision: dict[str, str] = dataclasses.field(default_factory=dict)
+  recipes: dict[str, object] = dataclasses.field(default_factory=dict)
 
   def __str__(self) -> str:
-    lines = [f"quantized {len(self.quantized)} layer(s), skipped {len(self.skipped)}"]
-    if self.high_precision:
-      every = " (all of them)" if len(self.high_precision) == len(self.quantized) else ""
-      lines[0] += f"; {len(self.high_precision)} of the quantized{every} run in high precision"
-    lines += [f"  quantized {path}" for path in self.quantized]
+    kept = [path for path in self.high_precision if path not in self.quantized]
+    small = [path for path in self.high_precision if path in self.quantized]
+    head = f"quantized {len(self.quantized)} layer(s)"
+    if kept:
+      head += f", kept {len(kept)} in high precision"
+    head += f", skipped {len(self.skipped)}"
+    if small:
+      every = " (all of them)" if len(small) == len(self.quantized) else ""
+      head += f"; {len(small)} of the quantized{every} run in high precision"
+    lines = [head]
+    for path in self.quantized:
+      recipe = self.recipes.get(path)
+      name = "" if recipe is None else f": {type(recipe).__name__}"
+      lines.append(f"  quantized {path}{name}")
+    lines += [f"  high precision {path}: {self.high_precision[path]}" for path in kept]
     lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped.items()]
-    lines += [f"  high precision {path}: {why}" for path, why in self.high_precision.items()]
+    lines += [f"  high precision {path}: {self.high_precision[path]}" for path in small]
     return "\n".join(lines)

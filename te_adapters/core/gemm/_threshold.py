@@ -17,6 +17,7 @@ import jax
 
 from te_adapters.core.gemm import _dimension_numbers
 from te_adapters.core.gemm._layout import GemmLayout
+from te_adapters.core.state import caller_stacklevel
 
 __all__ = [
     "DEFAULT_SIZE_THRESHOLD",
@@ -190,17 +191,22 @@ def high_precision_reason(
   return f"M={m}, K={k}, N={n}: below the size threshold ({threshold.rule()})"
 
 
-def keeps_high_precision(threshold, m, k, n, recipe, dtype, stacklevel: int) -> bool:
-  """True (after a ``HighPrecisionGemmWarning``) if ``threshold`` keeps this GEMM unquantized."""
+def keeps_high_precision(threshold, m, k, n, recipe, dtype, stacklevel: int | None = None,
+                         layer: str | None = None) -> bool:
+  """True (after a ``HighPrecisionGemmWarning``) if ``threshold`` keeps this GEMM unquantized.
+
+  The warning names ``layer`` where given, and points ``stacklevel`` frames up, by default at
+  the user's line (``caller_stacklevel``)."""
   backend = jax.default_backend()
   if threshold is None or threshold.allows_fp8(m, k, n, backend):
     return False
+  what = f"{layer}: a GEMM" if layer else "a GEMM"
   warnings.warn(
-      f"te_adapters: a GEMM with M={m}, K={k}, N={n} runs in high precision ({dtype}), not with "
+      f"te_adapters: {what} with M={m}, K={k}, N={n} runs in high precision ({dtype}), not with "
       f"{type(recipe).__name__}: it is below the size threshold ({threshold.rule()}), under "
       "which FP8 is slower than high precision. Pass threshold=None to quantize it anyway, or a "
       "te_adapters.core.SizeThreshold to change the rule.",
       HighPrecisionGemmWarning,
-      stacklevel=stacklevel + 1,
+      stacklevel=caller_stacklevel() if stacklevel is None else stacklevel + 1,
   )
   return True

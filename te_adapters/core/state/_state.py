@@ -8,7 +8,6 @@ that passes one warns that the dict spelling is deprecated.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -58,15 +57,28 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
   return state
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_JAX = os.path.dirname(os.path.abspath(jax.__file__))
+# Where a warning's caller is looked for: frames of these packages are passed over. Named, not
+# imported: the core imports no framework.
+_INTERNAL_PACKAGES = frozenset({
+    "te_adapters", "jax", "jaxlib", "flax", "haiku", "optax", "contextlib", "functools",
+})
 
 
-def _caller_stacklevel() -> int:
-  """The ``stacklevel`` that points a warning at the first frame outside this package and JAX
-  (the user's call, through any ``jit`` or ``grad`` tracing in between)."""
+def caller_stacklevel() -> int:
+  """The ``stacklevel`` that points a warning issued by the calling function at the user's line:
+  the first frame outside te_adapters, JAX and the frameworks (through any ``jit``, ``grad``,
+  ``model.apply`` or ``hk.transform`` in between).
+
+  Example:
+    >>> import warnings
+    >>> from te_adapters import core
+    >>> def check():
+    ...   warnings.warn("careful", stacklevel=core.caller_stacklevel())
+  """
   frame, level = sys._getframe(1), 1
-  while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, _JAX)):
+  while frame is not None and (
+      frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES
+  ):
     frame, level = frame.f_back, level + 1
   return level
 
@@ -81,7 +93,7 @@ def warn_dict_state(state, fix: str) -> None:
           "recipe state as a dict of TE's names is deprecated and will be refused in the next "
           f"release; pass the typed state: {fix}",
           DeprecationWarning,
-          stacklevel=_caller_stacklevel(),
+          stacklevel=caller_stacklevel(),
       )
 
 
