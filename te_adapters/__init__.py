@@ -5,6 +5,8 @@
 """
 
 from te_adapters import core, inspect
+from te_adapters._build_info import BuildInfo, build_info
+from te_adapters._version import __version__ as __version__
 from te_adapters.core import (
     DelayedScaling,
     Float8BlockScaling,
@@ -22,9 +24,8 @@ from te_adapters.core import (
     quantize,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "BuildInfo",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
@@ -35,6 +36,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
     "Recipe",
+    "build_info",
     "core",
     "dequantize",
     "dot_general",
