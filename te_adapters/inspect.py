@@ -57,10 +57,11 @@ def dot_general_operand_dtypes(fn: Callable, *args, **kwargs) -> list[tuple[str,
   """The operand dtypes of every GEMM in ``fn``'s jaxpr (sub-jaxprs included): each
   ``dot_general``, and each call of the extension's cuBLASLt FP8 GEMM (used on Hopper GPUs)."""
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
-  out = []
+  out: list[tuple[str, str]] = []
   for eqn in _walk(closed.jaxpr):
     if _is_gemm(eqn):
-      out.append(tuple(str(np.dtype(v.aval.dtype)) for v in eqn.invars[:2]))
+      lhs, rhs = (str(np.dtype(v.aval.dtype)) for v in eqn.invars[:2])
+      out.append((lhs, rhs))
   return out
 
 
@@ -92,12 +93,13 @@ def hlo_dot_operand_types(hlo_text: str) -> list[tuple[str, str]]:
   for line in hlo_text.splitlines():
     if m := _DEF.match(line):
       types[m.group(1)] = m.group(2)
-  out = []
+  out: list[tuple[str, str]] = []
   for line in hlo_text.splitlines():
     if " dot(" not in line or not (m := _DOT_ARGS.search(line)):
       continue
     names = [a.strip().split()[-1].lstrip("%") for a in m.group(1).split(",")[:2]]
-    out.append(tuple(types.get(n, "?") for n in names))
+    lhs, rhs = (types.get(n, "?") for n in names)
+    out.append((lhs, rhs))
   return out
 
 

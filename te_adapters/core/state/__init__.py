@@ -20,6 +20,7 @@ from te_adapters.core.state._recipe_state import (
     leaf_kind,
 )
 from te_adapters.core.state._state import (
+    State,
     check_leaves,
     shared_max_grad,
     updated_state,
@@ -34,6 +35,7 @@ __all__ = [
     "ROLES",
     "RoleState",
     "SCALE_F32",
+    "State",
     "cast_like",
     "check_leaves",
     "combine_over_batch",
