@@ -7,7 +7,7 @@
 #
 # Without pytest args it runs tests/ and the doctests of the installed package (the whole suite);
 # args replace those paths (`... tests/core/test_block_gpu.py -x` runs one file).
-# The venv sees the machine's own packages (JAX with its CUDA plugin, Flax, ...) through a .pth
+# The venv sees the machine's own packages (JAX with its CUDA plugin, Flax, pip...) through a .pth
 # file listing the interpreter's site-packages (`venv --system-site-packages` reaches only the
 # base interpreter's, and the machine's python3 may itself be a venv). Wheels of packages the
 # machine lacks may lie in .whl/ at the repository root; they are installed into a private
@@ -41,7 +41,9 @@ if compgen -G "$root/.whl/*.whl" >/dev/null; then
   export PYTHONPATH="$work/extra${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-"$python" -m venv "$work/venv" || exit 1
+# --without-pip: the machine's pip (reached through the .pth) installs into the venv, and a base
+# interpreter without ensurepip can still make one.
+"$python" -m venv --without-pip "$work/venv" || exit 1
 venv_python="$work/venv/bin/python"
 site="$("$venv_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 "$python" -c 'import site; print("\n".join(site.getsitepackages()))' > "$site/machine-packages.pth"
