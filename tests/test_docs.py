@@ -60,3 +60,29 @@ def test_top_level_page_points_to_the_core_for_the_rest():
   page = (ROOT / "docs" / "api" / "te_adapters.rst").read_text()
   rest = set(te_adapters.__all__) - TOP_LEVEL_OWN - {"core", "inspect"}
   assert all(name in page for name in rest), sorted(n for n in rest if n not in page)
+
+
+# The entry points a user starts from: each docstring has its arguments, its result and a
+# runnable example (a doctest, run by the suite's --doctest-modules).
+ENTRY_POINTS = (
+    "te_adapters.build_info",
+    "te_adapters.core.dot_general",
+    "te_adapters.core.quantize",
+    "te_adapters.core.dequantize",
+    "te_adapters.core.init_state",
+    "te_adapters.core.typed_state",
+    "te_adapters.core.updated_state",
+    "te_adapters.core.with_max_grad",
+    "te_adapters.core.format_of",
+    "te_adapters.inspect.count_fp8_dot_generals",
+    "te_adapters.inspect.count_fp8_gemms",
+)
+
+
+@pytest.mark.parametrize("path", ENTRY_POINTS)
+def test_entry_point_has_arguments_result_and_example(path):
+  module_name, name = path.rsplit(".", 1)
+  doc = inspect.getdoc(getattr(importlib.import_module(module_name), name))
+  has_args = "Args:" in doc or not inspect.signature(
+      getattr(importlib.import_module(module_name), name)).parameters
+  assert has_args and "Returns:" in doc and ">>> " in doc, f"{path}: {doc[:200]}"
