@@ -62,6 +62,7 @@ RECIPES = {
     "current": ta.Float8CurrentScaling,
     "delayed": ta.DelayedScaling,  # TE's defaults: amax history 1024, "max"
     "block": ta.Float8BlockScaling,
+    "rowwise": ta.Float8RowwiseScaling,
 }
 # H100 SXM dense bf16 peak; MFU is stated against it for every recipe.
 H100_BF16_PEAK_TFLOPS = 989.0

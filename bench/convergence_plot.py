@@ -18,7 +18,7 @@ import pathlib
 import statistics
 import sys
 
-RECIPE_ORDER = ("bf16", "current", "delayed", "block")
+RECIPE_ORDER = ("bf16", "current", "delayed", "block", "rowwise")
 
 
 def read_runs(paths, seed: int | None = None) -> dict[tuple[str, str], dict]:

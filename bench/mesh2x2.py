@@ -16,8 +16,16 @@ amax_history_len=1024); every FP8 GEMM is forced (threshold=None).
 The mesh is jax.make_mesh((2, 2), ("dp", "tp")) over the first 4 devices: x P("dp", None, None),
 dy and y P("dp", None, "tp"), kernel and its gradient P(None, "tp") (column parallel), dx like x,
 recipe state replicated P(). The same step also runs on the first device alone with the same
-global shapes. Times are the median over trials of the mean of ``iters`` steps, each step ended
-by block_until_ready. Scaling efficiency is strong scaling, t(1 device) / (4 * t(2x2)).
+global shapes. Every program is compiled first; then ``--trials`` repeats run them in turn, one
+program after another (interleaved, so that a drift of the GPUs' clocks reaches all alike), each
+timed twice per repeat: ``iters`` steps each ended by block_until_ready ("sync"), and ``iters``
+steps back to back with one sync at the end ("pipelined", as a training loop runs). Reported:
+the median over repeats of each. Scaling efficiency is strong scaling, t(1 device) / (4 t(2x2)).
+
+``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
+package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
+``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. The one-device program
+takes the default config (the levers act only on sharded programs).
 
 Checks: y, dx and dW of the mesh run against the one-device run of the same framework and
 variant (normwise relative error, flagged above 1e-2), and the new recipe state (DelayedScaling),
@@ -55,9 +63,9 @@ def _parse(argv):
   p.add_argument("--variants", default="bf16,current,delayed")
   p.add_argument("--json", default=None, help="write the header and rows here")
   p.add_argument("--hlo-dir", default=None, help="write each mesh program's compiled HLO here")
-  p.add_argument("--pipelined", action="store_true",
-                 help="time each trial's steps back to back, synchronising after the last only "
-                      "(as a training loop runs), not after every step")
+  p.add_argument("--configs", default="base",
+                 help="FP8 mesh programs' GemmConfig levers: base, m<SMs> (comm_sm_margin), "
+                      "c<n> (sum_chunks), f (fold_amax), combined as m16c4f; comma-separated")
   p.add_argument("--partial-sums", choices=("output", "float32"), default=None,
                  help="GemmConfig.partial_sums of the FP8 layers: the dtype the sharded GEMMs "
                       "sum their partial products in (default: the package's default)")
@@ -93,10 +101,36 @@ CHECK_STEP = 2  # outputs compared at this step (DelayedScaling: scales from ear
 TE_REFERENCE = "TE (GB200s, published): 5.52 ms bf16, 3.71 ms MXFP8"
 
 
+LEVERS: dict = {}  # the GemmConfig levers of the model being built (parse_config's)
+
+
+def parse_config(token: str) -> dict:
+  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True}."""
+  import re
+
+  if token == "base":
+    return {}
+  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?", token)
+  if not m or not token:
+    raise SystemExit(f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order")
+  out = {}
+  if m.group(1):
+    out["comm_sm_margin"] = int(m.group(1))
+  if m.group(2):
+    out["sum_chunks"] = int(m.group(2))
+  if m.group(3):
+    out["fold_amax"] = True
+  return out
+
+
 def _config():
-  """The FP8 layers' GemmConfig: None (the package's default) unless --partial-sums is given."""
+  """The FP8 layers' GemmConfig: None (the package's default) unless --partial-sums or a lever
+  is given."""
+  kw = dict(LEVERS)
   choice = ARGS.partial_sums if ARGS is not None else None
-  return None if choice is None else ta.core.GemmConfig(partial_sums=choice)
+  if choice is not None:
+    kw["partial_sums"] = choice
+  return ta.core.GemmConfig(**kw) if kw else None
 
 
 def _recipe(variant):
@@ -289,15 +323,16 @@ def format_collectives(rows):
       arrs = " ".join(f"{d}[{','.join(map(str, s))}]" for d, s in c["arrays"])
       parts.append(f"{c['op']}({'+'.join(c['carries']) or '?'}: {arrs}, "
                    f"{c['bytes'] / 2**20:.2f} MiB, {c['groups'][:60]})")
-    lines.append(f"{r['framework']:<6}{r['variant']:<9}" + "; ".join(parts))
+    lines.append(f"{r['framework']:<6}{r['variant']:<9}{r['config']:<8}" + "; ".join(parts))
   return "\n".join(lines)
 
 
-def run_one(model: Model, x, dy, mesh, args):
-  """Compiles and runs the step on ``mesh`` (None: the first device alone).
+def prepare(model: Model, x, dy, mesh, args):
+  """Compiles the step on ``mesh`` (None: the first device alone) and runs it to CHECK_STEP and
+  through ``args.warmup`` more steps.
 
-  Returns ``(ms, outputs at CHECK_STEP, compiled HLO text)``; outputs are y, dx, dW (device
-  arrays) and the new recipe state (host arrays).
+  Returns ``(step_once, outputs at CHECK_STEP, compiled HLO text)``; outputs are y, dx, dW
+  (device arrays) and the new recipe state (host arrays).
   """
   if mesh is None:
     dev = jax.devices()[0]
@@ -314,20 +349,36 @@ def run_one(model: Model, x, dy, mesh, args):
     xs, dys = put(x, X_SPEC), put(dy, DY_SPEC)
     step = make_step(model, mesh, donate_state=stateful)
     compiled = step.lower(params, state, xs, dys).compile()
-    current = [state]
+  current = [state]
 
-    def step_once():
-      out = compiled(params, current[0], xs, dys)
-      current[0] = out[1][1]  # the recipe state's gradient is the next step's state
-      return out
+  def step_once():
+    out = compiled(params, current[0], xs, dys)
+    current[0] = out[1][1]  # the recipe state's gradient is the next step's state
+    return out
 
-    for _ in range(CHECK_STEP):
-      (_, y), (g_params, new_state, dx) = step_once()
-    (dw,) = jax.tree.leaves(g_params)
-    checked = dict(y=y, dx=dx, dw=dw, state=jax.device_get(new_state))
-    ms = time_steps(step_once, args.iters, args.warmup, args.trials,
-                    sync_each_step=not args.pipelined)
-  return ms, checked, compiled.as_text()
+  for _ in range(CHECK_STEP):
+    (_, y), (g_params, new_state, dx) = step_once()
+  (dw,) = jax.tree.leaves(g_params)
+  checked = dict(y=y, dx=dx, dw=dw, state=jax.device_get(new_state))
+  for _ in range(args.warmup):
+    jax.block_until_ready(step_once())
+  return step_once, checked, compiled.as_text()
+
+
+def time_interleaved(programs, args, log=print):
+  """``{label: (sync ms, pipelined ms, sync ms per repeat, pipelined ms per repeat)}``: the
+  programs timed in turn, ``args.trials`` repeats, medians over repeats; each program's turn
+  starts with ``args.warmup`` untimed steps."""
+  times = {label: ([], []) for label in programs}
+  for r in range(args.trials):
+    for label, step_once in programs.items():
+      sync, pipe = times[label]
+      # args.warmup steps first: the first steps after another program ran are slower.
+      sync.append(time_steps(step_once, args.iters, args.warmup, 1, sync_each_step=True))
+      pipe.append(time_steps(step_once, args.iters, 0, 1, sync_each_step=False))
+    log(f"  repeat {r + 1}/{args.trials} done")
+  return {label: (float(np.median(s)), float(np.median(p)), s, p)
+          for label, (s, p) in times.items()}
 
 
 @jax.jit
@@ -357,6 +408,7 @@ def compare(mesh_out, one_out):
 
 
 def run(args, log=print):
+  global LEVERS
   devices = jax.devices()
   n = int(np.prod(MESH_SHAPE))
   if len(devices) < n:
@@ -370,53 +422,85 @@ def run(args, log=print):
   dy = jax.random.normal(kd, (b, s, f), jnp.float32).astype(jnp.bfloat16)
   x_init = x[:1, :16]  # parameter shapes depend only on the last dimension
   flops = 6.0 * b * s * h * f  # three GEMMs
-  rows = []
+  configs = args.configs.split(",")
+  programs, rows = {}, []
   for framework in args.frameworks.split(","):
     for variant in args.variants.split(","):
       start = time.perf_counter()
+      LEVERS = {}
       model = BUILDERS[framework](variant, h, f, x_init)
-      ms1, one_out, _ = run_one(model, x, dy, None, args)
-      ms4, mesh_out, text = run_one(model, x, dy, mesh, args)
-      errs = compare(mesh_out, one_out)
-      del one_out, mesh_out
-      gemms, collectives, gathered = hlo_summary(text)
-      if args.hlo_dir:
-        os.makedirs(args.hlo_dir, exist_ok=True)
-        with open(os.path.join(args.hlo_dir, f"{framework}_{variant}.txt"), "w") as fh:
-          fh.write(text)
-      rows.append(dict(
-          framework=framework, variant=variant, ms_1=ms1, ms_2x2=ms4, speedup=ms1 / ms4,
-          efficiency=ms1 / (n * ms4), tflops_per_dev_2x2=flops / (ms4 * 1e-3) / 1e12 / n,
-          rel_y=errs["y"], rel_dx=errs["dx"], rel_dw=errs["dw"], rel_state=errs["state"],
-          gemms=gemms, collectives=collectives, all_gather_bytes=gathered,
-          collective_details=collective_details(text),
-          flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
-      ))
-      log(f"  {framework:<6}{variant:<9}1 device {ms1:9.3f} ms   2x2 {ms4:9.3f} ms   "
-          f"({time.perf_counter() - start:.1f} s)")
+      one_step, one_out, _ = prepare(model, x, dy, None, args)
+      programs[(framework, variant, "1")] = one_step
+      for config in (["base"] if variant == "bf16" else configs):
+        LEVERS = parse_config(config)
+        model = BUILDERS[framework](variant, h, f, x_init)
+        mesh_step, mesh_out, text = prepare(model, x, dy, mesh, args)
+        programs[(framework, variant, config)] = mesh_step
+        errs = compare(mesh_out, one_out)
+        del mesh_out
+        gemms, collectives, gathered = hlo_summary(text)
+        if args.hlo_dir:
+          os.makedirs(args.hlo_dir, exist_ok=True)
+          with open(os.path.join(args.hlo_dir, f"{framework}_{variant}_{config}.txt"), "w") as fh:
+            fh.write(text)
+        rows.append(dict(
+            framework=framework, variant=variant, config=config, levers=dict(LEVERS),
+            rel_y=errs["y"], rel_dx=errs["dx"], rel_dw=errs["dw"], rel_state=errs["state"],
+            gemms=gemms, gemm_targets=gemm_targets(text), collectives=collectives,
+            all_gather_bytes=gathered, collective_details=collective_details(text),
+            flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
+        ))
+      LEVERS = {}
+      del one_out
+      log(f"  {framework:<6}{variant:<9}compiled ({time.perf_counter() - start:.1f} s)")
+  timed = time_interleaved({"/".join(k): v for k, v in programs.items()}, args, log)
+  for r in rows:
+    one = timed[f"{r['framework']}/{r['variant']}/1"]
+    mesh_t = timed[f"{r['framework']}/{r['variant']}/{r['config']}"]
+    r.update(ms_1=one[0], ms_1_pipelined=one[1], ms_2x2=mesh_t[0], ms_2x2_pipelined=mesh_t[1],
+             ms_1_repeats=one[2], ms_2x2_repeats=mesh_t[2], ms_1_pipelined_repeats=one[3],
+             ms_2x2_pipelined_repeats=mesh_t[3])
+    r.update(speedup=r["ms_1"] / r["ms_2x2"], efficiency=r["ms_1"] / (n * r["ms_2x2"]),
+             efficiency_pipelined=r["ms_1_pipelined"] / (n * r["ms_2x2_pipelined"]),
+             tflops_per_dev_2x2=flops / (r["ms_2x2"] * 1e-3) / 1e12 / n)
   return rows
 
 
+def gemm_targets(text):
+  """Which GEMM each cuBLASLt call of compiled GPU HLO is: the extension's FFI GEMM, XLA's FP8
+  cuBLASLt GEMM, XLA's other cuBLAS GEMMs."""
+  import re
+
+  ext = text.count('custom_call_target="te_adapters_block_gemm"')
+  xla_fp8 = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', text))
+  other = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', text))
+  return dict(extension=ext, xla_fp8=xla_fp8, xla_other=other)
+
+
 def format_table(rows):
-  bf16 = {r["framework"]: r["ms_2x2"] for r in rows if r["variant"] == "bf16"}
-  head = (f"{'framework':<10}{'variant':<9}{'1 dev ms':>10}{'2x2 ms':>10}{'speedup':>9}"
-          f"{'eff':>6}{'vs bf16':>9}{'rel y':>10}{'rel dx':>10}{'rel dW':>10}{'state':>10}"
-          f"{'FP8/other':>11}  collectives (mesh)")
+  bf16 = {r["framework"]: r for r in rows if r["variant"] == "bf16"}
+  head = (f"{'framework':<8}{'variant':<9}{'config':<8}{'1 dev':>8}{'2x2':>8}{'eff':>6}"
+          f"{'vs bf16':>8}{'1 pipe':>8}{'2x2 pipe':>9}{'eff':>6}{'vs bf16':>8}"
+          f"{'rel y':>9}{'rel dx':>9}{'rel dW':>9}{'state':>9}{'FP8/oth':>8}  GEMMs; collectives")
   lines = [head, "-" * len(head)]
-  fmt_err = lambda v: f"{'-':>10}" if v is None else f"{v:>10.1e}"
+  fmt_err = lambda v: f"{'-':>9}" if v is None else f"{v:>9.1e}"
   for r in rows:
-    vs = bf16.get(r["framework"])
-    vs = f"{vs / r['ms_2x2']:>8.2f}x" if vs else f"{'-':>9}"
+    ref = bf16.get(r["framework"])
+    vs = f"{ref['ms_2x2'] / r['ms_2x2']:>7.3f}x" if ref else f"{'-':>8}"
+    vsp = f"{ref['ms_2x2_pipelined'] / r['ms_2x2_pipelined']:>7.3f}x" if ref else f"{'-':>8}"
     coll = ", ".join(f"{op} x{k}" for op, k in sorted(r["collectives"].items())) or "none"
     if r["all_gather_bytes"]:
       coll += " (gathered " + ", ".join(
           f"{d}: {v / 2**20:.1f} MiB" for d, v in sorted(r["all_gather_bytes"].items())) + ")"
+    t = r["gemm_targets"]
     lines.append(
-        f"{r['framework']:<10}{r['variant']:<9}{r['ms_1']:>10.3f}{r['ms_2x2']:>10.3f}"
-        f"{r['speedup']:>8.2f}x{r['efficiency']:>6.2f}{vs}{fmt_err(r['rel_y'])}"
-        f"{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}{fmt_err(r['rel_state'])}"
-        f"{r['gemms'] or '-':>11}  {coll}{'  CHECK' if r['flagged'] else ''}")
-  flagged = [f"{r['framework']} {r['variant']}" for r in rows if r["flagged"]]
+        f"{r['framework']:<8}{r['variant']:<9}{r['config']:<8}{r['ms_1']:>8.3f}"
+        f"{r['ms_2x2']:>8.3f}{r['efficiency']:>6.2f}{vs}{r['ms_1_pipelined']:>8.3f}"
+        f"{r['ms_2x2_pipelined']:>9.3f}{r['efficiency_pipelined']:>6.2f}{vsp}"
+        f"{fmt_err(r['rel_y'])}{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}"
+        f"{fmt_err(r['rel_state'])}{r['gemms'] or '-':>8}  ext {t['extension']} xla-fp8 "
+        f"{t['xla_fp8']} other {t['xla_other']}; {coll}{'  CHECK' if r['flagged'] else ''}")
+  flagged = [f"{r['framework']} {r['variant']} {r['config']}" for r in rows if r["flagged"]]
   lines.append("")
   lines.append(f"relative error above {FLAG_ABOVE:g} (mesh against one device): "
                f"{', '.join(flagged) or 'none'}")
@@ -431,8 +515,8 @@ def main():
       device_count=jax.device_count(), jax=jax.__version__, flax=flax.__version__,
       haiku=hk.__version__, python=platform.python_version(),
       shape=dict(batch=args.batch, seq=args.seq, hidden=args.hidden, features=args.features),
-      iters=args.iters, warmup=args.warmup, trials=args.trials,
-      timing="pipelined (one sync a trial)" if args.pipelined else "each step synchronised",
+      iters=args.iters, warmup=args.warmup, repeats=args.trials, configs=args.configs,
+      timing="interleaved repeats; each step synchronised, and pipelined (one sync a trial)",
       partial_sums=args.partial_sums or ta.core.GemmConfig().partial_sums,
       xla_flags=os.environ.get("XLA_FLAGS", ""),
   )
@@ -441,7 +525,7 @@ def main():
         f"haiku {meta['haiku']}, python {meta['python']}")
   print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
         f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
-        f"mean of {args.iters} steps, median of {args.trials} trials; {meta['timing']}; "
+        f"mean of {args.iters} steps, median of {args.trials} {meta['timing']}; "
         f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}")
   print(f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
         f"recipe state {P()}; errors at step {CHECK_STEP} against the first device alone\n")

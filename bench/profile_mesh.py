@@ -196,6 +196,9 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--variants", default="bf16,current,delayed")
   p.add_argument("--framework", default="linen")
+  p.add_argument("--config", default="base",
+                 help="the FP8 layers' GemmConfig levers, as bench/mesh2x2.py's --configs takes "
+                      "one (base, m<SMs>, c<n>, m<SMs>c<n>)")
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--out", default=".")
   p.add_argument("--events", action="store_true", help="also write the GPU events (gzipped)")
@@ -213,13 +216,16 @@ def main():
   x = jax.random.normal(kx, (b, s, h), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (b, s, f), jnp.float32).astype(jnp.bfloat16)
   report = dict(device=f"{devices[0].platform} {devices[0].device_kind} x {len(devices)}",
+                config=args.config,
                 jax=jax.__version__, shape=[b, s, h, f], steps=args.steps, variants={})
   for variant in args.variants.split(","):
     start = time.perf_counter()
+    mesh2x2.LEVERS = {} if variant == "bf16" else mesh2x2.parse_config(args.config)
     model = mesh2x2.BUILDERS[args.framework](variant, h, f, x[:1, :16])
     ms, events, compiled = run_variant(model, mesh, x, dy, args.steps)
     text = compiled.as_text()
-    with open(os.path.join(args.out, f"hlo_{args.framework}_{variant}.txt"), "w") as fh:
+    tag = f"{args.framework}_{variant}_{args.config}"
+    with open(os.path.join(args.out, f"hlo_{tag}.txt"), "w") as fh:
       fh.write(text)
     per_dev = gpu_events(events)
     ops = hlo_op_table(text)
@@ -227,11 +233,11 @@ def main():
     report["variants"][variant] = dict(wall_ms=ms, gpus=summary, schedule=schedule(text),
                                        collectives=mesh2x2.collective_details(text))
     if args.events:
-      with gzip.open(os.path.join(args.out, f"events_{args.framework}_{variant}.json.gz"),
+      with gzip.open(os.path.join(args.out, f"events_{tag}.json.gz"),
                      "wt") as fh:
         json.dump({d: [(s_, t_, n, st, a) for s_, t_, n, st, a in evs]
                    for d, evs in per_dev.items()}, fh)
-    print(f"\n== {args.framework} {variant}: wall {ms:.3f} ms a step "
+    print(f"\n== {args.framework} {variant} {args.config}: wall {ms:.3f} ms a step "
           f"({time.perf_counter() - start:.1f} s)")
     for dev, sm in summary.items():
       if not sm:
@@ -246,7 +252,7 @@ def main():
               f"with any compute {c['with_compute_us']:7.1f} us  {c['kernel'][:60]}  "
               f"{c['hlo_op']} {'+'.join(hlo.get('carries', []))} {arrs}")
       break  # the first GPU in the printout; all are in the JSON
-  with open(os.path.join(args.out, f"profile_{args.framework}.json"), "w") as fh:
+  with open(os.path.join(args.out, f"profile_{args.framework}_{args.config}.json"), "w") as fh:
     json.dump(report, fh, indent=1, default=str)
 
 

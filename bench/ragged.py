@@ -15,6 +15,11 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
   scaling (HYBRID).
 - ``ours_mxfp8``: ``te_adapters.core.ragged_dot`` with ``MXFP8BlockScaling`` (E4M3; the GEMMs
   are emulated on dequantized bf16 values, so its "FP8 GEMM" column says no).
+- ``ours_float8_block``: ``te_adapters.core.ragged_dot`` with ``Float8BlockScaling`` (1x128
+  blocks of x and dy that never cross a group, 128x128 tiles per expert; emulated GEMMs on the
+  dequantized values, as MXFP8's).
+- ``ours_rowwise``: ``te_adapters.core.ragged_dot`` with ``Float8RowwiseScaling`` (XLA's ragged
+  dots of the FP8 data, the row and column factors on their float32 outputs).
 - ``loop_bf16``: a dense loop over experts, ``sum_g mask_g * (x @ W[g])`` in bf16 (G times the
   FLOPs; what one writes without a grouped GEMM).
 - ``loop_current``: the same loop with ``te_adapters.core.dot_general`` FP8 current scaling.
@@ -34,7 +39,7 @@ extension's cuBLASLt ``te_adapters_block_gemm`` and grouped ``te_adapters_groupe
 GPU, f8 ``dot``s elsewhere), and gives the relative error of the forward output against
 ``lax_bf16``'s.
 
-``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``) is short for
+``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``, ``float8_block``) is short for
 ``--variants lax_bf16 ours_bf16 ours_NAME``.
 
 Usage (on the GPU):
@@ -70,6 +75,8 @@ VARIANTS = (
   "ours_current",
   "ours_delayed",
   "ours_mxfp8",
+  "ours_float8_block",
+  "ours_rowwise",
   "loop_bf16",
   "loop_current",
   "dense_current",
@@ -78,6 +85,8 @@ RECIPES = {
   "current": ta.Float8CurrentScaling(),
   "delayed": ta.DelayedScaling(),
   "mxfp8": ta.MXFP8BlockScaling(),
+  "float8_block": ta.Float8BlockScaling(),
+  "rowwise": ta.Float8RowwiseScaling(),
 }
 
 

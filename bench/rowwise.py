@@ -1,10 +1,15 @@
-"""Seed 000's Dense under Float8RowwiseScaling beside bf16 and the per-tensor recipes, one call.
+"""Seed 000's Dense under Float8RowwiseScaling beside bf16 and current scaling, one call.
 
 The model and step are ``python -m bench``'s seed 000 Dense through Linen (``bench.speed``): a
 training step (forward, dx, dW) of ``nn.Dense`` with the recipe's ``dot_general``, bfloat16
-activations and a float32 kernel, on the trained recipe state. The variants are timed in turns,
-one repeat of ``--steps`` steps each, for ``--repeats`` rounds; the table gives the median (and
-spread) per variant, its speed against bf16 and the compiled program's FP8 GEMMs / other GEMMs.
+activations and a float32 kernel, on the trained recipe state. Rowwise runs as the library runs
+it (on Hopper the extension's cuBLASLt GEMM with unit scales, the row and column factors
+multiplied into its float32 output in a pass after it), with its weight gradient in high
+precision, and with ``GemmConfig(fp8_gemm="xla")`` (XLA's FP8 dot in place of the extension's,
+the same pass after it). The variants are timed in
+turns, one repeat of ``--steps`` steps each, for ``--repeats`` rounds; the table gives the median
+(and spread) per variant, its speed against bf16 and against current scaling, and the compiled
+program's FP8 GEMMs / other GEMMs.
 
 Usage (on the GPU, the extension built):
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.rowwise --repeats 5
@@ -22,7 +27,8 @@ import numpy as np
 
 import te_adapters as ta
 from bench import speed
-from te_adapters import inspect
+from te_adapters import core, inspect
+from te_adapters import linen as ta_linen
 
 
 def variants(full_size: bool):
@@ -32,12 +38,16 @@ def variants(full_size: bool):
   dy = jax.random.normal(k_dy, (batch, seq, features)).astype(jnp.bfloat16)
   recipes = [
       ("current", ta.Float8CurrentScaling()),
-      ("delayed", ta.DelayedScaling(amax_history_len=1024)),
       ("rowwise", ta.Float8RowwiseScaling()),
       ("rowwise, wgrad high precision", ta.Float8RowwiseScaling(weight_grad_high_precision=True)),
   ]
+  make = speed._make_dense(features)
+  models = speed._linen_variants(make, recipes, False)
+  xla = core.GemmConfig(fp8_gemm="xla")
+  models.append(("linen rowwise, XLA's FP8 dot", make(ta_linen.make_dot_general_cls(
+      ta.Float8RowwiseScaling(), threshold=None, config=xla))))
   out = []
-  for name, model in speed._linen_variants(speed._make_dense(features), recipes, False):
+  for name, model in models:
     step = speed._speedometer(model.apply)
     state = speed.trained_state(step, model.init(k_init, x), x, dy)
     out.append((name, step, (state, x, dy)))
@@ -65,12 +75,15 @@ def main(argv=None):
       jax.block_until_ready(out)
       row["ms"].append((time.perf_counter() - start) / args.steps * 1e3)
   base = next(np.median(r["ms"]) for r in rows if r["variant"] == "bf16")
+  current = next(np.median(r["ms"]) for r in rows if r["variant"] == "linen current")
   print(f"device: {jax.devices()[0].device_kind}; {args.repeats} rounds of {args.steps} steps")
-  print(f"{'variant':38} {'ms':>8} {'spread':>7} {'vs bf16':>8}  FP8 GEMMs / other")
+  print(f"{'variant':38} {'ms':>8} {'spread':>7} {'vs bf16':>8} {'/ current':>9}  "
+        "FP8 GEMMs / other")
   for r in rows:
     ms = np.median(r["ms"])
-    print(f"{r['variant']:38} {ms:8.2f} {np.ptp(r['ms']):7.2f} {base / ms:8.3f}x  "
-          f"{r['fp8_gemms']} / {r['other_gemms']}")
+    r["median_ms"] = float(ms)
+    print(f"{r['variant']:38} {ms:8.2f} {np.ptp(r['ms']):7.2f} {base / ms:8.3f}x "
+          f"{ms / current:9.3f}  {r['fp8_gemms']} / {r['other_gemms']}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)

@@ -13,6 +13,9 @@
 //   2-D (128x128 tiles):             [rows / 128][K4] float32, K4 = K / 128 rounded up to 4.
 // cuBLAS takes 1-D x 1-D, 1-D x 2-D and 2-D x 1-D, not 2-D x 2-D.
 //
+// ``sm_margin`` (> 0) leaves that many of the GPU's SMs to kernels running beside the GEMM (a
+// collective's, in a sharded program): cuBLASLt's SM count target is the device's SMs less it.
+//
 // cuBLASLt is not linked: the library JAX has already loaded (or, failing that, the one the
 // loader finds) is opened with dlopen on first use, so the extension never pins a cuBLAS version
 // and still imports where none is installed.
@@ -108,7 +111,8 @@ cublasLtHandle_t handle_for(int device) {
   return h;
 }
 
-using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, size_t, int>;
+using AlgoKey =
+    std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, size_t, int, int>;
 
 bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t* algo, bool store) {
   static std::mutex mu;
@@ -164,7 +168,8 @@ struct Descriptors {
 ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                          ffi::Buffer<ffi::F32> lhs_scale, ffi::Buffer<ffi::F32> rhs_scale,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                         int32_t lhs_mode, int32_t rhs_mode, int32_t fast_accum) {
+                         int32_t lhs_mode, int32_t rhs_mode, int32_t fast_accum,
+                         int32_t sm_margin) {
   const LtApi& api = lt_api();
   if (!api.error.empty()) return ffi::Error::Internal("te_adapters FP8 GEMM: " + api.error);
   const bool per_tensor = lhs_mode == 0 && rhs_mode == 0;
@@ -172,6 +177,9 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
     return ffi::Error::InvalidArgument(
         "FP8 GEMM: per-tensor scales (mode 0) go with per-tensor scales, and block scales "
         "without fast accumulation");
+  }
+  if (sm_margin < 0) {
+    return ffi::Error::InvalidArgument("FP8 GEMM: sm_margin must be 0 or more");
   }
   if (!per_tensor && api.get_version() < kMinBlockVersion) {
     return ffi::Error::Internal("te_adapters FP8 GEMM: cuBLASLt " +
@@ -255,6 +263,24 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
       return lt_error("setting the block scale modes", s);
     }
   }
+  int32_t sm_target = 0;  // 0: every SM
+  if (sm_margin > 0) {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      return ffi::Error::Internal("te_adapters FP8 GEMM: the device's SM count is unknown");
+    }
+    if (sm_margin >= sms) {
+      return ffi::Error::InvalidArgument("FP8 GEMM: sm_margin " + std::to_string(sm_margin) +
+                                         " leaves none of the device's " + std::to_string(sms) +
+                                         " SMs to the GEMM");
+    }
+    sm_target = sms - sm_margin;
+    if ((s = api.desc_set(ds.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target,
+                          sizeof(sm_target))) != CUBLAS_STATUS_SUCCESS) {
+      return lt_error("setting the SM count target", s);
+    }
+  }
   if ((s = api.layout_create(&ds.a, a_type, k, n, k)) != CUBLAS_STATUS_SUCCESS ||
       (s = api.layout_create(&ds.b, b_type, k, m, k)) != CUBLAS_STATUS_SUCCESS ||
       (s = api.layout_create(&ds.d, d_type, n, m, n)) != CUBLAS_STATUS_SUCCESS) {
@@ -262,7 +288,7 @@ ffi::Error BlockGemmImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer
   }
 
   const AlgoKey key{device, m, n, k, static_cast<int>(a_type), static_cast<int>(b_type),
-                    static_cast<int>(d_type), lhs_mode, rhs_mode, ws_bytes, fast_accum};
+                    static_cast<int>(d_type), lhs_mode, rhs_mode, ws_bytes, fast_accum, sm_target};
   cublasLtMatmulAlgo_t algo;
   if (!cached_algo(key, &algo, false)) {
     if ((s = api.pref_create(&ds.pref)) != CUBLAS_STATUS_SUCCESS) {
@@ -369,6 +395,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockGemmCuda, BlockGemmImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("lhs_mode")
                                   .Attr<int32_t>("rhs_mode")
-                                  .Attr<int32_t>("fast_accum"));
+                                  .Attr<int32_t>("fast_accum")
+                                  .Attr<int32_t>("sm_margin"));
 
 }  // namespace te_adapters

@@ -28,7 +28,7 @@ from te_adapters.core.formats import (
   typed_state,
   unregister_format,
 )
-from te_adapters.core.fused import dropout, layernorm_dense, layernorm_mlp
+from te_adapters.core.fused import FusedPathFallbackWarning, dropout, layernorm_dense, layernorm_mlp
 from te_adapters.core.gemm import (
   CHECKPOINT_NAMES,
   DEFAULT_RECIPE,
@@ -137,6 +137,7 @@ __all__ = [
     "Float8RowwiseScaling",
     "Format",
     "FrozenStateWarning",
+    "FusedPathFallbackWarning",
     "GEMM_OUTPUT",
     "LAYERNORM_TYPES",
     "GemmConfig",

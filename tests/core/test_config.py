@@ -111,3 +111,16 @@ def test_measurement_only_fields_are_deprecated_and_change_nothing(field, value,
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for name in want_state:
     np.testing.assert_array_equal(np.asarray(got_state[name]), np.asarray(want_state[name]))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("comm_sm_margin", -1), ("comm_sm_margin", 8.0), ("comm_sm_margin", True),
+    ("comm_sm_margin", "8"), ("sum_chunks", 0), ("sum_chunks", 2.0), ("sum_chunks", False),
+    ("fold_amax", 1), ("fold_amax", None)])
+def test_mesh_levers_refuse_bad_values(field, value):
+  default = core.GemmConfig()
+  assert (default.comm_sm_margin, default.sum_chunks, default.fold_amax) == (None, 1, False)
+  with pytest.raises(ValueError, match=f"GemmConfig.{field} must be"):
+    core.GemmConfig(**{field: value})
+  config = core.GemmConfig(comm_sm_margin=16, sum_chunks=4)  # hashable, a static argument
+  assert hash(config) == hash(core.GemmConfig(comm_sm_margin=16, sum_chunks=4))

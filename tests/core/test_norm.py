@@ -272,9 +272,10 @@ def test_layernorm_dense_fuses_the_norm_into_the_cast_where_it_applies():
   current = ta.Float8CurrentScaling()
   assert _takes_fused(recipe=current, threshold=None)
   assert _takes_fused(recipe=DELAYED, state=core.init_state(DELAYED), threshold=None)
-  # Composed: block scaling, high precision, the norm's output returned or constrained, the
-  # switch off, a GEMM the default size threshold keeps in bf16.
-  assert not _takes_fused(recipe=ta.Float8BlockScaling(), threshold=None)
+  # Block scaling too, where its blocks tile the GEMM (tests/core/test_fused_every_recipe.py).
+  assert _takes_fused(recipe=ta.Float8BlockScaling(), threshold=None)
+  # Composed: high precision, the norm's output returned or constrained, the switch off, a GEMM
+  # the default size threshold keeps in bf16.
   assert not _takes_fused(recipe=None)
   assert not _takes_fused(recipe=current, threshold=None, return_layernorm_output=True)
   assert not _takes_fused(recipe=current, threshold=None, dot_input_constraint=lambda y: y)

@@ -359,12 +359,16 @@ def test_gemm_rule_falls_back_to_xla_on_shards_the_kernel_refuses():
 # --------------------------------------------------------------------------- the GEMMs' call sites
 
 
-def _emulated_cublas(calls):
-  """``cublas_call`` with per-tensor scales (mode 0), emulated on CPU; records operand shapes."""
+def _emulated_cublas(calls, margins=None):
+  """``cublas_call`` with per-tensor scales (mode 0), emulated on CPU; records operand shapes
+  (and each call's ``sm_margin`` in ``margins``)."""
+  margins = [] if margins is None else margins
 
-  def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+  def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False,
+                  sm_margin=0):
     assert lhs_mode == rhs_mode == 0
     calls.append((a.shape, b.shape, np.dtype(out_dtype)))
+    margins.append(sm_margin)
     return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
 
   return cublas_call
@@ -530,3 +534,90 @@ def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
                                 np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
   ops = [c.op for c in inspect.hlo_collectives(compiled.as_text())]
   assert "all-gather" not in ops and "all-reduce" in ops, ops
+
+
+def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
+  """``GemmConfig(sum_chunks=2, comm_sm_margin=8)`` on DP x column-parallel TP: the shards of
+  dgrad (K over tp) and wgrad (K over dp) run in two chunks of their output rows, each
+  all-reduced on its own, with the margin passed to the kernel; the forward GEMM (K whole) runs
+  whole with every SM. The result equals the unchunked program's bit for bit (each output row
+  is the same sum either way; the emulated kernel's rows do not depend on their neighbours)."""
+  calls, margins = [], []
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls, margins))
+  plan = PLANS[-1]
+  chunked = core.GemmConfig(backend="ffi", sum_chunks=2, comm_sm_margin=8)
+  got, text = _sharded(DELAYED, plan, step=_step(DELAYED, chunked))
+  by_call = list(zip(calls, margins, strict=True))
+  calls[:], margins[:] = [], []
+  want, base_text = _sharded(DELAYED, plan, step=_step(DELAYED, core.GemmConfig(backend="ffi")))
+  bf16 = np.dtype(jnp.bfloat16)
+  # Shards: x3 (128, 64) over dp, the kernel (32, 64) over tp; dgrad's output (64, 64) and
+  # wgrad's (64, 16) in chunks of 32 rows.
+  assert (((32, 16), (64, 16), bf16), 8) in by_call, by_call  # dgrad
+  assert (((32, 64), (16, 64), bf16), 8) in by_call, by_call  # wgrad
+  assert (((64, 64), (16, 64), bf16), 0) in by_call, by_call  # forward: K whole, every SM
+  assert not any(m and c[0][0] == 64 for c, m in by_call), by_call  # no unchunked summed GEMM
+
+  def grad_sums(hlo):
+    """Elements of each array the gradient all-reduces sum (a GPU's async start lists its
+    operands, then its results)."""
+    out = []
+    for c in inspect.hlo_collectives(hlo):
+      arrays = [int(np.prod(s)) for _, s in c.arrays if int(np.prod(s)) >= 256]
+      if c.op == "all-reduce":
+        out += arrays[: len(arrays) // 2] if "-start(" in c.line else arrays
+    return sorted(out)
+
+  # dx (64, 64) and dW (64, 16), each once; chunked, in halves. XLA combines the halves of GEMMs
+  # this small into one all-reduce (under its combine threshold: XLA:CPU as a tuple of the
+  # halves, XLA:GPU flattened into one array); at seed 000's sizes they stay apart on the GPU.
+  assert sum(grad_sums(text)) == sum(grad_sums(base_text)) == 64 * 64 + 64 * 16
+  if jax.default_backend() == "cpu":
+    assert grad_sums(text) == [32 * 16] * 2 + [32 * 64] * 2, grad_sums(text)
+  for step, (g, w) in enumerate(zip(got, want, strict=True)):
+    for name, a, b in zip(("y", "dx", "dw", "state"), jax.tree.leaves(g), jax.tree.leaves(w),
+                          strict=False):
+      np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize(("rows", "chunks", "want"), [
+    (8192, 4, 2048), (64, 2, 32), (64, 4, 16), (64, 8, 64), (48, 2, 48), (100, 1, 100)])
+def test_sum_chunk_rows_keeps_the_kernels_multiples_of_16(rows, chunks, want):
+  assert kernels.sum_chunk_rows(rows, chunks) == want
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, ta.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_fold_amax_reduces_every_amax_over_the_mesh_in_one_all_reduce(recipe):
+  """``GemmConfig(fold_amax=True)`` on DP x column-parallel TP: x's amax (over dp), the
+  kernel's (over tp) and the gradient's (over both) are each reduced over all four devices, so
+  XLA combines them into one all-reduce of three amaxes; every output and the recipe state are
+  the unfolded program's bit for bit (a max over devices holding the same data changes
+  nothing). Unfolded, the amaxes take an all-reduce per group of devices."""
+
+  def amax_reduces(hlo):
+    """The all-reduces whose reduction is a max (the amaxes)."""
+    maxes, name = set(), None
+    for line in hlo.splitlines():
+      if head := re.match(r"^%?([\w.\-]+) \(.*\{\s*$", line):
+        name = head.group(1)
+      elif name and "ROOT" in line and " maximum(" in line:
+        maxes.add(name)
+    return [c for c in inspect.hlo_collectives(hlo) if c.op == "all-reduce"
+            and (m := re.search(r"to_apply=%?([\w.\-]+)", c.line)) and m.group(1) in maxes]
+
+  every_device = re.compile(
+      r"replica_groups=(\{\{0,1,2,3\}\}|\[1,4\]<=\[4\]|mesh\[[^\]]*\] \{'dp','tp'\})")
+  plan = PLANS[-1]
+  got, text = _sharded(recipe, plan, step=_step(recipe, dataclasses.replace(FFI, fold_amax=True)))
+  want, base_text = _sharded(recipe, plan)
+  folded, unfolded = amax_reduces(text), amax_reduces(base_text)
+  lines = lambda cs: [c.line[:200] for c in cs]
+  assert folded and all(every_device.search(c.line) for c in folded), lines(folded)
+  assert len(folded) < len(unfolded), (lines(folded), lines(unfolded))
+  # XLA:CPU combines all three (dy is an input here, so its amax is ready at the start); XLA:GPU
+  # the two of the forward GEMM (current) or all three (delayed), as bench/mesh2x2.py shows.
+  if jax.default_backend() == "cpu":
+    assert len(folded) == 1 and len(folded[0].arrays) == 3, lines(folded)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -23,7 +23,7 @@ from te_adapters import core, inspect
 from te_adapters import haiku as ta_hk
 from te_adapters import linen as ta_linen
 from te_adapters import nnx as ta_nnx
-from tests.conftest import SCALE_ULPS, assert_scales_equal, rel_err
+from tests.conftest import rel_err
 
 DN = (((1,), (0,)), ((), ()))
 ON_GPU = jax.default_backend() == "gpu"
@@ -46,14 +46,21 @@ def _data(shape, seed, scale=1.0):
 
 def np_rows(x, q_dtype, margin=0.0):
   """The numpy model of the format's quantization of ``x (..., P, C)``: ``(data, scale_inv)``,
-  one float32 scale per row along the last axis."""
+  one power-of-two float32 scale per row along the last axis, the largest with ``amax * scale
+  <= fp8_max / 2**margin`` (from float64 logarithms, checked below)."""
   x = np.asarray(x).astype(np.float32)
   magnitudes = np.where(np.isnan(x), np.inf, np.abs(x))
   amax = np.max(magnitudes, axis=-1, keepdims=True, initial=0.0).astype(np.float32)
-  limit = np.float32(jnp.finfo(q_dtype).max)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    scale = (limit / amax) / np.float32(2.0**margin)
-  scale = np.where((amax > 0) & np.isfinite(amax), scale, np.float32(1.0)).astype(np.float32)
+  limit = float(jnp.finfo(q_dtype).max)
+  target = float(np.float32(limit / 2.0**margin))
+  ok = (amax >= np.finfo(np.float32).tiny) & np.isfinite(amax)
+  safe = np.where(ok, amax, 1.0).astype(np.float64)
+  e = np.clip(np.floor(np.log2(target / safe)), -126, 126)
+  scale = np.where(ok, np.exp2(e), 1.0)
+  # The largest such power of two (where the clamp leaves it free).
+  assert np.all(safe * scale <= target)
+  assert np.all((safe * 2 * scale > target) | ~ok | (e == 126))
+  scale = scale.astype(np.float32)
   data = np.clip(x * scale, -limit, limit).astype(q_dtype)
   return data, (np.float32(1.0) / scale).astype(np.float32)
 
@@ -133,9 +140,7 @@ def test_misuse_is_a_clear_error():
     core.dot_general(x, x.T, DN, recipe=ROWWISE, rng=jax.random.key(0), threshold=None)
   with pytest.raises(NotImplementedError, match="per-tensor FP8 recipes"):
     core.dot_general(x, x.T, DN, recipe=ROWWISE, kernel_all_gather=P("dp"), threshold=None)
-  # No grouped GEMM: ragged_dot names the recipes that have one.
-  with pytest.raises((TypeError, ValueError, NotImplementedError), match="Float8RowwiseScaling"):
-    core.ragged_dot(x, jnp.ones((2, 64, 16)), jnp.asarray([16, 16], jnp.int32), recipe=ROWWISE)
+  # ragged_dot's rowwise grouped GEMM: tests/core/test_ragged_rowwise.py.
 
 
 # --- quantization --------------------------------------------------------------------------------
@@ -144,10 +149,8 @@ def test_misuse_is_a_clear_error():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("role", ["x", "kernel", "grad"])
 def test_quantization_is_the_numpy_model_bit_for_bit(dtype, role):
-  """Both copies: ``rows`` per row P over C, ``cols`` the swapped operand per row C over P. On a
-  GPU XLA's float32 division may be 1 ulp off in each of the two divisions that make
-  ``scale_inv`` (``fp8_max / amax``, then ``1 / scale``): 2 ulps seen on an H100; a row whose
-  scale moved may have its codes 1 step off."""
+  """Both copies: ``rows`` per row P over C, ``cols`` the swapped operand per row C over P; the
+  scales are powers of two, exact on every backend, so the codes are too."""
   recipe = ta.Float8RowwiseScaling(margin=1)
   x = _data((3, 40, 72), 1) * jnp.exp(_data((3, 40, 1), 2))  # rows of very different amaxes
   x = x.at[0, 3].set(0.0).at[1, 5, 7].set(jnp.inf).astype(dtype)
@@ -157,15 +160,29 @@ def test_quantization_is_the_numpy_model_bit_for_bit(dtype, role):
     data, sinv = np_rows(operand, q_dtype, margin=1)
     assert got.scaling_mode == "rowwise" and got.data.dtype == q_dtype
     assert got.scale_inv.shape == operand.shape[:-1] + (1,) and got.scale_inv.dtype == jnp.float32
-    assert_scales_equal(got.scale_inv, sinv, ulps=2 * SCALE_ULPS)
-    same_scale = np.asarray(got.scale_inv) == sinv
-    codes = np.asarray(got.data).view(np.uint8).astype(np.int32)
-    want = data.view(np.uint8).astype(np.int32)
-    np.testing.assert_array_equal(np.where(same_scale, codes, 0), np.where(same_scale, want, 0))
-    assert np.all(np.abs(codes - want) <= 1)
-    assert SCALE_ULPS or same_scale.all()
+    np.testing.assert_array_equal(got.scale_inv, sinv)
+    np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8), data.view(np.uint8))
+    # Powers of two.
+    mantissa, _ = np.frexp(np.asarray(got.scale_inv))
+    assert np.all(mantissa == 0.5)
   # A zero row and a row with an inf keep scale 1.
   assert float(q.rows.scale_inv[0, 3, 0]) == 1.0 and float(q.rows.scale_inv[1, 5, 0]) == 1.0
+
+
+def test_power_of_two_scales_at_their_edges():
+  """Each row's scale is the largest power of two under the limit, from the amax's bits: at and
+  just past the limit's mantissa, a zero, subnormal, infinite or NaN amax (scale 1), and the
+  exponent's clamp at 2**±126."""
+  tiny = np.finfo(np.float32).tiny
+  amax = np.array([448, 449, 1, 1.75, np.nextafter(np.float32(1.75), 2), 3.5, 224, 0, 1e-40,
+                   np.inf, np.nan, 3e38, tiny, 1e-37], np.float32)
+  want = np.array([1, 0.5, 256, 256, 128, 128, 2, 1, 1, 1, 1, 2.0**-120, 2.0**126, 2.0**126],
+                  np.float32)
+  t = ta.quantize(jnp.asarray(amax)[:, None], recipe=ROWWISE)
+  np.testing.assert_array_equal(t.scale_inv[:, 0], np.float32(1) / want)
+  # The limit's own mantissa counts: E5M2's 57344 is 1.75 * 2**15 (the gradient's format).
+  t = ta.quantize(jnp.array([[1.0], [1.8], [57344.0]]), recipe=ROWWISE, role="grad")
+  np.testing.assert_array_equal(t.scale_inv[:, 0], [2.0**-15, 2.0**-14, 1.0])
 
 
 def test_quantize_and_dequantize_through_the_public_functions():
@@ -173,19 +190,12 @@ def test_quantize_and_dequantize_through_the_public_functions():
   t = ta.quantize(x, recipe=ROWWISE)
   data, sinv = np_rows(x, E4M3)
   np.testing.assert_array_equal(np.asarray(t.data).view(np.uint8), data.view(np.uint8))
-  # The same codes; scale_inv as in the test above (exact on CPU, 2 ulps of it on a GPU, plus
-  # the product's rounding).
-  np.testing.assert_array_max_ulp(
-      np.asarray(ta.dequantize(t)), data.astype(np.float32) * sinv, maxulp=3 * SCALE_ULPS or 0)
-  if not SCALE_ULPS:
-    np.testing.assert_array_equal(ta.dequantize(t), data.astype(np.float32) * sinv)
+  np.testing.assert_array_equal(ta.dequantize(t), data.astype(np.float32) * sinv)
   # Along another axis: one scale per column.
   t0 = ta.quantize(x, recipe=ROWWISE, axis=0, role="grad")
   assert t0.scale_inv.shape == (1, 80) and t0.data.dtype == E5M2
   data, sinv = np_rows(x.T, E5M2)
-  np.testing.assert_array_max_ulp(
-      np.asarray(ta.dequantize(t0)), (data.astype(np.float32) * sinv).T,
-      maxulp=3 * SCALE_ULPS or 0)
+  np.testing.assert_array_equal(ta.dequantize(t0), (data.astype(np.float32) * sinv).T)
 
 
 # --- the GEMMs -----------------------------------------------------------------------------------
@@ -206,10 +216,12 @@ def test_three_training_steps_against_float64():
     # FP8 accuracy against the unquantized products (a wrong scale is off by O(1)).
     assert rel_err(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64)) < 0.05
     w = w - 0.01 * dw
-  # Really rowwise: every row of x and every output channel of the kernel has its own scale.
+  # Really rowwise: every row of x and every output channel of the kernel has its own scale
+  # (its own power of two: rows of amaxes in different octaves get different ones).
   for operand in (x, w.T):
     sinv = np.asarray(ta.quantize(operand, recipe=ROWWISE).scale_inv)
-    assert len(np.unique(sinv)) == operand.shape[0]
+    np.testing.assert_array_equal(sinv, np_rows(operand, E4M3)[1])
+    assert sinv.shape == (operand.shape[0], 1) and len(np.unique(sinv)) >= 4
 
 
 def test_batched_and_bfloat16_operands():
@@ -479,7 +491,7 @@ def test_conversions_take_it():
 def test_gpu_runs_cublaslt_fp8_gemms(recipe, fp8_gemms):
   """On Hopper each FP8 GEMM is a cuBLASLt FP8 GEMM (the extension's, with unit scales; the row
   and column factors multiply its float32 output), and the results match the float64 reference
-  to the FP8 GEMM's sums."""
+  to the FP8 GEMM's sums and bfloat16's rounding."""
   m, k, n = 256, 512, 384
   x = _data((m, k), 150).astype(jnp.bfloat16)
   w = _data((k, n), 151, 0.05).astype(jnp.bfloat16)
@@ -490,17 +502,41 @@ def test_gpu_runs_cublaslt_fp8_gemms(recipe, fp8_gemms):
   got = step(x, w, dy)
   want = reference(*(np.asarray(a.astype(jnp.float32)) for a in (x, w, dy)), recipe)
   for name, a, b in zip(("y", "dx", "dW"), got, want, strict=True):
-    assert rel_err(np.asarray(a, np.float32), b) < 1e-2, name  # bf16 outputs
+    assert rel_err(np.asarray(a, np.float32), b) < 5e-3, name  # bf16 outputs
+
+
+@gpu_only
+def test_gpu_quantization_is_the_cpus_bit_for_bit():
+  """The same codes and scales from the GPU's XLA and the CPU's, for every role, both input
+  dtypes and a margin, on rows whose amaxes span many octaves (zero and infinite rows too)."""
+  cpu = jax.devices("cpu")[0]
+  x = _data((4, 96, 160), 170) * jnp.exp(4 * _data((4, 96, 1), 171))
+  x = x.at[0, 3].set(0.0).at[1, 5, 7].set(jnp.inf).at[2, 9, 1].set(-jnp.inf)
+  for recipe in (ROWWISE, ta.Float8RowwiseScaling(margin=1, fp8_format=ta.Format.E4M3)):
+    fmt = core.format_of(recipe)
+    for dtype in (jnp.float32, jnp.bfloat16):
+      for role in ("x", "kernel", "grad"):
+        quantize = jax.jit(lambda x, role=role, fmt=fmt, recipe=recipe: fmt.quantize(  # noqa: B023
+            core.QuantizeRequest(x, role, recipe)))
+        on_gpu = quantize(x.astype(dtype))
+        on_cpu = quantize(jax.device_put(x.astype(dtype), cpu))
+        assert on_cpu.rows.data.devices() == {cpu}
+        for g, c in ((on_gpu.rows, on_cpu.rows), (on_gpu.cols, on_cpu.cols)):
+          np.testing.assert_array_equal(np.asarray(g.data).view(np.uint8),
+                                        np.asarray(c.data).view(np.uint8))
+          np.testing.assert_array_equal(np.asarray(g.scale_inv).view(np.uint32),
+                                        np.asarray(c.scale_inv).view(np.uint32))
 
 
 
 # --- the fused paths -----------------------------------------------------------------------------
 
 
-def test_norm_and_mlp_paths_compose():
-  """``layernorm_dense`` and ``layernorm_mlp`` take rowwise on their composed paths (the norm and
-  activation written out, then ``dot_general``), as for the block formats: a fused cast into
-  rowwise operands is not built."""
+def test_norm_and_mlp_fused_paths_are_the_composed_ones_in_float32():
+  """``layernorm_dense`` and ``layernorm_mlp`` take rowwise on their fused paths (the norm's and
+  the activation's float32 values quantized in rows as they are computed), which with float32
+  activations give the composed paths' results bit for bit (nothing rounds those values on
+  either path; tests/core/test_fused_every_recipe.py has the bfloat16 cases)."""
   k, f = 64, 128
   x = _data((32, k), 160)
   scale, bias = jnp.ones((k,)), jnp.zeros((k,))
@@ -517,7 +553,7 @@ def test_norm_and_mlp_paths_compose():
                               config=config)[0]
 
   jaxpr = jax.make_jaxpr(lambda x, wi, wo: mlp(x, wi, wo, None))(x, wi, wo)
-  assert sum("custom_vjp" in e.primitive.name for e in jaxpr.eqns) > 1  # not one fused VJP
+  assert sum("custom_vjp" in e.primitive.name for e in jaxpr.eqns) == 1  # one fused VJP
   loss = lambda fuse: jax.grad(  # noqa: E731
       lambda *a: jnp.sum(mlp(*a, fuse) ** 2), argnums=(0, 1, 2))(x, wi, wo)
   for a, b in zip(loss(None), loss(False), strict=True):

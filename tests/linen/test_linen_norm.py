@@ -98,8 +98,8 @@ def test_layer_norm_dense_general_against_float64(recipe, rel):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_layer_norm_dense_general_with_bias_against_float64(recipe, rel):
-  """use_bias=True (TE's ``bias``): with a per-tensor recipe the layer takes the fused path,
-  whose bias gradient is dz's float32 column sums from the pass that casts dz to FP8."""
+  """use_bias=True (TE's ``bias``): the layer takes the fused path under every recipe, whose
+  bias gradient is dz's float32 column sums from the pass that casts dz to FP8."""
   x, g, b, _ = _inputs()
   w, dz, c = _data([(128, 256), (4, 32, 256), (256,)], seed=1)
   params = {"scale": g, "ln_bias": b, "kernel": w, "bias": c}
@@ -116,7 +116,7 @@ def test_layer_norm_dense_general_with_bias_against_float64(recipe, rel):
   text = str(jax.make_jaxpr(lambda v: layer.apply(v, x)[0])(variables))
   # Fused: the norm runs inside the quantized GEMM rule, not as its own custom VJP.
   fused = "name=_quantized_gemms" in text and "name=_norm" not in text
-  assert fused == (not core.check_recipe(recipe).block_scaled)
+  assert fused
 
 
 def test_delayed_state_follows_training():

@@ -199,14 +199,34 @@ def _cast_both(x3, spec, spec_t, backend: str):
 _WHAT = {"x": "lhs (x)", "kernel": "rhs (kernel)", "grad": "output gradient"}
 
 
+def _with_batch(t: ScaledTensor) -> ScaledTensor:
+  """A 2-D copy as the block GEMMs take it, (1, P, C) (its scales likewise)."""
+  return dataclasses.replace(t, data=t.data[None], scale_inv=t.scale_inv[None])
+
+
+def _without_batch(t: ScaledTensor | None) -> ScaledTensor | None:
+  if t is None:
+    return None
+  return dataclasses.replace(t, data=t.data[0], scale_inv=t.scale_inv[0])
+
+
 def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
   """Both copies of a (B, P, C) operand: along C with the role's blocks, and the (B, C, P) copy
   with the blocks of the GEMM it feeds (x's and the gradient's: the weight gradient's). A tiled
-  copy is quantized once and transposed (its tiles are the same either way)."""
+  copy is quantized once and transposed (its tiles are the same either way).
+
+  With a ``Producer`` (the fused norm and MLP paths), the operand is its ``value``: float32
+  values quantized in blocks as they are computed. A 2-D operand (P, C) (those paths' GEMMs)
+  gives 2-D copies."""
   if req.producer is not None:
-    raise NotImplementedError(
-        f"{type(req.recipe).__name__}: a fused cast into block-scaled operands is not "
-        "implemented; the composed path quantizes the operand after it is written")
+    if req.producer.value is None:
+      raise NotImplementedError(
+          f"{type(req.recipe).__name__}: block scales need the operand's values; this producer "
+          "gives only a per-tensor cast")
+    req = dataclasses.replace(req, x=req.producer.value(), producer=None)
+  if req.x.ndim == 2:
+    q = _quantize(block, dataclasses.replace(req, x=req.x[None]))
+    return Quantized(_without_batch(q.rows), _without_batch(q.cols), q.state)
   x, role, recipe, plan = req.x, req.role, req.recipe, req.plan
   spec = block.operand_spec(recipe, role, False)
   spec_t = block.operand_spec(recipe, role, role != "kernel")
@@ -233,7 +253,12 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
 
 
 def _gemm(block, a, b, out_dtype, which, recipe, config, precision=None, out_sharding=None):
-  """The block GEMM, in ``out_dtype``; blocks promote per block, ``precision`` is unused."""
+  """The block GEMM, in ``out_dtype``; blocks promote per block, ``precision`` is unused. 2-D
+  copies (the fused paths') give a 2-D product."""
+  if a.data.ndim == 2:
+    out = _gemm(block, _with_batch(a), _with_batch(b), out_dtype, which, recipe, config,
+                precision, out_sharding)
+    return out[0]
   del which, recipe, precision
   return block.gemm(a, b, out_dtype, out_sharding, config.block_gemm).astype(out_dtype)
 
@@ -320,4 +345,5 @@ def block_format(block: BlockFormat, grouped: GroupedFormat | None = None) -> Qu
       per_tensor=False,
       block=block,
       grouped=grouped,
+      takes_producer=True,
   )

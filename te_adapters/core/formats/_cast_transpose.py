@@ -87,6 +87,7 @@ def cast_transpose(
   colwise: bool = True,
   with_amax: bool = False,
   backend: str | None = None,
+  amax_over_mesh: bool = False,
 ):
   """FP8 copies of ``x`` (as is, and with its last two dims swapped) with one scale, in one pass.
 
@@ -103,6 +104,8 @@ def cast_transpose(
       inf), read in the same pass (delayed scaling quantizes with a stored scale and records
       the amax).
     backend: ``"jax"``, ``"ffi"``, or ``"auto"``/``None`` (the platform decides).
+    amax_over_mesh: in a sharded program, reduce the amax over every mesh axis
+      (``GemmConfig.fold_amax``; the same value).
 
   Returns:
     ``(q, q_t, amax)``, with ``None`` for each output not asked for.
@@ -129,10 +132,14 @@ def cast_transpose(
   if not (rowwise or colwise or with_amax):
     return None, None, None
   if _use_ffi(x, backend):
-    fn = kernels.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax)
+    fn = kernels.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax,
+                                     amax_over_mesh)
     q, q_t, a = fn(x, scale.reshape(1))
   else:
-    q, q_t, a = _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax)
+    fold = with_amax and amax_over_mesh
+    q, q_t, a = _reference_cast(x, scale, q_dtype, rowwise, colwise, with_amax and not fold)
+    if fold:
+      a = amax(x, backend="jax", over_mesh=True)
   return (q if rowwise else None), (q_t if colwise else None), (a if with_amax else None)
 
 
@@ -185,12 +192,14 @@ def cast_transpose_per_batch(
   return q, jnp.swapaxes(q, 1, 2), (_scaling.leading_amax(x) if with_amax else None)
 
 
-def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
+def amax(x: jax.Array, *, backend: str | None = None, over_mesh: bool = False) -> jax.Array:
   """``max(|x|)`` as float32 of shape (1,), inf if any element is NaN (current scaling's pass).
 
   Args:
     x: a real floating-point array.
     backend: ``"jax"``, ``"ffi"``, ``"auto"`` or ``None`` (as for ``cast_transpose``).
+    over_mesh: in a sharded program, reduce over every mesh axis (``GemmConfig.fold_amax``; the
+      same value), through the amax's partitioning rule.
 
   Returns:
     float32 array of shape (1,).
@@ -204,7 +213,9 @@ def amax(x: jax.Array, *, backend: str | None = None) -> jax.Array:
   _scaled_tensor.check_float_operand("x", x)
   x = jnp.asarray(x)
   if x.size and _use_ffi(x, backend):
-    return kernels.amax_call()(x)
+    return kernels.amax_call(over_mesh)(x)
+  if over_mesh and x.size:
+    return kernels.amax(_scaling.tensor_amax, x.ndim, True)(x)
   return _scaling.tensor_amax(x)
 
 

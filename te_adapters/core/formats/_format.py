@@ -51,17 +51,25 @@ class Quantized(NamedTuple):
 
 
 class Producer(NamedTuple):
-  """An operand made inside its own cast (a fused norm or activation; per-tensor formats).
+  """An operand made inside its own cast (the fused norm, activation and bias gradient).
+
+  A format takes what its scaling needs: one scale per tensor takes ``cast`` (and ``amax``),
+  scales per block or per row take ``value``.
 
   Attributes:
     cast: ``(scale, with_amax) -> (rows data, cols data, amax or None)``: the FP8 copies, cast
-      from float32 in the pass that computes the operand.
+      from float32 in the pass that computes the operand (per-tensor formats).
     amax: ``() -> amax`` (float32 (1,)): the operand's amax, for scalings that need it before
       the cast (current scaling); None to compute it from the operand.
+    value: ``() -> array``: the operand's values (float32 where it is computed here, never
+      rounded to the activations' dtype), for formats whose scales depend on more than one amax
+      (blocks, rows): they quantize it as they would an operand, and XLA fuses its formula into
+      their amaxes and casts. None: such a format cannot take this producer.
   """
 
   cast: Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]]
   amax: Callable[[], jax.Array] | None = None
+  value: Callable[[], jax.Array] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +207,9 @@ class QuantizationFormat(NamedTuple):
     scaling: the per-tensor ``TensorScaling`` (state, scale rule); None for block formats.
     block: the ``BlockFormat`` of a block format (its operand blocks), else None.
     grouped: the format's ``GroupedFormat`` (``ragged_dot``), or None: no grouped GEMM.
+    takes_producer: whether ``quantize`` takes a ``Producer`` (``QuantizeRequest.producer``):
+      the fused norm and MLP paths of ``layernorm_dense`` and ``layernorm_mlp``. False: those
+      take the composed path for this format, with a ``FusedPathFallbackWarning``.
   """
 
   recipe_type: type
@@ -214,6 +225,7 @@ class QuantizationFormat(NamedTuple):
   scaling: Any = None
   block: Any = None
   grouped: GroupedFormat | None = None
+  takes_producer: bool = False
 
 
 # --- the block family's parameters --------------------------------------------------------------

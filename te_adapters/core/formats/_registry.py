@@ -18,6 +18,7 @@ from te_adapters.core.formats import (
     _block_scaled,
     _float8_block,
     _grouped_block,
+    _grouped_rowwise,
     _mxfp8,
     _nvfp4,
     _rowwise,
@@ -42,7 +43,7 @@ _FORMATS: list[QuantizationFormat] = [
     _block_scaled.block_format(_nvfp4.FORMAT),
     _block_scaled.block_format(
         _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT)),
-    _rowwise.FORMAT,
+    _rowwise.FORMAT._replace(grouped=_grouped_rowwise.GROUPED),
 ]
 _PACKAGE_FORMATS = len(_FORMATS)
 

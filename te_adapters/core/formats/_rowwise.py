@@ -4,16 +4,24 @@ An operand arrives contracting-last, ``(..., P, C)``. Its ``rows`` copy has one 
 row (the amax over ``C``), for the GEMM it arrives for; its ``cols`` copy is the swapped operand
 ``(..., C, P)`` with one scale per row ``C`` (the amax over ``P``), recomputed from the
 high-precision operand for its backward GEMM (x's and the gradient's for wgrad, the kernel's for
-dgrad). ``scale = fp8_max / row_amax / 2**margin`` (``_scaling.compute_scale``, as current
-scaling computes its one scale), 1 where the row's amax is zero or not finite; ``data =
-cast(clip(x * scale, ±fp8_max))``. The ``ScaledTensor`` keeps ``scale_inv = 1 / scale`` of shape
-``(..., P, 1)`` (scaling mode ``"rowwise"``), so ``data * scale_inv`` broadcasts to the values.
+dgrad). A row's scale is a power of two, as torchao's rowwise recipes round theirs: the largest
+``2**e`` with ``row_amax * 2**e <= fp8_max / 2**margin``, 1 where the row's amax is zero, a
+float32 subnormal or not finite; ``data = cast(clip(x * scale, ±fp8_max))``. The exponent comes
+from the amax's float32 bits by integer arithmetic and the scale and its inverse are built from
+their bits, so both are exact and the same on every backend (XLA:GPU's float32 division is not
+correctly rounded), and ``x * scale`` rounds only in the cast: the quantization is bit for bit
+the same on CPU and GPU (float32 subnormal inputs aside, which XLA:CPU flushes to zero). The
+``ScaledTensor`` keeps ``scale_inv = 1 / scale`` of shape ``(..., P, 1)`` (scaling mode
+``"rowwise"``), so ``data * scale_inv`` broadcasts to the values.
 
 The GEMM ``(..., M, K) x (..., N, K)`` is an FP8 GEMM of the data with float32 output (on Hopper
 the extension's cuBLASLt FP8 GEMM with unit scales, where it runs; elsewhere, or with
 ``GemmConfig(fp8_gemm="xla")``, XLA's FP8 ``dot_general``), whose output is multiplied by the
 outer product of the two scale-inverse vectors (``(..., M, 1) * (..., 1, N)``) in float32 and
-cast to the output dtype once.
+cast to the output dtype once. cuBLASLt's outer-vector scale mode, which applies the two vectors
+in the GEMM's epilogue and writes bfloat16 itself, was measured and not kept: seed 000's Dense
+step took 28.0 ms with it on an H100 against 25.9 ms with XLA's FP8 dot and this pass in the
+same run (``bench/RESULTS.md``, 2026-11-27).
 
 With ``weight_grad_high_precision`` (torchao's ``rowwise_with_gw_hp``) the ``cols`` copies of x
 and of the gradient, which only the weight-gradient GEMM reads, are the swapped high-precision
@@ -49,7 +57,8 @@ from te_adapters.core.formats._tensor_format import (
 from te_adapters.core.recipes import Float8RowwiseScaling
 from te_adapters.core.state import EmptyState
 
-__all__ = ["FORMAT", "HIGH_PRECISION", "ROWWISE", "quantize_rows", "row_amax"]
+__all__ = ["FORMAT", "HIGH_PRECISION", "ROWWISE", "power_of_two_scale", "quantize_rows",
+           "row_amax"]
 
 ROWWISE = "rowwise"
 HIGH_PRECISION = "high_precision"
@@ -61,17 +70,49 @@ def row_amax(x) -> jax.Array:
   return jnp.max(magnitudes, axis=-1, keepdims=True, initial=0.0).astype(jnp.float32)
 
 
+# float32's exponent bias and the field's place; a scale's exponent stays within [-126, 126], so
+# both 2**e and 2**-e are normal floats.
+_BIAS, _MANT_BITS, _E_MAX = 127, 23, 126
+
+
+def _pow2(e) -> jax.Array:
+  """``2.0**e`` (float32) for int32 ``e`` in [-126, 127], from its bits: exact everywhere."""
+  return lax.bitcast_convert_type((e + _BIAS) << _MANT_BITS, jnp.float32)
+
+
+def power_of_two_scale(amax, limit: float) -> tuple[jax.Array, jax.Array]:
+  """``(scale, scale_inv)``, float32 like ``amax``: the largest power of two ``scale`` with
+  ``amax * scale <= limit`` (its exponent clamped to [-126, 126]) and ``1 / scale``; both 1
+  where ``amax`` is not finite or below float32's smallest normal number (zero, or a subnormal
+  that XLA:CPU flushes to zero and a GPU does not).
+
+  Integer arithmetic on the float32 bits: with ``amax = 1.f_a * 2**E_a`` and ``limit = 1.f_l *
+  2**E_l``, ``e = E_l - E_a``, less one where ``f_a > f_l``. No division, so no backend's
+  rounding of one (XLA:GPU's float32 division is not correctly rounded) enters the scale.
+  """
+  amax = jnp.asarray(amax, jnp.float32)
+  lim_bits = int(np.float32(limit).view(np.int32))
+  mant = (1 << _MANT_BITS) - 1
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  exponent = bits >> _MANT_BITS  # amax >= 0: no sign bit
+  e = (lim_bits >> _MANT_BITS) - exponent - ((bits & mant) > (lim_bits & mant)).astype(jnp.int32)
+  e = jnp.clip(e, -_E_MAX, _E_MAX)
+  ok = (amax >= np.finfo(np.float32).tiny) & jnp.isfinite(amax)
+  one = jnp.float32(1.0)
+  return jnp.where(ok, _pow2(e), one), jnp.where(ok, _pow2(-e), one)
+
+
 def quantize_rows(x, q_dtype, margin: float = 0.0) -> ScaledTensor:
-  """``x (..., P, C)`` in ``q_dtype`` with one scale per row (the amax over ``C``)."""
+  """``x (..., P, C)`` in ``q_dtype`` with one power-of-two scale per row (from the amax over
+  ``C``)."""
   dq = np.dtype(x.dtype)
   if dq.itemsize < 4:
     # Keep a narrow input's rounding (see _tensor_format: XLA may fuse the convert that made x).
     x = _block.keep_narrow(x)
   a = row_amax(x)
   limit = _scaling.fp8_max(q_dtype)
-  scale = _scaling.compute_scale(a, limit, 1.0, margin)
+  scale, sinv = power_of_two_scale(a, limit / 2.0**margin)
   data = jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(q_dtype)
-  sinv = _scaling.scale_inverse(scale)
   amax = jnp.max(a, initial=0.0).reshape(1)
   return ScaledTensor(data, sinv, amax, scaling_mode=ROWWISE, dq_dtype=dq)
 
@@ -98,11 +139,15 @@ def _check_plan(recipe, role, plan):
 
 
 def _quantize(req: QuantizeRequest) -> Quantized:
-  if req.producer is not None:
-    raise NotImplementedError(
-        f"{type(req.recipe).__name__}: a fused cast into rowwise operands is not implemented; "
-        "the composed path quantizes the operand after it is written")
   x, role, recipe = req.x, req.role, req.recipe
+  if req.producer is not None:
+    # The fused norm and MLP paths: the operand's float32 values, whose formula XLA fuses into
+    # the row amaxes and the casts.
+    if req.producer.value is None:
+      raise NotImplementedError(
+          f"{type(recipe).__name__}: rowwise scales need the operand's values; this producer "
+          "gives only a per-tensor cast")
+    x = req.producer.value()
   _check_plan(recipe, role, req.plan)
   q_dtype = _q_dtype(recipe, role)
   rows = quantize_rows(x, q_dtype, recipe.margin) if req.rows else None
@@ -190,4 +235,5 @@ FORMAT = QuantizationFormat(
     dequantize=_dequantize,
     check=_check,
     per_tensor=False,
+    takes_producer=True,
 )

@@ -47,7 +47,8 @@ def cast_both(x, scale, q_dtype, config, with_amax=False):
   """FP8 copies of ``x`` and of ``x`` with its last two dims swapped (and the amax of ``x``), in
   one pass over ``x``: the FFI kernel or XLA's fusion, per ``config.backend``."""
   return _cast_transpose.cast_transpose(
-      x, scale, q_dtype, with_amax=with_amax, backend=config.backend
+      x, scale, q_dtype, with_amax=with_amax, backend=config.backend,
+      amax_over_mesh=config.fold_amax,
   )
 
 
@@ -72,7 +73,7 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
 
     amax = None
   else:
-    cast, amax = req.producer
+    cast, amax = req.producer.cast, req.producer.amax
   scale = scaling.stored_scale(state, role)
   if scale is not None:
     # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
@@ -82,7 +83,8 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
   else:
     # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
     # kernel and can fuse into the op that produces x.
-    a = _cast_transpose.amax(x, backend="jax") if amax is None else amax()
+    a = (_cast_transpose.amax(x, backend="jax", over_mesh=req.config.fold_amax)
+         if amax is None else amax())
     scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     q, q_t, _ = cast(scale, False)
   sinv = _scaling.scale_inverse(scale)
@@ -120,7 +122,7 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   return None
 
 
-def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None):
+def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None, config=None):
   """``a (.., M, K) . b (.., N, K)^T * sinv_a * sinv_b`` by cuBLASLt: both scales in the
   epilogue, one rounding to ``out_dtype`` (TE's GEMM)."""
   lead = a.shape[:-2]
@@ -137,6 +139,8 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None):
       kernels.gemm_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
       sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
       out_dtype, fast, sum_dtype,
+      sm_margin=None if config is None else config.comm_sm_margin,
+      sum_chunks=1 if config is None else config.sum_chunks,
   )
   return y.reshape(*lead, m, n) if lead else y
 
@@ -159,7 +163,8 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       # the output dtype (for wgrad too: the kernel's dtype as the caller passes it) or in
       # float32 (GemmConfig.partial_sums).
       sum_dtype = out_dtype if config.partial_sums == "output" else jnp.float32
-      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype).astype(
+      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype,
+                            config).astype(
           out_dtype)
     if config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
@@ -227,4 +232,5 @@ def tensor_format(recipe_type: type, scaling: TensorScaling) -> QuantizationForm
       per_tensor=True,
       scaling=scaling,
       grouped=_grouped_tensor.grouped_format(scaling),
+      takes_producer=True,
   )

@@ -2,6 +2,7 @@
 
 from te_adapters.core.fused._fused_mlp import (
     KERNEL_ACTIVATIONS,
+    FusedPathFallbackWarning,
     act_amax,
     act_cast,
     activation_f32,
@@ -10,6 +11,7 @@ from te_adapters.core.fused._fused_mlp import (
     dact_cast,
     dact_f32,
     dbias_cast,
+    format_fuses,
     fused_mlp,
     norm_cast,
 )
@@ -18,6 +20,7 @@ from te_adapters.core.fused._norm_dense import layernorm_dense
 
 __all__ = [
     "KERNEL_ACTIVATIONS",
+    "FusedPathFallbackWarning",
     "act_amax",
     "act_cast",
     "activation_f32",
@@ -27,6 +30,7 @@ __all__ = [
     "dact_f32",
     "dbias_cast",
     "dropout",
+    "format_fuses",
     "fused_mlp",
     "layernorm_dense",
     "layernorm_mlp",

@@ -1,4 +1,4 @@
-"""The MLP's norm, two per-tensor FP8 GEMMs and activation in one custom VJP (TE's structure).
+"""The MLP's norm, two FP8 GEMMs and activation in one custom VJP (TE's structure).
 
 ``out = q(act(h + b)) . q(wo)`` with ``h = q(y) . q(wi)``: the activation of GEMM 1's output and
 its bias is computed in float32 and cast straight to GEMM 2's FP8 operand in both orientations
@@ -19,6 +19,7 @@ extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``_kern
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +28,11 @@ import numpy as np
 from te_adapters.core import formats, gemm, kernels, sharding
 from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
-from te_adapters.core.recipes import check_recipe
+from te_adapters.core.recipes import check_recipe, check_rng
 
 __all__ = [
     "KERNEL_ACTIVATIONS",
+    "FusedPathFallbackWarning",
     "act_amax",
     "act_cast",
     "activation_f32",
@@ -39,6 +41,7 @@ __all__ = [
     "dact_cast",
     "dact_f32",
     "dbias_cast",
+    "format_fuses",
     "fused_mlp",
     "norm_cast",
 ]
@@ -49,15 +52,49 @@ KERNEL_ACTIVATIONS = {
 }
 
 
+class FusedPathFallbackWarning(UserWarning):
+  """``layernorm_dense`` or ``layernorm_mlp`` takes the composed path because the recipe's format
+  cannot take the fused path's producers (``QuantizationFormat.takes_producer``)."""
+
+
+def format_fuses(recipe, gemm_shapes, rngs) -> bool:
+  """Whether the recipe's format takes the fused path for GEMMs of ``gemm_shapes`` (``(M, K,
+  N)`` each): it takes producers (every format of the package does: per-tensor ones their FP8
+  cast, block and rowwise ones their values), its blocks tile every GEMM's M, K and N
+  (``format.check``; otherwise the composed path, whose GEMMs raise that error under
+  differentiation), and the PRNG keys fit the recipe (one per GEMM for stochastic rounding,
+  none otherwise; otherwise the composed path, whose GEMMs raise the error)."""
+  recipe = check_recipe(recipe)
+  fmt = formats.format_of(recipe)
+  if not fmt.takes_producer:
+    warnings.warn(
+        f"{type(recipe).__name__}: its quantization format takes no producer "
+        "(QuantizationFormat.takes_producer), so the norm and MLP run composed: the norm's and "
+        "the activation's outputs are written in the activations' dtype before their casts",
+        FusedPathFallbackWarning, stacklevel=4)
+    return False
+  given = [r is not None for r in rngs]
+  if not (all(given) if recipe.uses_rng else not any(given)):
+    return False
+  for m, k, n in gemm_shapes:
+    layout = gemm.GemmLayout((((1,), (0,)), ((), ())), (m, k), (k, n))
+    try:
+      fmt.check(recipe, layout, True, None, None)
+    except ValueError:
+      return False
+  return True
+
+
 def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
-  """Whether ``layernorm_mlp`` takes the fused path: a per-tensor recipe, both GEMMs in FP8
-  (``gemm_shapes``: their ``(M, K, N)``), no dropout, no sharding constraint, no PRNG keys, not
-  inside ``shard_map``, and ``config.fuse_activation_cast`` not ``False``."""
+  """Whether ``layernorm_mlp`` takes the fused path: a recipe whose format fuses
+  (``format_fuses``), both GEMMs in FP8 (``gemm_shapes``: their ``(M, K, N)``), no dropout, no
+  sharding constraint, not inside ``shard_map``, and ``config.fuse_activation_cast`` not
+  ``False``."""
   if recipe is None or config.fuse_activation_cast is False:
     return False
-  if not formats.format_of(check_recipe(recipe)).per_tensor:
+  if dropout_active or constrained or sharding.manual_axes():
     return False
-  if dropout_active or constrained or any(r is not None for r in rngs) or sharding.manual_axes():
+  if not format_fuses(recipe, gemm_shapes, rngs):
     return False
   if threshold is not None:
     backend = jax.default_backend()
@@ -75,16 +112,16 @@ def norm_fuses(x, config) -> bool:
 
 
 def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
-              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None):
-  """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs' per-tensor FP8
-  scaling.
+              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None, rngs=None):
+  """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs quantized by the
+  recipe's format (one that takes producers: ``format_fuses``).
 
   Args:
     y: GEMM 1's input ``(M, K)``, or with ``norm`` the norm's input.
     wi: ``(K, n_act, F)``. wi_bias: ``(n_act, F)`` or None. wo: ``(F, K_out)``.
     states: ``(state_0, state_1)`` (``None`` entries for a stateless recipe).
     names: normalized activation names (``normalize_activations``).
-    recipe: ``DelayedScaling`` or ``Float8CurrentScaling``.
+    recipe: the recipe of both GEMMs.
     config: a ``GemmConfig``.
     norm: ``(layernorm_type, zero_centered_gamma, epsilon)`` to normalize ``y`` first (as
       ``core.layernorm``, with gamma ``ln_scale`` and beta ``ln_bias``, None for rmsnorm) and
@@ -93,6 +130,7 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
       backward pass reads.
     wo_bias: ``(K_out,)`` or None: GEMM 2's bias, whose gradient is summed in the pass that casts
       the output gradient to FP8 (TE's dbias + quantize).
+    rngs: ``(key_0, key_1)``, each GEMM's key for stochastic rounding, or None.
 
   Returns:
     ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
@@ -116,8 +154,15 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
   lhs = None if norm is None else NormProducer(norm)
   inputs = (y,) if norm is None else (y, ln_scale, ln_bias)
   chain = gemm.Chain(recipe, PLAN, config, None, stages, lhs)
-  return gemm.quantized_gemms(inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1), None,
-                               chain)
+  return gemm.quantized_gemms(inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1),
+                               stage_keys(recipe, rngs), chain)
+
+
+def stage_keys(recipe, rngs):
+  """The chain's keys, one per GEMM (``recipes.check_rng``), or None without any."""
+  if rngs is None or all(r is None for r in rngs):
+    return None
+  return tuple(check_rng(recipe, r) for r in rngs)
 
 
 PLAN = sharding.SpmdPlan()
@@ -258,7 +303,8 @@ class NormProducer:
     q_dtype, config = request.recipe.fwd_dtype, request.config
     producer = Producer(
         cast=lambda scale, with_amax: norm_cast(*args, q_dtype, scale, with_amax, config),
-        amax=lambda: formats.tensor_amax(normalized(*args)))
+        amax=lambda: formats.tensor_amax(normalized(*args)),
+        value=lambda: normalized(*args))
     q = fmt.quantize(dataclasses.replace(request, producer=producer))
     return q, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
 
@@ -279,7 +325,8 @@ class ActivationProducer:
     producer = Producer(
         cast=lambda scale, with_amax: act_cast(h, b, self.names, q_dtype, scale, with_amax,
                                                 config),
-        amax=lambda: act_amax(h, b, self.names, config))
+        amax=lambda: act_amax(h, b, self.names, config),
+        value=lambda: activation_f32(h, b, self.names))
     return fmt.quantize(dataclasses.replace(request, producer=producer))
 
   def quantize_grad(self, fmt, request, dz, h, b):
@@ -291,7 +338,12 @@ class ActivationProducer:
       dbias.append(db)
       return q, q_t, a
 
-    producer = Producer(cast, amax=lambda: dact_amax(dz, h, b, self.names, config))
+    def value():
+      dh = dact_f32(dz, h, b, self.names)
+      dbias.append(jnp.sum(dh, axis=0))
+      return dh.reshape(dh.shape[0], -1)
+
+    producer = Producer(cast, amax=lambda: dact_amax(dz, h, b, self.names, config), value=value)
     return fmt.quantize(dataclasses.replace(request, producer=producer)), dbias[0]
 
 
@@ -309,4 +361,11 @@ class BiasGradProducer:
       sums.append(db)
       return q, q_t, a
 
-    return fmt.quantize(dataclasses.replace(request, producer=Producer(cast))), sums[0]
+    def value():
+      # Block and rowwise formats quantize the gradient as it is (their own cast kernels read
+      # it), and the bias gradient is XLA's float32 column sums.
+      sums.append(jnp.sum(g.astype(jnp.float32), axis=0))
+      return g
+
+    producer = Producer(cast, value=value)
+    return fmt.quantize(dataclasses.replace(request, producer=producer)), sums[0]

@@ -3,9 +3,10 @@
 ``norm -> GEMM 1 (wi_kernel, n_act stacked kernels) -> bias -> activation (gated product) ->
 dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM with its own recipe state.
 
-With a per-tensor recipe (both GEMMs in FP8, no dropout, no sharding constraint) the norm, the
-two GEMMs and the activation between them are one custom VJP (``_fused_mlp``): the norm's output
-is cast straight to GEMM 1's FP8 operand, the activation straight to GEMM 2's, and the
+With both GEMMs in FP8 (no dropout, no sharding constraint, any recipe whose blocks tile the
+GEMMs) the norm, the two GEMMs and the activation between them are one custom VJP
+(``_fused_mlp``): the norm's output is cast straight to GEMM 1's FP8 operand, the activation
+straight to GEMM 2's, and the
 activation's gradient straight to GEMM 1's FP8 output gradient with the bias gradient, as TE
 does. Elsewhere (or with ``GemmConfig(fuse_activation_cast=False)``) each GEMM is a
 ``dot_general`` and the activation sits between them inside one jitted computation, which leaves
@@ -115,9 +116,11 @@ def layernorm_mlp(
       for a stateless recipe. The gradient with respect to them is the next step's states.
     rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
     threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
-      (default None: as True) takes the fused path where it applies: a per-tensor recipe
-      (``DelayedScaling``, ``Float8CurrentScaling``), both GEMMs in FP8 under ``threshold``, no
-      dropout (rate 0 or ``deterministic``), no input constraints, outside ``shard_map``. It
+      (default None: as True) takes the fused path where it applies: a recipe whose format
+      takes producers (every recipe of the package; its blocks must tile both GEMMs, and a
+      recipe that rounds stochastically needs both ``rngs``), both GEMMs in FP8 under
+      ``threshold``, no dropout (rate 0 or ``deterministic``), no input constraints, outside
+      ``shard_map``. It
       casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
       dtype first, and the norm's float32 output too unless it is asked for, so with bfloat16
       ``x`` its results differ from the composed path's by those roundings; the states follow
@@ -185,7 +188,8 @@ def layernorm_mlp(
         x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
         ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
-        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
+        rngs=(rng_0, rng_1)).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
@@ -195,7 +199,8 @@ def layernorm_mlp(
   if fused:
     out = _fused_mlp.fused_mlp(
         y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
-        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias)).reshape(x.shape)
+        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
+        rngs=(rng_0, rng_1)).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)

@@ -1,15 +1,17 @@
 """The norm followed by one quantized GEMM (TE's ``LayerNormDenseGeneral``).
 
 ``layernorm_dense`` normalizes ``x`` over its last axis and contracts the result with a kernel.
-With a per-tensor recipe and the GEMM in FP8 it runs as one custom VJP (``_ln_dense``), the
+With the GEMM in FP8 it runs as one custom VJP (the one GEMM rule with the norm's producer), the
 structure of ``core.layernorm_mlp``'s fused path with one GEMM: the norm's float32 output is
-cast straight to the GEMM's FP8 operand in both orientations with its amax (the CUDA norm cast
-of ``csrc/act_cast_cuda.cu`` on Hopper, the pure-JAX formula that XLA fuses elsewhere), so the
+cast straight to the GEMM's FP8 operand in both orientations with its amax (per-tensor recipes:
+the CUDA norm cast of ``csrc/act_cast_cuda.cu`` on Hopper, the pure-JAX formula that XLA fuses
+elsewhere; block and rowwise recipes quantize the float32 values in their blocks or rows), so the
 normalized tensor is never written in the input's dtype, the GEMM's bias (``dense_bias``) gets
 its gradient from the pass that casts the output gradient to FP8, and the backward pass computes
-the norm's gradients from the GEMM's dgrad. Otherwise (a block-scaled recipe, a GEMM the size
-threshold keeps in high precision, the norm's output asked for, a sharding constraint on it, a
-stochastic-rounding key, inside ``shard_map``, ``GemmConfig(fuse_activation_cast=False)``) the
+the norm's gradients from the GEMM's dgrad. Otherwise (blocks that do not tile the GEMM, a
+format without producers, a GEMM the size threshold keeps in high precision, the norm's output
+asked for, a sharding constraint on it, inside ``shard_map``,
+``GemmConfig(fuse_activation_cast=False)``) the
 norm's output feeds ``dot_general``.
 """
 
@@ -71,8 +73,8 @@ def layernorm_dense(
   As TE's ``LayerNormDenseGeneral``, the norm runs over the last axis of ``x``, which is also
   the contracting axis (``axis`` must be -1), and the kernel contracts its leading axes.
 
-  With a per-tensor recipe (``DelayedScaling``, ``Float8CurrentScaling``) and the GEMM in FP8
-  under ``threshold``, the norm's float32 output is cast straight to the GEMM's FP8 operand in
+  With the GEMM in FP8 under ``threshold`` (any recipe of the package whose blocks tile it), the
+  norm's float32 output is cast straight to the GEMM's FP8 operand in
   one pass (the norm is never written in ``x``'s dtype), unless it is returned, constrained, or
   ``config.fuse_activation_cast`` is False; with bfloat16 ``x`` the GEMM's input then differs
   from the composed path's by that rounding. Otherwise the norm's output feeds ``dot_general``
@@ -144,7 +146,7 @@ def layernorm_dense(
     z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
                kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
                state, recipe=recipe, config=config,
-               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)))
+               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)), rng=rng)
     return z.reshape(*x.shape[:-1], *features), None
   y = layernorm(
       x, scale, bias, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma,
@@ -162,7 +164,7 @@ def layernorm_dense(
   return z, (y if return_layernorm_output else None)
 
 
-def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
+def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None):
   """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
   VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
   recipe = check_recipe(recipe)
@@ -173,4 +175,5 @@ def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm):
                       bias_grad=None if b is None else _fused_mlp.BiasGradProducer())
   chain = gemm.Chain(recipe, _fused_mlp.PLAN, config, None, (stage,),
                       _fused_mlp.NormProducer(norm))
-  return gemm.quantized_gemms((x, ln_scale, ln_bias), (w,), (b,), (state,), None, chain)
+  return gemm.quantized_gemms((x, ln_scale, ln_bias), (w,), (b,), (state,),
+                              _fused_mlp.stage_keys(recipe, (rng,)), chain)

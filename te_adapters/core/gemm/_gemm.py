@@ -369,7 +369,8 @@ def quantized_gemms(inputs, kernels, biases, states, rng, chain: Chain):
     inputs: the first GEMM's input arrays (``(x3,)`` without ``chain.lhs``).
     kernels, biases, states: one per stage (a bias None: none; the last one's gradient needs
       the stage's ``bias_grad``).
-    rng: the PRNG key for stochastic rounding of the output gradient, or None.
+    rng: the PRNG key for stochastic rounding of the output gradient, or None; or a tuple of
+      one key per stage (each stage's output gradient rounds with its own).
     chain: the ``Chain``.
 
   Returns:
@@ -595,14 +596,15 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
 def _quantized_gemms_bwd(chain: Chain, residuals, g):
   saved, lhs_residuals, states, rng = residuals
   fmt, last = chain.format, len(chain.stages) - 1
-  # Inside shard_map each shard of the gradient rounds with its own key.
-  key = sharding.shard_key(rng, g)
+  keys = rng if isinstance(rng, tuple) else (rng,) * (last + 1)
   d_kernels, d_biases, new_states = [None] * (last + 1), [None] * (last + 1), [None] * (last + 1)
   dz = None
   for i in reversed(range(last + 1)):
     stage, state = chain.stages[i], states[i]
     x_wgrad, w_dgrad, shard, new_fwd, between, protos, witness = saved[i]
     x_proto, w_proto, b_proto = protos
+    # Inside shard_map each shard of the gradient rounds with its own key.
+    key = sharding.shard_key(keys[i], g if i == last else dz)
     if i < last:
       h, b = between
       request = _request(h, "grad", chain, state, key=key)

@@ -173,8 +173,11 @@ def ragged_dot(
   of 32, as TE's MXFP8 grouped GEMM requires, and dropping the padding afterwards; group sizes
   need not be multiples of 32). K must be a multiple of 32, and N too when differentiating. No
   state. The GEMMs are emulated (dequantized values, float32 accumulation); see
-  ``formats._grouped_block``. ``NVFP4BlockScaling`` and ``Float8BlockScaling`` are not
-  implemented.
+  ``formats._grouped_block``. ``Float8BlockScaling`` the same way with its 1x128 blocks (the
+  rows of each group padded to 128) and each expert's kernel in 128x128 tiles.
+  ``Float8RowwiseScaling``: one scale per row along each GEMM's contracting dim, the weight
+  gradient's operands one per column within each group, FP8 ragged dots
+  (``formats._grouped_rowwise``). ``NVFP4BlockScaling`` is not implemented.
 
   Args:
     lhs: [M, K] rows of all groups, group by group (real floating point).
@@ -191,7 +194,8 @@ def ragged_dot(
       under ``jit`` with the experts' kernel and recipe state sharded over a mesh axis (Auto or
       Explicit), or inside ``shard_map`` with each device's own experts and tokens; each equals
       one device.
-    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``), or
+    recipe: a recipe (``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``,
+      ``Float8BlockScaling``, ``Float8RowwiseScaling``), or
       ``None`` for a plain ``jax.lax.ragged_dot`` in the operands' precision. With ``None``,
       bfloat16 operands and a bfloat16 result on a Hopper GPU with the grouped GEMM built (and
       no ``out_sharding``), the three GEMMs run on the native grouped kernel with float32 sums

@@ -46,6 +46,7 @@ from te_adapters.core.kernels._partition import (
     block_scaled_gemm,
     cast_transpose,
     gemm,
+    sum_chunk_rows,
     tensor_fallback,
     tensor_scaled_gemm,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "rows_gemm",
     "single_device",
     "tensor_fallback",
+    "sum_chunk_rows",
     "tensor_scaled_gemm",
     "wgrad_gemm",
 ]

@@ -215,9 +215,11 @@ def _empty(dtype):
 
 
 @functools.cache
-def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
+def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax, amax_over_mesh=False):
   """The FFI cast for one configuration, ``f(x, scale) -> (q, q_t, amax)`` (an output not asked
-  for is an empty array), batched under ``vmap`` without looping where it can."""
+  for is an empty array), batched under ``vmap`` without looping where it can. In a sharded
+  program the amax is reduced over every mesh axis with ``amax_over_mesh``
+  (``_partition.cast_transpose``)."""
   def call(x, scale):
     t_shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if x.ndim >= 2 else (0,)
     outs = (
@@ -230,7 +232,7 @@ def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax):
     )
 
   # Per shard in a sharded program (the partitioning rules of _partition.py).
-  per_shard = _partition.cast_transpose(call, ndim, rowwise, colwise, with_amax)
+  per_shard = _partition.cast_transpose(call, ndim, rowwise, colwise, with_amax, amax_over_mesh)
 
   @jax.custom_batching.custom_vmap
   def cast(x, scale):
@@ -275,15 +277,16 @@ def cast_transpose_per_batch_call(q_dtype, with_amax):
 
 
 @functools.cache
-def amax_call():
-  """The FFI amax, ``f(x) -> max(|x|)`` as float32 of shape (1,), looped under ``vmap``."""
+def amax_call(over_mesh=False):
+  """The FFI amax, ``f(x) -> max(|x|)`` as float32 of shape (1,), looped under ``vmap`` (in a
+  sharded program reduced over every mesh axis with ``over_mesh``)."""
 
   def call(x):
     return jax.ffi.ffi_call(AMAX_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32))(x)
 
   @jax.custom_batching.custom_vmap
   def amax_fn(x):
-    return _partition.amax(call, x.ndim)(x)
+    return _partition.amax(call, x.ndim, over_mesh)(x)
 
   @amax_fn.def_vmap
   def _amax_vmap(axis_size, in_batched, x):
@@ -390,9 +393,12 @@ def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):
     scale.reshape(1).astype(f32), has_beta=has_beta, compute_amax=with_amax)
 
 
-def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False):
+def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False,
+              sm_margin=0):
   """The cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times ``b (.., N, K)``
-  into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim.
+  into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim. ``sm_margin`` > 0:
+  cuBLASLt targets the device's SM count less that many (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``),
+  leaving them to a collective running beside the GEMM.
 
   Scale mode 0 (both operands): one float32 scale each, shape (1,), applied in the epilogue.
   Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (see
@@ -405,6 +411,7 @@ def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accu
   y, _ = jax.ffi.ffi_call(GEMM_TARGET, outs, vmap_method="sequential")(
     a, b, a_scales, b_scales,
     lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
+    sm_margin=np.int32(sm_margin),
   )
   return y
 

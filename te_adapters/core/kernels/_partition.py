@@ -16,7 +16,10 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   into partial products of the sum dtype it is given, which are summed (``psum``) in that dtype
   and converted to the output dtype: in float32 (the default here), one device's result up to
   the order of the float32 additions; in the output dtype (``GemmConfig.partial_sums="output"``),
-  as XLA's program of the same dot sums, with half the bytes for bfloat16. A combination the
+  as XLA's program of the same dot sums, with half the bytes for bfloat16. Such a shard's GEMM
+  may run in chunks of its output rows, each summed as soon as it is computed so that its sum
+  overlaps the next chunk's GEMM (``GemmConfig.sum_chunks``), and with SMs left free for the
+  sums (``GemmConfig.comm_sm_margin``, the per-tensor GEMM's). A combination the
   kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
   one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
   case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
@@ -48,6 +51,7 @@ __all__ = [
   "block_scaled_gemm",
   "cast_transpose",
   "gemm",
+  "sum_chunk_rows",
   "tensor_fallback",
   "tensor_scaled_gemm",
 ]
@@ -220,19 +224,32 @@ def _shardable(split: Callable, call: Callable, ndims: tuple[int, ...], sharding
 # --------------------------------------------------------------------------- cast and amax
 
 
+def _amax_axes(mesh, spec, over_mesh: bool) -> tuple[str, ...]:
+  """The mesh axes a shard's amax is max-reduced over: those that shard the input, or with
+  ``over_mesh`` every axis of the mesh where any does (the same value: over an axis that does not
+  shard the input each device holds the same data), so that the amaxes of a GEMM's operands,
+  sharded over different axes, are reduced over the same devices and XLA can combine their
+  all-reduces into one."""
+  axes = _axes_of(spec)
+  if over_mesh and axes:
+    return tuple(mesh.axis_names)
+  return axes
+
+
 @functools.cache
-def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool):
+def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool,
+                   over_mesh: bool = False):
   """``call(x, scale) -> (q, q_t, amax)`` (unrequested outputs of shape (0,)) made shardable.
 
   ``x`` has ``ndim`` dims; ``q`` is shaped like it, ``q_t`` with its last two dims swapped, and
-  ``amax`` is the global max(|x|) on every device.
+  ``amax`` is the global max(|x|) on every device (reduced over every mesh axis with
+  ``over_mesh``, see ``_amax_axes``).
   """
 
   def split(mesh, specs):
-    del mesh
     spec = specs[0]
     swapped = spec[:-2] + (spec[-1], spec[-2]) if ndim >= 2 else ((),)
-    axes = _axes_of(spec)
+    axes = _amax_axes(mesh, spec, over_mesh)
 
     def per_shard(x, scale):
       q, q_t, a = call(x, scale)
@@ -250,12 +267,12 @@ def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with
 
 
 @functools.cache
-def amax(call: Callable, ndim: int):
-  """``call(x) -> amax`` (float32 (1,)) made shardable: the global max(|x|) on every device."""
+def amax(call: Callable, ndim: int, over_mesh: bool = False):
+  """``call(x) -> amax`` (float32 (1,)) made shardable: the global max(|x|) on every device
+  (reduced over every mesh axis with ``over_mesh``, see ``_amax_axes``)."""
 
   def split(mesh, specs):
-    del mesh
-    axes = _axes_of(specs[0])
+    axes = _amax_axes(mesh, specs[0], over_mesh)
 
     def per_shard(x):
       a = call(x)
@@ -283,6 +300,8 @@ def gemm(
   block_scales: bool = False,
   refusal: Callable | None = None,
   sum_dtype=None,
+  summed_kernel: Callable | None = None,
+  sum_chunks: int = 1,
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
 
@@ -298,13 +317,18 @@ def gemm(
     refusal: ``refusal(a_shape, b_shape) -> str | None``: why the kernel cannot take one shard.
     sum_dtype: where K is split over devices, the dtype of each device's partial product and of
       their sum (``None``: float32); the sum is then converted to ``out_dtype``.
+    summed_kernel: the kernel run on shards whose partial products are summed over devices
+      (``None``: ``kernel``), e.g. one that leaves SMs to the sums beside it.
+    sum_chunks: on those shards, the GEMM in this many chunks of ``a``'s rows (M), each summed
+      over devices as soon as it is computed (per-tensor scales only; where M splits into
+      chunks of a multiple of 16 rows, else one GEMM).
   """
   if not _partitioned_here():
     return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
   sum_dtype = np.dtype(np.float32 if sum_dtype is None else sum_dtype)
   run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes,
-                   sum_dtype)
+                   sum_dtype, summed_kernel or kernel, sum_chunks)
   return run(a, b, a_scale, b_scale)
 
 
@@ -341,7 +365,15 @@ def _gemm_plan(mesh, a_spec, b_spec, a_shape, b_shape, scale_shapes, block_scale
   return lead + (m, k), lead + (n, k), lead + (m, n), k
 
 
-def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes, sum_dtype):
+def sum_chunk_rows(rows: int, chunks: int) -> int:
+  """The rows of each chunk of a GEMM summed in ``chunks`` chunks (``rows``: not chunked)."""
+  if chunks <= 1 or rows % (16 * chunks):
+    return rows
+  return rows // chunks
+
+
+def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes, sum_dtype,
+               summed_kernel, sum_chunks):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
 
@@ -371,13 +403,24 @@ def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes,
         "runs on the shards instead",
       )
 
+    summed = summed_kernel if why is None else fallback
+    rows = local_a[-2]
+    chunk = rows if block_scales else sum_chunk_rows(rows, sum_chunks)
+
     def per_shard(a, b, a_scale, b_scale):
       if not k:
         return fn(a, b, a_scale, b_scale, out_dtype).astype(out_dtype)
       # K is split: partial products in sum_dtype (float32: rounded once, after the sum; the
       # output dtype: each partial and each addition rounded, half the bytes for bfloat16).
-      y = fn(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
-      return lax.psum(y, k).astype(out_dtype)
+      # In chunks of rows, each summed as soon as it is computed: its all-reduce can run while
+      # the next chunk's GEMM does.
+      parts = []
+      for start in range(0, rows, chunk):
+        part = a if chunk == rows else lax.slice_in_dim(a, start, start + chunk, axis=-2)
+        y = summed(part, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
+        parts.append(lax.psum(y, k))
+      y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
+      return y.astype(out_dtype)
 
     scale = (lambda spec: spec) if block_scales else (lambda spec: ((),))
     return (new_a, new_b, scale(new_a), scale(new_b)), (out,), per_shard
@@ -408,20 +451,23 @@ def _call_with_dtype(kernel, out_dtype, a, b, a_scale, b_scale):
 
 
 def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool,
-                       sum_dtype=None):
+                       sum_dtype=None, sm_margin: int | None = None, sum_chunks: int = 1):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
-  ``sum_dtype``: as for ``gemm``."""
-  kernel = functools.partial(_tensor_kernel, call, fast_accum)
+  ``sum_dtype``, ``sum_chunks``: as for ``gemm``. ``sm_margin``: on the shards whose partial
+  products are summed over devices, the SMs the kernel leaves to those sums (``None``: none)."""
+  kernel = functools.partial(_tensor_kernel, call, fast_accum, 0)
+  summed = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
   fallback = functools.partial(tensor_fallback, fast_accum)
   return gemm(
     "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
-    refusal=_tensor_refusal, sum_dtype=sum_dtype,
+    refusal=_tensor_refusal, sum_dtype=sum_dtype, summed_kernel=summed, sum_chunks=sum_chunks,
   )
 
 
-def _tensor_kernel(call, fast_accum, a, b, a_scale, b_scale, dtype):
-  return call(a, b, a_scale, b_scale, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast_accum)
+def _tensor_kernel(call, fast_accum, sm_margin, a, b, a_scale, b_scale, dtype):
+  return call(a, b, a_scale, b_scale, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast_accum,
+              sm_margin=sm_margin)
 
 
 def tensor_fallback(fast_accum, a, b, a_scale, b_scale, dtype):

@@ -56,18 +56,21 @@ class GemmConfig:
       dequantized values for MXFP8 and NVFP4.
     layout, output, transpose, amax: deprecated measurement-only choices, accepted with a
       ``DeprecationWarning`` and without effect; removed in the next release.
-    fuse_activation_cast: ``core.layernorm_mlp`` with a per-tensor recipe (both GEMMs in FP8, no
-      dropout, no sharding constraints) casts the activation of GEMM 1's output straight to
-      GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
+    fuse_activation_cast: ``core.layernorm_mlp`` (both GEMMs in FP8, no dropout, no sharding
+      constraints, blocks that tile every GEMM) casts the activation of GEMM 1's output straight
+      to GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
       gradient with the bias gradient, in one custom VJP that also casts the norm's output
-      straight to GEMM 1's FP8 operand unless it is returned (``True``); ``False`` composes the
-      norm, the activation and two ``dot_general`` calls. ``None`` (the default): fused for every
-      per-tensor recipe, the faster path for each (``bench/RESULTS.md``). With activations
-      narrower than float32 the two differ by the rounding of the norm's output, the activation
-      and its gradient to that dtype, which only the composed path does. The same switch
-      chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast straight to the
-      GEMM's FP8 operand in one custom VJP (a per-tensor recipe, the GEMM in FP8, the norm's
-      output neither returned nor constrained).
+      straight to GEMM 1's FP8 operand unless it is returned (``True``): per-tensor recipes
+      through their cast kernels, block and rowwise recipes by quantizing the float32 values in
+      their blocks or rows. ``False`` composes the norm, the activation and two ``dot_general``
+      calls. ``None`` (the default): fused for every recipe; the faster path for the per-tensor
+      recipes on an H100, while for ``Float8BlockScaling`` the composed path was 6% faster
+      there (``bench/RESULTS.md``), since its fused casts read the float32 values from memory.
+      With activations narrower than float32 the two differ by the rounding of the norm's
+      output, the activation and its gradient to that dtype, which only the composed path does.
+      The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast
+      straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the norm's output
+      neither returned nor constrained).
     partial_sums: how a sharded program sums the partial products of a GEMM whose contracting
       dim is split over mesh axes (the forward GEMM of a row-parallel layer; dgrad of a
       column-parallel one, whose K is the sharded features; wgrad under data parallelism, whose
@@ -85,6 +88,25 @@ class GemmConfig:
       ``shard_map`` the sums over devices are autodiff's (weight gradients in float32), and
       XLA's FP8 GEMM (``fp8_gemm="xla"``, or where the extension's cannot run) is partitioned by
       XLA, which sums in the GEMM's output dtype.
+    comm_sm_margin: SMs the extension's per-tensor FP8 GEMM leaves free for the communication
+      running beside it, in a sharded ``jit`` program, on the shards of a GEMM whose partial
+      products are summed over devices (dgrad of a column-parallel layer, wgrad under data
+      parallelism, the forward GEMM of a row-parallel one: the GEMMs that run beside the sums of
+      their own chunks and of the GEMM before them). cuBLASLt's persistent GEMMs otherwise hold
+      every SM, and the all-reduce queued beside them waits for the GEMM to end. ``None`` (the
+      default): every SM. It changes which kernel cuBLASLt runs, not the quantized values; the
+      sums may be added in another order.
+    sum_chunks: in the same sharded GEMMs, the shard's GEMM is computed in this many chunks of
+      its output rows, each all-reduced as soon as it is computed, so that the sum of one chunk
+      can run while the next chunk's GEMM does (``1``, the default: one GEMM, then one
+      all-reduce). Applies where the rows split into chunks of a multiple of 16; elsewhere the
+      GEMM runs whole.
+    fold_amax: per-tensor recipes in a sharded ``jit`` program: each operand's amax is
+      max-reduced over every mesh axis rather than over the axes that shard it (the same value:
+      over an axis that does not shard an operand every device holds the same data), so that
+      the amaxes of operands sharded over different axes (x over data parallelism, the kernel
+      over tensor parallelism) are reduced over the same devices and XLA can combine their
+      all-reduces into one. ``False`` (the default): each over its own axes.
 
   Example:
     >>> import te_adapters as ta
@@ -101,8 +123,21 @@ class GemmConfig:
   amax: str | None = None
   fuse_activation_cast: bool | None = None
   partial_sums: str = "output"
+  comm_sm_margin: int | None = None
+  sum_chunks: int = 1
+  fold_amax: bool = False
 
   def __post_init__(self):
+    margin = self.comm_sm_margin
+    if margin is not None and (
+        isinstance(margin, bool) or not isinstance(margin, int) or margin < 0):
+      raise ValueError(
+          f"GemmConfig.comm_sm_margin must be None or an int >= 0 (SMs), got {margin!r}")
+    chunks = self.sum_chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+      raise ValueError(f"GemmConfig.sum_chunks must be an int >= 1, got {chunks!r}")
+    if not isinstance(self.fold_amax, bool):
+      raise ValueError(f"GemmConfig.fold_amax must be True or False, got {self.fold_amax!r}")
     if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
       value = self.fuse_activation_cast
       raise ValueError(

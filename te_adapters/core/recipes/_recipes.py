@@ -359,9 +359,11 @@ class Float8RowwiseScaling(Recipe):
   kernel per output channel in the forward GEMM; in dgrad the gradient per token and the kernel
   per input channel; in wgrad x and the gradient per channel over the tokens. Each copy's scales
   are computed from the high-precision tensor along its own contracting dimension, so one outlier
-  token costs only its own row's resolution. ``scale = fp8_max / row_amax / 2**margin``, or 1
-  where the row's amax is zero or not finite. No state. The GEMM is an FP8 GEMM whose float32
-  output is multiplied by the outer product of the two operands' scale inverses; any shape.
+  token costs only its own row's resolution. Each scale is a power of two, as torchao's rowwise
+  recipes round theirs: the largest ``2**e`` with ``row_amax * 2**e <= fp8_max / 2**margin``, or
+  1 where the row's amax is zero or not finite; exact, so the quantization is bit for bit the
+  same on CPU and GPU. No state. The GEMM is an FP8 GEMM whose float32 output is multiplied by
+  the outer product of the two operands' scale inverses; any shape.
 
   Args:
     margin: the scale is divided by ``2**margin``; a non-negative number.

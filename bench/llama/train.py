@@ -1,0 +1,513 @@
+"""Tokens/s and MFU of the Llama-style decoder's training step, bf16 against FP8 variants.
+
+  python -m bench.llama.train --config cpu --variants nnx-bf16,nnx-current --steps 3
+  python -m bench.llama.data bench/llama/tokens      # once, where `tokenizers` is installed
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.llama.train --config 1b \\
+      --tokens bench/llama/tokens --variants nnx-bf16,nnx-current,nnx-delayed --windows 5 \\
+      --window-steps 3 --profile nnx-delayed --out llama.jsonl
+
+Every variant trains the same model code from the same initial parameters on the same batches,
+with the same step: AdamW (float32 master weights, gradients clipped to norm 1), the whole step
+jitted with the carry (parameters, optimizer state, recipe state) donated, the layers scanned, and
+the configuration's rematerialisation policy (the 1b one: ``model.save_gemm_outputs``, which
+recomputes only elementwise work). The variants differ only by the conversion:
+
+* ``nnx-bf16`` / ``linen-bf16``: the plain model;
+* ``nnx-<recipe>``: ``te_adapters.nnx.quantize_model(model, recipe)``, the NNX README's step
+  (``ta_nnx.value_and_grad``, ``optimizer.update``, ``ta_nnx.update_recipe_state``);
+* ``linen-<recipe>``: ``te_adapters.linen.quantize(recipe)`` around init and apply, with
+  ``te_adapters.linen.TrainState``;
+* ``haiku-bf16`` / ``haiku-<recipe>``: ``te_adapters.haiku.quantize(recipe)`` around the
+  transformed function, the Haiku README's step (``ta_hk.value_grad_and_state``);
+* ``nnx-modules-<recipe>``: the blocks written with the library's ``LayerNormDenseGeneral``,
+  ``Linear`` and ``LayerNormMLP`` built with the recipe (``bf16``: recipe None);
+* ``linen-flax-fp8``: Flax's own ``nn.Fp8DirectDotGeneralOp`` as every projection's
+  ``dot_general_cls``, its ``_overwrite_with_gradient`` state replaced by its gradient each step.
+
+Recipes: ``current`` (Float8CurrentScaling), ``delayed`` (DelayedScaling, TE's defaults),
+``block`` (Float8BlockScaling). The output head stays in bf16 in every variant (filtered out of
+the conversions, no ``dot_general_cls``), as FP8 recipes usually keep it; attention's batched
+GEMMs are cuDNN's bf16 flash attention on GPU.
+
+Timing: after ``--warmup`` steps (the recipe state then is a trained one), ``--windows`` windows
+of ``--window-steps`` steps each, each ended by waiting for its last loss; tokens/s is the median
+window's, MFU that over the peak (H100 SXM dense bf16, 989 TFLOP/s) with
+``Config.flops_per_step``. FP8 GEMMs are counted in the compiled program on GPU
+(``te_adapters.inspect.count_fp8_gemms``) and in the jaxpr elsewhere. ``--profile VARIANT``
+splits a few traced steps of that variant's GPU time into FP8 GEMMs, bf16 GEMMs, the library's
+casts, attention, the optimizer (work outside the differentiated function), other XLA fusions
+and idle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import glob
+import gzip
+import json
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import te_adapters as ta
+from te_adapters import core, inspect
+
+from . import data as data_lib
+from . import model as model_lib
+
+H100_BF16_PEAK_TFLOPS = 989.0
+RECIPES = {
+    "current": ta.Float8CurrentScaling,
+    "delayed": ta.DelayedScaling,
+    "block": ta.Float8BlockScaling,
+}
+OVERWRITE = "_overwrite_with_gradient"
+
+
+def variant_names() -> list[str]:
+  out = ["nnx-bf16", "linen-bf16", "haiku-bf16", "nnx-modules-bf16", "linen-flax-fp8"]
+  for r in RECIPES:
+    out += [f"nnx-{r}", f"linen-{r}", f"haiku-{r}", f"nnx-modules-{r}"]
+  return out
+
+
+def parse_variant(name: str) -> tuple[str, str]:
+  """(family, recipe name): family in nnx, linen, nnx-modules, linen-flax."""
+  if name == "linen-flax-fp8":
+    return "linen-flax", "flax-fp8"
+  for family in ("nnx-modules", "nnx", "linen", "haiku"):
+    prefix = family + "-"
+    if name.startswith(prefix) and (name[len(prefix):] in RECIPES or name[len(prefix):] == "bf16"):
+      return family, name[len(prefix):]
+  raise ValueError(f"unknown variant {name!r}; known: {', '.join(variant_names())}")
+
+
+def optimizer(cfg: model_lib.Config) -> optax.GradientTransformation:
+  """AdamW (betas 0.9/0.95, weight decay 0.1), linear warm-up, gradients clipped to norm 1."""
+  schedule = optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1))
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+
+
+def cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+
+@dataclasses.dataclass
+class Trainer:
+  carry: object
+  step: object  # (carry, tokens) -> (carry, loss)
+  quantized: int  # layers converted (0 for bf16 and Flax's op)
+
+
+def _threshold(cfg):
+  return None if cfg.fp8_everywhere else core.DEFAULT_SIZE_THRESHOLD
+
+
+def nnx_trainer(cfg, family, recipe, seed, tx, config=None) -> Trainer:
+  from flax import nnx
+
+  from te_adapters import nnx as ta_nnx
+
+  quantized = 0
+  if family == "nnx-modules":
+    model = model_lib.nnx_model(cfg, seed, modules=True, modules_recipe=recipe,
+                                threshold=_threshold(cfg), gemm_config=config)
+    quantized = (3 if cfg.scan else 3 * cfg.layers) if recipe is not None else 0
+  else:
+    model = model_lib.nnx_model(cfg, seed)
+    if recipe is not None:
+      report = ta_nnx.quantize_model(
+          model, recipe, threshold=_threshold(cfg), config=config,
+          filter=lambda path, _: not model_lib.is_head("/".join(map(str, path))))
+      quantized = len(report.quantized)
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss_fn(model, tokens):
+    return cross_entropy(model(tokens[:, :-1]), tokens)
+
+  def train_step(model, opt, tokens):  # the README's NNX loop
+    loss, (grads, state_grads) = ta_nnx.value_and_grad(loss_fn)(model, tokens)
+    opt.update(model, grads)
+    ta_nnx.update_recipe_state(model, state_grads)
+    return loss
+
+  graphdef, carry = nnx.split((model, opt))
+
+  def step(carry, tokens):
+    model, opt = nnx.merge(graphdef, carry)
+    loss = train_step(model, opt, tokens)
+    return nnx.state((model, opt)), loss
+
+  return Trainer(carry, step, quantized)
+
+
+def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer:
+  from flax import linen as nn
+
+  from te_adapters import linen as ta_linen
+
+  if family == "linen-flax":
+    model = model_lib.linen_model(cfg, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+    variables = jax.jit(model.init)(jax.random.key(seed), sample[:, :-1])
+    params, fp8_state = variables["params"], variables[OVERWRITE]
+
+    def loss_fn(params, fp8_state, tokens):
+      logits = model.apply({"params": params, OVERWRITE: fp8_state}, tokens[:, :-1])
+      return cross_entropy(logits, tokens)
+
+    def step(carry, tokens):  # Flax's rule: the state's gradient is its next value
+      params, fp8_state, opt_state = carry
+      loss, (grads, fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+          params, fp8_state, tokens)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), fp8_state, opt_state), loss
+
+    return Trainer((params, fp8_state, tx.init(params)), step, 0)
+
+  model = model_lib.linen_model(cfg)
+  q = ta_linen.quantize(recipe, filter=lambda path: not model_lib.is_head(path),
+                        threshold=_threshold(cfg), config=config)
+  variables = jax.jit(q(model.init))(jax.random.key(seed), sample[:, :-1])
+  state = ta_linen.TrainState.create(apply_fn=q(model.apply), variables=variables, tx=tx)
+
+  def loss_fn(variables, tokens):
+    return cross_entropy(state.apply_fn(variables, tokens[:, :-1]), tokens)
+
+  def step(state, tokens):
+    loss, grads = state.value_and_grad(loss_fn, tokens)
+    return state.apply_gradients(grads=grads), loss
+
+  return Trainer(state, step, len(q.report.quantized) if recipe is not None else 0)
+
+
+def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
+  import haiku as hk
+
+  from te_adapters import haiku as ta_hk
+
+  q = ta_hk.quantize(recipe, module_filter=lambda name: not model_lib.is_head(name),
+                     threshold=_threshold(cfg), config=config)
+  init = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.float32)))
+  model = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.bfloat16)))
+  params, state = jax.jit(init.init)(jax.random.key(seed), sample[:, :-1])
+
+  def loss_fn(params, state, tokens):
+    # float32 parameters, the projections' kernels cast to bf16 (as Linen's and NNX's
+    # dtype=bfloat16 layers do): FP8 GEMMs quantize the bf16 operands.
+    compute = jax.tree_util.tree_map_with_path(
+        lambda path, p: p.astype(jnp.bfloat16) if path[-1].key == "w" and p.ndim >= 2 else p,
+        params)
+    logits, state = model.apply(compute, state, None, tokens[:, :-1])
+    return cross_entropy(logits, tokens), state
+
+  def step(carry, tokens):  # the README's Haiku loop
+    params, state, opt_state = carry
+    loss, _, grads, state = ta_hk.value_grad_and_state(loss_fn)(params, state, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), state, opt_state), loss
+
+  quantized = len(q.report.quantized) if recipe is not None else 0
+  return Trainer((params, state, tx.init(params)), step, quantized)
+
+
+def make_trainer(cfg, variant: str, seed: int, sample, config=None) -> Trainer:
+  family, recipe_name = parse_variant(variant)
+  recipe = RECIPES[recipe_name]() if recipe_name in RECIPES else None
+  tx = optimizer(cfg)
+  if family in ("nnx", "nnx-modules"):
+    return nnx_trainer(cfg, family, recipe, seed, tx, config)
+  if family == "haiku":
+    return haiku_trainer(cfg, recipe, seed, tx, sample, config)
+  return linen_trainer(cfg, family, recipe, seed, tx, sample, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def token_data(cfg, tokens_dir=None) -> tuple[np.ndarray, dict]:
+  if tokens_dir:
+    train, _, info = data_lib.load_tokens(tokens_dir)
+    if info["vocab"] > cfg.vocab:
+      raise ValueError(f"the token files' vocabulary ({info['vocab']}) exceeds the model's "
+                       f"({cfg.vocab})")
+    return train, dict(info, source=str(tokens_dir))
+  train, _ = data_lib.byte_tokens()
+  return train, dict(source="standard library bytes", vocab=256, train_tokens=int(train.size))
+
+
+def batch(train: np.ndarray, cfg, seed: int, step: int) -> np.ndarray:
+  """Random windows of seq_len + 1 tokens, a function of (seed, step) alone."""
+  rng = np.random.default_rng((seed, step))
+  starts = rng.integers(0, train.size - cfg.seq_len - 1, size=cfg.batch)
+  return train[starts[:, None] + np.arange(cfg.seq_len + 1)].astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile
+
+
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, dict]:
+  """name -> {line, target, op_name} of each instruction of compiled HLO text."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", line)
+    if not m:
+      continue
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    op_name = re.search(r'op_name="([^"]+)"', line)
+    out[m.group(1)] = dict(line=m.group(2)[:200], target=target.group(1) if target else "",
+                           op_name=op_name.group(1) if op_name else "")
+  return out
+
+
+def classify(event: dict, instructions: dict) -> str:
+  """The profile's class of one GPU kernel event."""
+  name = event["name"].lower()
+  op = str(event.get("args", {}).get("hlo_op", ""))
+  info = instructions.get(op)
+  if info is not None:
+    target = info["target"].lower()
+    if target:
+      if "f8" in target or ("gemm" in target and "te_adapters" in target):
+        return "FP8 GEMMs"
+      if "cublas" in target:
+        return "bf16 GEMMs"
+      if "cudnn" in target:
+        return "attention (cuDNN)"
+      return "library casts and amaxes (FFI)"
+    if re.search(r"\bdot\(", info["line"]):
+      return "FP8 GEMMs" if "f8e" in info["line"].split("dot(")[1][:200] else "bf16 GEMMs"
+    if info["line"].startswith(("f8e", "(f8e")):
+      return "casts to FP8 (XLA fusions)"
+    if info["op_name"] and "jvp(" not in info["op_name"] and "transpose(" not in info["op_name"]:
+      return "optimizer and state update (outside the gradient)"
+    return "other XLA fusions (norms, rotary, SwiGLU, residuals, loss)"
+  # Kernels inside a CUDA graph (XLA's command buffers) name the graph as their hlo_op: by name.
+  if "te_adapters" in name:
+    return "library casts and amaxes (FFI)"
+  if any(k in name for k in ("cudnn", "fmha", "sdpa", "flash")):
+    return "attention (cuDNN)"
+  if any(k in name for k in ("gemm", "xmma", "nvjet", "cutlass", "cublas")):
+    # cuBLASLt's nvjet kernels spell the operand types first: q (e4m3) and r (e5m2) are FP8.
+    types = re.search(r"nvjet_sm\d+_([a-z]+)_", name)
+    if types and types.group(1)[:2] in ("qq", "qr", "rq", "rr"):
+      return "FP8 GEMMs"
+    return "bf16 GEMMs (by kernel name)"
+  return "XLA fusions in CUDA graphs (norms, rotary, SwiGLU, residuals, loss, optimizer)"
+
+
+def profile(step_fn, carry, batches, hlo_text: str, steps: int = 3):
+  """GPU time per step by class, the top kernels, and idle time, from a JAX profiler trace of
+  ``steps`` steps; returns (report dict, carry)."""
+  from bench import speed
+
+  carry, loss = step_fn(carry, batches[0])
+  jax.block_until_ready(loss)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for i in range(steps):
+        carry, loss = step_fn(carry, batches[(i + 1) % len(batches)])
+      jax.block_until_ready(loss)
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+      return dict(error="no perfetto trace"), carry
+    with gzip.open(paths[0]) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  events = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids]
+  instructions = hlo_instructions(hlo_text)
+  groups, kernels = {}, {}
+  for e in events:
+    c = classify(e, instructions)
+    groups[c] = groups.get(c, 0.0) + e["dur"] / steps / 1e3
+    key = (e["name"][:90], c)
+    kernels[key] = kernels.get(key, 0.0) + e["dur"] / steps / 1e3
+  idle, gaps = speed.gpu_idle(events, steps)
+  span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps / 1e3 \
+      if events else 0.0
+  report = dict(
+      ms_per_step_span=span, idle_ms=idle, groups_ms=dict(sorted(groups.items(),
+                                                                 key=lambda kv: -kv[1])),
+      top_kernels=[(k[0], k[1], v) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])
+                   [:15]],
+      events_with_hlo_op=sum("hlo_op" in e.get("args", {}) for e in events),
+      events=len(events), sample_args=events[0].get("args", {}) if events else {})
+  return report, carry
+
+
+# ----------------------------------------------------------------------------------------------
+# A variant
+
+
+def count_gemms(step, carry, sample, compiled_text: str) -> dict:
+  if jax.default_backend() == "gpu":
+    fp8, other = inspect.count_fp8_gemms(compiled_text)
+    return dict(fp8_gemms=fp8, gemms=fp8 + other, gemm_count_source="compiled HLO")
+  fp8, total = inspect.count_fp8_dot_generals(step, carry, sample)
+  return dict(fp8_gemms=fp8, gemms=total, gemm_count_source="jaxpr")
+
+
+def run_variant(cfg, variant: str, train: np.ndarray, *, seed: int = 0, warmup: int = 2,
+                windows: int = 5, window_steps: int = 3, do_profile: bool = False,
+                peak_tflops: float = H100_BF16_PEAK_TFLOPS, config=None,
+                hlo_dir=None) -> dict:
+  """Builds, compiles and times one variant; returns its record (``losses``: every step's)."""
+  t0 = time.perf_counter()
+  total_steps = warmup + windows * window_steps
+  batches = [jnp.asarray(batch(train, cfg, seed, s)) for s in range(total_steps)]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer = make_trainer(cfg, variant, seed, batches[0], config)
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    lowered = jax.jit(trainer.step, donate_argnums=0).lower(trainer.carry, batches[0])
+    step_fn = lowered.compile()
+    compile_s = time.perf_counter() - t1
+  high_precision = sorted({str(w.message)[:200] for w in caught
+                           if issubclass(w.category, core.HighPrecisionGemmWarning)})
+  text = step_fn.as_text() if jax.default_backend() == "gpu" else ""
+  gemms = count_gemms(trainer.step, trainer.carry, batches[0], text)
+  if hlo_dir:
+    pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(hlo_dir) / f"{variant}.hlo.txt").write_text(text)
+  quantized = trainer.quantized
+  carry = trainer.carry
+  del trainer
+  losses = []
+  for s in range(warmup):
+    carry, loss = step_fn(carry, batches[s])
+    losses.append(float(loss))
+  window_s = []
+  for w in range(windows):
+    start = time.perf_counter()
+    pending = []
+    for s in range(window_steps):
+      carry, loss = step_fn(carry, batches[warmup + w * window_steps + s])
+      pending.append(loss)
+    jax.block_until_ready(pending[-1])
+    window_s.append(time.perf_counter() - start)
+    losses += [float(x) for x in pending]
+  tokens = cfg.tokens_per_step * window_steps
+  tps = sorted(tokens / s for s in window_s)
+  median = float(np.median(tps))
+  flops = cfg.flops_per_step()
+  family, recipe_name = parse_variant(variant)
+  record = dict(
+      variant=variant, family=family, recipe=recipe_name, tokens_per_step=cfg.tokens_per_step,
+      tokens_per_s=median, tokens_per_s_min=tps[0], tokens_per_s_max=tps[-1],
+      step_ms=1e3 * cfg.tokens_per_step / median,
+      mfu=median / cfg.tokens_per_step * flops / (peak_tflops * 1e12),
+      model_tflop_per_step=flops / 1e12, windows=windows, window_steps=window_steps,
+      warmup=warmup, **gemms, fp8=recipe_name != "bf16" and gemms["fp8_gemms"] > 0,
+      quantized_layers=quantized, high_precision=high_precision,
+      first_loss=losses[0], last_loss=losses[-1], losses=losses, build_s=build_s,
+      compile_s=compile_s, device=str(jax.devices()[0].device_kind))
+  if recipe_name != "bf16" and not record["fp8"]:
+    print(f"WARNING: {variant} ran no FP8 GEMM: it is not an FP8 run", file=sys.stderr)
+  if do_profile and jax.default_backend() == "gpu":
+    try:
+      record["profile"], carry = profile(step_fn, carry, batches, text)
+    except Exception as e:  # noqa: BLE001 - the timing above stands without the profile
+      record["profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+  del carry, step_fn, lowered
+  gc.collect()
+  return record
+
+
+def main(argv=None) -> list[dict]:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--config", choices=sorted(model_lib.CONFIGS), default="cpu")
+  p.add_argument("--variants", default="nnx-bf16,nnx-current,nnx-delayed")
+  p.add_argument("--tokens", default=None,
+                 help="directory of bench.llama.data's token files (default: stdlib bytes)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--windows", type=int, default=5)
+  p.add_argument("--window-steps", type=int, default=3)
+  p.add_argument("--profile", default="", help="comma-separated variants to profile (GPU)")
+  p.add_argument("--no-scan", action="store_true", help="unrolled layers instead of a scan")
+  p.add_argument("--remat", default=None,
+                 help="rematerialisation for every variant: gemm_outputs "
+                      "(model.save_gemm_outputs), a jax.checkpoint_policies name, or none "
+                      "(default: the configuration's)")
+  p.add_argument("--time-limit", type=float, default=None,
+                 help="seconds: start no variant after this much time has passed")
+  p.add_argument("--hlo-dir", default=None)
+  p.add_argument("--out", default=None, help="append the JSON records to this file")
+  args = p.parse_args(argv)
+  cfg = model_lib.CONFIGS[args.config]
+  remat = cfg.remat if args.remat is None else (None if args.remat == "none" else args.remat)
+  cfg = dataclasses.replace(cfg, scan=not args.no_scan, remat=remat)
+  variants = args.variants.split(",")
+  for v in variants:
+    parse_variant(v)
+  train, info = token_data(cfg, args.tokens)
+  header = dict(config=args.config, **dataclasses.asdict(cfg), params=cfg.params(),
+                matmul_params=cfg.matmul_params(), tokens_per_step=cfg.tokens_per_step,
+                model_tflop_per_step=cfg.flops_per_step() / 1e12, data=info,
+                jax=jax.__version__, backend=jax.default_backend(),
+                device=str(jax.devices()[0].device_kind))
+  print(json.dumps(header), flush=True)
+  start = time.monotonic()
+  records = []
+  for v in variants:
+    if args.time_limit is not None and time.monotonic() - start > args.time_limit:
+      print(f"{v}: not started, --time-limit passed", file=sys.stderr, flush=True)
+      continue
+    try:
+      record = run_variant(cfg, v, train, seed=args.seed, warmup=args.warmup,
+                           windows=args.windows, window_steps=args.window_steps,
+                           do_profile=v in args.profile.split(","), hlo_dir=args.hlo_dir)
+    except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others
+      record = dict(variant=v, error=f"{type(e).__name__}: {str(e)[:2000]}")
+    records.append(record)
+    line = json.dumps({k: val for k, val in record.items() if k != "losses"})
+    print(line, flush=True)
+    if args.out:
+      with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+  print_table(records)
+  return records
+
+
+def print_table(records) -> None:
+  base = next((r for r in records if r.get("recipe") == "bf16" and "tokens_per_s" in r), None)
+  print(f"\n{'variant':22s} {'tok/s':>9s} {'x bf16':>7s} {'MFU':>6s} {'step ms':>8s} "
+        f"{'FP8/all GEMMs':>13s} {'compile s':>9s} {'loss 1st->last':>15s}")
+  for r in records:
+    if "error" in r:
+      print(f"{r['variant']:22s} ERROR {r['error'][:200]}")
+      continue
+    ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+    print(f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {ratio:7.3f} {r['mfu']:6.3f} "
+          f"{r['step_ms']:8.1f} {r['fp8_gemms']:>6d}/{r['gemms']:<6d} {r['compile_s']:9.1f} "
+          f"{r['first_loss']:7.3f}->{r['last_loss']:.3f}")
+  for r in records:
+    if "profile" in r:
+      prof = r["profile"]
+      print(f"\nprofile of {r['variant']}: {json.dumps(prof.get('groups_ms'))}, idle "
+            f"{prof.get('idle_ms')} ms, span {prof.get('ms_per_step_span')} ms per step")
+      for name, cls, ms in prof.get("top_kernels", []):
+        print(f"  {ms:8.3f} ms  {cls[:28]:28s} {name}")
+
+
+if __name__ == "__main__":
+  main()
