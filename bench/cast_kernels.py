@@ -8,8 +8,8 @@ with the bias gradient), the norm's cast (layernorm, E4M3) and current scaling's
 the first two (the same kernels with no output but the amax), each from a profiler trace, and
 prints each one's bytes moved per second against its traffic (one read of every input, one write
 of both FP8 copies), and for the casts the fraction of their FP8 codes that differ from the
-pure-JAX path's (``backend="jax"``) with the largest difference in FP8 steps. Small enough to run under
-Nsight Compute (``--iters 1 --no-agree``).
+pure-JAX path's (``backend="jax"``) with the largest difference in FP8 steps. Small enough to run
+under Nsight Compute (``--iters 1 --no-agree``).
 """
 
 from __future__ import annotations

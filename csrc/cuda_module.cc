@@ -1,7 +1,17 @@
 // nanobind module exposing the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu,
 // act_cast_cuda.cu, ...).
+#include <cuda_runtime_api.h>
+
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
 #include "xla/ffi/api/c_api.h"
+
+// The GPU targets the kernels were compiled for, as CMake lists them ("sm_90a,sm_100a").
+#define TE_ADAPTERS_STRINGIFY(...) #__VA_ARGS__
+#define TE_ADAPTERS_XSTRINGIFY(...) TE_ADAPTERS_STRINGIFY(__VA_ARGS__)
+#ifndef TE_ADAPTERS_CUDA_ARCHS
+#define TE_ADAPTERS_CUDA_ARCHS sm_90a
+#endif
 
 namespace nb = nanobind;
 
@@ -43,6 +53,27 @@ NB_MODULE(_csrc_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(te_adapters::GroupedGemmCuda));
     d["te_adapters_padded_transpose"] =
         nb::capsule(reinterpret_cast<void*>(te_adapters::PaddedTransposeCuda));
+#endif
+    return d;
+  });
+  // What was built, and the driver found now (0 when there is none): the CUDA runtime is linked
+  // statically, so the kernels run where the driver supports CUDA_VERSION's major release.
+  m.def("build_info", []() {
+    nb::dict d;
+    d["cuda_runtime_version"] = CUDART_VERSION;
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    d["cuda_driver_version"] = driver;
+    d["archs"] = std::string(TE_ADAPTERS_XSTRINGIFY(TE_ADAPTERS_CUDA_ARCHS));
+#ifdef TE_ADAPTERS_BLOCK_GEMM
+    d["cublaslt_gemm"] = true;
+#else
+    d["cublaslt_gemm"] = false;
+#endif
+#ifdef TE_ADAPTERS_GROUPED_GEMM
+    d["grouped_gemm"] = true;
+#else
+    d["grouped_gemm"] = false;
 #endif
     return d;
   });

@@ -5,7 +5,9 @@
 """
 
 from te_adapters import core, inspect
+from te_adapters._build_info import BuildInfo, build_info
 from te_adapters._kit import QuantizeReport, Rule, SkippedLayersWarning
+from te_adapters._version import __version__ as __version__
 from te_adapters.core import (
     DelayedScaling,
     Float8BlockScaling,
@@ -23,9 +25,8 @@ from te_adapters.core import (
     quantize,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "BuildInfo",
     "DelayedScaling",
     "Float8BlockScaling",
     "Float8CurrentScaling",
@@ -39,6 +40,7 @@ __all__ = [
     "Recipe",
     "Rule",
     "SkippedLayersWarning",
+    "build_info",
     "core",
     "dequantize",
     "dot_general",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from te_adapters import core, inspect
+from te_adapters._build_info import BuildInfo, build_info
 
 _DN = (((1,), (0,)), ((), ()))
 
@@ -58,7 +60,7 @@ def run(
       ("DelayedScaling", core.DelayedScaling(amax_history_len=16)),
   ]
   for label, recipe in recipes:
-    state = core.init_state(recipe) if recipe is not None else {}
+    state: Any = core.init_state(recipe) if recipe is not None else {}
 
     def step(x, w, dy, state, recipe=recipe):
       def f(x, w, state):
@@ -80,7 +82,7 @@ def run(
     fp8_dots, dots = inspect.count_fp8_dot_generals(step, x, w, dy, state)
     cublas = None
     if jax.default_backend() == "gpu":
-      hlo = step_jit.lower(x, w, dy, state).compile().as_text()
+      hlo = step_jit.lower(x, w, dy, state).compile().as_text() or ""
       cublas = "{}/{}".format(*inspect.count_fp8_gemms(hlo))
     rows.append(
         dict(
@@ -110,6 +112,21 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def emulation_note(info: BuildInfo) -> str:
+  """One sentence on what the FP8 rows below measure on this machine."""
+  if info.fp8_gemms == "emulated":
+    return (
+      "FP8 is emulated here (no GPU with FP8 GEMMs): XLA computes the same FP8 arithmetic in "
+      "higher precision, so the errors below are FP8's and the step times are not."
+    )
+  if not info.gpu_kernels_run:
+    return (
+      "FP8 GEMMs are native here; the casts to FP8 run in pure JAX (te_adapters's CUDA kernels "
+      "are not installed or do not run on this GPU; see the notes above)."
+    )
+  return "FP8 GEMMs are native here, and the casts to FP8 run te_adapters's CUDA kernels."
+
+
 def main(argv=None) -> None:
   on_gpu = jax.default_backend() == "gpu"
   p = argparse.ArgumentParser(prog="python -m te_adapters demo", description=__doc__)
@@ -124,6 +141,10 @@ def main(argv=None) -> None:
   threshold = None if args.force_fp8 else core.DEFAULT_SIZE_THRESHOLD
   device = jax.devices()[0]
   print(f"device: {device.platform} {device.device_kind}; jax {jax.__version__}")
+  info = build_info()
+  print(str(info))
+  print(emulation_note(info))
+  print()
   print(f"x ({args.m}, {args.k}) @ w ({args.k}, {args.n}), bf16 inputs, fwd + bwd;")
   print("errors: normwise relative error against float64 of the same bf16 inputs\n")
   with warnings.catch_warnings():  # the table and the note below say which rows stayed in bf16

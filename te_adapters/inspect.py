@@ -57,15 +57,33 @@ def dot_general_operand_dtypes(fn: Callable, *args, **kwargs) -> list[tuple[str,
   """The operand dtypes of every GEMM in ``fn``'s jaxpr (sub-jaxprs included): each
   ``dot_general``, and each call of the extension's cuBLASLt FP8 GEMM (used on Hopper GPUs)."""
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
-  out = []
+  out: list[tuple[str, str]] = []
   for eqn in _walk(closed.jaxpr):
     if _is_gemm(eqn):
-      out.append(tuple(str(np.dtype(v.aval.dtype)) for v in eqn.invars[:2]))
+      lhs, rhs = (str(np.dtype(v.aval.dtype)) for v in eqn.invars[:2])
+      out.append((lhs, rhs))
   return out
 
 
 def count_fp8_dot_generals(fn: Callable, *args, **kwargs) -> tuple[int, int]:
-  """``(number of dot_generals with two FP8 operands, number of dot_generals)`` in the jaxpr."""
+  """Counts the GEMMs of ``fn`` that get FP8 operands, from its jaxpr (before XLA compiles it).
+
+  Args:
+    fn: the function to trace, such as a training step.
+    *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    ``(number of dot_generals with two FP8 operands, number of dot_generals)``, sub-jaxprs
+    (``jit``, ``scan``, custom VJPs) included, the extension's cuBLASLt FP8 GEMM counted as one.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> f = lambda x, w: ta.dot_general(x, w, (((1,), (0,)), ((), ())),
+    ...                                 recipe=ta.Float8CurrentScaling(), threshold=None)
+    >>> ta.inspect.count_fp8_dot_generals(f, jnp.ones((16, 32)), jnp.ones((32, 16)))
+    (1, 1)
+  """
   dtypes = dot_general_operand_dtypes(fn, *args, **kwargs)
   fp8 = sum(all(d in _FP8_NAMES for d in pair) for pair in dtypes)
   return fp8, len(dtypes)
@@ -92,18 +110,33 @@ def hlo_dot_operand_types(hlo_text: str) -> list[tuple[str, str]]:
   for line in hlo_text.splitlines():
     if m := _DEF.match(line):
       types[m.group(1)] = m.group(2)
-  out = []
+  out: list[tuple[str, str]] = []
   for line in hlo_text.splitlines():
     if " dot(" not in line or not (m := _DOT_ARGS.search(line)):
       continue
     names = [a.strip().split()[-1].lstrip("%") for a in m.group(1).split(",")[:2]]
-    out.append(tuple(types.get(n, "?") for n in names))
+    lhs, rhs = (types.get(n, "?") for n in names)
+    out.append((lhs, rhs))
   return out
 
 
 def count_fp8_gemms(hlo_text: str) -> tuple[int, int]:
-  """``(FP8 GEMMs, other GEMMs)`` in compiled HLO: cuBLASLt FP8 calls plus FP8 fused dots
-  against cuBLAS calls and dots of other types."""
+  """Counts the GEMMs of compiled HLO that run in FP8, against the others.
+
+  Args:
+    hlo_text: compiled HLO, ``jax.jit(f).lower(*args).compile().as_text()``.
+
+  Returns:
+    ``(FP8 GEMMs, other GEMMs)``: cuBLASLt FP8 calls (XLA's and the extension's) plus dots with
+    two FP8 operands left in fusions, against cuBLAS calls and dots of other types. On CPU, where
+    XLA emulates FP8 in higher precision, every GEMM counts as other.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> hlo = jax.jit(jnp.dot).lower(jnp.ones((16, 32)), jnp.ones((32, 16))).compile().as_text()
+    >>> ta.inspect.count_fp8_gemms(hlo)[0]
+    0
+  """
   fp8_dots = sum(a.startswith("f8") and b.startswith("f8") for a, b in hlo_dot_operand_types(
       hlo_text))
   other_dots = len(hlo_dot_operand_types(hlo_text)) - fp8_dots

@@ -4,6 +4,7 @@ import sys
 import jax
 import pytest
 
+import te_adapters as ta
 from te_adapters import _demo, core
 
 
@@ -31,6 +32,10 @@ def test_demo_says_when_the_gemm_stays_in_high_precision():
                         "--n", "32", "--repeats", "1"], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-2000:]
   below = "The FP8 rows ran in high precision" in out.stdout
+  # What is installed, and whether FP8 is emulated here, comes before the table.
+  assert f"te_adapters {ta.__version__}" in out.stdout and "C++ kernels: " in out.stdout
+  emulated = "FP8 is emulated here" in out.stdout
+  assert emulated == (ta.build_info().fp8_gemms == "emulated"), out.stdout
   # In a fresh process the shipped default applies on GPUs only.
   assert below == (jax.default_backend() == "gpu"), out.stdout
   forced = subprocess.run([sys.executable, "-m", "te_adapters", "demo", "--m", "32", "--k", "64",

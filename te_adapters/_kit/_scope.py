@@ -15,6 +15,8 @@ class InterceptScope(contextlib.ContextDecorator):
   the interceptor whether this scope is the one to act.
   """
 
+  _active: threading.local  # set per subclass
+
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     cls._active = threading.local()  # this kind's active scopes on each thread, innermost last

@@ -47,7 +47,7 @@ def linear_forward(
   inputs = jnp.asarray(inputs)
   # Haiku creates the parameters in the inputs' dtype: the core's rules apply before that.
   kit.check_input_dtype(recipe, inputs.dtype, module.module_name)
-  input_size = module.input_size = inputs.shape[-1]
+  input_size = module.input_size = inputs.shape[-1]  # type: ignore[assignment]  # None until called
   dtype = inputs.dtype
   if recipe is not None:
     kit.check_gemm_dims(input_size, module.output_size, module.module_name)
@@ -205,10 +205,10 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
     out = linear_forward(self, inputs, precision, self.recipe, self.options)
     if not self.enable_low_rank_adaptation:
       return out
-    a_shape, b_shape = core.lora_shapes(self.input_size, self.output_size,
-                                        self.low_rank_adaptation_dim)
+    input_size = jnp.shape(inputs)[-1]
+    a_shape, b_shape = core.lora_shapes(input_size, self.output_size, self.low_rank_adaptation_dim)
     dtype = jnp.asarray(inputs).dtype
-    w_init = self.w_init or hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(self.input_size))
+    w_init = self.w_init or hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(input_size))
     lora_a = hk.get_parameter("lora_a_kernel", a_shape, dtype, init=w_init)
     lora_b = hk.get_parameter("lora_b_kernel", b_shape, dtype, init=jnp.zeros)
     return kit.add_lora(
@@ -220,4 +220,6 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
 
 
 # hk.Linear's own signature, plus the quantization keywords (inspect.signature(Linear) shows it).
-Linear.__init__.__signature__ = kit.signature_with_keywords(hk.Linear.__init__, Linear.__init__)
+Linear.__init__.__signature__ = kit.signature_with_keywords(  # type: ignore[attr-defined]
+    hk.Linear.__init__, Linear.__init__
+)

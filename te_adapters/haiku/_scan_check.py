@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any
 
 import jax
 
@@ -37,7 +38,7 @@ _SCAN_BODY_CODE = _scan_body_code()
 def _inside_hk_scan() -> bool:
   if _SCAN_BODY_CODE is None:
     return False
-  frame = sys._getframe(2)
+  frame: types.FrameType | None = sys._getframe(2)
   while frame is not None:
     if frame.f_code is _SCAN_BODY_CODE:
       return True
@@ -45,7 +46,7 @@ def _inside_hk_scan() -> bool:
   return False
 
 
-def refuse_state_in_hk_scan(module_name: str, recipe, state: dict) -> dict:
+def refuse_state_in_hk_scan(module_name: str, recipe, state: Any) -> Any:
   """``state`` unchanged; inside ``hk.scan``, tracing a plain gradient over it raises."""
   if not state or is_marked(state):
     return state

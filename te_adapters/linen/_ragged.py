@@ -75,5 +75,5 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
           state=state,
       )
 
-  RaggedDot.recipe = recipe
+  RaggedDot.recipe = recipe  # type: ignore[attr-defined]  # an attribute of the made class
   return RaggedDot

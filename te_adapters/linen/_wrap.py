@@ -106,5 +106,5 @@ def wrap_function_in_te_state_module(
       return f(quantization, *args, **kwargs)
 
   Wrapper.__name__ = Wrapper.__qualname__ = f"TEWrapper_{label}"
-  Wrapper.recipe = recipe
+  Wrapper.recipe = recipe  # type: ignore[attr-defined]  # an attribute of the made class
   return Wrapper

@@ -150,7 +150,7 @@ class Linear(nnx.Linear):
     _add_lora(self, (k,), (n,), given, what, enable_low_rank_adaptation, low_rank_adaptation_dim,
               low_rank_adaptation_alpha)
 
-  __init__.__signature__ = kit.signature_with_keywords(nnx.Linear.__init__, __init__)
+  __init__.__signature__ = kit.signature_with_keywords(nnx.Linear.__init__, __init__)  # type: ignore[attr-defined]
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
@@ -212,7 +212,7 @@ class LinearGeneral(nnx.LinearGeneral):
     _add_lora(self, in_features, out_features, given, what, enable_low_rank_adaptation,
               low_rank_adaptation_dim, low_rank_adaptation_alpha)
 
-  __init__.__signature__ = kit.signature_with_keywords(nnx.LinearGeneral.__init__, __init__)
+  __init__.__signature__ = kit.signature_with_keywords(nnx.LinearGeneral.__init__, __init__)  # type: ignore[attr-defined]
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
     """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
@@ -265,7 +265,7 @@ class Einsum(nnx.Einsum):
         config=config,
     )
 
-  __init__.__signature__ = kit.signature_with_keywords(nnx.Einsum.__init__, __init__)
+  __init__.__signature__ = kit.signature_with_keywords(nnx.Einsum.__init__, __init__)  # type: ignore[attr-defined]
 
   def __call__(self, inputs, einsum_str=None, out_sharding=None, *, rngs=None):
     """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""

@@ -101,11 +101,12 @@ class LayerNormMLP(nnx.Module):
     if use_bias:
       self.wi_bias = nnx.Param(bias_init(rngs.params(), (n_act, f), param_dtype))
       self.wo_bias = nnx.Param(bias_init(rngs.params(), (k,), param_dtype))
-    self.dot_general_0 = self.dot_general_1 = nnx.data(None)
+    self.dot_general_0: DotGeneral | None = nnx.data(None)
+    self.dot_general_1: DotGeneral | None = nnx.data(None)
     if recipe is not None:
       self.dot_general_0 = DotGeneral(recipe, threshold=threshold, config=config, rngs=rngs)
       self.dot_general_1 = DotGeneral(recipe, threshold=threshold, config=config, rngs=rngs)
-    self.dropout_rngs = nnx.data(None)
+    self.dropout_rngs: nnx.RngStream | None = nnx.data(None)
     if intermediate_dropout_rate > 0:
       self.dropout_rngs = rngs["dropout"].fork()
 
@@ -117,6 +118,7 @@ class LayerNormMLP(nnx.Module):
       states = sr_rngs = None
       wi, wo = self.wi_kernel[...].astype(inputs.dtype), self.wo_kernel[...].astype(inputs.dtype)
     else:
+      assert self.dot_general_0 is not None and self.dot_general_1 is not None
       args = (self.dot_general_0.gemm_arguments(), self.dot_general_1.gemm_arguments())
       gemm = {"recipe": args[0]["recipe"], "threshold": args[0]["threshold"],
               "config": args[0]["config"]}
@@ -129,7 +131,7 @@ class LayerNormMLP(nnx.Module):
         _value(self.wo_bias), activations=self.activations, layernorm_type=self.layernorm_type,
         zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
         enable_layernorm=self.enable_layernorm, dropout_rate=self.intermediate_dropout_rate,
-        dropout_rng=self.dropout_rngs() if dropping else None,
+        dropout_rng=self.dropout_rngs() if dropping and self.dropout_rngs is not None else None,
         dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
         deterministic=deterministic, states=states, rngs=sr_rngs,
         return_layernorm_output=self.return_layernorm_output, **gemm, framework="nnx",

@@ -142,7 +142,7 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     self.options = kit.GemmOptions(
         threshold, _hashable(amax_axes), _hashable(kernel_all_gather), config)
     self.state = hold_state(kit.initial_state(self.recipe))
-    self.rngs = nnx.data(None)
+    self.rngs: nnx.RngStream | None = nnx.data(None)
     self.set_rngs(rngs)
     # The layer's path in its model, where a conversion knows it (named in sharding messages),
     # and its kernel's sharding annotation (orders the GEMM's layout under Auto mesh axes).

@@ -17,6 +17,7 @@ check find nothing (the behaviour it guards against is then recorded by the test
 from __future__ import annotations
 
 import sys
+import types
 
 import jax
 from flax import nnx
@@ -27,7 +28,7 @@ from te_adapters._kit import is_marked, refuse_state_grad
 try:
   from flax.nnx.transforms.iteration import ScanFn as _ScanFn
 
-  _SCAN_BODY_CODE = _ScanFn.__call__.__code__
+  _SCAN_BODY_CODE: types.CodeType | None = _ScanFn.__call__.__code__
 except (ImportError, AttributeError):  # pragma: no cover - a Flax with another scan layout
   _SCAN_BODY_CODE = None
 
@@ -61,7 +62,7 @@ def _shared_in_scan(op, names) -> str | None:
   """The ``in_axes`` entry of an enclosing ``nnx.scan`` giving each iteration ``op``'s state."""
   if _SCAN_BODY_CODE is None:
     return None
-  frame = sys._getframe(2)
+  frame: types.FrameType | None = sys._getframe(2)
   while frame is not None:
     if frame.f_code is _SCAN_BODY_CODE:
       scan, args = frame.f_locals.get("self"), frame.f_locals.get("args")

@@ -236,13 +236,15 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
   if req.rows and req.cols:
     both = _cast_both(x, spec, spec_t, req.config.backend)
     if both is not None:
-      return Quantized(*both, None)
+      both_rows, both_cols = both
+      return Quantized(both_rows, both_cols, None)
   # One key, two random streams: the copy along C (0) and the swapped copy (1).
   rows = cols = None
   if req.rows or (req.cols and tiled):
     rows = quantize_trailing(x, spec, req.key, stream=0, what=what, reduce_amax=reduce)
   if req.cols:
     if tiled:
+      assert rows is not None  # quantized above for the tiles
       cols = transpose_tiles(rows)
     else:
       cols = quantize_trailing(

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from te_adapters.core import recipes
 from te_adapters.core.formats import _block, _block_scaled, _registry, _scaling
@@ -23,13 +24,13 @@ __all__ = ["ScaledTensor", "quantize", "dequantize"]
 
 def quantize(
     x: jax.Array,
-    q_dtype=None,
+    q_dtype: DTypeLike | None = None,
     *,
     scale: jax.Array | None = None,
-    recipe=None,
+    recipe: recipes.Recipe | None = None,
     role: str = "x",
     axis: int | tuple[int, int] | None = None,
-    rng=None,
+    rng: jax.Array | None = None,
     rht: bool = False,
 ) -> ScaledTensor:
   """Quantizes ``x`` with one scale for the whole tensor, or per block under a block recipe.
@@ -136,6 +137,7 @@ def _quantize_own(x, recipe, fmt, role, scale, axis, rng, rht) -> ScaledTensor:
   axis = -1 if axis is None else axis
   if not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis={axis!r} is not valid for an array of shape {x.shape} under {name}")
+  axis = int(axis)
   moved = jnp.moveaxis(x, axis, -1)
   t = fmt.quantize(QuantizeRequest(moved, role, recipe, cols=False)).rows
   return dataclasses.replace(
@@ -184,11 +186,28 @@ def _quantize_blocks(x, recipe, role, axis, rng, rht) -> ScaledTensor:
   )
 
 
-def dequantize(t: ScaledTensor, dtype=None) -> jax.Array:
+def dequantize(t: ScaledTensor, dtype: DTypeLike | None = None) -> jax.Array:
   """The high-precision values of ``t`` in ``dtype`` (default: the dtype it was quantized from).
 
   Per-tensor: ``data * scale_inv``. Block modes: ``data`` times its block's scale (NVFP4 also
   times ``amax / (6 * 448)``, and the random Hadamard transform is undone for ``"nvfp4_rht"``).
+
+  Args:
+    t: a ``ScaledTensor`` from ``quantize``.
+    dtype: the dtype of the result; ``None``: ``t.dq_dtype``.
+
+  Returns:
+    An array of ``t``'s shape.
+
+  Raises:
+    TypeError: when ``t`` is not a ``ScaledTensor``.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> x = jnp.array([1.0, -2.0, 0.5, 448.0])
+    >>> t = ta.quantize(x, recipe=ta.Float8CurrentScaling())
+    >>> ta.dequantize(t).tolist()
+    [1.0, -2.0, 0.5, 448.0]
   """
   if not isinstance(t, ScaledTensor):
     raise TypeError(f"dequantize expects a ScaledTensor, got {type(t).__name__}")

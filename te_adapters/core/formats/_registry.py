@@ -53,16 +53,21 @@ def formats() -> tuple[QuantizationFormat, ...]:
   return tuple(_FORMATS)
 
 
-def format_of(recipe) -> QuantizationFormat:
+def format_of(recipe: Recipe) -> QuantizationFormat:
   """The ``QuantizationFormat`` of ``recipe`` (an instance of a registered recipe class).
+
+  Args:
+    recipe: a recipe instance, such as ``DelayedScaling()``.
+
+  Returns:
+    The format registered for the recipe's class (or, failing that, for its nearest base class).
 
   Raises:
     TypeError: for an object no registered format takes.
 
   Example:
     >>> import te_adapters as ta
-    >>> from te_adapters.core.formats import _registry
-    >>> _registry.format_of(ta.DelayedScaling()).per_tensor
+    >>> ta.core.format_of(ta.DelayedScaling()).per_tensor
     True
   """
   for fmt in _FORMATS:
@@ -114,17 +119,23 @@ def unregister_format(recipe_type: type) -> None:
 # --- a recipe's state, as its format keeps it ----------------------------------------------------
 
 
-def state_names(recipe) -> tuple[str, ...]:
+def state_names(recipe: Recipe) -> tuple[str, ...]:
   """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes)."""
   return tuple(format_of(recipe).state_shapes(recipe))
 
 
-def init_state(recipe) -> State:
+def init_state(recipe: Recipe) -> State:
   """The initial state of one GEMM under ``recipe``, of its format's state type.
 
   For ``DelayedScaling`` a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` (float32
   (1,), initialised to 1) and ``{x,kernel,grad}_amax_history`` (float32 (L,), zeros), which
   reads as a mapping of those names; for stateless recipes an ``EmptyState`` (equal to ``{}``).
+
+  Args:
+    recipe: the GEMM's recipe.
+
+  Returns:
+    The state to pass as ``dot_general(..., state=)`` on the first step.
 
   Example:
     >>> import te_adapters as ta
@@ -146,12 +157,19 @@ def _state_template(recipe):
   return names, treedef, type(shapes)
 
 
-def typed_state(recipe, state: Mapping[str, Any]) -> State:
+def typed_state(recipe: Recipe, state: Mapping[str, Any]) -> State:
   """``state`` as the state type of ``recipe``'s format: a mapping of TE's names (a saved dict,
   a Linen collection, an old checkpoint) becomes a ``DelayedScalingState``, an empty one an
   ``EmptyState``; a state of the format's type comes back as it is. Shapes are not checked
   (one GEMM's state and a grouped GEMM's stacked state both convert); the core's functions check
   them where the state is used.
+
+  Args:
+    recipe: the recipe the state belongs to.
+    state: a mapping of TE's names (``x_scale``, ``x_amax_history``, ...), or a typed state.
+
+  Returns:
+    The state, of ``recipe``'s state type.
 
   Example:
     >>> import numpy as np, te_adapters as ta
@@ -182,7 +200,7 @@ def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
   return format_of(recipe).state_shapes(recipe)
 
 
-def check_state(recipe, state: Mapping[str, Any] | None) -> State:
+def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
   """Validates ``state`` against ``recipe``; returns it typed (``typed_state``). The core's
   functions call it once, where a call enters the core. A dict of TE's names (the spelling before
   the typed state) is accepted with a ``DeprecationWarning``. Raises naming the mismatch."""

@@ -37,7 +37,7 @@ class ScaledTensor:
 
   data: jax.Array
   scale_inv: jax.Array
-  amax: jax.Array
+  amax: jax.Array | None
   scaling_mode: str = dataclasses.field(default="tensor", metadata=dict(static=True))
   dq_dtype: Any = dataclasses.field(default=np.dtype(np.float32), metadata=dict(static=True))
 

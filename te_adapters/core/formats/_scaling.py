@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 __all__ = ["fp8_max", "tensor_amax", "leading_amax", "compute_scale", "delayed_update",
            "scale_inverse"]
 
 
-def fp8_max(dtype) -> float:
-  """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+def fp8_max(dtype: DTypeLike) -> float:
+  """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> ta.core.fp8_max(jnp.float8_e4m3fn), ta.core.fp8_max(jnp.float8_e5m2)
+    (448.0, 57344.0)
+  """
   return float(jnp.finfo(dtype).max)
 
 
@@ -34,7 +42,7 @@ def leading_amax(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def compute_scale(
-    amax_value: jnp.ndarray, max_value: float, old_scale, margin: float = 0.0
+    amax_value: jnp.ndarray, max_value: float, old_scale: ArrayLike, margin: float = 0.0
 ) -> jnp.ndarray:
   """``max_value / amax / 2**margin``, or ``old_scale`` where amax is <= 0 or not finite."""
   amax_value = jnp.asarray(amax_value, jnp.float32)
@@ -50,7 +58,7 @@ def delayed_update(
     max_value: float,
     margin: float,
     algo: str,
-):
+) -> tuple[jax.Array, jax.Array]:
   """One delayed-scaling step of TE for one tensor role.
 
   The current ``amax_value`` goes into slot 0 of the history; the scale for the next step comes

@@ -40,16 +40,16 @@ class TensorScaling(NamedTuple):
       roles' new states.
   """
 
-  init_state: Callable[..., DelayedScalingState | dict]
+  init_state: Callable[..., DelayedScalingState | EmptyState | dict]
   state_shapes: Callable[..., dict[str, tuple[int, ...]]]
   stored_scale: Callable[..., jax.Array | None]
   state_varying: Callable[..., frozenset | None]
   next_scale: Callable[..., tuple[jax.Array, RoleState | None]]
-  next_state: Callable[..., DelayedScalingState | dict]
+  next_state: Callable[..., DelayedScalingState | EmptyState | dict]
 
 
 def _delayed_shapes(recipe) -> dict[str, tuple[int, ...]]:
-  shapes = {}
+  shapes: dict[str, tuple[int, ...]] = {}
   for role in ROLES:
     shapes[f"{role}_scale"] = (1,)
     shapes[f"{role}_amax_history"] = (recipe.amax_history_len,)

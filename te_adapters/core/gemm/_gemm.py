@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -40,28 +41,38 @@ from te_adapters.core.kernels import ShardingFallbackWarning
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
 from te_adapters.core.state import ROLES, caller_stacklevel, is_accumulating, shared_max_grad
 
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike, DTypeLike
+
+  from te_adapters.core.gemm._threshold import SizeThreshold
+  from te_adapters.core.recipes import Recipe
+  from te_adapters.core.state import State
+
+# ``amax_axes``: mesh axis names, for every role or by role ("x", "kernel", "grad").
+AmaxAxes = str | Sequence[str] | Mapping[str, str | Sequence[str]]
+
 __all__ = ["Chain", "Stage", "checked_state", "dot_general", "quantized_gemms"]
 
 
 def dot_general(
-    lhs,
-    rhs,
-    dimension_numbers,
-    precision=None,
-    preferred_element_type=None,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    dimension_numbers: lax.DotDimensionNumbers,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
     *,
-    recipe,
-    state=None,
-    rng=None,
-    out_sharding=None,
-    amax_axes=None,
-    kernel_all_gather=None,
-    threshold=DEFAULT_SIZE_THRESHOLD,
+    recipe: Recipe | None,
+    state: State | Mapping[str, ArrayLike] | None = None,
+    rng: jax.Array | None = None,
+    out_sharding: NamedSharding | PartitionSpec | None = None,
+    amax_axes: AmaxAxes | None = None,
+    kernel_all_gather: PartitionSpec | NamedSharding | None = None,
+    threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
     config: GemmConfig | None = None,
     layer: str | None = None,
-    kernel_sharding=None,
+    kernel_sharding: PartitionSpec | None = None,
     framework: str | None = None,
-):
+) -> jax.Array:
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
   Drops into anything that takes a ``dot_general``, for example
@@ -197,7 +208,7 @@ def dot_general(
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   if layer is None:
-    layer = f"the GEMM {tuple(lhs.shape)} . {tuple(rhs.shape)} (dimension_numbers {dn})"
+    layer = f"the GEMM {jnp.shape(lhs)} . {jnp.shape(rhs)} (dimension_numbers {dn})"
   return _contracting_last(
       lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
       kernel_sharding)
@@ -213,7 +224,9 @@ def checked_state(recipe, state):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _checked_under_grad(lhs, rhs, dn, rhs_shape, recipe, no_rng):
+def _checked_under_grad(
+    lhs, rhs, dn, rhs_shape, recipe, no_rng
+) -> tuple[jax.Array, jax.Array]:
   """``(lhs, rhs)``; under differentiation, first the checks of the format's backward GEMMs
   (blocks that must tile M and N, a missing PRNG key), so the same input gets the same error at
   every size, the GEMMs below the size threshold included."""

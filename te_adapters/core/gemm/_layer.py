@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
 from te_adapters.core.recipes import Float8CurrentScaling
+
+if TYPE_CHECKING:
+  from jax import lax
+  from jax.typing import DTypeLike
+
+  from te_adapters.core.recipes import Recipe
 
 __all__ = [
   "check_last_axis",
@@ -71,7 +79,7 @@ def check_gemm_dims(k: int, n: int, what: str) -> None:
   )
 
 
-def input_dtype_refusal(dtype) -> str | None:
+def input_dtype_refusal(dtype: DTypeLike | None) -> str | None:
   """Why a layer whose GEMM takes inputs of ``dtype`` cannot be quantized, or None.
 
   FP8 GEMMs quantize real floating-point operands; integer, boolean and complex inputs are
@@ -96,7 +104,7 @@ def input_dtype_refusal(dtype) -> str | None:
   return f"input dtype {dt} is not real floating point"
 
 
-def check_input_dtype(recipe, dtype, what: str) -> None:
+def check_input_dtype(recipe: Recipe | None, dtype: DTypeLike, what: str) -> None:
   """Raises a TypeError naming ``what`` when ``recipe`` is not None and
   ``input_dtype_refusal(dtype)`` refuses the inputs (a conversion skips such a layer instead)."""
   if recipe is None or (why := input_dtype_refusal(dtype)) is None:
@@ -107,7 +115,9 @@ def check_input_dtype(recipe, dtype, what: str) -> None:
   )
 
 
-def check_last_axis(axis, ndim: int | None, what: str, te_layer: str) -> None:
+def check_last_axis(
+    axis: int | Iterable[int], ndim: int | None, what: str, te_layer: str
+) -> None:
   """Raises a ValueError unless ``axis`` names the last axis: TE's norm-then-GEMM layers
   (``te_layer``) normalize and contract it alone. ``axis`` is an int or a sequence of ints;
   with the input's rank ``ndim`` it may be ``ndim - 1``, without it (a layer checking its
@@ -121,7 +131,7 @@ def check_last_axis(axis, ndim: int | None, what: str, te_layer: str) -> None:
     ...
     ValueError: f: axis must be -1 (the normalized last axis, as TE's LayerNormMLP requires), got 0
   """
-  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  axes = tuple(axis) if isinstance(axis, Iterable) else (axis,)
   if ndim is None:
     ok = axes == (-1,)
   else:
@@ -133,7 +143,9 @@ def check_last_axis(axis, ndim: int | None, what: str, te_layer: str) -> None:
     )
 
 
-def kernel_gemm_dims(kernel_shape, dimension_numbers) -> tuple[int, int]:
+def kernel_gemm_dims(
+    kernel_shape: Sequence[int], dimension_numbers: lax.DotDimensionNumbers
+) -> tuple[int, int]:
   """``(K, N)`` of a ``dot_general(x, kernel, dimension_numbers)``: the product of the kernel's
   contracting sizes and of its free (neither contracting nor batch) sizes.
 
@@ -147,14 +159,19 @@ def kernel_gemm_dims(kernel_shape, dimension_numbers) -> tuple[int, int]:
   return math.prod(kernel_shape[d] for d in contracting), math.prod(kernel_shape[d] for d in free)
 
 
-def check_kernel_gemm_dims(recipe, kernel_shape, dimension_numbers, what: str) -> None:
+def check_kernel_gemm_dims(
+    recipe: Recipe | None,
+    kernel_shape: Sequence[int],
+    dimension_numbers: lax.DotDimensionNumbers,
+    what: str,
+) -> None:
   """``check_gemm_dims`` on a GEMM given by its kernel's shape, when ``recipe`` is not None."""
   if recipe is not None:
     k, n = kernel_gemm_dims(tuple(kernel_shape), dimension_numbers)
     check_gemm_dims(k, n, f"{what} with kernel shape {tuple(kernel_shape)}")
 
 
-def einsum_gemm_dims(einsum_str: str, kernel_shape) -> tuple[int, int] | None:
+def einsum_gemm_dims(einsum_str: str, kernel_shape: Sequence[int]) -> tuple[int, int] | None:
   """``(K, N)`` of the GEMM of an Einsum layer, from its equation and kernel shape.
 
   K multiplies the kernel dims summed with the input, N the kernel dims kept in the output

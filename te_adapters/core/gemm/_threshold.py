@@ -126,9 +126,9 @@ def gemm_mkn(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
 
 
 def runs_in_fp8(
-    lhs_shape,
-    rhs_shape,
-    dimension_numbers,
+    lhs_shape: Sequence[int],
+    rhs_shape: Sequence[int],
+    dimension_numbers: jax.lax.DotDimensionNumbers,
     threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
     backend: str | None = None,
 ) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ __all__ = [
   "dact_cast_call",
   "ffi_available",
   "gemm_call",
+  "gpu_kernels_unusable_reason",
   "grouped_gemm_call",
   "hopper_target_available",
   "norm_cast_call",
@@ -73,6 +75,58 @@ _MODULES = {"cpu": ("te_adapters._csrc_cpu", "cpu"), "gpu": ("te_adapters._csrc_
 _GEMM_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 
+def _compute_capability(arch: str) -> str:
+  """A compiled GPU target's compute capability: ``"sm_90a"`` -> ``"9.0"``."""
+  digits = "".join(c for c in arch if c.isdigit())
+  number = int(digits) if digits else 0
+  return f"{number // 10}.{number % 10}"
+
+
+@functools.cache
+def gpu_kernels_unusable_reason() -> str | None:
+  """Why the installed CUDA kernels cannot run on this process's GPUs, or None when they can
+  (or when JAX's backend is not a GPU, or no CUDA kernels are installed: nothing to decide).
+
+  The kernels link the CUDA runtime they were built with, so they need a driver of that CUDA
+  major release or newer, and hold machine code for the GPUs they were built for only.
+
+  Example:
+    >>> from te_adapters.core import kernels
+    >>> reason = kernels.gpu_kernels_unusable_reason()
+    >>> reason is None or isinstance(reason, str)
+    True
+  """
+  if jax.default_backend() != "gpu":
+    return None
+  try:
+    module = importlib.import_module(_MODULES["gpu"][0])
+  except ImportError:
+    return None
+  if not hasattr(module, "build_info"):
+    return None  # built before the module described itself: Hopper only, as it always was
+  info = module.build_info()
+  runtime, driver = int(info["cuda_runtime_version"]), int(info["cuda_driver_version"])
+  if driver // 1000 < runtime // 1000:
+    return (
+      f"te_adapters's CUDA kernels were built with CUDA {runtime // 1000}.{runtime % 1000 // 10} "
+      f"and need a driver for CUDA {runtime // 1000} or newer; this one supports "
+      f"{driver // 1000}.{driver % 1000 // 10}: the casts run in pure JAX"
+    )
+  archs = [a for a in str(info["archs"]).split(",") if a]
+  built = {_compute_capability(a) for a in archs}
+  try:
+    found = {str(d.compute_capability) for d in jax.local_devices()}
+  except AttributeError:
+    return None
+  if not found <= built:
+    return (
+      f"te_adapters's CUDA kernels are built for {', '.join(archs)} (compute capability "
+      f"{', '.join(sorted(built))}), and this process's GPUs are compute capability "
+      f"{', '.join(sorted(found))}: the casts run in pure JAX"
+    )
+  return None
+
+
 @functools.cache
 def _registrations(platform: str) -> frozenset[str]:
   """Registers ``platform``'s handlers with XLA (once); returns their target names."""
@@ -83,6 +137,11 @@ def _registrations(platform: str) -> frozenset[str]:
     module = importlib.import_module(module_name)
   except ImportError:
     return frozenset()
+  if platform == "gpu":
+    reason = gpu_kernels_unusable_reason()
+    if reason is not None:
+      warnings.warn(reason, RuntimeWarning, stacklevel=2)
+      return frozenset()
   targets = module.registrations()
   for name, capsule in targets.items():
     jax.ffi.register_ffi_target(name, capsule, platform=xla_platform)

@@ -39,7 +39,11 @@ ACTIVATIONS: dict[str, Callable] = {
 }
 
 
-def normalize_activations(activations) -> tuple:
+# An activation by name (ACTIVATIONS) or as a function; several are a gated product.
+Activation = str | Callable[[jax.Array], jax.Array]
+
+
+def normalize_activations(activations: Activation | Sequence[Activation]) -> tuple[Activation, ...]:
   """``activations`` as TE orders them: a tuple of lower-case names (or callables).
 
   A single name is a one-element tuple; a gated pair written with ``"linear"`` first is
@@ -58,7 +62,7 @@ def normalize_activations(activations) -> tuple:
         f"activations must be a non-empty sequence of names such as ('gelu',) or "
         f"('silu', 'linear'), got {activations!r}"
     )
-  names = []
+  names: list[Activation] = []
   for act in activations:
     if isinstance(act, str):
       if act.lower() not in ACTIVATIONS:
@@ -106,7 +110,9 @@ def _activation_bwd(names, h, g):
 _activation.defvjp(_activation_fwd, _activation_bwd)
 
 
-def activation(h, activations=("gelu",)):
+def activation(
+    h: jax.Array, activations: Activation | Sequence[Activation] = ("gelu",)
+) -> jax.Array:
   """The MLP activation (or gated product) of ``h``, TE's ``activation(x, activation_type)``.
 
   Args:

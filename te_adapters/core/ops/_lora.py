@@ -12,6 +12,7 @@ import math
 import string
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
 __all__ = ["check_lora_rank", "lora_shapes", "low_rank_adaptation"]
@@ -21,7 +22,12 @@ def _as_tuple(value) -> tuple[int, ...]:
   return tuple(value) if isinstance(value, Sequence) else (value,)
 
 
-def check_lora_rank(rank: int, in_shape, features, what: str = "low-rank adaptation") -> None:
+def check_lora_rank(
+    rank: int,
+    in_shape: int | Sequence[int],
+    features: int | Sequence[int],
+    what: str = "low-rank adaptation",
+) -> None:
   """A ValueError naming ``what`` unless ``1 <= rank <= min(K, N)``.
 
   ``K`` is the product of the contracted input sizes ``in_shape`` and ``N`` the last output
@@ -37,7 +43,9 @@ def check_lora_rank(rank: int, in_shape, features, what: str = "low-rank adaptat
     )
 
 
-def lora_shapes(in_shape, features, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def lora_shapes(
+    in_shape: int | Sequence[int], features: int | Sequence[int], rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """TE's shapes of ``lora_a_kernel`` and ``lora_b_kernel``.
 
   ``lora_a_kernel``: ``(*in_shape, *features[:-1], rank)``; ``lora_b_kernel``:
@@ -52,7 +60,14 @@ def lora_shapes(in_shape, features, rank: int) -> tuple[tuple[int, ...], tuple[i
   return (*in_shape, *features[:-1], rank), (*features[:-1], rank, features[-1])
 
 
-def low_rank_adaptation(x, lora_a, lora_b, *, axis=-1, alpha: float | None = None):
+def low_rank_adaptation(
+    x: jax.Array,
+    lora_a: jax.Array,
+    lora_b: jax.Array,
+    *,
+    axis: int | Sequence[int] = -1,
+    alpha: float | None = None,
+) -> jax.Array:
   """The LoRA term ``(x @ lora_a @ lora_b) * scaling`` of a dense layer, in high precision.
 
   Args:

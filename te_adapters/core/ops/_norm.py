@@ -62,14 +62,14 @@ def _check(x, scale, bias, layernorm_type):
 
 
 def layernorm(
-    x,
-    scale,
-    bias=None,
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array | None = None,
     *,
     layernorm_type: str = "layernorm",
     zero_centered_gamma: bool = False,
     epsilon: float = 1e-6,
-):
+) -> jax.Array:
   """LayerNorm or RMSNorm of ``x`` over its last axis, as TE's ``layernorm``.
 
   ``layernorm``: ``(x - mean) / sqrt(var + epsilon) * gamma + beta``; ``rmsnorm``:

@@ -48,15 +48,15 @@ def _fusion_type(value) -> SoftmaxFusionType:
 
 
 def softmax(
-    logits,
-    mask=None,
-    bias=None,
-    softmax_offset=None,
+    logits: jax.Array,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    softmax_offset: jax.Array | None = None,
     *,
     scale_factor: float = 1.0,
-    softmax_fusion_type=SoftmaxFusionType.SCALED,
+    softmax_fusion_type: SoftmaxFusionType | str = SoftmaxFusionType.SCALED,
     softmax_type: str = "vanilla",
-):
+) -> jax.Array:
   """``softmax((logits + bias) * scale_factor)`` over the last axis, with masked logits removed.
 
   As TE's ``Softmax``: ``logits`` are ``[batch, heads, q, k]`` (any leading axes work), ``mask``

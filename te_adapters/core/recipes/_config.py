@@ -158,7 +158,7 @@ class GemmConfig:
           DeprecationWarning, stacklevel=3)
 
 
-def check_config(config) -> GemmConfig:
+def check_config(config: GemmConfig | None) -> GemmConfig:
   """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else."""
   if config is None:
     return GemmConfig()

@@ -74,7 +74,7 @@ def _check_format(name: str, value: object) -> None:
 def _check_margin(name: str, margin: object) -> None:
   if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
     raise TypeError(f"{name}.margin must be a real number, got {margin!r}")
-  if not np.isfinite(margin) or margin < 0:
+  if not np.isfinite(float(margin)) or margin < 0:
     raise ValueError(f"{name}.margin must be finite and >= 0, got {margin!r}")
 
 

@@ -20,6 +20,7 @@ from te_adapters.core.state._recipe_state import (
     leaf_kind,
 )
 from te_adapters.core.state._state import (
+    State,
     caller_stacklevel,
     check_leaves,
     shared_max_grad,
@@ -35,6 +36,7 @@ __all__ = [
     "ROLES",
     "RoleState",
     "SCALE_F32",
+    "State",
     "caller_stacklevel",
     "cast_like",
     "check_leaves",

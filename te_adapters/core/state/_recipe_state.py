@@ -193,7 +193,7 @@ def _check_role(role) -> None:
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
-def is_state_mapping(node) -> bool:
+def is_state_mapping(node: Any) -> bool:
   """Whether ``node`` is one GEMM's delayed-scaling state: typed, or a mapping of TE's six
   names (a Linen collection's or Haiku module's entries, an old dict-layout checkpoint)."""
   if isinstance(node, DelayedScalingState):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Mapping
+from types import FrameType
+from typing import TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +56,7 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
     dtype = getattr(leaf, "dtype", None)
     if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
       raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
-  return state
+  return cast(State, state)
 
 
 # Where a warning's caller is looked for: frames of these packages are passed over. Named, not
@@ -75,7 +77,8 @@ def caller_stacklevel() -> int:
     >>> def check():
     ...   warnings.warn("careful", stacklevel=core.caller_stacklevel())
   """
-  frame, level = sys._getframe(1), 1
+  frame: FrameType | None = sys._getframe(1)
+  level = 1
   while frame is not None and (
       frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES
   ):
@@ -97,7 +100,11 @@ def warn_dict_state(state, fix: str) -> None:
       )
 
 
-def with_max_grad(state):
+# Any pytree of recipe states: the helpers below return the same structure.
+T = TypeVar("T")
+
+
+def with_max_grad(state: T) -> T:
   """Marks recipe state so that several uses in one step combine by max, not by sum.
 
   Call it on the state *inside* the differentiated function, before the state reaches any GEMM:
@@ -116,6 +123,26 @@ def with_max_grad(state):
   pytree of recipe state (one GEMM's ``DelayedScalingState`` or dict of TE's names, or a nested
   tree of them); the entries TE names as scales (``x_scale``, ``kernel_scale``, ``grad_scale``)
   are treated as scales, everything else by max.
+
+  Args:
+    state: a pytree of recipe state.
+
+  Returns:
+    The same pytree, its values unchanged, marked for max-combination under differentiation.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=4)
+    >>> w, dn = jnp.ones((32, 16)), (((1,), (0,)), ((), ()))
+    >>> def loss(state):
+    ...   state = ta.core.with_max_grad(state)
+    ...   gemm = lambda x: ta.core.dot_general(
+    ...       x, w, dn, recipe=recipe, state=state, threshold=None).sum()
+    ...   return gemm(jnp.full((16, 32), 1.0)) + gemm(jnp.full((16, 32), 3.0))
+    >>> state = ta.core.init_state(recipe)
+    >>> state = ta.core.updated_state(state, jax.grad(loss)(state))
+    >>> float(state["x_amax_history"][-1])  # the larger use's amax, not the sum of both
+    3.0
   """
 
   def convert(path, leaf):
@@ -131,17 +158,36 @@ def shared_max_grad(state: DelayedScalingState) -> DelayedScalingState:
   ``_accumulate.to_accumulating_shared``): every use of one state in a trace gets the same marked
   arrays, so a plain ``jax.grad`` combines the uses by max."""
   return DelayedScalingState(**{
-      name: _accumulate.to_accumulating_shared(state[name], leaf_kind(name)) for name in state
+      name: _accumulate.to_accumulating_shared(state[name], leaf_kind(name) or "max")
+      for name in state
   })
 
 
-def updated_state(old_state, state_grads):
+def updated_state(old_state: T, state_grads: T) -> T:
   """The new state from the gradient with respect to the state.
 
   The gradient is the new state (see ``dot_general``), except for a GEMM whose output did not
   reach the loss: its state gradient is zero, and that GEMM keeps its old state. A valid scale is
   never zero, so a zero scale marks such a GEMM. Works on any pytree of recipe states (typed, or
   dicts of TE's names as Linen collections and Haiku state hold them); each keeps its type.
+
+  Args:
+    old_state: the state the step was computed with.
+    state_grads: the gradient of the loss with respect to ``old_state`` (same structure).
+
+  Returns:
+    The state for the next step.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=4)
+    >>> state = ta.core.init_state(recipe)
+    >>> x, w = jnp.full((16, 32), 2.0), jnp.ones((32, 16))
+    >>> loss = lambda s: ta.core.dot_general(
+    ...     x, w, (((1,), (0,)), ((), ())), recipe=recipe, state=s, threshold=None).sum()
+    >>> state = ta.core.updated_state(state, jax.grad(loss)(state))
+    >>> float(state["x_amax_history"][-1])  # the step's amax of x, recorded
+    2.0
   """
 
   def pick(old, new):
