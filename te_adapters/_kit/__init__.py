@@ -26,6 +26,7 @@ from te_adapters._kit._rules import (
     Conversion,
     Rule,
     SkippedLayersWarning,
+    Unset,
     attend_reason,
     own_slot_reason,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "SR_RNG",
     "SkippedLayersWarning",
     "UNSET",
+    "Unset",
     "add_lora",
     "attend_reason",
     "check_gemm_dims",

@@ -147,22 +147,35 @@ def as_rule(entry) -> Rule:
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
-  """What a conversion does with one layer: its recipe and GEMM options, or why it stays in
-  high precision (``recipe`` None)."""
+class Quantized:
+  """A layer a rule quantizes: the rule's recipe and GEMM options."""
 
-  recipe: core.Recipe | None
-  options: GemmOptions | None
-  reason: str | None
+  recipe: core.Recipe
+  options: GemmOptions
+  index: int  # the rule that decided
+
+
+@dataclasses.dataclass(frozen=True)
+class HighPrecision:
+  """A layer that stays in high precision, and why (``recipe`` is always None)."""
+
+  recipe: None
+  reason: str
   index: int | None  # the rule that decided, None when no rule matched
 
 
-class _Unset:
+# What a conversion does with one layer; ``choice.recipe is None`` tells the two apart.
+Choice = Quantized | HighPrecision
+
+
+class Unset:
+  """The type of ``UNSET``, the default of an argument the caller did not pass."""
+
   def __repr__(self) -> str:
     return "<unset>"
 
 
-UNSET = _Unset()
+UNSET = Unset()
 
 
 class Conversion:
@@ -226,10 +239,10 @@ class Conversion:
     for index, rule in enumerate(self.rules):
       if rule.matches(path):
         if rule.recipe is None:
-          return Choice(None, None, f"rule {index} ({rule.describe()}) keeps it in high "
-                        "precision", index)
-        return Choice(rule.recipe, self._rule_options[index], None, index)
-    return Choice(None, None, NO_RULE, None)
+          return HighPrecision(None, f"rule {index} ({rule.describe()}) keeps it in high "
+                               "precision", index)
+        return Quantized(rule.recipe, self._rule_options[index], index)
+    return HighPrecision(None, NO_RULE, None)
 
   def selects(self, path: str) -> bool:
     """Whether some rule matches ``path`` (with a recipe or ``None``)."""

@@ -83,7 +83,7 @@ class quantize(kit.GemmOptionAttributes, kit.InterceptScope):  # lower case: use
 
   def __init__(
       self,
-      recipe: core.Recipe | None = kit.UNSET,
+      recipe: core.Recipe | None | kit.Unset = kit.UNSET,
       *,
       rules=None,
       threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,

@@ -111,7 +111,7 @@ class quantize(kit.InterceptScope):  # lower case: used like a function
 
   def __init__(
       self,
-      recipe: core.Recipe | None = kit.UNSET,
+      recipe: core.Recipe | None | kit.Unset = kit.UNSET,
       *,
       rules=None,
       threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
@@ -123,7 +123,7 @@ class quantize(kit.InterceptScope):  # lower case: used like a function
     options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
     self._conversion = kit.Conversion(
         "te_adapters.linen.quantize", recipe, rules, options, ("filter", filter))
-    self._classes = {}
+    self._classes: dict[int, type[QuantizedDotGeneral]] = {}
 
   @property
   def report(self) -> QuantizeReport:

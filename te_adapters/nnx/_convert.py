@@ -28,25 +28,25 @@ __all__ = ["QuantizeReport", "quantize_model"]
 QuantizeReport = kit.QuantizeReport  # one report type for every adapter
 
 
-def _gemm_plan(layer) -> tuple[str, int | None, tuple[int, int] | None, str | None]:
-  """``(slot, kernel_ndim, (K, N), reason_to_skip)`` of an NNX linear layer."""
+def _gemm_plan(layer) -> tuple[str, int, tuple[int, int]] | tuple[str, str]:
+  """``(slot, kernel_ndim, (K, N))`` of an NNX linear layer, or ``(slot, reason_to_skip)``."""
   if isinstance(layer, nnx.Linear):
     if layer.dot_general is not lax.dot_general:
-      return "dot_general", None, None, kit.own_slot_reason("dot_general")
-    return "dot_general", 2, (layer.in_features, layer.out_features), None
+      return "dot_general", kit.own_slot_reason("dot_general")
+    return "dot_general", 2, (layer.in_features, layer.out_features)
   if isinstance(layer, nnx.LinearGeneral):
     if layer.dot_general is not None or layer.dot_general_cls is not None:
-      return "dot_general", None, None, kit.own_slot_reason("dot_general")
+      return "dot_general", kit.own_slot_reason("dot_general")
     ndim = len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
-    return "dot_general", ndim, (math.prod(layer.in_features), math.prod(layer.out_features)), None
+    return "dot_general", ndim, (math.prod(layer.in_features), math.prod(layer.out_features))
   if layer.einsum_op is not jnp.einsum:
-    return "einsum_op", None, None, kit.own_slot_reason("einsum_op")
+    return "einsum_op", kit.own_slot_reason("einsum_op")
   if layer.einsum_str is None:
-    return "einsum_op", None, None, "its equation is given at call time"
+    return "einsum_op", "its equation is given at call time"
   dims = kit.einsum_gemm_dims(layer.einsum_str, layer.kernel_shape)
   if dims is None:
-    return "einsum_op", None, None, f"its equation {layer.einsum_str!r} is not one GEMM"
-  return "einsum_op", len(layer.kernel_shape), dims, None
+    return "einsum_op", f"its equation {layer.einsum_str!r} is not one GEMM"
+  return "einsum_op", len(layer.kernel_shape), dims
 
 
 def _path_filter(model: nnx.Module, filter) -> Callable[[str], bool]:
@@ -60,7 +60,7 @@ def _path_filter(model: nnx.Module, filter) -> Callable[[str], bool]:
 
 def quantize_model(
     model: nnx.Module,
-    recipe: core.Recipe | None = kit.UNSET,
+    recipe: core.Recipe | None | kit.Unset = kit.UNSET,
     *,
     rules=None,
     threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
@@ -155,7 +155,8 @@ def quantize_model(
         conversion.skip(name, kit.attend_reason(type(node).__name__, called=False))
   todo = []
   for name, layer in plan:
-    slot, ndim, dims, reason = _gemm_plan(layer)
+    gemm = _gemm_plan(layer)
+    slot = gemm[0]
     if isinstance(getattr(layer, slot), _RecipeOp):
       if conversion.selects(name):
         conversion.already_quantized(name)
@@ -164,8 +165,11 @@ def quantize_model(
     if choice.recipe is None:
       conversion.keep(name, choice.reason)
       continue
-    if reason is None:
-      reason = kit.gemm_dims_refusal(*dims)
+    if len(gemm) == 2:
+      conversion.skip(name, gemm[1])
+      continue
+    _, ndim, dims = gemm
+    reason = kit.gemm_dims_refusal(*dims)
     if reason is not None:
       conversion.skip(name, reason)
       continue
@@ -185,8 +189,10 @@ def quantize_model(
     # The slot held a function (static); mark the submodule as data so NNX tracks its state.
     setattr(layer, slot, nnx.data(op))
     if isinstance(layer, (Linear, LinearGeneral, Einsum)):
-      layer.recipe = choice.recipe  # a te_adapters layer built with recipe=None
-      layer.threshold = choice.options.threshold
+      # A te_adapters layer built with recipe=None; its constructor sets these attributes
+      # through a helper, where mypy does not see them.
+      layer.recipe = choice.recipe  # type: ignore[union-attr]
+      layer.threshold = choice.options.threshold  # type: ignore[union-attr]
     conversion.quantized(
         name, choice.recipe, core.high_precision_reason(choice.options.threshold, k, n))
   return conversion.report

@@ -146,7 +146,7 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     self.set_rngs(rngs)
     # The layer's path in its model, where a conversion knows it (named in sharding messages),
     # and its kernel's sharding annotation (orders the GEMM's layout under Auto mesh axes).
-    self.layer_path = None
+    self.layer_path: str | None = None
     self.kernel_sharding = None
 
   def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:

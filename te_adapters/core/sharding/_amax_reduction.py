@@ -27,8 +27,7 @@ def global_amax(a, x, role: str, plan: _spmd_plan.SpmdPlan, state_varying: froze
   manual = _mesh.manual_axes()
   if not manual:
     return a  # jit or eager: the array is global and so is its amax
-  stateful = state_varying is not None
-  if stateful and not _mesh.checks_vma():
+  if state_varying is not None and not _mesh.checks_vma():
     raise ValueError(
         "DelayedScaling inside shard_map(check_vma=False) is not supported: shard_map would "
         "sum the replicated state's gradient over the mesh, adding up scales and amaxes. "
@@ -36,12 +35,15 @@ def global_amax(a, x, role: str, plan: _spmd_plan.SpmdPlan, state_varying: froze
     )
   vma = _mesh.varying_axes(x)
   if requested is None:
-    axes = (vma - state_varying) if stateful else (vma if _mesh.checks_vma() else manual)
+    if state_varying is not None:
+      axes = vma - state_varying
+    else:
+      axes = vma if _mesh.checks_vma() else manual
   else:
     axes = frozenset(requested) & manual
     if _mesh.checks_vma():
       axes &= vma  # over an axis x does not vary over, its amax is the same everywhere already
-    if stateful:
+    if state_varying is not None:
       missing = vma - axes - state_varying
       if missing:
         raise ValueError(

@@ -20,8 +20,15 @@ def _operand_mesh(operand):
   return None if mesh is None or mesh.empty else mesh
 
 
+def _gather_axes(plan: _spmd_plan.SpmdPlan) -> tuple[tuple[str, ...], ...]:
+  """``plan.kernel_all_gather``, never None here: the public functions return early then."""
+  axes = plan.kernel_all_gather
+  assert axes is not None
+  return axes
+
+
 def _gather_mode(plan: _spmd_plan.SpmdPlan, kernel) -> str:
-  axes = {a for dim in plan.kernel_all_gather for a in dim}
+  axes = {a for dim in _gather_axes(plan) for a in dim}
   manual = _mesh.manual_axes()
   if axes <= manual:
     return "manual"
@@ -52,13 +59,13 @@ def _constraint(plan: _spmd_plan.SpmdPlan, spec: PartitionSpec):
 
 
 def _shard_spec(plan: _spmd_plan.SpmdPlan) -> PartitionSpec:
-  entries = [dim if dim else PartitionSpec.UNCONSTRAINED for dim in plan.kernel_all_gather]
+  entries = [dim if dim else PartitionSpec.UNCONSTRAINED for dim in _gather_axes(plan)]
   return PartitionSpec(*[e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries])
 
 
 def _gathered_spec(plan: _spmd_plan.SpmdPlan) -> PartitionSpec:
   return PartitionSpec(
-      *[None if dim else PartitionSpec.UNCONSTRAINED for dim in plan.kernel_all_gather]
+      *[None if dim else PartitionSpec.UNCONSTRAINED for dim in _gather_axes(plan)]
   )
 
 
@@ -66,7 +73,7 @@ def _explicit_spec_without(q, plan: _spmd_plan.SpmdPlan) -> PartitionSpec:
   spec = tuple(jax.typeof(q).sharding.spec)
   spec = spec + (None,) * (q.ndim - len(spec))
   out = []
-  for d, (entry, gather) in enumerate(zip(spec, plan.kernel_all_gather, strict=True)):
+  for d, (entry, gather) in enumerate(zip(spec, _gather_axes(plan), strict=True)):
     have = _mesh.axis_tuple(entry, "spec entry")
     if gather and not set(gather) <= set(have):
       raise ValueError(
@@ -82,7 +89,7 @@ def _check_manual_gather(kernel, plan: _spmd_plan.SpmdPlan) -> None:
   if not _mesh.checks_vma():
     return
   vma = _mesh.varying_axes(kernel)
-  for d, axes in enumerate(plan.kernel_all_gather):
+  for d, axes in enumerate(_gather_axes(plan)):
     if axes and not set(axes) <= vma:
       raise ValueError(
           f"kernel_all_gather gathers kernel dim {d} over {axes}, but inside this shard_map "
