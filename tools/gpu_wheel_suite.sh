@@ -11,8 +11,8 @@
 # file listing the interpreter's site-packages (`venv --system-site-packages` reaches only the
 # base interpreter's, and the machine's python3 may itself be a venv). Wheels of packages the
 # machine lacks may lie in .whl/ at the repository root; they are installed into a private
-# folder first. Before the tests, `te_adapters.build_info()` must report the CUDA kernels built and
-# running on this GPU. Left out: the tests that read or build the source tree (the package's
+# folder first. WORKERS sets the number of pytest-xdist processes (default 4). Before the tests,
+# `te_adapters.build_info()` must report the CUDA kernels built and running on this GPU. Left out: the tests that read or build the source tree (the package's
 # import graph, its custom-VJP and dependency scans, the pure-JAX source install, and
 # `python -m te_adapters bench`, which runs a checkout's benchmark); CI runs them. The log, the
 # JUnit XML and the summary line go to OUTDIR. pytest-xdist, where present, runs 4 processes.
@@ -76,7 +76,7 @@ PY
 args=("$@")
 [ "${#args[@]}" -gt 0 ] || args=(tests "$site/te_adapters")
 parallel=()
-if "$venv_python" -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile); fi
+if "$venv_python" -c "import xdist" 2>/dev/null; then parallel=(-n "${WORKERS:-4}" --dist loadfile); fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 "$venv_python" -m pytest "${parallel[@]}" -q -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" \
   --ignore=tests/test_import_graph.py --ignore=tests/test_custom_rules.py \
