@@ -12,10 +12,10 @@
 # base interpreter's, and the machine's python3 may itself be a venv). Wheels of packages the
 # machine lacks may lie in .whl/ at the repository root; they are installed into a private
 # folder first. WORKERS sets the number of pytest-xdist processes (default 4). Before the tests,
-# `te_adapters.build_info()` must report the CUDA kernels built and running on this GPU. Left
-# out: the tests that read or build the source tree (the package's import graph, its custom-VJP and dependency scans, the pure-JAX source install, and
-# `python -m te_adapters bench`, which runs a checkout's benchmark); CI runs them. The log, the
-# JUnit XML and the summary line go to OUTDIR. pytest-xdist, where present, runs 4 processes.
+# `te_adapters.build_info()` must report the CUDA kernels built and running on this GPU. Left out:
+# the tests that read or build the source tree (the package's import graph, its custom-VJP and
+# dependency scans, the pure-JAX source install, and `python -m te_adapters bench`, which runs a
+# checkout's benchmark); CI runs them. The log, the JUnit XML and the summary line go to OUTDIR.
 set -uo pipefail
 whl="$(realpath "${1:?usage: tools/gpu_wheel_suite.sh WHEEL OUTDIR [pytest args...]}")"
 out="${2:?usage: tools/gpu_wheel_suite.sh WHEEL OUTDIR [pytest args...]}"
