@@ -118,8 +118,9 @@ def dot_general(
       shapes.
     kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
       not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
-      gather a kernel whose sharded dim the layout flattens behind another. It only orders the
-      layout (below); the kernel's own Explicit sharding wins over it.
+      gather a kernel whose sharded free dim the layout flattens behind another. It only orders
+      the layout of the kernel's free dims (below); the contracting and batch dims keep their
+      order, which the input shares; the kernel's own Explicit sharding wins over it.
     framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
       remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
 
@@ -415,7 +416,12 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
   rhs_spec = specs[1]
   if rhs_spec is None and kernel_sharding is not None and not sharding.manual_axes():
     hint = tuple(getattr(kernel_sharding, "spec", kernel_sharding))
-    rhs_spec = hint if len(hint) <= rhs.ndim else None  # an annotation: orders the layout only
+    # An annotation orders the layout only, and only the kernel's free dims: the contracting
+    # and batch groups are the input's too, whose sharding under Auto axes is not known here
+    # (a kernel resharded to the input's order costs less than the input resharded to it).
+    (_, rc), (_, rb) = dn
+    if len(hint) <= rhs.ndim:
+      rhs_spec = tuple(None if d in rc or d in rb else e for d, e in enumerate(hint))
   rhs_sharded = set(_sharded_dims(rhs_spec or ()))
   if gather is not None:
     rhs_sharded |= {d for d, axes in enumerate(gather) if axes}
