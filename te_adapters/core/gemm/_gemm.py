@@ -578,7 +578,7 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
     new_fwd = {"x": qx.state, "kernel": qw.state}
     protos = (_proto(lhs), _proto(w3), _proto(biases[i]))
     # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
-    witness = jax.tree_util.tree_map(sharding.type_witness, (lhs, w3, state))
+    witness = jax.tree_util.tree_map(sharding.type_witness, (lhs, w3, state, biases[i]))
     between = None
     if i < last:
       # The next GEMM's input, cast from this one's output in the pass that computes it.
@@ -588,11 +588,12 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
     elif biases[i] is not None:
       y = y + biases[i].astype(y.dtype)
     saved.append((x_wgrad, w_dgrad, shard, new_fwd, between, protos, witness))
-  return y, (tuple(saved), lhs_residuals, states, rng)
+  inputs_witness = jax.tree_util.tree_map(sharding.type_witness, inputs)
+  return y, (tuple(saved), lhs_residuals, states, rng, inputs_witness)
 
 
 def _quantized_gemms_bwd(chain: Chain, residuals, g):
-  saved, lhs_residuals, states, rng = residuals
+  saved, lhs_residuals, states, rng, inputs_witness = residuals
   fmt, last = chain.format, len(chain.stages) - 1
   keys = rng if isinstance(rng, tuple) else (rng,) * (last + 1)
   d_kernels, d_biases, new_states = [None] * (last + 1), [None] * (last + 1), [None] * (last + 1)
@@ -611,7 +612,8 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
       qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
     else:
       qg, db = fmt.quantize(_request(g, "grad", chain, state, key=key)), None
-    d_biases[i] = None if db is None or b_proto is None else db.astype(b_proto.dtype)
+    if db is not None and b_proto is not None:  # summed over the rows of every shard
+      d_biases[i] = sharding.match_cotangent(db, witness[3]).astype(b_proto.dtype)
     ndim = x_wgrad.data.ndim
     swap = (*range(ndim - 2), ndim - 1, ndim - 2)
     # With Explicit mesh axes each cotangent gets its primal's sharding.
@@ -637,6 +639,9 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     new_state = fmt.next_state(chain.recipe, state, {**new_fwd, "grad": qg.state})
     new_states[i] = _match_state(new_state, witness[2])
   d_inputs = (dz,) if chain.lhs is None else tuple(chain.lhs.backward(lhs_residuals, dz))
+  # Inside shard_map a norm's gamma and beta are summed over the shards' rows too.
+  d_inputs = tuple(sharding.match_cotangent(d, w)
+                   for d, w in zip(d_inputs, inputs_witness, strict=True))
   return d_inputs, tuple(d_kernels), tuple(d_biases), tuple(new_states), None
 
 
