@@ -61,6 +61,7 @@ def dot_general(
     layer: str | None = None,
     kernel_sharding=None,
     framework: str | None = None,
+    sequence_parallel=None,
 ):
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -123,6 +124,17 @@ def dot_general(
       order, which the input shares; the kernel's own Explicit sharding wins over it.
     framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
       remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
+    sequence_parallel: inside ``shard_map``, sequence parallelism (Megatron's, TE's) for a
+      tensor-parallel pair, ``(mode, axis)``. The input's rows (its free dims flattened, the
+      sequence dim first: a sequence-first ``(S, B, H)`` input, or batch 1) are split over the
+      manual mesh axis ``axis``. ``("all_gather", axis)`` (the column-parallel GEMM): the
+      input is quantized shard by shard (its amax reduced over the mesh), its FP8 rows are
+      all-gathered for the GEMM, which returns every row of its output columns, and the input
+      gradient is reduce-scattered back onto the rows. ``("reduce_scatter", axis)`` (the
+      row-parallel GEMM, contracting over ``axis``'s shards): the output's partial sums are
+      reduce-scattered over its rows (in ``GemmConfig.partial_sums``'s dtype), and the output
+      gradient is quantized shard by shard and all-gathered in FP8. Per-tensor recipes, no
+      batch dims, not with ``kernel_all_gather``.
 
   Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
   contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
@@ -161,13 +173,16 @@ def dot_general(
     return lax.dot_general(
         lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
     )
-  plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
+  plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim,
+                            sequence_parallel=sequence_parallel)
   recipe = check_recipe(recipe)
   fmt = formats.format_of(recipe)
   if fmt.per_tensor:
     sharding.check_amax_axes(plan)
   else:
     sharding.check_block_scaled(recipe, plan)
+  if plan.sequence is not None:
+    _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs)
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
@@ -193,7 +208,10 @@ def dot_general(
   m, k, n = layout.b * layout.m, layout.k, layout.n
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
   if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, layer=layer):
-    return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+    if plan.sequence is not None:
+      lhs = _sequence_gather(lhs, plan, 0)
+    y = _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+    return _sequence_scatter(y, plan, 0, None)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
@@ -202,6 +220,46 @@ def dot_general(
   return _contracting_last(
       lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
       kernel_sharding)
+
+
+def _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs):
+  dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
+  if not fmt.per_tensor:
+    raise ValueError(
+        f"sequence_parallel takes per-tensor recipes (DelayedScaling, Float8CurrentScaling), "
+        f"got {type(recipe).__name__}")
+  if dn[1][0]:
+    raise ValueError("sequence_parallel takes a GEMM without batch dims (its input's rows are "
+                     "the sequence)")
+  if len(dn[0][0]) == lhs.ndim:
+    raise ValueError("sequence_parallel needs an input with rows (a free dim)")
+
+
+def _sequence_gather(a, plan, dim):
+  """``a``'s shards along ``dim`` all-gathered over the sequence axis (in "all_gather" mode);
+  FP8 as bytes."""
+  if plan.sequence is None or plan.sequence[0] != "all_gather":
+    return a
+  as_bytes = np.dtype(a.dtype).itemsize == 1
+  u = lax.bitcast_convert_type(a, jnp.uint8) if as_bytes else a
+  u = lax.all_gather(u, plan.sequence[1], axis=dim, tiled=True)
+  return lax.bitcast_convert_type(u, a.dtype) if as_bytes else u
+
+
+def _sequence_scatter(y, plan, dim, sum_dtype):
+  """``y``'s partial sums reduce-scattered along ``dim`` over the sequence axis (in
+  "reduce_scatter" mode), summed in ``sum_dtype`` (None: ``y``'s)."""
+  if plan.sequence is None or plan.sequence[0] != "reduce_scatter":
+    return y
+  dtype = y.dtype
+  y = y if sum_dtype is None else y.astype(sum_dtype)
+  return lax.psum_scatter(y, plan.sequence[1], scatter_dimension=dim, tiled=True).astype(dtype)
+
+
+def _gathered_rows(t, plan, axis):
+  """A ScaledTensor with its dim ``axis`` (the rows, or a transposed copy's columns)
+  all-gathered over the sequence axis."""
+  return dataclasses.replace(t, data=_sequence_gather(t.data, plan, t.data.ndim + axis))
 
 
 def checked_state(recipe, state):
@@ -506,7 +564,12 @@ def _contracting_last(
   stage = Stage(out_dtype=np.dtype(out.dtype), kernel_kn=kernel_kn)
   chain = Chain(recipe, plan, config, precision, (stage,))
   y3 = _quantized_gemms((x3,), (w3,), (None,), (state,), rng, chain)
-  y = sharding.reshape(y3, layout.split_out_shape)
+  split = layout.split_out_shape
+  if plan.sequence is not None:  # the output's leading rows: all of them, or this shard's
+    n_seq = lax.axis_size(plan.sequence[1])
+    rows = split[0] * n_seq if plan.sequence[0] == "all_gather" else split[0] // n_seq
+    split = (rows, *split[1:])
+  y = sharding.reshape(y3, split)
   if layout.out_perm is not None:
     y = jnp.transpose(y, layout.out_perm)  # the dims the layout ordered first, put back
   if restore is not None:  # each device keeps its share of out_sharding (a slice)
@@ -519,6 +582,15 @@ def _contracting_last(
 
 def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
+
+
+def _sum_dtype(stage, chain):
+  """The forward GEMM's output dtype: its own, or where its partial sums are reduce-scattered
+  over the sequence axis, ``GemmConfig.partial_sums``'s."""
+  if (chain.plan.sequence is None or chain.plan.sequence[0] != "reduce_scatter"
+      or chain.config.partial_sums == "output"):
+    return stage.out_dtype
+  return np.dtype(np.float32)
 
 
 def _request(x, role, chain, state, **kw):
@@ -570,10 +642,15 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
       w_fwd = dataclasses.replace(shard, data=sharding.gather_kernel(shard.data, plan))
       w_dgrad = dataclasses.replace(w_fwd, data=_swap_last(w_fwd.data))
     x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X) if backward else None
+    x_fwd = qx.rows
+    if plan.sequence is not None:  # the shards' FP8 rows (and wgrad's columns) gathered
+      x_fwd = _gathered_rows(x_fwd, plan, -2)
+      x_wgrad = None if x_wgrad is None else _gathered_rows(x_wgrad, plan, -1)
     y = fmt.gemm(
-        qx.rows, w_fwd, stage.out_dtype, "fwd", chain.recipe, chain.config, chain.precision,
-        plan.out_sharding,
+        x_fwd, w_fwd, _sum_dtype(stage, chain), "fwd", chain.recipe, chain.config,
+        chain.precision, plan.out_sharding,
     )
+    y = _sequence_scatter(y, plan, y.ndim - 2, None).astype(stage.out_dtype)
     y = checkpoint_name(y, stage.name)
     new_fwd = {"x": qx.state, "kernel": qw.state}
     protos = (_proto(lhs), _proto(w3), _proto(biases[i]))
@@ -626,10 +703,21 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     dx_dtype = x_proto.dtype
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
-    dx = fmt.gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
+    g_rows, g_cols = qg.rows, qg.cols
+    seq = chain.plan.sequence
+    if seq is not None and seq[0] == "reduce_scatter":  # the output gradient's FP8 shards
+      gathered = dataclasses.replace(chain.plan, sequence=("all_gather", seq[1]))
+      g_rows = _gathered_rows(g_rows, gathered, -2)
+      g_cols = _gathered_rows(g_cols, gathered, -1)
+    if seq is not None and seq[0] == "all_gather" and chain.config.partial_sums != "output":
+      dx_dtype = np.dtype(np.float32)  # summed over the sequence axis in float32
+    dx = fmt.gemm(g_rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
                   chain.precision, dx_sharding)
+    if seq is not None and seq[0] == "all_gather":  # the input gradient back onto its rows
+      scattered = dataclasses.replace(chain.plan, sequence=("reduce_scatter", seq[1]))
+      dx = _sequence_scatter(dx, scattered, dx.ndim - 2, None)
     dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
-    dw = fmt.gemm(x_wgrad, qg.cols, dw_dtype, "wgrad", chain.recipe, chain.config,
+    dw = fmt.gemm(x_wgrad, g_cols, dw_dtype, "wgrad", chain.recipe, chain.config,
                   chain.precision, dw_sharding)
     if not stage.kernel_kn:
       dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
