@@ -35,14 +35,14 @@ def _mesh():
   return jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
 
 
-def _pair(x, w1, w2, states, recipe, sequence=True):
+def _pair(x, w1, w2, states, recipe, sequence=True, config=CONFIG):
   """The column-then-row pair: ``gelu(x @ w1) @ w2``."""
   seq = (lambda mode: (mode, "tp")) if sequence else (lambda mode: None)
-  h = core.dot_general(x, w1, DN, recipe=recipe, state=states[0], threshold=None, config=CONFIG,
+  h = core.dot_general(x, w1, DN, recipe=recipe, state=states[0], threshold=None, config=config,
                        sequence_parallel=seq("all_gather"))
   a = jax.nn.gelu(h.astype(jnp.float32)).astype(h.dtype)
   return core.dot_general(a, w2, DN, recipe=recipe, state=states[1], threshold=None,
-                          config=CONFIG, sequence_parallel=seq("reduce_scatter"))
+                          config=config, sequence_parallel=seq("reduce_scatter"))
 
 
 def _data():
@@ -65,9 +65,9 @@ def _step(fn):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
-def _sharded(recipe):
+def _sharded(recipe, config=CONFIG):
   return jax.shard_map(
-      lambda x, w1, w2, states: _pair(x, w1, w2, states, recipe), mesh=_mesh(),
+      lambda x, w1, w2, states: _pair(x, w1, w2, states, recipe, config=config), mesh=_mesh(),
       in_specs=(P("tp"), P(None, "tp"), P("tp", None), P()), out_specs=P("tp"))
 
 
@@ -80,14 +80,20 @@ def _run(step, x, w1, w2, states, dy):
   return out
 
 
+RING = core.GemmConfig(partial_sums="float32", collective_matmul=True)
+
+
+@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_sequence_parallel_pair_matches_one_device(name):
+def test_sequence_parallel_pair_matches_one_device(name, config):
+  """With one all-gather or reduce-scatter per GEMM, and decomposed into ring steps
+  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
   recipe = RECIPES[name]
   x, w1, w2, dy = _data()
   states = _states(recipe)
   want = _run(_step(lambda *a: _pair(*a, recipe, sequence=False)), x, w1, w2, states, dy)
   with jax.set_mesh(_mesh()):
-    got = _run(_step(_sharded(recipe)), x, w1, w2, states, dy)
+    got = _run(_step(_sharded(recipe, config)), x, w1, w2, states, dy)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
                           strict=True):
     name = jax.tree_util.keystr(path)
@@ -123,6 +129,21 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   big = [c.arrays for c in found if c.op == "all-reduce"
          and any(int(np.prod(shape)) > 1 for _, shape in c.arrays)]
   assert not big, big
+
+
+def test_ring_steps_are_collective_permutes_beside_the_gemms():
+  """``collective_matmul``: the forward's all-gather of x and reduce-scatter of y become
+  collective-permutes of FP8 bytes and of partial sums, one per step but the first."""
+  recipe = RECIPES["current"]
+  x, w1, w2, dy = _data()
+  with jax.set_mesh(_mesh()):
+    fwd = jax.jit(_sharded(recipe, RING)).lower(x, w1, w2, _states(recipe)).compile().as_text()
+  found = inspect.hlo_collectives(fwd)
+  ops = [c.op for c in found]
+  assert "all-gather" not in ops and "reduce-scatter" not in ops, ops
+  permutes = [c.arrays[-1] for c in found if c.op == "collective-permute"]
+  assert ("u8", (S // 2 * B, H)) in permutes, permutes  # x's FP8 rows of one device
+  assert ("f32", (S // 2 * B, H)) in permutes, permutes  # one block's partial sums
 
 
 def test_sequence_parallel_refuses_what_it_cannot_serve():

@@ -211,7 +211,7 @@ def dot_general(
     if plan.sequence is not None:
       lhs = _sequence_gather(lhs, plan, 0)
     y = _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
-    return _sequence_scatter(y, plan, 0, None)
+    return _sequence_scatter(y, plan, 0)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
@@ -236,30 +236,89 @@ def _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs):
 
 
 def _sequence_gather(a, plan, dim):
-  """``a``'s shards along ``dim`` all-gathered over the sequence axis (in "all_gather" mode);
-  FP8 as bytes."""
+  """Below the size threshold, in "all_gather" mode: ``a``'s rows all-gathered over the
+  sequence axis (autodiff scatters the gradient back)."""
   if plan.sequence is None or plan.sequence[0] != "all_gather":
     return a
-  as_bytes = np.dtype(a.dtype).itemsize == 1
-  u = lax.bitcast_convert_type(a, jnp.uint8) if as_bytes else a
-  u = lax.all_gather(u, plan.sequence[1], axis=dim, tiled=True)
-  return lax.bitcast_convert_type(u, a.dtype) if as_bytes else u
+  return lax.all_gather(a, plan.sequence[1], axis=dim, tiled=True)
 
 
-def _sequence_scatter(y, plan, dim, sum_dtype):
-  """``y``'s partial sums reduce-scattered along ``dim`` over the sequence axis (in
-  "reduce_scatter" mode), summed in ``sum_dtype`` (None: ``y``'s)."""
+def _sequence_scatter(y, plan, dim):
+  """Below the size threshold, in "reduce_scatter" mode: ``y``'s partial sums reduce-scattered
+  over the sequence axis."""
   if plan.sequence is None or plan.sequence[0] != "reduce_scatter":
     return y
-  dtype = y.dtype
-  y = y if sum_dtype is None else y.astype(sum_dtype)
-  return lax.psum_scatter(y, plan.sequence[1], scatter_dimension=dim, tiled=True).astype(dtype)
+  return lax.psum_scatter(y, plan.sequence[1], scatter_dimension=dim, tiled=True)
 
 
-def _gathered_rows(t, plan, axis):
+def _gathered_rows(t, axis_name, axis):
   """A ScaledTensor with its dim ``axis`` (the rows, or a transposed copy's columns)
-  all-gathered over the sequence axis."""
-  return dataclasses.replace(t, data=_sequence_gather(t.data, plan, t.data.ndim + axis))
+  all-gathered over the mesh axis ``axis_name`` (FP8 as bytes)."""
+  return dataclasses.replace(t, data=_all_gather_bytes(t.data, axis_name, t.data.ndim + axis))
+
+
+def _all_gather_bytes(a, axis_name, dim):
+  u = lax.bitcast_convert_type(a, jnp.uint8)
+  u = lax.all_gather(u, axis_name, axis=dim, tiled=True)
+  return lax.bitcast_convert_type(u, a.dtype)
+
+
+def _ppermute_bytes(a, axis_name, perm):
+  u = lax.ppermute(lax.bitcast_convert_type(a, jnp.uint8), axis_name, perm)
+  return lax.bitcast_convert_type(u, a.dtype)
+
+
+def _sequence_gemm(a, b, out_dtype, which, chain, *, gather: bool):
+  """``fmt.gemm(a, b)`` for FP8 ``a`` (M, K) whose rows are split over the sequence axis:
+  ``gather``: ``a``'s rows all-gathered first, every row of the output returned; else the
+  output's partial sums reduce-scattered over its rows (in ``GemmConfig.partial_sums``'s
+  dtype). With ``GemmConfig.collective_matmul`` each is decomposed into ring steps
+  (``ppermute``), each chunk's GEMM running while the next chunk moves (collective matmul)."""
+  fmt, config, axis = chain.format, chain.config, chain.plan.sequence[1]
+
+  def gemm(x, dtype):
+    return fmt.gemm(x, b, dtype, which, chain.recipe, config, chain.precision, None)
+
+  if gather:
+    if not config.collective_matmul:
+      return gemm(_gathered_rows(a, axis, -2), out_dtype)
+    return _ring_gather_gemm(a, gemm, out_dtype, axis)
+  sum_dtype = np.dtype(out_dtype if config.partial_sums == "output" else np.float32)
+  if not config.collective_matmul:
+    y = gemm(a, sum_dtype).astype(sum_dtype)
+    return lax.psum_scatter(y, axis, scatter_dimension=y.ndim - 2, tiled=True).astype(out_dtype)
+  return _ring_scatter_gemm(a, gemm, sum_dtype, axis).astype(out_dtype)
+
+
+def _ring_gather_gemm(a, gemm, out_dtype, axis):
+  """``gemm(all_gather(a rows))``: n steps; at step i each device multiplies the rows of device
+  ``(j + i) % n`` and passes them on to device ``j - 1``."""
+  n, j = lax.axis_size(axis), lax.axis_index(axis)
+  perm = [(d, (d - 1) % n) for d in range(n)]
+  chunk, outs = a, []
+  for i in range(n):
+    outs.append(gemm(chunk, out_dtype))
+    if i < n - 1:
+      chunk = dataclasses.replace(chunk, data=_ppermute_bytes(chunk.data, axis, perm))
+  y = jnp.stack(outs)  # outs[i]: the rows of device (j + i) % n
+  y = jnp.take(y, (jnp.arange(n) - j) % n, axis=0)  # by device
+  return y.reshape(n * y.shape[1], y.shape[2])
+
+
+def _ring_scatter_gemm(a, gemm, sum_dtype, axis):
+  """``psum_scatter(gemm(a))`` over the rows: n steps; at step t each device adds its partial
+  product of row block ``(j - 1 - t) % n`` to the running sum it received from device ``j - 1``
+  and passes it on to device ``j + 1``; after the last step device j holds block j's sum."""
+  n, j = lax.axis_size(axis), lax.axis_index(axis)
+  m = a.data.shape[-2] // n
+  perm = [(d, (d + 1) % n) for d in range(n)]
+  acc = None
+  for t in range(n):
+    block = (j - 1 - t) % n
+    rows = lax.dynamic_slice_in_dim(a.data, block * m, m, axis=a.data.ndim - 2)
+    part = gemm(dataclasses.replace(a, data=rows), sum_dtype).astype(sum_dtype)
+    acc = part if acc is None else lax.ppermute(acc, axis, perm) + part
+  return acc
 
 
 def checked_state(recipe, state):
@@ -584,13 +643,7 @@ def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
 
 
-def _sum_dtype(stage, chain):
-  """The forward GEMM's output dtype: its own, or where its partial sums are reduce-scattered
-  over the sequence axis, ``GemmConfig.partial_sums``'s."""
-  if (chain.plan.sequence is None or chain.plan.sequence[0] != "reduce_scatter"
-      or chain.config.partial_sums == "output"):
-    return stage.out_dtype
-  return np.dtype(np.float32)
+
 
 
 def _request(x, role, chain, state, **kw):
@@ -642,15 +695,16 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
       w_fwd = dataclasses.replace(shard, data=sharding.gather_kernel(shard.data, plan))
       w_dgrad = dataclasses.replace(w_fwd, data=_swap_last(w_fwd.data))
     x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X) if backward else None
-    x_fwd = qx.rows
-    if plan.sequence is not None:  # the shards' FP8 rows (and wgrad's columns) gathered
-      x_fwd = _gathered_rows(x_fwd, plan, -2)
-      x_wgrad = None if x_wgrad is None else _gathered_rows(x_wgrad, plan, -1)
-    y = fmt.gemm(
-        x_fwd, w_fwd, _sum_dtype(stage, chain), "fwd", chain.recipe, chain.config,
-        chain.precision, plan.out_sharding,
-    )
-    y = _sequence_scatter(y, plan, y.ndim - 2, None).astype(stage.out_dtype)
+    if plan.sequence is None:
+      y = fmt.gemm(
+          qx.rows, w_fwd, stage.out_dtype, "fwd", chain.recipe, chain.config, chain.precision,
+          plan.out_sharding,
+      )
+    else:
+      gather = plan.sequence[0] == "all_gather"
+      if gather and x_wgrad is not None:  # wgrad's columns of every row
+        x_wgrad = _gathered_rows(x_wgrad, plan.sequence[1], -1)
+      y = _sequence_gemm(qx.rows, w_fwd, stage.out_dtype, "fwd", chain, gather=gather)
     y = checkpoint_name(y, stage.name)
     new_fwd = {"x": qx.state, "kernel": qw.state}
     protos = (_proto(lhs), _proto(w3), _proto(biases[i]))
@@ -703,19 +757,17 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     dx_dtype = x_proto.dtype
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
-    g_rows, g_cols = qg.rows, qg.cols
-    seq = chain.plan.sequence
-    if seq is not None and seq[0] == "reduce_scatter":  # the output gradient's FP8 shards
-      gathered = dataclasses.replace(chain.plan, sequence=("all_gather", seq[1]))
-      g_rows = _gathered_rows(g_rows, gathered, -2)
-      g_cols = _gathered_rows(g_cols, gathered, -1)
-    if seq is not None and seq[0] == "all_gather" and chain.config.partial_sums != "output":
-      dx_dtype = np.dtype(np.float32)  # summed over the sequence axis in float32
-    dx = fmt.gemm(g_rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
-                  chain.precision, dx_sharding)
-    if seq is not None and seq[0] == "all_gather":  # the input gradient back onto its rows
-      scattered = dataclasses.replace(chain.plan, sequence=("reduce_scatter", seq[1]))
-      dx = _sequence_scatter(dx, scattered, dx.ndim - 2, None)
+    g_cols, seq = qg.cols, chain.plan.sequence
+    if seq is None:
+      dx = fmt.gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
+                    chain.precision, dx_sharding)
+    else:
+      # The output gradient's FP8 rows gathered (row-parallel), or the input gradient's partial
+      # sums scattered back onto the input's rows (column-parallel).
+      gather = seq[0] == "reduce_scatter"
+      if gather:
+        g_cols = _gathered_rows(g_cols, seq[1], -1)
+      dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
     dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
     dw = fmt.gemm(x_wgrad, g_cols, dw_dtype, "wgrad", chain.recipe, chain.config,
                   chain.precision, dw_sharding)
