@@ -131,6 +131,25 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   assert not big, big
 
 
+def test_high_precision_pair_runs_the_same_layout():
+  """``recipe=None`` (the bf16 baseline of a sequence-parallel model) gathers and scatters the
+  unquantized activations the same way: the plain pair's result."""
+  x, w1, w2, dy = _data()
+  want = _run(_step(lambda *a: _pair(*a, None, sequence=False)), x, w1, w2, (None, None), dy)
+  with jax.set_mesh(_mesh()):
+    got = _run(_step(_sharded(None)), x, w1, w2, (None, None), dy)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    if a.dtype == jnp.bfloat16:
+      # dx: the two devices' bf16 partial products (autodiff's dgrad in the input's dtype)
+      # summed by the reduce-scatter in bf16, one rounding more than one device's float32 sum:
+      # normwise within two bf16 epsilons (2**-7); a sum left out would be off by about 1.
+      figures = spmd_checks.comparison_figures(a, b)
+      assert figures["rel"] < 2**-7, (jax.tree_util.keystr(path), figures)
+    else:
+      spmd_checks.assert_close_to_one_device(a, b, jax.tree_util.keystr(path), cpu_rel=1e-5)
+
+
 def test_ring_steps_are_collective_permutes_beside_the_gemms():
   """``collective_matmul``: the forward's all-gather of x and reduce-scatter of y become
   collective-permutes of FP8 bytes and of partial sums, one per step but the first."""

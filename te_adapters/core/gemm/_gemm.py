@@ -170,9 +170,14 @@ def dot_general(
     if amax_axes is not None or kernel_all_gather is not None:
       raise ValueError("amax_axes and kernel_all_gather need a recipe; recipe is None")
     dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return lax.dot_general(
-        lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
+    # Sequence parallelism in high precision: the same collectives on the unquantized input
+    # and output (autodiff makes the gradients').
+    plan = sharding.make_plan(sequence_parallel=sequence_parallel, rhs_ndim=rhs.ndim)
+    y = lax.dot_general(
+        _sequence_gather(lhs, plan, 0), rhs, dn, precision, preferred_element_type,
+        out_sharding=out_sharding,
     )
+    return _sequence_scatter(y, plan, 0)
   plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim,
                             sequence_parallel=sequence_parallel)
   recipe = check_recipe(recipe)
