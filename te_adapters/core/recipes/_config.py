@@ -70,7 +70,7 @@ class GemmConfig:
       rounding of the norm's output, the activation and its gradient to that dtype, which only the
       composed path does. The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's
       output is cast straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the
-      norm's output neither returned nor constrained).
+      norm's output not returned; constrained only under a per-tensor recipe).
     collective_matmul: with ``dot_general``'s ``sequence_parallel``, decompose the FP8 rows'
       all-gather and the partial sums' reduce-scatter into ring steps (``ppermute``), so that
       each chunk's GEMM runs while the next chunk moves (TE's collective GEMM). The same sums
