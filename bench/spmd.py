@@ -44,6 +44,11 @@ def _parse(argv):
   p.add_argument("--devices", type=int, default=None, help="devices per plan (default: all)")
   p.add_argument("--plans", default="single,dp,tp,tp_row,fsdp")
   p.add_argument("--variants", default="bf16,current,delayed,current+fp8_gather")
+  p.add_argument("--repeats", type=int, default=0,
+                 help="interleaved rounds: compile every configuration first, then run one "
+                      "trial of --iters steps of each in turn, --repeats times; report the "
+                      "median over rounds and the spread (0: --trials per configuration, "
+                      "one configuration after the other)")
   add_common_arguments(p)
   return p.parse_args(argv)
 
@@ -162,28 +167,54 @@ def run(args):
       else:
         with jax.set_mesh(mesh):
           compiled = step.lower(*call_args).compile()
-      ms = time_steps(functools.partial(compiled, *call_args), args.iters, args.warmup, args.trials)
+      run_once = functools.partial(compiled, *call_args)
       gemms, gathers, reduces, n_reduces = hlo_summary(compiled.as_text())
-      rows.append(dict(plan=plan, n=1 if mesh is None else n, variant=variant, ms=ms,
-                       tflops=flops / (ms * 1e-3) / 1e12 / (1 if mesh is None else n),
-                       gemms=gemms, gathers=gathers, reduces=reduces, n_reduces=n_reduces))
-      # As it goes, so that a run cut short still shows what it measured.
-      print(f"  {plan} {variant}: {ms:.3f} ms, FP8/other GEMMs {gemms}", flush=True)
+      row = dict(plan=plan, n=1 if mesh is None else n, variant=variant, gemms=gemms,
+                 gathers=gathers, reduces=reduces, n_reduces=n_reduces, times=[])
+      if args.repeats:
+        row["run"] = run_once
+        print(f"  compiled {plan} {variant}: FP8/other GEMMs {gemms}", flush=True)
+      else:
+        row["ms"] = time_steps(run_once, args.iters, args.warmup, args.trials)
+        # As it goes, so that a run cut short still shows what it measured.
+        print(f"  {plan} {variant}: {row['ms']:.3f} ms, FP8/other GEMMs {gemms}", flush=True)
+      rows.append(row)
+  if args.repeats:
+    _interleaved(rows, args)
+  for row in rows:
+    row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12 / row["n"]
   return rows
+
+
+def _interleaved(rows, args):
+  """Each row's ``ms``: the median over ``args.repeats`` rounds, each round one trial (the mean
+  of ``args.iters`` synchronised steps) of every configuration in turn, after each one's
+  warmup; ``times`` keeps the rounds' figures."""
+  for row in rows:
+    time_steps(row["run"], 0, args.warmup, 0)
+  for r in range(args.repeats):
+    for row in rows:
+      row["times"].append(time_steps(row["run"], args.iters, 0, 1))
+    print(f"  round {r + 1}: " + ", ".join(f"{row['plan']}/{row['variant']} {row['times'][-1]:.2f}"
+                                           for row in rows), flush=True)
+  for row in rows:
+    row["ms"] = float(np.median(row["times"]))
+    del row["run"]
 
 
 def format_tables(rows):
   single = {r["variant"]: r["ms"] for r in rows if r["plan"] == "single"}
   bf16 = {r["plan"]: r["ms"] for r in rows if r["variant"] == "bf16"}
   head = (f"{'plan':<8}{'devices':>8}  {'variant':<20}{'step ms':>9}{'TFLOP/s/dev':>13}"
-          f"{'vs bf16':>9}{'scaling eff':>13}")
+          f"{'vs bf16':>9}{'scaling eff':>13}{'rounds min-max':>16}")
   lines = [head, "-" * len(head)]
   for r in rows:
     vs_bf16 = bf16.get(r["plan"], float("nan")) / r["ms"]
     base = single.get(r["variant"].split("+")[0])
     eff = "" if base is None or r["plan"] == "single" else f"{base / (r['n'] * r['ms']):.2f}"
+    spread = f"{min(r['times']):.2f}-{max(r['times']):.2f}" if r["times"] else ""
     lines.append(f"{r['plan']:<8}{r['n']:>8}  {r['variant']:<20}{r['ms']:>9.3f}"
-                 f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}")
+                 f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}{spread:>16}")
   lines += ["", f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"
              "; all-reduces and reduce-scatters: count (dtype: MiB)"]
   mib = lambda d: ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(d.items()))
@@ -198,9 +229,10 @@ def main():
   dev = jax.devices()[0]
   print(f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
         f"{args.devices or jax.device_count()}; jax {jax.__version__}")
+  timing = (f"median over {args.repeats} interleaved rounds" if args.repeats
+            else f"median of {args.trials} trials")
   print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ W ({args.hidden}, {args.features}) "
-        f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, median of "
-        f"{args.trials} trials\n")
+        f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, {timing}\n")
   print(format_tables(run(args)))
 
 

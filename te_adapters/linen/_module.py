@@ -52,6 +52,26 @@ def layer_label(module: nn.Module, owner: bool = False) -> str | None:
   return f"layer {'/'.join(path)!r}" if path else None
 
 
+def kernel_annotation(module: nn.Module, kernel) -> tuple | None:
+  """The sharding annotation of the layer's ``kernel`` parameter, in mesh axes, where the layer
+  that owns this dot_general module created it annotated (``nn.with_partitioning``, or
+  ``nn.with_logical_partitioning`` mapped by the logical axis rules in effect); None otherwise,
+  or where the parameter is not the GEMM's kernel."""
+  scope = getattr(module.parent, "scope", None)
+  if scope is None or not scope.has_variable("params", "kernel"):
+    return None
+  box = scope.get_variable("params", "kernel")
+  if not isinstance(box, nn.Partitioned) or jnp.shape(box.value) != jnp.shape(kernel):
+    return None
+  names = tuple(box.names)
+  if isinstance(box, nn.LogicallyPartitioned):
+    try:
+      names = tuple(nn.logical_to_mesh_axes(names, box.rules))
+    except ValueError:  # a name the rules do not map: no annotation in mesh axes
+      return None
+  return names if any(n is not None for n in names) else None
+
+
 def postfixed(name: str, postfix: str) -> str:
   """TE's name of a state variable of the GEMM ``postfix``: ``x_scale`` -> ``x_0_scale``."""
   role, rest = name.split("_", 1)
@@ -106,6 +126,7 @@ class QuantizedDotGeneral(nn.Module):
         lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
         state=gemm_state(self, self.recipe, ""), rng=rounding_key(self, self.recipe),
         **_options(self).keywords(), layer=layer_label(self, owner=True), framework="linen",
+        kernel_sharding=kernel_annotation(self, rhs),
     )
 
 

@@ -209,7 +209,6 @@ def test_fallbacks_give_the_composed_results():
       # M = 2 x 48 rows: 128-row blocks cannot tile the weight gradients' M.
       "block rows": (ta.Float8BlockScaling(), dict(threshold=None)),
       "threshold": (current, {}),  # the suite's size threshold keeps these GEMMs in bf16
-      "constraint": (current, dict(dot_2_input_constraint=lambda z: z, threshold=None)),
   }
   for what, (recipe, kw) in cases.items():
     xs = x[:, :48] if what == "block rows" else x
@@ -221,6 +220,10 @@ def test_fallbacks_give_the_composed_results():
               xs, p, _states(recipe))
           for c in (FUSED, COMPOSED))
     np.testing.assert_array_equal(ours, composed, err_msg=what)
+  # Sharding constraints stay on the fused path (tests/core/test_fused_sharding.py).
+  constrained = dict(dot_1_input_constraint=lambda y: y, dot_2_input_constraint=lambda z: z,
+                     threshold=None)
+  assert _takes_fused(x, p, acts, current, FUSED, **constrained)
   # Deterministic dropout is no dropout: fused.
   assert _takes_fused(x, p, acts, current, FUSED, dropout_rate=0.5, deterministic=True,
                       threshold=None)

@@ -274,11 +274,15 @@ def test_layernorm_dense_fuses_the_norm_into_the_cast_where_it_applies():
   assert _takes_fused(recipe=DELAYED, state=core.init_state(DELAYED), threshold=None)
   # Block scaling too, where its blocks tile the GEMM (tests/core/test_fused_every_recipe.py).
   assert _takes_fused(recipe=ta.Float8BlockScaling(), threshold=None)
-  # Composed: high precision, the norm's output returned or constrained, the switch off, a GEMM
-  # the default size threshold keeps in bf16.
+  # A sharding constraint on the norm's output goes on its input (tests/core/test_fused_sharding),
+  # for per-tensor recipes; block scaling composes under it.
+  assert _takes_fused(recipe=current, threshold=None, dot_input_constraint=lambda y: y)
+  assert not _takes_fused(recipe=ta.Float8BlockScaling(), threshold=None,
+                          dot_input_constraint=lambda y: y)
+  # Composed: high precision, the norm's output returned, the switch off, a GEMM the default
+  # size threshold keeps in bf16.
   assert not _takes_fused(recipe=None)
   assert not _takes_fused(recipe=current, threshold=None, return_layernorm_output=True)
-  assert not _takes_fused(recipe=current, threshold=None, dot_input_constraint=lambda y: y)
   assert not _takes_fused(recipe=current, threshold=None,
                           config=core.GemmConfig(fuse_activation_cast=False))
   with pytest.warns(core.HighPrecisionGemmWarning):
@@ -334,9 +338,8 @@ def test_fused_layernorm_dense_with_rows_sharded_equals_one_device(recipe):
   output gradients, parameter gradients and next state as on one device (float32 sums of the
   shards in another order).
 
-  The casts are pure JAX (as on CPU): the CUDA norm cast has no partitioning rule, and under jit
-  on a host with several GPUs the placement of a traced value is unknown, so the fused path
-  takes the CUDA kernel there only inside shard_map (``core.fused._fused_mlp.norm_fuses``).
+  The casts are pure JAX here (as on CPU); the CUDA norm cast runs per shard through its
+  partitioning rule (tests/core/test_fused_sharding.py).
   """
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

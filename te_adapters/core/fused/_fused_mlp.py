@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,12 +88,17 @@ def format_fuses(recipe, gemm_shapes, rngs) -> bool:
 
 def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
   """Whether ``layernorm_mlp`` takes the fused path: a recipe whose format fuses
-  (``format_fuses``), both GEMMs in FP8 (``gemm_shapes``: their ``(M, K, N)``), no dropout, no
-  sharding constraint, not inside ``shard_map``, and ``config.fuse_activation_cast`` not
-  ``False``."""
+  (``format_fuses``), both GEMMs in FP8 (``gemm_shapes``: their ``(M, K, N)``), no dropout, and
+  ``config.fuse_activation_cast`` not ``False``. Per-tensor recipes take it sharded too (with
+  sharding constraints, inside ``shard_map``): the norm's cast has a partitioning rule, the
+  other casts run as pure JAX there (``_kernels_run``), and the GEMM rule sums each cotangent
+  over the mesh axes its primal is replicated on. Block and rowwise recipes compose there."""
   if recipe is None or config.fuse_activation_cast is False:
     return False
-  if dropout_active or constrained or sharding.manual_axes():
+  if dropout_active:
+    return False
+  if (constrained or sharding.manual_axes()) and not formats.format_of(
+      check_recipe(recipe)).per_tensor:
     return False
   if not format_fuses(recipe, gemm_shapes, rngs):
     return False
@@ -111,9 +117,18 @@ def norm_fuses(x, config) -> bool:
   return _kernels_run(x, config, kernels.NORM_CAST_TARGET)
 
 
+def on_rows(constraint, lead):
+  """``constraint`` (a function on arrays of shape ``lead + (F,)``) on an ``(M, F)`` array."""
+
+  def constrained(a):
+    return constraint(a.reshape(*lead, a.shape[-1])).reshape(a.shape)
+
+  return constrained
+
+
 def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
               ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None, rngs=None, layer=None,
-              framework=None):
+              framework=None, act_constraint=None):
   """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs quantized by the
   recipe's format (one that takes producers: ``format_fuses``).
 
@@ -133,6 +148,8 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
       the output gradient to FP8 (TE's dbias + quantize).
     rngs: ``(key_0, key_1)``, each GEMM's key for stochastic rounding, or None.
     layer, framework: how a ``FrozenStateWarning`` names the layer, and whose remedy it gives.
+    act_constraint: a function applied to GEMM 2's FP8 input ``(M, F)`` (a sharding
+      constraint), or None.
 
   Returns:
     ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
@@ -149,7 +166,7 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
   dtype = np.dtype(y.dtype)
   stages = (
       gemm.Stage(dtype, kernel_kn=True, name=ffn1_ckpt_name,
-                  activation=ActivationProducer(tuple(names))),
+                  activation=ActivationProducer(tuple(names), act_constraint)),
       gemm.Stage(dtype, kernel_kn=True,
                   bias_grad=None if wo_bias is None else BiasGradProducer()),
   )
@@ -206,12 +223,18 @@ def _both(v, scale, q_dtype, with_amax):
 
 def _kernels_run(x, config, target) -> bool:
   """Whether the CUDA kernel ``target`` casts ``x``: on a GPU with it built, ``config.backend``
-  not ``"jax"``, a float32/bfloat16/float16 ``x`` on one device."""
+  not ``"jax"``, a float32/bfloat16/float16 ``x``. The norm's cast runs per shard in any
+  program (its partitioning rule); the activation kernels, which have none, on one device, not
+  inside ``shard_map`` (the pure-JAX casts elsewhere, which XLA partitions)."""
   if jax.default_backend() != "gpu" or not kernels.registered(target, "gpu"):
     return False
   if np.dtype(x.dtype) not in formats.FFI_INPUT_DTYPES:
     return False
-  return formats.backend(requested=config.backend) == "ffi" and kernels.single_device(x)
+  if formats.backend(requested=config.backend) != "ffi":
+    return False
+  if target == kernels.NORM_CAST_TARGET:
+    return True
+  return kernels.single_device(x) and not sharding.manual_axes()
 
 
 def kernel_activations(h, names, config, target):
@@ -318,17 +341,21 @@ class NormProducer:
 class ActivationProducer:
   """Between two GEMMs: the next one's input ``act(h + b)`` and this one's output gradient
   ``dz * act'(h + b)`` (with ``b``'s gradient summed in the same pass), each cast to FP8 as it
-  is computed (``names``: normalized activation names)."""
+  is computed (``names``: normalized activation names; ``constraint``: a function applied to
+  the next GEMM's FP8 input of a per-tensor format, or None)."""
 
   names: tuple
+  constraint: Any = None
 
   def quantize(self, fmt, request, h, b):
     q_dtype, config = request.recipe.fwd_dtype, request.config
-    producer = Producer(
-        cast=lambda scale, with_amax: act_cast(h, b, self.names, q_dtype, scale, with_amax,
-                                                config),
-        amax=lambda: act_amax(h, b, self.names, config),
-        value=lambda: activation_f32(h, b, self.names))
+
+    def cast(scale, with_amax):
+      q, q_t, a = act_cast(h, b, self.names, q_dtype, scale, with_amax, config)
+      return (q if self.constraint is None else self.constraint(q)), q_t, a
+
+    producer = Producer(cast, amax=lambda: act_amax(h, b, self.names, config),
+                        value=lambda: activation_f32(h, b, self.names))
     return fmt.quantize(dataclasses.replace(request, producer=producer))
 
   def quantize_grad(self, fmt, request, dz, h, b):

@@ -3,8 +3,8 @@
 ``norm -> GEMM 1 (wi_kernel, n_act stacked kernels) -> bias -> activation (gated product) ->
 dropout -> GEMM 2 (wo_kernel) -> bias``, each GEMM with its own recipe state.
 
-With both GEMMs in FP8 (no dropout, no sharding constraint, any recipe whose blocks tile the
-GEMMs) the norm, the two GEMMs and the activation between them are one custom VJP
+With both GEMMs in FP8 (no dropout, any recipe whose blocks tile the GEMMs; per-tensor recipes
+sharded too) the norm, the two GEMMs and the activation between them are one custom VJP
 (``_fused_mlp``): the norm's output is cast straight to GEMM 1's FP8 operand, the activation
 straight to GEMM 2's, and the
 activation's gradient straight to GEMM 1's FP8 output gradient with the bias gradient, as TE
@@ -121,8 +121,8 @@ def layernorm_mlp(
       (default None: as True) takes the fused path where it applies: a recipe whose format
       takes producers (every recipe of the package; its blocks must tile both GEMMs, and a
       recipe that rounds stochastically needs both ``rngs``), both GEMMs in FP8 under
-      ``threshold``, no dropout (rate 0 or ``deterministic``), no input constraints, outside
-      ``shard_map``. It
+      ``threshold``, no dropout (rate 0 or ``deterministic``); with input constraints and inside
+      ``shard_map`` for per-tensor recipes (block and rowwise ones compose there). It
       casts the float32 activation (and its gradient) to FP8 without rounding it to ``x``'s
       dtype first, and the norm's float32 output too unless it is asked for, so with bfloat16
       ``x`` its results differ from the composed path's by those roundings; the states follow
@@ -184,30 +184,40 @@ def layernorm_mlp(
       dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
       constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
       rngs=(rng_0, rng_1))
+  # On the fused path the constraints apply to the same layouts: GEMM 1's on the norm's input
+  # (the norm is per row, so its output takes the input's layout), GEMM 2's on the activation's
+  # FP8 copy that GEMM 2 reads.
+  act_constraint = None
+  if fused and dot_2_input_constraint is not None:
+    act_constraint = _fused_mlp.on_rows(dot_2_input_constraint, x.shape[:-1])
   if (fused and enable_layernorm and not return_layernorm_output
       and _fused_mlp.norm_fuses(x, config)):
     # The norm inside the fused path: its output is cast to FP8 as it is computed.
     check_norm_args(x, scale, ln_bias, layernorm_type)
+    if dot_1_input_constraint is not None:
+      x = dot_1_input_constraint(x)
     out = _fused_mlp.fused_mlp(
         x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
         ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
         ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
-        rngs=(rng_0, rng_1), layer=layer, framework=framework).reshape(x.shape)
+        rngs=(rng_0, rng_1), layer=layer, framework=framework,
+        act_constraint=act_constraint).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
     y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
                   zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
   else:
     y = x
+  if dot_1_input_constraint is not None:
+    y = dot_1_input_constraint(y)
   if fused:
     out = _fused_mlp.fused_mlp(
         y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
         config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
-        rngs=(rng_0, rng_1), layer=layer, framework=framework).reshape(x.shape)
+        rngs=(rng_0, rng_1), layer=layer, framework=framework,
+        act_constraint=act_constraint).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
-  if dot_1_input_constraint is not None:
-    y = dot_1_input_constraint(y)
   h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
                   state=state_0, rng=rng_0, threshold=threshold, config=config, layer=layer,
                   framework=framework)

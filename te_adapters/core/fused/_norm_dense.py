@@ -10,9 +10,10 @@ normalized tensor is never written in the input's dtype, the GEMM's bias (``dens
 its gradient from the pass that casts the output gradient to FP8, and the backward pass computes
 the norm's gradients from the GEMM's dgrad. Otherwise (blocks that do not tile the GEMM, a
 format without producers, a GEMM the size threshold keeps in high precision, the norm's output
-asked for, a sharding constraint on it, inside ``shard_map``,
-``GemmConfig(fuse_activation_cast=False)``) the
-norm's output feeds ``dot_general``.
+asked for, a block or rowwise recipe under a sharding constraint or inside ``shard_map``,
+``GemmConfig(fuse_activation_cast=False)``) the norm's output feeds ``dot_general``. Per-tensor
+recipes take the fused path sharded too (a constraint on the norm's output is put on its input,
+whose layout the per-row norm keeps).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def layernorm_dense(
 
   With the GEMM in FP8 under ``threshold`` (any recipe of the package whose blocks tile it), the
   norm's float32 output is cast straight to the GEMM's FP8 operand in
-  one pass (the norm is never written in ``x``'s dtype), unless it is returned, constrained, or
+  one pass (the norm is never written in ``x``'s dtype), unless it is returned, constrained
+  under a block or rowwise recipe, or
   ``config.fuse_activation_cast`` is False; with bfloat16 ``x`` the GEMM's input then differs
   from the composed path's by that rounding. Otherwise the norm's output feeds ``dot_general``
   and only its FP8 copy is kept for the backward pass; with ``return_layernorm_output=True`` it
@@ -147,6 +149,8 @@ def layernorm_dense(
                              rngs=(rng,))
       and _fused_mlp.norm_fuses(x, config)):
     check_norm_args(x, scale, bias, layernorm_type)
+    if dot_input_constraint is not None:
+      x = dot_input_constraint(x)  # the norm is per row: its output takes the input's layout
     z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
                kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
                state, recipe=recipe, config=config,

@@ -72,6 +72,7 @@ def dot_general(
     layer: str | None = None,
     kernel_sharding: PartitionSpec | None = None,
     framework: str | None = None,
+    sequence_parallel: tuple[str, str] | None = None,
 ) -> jax.Array:
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -129,10 +130,22 @@ def dot_general(
       shapes.
     kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
       not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
-      gather a kernel whose sharded dim the layout flattens behind another. It only orders the
-      layout (below); the kernel's own Explicit sharding wins over it.
+      gather a kernel whose sharded free dim the layout flattens behind another. It only orders
+      the layout of the kernel's free dims (below); the contracting and batch dims keep their
+      order, which the input shares; the kernel's own Explicit sharding wins over it.
     framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
       remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
+    sequence_parallel: inside ``shard_map``, sequence parallelism (Megatron's, TE's) for a
+      tensor-parallel pair, ``(mode, axis)``. The input's rows (its free dims flattened, the
+      sequence dim first: a sequence-first ``(S, B, H)`` input, or batch 1) are split over the
+      manual mesh axis ``axis``. ``("all_gather", axis)`` (the column-parallel GEMM): the
+      input is quantized shard by shard (its amax reduced over the mesh), its FP8 rows are
+      all-gathered for the GEMM, which returns every row of its output columns, and the input
+      gradient is reduce-scattered back onto the rows. ``("reduce_scatter", axis)`` (the
+      row-parallel GEMM, contracting over ``axis``'s shards): the output's partial sums are
+      reduce-scattered over its rows (in ``GemmConfig.partial_sums``'s dtype), and the output
+      gradient is quantized shard by shard and all-gathered in FP8. Per-tensor recipes, no
+      batch dims, not with ``kernel_all_gather``.
 
   Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
   contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
@@ -168,16 +181,24 @@ def dot_general(
     if amax_axes is not None or kernel_all_gather is not None:
       raise ValueError("amax_axes and kernel_all_gather need a recipe; recipe is None")
     dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    return lax.dot_general(
-        lhs, rhs, dn, precision, preferred_element_type, out_sharding=out_sharding
+    # Sequence parallelism in high precision: the same collectives on the unquantized input
+    # and output (autodiff makes the gradients').
+    plan = sharding.make_plan(sequence_parallel=sequence_parallel, rhs_ndim=rhs.ndim)
+    y = lax.dot_general(
+        _sequence_gather(lhs, plan, 0), rhs, dn, precision, preferred_element_type,
+        out_sharding=out_sharding,
     )
-  plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim)
+    return _sequence_scatter(y, plan, 0)
+  plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim,
+                            sequence_parallel=sequence_parallel)
   recipe = check_recipe(recipe)
   fmt = formats.format_of(recipe)
   if fmt.per_tensor:
     sharding.check_amax_axes(plan)
   else:
     sharding.check_block_scaled(recipe, plan)
+  if plan.sequence is not None:
+    _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs)
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
@@ -203,7 +224,10 @@ def dot_general(
   m, k, n = layout.b * layout.m, layout.k, layout.n
   dtypes = str(lhs.dtype) if lhs.dtype == rhs.dtype else f"{lhs.dtype} x {rhs.dtype}"
   if _threshold.keeps_high_precision(threshold, m, k, n, recipe, dtypes, layer=layer):
-    return _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+    if plan.sequence is not None:
+      lhs = _sequence_gather(lhs, plan, 0)
+    y = _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_element_type, plan)
+    return _sequence_scatter(y, plan, 0)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
@@ -212,6 +236,105 @@ def dot_general(
   return _contracting_last(
       lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
       kernel_sharding)
+
+
+def _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs):
+  dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
+  if not fmt.per_tensor:
+    raise ValueError(
+        f"sequence_parallel takes per-tensor recipes (DelayedScaling, Float8CurrentScaling), "
+        f"got {type(recipe).__name__}")
+  if dn[1][0]:
+    raise ValueError("sequence_parallel takes a GEMM without batch dims (its input's rows are "
+                     "the sequence)")
+  if len(dn[0][0]) == lhs.ndim:
+    raise ValueError("sequence_parallel needs an input with rows (a free dim)")
+
+
+def _sequence_gather(a, plan, dim):
+  """Below the size threshold, in "all_gather" mode: ``a``'s rows all-gathered over the
+  sequence axis (autodiff scatters the gradient back)."""
+  if plan.sequence is None or plan.sequence[0] != "all_gather":
+    return a
+  return lax.all_gather(a, plan.sequence[1], axis=dim, tiled=True)
+
+
+def _sequence_scatter(y, plan, dim):
+  """Below the size threshold, in "reduce_scatter" mode: ``y``'s partial sums reduce-scattered
+  over the sequence axis."""
+  if plan.sequence is None or plan.sequence[0] != "reduce_scatter":
+    return y
+  return lax.psum_scatter(y, plan.sequence[1], scatter_dimension=dim, tiled=True)
+
+
+def _gathered_rows(t, axis_name, axis):
+  """A ScaledTensor with its dim ``axis`` (the rows, or a transposed copy's columns)
+  all-gathered over the mesh axis ``axis_name`` (FP8 as bytes)."""
+  return dataclasses.replace(t, data=_all_gather_bytes(t.data, axis_name, t.data.ndim + axis))
+
+
+def _all_gather_bytes(a, axis_name, dim):
+  u = lax.bitcast_convert_type(a, jnp.uint8)
+  u = lax.all_gather(u, axis_name, axis=dim, tiled=True)
+  return lax.bitcast_convert_type(u, a.dtype)
+
+
+def _ppermute_bytes(a, axis_name, perm):
+  u = lax.ppermute(lax.bitcast_convert_type(a, jnp.uint8), axis_name, perm)
+  return lax.bitcast_convert_type(u, a.dtype)
+
+
+def _sequence_gemm(a, b, out_dtype, which, chain, *, gather: bool):
+  """``fmt.gemm(a, b)`` for FP8 ``a`` (M, K) whose rows are split over the sequence axis:
+  ``gather``: ``a``'s rows all-gathered first, every row of the output returned; else the
+  output's partial sums reduce-scattered over its rows (in ``GemmConfig.partial_sums``'s
+  dtype). With ``GemmConfig.collective_matmul`` each is decomposed into ring steps
+  (``ppermute``), each chunk's GEMM running while the next chunk moves (collective matmul)."""
+  fmt, config, axis = chain.format, chain.config, chain.plan.sequence[1]
+
+  def gemm(x, dtype):
+    return fmt.gemm(x, b, dtype, which, chain.recipe, config, chain.precision, None)
+
+  if gather:
+    if not config.collective_matmul:
+      return gemm(_gathered_rows(a, axis, -2), out_dtype)
+    return _ring_gather_gemm(a, gemm, out_dtype, axis)
+  sum_dtype = np.dtype(out_dtype if config.partial_sums == "output" else np.float32)
+  if not config.collective_matmul:
+    y = gemm(a, sum_dtype).astype(sum_dtype)
+    return lax.psum_scatter(y, axis, scatter_dimension=y.ndim - 2, tiled=True).astype(out_dtype)
+  return _ring_scatter_gemm(a, gemm, sum_dtype, axis).astype(out_dtype)
+
+
+def _ring_gather_gemm(a, gemm, out_dtype, axis):
+  """``gemm(all_gather(a rows))``: n steps; at step i each device multiplies the rows of device
+  ``(j + i) % n`` and passes them on to device ``j - 1``."""
+  n, j = lax.axis_size(axis), lax.axis_index(axis)
+  perm = [(d, (d - 1) % n) for d in range(n)]
+  chunk, outs = a, []
+  for i in range(n):
+    outs.append(gemm(chunk, out_dtype))
+    if i < n - 1:
+      chunk = dataclasses.replace(chunk, data=_ppermute_bytes(chunk.data, axis, perm))
+  y = jnp.stack(outs)  # outs[i]: the rows of device (j + i) % n
+  y = jnp.take(y, (jnp.arange(n) - j) % n, axis=0)  # by device
+  return y.reshape(n * y.shape[1], y.shape[2])
+
+
+def _ring_scatter_gemm(a, gemm, sum_dtype, axis):
+  """``psum_scatter(gemm(a))`` over the rows: n steps; at step t each device adds its partial
+  product of row block ``(j - 1 - t) % n`` to the running sum it received from device ``j - 1``
+  and passes it on to device ``j + 1``; after the last step device j holds block j's sum."""
+  n, j = lax.axis_size(axis), lax.axis_index(axis)
+  m = a.data.shape[-2] // n
+  perm = [(d, (d + 1) % n) for d in range(n)]
+  acc = None
+  for t in range(n):
+    block = (j - 1 - t) % n
+    rows = lax.dynamic_slice_in_dim(a.data, block * m, m, axis=a.data.ndim - 2)
+    part = gemm(dataclasses.replace(a, data=rows), sum_dtype).astype(sum_dtype)
+    acc = part if acc is None else lax.ppermute(acc, axis, perm) + part
+  return acc
 
 
 def checked_state(recipe, state):
@@ -428,7 +551,12 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
   rhs_spec = specs[1]
   if rhs_spec is None and kernel_sharding is not None and not sharding.manual_axes():
     hint = tuple(getattr(kernel_sharding, "spec", kernel_sharding))
-    rhs_spec = hint if len(hint) <= rhs.ndim else None  # an annotation: orders the layout only
+    # An annotation orders the layout only, and only the kernel's free dims: the contracting
+    # and batch groups are the input's too, whose sharding under Auto axes is not known here
+    # (a kernel resharded to the input's order costs less than the input resharded to it).
+    (_, rc), (_, rb) = dn
+    if len(hint) <= rhs.ndim:
+      rhs_spec = tuple(None if d in rc or d in rb else e for d, e in enumerate(hint))
   rhs_sharded = set(_sharded_dims(rhs_spec or ()))
   if gather is not None:
     rhs_sharded |= {d for d, axes in enumerate(gather) if axes}
@@ -513,7 +641,12 @@ def _contracting_last(
   stage = Stage(out_dtype=np.dtype(out.dtype), kernel_kn=kernel_kn)
   chain = Chain(recipe, plan, config, precision, (stage,))
   y3 = _quantized_gemms((x3,), (w3,), (None,), (state,), rng, chain)
-  y = sharding.reshape(y3, layout.split_out_shape)
+  split = layout.split_out_shape
+  if plan.sequence is not None:  # the output's leading rows: all of them, or this shard's
+    n_seq = lax.axis_size(plan.sequence[1])
+    rows = split[0] * n_seq if plan.sequence[0] == "all_gather" else split[0] // n_seq
+    split = (rows, *split[1:])
+  y = sharding.reshape(y3, split)
   if layout.out_perm is not None:
     y = jnp.transpose(y, layout.out_perm)  # the dims the layout ordered first, put back
   if restore is not None:  # each device keeps its share of out_sharding (a slice)
@@ -526,6 +659,9 @@ def _contracting_last(
 
 def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
+
+
+
 
 
 def _request(x, role, chain, state, **kw):
@@ -577,15 +713,21 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
       w_fwd = dataclasses.replace(shard, data=sharding.gather_kernel(shard.data, plan))
       w_dgrad = dataclasses.replace(w_fwd, data=_swap_last(w_fwd.data))
     x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X) if backward else None
-    y = fmt.gemm(
-        qx.rows, w_fwd, stage.out_dtype, "fwd", chain.recipe, chain.config, chain.precision,
-        plan.out_sharding,
-    )
+    if plan.sequence is None:
+      y = fmt.gemm(
+          qx.rows, w_fwd, stage.out_dtype, "fwd", chain.recipe, chain.config, chain.precision,
+          plan.out_sharding,
+      )
+    else:
+      gather = plan.sequence[0] == "all_gather"
+      if gather and x_wgrad is not None:  # wgrad's columns of every row
+        x_wgrad = _gathered_rows(x_wgrad, plan.sequence[1], -1)
+      y = _sequence_gemm(qx.rows, w_fwd, stage.out_dtype, "fwd", chain, gather=gather)
     y = checkpoint_name(y, stage.name)
     new_fwd = {"x": qx.state, "kernel": qw.state}
     protos = (_proto(lhs), _proto(w3), _proto(biases[i]))
     # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
-    witness = jax.tree_util.tree_map(sharding.type_witness, (lhs, w3, state))
+    witness = jax.tree_util.tree_map(sharding.type_witness, (lhs, w3, state, biases[i]))
     between = None
     if i < last:
       # The next GEMM's input, cast from this one's output in the pass that computes it.
@@ -595,11 +737,12 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
     elif biases[i] is not None:
       y = y + biases[i].astype(y.dtype)
     saved.append((x_wgrad, w_dgrad, shard, new_fwd, between, protos, witness))
-  return y, (tuple(saved), lhs_residuals, states, rng)
+  inputs_witness = jax.tree_util.tree_map(sharding.type_witness, inputs)
+  return y, (tuple(saved), lhs_residuals, states, rng, inputs_witness)
 
 
 def _quantized_gemms_bwd(chain: Chain, residuals, g):
-  saved, lhs_residuals, states, rng = residuals
+  saved, lhs_residuals, states, rng, inputs_witness = residuals
   fmt, last = chain.format, len(chain.stages) - 1
   keys = rng if isinstance(rng, tuple) else (rng,) * (last + 1)
   d_kernels, d_biases, new_states = [None] * (last + 1), [None] * (last + 1), [None] * (last + 1)
@@ -618,7 +761,8 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
       qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
     else:
       qg, db = fmt.quantize(_request(g, "grad", chain, state, key=key)), None
-    d_biases[i] = None if db is None or b_proto is None else db.astype(b_proto.dtype)
+    if db is not None and b_proto is not None:  # summed over the rows of every shard
+      d_biases[i] = sharding.match_cotangent(db, witness[3]).astype(b_proto.dtype)
     ndim = x_wgrad.data.ndim
     swap = (*range(ndim - 2), ndim - 1, ndim - 2)
     # With Explicit mesh axes each cotangent gets its primal's sharding.
@@ -631,10 +775,19 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     dx_dtype = x_proto.dtype
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
-    dx = fmt.gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
-                  chain.precision, dx_sharding)
+    g_cols, seq = qg.cols, chain.plan.sequence
+    if seq is None:
+      dx = fmt.gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
+                    chain.precision, dx_sharding)
+    else:
+      # The output gradient's FP8 rows gathered (row-parallel), or the input gradient's partial
+      # sums scattered back onto the input's rows (column-parallel).
+      gather = seq[0] == "reduce_scatter"
+      if gather:
+        g_cols = _gathered_rows(g_cols, seq[1], -1)
+      dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
     dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
-    dw = fmt.gemm(x_wgrad, qg.cols, dw_dtype, "wgrad", chain.recipe, chain.config,
+    dw = fmt.gemm(x_wgrad, g_cols, dw_dtype, "wgrad", chain.recipe, chain.config,
                   chain.precision, dw_sharding)
     if not stage.kernel_kn:
       dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
@@ -644,6 +797,9 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     new_state = fmt.next_state(chain.recipe, state, {**new_fwd, "grad": qg.state})
     new_states[i] = _match_state(new_state, witness[2])
   d_inputs = (dz,) if chain.lhs is None else tuple(chain.lhs.backward(lhs_residuals, dz))
+  # Inside shard_map a norm's gamma and beta are summed over the shards' rows too.
+  d_inputs = tuple(sharding.match_cotangent(d, w)
+                   for d, w in zip(d_inputs, inputs_witness, strict=True))
   return d_inputs, tuple(d_kernels), tuple(d_biases), tuple(new_states), None
 
 

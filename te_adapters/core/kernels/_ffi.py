@@ -378,19 +378,35 @@ def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
 def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):
   """The norm's cast (``csrc/act_cast_cuda.cu``): ``x`` (M, K), the row statistics ``mean`` and
   ``rsigma`` (M,), float32 ``gamma`` (K,) and ``beta`` (K,) or None -> ``(q (M, K), q_t (K, M),
-  amax (1,) or empty)`` of ``(x - mean) * rsigma * gamma + beta``."""
-  m, k = x.shape
+  amax (1,) or empty)`` of ``(x - mean) * rsigma * gamma + beta``; in a sharded program, per
+  shard (the global amax on every device)."""
+  m = x.shape[0]
   f32 = jnp.float32
-  outs = (
-    jax.ShapeDtypeStruct((m, k), q_dtype),
-    jax.ShapeDtypeStruct((k, m), q_dtype),
-    jax.ShapeDtypeStruct((1,), f32) if with_amax else _empty(f32),
-  )
   has_beta = beta is not None
   beta = jnp.zeros((0,), f32) if beta is None else beta.astype(f32)
-  return jax.ffi.ffi_call(NORM_CAST_TARGET, outs, vmap_method="sequential")(
-    x, mean.reshape(m).astype(f32), rsigma.reshape(m).astype(f32), gamma.astype(f32), beta,
-    scale.reshape(1).astype(f32), has_beta=has_beta, compute_amax=with_amax)
+  # Per shard in a sharded program (the partitioning rule of _partition.py).
+  cast = _partition.norm_cast(_norm_cast_kernel(q_dtype, has_beta, with_amax), has_beta, with_amax)
+  return cast(x, mean.reshape(m).astype(f32), rsigma.reshape(m).astype(f32), gamma.astype(f32),
+              beta, scale.reshape(1).astype(f32))
+
+
+@functools.cache
+def _norm_cast_kernel(q_dtype, has_beta, with_amax):
+  """The FFI norm cast of one configuration, ``f(x, mean, rsigma, gamma, beta, scale)``, for the
+  shapes it is given (one shard's in a sharded program)."""
+
+  def call(x, mean, rsigma, gamma, beta, scale):
+    m, k = x.shape
+    f32 = jnp.float32
+    outs = (
+      jax.ShapeDtypeStruct((m, k), q_dtype),
+      jax.ShapeDtypeStruct((k, m), q_dtype),
+      jax.ShapeDtypeStruct((1,), f32) if with_amax else _empty(f32),
+    )
+    return jax.ffi.ffi_call(NORM_CAST_TARGET, outs, vmap_method="sequential")(
+      x, mean, rsigma, gamma, beta, scale, has_beta=has_beta, compute_amax=with_amax)
+
+  return call
 
 
 def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False,

@@ -520,3 +520,38 @@ def _block_refusal(a_shape, b_shape) -> str | None:
   if m % 16 or n % 16:
     return f"cuBLAS needs M and N multiples of 16, got M={m}, N={n} per device"
   return None
+
+
+# --------------------------------------------------------------------------- the norm's cast
+
+
+@functools.cache
+def norm_cast(call: Callable, has_beta: bool, with_amax: bool):
+  """``call(x, mean, rsigma, gamma, beta, scale) -> (q, q_t, amax)``, the norm's output cast to
+  FP8 in both orientations from its row statistics, made shardable.
+
+  ``x`` (M, K) keeps its sharding, ``mean`` and ``rsigma`` (M,) take its rows', ``gamma`` and
+  ``beta`` (K,) its columns' (without ``has_beta``, ``beta`` is a placeholder of shape (0,));
+  ``q`` is sharded like ``x``, ``q_t`` with the two swapped, and ``amax`` is the global max on
+  every device. The statistics come in whole (computed over the full rows), so every shard
+  casts exactly what one device would. Inside ``shard_map`` the kernel runs on the shard as it
+  is (the amax its own; the format reduces it over ``amax_axes``, as for the other casts).
+  """
+
+  def split(mesh, specs):
+    del mesh
+    rows, cols = specs[0]
+    axes = rows + cols
+    beta = (cols,) if has_beta else ((),)
+
+    def per_shard(x, mean, rsigma, gamma, beta, scale):
+      q, q_t, a = call(x, mean, rsigma, gamma, beta, scale)
+      if with_amax and axes:
+        a = lax.pmax(a, axes)
+      return q, q_t, a
+
+    args = ((rows, cols), (rows,), (rows,), (cols,), beta, ((),))
+    return args, ((rows, cols), (cols, rows), ((),)), per_shard
+
+  beta = "k" if has_beta else "b"
+  return _shardable(split, call, (2, 1, 1, 1, 1, 1), f"m k, m, m, k, {beta}, s -> m k, k m, a")

@@ -56,21 +56,26 @@ class GemmConfig:
       dequantized values for MXFP8 and NVFP4.
     layout, output, transpose, amax: deprecated measurement-only choices, accepted with a
       ``DeprecationWarning`` and without effect; removed in the next release.
-    fuse_activation_cast: ``core.layernorm_mlp`` (both GEMMs in FP8, no dropout, no sharding
-      constraints, blocks that tile every GEMM) casts the activation of GEMM 1's output straight
-      to GEMM 2's FP8 operand, and the activation's gradient straight to GEMM 1's FP8 output
-      gradient with the bias gradient, in one custom VJP that also casts the norm's output
-      straight to GEMM 1's FP8 operand unless it is returned (``True``): per-tensor recipes
-      through their cast kernels, block and rowwise recipes by quantizing the float32 values in
-      their blocks or rows. ``False`` composes the norm, the activation and two ``dot_general``
-      calls. ``None`` (the default): fused for every recipe; the faster path for the per-tensor
-      recipes on an H100, while for ``Float8BlockScaling`` the composed path was 6% faster
-      there (``bench/RESULTS.md``), since its fused casts read the float32 values from memory.
-      With activations narrower than float32 the two differ by the rounding of the norm's
-      output, the activation and its gradient to that dtype, which only the composed path does.
-      The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast
-      straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the norm's output
-      neither returned nor constrained).
+    fuse_activation_cast: ``core.layernorm_mlp`` (both GEMMs in FP8, no dropout, blocks that tile
+      every GEMM; per-tensor recipes under sharding constraints and inside ``shard_map`` too) casts
+      the activation of GEMM 1's output straight to GEMM 2's FP8 operand, and the activation's
+      gradient straight to GEMM 1's FP8 output gradient with the bias gradient, in one custom VJP
+      that also casts the norm's output straight to GEMM 1's FP8 operand unless it is returned
+      (``True``): per-tensor recipes through their cast kernels, block and rowwise recipes by
+      quantizing the float32 values in their blocks or rows. ``False`` composes the norm, the
+      activation and two ``dot_general`` calls. ``None`` (the default): fused for every recipe; the
+      faster path for the per-tensor recipes on an H100, while for ``Float8BlockScaling`` the
+      composed path was 6% faster there (``bench/RESULTS.md``), since its fused casts read the
+      float32 values from memory. With activations narrower than float32 the two differ by the
+      rounding of the norm's output, the activation and its gradient to that dtype, which only the
+      composed path does. The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's
+      output is cast straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the
+      norm's output not returned; constrained only under a per-tensor recipe).
+    collective_matmul: with ``dot_general``'s ``sequence_parallel``, decompose the FP8 rows'
+      all-gather and the partial sums' reduce-scatter into ring steps (``ppermute``), so that
+      each chunk's GEMM runs while the next chunk moves (TE's collective GEMM). The same sums
+      in another order (float32 reassociation). ``False`` (the default): one all-gather or
+      reduce-scatter beside the GEMM, which XLA may schedule around other work.
     partial_sums: how a sharded program sums the partial products of a GEMM whose contracting
       dim is split over mesh axes (the forward GEMM of a row-parallel layer; dgrad of a
       column-parallel one, whose K is the sharded features; wgrad under data parallelism, whose
@@ -122,6 +127,7 @@ class GemmConfig:
   transpose: str | None = None
   amax: str | None = None
   fuse_activation_cast: bool | None = None
+  collective_matmul: bool = False
   partial_sums: str = "output"
   comm_sm_margin: int | None = None
   sum_chunks: int = 1
@@ -138,6 +144,9 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.sum_chunks must be an int >= 1, got {chunks!r}")
     if not isinstance(self.fold_amax, bool):
       raise ValueError(f"GemmConfig.fold_amax must be True or False, got {self.fold_amax!r}")
+    if not isinstance(self.collective_matmul, bool):
+      raise ValueError(
+          f"GemmConfig.collective_matmul must be True or False, got {self.collective_matmul!r}")
     if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
       value = self.fuse_activation_cast
       raise ValueError(

@@ -28,12 +28,17 @@ class SpmdPlan:
       gathered from (empty tuple: not gathered), or ``None`` for no FP8 gather.
     kernel_mesh: the mesh of a ``NamedSharding`` given as ``kernel_all_gather``, else ``None``.
     out_sharding: passed to the forward ``lax.dot_general``.
+    sequence: sequence parallelism inside ``shard_map``, ``(mode, axis)``: ``"all_gather"``
+      (the input's rows all-gathered over ``axis`` in FP8 before the GEMM, the input gradient
+      reduce-scattered back) or ``"reduce_scatter"`` (the output's partial sums reduce-scattered
+      over its rows, the output gradient all-gathered in FP8); None: neither.
   """
 
   amax_axes: tuple[tuple[str, ...] | None, ...] = (None, None, None)
   kernel_all_gather: tuple[tuple[str, ...], ...] | None = None
   kernel_mesh: Any = None
   out_sharding: Any = None
+  sequence: tuple[str, str] | None = None
 
   def role_amax_axes(self, role: str) -> tuple[str, ...] | None:
     return self.amax_axes[ROLES.index(role)]
@@ -124,7 +129,32 @@ def plan_for_tn_layout(plan: SpmdPlan, layout, layer: str = "the GEMM") -> SpmdP
   return dataclasses.replace(plan, kernel_all_gather=gather, out_sharding=out)
 
 
-def make_plan(amax_axes=None, kernel_all_gather=None, out_sharding=None, *, rhs_ndim: int):
+SEQUENCE_MODES = ("all_gather", "reduce_scatter")
+
+
+def _normalize_sequence(sequence_parallel, kernel_all_gather):
+  if sequence_parallel is None:
+    return None
+  if (not isinstance(sequence_parallel, (tuple, list)) or len(sequence_parallel) != 2
+      or sequence_parallel[0] not in SEQUENCE_MODES or not isinstance(sequence_parallel[1], str)):
+    raise ValueError(
+        "sequence_parallel must be (mode, axis) with mode 'all_gather' (column-parallel: the "
+        "input's rows gathered) or 'reduce_scatter' (row-parallel: the output's rows scattered) "
+        f"and axis a mesh axis name, got {sequence_parallel!r}"
+    )
+  mode, axis = sequence_parallel
+  if axis not in _mesh.manual_axes():
+    raise ValueError(
+        f"sequence_parallel over {axis!r} runs inside shard_map with {axis!r} among its manual "
+        f"axes (here: {sorted(_mesh.manual_axes())})"
+    )
+  if kernel_all_gather is not None:
+    raise ValueError("sequence_parallel and kernel_all_gather cannot be combined in one GEMM")
+  return (mode, axis)
+
+
+def make_plan(amax_axes=None, kernel_all_gather=None, out_sharding=None, *, rhs_ndim: int,
+              sequence_parallel=None):
   """Validates the SPMD keywords of ``dot_general`` into a hashable ``SpmdPlan``."""
   dims, mesh = _normalize_kernel_all_gather(kernel_all_gather, rhs_ndim)
   return SpmdPlan(
@@ -132,4 +162,5 @@ def make_plan(amax_axes=None, kernel_all_gather=None, out_sharding=None, *, rhs_
       kernel_all_gather=dims,
       kernel_mesh=mesh,
       out_sharding=out_sharding,
+      sequence=_normalize_sequence(sequence_parallel, kernel_all_gather),
   )

@@ -1,0 +1,236 @@
+"""Seed 001's transformer layer with tensor + sequence parallelism, FP8 against bf16.
+
+The layer (batch 4, seq 2048, hidden 4096, ffn 16384, 32 heads) written functionally,
+sequence-first ``x (S, B, H)``: LayerNorm, the qkv projection (column-parallel), causal attention
+on each device's heads, the output projection (row-parallel), residual, LayerNorm, the MLP's two
+GEMMs (column- then row-parallel, tanh GELU), residual; biases as the seed's layer has them.
+
+Plans (n = --devices):
+  single   one device, every GEMM whole
+  tp_sp    inside shard_map over "tp": x sharded on S; each column-parallel GEMM all-gathers its
+           input's rows (FP8 with a recipe) and each row-parallel GEMM reduce-scatters its output
+           (``dot_general(sequence_parallel=...)``)
+  tp_ring  tp_sp with ``GemmConfig(collective_matmul=True)``: the all-gathers and
+           reduce-scatters decomposed into ppermute ring steps beside the GEMMs' chunks
+
+Variants: bf16, current, delayed. One step is forward plus backward (``jax.vjp``, a given
+output gradient). Timing: every configuration is compiled first, then ``--repeats`` rounds run
+one trial of each configuration in turn (interleaved), each trial the mean of ``--iters``
+synchronised steps after ``--warmup``; the median over rounds is reported with the spread. The
+second table lists the compiled HLO: FP8 against other GEMMs and the collectives.
+
+Usage (two GPUs):
+  python bench/sp_layer.py --devices 2
+CPU dry run:
+  python bench/sp_layer.py --cpu-devices 2 --devices 2 --batch 2 --seq 64 --hidden 128 \\
+      --ffn 256 --heads 4 --iters 1 --warmup 0 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multidevice import use_cpu_devices  # noqa: E402
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--devices", type=int, default=None)
+  p.add_argument("--plans", default="single,tp_sp,tp_ring")
+  p.add_argument("--variants", default="bf16,current,delayed")
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=4096)
+  p.add_argument("--ffn", type=int, default=16384)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--cpu-devices", type=int, default=None)
+  return p.parse_args(argv)
+
+
+ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
+use_cpu_devices(ARGS and ARGS.cpu_devices)
+
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from te_adapters import core, inspect  # noqa: E402
+
+DN = (((2,), (0,)), ((), ()))
+
+
+def _recipe(variant):
+  return {"bf16": None, "current": core.Float8CurrentScaling(),
+          "delayed": core.DelayedScaling(amax_history_len=1024)}[variant]
+
+
+def init_params(key, hidden, ffn):
+  ks = jax.random.split(key, 4)
+
+  def w(k, shape):
+    return jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5
+
+  return {"ln1": jnp.ones(hidden), "ln1_b": jnp.zeros(hidden),
+          "qkv": w(ks[0], (hidden, 3 * hidden)), "qkv_b": jnp.zeros(3 * hidden),
+          "out": w(ks[1], (hidden, hidden)), "out_b": jnp.zeros(hidden),
+          "ln2": jnp.ones(hidden), "ln2_b": jnp.zeros(hidden),
+          "fc1": w(ks[2], (hidden, ffn)), "fc1_b": jnp.zeros(ffn),
+          "fc2": w(ks[3], (ffn, hidden)), "fc2_b": jnp.zeros(hidden)}
+
+
+# Column-parallel kernels and biases split on their outputs, row-parallel kernels on their
+# inputs; the row-parallel biases and the norms replicated.
+PARAM_SPECS = {"ln1": P(), "ln1_b": P(), "qkv": P(None, "tp"), "qkv_b": P("tp"),
+               "out": P("tp", None), "out_b": P(), "ln2": P(), "ln2_b": P(),
+               "fc1": P(None, "tp"), "fc1_b": P("tp"), "fc2": P("tp", None), "fc2_b": P()}
+
+
+def layer(x, p, states, *, recipe, heads, sequence, config, attention):
+  """x (S, B, H) -> (S, B, H); ``heads``: this device's; ``sequence``: inside shard_map."""
+  def gemm(a, w, state, mode):
+    return core.dot_general(a, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state,
+                            threshold=None, config=config,
+                            sequence_parallel=(mode, "tp") if sequence else None)
+
+  def norm(a, g, b):
+    a32 = a.astype(jnp.float32)
+    mean = jnp.mean(a32, -1, keepdims=True)
+    var = jnp.mean(jnp.square(a32 - mean), -1, keepdims=True)
+    return ((a32 - mean) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(a.dtype)
+
+  res = x
+  qkv = gemm(norm(x, p["ln1"], p["ln1_b"]), p["qkv"], states[0], "all_gather")
+  qkv = qkv + p["qkv_b"].astype(qkv.dtype)
+  s, b, _ = qkv.shape
+  q, k, v = jnp.split(qkv.reshape(s, b, heads, -1), 3, axis=3)
+  bshd = lambda t: jnp.transpose(t, (1, 0, 2, 3))  # noqa: E731
+  o = jax.nn.dot_product_attention(bshd(q), bshd(k), bshd(v), is_causal=True,
+                                   implementation=attention)
+  o = jnp.transpose(o, (1, 0, 2, 3)).reshape(s, b, -1)
+  x = res + gemm(o, p["out"], states[1], "reduce_scatter") + p["out_b"].astype(x.dtype)
+  res = x
+  h = gemm(norm(x, p["ln2"], p["ln2_b"]), p["fc1"], states[2], "all_gather")
+  h = jax.nn.gelu(h + p["fc1_b"].astype(h.dtype), approximate=True)
+  return res + gemm(h, p["fc2"], states[3], "reduce_scatter") + p["fc2_b"].astype(x.dtype)
+
+
+def make_step(variant, plan, mesh, heads, attention):
+  recipe = _recipe(variant)
+  config = core.GemmConfig(collective_matmul=plan == "tp_ring")
+  n = 1 if mesh is None else mesh.size
+  fn = functools.partial(layer, recipe=recipe, heads=heads // n, sequence=mesh is not None,
+                         config=config, attention=attention)
+  if mesh is not None:
+    fn = jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"), PARAM_SPECS, P()), out_specs=P("tp"))
+
+  def step(x, p, states, dy):
+    y, vjp = jax.vjp(fn, x, p, states)
+    return y, vjp(dy)
+
+  return jax.jit(step)
+
+
+def run(args):
+  devices = jax.devices()
+  n = args.devices or len(devices)
+  attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  s, b, h, f = args.seq, args.batch, args.hidden, args.ffn
+  kx, kp, kd = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (s, b, h), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (s, b, h), jnp.float32).astype(jnp.bfloat16)
+  params = init_params(kp, h, f)
+  configs = []
+  for plan in args.plans.split(","):
+    mesh = None
+    if plan != "single":
+      mesh = jax.make_mesh((n,), ("tp",), devices=devices[:n], axis_types=(AxisType.Auto,))
+    for variant in args.variants.split(","):
+      recipe = _recipe(variant)
+      states = tuple(core.init_state(recipe) if recipe is not None and recipe.stateful else None
+                     for _ in range(4))
+      put = functools.partial(_put, mesh, devices[0])
+      p = {k: put(v, PARAM_SPECS[k]) for k, v in params.items()}
+      call_args = (put(x, P("tp")), p, jax.tree.map(lambda a, put=put: put(a, P()), states),
+                   put(dy, P("tp")))
+      step = make_step(variant, plan, mesh, args.heads, attention)
+      if mesh is None:
+        compiled = step.lower(*call_args).compile()
+      else:
+        with jax.set_mesh(mesh):
+          compiled = step.lower(*call_args).compile()
+      text = compiled.as_text()
+      configs.append(dict(plan=plan, variant=variant, n=1 if mesh is None else n,
+                          run=functools.partial(compiled, *call_args),
+                          gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
+                          collectives=_collectives(text), times=[]))
+      print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
+  for c in configs:
+    for _ in range(args.warmup):
+      jax.block_until_ready(c["run"]())
+  for r in range(args.repeats):  # interleaved: each round runs every configuration once
+    for c in configs:
+      times = []
+      for _ in range(args.iters):
+        start = time.perf_counter()
+        jax.block_until_ready(c["run"]())
+        times.append(time.perf_counter() - start)
+      c["times"].append(float(np.mean(times)) * 1e3)
+    print(f"  round {r + 1}: " + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}"
+                                           for c in configs), flush=True)
+  return configs
+
+
+def _put(mesh, device, a, spec):
+  if mesh is None:
+    return jax.device_put(a, device)
+  return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def _collectives(text):
+  counts = {}
+  for c in inspect.hlo_collectives(text):
+    dtype = c.arrays[-1][0] if c.arrays else "?"
+    key = f"{c.op} {dtype}"
+    counts[key] = counts.get(key, 0) + 1
+  return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "-"
+
+
+def format_tables(configs):
+  med = {(c["plan"], c["variant"]): float(np.median(c["times"])) for c in configs}
+  lines = [f"{'plan':<9}{'variant':<9}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
+           f"{'eff':>6}  FP8/other GEMMs; collectives"]
+  for c in configs:
+    t = med[(c["plan"], c["variant"])]
+    bf16 = med.get((c["plan"], "bf16"), float("nan"))
+    single = med.get(("single", c["variant"]))
+    eff = "" if single is None or c["plan"] == "single" else f"{single / (c['n'] * t):.2f}"
+    spread = f"{min(c['times']):.2f}-{max(c['times']):.2f}"
+    lines.append(f"{c['plan']:<9}{c['variant']:<9}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
+                 f"{eff:>6}  {c['gemms']}; {c['collectives']}")
+  return "\n".join(lines)
+
+
+def main():
+  args = ARGS
+  dev = jax.devices()[0]
+  print(f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
+        f"{args.devices or jax.device_count()}; jax {jax.__version__}")
+  print(f"x ({args.seq}, {args.batch}, {args.hidden}) bf16, ffn {args.ffn}, {args.heads} heads; "
+        f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} steps\n")
+  print(format_tables(run(args)))
+
+
+if __name__ == "__main__":
+  main()

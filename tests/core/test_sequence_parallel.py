@@ -1,0 +1,185 @@
+"""Sequence-parallel tensor parallelism for the column-then-row pair (``dot_general``'s
+``sequence_parallel``), inside ``shard_map`` on 2 devices, against one device.
+
+Megatron's layout, sequence first: x ``(S, B, H)`` sharded on S. The column-parallel GEMM
+quantizes its shard of x (the amax reduced over the mesh) and all-gathers the FP8 rows, and
+returns every row of its output columns; the activation runs on those; the row-parallel GEMM's
+partial sums are reduce-scattered back onto the sequence shards. Backward: the output gradient's
+FP8 shards are all-gathered, the input gradient reduce-scattered. So the activations move in FP8
+(the all-gathers) and as the one reduce-scatter per GEMM pair that bf16 tensor parallelism
+without sequence parallelism would run as an all-reduce.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import te_adapters as ta
+from te_adapters import core, inspect
+from tests import spmd_checks
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
+
+S, B, H, F = 32, 2, 64, 128
+DN = (((2,), (0,)), ((), ()))
+RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4)}
+# Float32 sums over the devices (the row-parallel output, the column-parallel input gradient):
+# one device's bound on a GPU (spmd_checks).
+CONFIG = core.GemmConfig(partial_sums="float32")
+
+
+def _mesh():
+  return jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+
+
+def _pair(x, w1, w2, states, recipe, sequence=True, config=CONFIG):
+  """The column-then-row pair: ``gelu(x @ w1) @ w2``."""
+  seq = (lambda mode: (mode, "tp")) if sequence else (lambda mode: None)
+  h = core.dot_general(x, w1, DN, recipe=recipe, state=states[0], threshold=None, config=config,
+                       sequence_parallel=seq("all_gather"))
+  a = jax.nn.gelu(h.astype(jnp.float32)).astype(h.dtype)
+  return core.dot_general(a, w2, DN, recipe=recipe, state=states[1], threshold=None,
+                          config=config, sequence_parallel=seq("reduce_scatter"))
+
+
+def _data():
+  x = spmd_checks.random((S, B, H), 0).astype(jnp.bfloat16)
+  w1 = spmd_checks.random((H, F), 1) * H**-0.5
+  w2 = spmd_checks.random((F, H), 2) * F**-0.5
+  dy = spmd_checks.random((S, B, H), 3)
+  return x, w1, w2, dy
+
+
+def _states(recipe):
+  return tuple(core.init_state(recipe) if recipe.stateful else None for _ in range(2))
+
+
+def _step(fn):
+  def loss(x, w1, w2, states, dy):
+    y = fn(x, w1, w2, states)
+    return jnp.sum(y.astype(jnp.float32) * dy), y
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+def _sharded(recipe, config=CONFIG):
+  return jax.shard_map(
+      lambda x, w1, w2, states: _pair(x, w1, w2, states, recipe, config=config), mesh=_mesh(),
+      in_specs=(P("tp"), P(None, "tp"), P("tp", None), P()), out_specs=P("tp"))
+
+
+def _run(step, x, w1, w2, states, dy):
+  out = []
+  for factor in spmd_checks.FACTORS:
+    (_, y), grads = step(x * factor, w1, w2, states, dy)
+    states = grads[3]
+    out.append((y, grads))
+  return out
+
+
+RING = core.GemmConfig(partial_sums="float32", collective_matmul=True)
+
+
+@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_sequence_parallel_pair_matches_one_device(name, config):
+  """With one all-gather or reduce-scatter per GEMM, and decomposed into ring steps
+  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
+  recipe = RECIPES[name]
+  x, w1, w2, dy = _data()
+  states = _states(recipe)
+  want = _run(_step(lambda *a: _pair(*a, recipe, sequence=False)), x, w1, w2, states, dy)
+  with jax.set_mesh(_mesh()):
+    got = _run(_step(_sharded(recipe, config)), x, w1, w2, states, dy)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    name = jax.tree_util.keystr(path)
+    if spmd_checks.is_recipe_state(path):
+      # The amaxes are the whole tensors' (reduced over the mesh); the activation's is computed
+      # from the column-parallel GEMM's output, whose float32 sums may round one ulp apart.
+      np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
+    elif a.dtype == jnp.bfloat16 and not spmd_checks.ON_GPU:
+      # The row-parallel output and the column-parallel input gradient add the two devices'
+      # float32 partial sums and round once; one device's XLA GEMM on CPU rounds its output to
+      # bf16 before the scale and again after it: one bf16 ulp apart at most.
+      assert spmd_checks.comparison_figures(a, b)["max_ulps"] <= 1, name
+    else:
+      spmd_checks.assert_close_to_one_device(a, b, name, cpu_rel=1e-6)
+  if recipe.stateful:
+    history = np.asarray(want[-1][1][3][0]["x_amax_history"])
+    assert history.max() > 0
+
+
+def test_activations_move_in_fp8_and_as_one_reduce_scatter():
+  """The compiled step's collectives: x and the output gradient all-gathered as FP8 bytes, the
+  output and the input gradient reduce-scattered, and no all-reduce but the amaxes'."""
+  recipe = RECIPES["current"]
+  x, w1, w2, dy = _data()
+  with jax.set_mesh(_mesh()):
+    text = _step(_sharded(recipe)).lower(x, w1, w2, _states(recipe), dy).compile().as_text()
+  found = inspect.hlo_collectives(text)
+  gathers = [c.arrays[-1] for c in found if c.op == "all-gather"]
+  rows = S * B  # the gathered rows of x (S*B, H) and of the output gradient (S*B, H)
+  assert ("u8", (rows, H)) in gathers and ("u8", (H, rows)) in gathers, gathers
+  assert all(dtype == "u8" for dtype, _ in gathers), gathers
+  assert [c.op for c in found].count("reduce-scatter") >= 2, [c.op for c in found]
+  big = [c.arrays for c in found if c.op == "all-reduce"
+         and any(int(np.prod(shape)) > 1 for _, shape in c.arrays)]
+  assert not big, big
+
+
+def test_high_precision_pair_runs_the_same_layout():
+  """``recipe=None`` (the bf16 baseline of a sequence-parallel model) gathers and scatters the
+  unquantized activations the same way: the plain pair's result."""
+  x, w1, w2, dy = _data()
+  want = _run(_step(lambda *a: _pair(*a, None, sequence=False)), x, w1, w2, (None, None), dy)
+  with jax.set_mesh(_mesh()):
+    got = _run(_step(_sharded(None)), x, w1, w2, (None, None), dy)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                          strict=True):
+    if a.dtype == jnp.bfloat16:
+      # dx: the two devices' bf16 partial products (autodiff's dgrad in the input's dtype)
+      # summed by the reduce-scatter in bf16, one rounding more than one device's float32 sum:
+      # normwise within two bf16 epsilons (2**-7); a sum left out would be off by about 1.
+      figures = spmd_checks.comparison_figures(a, b)
+      assert figures["rel"] < 2**-7, (jax.tree_util.keystr(path), figures)
+    else:
+      spmd_checks.assert_close_to_one_device(a, b, jax.tree_util.keystr(path), cpu_rel=1e-5)
+
+
+def test_ring_steps_are_collective_permutes_beside_the_gemms():
+  """``collective_matmul``: the forward's all-gather of x and reduce-scatter of y become
+  collective-permutes of FP8 bytes and of partial sums, one per step but the first."""
+  recipe = RECIPES["current"]
+  x, w1, w2, dy = _data()
+  with jax.set_mesh(_mesh()):
+    fwd = jax.jit(_sharded(recipe, RING)).lower(x, w1, w2, _states(recipe)).compile().as_text()
+  found = inspect.hlo_collectives(fwd)
+  ops = [c.op for c in found]
+  assert "all-gather" not in ops and "reduce-scatter" not in ops, ops
+  permutes = [c.arrays[-1] for c in found if c.op == "collective-permute"]
+  assert ("u8", (S // 2 * B, H)) in permutes, permutes  # x's FP8 rows of one device
+  assert ("f32", (S // 2 * B, H)) in permutes, permutes  # one block's partial sums
+
+
+def test_sequence_parallel_refuses_what_it_cannot_serve():
+  x, w1, _, _ = _data()
+  with pytest.raises(ValueError, match="sequence_parallel over 'tp' runs inside shard_map"):
+    core.dot_general(x, w1, DN, recipe=RECIPES["current"], threshold=None,
+                     sequence_parallel=("all_gather", "tp"))
+
+  def body(x, w1):
+    return core.dot_general(x, w1, DN, recipe=ta.MXFP8BlockScaling(), threshold=None,
+                            sequence_parallel=("all_gather", "tp"))
+
+  with pytest.raises(ValueError, match="sequence_parallel takes per-tensor recipes"):
+    jax.eval_shape(jax.shard_map(body, mesh=_mesh(), in_specs=(P("tp"), P(None, "tp")),
+                                 out_specs=P(None, None, "tp")), x, w1)
+  with pytest.raises(ValueError, match="sequence_parallel must be"):
+    jax.eval_shape(jax.shard_map(
+        lambda x, w1: core.dot_general(x, w1, DN, recipe=RECIPES["current"],
+                                       sequence_parallel=("gather", "tp")),
+        mesh=_mesh(), in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, None, "tp")), x, w1)
