@@ -66,9 +66,12 @@ def kernel_annotation(module: nn.Module, kernel) -> tuple | None:
   names = tuple(box.names)
   if isinstance(box, nn.LogicallyPartitioned):
     try:
-      names = tuple(nn.logical_to_mesh_axes(names, box.rules))
+      mesh_axes = nn.logical_to_mesh_axes(names, box.rules)
     except ValueError:  # a name the rules do not map: no annotation in mesh axes
       return None
+    if mesh_axes is None:  # no rules in effect: no annotation in mesh axes
+      return None
+    names = tuple(mesh_axes)
   return names if any(n is not None for n in names) else None
 
 
