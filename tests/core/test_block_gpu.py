@@ -309,3 +309,25 @@ def test_block_cast_kernel_runs_in_the_float8_block_dot_general():
     # XLA's GPU division can put a scale one ulp (so a power of two one step) away from the
     # kernel's correctly rounded one; the GEMM's inputs are otherwise the same.
     assert _rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 2e-2
+
+
+def test_block_cast_kernel_non_finite_input_reaches_the_output():
+  """The CUDA block cast gives a non-finite block the scale 1 (TE's rule) and a NaN amax for a
+  NaN; an infinity gives an infinite amax. Either makes the copies' inverse scales NaN
+  (GemmConfig.non_finite="propagate"), so the cuBLASLt block GEMM writes NaN; "saturate" keeps
+  TE's finite result for the infinity."""
+  _skip_unless_block_cast()
+  _skip_unless_cublas_runs_under_jit()
+  recipe = ta.Float8BlockScaling()
+  x = jnp.asarray(_data((256, 512), 0), jnp.bfloat16)
+  w = jnp.asarray(_data((512, 384), 1), jnp.bfloat16)
+
+  def forward(config, x):
+    f = jax.jit(lambda x, w: ta.core.dot_general(
+        x, w, DN, recipe=recipe, threshold=None, config=config))
+    assert "te_adapters_block_cast" in f.lower(x, w).compile().as_text()
+    return np.asarray(f(x, w), np.float32)
+
+  for bad in (np.inf, np.nan):
+    assert np.isnan(forward(ta.GemmConfig(), x.at[5, 200].set(bad))).all()
+  assert np.isfinite(forward(ta.GemmConfig(non_finite="saturate"), x.at[5, 200].set(np.inf))).all()

@@ -21,7 +21,11 @@ from te_adapters.core import kernels, sharding
 from te_adapters.core import state as core_state
 from te_adapters.core.formats import _block, _cast_transpose, _grouped_tensor, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
-from te_adapters.core.formats._scaled_tensor import ScaledTensor, cast_with_scale
+from te_adapters.core.formats._scaled_tensor import (
+    ScaledTensor,
+    cast_with_scale,
+    non_finite_scale_inv,
+)
 from te_adapters.core.formats._tensor_scaling import TensorScaling
 
 __all__ = ["tensor_format", "tensor", "cast_both"]
@@ -66,7 +70,8 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
     a = _scaling.tensor_amax(x)
     scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     data = cast_with_scale(x, scale, q_dtype)
-    return Quantized(tensor(data, _scaling.scale_inverse(scale), a, dq), None, new)
+    sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), a, req.config.non_finite)
+    return Quantized(tensor(data, sinv, a, dq), None, new)
   if req.producer is None:
     def cast(scale, with_amax):
       return cast_both(x, scale, q_dtype, req.config, with_amax)
@@ -87,7 +92,9 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
          if amax is None else amax())
     scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     q, q_t, _ = cast(scale, False)
-  sinv = _scaling.scale_inverse(scale)
+  # A NaN or inf in x (a non-finite amax, from the pass that already ran) makes the GEMM's
+  # output NaN instead of the saturated cast's finite values (GemmConfig.non_finite).
+  sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), a, req.config.non_finite)
   rows = tensor(q, sinv, a, dq) if req.rows else None
   return Quantized(rows, tensor(q_t, sinv, a, dq), new)
 
