@@ -40,7 +40,7 @@ def _dot(recipe, x, w, config=None, rng=None):
                           rng=rng)
 
 
-@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("bad", [-np.inf, np.nan], ids=["-inf", "nan"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 def test_a_non_finite_input_reaches_the_output(recipe, bad):
   x, w = _operands(bad)
