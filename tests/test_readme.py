@@ -1,4 +1,4 @@
-"""Every Python block of README.md runs as written.
+"""Every Python block of README.md (and of the user guide, ``docs/**/*.md``) runs as written.
 
 Each block is executed on its own, in a fresh namespace, exactly as the README shows it (the
 multi-host script through the launcher it names, in two processes), and then checked: the
@@ -35,11 +35,18 @@ pytestmark = [
 ]
 
 
-def python_blocks() -> list[tuple[int, str]]:
-  """``(line, code)`` of every python block of the README."""
-  text = README.read_text()
+def python_blocks(page: pathlib.Path = README) -> list[tuple[int, str]]:
+  """``(line, code)`` of every python block of a Markdown page (the README by default)."""
+  text = page.read_text()
   return [(text[:m.start()].count("\n") + 2, m.group(1))
           for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+
+
+def guide_blocks() -> list[tuple[str, str]]:
+  """``(page:line, code)`` of every python block of the user-guide pages, ``docs/**/*.md``."""
+  return [(f"{page.relative_to(ROOT)}:{line}", code)
+          for page in sorted((ROOT / "docs").rglob("*.md"))
+          for line, code in python_blocks(page)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -235,6 +242,12 @@ def test_block_runs_as_written(line, code):
   finally:
     if "PowerOfTwoScaling" in ns:
       core.unregister_format(ns["PowerOfTwoScaling"])
+
+
+@pytest.mark.parametrize("where, code", guide_blocks(), ids=lambda v: v if ":" in v else "")
+def test_guide_block_runs_as_written(where, code):
+  """The user guide's blocks, each on its own in a fresh namespace, as the README's."""
+  exec(compile(code, where, "exec"), {"__name__": "guide_block"})
 
 
 def test_multihost_block_runs_in_two_processes(tmp_path):
