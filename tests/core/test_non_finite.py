@@ -181,3 +181,28 @@ def test_adapter_layers_propagate_by_default():
 def test_config_rejects_an_unknown_choice():
   with pytest.raises(ValueError, match="non_finite must be one of"):
     ta.GemmConfig(non_finite="clip")
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+def test_inside_shard_map_every_shard_sees_another_shards_infinity(recipe):
+  """The flag is the amax the scale uses, reduced over the mesh: an inf in one device's rows
+  makes every device's output NaN, as the one-device GEMM's."""
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices")
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+  x, w = _operands(np.inf)  # row 3: the first device's rows
+  state = core.init_state(recipe) or None
+
+  def run(config):
+    f = jax.shard_map(
+        lambda x, w: core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None,
+                                      config=config),
+        mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    return np.asarray(jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("dp"))), w))
+
+  assert np.isnan(run(None)).all()
+  saturated = run(SATURATE)
+  assert np.isfinite(saturated).all()
