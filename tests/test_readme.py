@@ -120,6 +120,13 @@ def check_haiku(ns):
   assert all(float(s["x_amax_history"][-1]) > 0 for s in ns["state"].values())
 
 
+def check_rules(report):
+  """The conversion-rules examples (``tests/test_conversion_rules.py`` compares their reports
+  across adapters): attention kept in high precision, the MLP's two layers quantized."""
+  assert len(report.quantized) == 2 and len(report.skipped) == 0, report
+  assert [str(r) for r in report.recipes.values()].count(str(ta.DelayedScaling())) == 1
+
+
 def check_layernorm_dense(ns):
   assert ns["z"].shape == (2, 16, 3072)
   assert "_overwrite_with_gradient" in ns["variables"]
@@ -205,6 +212,9 @@ CHECKS = {
     "ta_linen.TrainState.create": check_linen,
     "ta_nnx.update_recipe_state(model, state_grads)": check_nnx,
     "ta_hk.value_grad_and_state(loss_fn)": check_haiku,
+    "ta_linen.quantize(rules=": lambda ns: check_rules(ns["q"].report),
+    "ta_nnx.quantize_model(Block(": lambda ns: check_rules(ns["report"]),
+    "ta_hk.quantize(rules=": lambda ns: check_rules(ns["q"].report),
     "class QKV(nn.Module)": check_layernorm_dense,
     "traverse_util.path_aware_map(": check_linen_lora,
     "wrt=nnx.LoRAParam)": check_nnx_lora,
