@@ -28,8 +28,7 @@ class Tower(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    cls = ta_linen.make_dot_general_cls(self.recipe)
-    x = nn.Dense(32, dot_general=cls(), name="proj")(x)
+    x = nn.Dense(32, dot_general_cls=ta_linen.make_dot_general_cls(self.recipe), name="proj")(x)
     x = ta_linen.Dense(32, recipe=self.recipe, name="dense")(x)
     out, _ = ta_linen.LayerNormMLP(64, recipe=self.recipe, intermediate_dropout_rate=0.0,
                                    name="mlp")(x, deterministic=True)
@@ -38,14 +37,12 @@ class Tower(nn.Module):
 
 def test_linen_stateful_variables_given_to_a_stateless_model_raise():
   variables = Tower(DELAYED).init(jax.random.PRNGKey(0), X)
-  # make_dot_general_cls's module belongs where it is built (here the top), beside the Dense.
-  assert set(variables["_overwrite_with_gradient"]) == {"DelayedScalingDotGeneral_0", "dense",
-                                                       "mlp"}
+  assert set(variables["_overwrite_with_gradient"]) == {"proj", "dense", "mlp"}
   with pytest.raises(ValueError, match=IGNORED) as info:
     Tower(CURRENT).apply(variables, X)
   message = str(info.value)
   # The layer path and the entries that would be ignored, and both ways out.
-  assert "(DelayedScalingDotGeneral_0)" in message and "Float8CurrentScaling" in message
+  assert "(proj/DelayedScalingDotGeneral_0)" in message and "Float8CurrentScaling" in message
   assert "variables.pop('_overwrite_with_gradient')" in message
   # Each kind of layer checks (the first to run raises; drop the others' entries to reach it).
   for name, path in (("dense", "dense/DelayedScalingDotGeneral_0"), ("mlp", "mlp/x_0_scale")):
@@ -57,6 +54,22 @@ def test_linen_stateful_variables_given_to_a_stateless_model_raise():
   # The way out the message names works, and the stateless model then runs.
   params_only = {"params": variables["params"]}
   assert Tower(CURRENT).apply(params_only, X).shape == (4, 32)
+
+
+def test_linen_gemms_of_two_recipes_side_by_side_are_not_mistaken_for_a_checkpoints():
+  """make_dot_general_cls instances built in a model of the user's belong to that model, beside
+  each other: a stateless one next to a DelayedScaling one is no mismatch."""
+
+  class Mixed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      current = ta_linen.make_dot_general_cls(CURRENT)
+      delayed = ta_linen.make_dot_general_cls(DELAYED)
+      return nn.Dense(32, dot_general=delayed())(nn.Dense(32, dot_general=current())(x))
+
+  variables = Mixed().init(jax.random.PRNGKey(0), X)
+  assert set(variables["_overwrite_with_gradient"]) == {"DelayedScalingDotGeneral_0"}
+  assert Mixed().apply(variables, X).shape == (4, 32)
 
 
 def test_linen_missing_or_mismatched_delayed_state_raises():

@@ -74,11 +74,15 @@ def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = N
 def _refuse_ignored_state(module: nn.Module, recipe) -> None:
   """Raises where variables hold recipe state that ``recipe`` (stateless) would ignore: a
   checkpoint made with ``DelayedScaling``, applied with ``Float8CurrentScaling``. The layer's own
-  entries, and for a ``make_dot_general_cls`` GEMM those of another recipe's GEMM beside it in
-  the same layer (``DelayedScalingDotGeneral_0`` next to ``Float8CurrentScalingDotGeneral_0``)."""
+  entries, and for a ``make_dot_general_cls`` GEMM inside a dense layer those of another
+  recipe's GEMM in that layer (``DelayedScalingDotGeneral_0`` where this layer's is
+  ``Float8CurrentScalingDotGeneral_0``)."""
   found = [_joined(module, name) for name in module.variables.get(OVERWRITE_WITH_GRADIENT, {})]
   parent = module.parent if isinstance(module, QuantizedDotGeneral) else None
-  if isinstance(parent, nn.Module):
+  # Only where the parent is a layer with one dot_general slot (ta_linen.Dense, a converted or
+  # dot_general_cls-filled nn.Dense): a model of the user's may hold GEMMs of several recipes
+  # side by side, whose state this GEMM cannot tell from a checkpoint's.
+  if isinstance(parent, _ONE_GEMM_LAYERS):
     mine = f"{type(recipe).__name__}DotGeneral_"
     found += [_joined(parent, name)
               for name in parent.variables.get(OVERWRITE_WITH_GRADIENT, {})
@@ -92,6 +96,11 @@ def _refuse_ignored_state(module: nn.Module, recipe) -> None:
         f"collection out of the variables (variables.pop({OVERWRITE_WITH_GRADIENT!r})) to go on "
         f"with {type(recipe).__name__}."
     )
+
+
+# Flax's layers with a dot_general slot: one GEMM each.
+_ONE_GEMM_LAYERS = tuple(getattr(nn, name) for name in ("Dense", "DenseGeneral", "Einsum")
+                         if hasattr(nn, name))
 
 
 def _joined(module: nn.Module, name: str) -> str:
