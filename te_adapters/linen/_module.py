@@ -105,7 +105,8 @@ _ONE_GEMM_LAYERS = tuple(getattr(nn, name) for name in ("Dense", "DenseGeneral",
 
 def _joined(module: nn.Module, name: str) -> str:
   """The path of ``module``'s entry ``name`` in its model, joined by ``/``."""
-  return "/".join((*module.scope.path, name))
+  path = module.scope.path if module.scope is not None else ()
+  return "/".join((*path, name))
 
 
 def _options(module) -> kit.GemmOptions:

@@ -122,7 +122,7 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
 def _flagged(rows, cols, non_finite) -> Quantized:
   # A NaN or inf in the operand (a non-finite global amax) makes the products it feeds NaN
   # (GemmConfig.non_finite).
-  return Quantized(*(flag_non_finite(t, non_finite) for t in (rows, cols)), None)
+  return Quantized(flag_non_finite(rows, non_finite), flag_non_finite(cols, non_finite), None)
 
 
 def _values(t):
