@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import time
 import warnings
 
@@ -108,9 +109,10 @@ def init(cfg: Config):
   return jax.jit(hk.transform_with_state(forward).init)(jax.random.key(cfg.seed), tokens)
 
 
-def train(recipe, params, state, cfg: Config):
+def train(recipe, params, state, cfg: Config, name: str = ""):
   """Trains the model from ``params``; returns the loss of every step, what was quantized, and
-  (GEMMs with FP8 operands, all GEMMs) of one step's forward and backward pass."""
+  (GEMMs with FP8 operands, all GEMMs) of one step's forward and backward pass. Prints a
+  progress line on stderr after the first step (which compiles) and every ``cfg.log_every``."""
   quantize = ta_hk.quantize(recipe, threshold=THRESHOLD)
   model = hk.transform_with_state(quantize(lambda tokens: transformer(tokens, cfg)))
   optimizer = optax.adam(cfg.learning_rate)
@@ -134,10 +136,17 @@ def train(recipe, params, state, cfg: Config):
   data = batches(cfg)
   gemms = ta.inspect.count_fp8_dot_generals(
       ta_hk.value_grad_and_state(loss_fn), params, state, *batches(cfg).__next__())
-  for _ in range(cfg.steps):
+  start, since = time.perf_counter(), 0
+  for i in range(1, cfg.steps + 1):
     tokens, targets = next(data)
     params, state, opt_state, loss = step(params, state, opt_state, tokens, targets)
-    losses.append(float(loss))
+    losses.append(float(loss))  # float() waits for the step
+    if i == 1 or i % cfg.log_every == 0 or i == cfg.steps:
+      now = time.perf_counter()
+      note = " (the first step compiles)" if since == 0 else ""
+      print(f"{name}: step {i}/{cfg.steps} loss {losses[-1]:.4f} "
+            f"{1e3 * (now - start) / (i - since):.1f} ms/step{note}", file=sys.stderr, flush=True)
+      start, since = now, i
   return losses, quantize.report, gemms
 
 
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     state = delayed_state if name == "delayed" else {}
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # skipped layers are listed from the report below
-      curves[name], report, (fp8, gemms) = train(recipe, params, state, cfg)
+      curves[name], report, (fp8, gemms) = train(recipe, params, state, cfg, name)
     seconds = time.perf_counter() - start
     print(f"{name:8s} {len(report.quantized)} FP8 layers, skipped {report.skipped or 'none'}, "
           f"{fp8} of {gemms} GEMMs per step with FP8 operands, {seconds:.1f} s")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -128,12 +130,25 @@ def fp8_gemms(model, tokens) -> tuple[int, int]:
   return ta.inspect.count_fp8_dot_generals(step, state, tokens)
 
 
-def train(cfg: Config, recipe, steps: int, seed: int) -> tuple[list[float], tuple[int, int]]:
+def train(cfg: Config, recipe, steps: int, seed: int, name: str = "", every: int = 0
+          ) -> tuple[list[float], tuple[int, int]]:
+  """The loss of every step and the FP8 GEMM count; with ``every``, a progress line on stderr
+  after the first step (which compiles) and every ``every`` steps."""
   model = LanguageModel(cfg, recipe, nnx.Rngs(seed))
   optimizer = nnx.Optimizer(model, optax.adamw(cfg.learning_rate), wrt=nnx.Param)
   batches = list(synthetic_batches(cfg, steps, seed))
   counts = fp8_gemms(model, batches[0])
-  return [float(train_step(model, optimizer, b)) for b in batches], counts
+  losses, start, since = [], time.perf_counter(), 0
+  for step, batch in enumerate(batches, 1):
+    losses.append(float(train_step(model, optimizer, batch)))  # float() waits for the step
+    if every and (step == 1 or step % every == 0 or step == steps):
+      now = time.perf_counter()
+      note = " (the first step compiles)" if since == 0 else ""
+      print(f"{name}: step {step}/{steps} loss {losses[-1]:.4f} "
+            f"{1e3 * (now - start) / (step - since):.1f} ms/step{note}", file=sys.stderr,
+            flush=True)
+      start, since = now, step
+  return losses, counts
 
 
 def main(argv=None) -> dict[str, list[float]]:
@@ -141,12 +156,15 @@ def main(argv=None) -> dict[str, list[float]]:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--tiny", action="store_true", help="a tiny model, for a quick check")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--log-every", type=int, default=0, help="default: about 15 lines")
+  parser.add_argument("--log-every", type=int, default=0,
+                      help="steps between progress lines and table rows (default: about 15)")
   args = parser.parse_args(argv)
   cfg = TINY if args.tiny else Config()
   every = args.log_every or max(1, args.steps // 15)
 
-  runs = {name: train(cfg, recipe, args.steps, args.seed) for name, recipe in RECIPES.items()}
+  # Progress on stderr as each run trains; the loss table on stdout once all have.
+  runs = {name: train(cfg, recipe, args.steps, args.seed, name, every)
+          for name, recipe in RECIPES.items()}
   curves = {name: run[0] for name, run in runs.items()}
   print(f"{'step':>6}" + "".join(f"{name:>14}" for name in curves))
   for step in range(args.steps):

@@ -13,11 +13,33 @@ def _checkout_root() -> Path | None:
   return None
 
 
+# The subcommands and what each does, as ``--help`` lists them.
+COMMANDS = {
+    "demo": "FP8 against bf16 on one GEMM on this device: step time, error, FP8 GEMMs counted",
+    "bench": "the benchmark (python -m bench), from a source checkout",
+}
+
+
+def usage() -> str:
+  """The command line's help text: its subcommands, one a line."""
+  width = max(map(len, COMMANDS))
+  lines = [f"usage: python -m te_adapters {{{','.join(COMMANDS)}}} [options]", "",
+           "TransformerEngine-grade quantized GEMMs for JAX (Flax Linen, Flax NNX, Haiku).", "",
+           "subcommands:"]
+  lines += [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
+  lines += ["", "  -h, --help  show this message and exit"]
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  commands = ("demo", "bench")
-  if not argv or argv[0] not in commands:
-    print(f"usage: python -m te_adapters {{{','.join(commands)}}} [options]", file=sys.stderr)
+  if argv and argv[0] in ("-h", "--help", "help"):
+    print(usage())
+    return 0
+  if not argv or argv[0] not in COMMANDS:
+    print(usage(), file=sys.stderr)
+    if argv:
+      print(f"\npython -m te_adapters: unknown subcommand {argv[0]!r}", file=sys.stderr)
     return 2
   if argv[0] == "demo":
     from te_adapters import _demo

@@ -48,3 +48,17 @@ def test_demo_says_when_the_gemm_stays_in_high_precision():
 def test_command_line_usage_error():
   out = subprocess.run([sys.executable, "-m", "te_adapters"], capture_output=True, text=True)
   assert out.returncode == 2 and "usage" in out.stderr
+  out = subprocess.run([sys.executable, "-m", "te_adapters", "demos"], capture_output=True,
+                       text=True)
+  assert out.returncode == 2 and "unknown subcommand 'demos'" in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_command_line_help_lists_the_subcommands(flag):
+  out = subprocess.run([sys.executable, "-m", "te_adapters", flag], capture_output=True,
+                       text=True)
+  assert out.returncode == 0, out.stderr
+  listed = [line.split()[0] for line in out.stdout.split("subcommands:")[1].splitlines()
+            if line.startswith("  ") and not line.strip().startswith("-")]
+  assert listed == ["demo", "bench"], out.stdout
+  assert "FP8 against bf16" in out.stdout and out.stderr == ""

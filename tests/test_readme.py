@@ -1,15 +1,21 @@
-"""The README's usage blocks for plain JAX, Flax Linen, Flax NNX and Haiku run as written.
+"""Every Python block of README.md (and of the user guide, ``docs/**/*.md``) runs as written.
 
-Each block is taken from README.md by a line it holds and executed with the names it leaves to
-the reader (a model, its loss, a batch) defined the ordinary way for that framework, at sizes
-under the FP8 size threshold (the README's code keeps the default threshold; the FP8 numerics
-are the other tests' subject). What is checked is that the documented calls exist, take the
-documented arguments and return the documented structures, so the README cannot drift from
-the API unnoticed.
+Each block is executed on its own, in a fresh namespace, exactly as the README shows it (the
+multi-host script through the launcher it names, in two processes), and then checked: the
+documented calls exist, take the documented arguments and return the documented structures, and
+the values they promise (a trained LoRA factor, a frozen kernel, a restored checkpoint, the
+global amax on every process) are there. A block that no check claims fails the suite, so a new
+block cannot go untested.
+
+The blocks run with the shipped size threshold (it applies on GPUs only), as a user's program
+does, not with the suite's (``tests/conftest.py`` makes it apply on CPU too).
 """
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,118 +24,172 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
+from tests import conftest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-pytestmark = pytest.mark.filterwarnings("ignore::te_adapters.core.HighPrecisionGemmWarning")
-
-
-def _block(marker: str) -> str:
-  blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if marker in b]
-  assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks hold {marker!r}"
-  return blocks[0]
-
-
-def _batch():
-  rng = np.random.default_rng(0)
-  return (jnp.asarray(rng.standard_normal((8, 32)), jnp.float32),
-          jnp.asarray(rng.standard_normal((8, 16)), jnp.float32))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::te_adapters.core.HighPrecisionGemmWarning"),
+    # Orbax's and multi-device jax's notes on what they do.
+    pytest.mark.filterwarnings("ignore::UserWarning:orbax"),
+]
 
 
-def test_plain_jax_block():
-  ns = {"w": jnp.ones((32, 16)) / 8, "x": _batch()[0]}
-  exec(_block("state = ta.core.with_max_grad(state)"), ns)
-  assert isinstance(ns["state"], core.DelayedScalingState)
-  assert ns["g_w"].shape == (32, 16) and np.isfinite(float(ns["loss"]))
+def python_blocks(page: pathlib.Path = README) -> list[tuple[int, str]]:
+  """``(line, code)`` of every python block of a Markdown page (the README by default)."""
+  text = page.read_text()
+  return [(text[:m.start()].count("\n") + 2, m.group(1))
+          for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
 
 
-def test_linen_block():
-  import optax
-  from flax import linen as nn
+def guide_blocks() -> list[tuple[str, str]]:
+  """``(page:line, code)`` of every python block of the user-guide pages, ``docs/**/*.md``."""
+  return [(f"{page.relative_to(ROOT)}:{line}", code)
+          for page in sorted((ROOT / "docs").rglob("*.md"))
+          for line, code in python_blocks(page)]
 
+
+@pytest.fixture(autouse=True, scope="module")
+def shipped_threshold():
+  """The default threshold as shipped (GPUs only) while the blocks run."""
+  suite = core.DEFAULT_SIZE_THRESHOLD.platforms
+  object.__setattr__(core.DEFAULT_SIZE_THRESHOLD, "platforms", conftest.GPU_PLATFORMS)
+  yield
+  object.__setattr__(core.DEFAULT_SIZE_THRESHOLD, "platforms", suite)
+
+
+def _fp8_here(x, w) -> bool:
+  return core.runs_in_fp8(x.shape, w.shape, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+# --- the checks, each claiming its block by a line it holds -------------------------------------
+
+
+def check_plain_jax(ns):
+  state = ns["state"]
+  assert isinstance(state, core.DelayedScalingState) and ns["g_w"].shape == (64, 128)
+  assert np.isfinite(float(ns["loss"]))
+  newest = float(state["x_amax_history"][-1])  # the step's amax, after the roll
+  if _fp8_here(ns["x"], ns["w"]):
+    assert newest == pytest.approx(float(jnp.max(jnp.abs(ns["x"]))))
+    assert float(state["x_scale"][0]) == pytest.approx(448.0 / newest, rel=1e-6)
+  else:
+    assert newest == 0.0  # high precision: the state is left as it was
+
+
+def check_orbax(ns):
+  restored, w, state = ns["restored"], ns["w"], ns["state"]
+  assert isinstance(restored["recipe_state"], core.DelayedScalingState)
+  # Two steps were taken (one before the save, one after the restore).
+  assert w.shape == (64, 128) and np.isfinite(np.asarray(w)).all()
+  if _fp8_here(ns["x"], w):
+    history = np.asarray(state["x_amax_history"])
+    assert (history[-2:] > 0).all() and (history[:-2] == 0).all()
+
+
+def check_linen(ns):
   from te_adapters import linen as ta_linen
 
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      cls = ta_linen.make_dot_general_cls(ta.DelayedScaling(amax_history_len=4))
-      return nn.Dense(16, dot_general=cls())(nn.relu(nn.Dense(32, dot_general=cls())(x)))
-
-  model, batch = Model(), _batch()
-  variables = model.init(jax.random.PRNGKey(0), batch[0])
-
-  def loss_fn(variables, batch):
-    x, y = batch
-    return jnp.mean((model.apply(variables, x) - y) ** 2)
-
-  ns = {"ta": ta, "features": 32, "model": model, "variables": variables, "loss_fn": loss_fn,
-        "batch": batch, "optax": optax}
-  exec(_block("ta_linen.TrainState.create"), ns)
   state = ns["state"]
   assert isinstance(state, ta_linen.TrainState) and int(state.step) == 1
   assert np.isfinite(float(ns["loss"]))
-  assert "_overwrite_with_gradient" in ns["layer"].init(jax.random.PRNGKey(1), batch[0])
+  before = ns["variables"]["params"]
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, state.params)
+  assert all(jax.tree.leaves(changed))  # the optimizer stepped every parameter
+  # The recipe state was overwritten by its gradient: the step's amax in every GEMM's history.
+  ns_state = state.recipe_state
+  assert set(ns_state) == {"DelayedScalingDotGeneral_0", "DelayedScalingDotGeneral_1"}
+  assert "_overwrite_with_gradient" in ns["layer"].init(jax.random.key(1), jnp.ones((2, 64)))
 
 
-def test_nnx_block():
-  import optax
-  from flax import nnx
-
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      self.up = nnx.Linear(32, 64, rngs=rngs)
-      self.down = nnx.Linear(64, 16, rngs=rngs)
-
-    def __call__(self, x):
-      return self.down(nnx.relu(self.up(x)))
-
-  model, batch = Model(nnx.Rngs(0)), _batch()
-
-  def loss_fn(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
-
-  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-  before = np.asarray(model.up.kernel[...]).copy()
-  ns = {"ta": ta, "model": model, "loss_fn": loss_fn, "batch": batch, "optimizer": optimizer}
-  exec(_block("ta_nnx.update_recipe_state(model, state_grads)"), ns)
-  report = ns["report"]
+def check_nnx(ns):
+  report, model = ns["report"], ns["model"]
   assert sorted(report.quantized) == ["down", "up"], report
-  # Below the size threshold: the report says these will run in high precision here.
-  assert sorted(report.high_precision) == ["down", "up"], report
   assert np.isfinite(float(ns["loss"]))
-  assert not np.array_equal(np.asarray(model.up.kernel[...]), before)  # the optimizer stepped
+  assert ns["layer"].kernel.shape == (1024, 4096)
+  # The optimizer stepped the converted model's parameters (Adam's first step moves each).
+  fresh = type(model)(__import__("flax").nnx.Rngs(0))
+  assert not np.array_equal(np.asarray(model.up.kernel[...]), np.asarray(fresh.up.kernel[...]))
 
 
-def test_haiku_block():
-  hk = pytest.importorskip("haiku")
-
-  def forward(x):
-    return hk.Linear(16)(jax.nn.relu(hk.Linear(64)(x)))
-
-  batch = _batch()
-
-  def loss_fn(params, state, batch):
-    x, y = batch
-    out, state = ns["model"].apply(params, state, None, x)
-    return jnp.mean((out - y) ** 2), state
-
-  ns = {"ta": ta, "forward": forward, "rng": jax.random.PRNGKey(0), "x": batch[0],
-        "loss_fn": loss_fn, "batch": batch}
-  exec(_block("ta_hk.value_grad_and_state(loss_fn)"), ns)
+def check_haiku(ns):
   assert np.isfinite(float(ns["loss"])) and ns["aux"] is None
   assert jax.tree.structure(ns["param_grads"]) == jax.tree.structure(ns["params"])
+  assert len(ns["q"].report.quantized) == 2
+  # Delayed scaling's state came back from the step, updated (an amax in each history).
+  assert all(float(s["x_amax_history"][-1]) > 0 for s in ns["state"].values())
 
 
-def test_scale_out_block_on_four_devices():
-  """The FSDP + tensor-parallel example on a 2x2 mesh of this process's devices (the suite runs
-  with 8 CPU devices): its weight gradient equals the one-device computation's."""
-  if jax.device_count() < 4:
-    pytest.skip("needs 4 devices")
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
-  ns = {"x": x, "w": w}
-  exec(_block('kernel_all_gather=P("fsdp", None)'), ns)
+def check_rules(report):
+  """The conversion-rules examples (``tests/test_conversion_rules.py`` compares their reports
+  across adapters): attention kept in high precision, the MLP's two layers quantized."""
+  assert len(report.quantized) == 2 and len(report.skipped) == 0, report
+  assert [str(r) for r in report.recipes.values()].count(str(ta.DelayedScaling())) == 1
+
+
+def check_layernorm_dense(ns):
+  assert ns["z"].shape == (2, 16, 3072)
+  assert "_overwrite_with_gradient" in ns["variables"]
+
+
+def _lora_parts(tree, leaf_name):
+  """{path: value} of the leaves of ``tree`` whose last path entry names ``leaf_name``."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if leaf_name in names[-2:]:
+      out["/".join(names)] = np.asarray(leaf)
+  return out
+
+
+def check_linen_lora(ns):
+  from te_adapters.linen import DenseGeneral
+
+  model, x = ns["model"], ns["x"]
+  before = model.init(jax.random.key(0), x)["params"]
+  after = ns["params"]
+  # Nested: four layers, two levels down, each with its factors.
+  paths = sorted(_lora_parts(after, "lora_b_kernel"))
+  assert len(paths) == 4 and all(p.count("/") == 2 for p in paths), paths
+  for name in ("kernel", "bias", "lora_a_kernel"):  # lora_a's first gradient is 0 (b is 0)
+    for path, value in _lora_parts(after, name).items():
+      np.testing.assert_array_equal(value, _lora_parts(before, name)[path], err_msg=path)
+  for path, value in _lora_parts(after, "lora_b_kernel").items():
+    assert not np.array_equal(value, _lora_parts(before, "lora_b_kernel")[path]), path
+  assert set(jax.tree.leaves(ns["labels"])) == {"train", "freeze"}
+  del DenseGeneral
+
+
+def check_nnx_lora(ns):
+  from flax import nnx
+
+  model = ns["model"]
+  for block in model.blocks:
+    assert np.abs(np.asarray(block.lora_b_kernel[...])).max() > 0  # trained (zeros at init)
+  fresh = type(model)(nnx.Rngs(0))
+  for block, new in zip(model.blocks, fresh.blocks, strict=True):
+    np.testing.assert_array_equal(np.asarray(block.kernel[...]), np.asarray(new.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(block.bias[...]), np.asarray(new.bias[...]))
+
+
+def check_haiku_lora(ns):
+  trainable, frozen = ns["trainable"], ns["frozen"]
+  assert {n for m in trainable.values() for n in m} == {"lora_a_kernel", "lora_b_kernel"}
+  assert len(trainable) == 2 and {n for m in frozen.values() for n in m} == {"w", "b"}
+  assert all(np.abs(np.asarray(m["lora_b_kernel"])).max() > 0 for m in trainable.values())
+
+
+def check_threshold(ns):
+  assert isinstance(ns["mine"], core.SizeThreshold)
+  assert ns["mine"].platforms == ("gpu", "cpu")
+
+
+def check_config(ns):
+  assert ta.GemmConfig().non_finite == "propagate"
+
+
+def check_fsdp(ns):
+  x, w = (jnp.asarray(np.asarray(ns[k])) for k in ("x", "w"))  # on one device
   want = jax.grad(lambda w: jnp.sum(core.dot_general(
       x, w, (((2,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling())), argnums=0)(w)
   got = ns["grads"]
@@ -137,16 +197,89 @@ def test_scale_out_block_on_four_devices():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_formats_block_registers_a_format_that_runs():
-  x, _ = _batch()
-  ns = {"ta": ta, "jnp": jnp, "x": x, "w": jnp.ones((32, 16)) / 8}
+def check_formats(ns):
+  x, w = ns["x"], ns["w"]
+  recipe = ns["PowerOfTwoScaling"]()
+  assert core.format_of(recipe).recipe_type is ns["PowerOfTwoScaling"]
+  y = core.dot_general(x, ns["w"], (((1,), (0,)), ((), ())), recipe=recipe, threshold=None)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w), rtol=1e-6)
+  assert ns["y"].shape == (16, 16)
+
+
+CHECKS = {
+    "state = ta.core.with_max_grad(state)": check_plain_jax,
+    "ocp.StandardCheckpointer()": check_orbax,
+    "ta_linen.TrainState.create": check_linen,
+    "ta_nnx.update_recipe_state(model, state_grads)": check_nnx,
+    "ta_hk.value_grad_and_state(loss_fn)": check_haiku,
+    "ta_linen.quantize(rules=": lambda ns: check_rules(ns["q"].report),
+    "ta_nnx.quantize_model(Block(": lambda ns: check_rules(ns["report"]),
+    "ta_hk.quantize(rules=": lambda ns: check_rules(ns["q"].report),
+    "class QKV(nn.Module)": check_layernorm_dense,
+    "traverse_util.path_aware_map(": check_linen_lora,
+    "wrt=nnx.LoRAParam)": check_nnx_lora,
+    "hk.data_structures.partition(": check_haiku_lora,
+    "core.runs_in_fp8(x.shape, w.shape, dn, threshold=mine)": check_threshold,
+    'ta.GemmConfig(backend="jax")': check_config,
+    'kernel_all_gather=P("fsdp", None)': check_fsdp,
+    "ta.core.register_format(": check_formats,
+    "# train_multihost.py": None,  # test_multihost_block
+}
+
+
+def _claim(code: str) -> str:
+  markers = [m for m in CHECKS if m in code]
+  assert len(markers) == 1, f"a README block is claimed by {markers or 'no check'}:\n{code}"
+  return markers[0]
+
+
+def test_every_block_is_claimed_by_one_check():
+  claimed = [_claim(code) for _, code in python_blocks()]
+  assert sorted(claimed) == sorted(CHECKS), "a check lost its block"
+
+
+@pytest.mark.parametrize("line, code", [b for b in python_blocks()
+                                        if "# train_multihost.py" not in b[1]],
+                         ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_block_runs_as_written(line, code):
+  marker = _claim(code)
+  if marker == 'kernel_all_gather=P("fsdp", None)' and jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  ns = {"__name__": f"readme_line_{line}"}
   try:
-    exec(_block("ta.core.register_format("), ns)
-    recipe = ns["PowerOfTwoScaling"]()
-    assert core.format_of(recipe).recipe_type is ns["PowerOfTwoScaling"]
-    y = core.dot_general(x, ns["w"], (((1,), (0,)), ((), ())), recipe=recipe, threshold=None)
-    want = np.asarray(x, np.float64) @ np.asarray(ns["w"], np.float64)
-    assert np.linalg.norm(np.asarray(y) - want) / np.linalg.norm(want) < 0.1
-    assert ns["y"].shape == (8, 16)
+    exec(compile(code, f"README.md:{line}", "exec"), ns)
+    CHECKS[marker](ns)
   finally:
-    core.unregister_format(ns["PowerOfTwoScaling"])
+    if "PowerOfTwoScaling" in ns:
+      core.unregister_format(ns["PowerOfTwoScaling"])
+
+
+@pytest.mark.parametrize("where, code", guide_blocks(), ids=lambda v: v if ":" in v else "")
+def test_guide_block_runs_as_written(where, code):
+  """The user guide's blocks, each on its own in a fresh namespace, as the README's."""
+  exec(compile(code, where, "exec"), {"__name__": "guide_block"})
+
+
+def test_multihost_block_runs_in_two_processes(tmp_path):
+  """The multi-host script, saved as the README names it and run through the launcher it shows:
+  both processes print the same loss and the amax of the whole batch, not of their own rows."""
+  (code,) = [c for _, c in python_blocks() if "# train_multihost.py" in c]
+  script = tmp_path / "train_multihost.py"
+  script.write_text(code)
+  shell = re.search(r"```sh\n(python -m bench\.multiprocess [^\n]*train_multihost\.py)\n```",
+                    README.read_text())
+  assert shell, "the README's command for the script"
+  args = shell.group(1).split()[1:]
+  args[-1] = str(script)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                                  os.environ.get("PYTHONPATH")])))
+  out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  lines = re.findall(r"process (\d): loss (\S+), x amax (\S+)", out.stdout)
+  assert sorted(i for i, _, _ in lines) == ["0", "1"], out.stdout[-3000:]
+  assert len({(loss, amax) for _, loss, amax in lines}) == 1  # identical on both processes
+  rows = [np.random.default_rng(i).standard_normal((4, 16, 64), np.float32) for i in range(2)]
+  whole, own = max(np.abs(r).max() for r in rows), np.abs(rows[0]).max()
+  amax = float(lines[0][2])
+  assert amax == pytest.approx(float(whole), abs=1e-6) and whole != own

@@ -89,6 +89,26 @@ def state_variable(name: str, initial: jax.Array) -> jax.Array:
     ) from e
 
 
+def refuse_ignored_state(recipe) -> None:
+  """Under ``apply``, raises where the state holds recipe state for the current module that the
+  stateless ``recipe`` would ignore: a ``DelayedScaling`` model's state given to a
+  ``Float8CurrentScaling`` one."""
+  if hk.running_init():
+    return
+  stateful = core.state_names(core.DelayedScaling())
+  module = hk.experimental.current_name()
+  # Read without hk.get_state, which a stateless hk.transform refuses.
+  if stateful[0] not in hk.experimental.get_current_state().get(module, {}):
+    return  # none: as it should be
+  raise ValueError(
+      f"te_adapters.haiku: the state given to apply holds recipe state for {module!r} "
+      f"({', '.join(repr(n) for n in stateful)}), but its recipe {type(recipe).__name__} keeps "
+      "none, so it would be silently ignored: the state comes from a model with another recipe "
+      "(DelayedScaling). Apply the model with that recipe, or pass the state init returns "
+      f"with {type(recipe).__name__}."
+  )
+
+
 def recipe_state(module: hk.Module, recipe) -> dict | None:
   """The recipe state of the module's GEMM from ``hk.get_state`` (TE's names), or None where the
   recipe keeps none.
@@ -98,6 +118,8 @@ def recipe_state(module: hk.Module, recipe) -> dict | None:
   """
   state = kit.recipe_state(recipe, state_variable)
   if state is None:
+    if recipe is not None:
+      refuse_ignored_state(recipe)
     return None
   cast = sorted({str(v.dtype) for v in state.values()
                  if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -88,7 +89,47 @@ def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = N
   def variable(name, initial):
     return module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix), lambda: initial).value
 
+  if recipe is not None and not core.state_names(recipe):
+    _refuse_ignored_state(module, recipe)
   return kit.recipe_state(recipe, variable, n_groups)
+
+
+def _refuse_ignored_state(module: nn.Module, recipe) -> None:
+  """Raises where variables hold recipe state that ``recipe`` (stateless) would ignore: a
+  checkpoint made with ``DelayedScaling``, applied with ``Float8CurrentScaling``. The layer's own
+  entries, and for a ``make_dot_general_cls`` GEMM inside a dense layer those of another
+  recipe's GEMM in that layer (``DelayedScalingDotGeneral_0`` where this layer's is
+  ``Float8CurrentScalingDotGeneral_0``)."""
+  found = [_joined(module, name) for name in module.variables.get(OVERWRITE_WITH_GRADIENT, {})]
+  parent = module.parent if isinstance(module, QuantizedDotGeneral) else None
+  # Only where the parent is a layer with one dot_general slot (ta_linen.Dense, a converted or
+  # dot_general_cls-filled nn.Dense): a model of the user's may hold GEMMs of several recipes
+  # side by side, whose state this GEMM cannot tell from a checkpoint's.
+  if isinstance(parent, _ONE_GEMM_LAYERS):
+    mine = f"{type(recipe).__name__}DotGeneral_"
+    found += [_joined(parent, name)
+              for name in parent.variables.get(OVERWRITE_WITH_GRADIENT, {})
+              if re.fullmatch(r"\w+DotGeneral_\d+", name) and not name.startswith(mine)]
+  if found:
+    raise ValueError(
+        f"{_layer_name(module)}: the variables hold recipe state in {OVERWRITE_WITH_GRADIENT!r} "
+        f"({', '.join(sorted(found))}), but this layer's recipe {type(recipe).__name__} keeps "
+        "none, so it would be silently ignored: the variables come from a model with another "
+        "recipe (DelayedScaling keeps state). Apply the model with that recipe, or leave the "
+        f"collection out of the variables (variables.pop({OVERWRITE_WITH_GRADIENT!r})) to go on "
+        f"with {type(recipe).__name__}."
+    )
+
+
+# Flax's layers with a dot_general slot: one GEMM each.
+_ONE_GEMM_LAYERS = tuple(getattr(nn, name) for name in ("Dense", "DenseGeneral", "Einsum")
+                         if hasattr(nn, name))
+
+
+def _joined(module: nn.Module, name: str) -> str:
+  """The path of ``module``'s entry ``name`` in its model, joined by ``/``."""
+  path = module.scope.path if module.scope is not None else ()
+  return "/".join((*path, name))
 
 
 def _options(module) -> kit.GemmOptions:

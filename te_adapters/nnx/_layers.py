@@ -84,7 +84,15 @@ def _lora_term(layer, inputs, y, axis):
 
 def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
   """The parent's arguments by name, with its defaults (the parent's TypeError on bad ones)."""
-  bound = inspect.signature(parent_init).bind(layer, *args, **kwargs)
+  try:
+    bound = inspect.signature(parent_init).bind(layer, *args, **kwargs)
+  except TypeError:
+    # Arguments that do not bind: the parent's own call raises the error Flax users know
+    # ("Linear.__init__() missing 1 required keyword-only argument: 'rngs'") before its body
+    # runs.
+    parent_init(layer, *args, **kwargs)
+    raise
+
   bound.apply_defaults()
   return bound.arguments
 

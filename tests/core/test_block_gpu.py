@@ -309,3 +309,33 @@ def test_block_cast_kernel_runs_in_the_float8_block_dot_general():
     # XLA's GPU division can put a scale one ulp (so a power of two one step) away from the
     # kernel's correctly rounded one; the GEMM's inputs are otherwise the same.
     assert _rel(np.asarray(a, np.float64), np.asarray(b, np.float64)) < 2e-2
+
+
+def test_block_cast_kernel_non_finite_input_reaches_the_output():
+  """The CUDA block cast gives a non-finite block the scale 1 (TE's rule) and a NaN amax for a
+  NaN; an infinity gives an infinite amax. Either makes the copies' inverse scales NaN
+  (GemmConfig.non_finite="propagate"), so the cuBLASLt block GEMMs write NaN; "saturate" keeps
+  TE's finite result for the infinity."""
+  _skip_unless_block_cast()
+  _skip_unless_cublas_runs_under_jit()
+  recipe = ta.Float8BlockScaling()
+  x = jnp.asarray(_data((256, 512), 0), jnp.bfloat16)
+  w = jnp.asarray(_data((512, 384), 1), jnp.bfloat16)
+  g = jnp.asarray(_data((256, 384), 2), jnp.bfloat16)
+
+  def step(config, x):
+    def run(x, w, g):
+      y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(
+          x, w, DN, recipe=recipe, threshold=None, config=config), x, w)
+      return (y, *vjp(g))
+    compiled = jax.jit(run).lower(x, w, g).compile()
+    # The forward and both gradient GEMMs read the CUDA cast's copies (one pass per operand).
+    assert compiled.as_text().count('custom_call_target="te_adapters_block_cast"') == 3
+    return [np.asarray(a, np.float32) for a in compiled(x, w, g)]
+
+  for bad in (np.inf, np.nan):
+    y, dx, dw = step(ta.GemmConfig(), x.at[5, 200].set(bad))
+    assert np.isnan(y).all() and np.isnan(dw).all()  # the GEMMs that read x's copies
+    assert np.isfinite(dx).all()  # dgrad reads the gradient and the kernel only
+  y, dx, dw = step(ta.GemmConfig(non_finite="saturate"), x.at[5, 200].set(np.inf))
+  assert np.isfinite(y).all() and np.isfinite(dw).all()

@@ -113,3 +113,25 @@ def test_native_choice_refuses_what_it_cannot_run():
   x, w, dy = _data(200, 512, 384)  # M = 200 is not a multiple of 16
   with pytest.raises(RuntimeError, match="multiples of 16"):
     _step(ta.Float8CurrentScaling(), x, w, dy, native)(x, w)
+
+
+@pytest.mark.parametrize("recipe", [ta.DelayedScaling(), ta.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_a_non_finite_operand_reaches_the_output_of_the_cublas_gemm(recipe):
+  """The extension's cast saturates an infinity as TE's does; the NaN inverse scale of the
+  operand whose amax is not finite (GemmConfig.non_finite="propagate") makes the cuBLASLt GEMM's
+  epilogue write NaN, in the forward GEMM and both gradient GEMMs. "saturate" stays finite."""
+  x, w, dy = _data(256, 512, 384, seed=4)
+  x = x.at[3, 5].set(jnp.inf)
+  step = _step(recipe, x, w, dy)
+  hlo = step.lower(x, w).compile().as_text()
+  assert hlo.count('custom_call_target="te_adapters_block_gemm"') == 3, hlo
+  (_, y), (gx, gw) = step(x, w)
+  assert np.isnan(np.asarray(y, np.float32)).all()
+  assert np.isnan(np.asarray(gw, np.float32)).all()  # wgrad reads x's copy
+  (_, y), (gx, gw) = _step(recipe, x, w, dy, ta.GemmConfig(non_finite="saturate"))(x, w)
+  assert np.isfinite(np.asarray(y, np.float32)).all()
+  dy = dy.at[7, 9].set(jnp.nan)
+  (_, y), (gx, gw) = _step(recipe, x.at[3, 5].set(1.0), w, dy)(x.at[3, 5].set(1.0), w)
+  assert np.isfinite(np.asarray(y, np.float32)).all()
+  assert np.isnan(np.asarray(gx, np.float32)).all() and np.isnan(np.asarray(gw, np.float32)).all()

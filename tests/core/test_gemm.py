@@ -193,6 +193,9 @@ def test_nan_in_operand_propagates_to_output_not_to_scale(rows):
     return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state))
 
   y = core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state)
+  assert np.isnan(np.asarray(y)).all()  # GemmConfig.non_finite: the non-finite amax's NaN scale
+  saturate = ta.GemmConfig(non_finite="saturate")  # TE's cast: the NaN code, in its row alone
+  y = core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state, config=saturate)
   assert np.isnan(np.asarray(y)[3]).all() and np.isfinite(np.asarray(y)[0]).all()
   new = jax.grad(loss, argnums=2)(x, w, state)
   for role in ("x", "kernel", "grad"):

@@ -35,3 +35,13 @@ def test_example_trains_and_fp8_tracks_bf16():
   assert final["bf16"] < math.log(32) - 1.0  # it learned (chance is log(vocab) = 3.47)
   for name in ("current", "delayed"):
     assert abs(final[name] - final["bf16"]) < 0.1, out
+  # Progress while training, on stderr: after the first step (which compiles), then every
+  # log_every = 20 steps of the 100, each with its loss and the time per step.
+  progress = re.findall(r"^(\w+): step (\d+)/100 loss (\d+\.\d{4}) (\d+\.\d) ms/step",
+                        proc.stderr, re.M)
+  steps = [1, 20, 40, 60, 80, 100]
+  assert [(name, int(step)) for name, step, _, _ in progress] == [
+      (name, step) for name in ("bf16", "current", "delayed") for step in steps
+  ], proc.stderr[-3000:]
+  last = {name: float(loss) for name, step, loss, _ in progress if step == "100"}
+  assert last["bf16"] < math.log(32) - 1.0 and all(float(ms) > 0 for *_, ms in progress)

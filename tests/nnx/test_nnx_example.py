@@ -49,6 +49,17 @@ def test_train_nnx_example_runs_tiny():
   # FP8 tracks bf16.
   np.testing.assert_allclose(losses[:, 1], losses[:, 0], atol=0.05)
   np.testing.assert_allclose(losses[:, 2], losses[:, 0], atol=0.05)
+  # Progress while training, on stderr: a line per step here (--steps 3), with the step's loss
+  # (the table's) and the time per step since the last line.
+  progress = re.findall(r"^(\S+): step (\d+)/3 loss (\d+\.\d{4}) (\d+\.\d) ms/step(.*)$",
+                        result.stderr, re.M)
+  assert [(name, int(step)) for name, step, *_ in progress] == [
+      (name, step) for name in ("bf16", "fp8-current", "fp8-delayed") for step in (1, 2, 3)
+  ], result.stderr[-3000:]
+  logged = np.array([float(loss) for _, _, loss, _, _ in progress]).reshape(3, 3).T
+  np.testing.assert_allclose(logged, losses, atol=1e-4)
+  assert all(float(ms) > 0 for *_, ms, _ in progress)
+  assert [note for *_, note in progress][::3] == [" (the first step compiles)"] * 3
   assert "fp8-delayed: mean of the last" in result.stdout
   # Every GEMM of the Linear layers runs in FP8 (3 per layer: forward, dgrad, wgrad); attention's
   # own products stay in bf16.

@@ -38,7 +38,7 @@ from te_adapters.core.formats._format import (
   Quantized,
   QuantizeRequest,
 )
-from te_adapters.core.formats._scaled_tensor import ScaledTensor
+from te_adapters.core.formats._scaled_tensor import ScaledTensor, flag_non_finite
 from te_adapters.core.state import EmptyState
 
 __all__ = [
@@ -236,7 +236,7 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
   if req.rows and req.cols:
     both = _cast_both(x, spec, spec_t, req.config.backend)
     if both is not None:
-      both_rows, both_cols = both
+      both_rows, both_cols = (flag_non_finite(t, req.config.non_finite) for t in both)
       return Quantized(both_rows, both_cols, None)
   # One key, two random streams: the copy along C (0) and the swapped copy (1).
   rows = cols = None
@@ -249,6 +249,9 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
     else:
       cols = quantize_trailing(
           jnp.swapaxes(x, -1, -2), spec_t, req.key, stream=1, what=what, reduce_amax=reduce)
+  # A NaN or inf in x (a non-finite global amax) makes the GEMM's output NaN
+  # (GemmConfig.non_finite).
+  rows, cols = (flag_non_finite(t, req.config.non_finite) for t in (rows, cols))
   return Quantized(rows if req.rows else None, cols, None)
 
 

@@ -135,6 +135,8 @@ class GroupedRequest:
     granularity: ``"group"`` (the grouped GEMM's scales and blocks are per group) or
       ``"tensor"`` (per-tensor formats: one amax over all groups, the alternative kept for
       measurements).
+    non_finite: ``GemmConfig.non_finite``: ``"propagate"`` (NaN inverse scales where an amax is
+      not finite) or ``"saturate"``.
   """
 
   x: Any
@@ -146,6 +148,7 @@ class GroupedRequest:
   cols: bool = True
   route: Any = None
   granularity: str = "group"
+  non_finite: str = "propagate"
 
   def __post_init__(self):
     if self.role not in ("x", "kernel", "grad"):

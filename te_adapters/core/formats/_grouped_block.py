@@ -44,6 +44,7 @@ from te_adapters.core.formats._grouping import (
   padded_rows,
   row_groups,
 )
+from te_adapters.core.formats._scaled_tensor import flag_non_finite
 
 __all__ = ["grouped_format"]
 
@@ -106,7 +107,7 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
       rows = _block_scaled.quantize_trailing(jnp.swapaxes(x, 1, 2), spec, what=what)
     if req.cols:
       cols = _block_scaled.quantize_trailing(x, spec, what=what)
-    return Quantized(rows, cols, None)
+    return _flagged(rows, cols, req.non_finite)
   if req.rows:
     in_group = row_groups(req.group_sizes, x.shape[0]) < req.group_sizes.shape[0]
     x_rows = jnp.where(in_group[:, None], x, jnp.zeros((), x.dtype))
@@ -115,7 +116,13 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
     spec_t = block.operand_spec(recipe, role, True)
     padding = group_padding(req.group_sizes, x.shape[0], spec_t.block_size)
     cols = _block_scaled.quantize_trailing(padded_rows(x, padding).T, spec_t, what=what)
-  return Quantized(rows, cols, None)
+  return _flagged(rows, cols, req.non_finite)
+
+
+def _flagged(rows, cols, non_finite) -> Quantized:
+  # A NaN or inf in the operand (a non-finite global amax) makes the products it feeds NaN
+  # (GemmConfig.non_finite).
+  return Quantized(flag_non_finite(rows, non_finite), flag_non_finite(cols, non_finite), None)
 
 
 def _values(t):

@@ -39,7 +39,7 @@ from te_adapters.core.formats._rowwise import (
   power_of_two_scale,
   quantize_rows,
 )
-from te_adapters.core.formats._scaled_tensor import ScaledTensor
+from te_adapters.core.formats._scaled_tensor import ScaledTensor, non_finite_scale_inv
 from te_adapters.core.formats._tensor_format import _gemm_precision
 
 __all__ = ["GROUPED"]
@@ -58,9 +58,10 @@ def _in_groups(x, ids, num_groups):
   return jnp.where((ids < num_groups)[:, None], x, jnp.zeros((), x.dtype))
 
 
-def _group_columns(x, ids, num_groups, q_dtype, margin) -> ScaledTensor:
+def _group_columns(x, ids, num_groups, q_dtype, margin, non_finite="propagate") -> ScaledTensor:
   """``x`` (M, F) with one scale per column within each group (the amax over the group's rows):
-  FP8 data (M, F), ``scale_inv`` (G, F); rows past the groups are zeros."""
+  FP8 data (M, F), ``scale_inv`` (G, F), NaN where that amax is not finite unless
+  ``non_finite="saturate"``; rows past the groups are zeros."""
   magnitudes = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)).astype(jnp.float32)
   # max |x| over each group's rows, per column; rows past the groups fall in segment G.
   amax = jax.ops.segment_max(magnitudes, ids, num_segments=num_groups + 1)[:num_groups]
@@ -71,6 +72,7 @@ def _group_columns(x, ids, num_groups, q_dtype, margin) -> ScaledTensor:
   per_row = jnp.concatenate([scale, jnp.ones((1, x.shape[1]), jnp.float32)])[ids]
   data = jnp.clip(x.astype(jnp.float32) * per_row, -limit, limit).astype(q_dtype)
   data = _in_groups(data, ids, num_groups)
+  sinv = non_finite_scale_inv(sinv, amax, non_finite)
   return ScaledTensor(data, sinv, jnp.max(amax, initial=0.0).reshape(1),
                       scaling_mode=ROWWISE, dq_dtype=np.dtype(x.dtype))
 
@@ -82,22 +84,23 @@ def _quantize(req: GroupedRequest) -> Quantized:
   x, role, recipe = req.x, req.role, req.recipe
   q_dtype = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
   rows = cols = None
+  non_finite = req.non_finite  # NaN inverse scales for a non-finite amax (GemmConfig)
   if role == "kernel":
     if req.rows:
-      rows = quantize_rows(jnp.swapaxes(x, 1, 2), q_dtype, recipe.margin)
+      rows = quantize_rows(jnp.swapaxes(x, 1, 2), q_dtype, recipe.margin, non_finite)
     if req.cols:
-      cols = quantize_rows(x, q_dtype, recipe.margin)
+      cols = quantize_rows(x, q_dtype, recipe.margin, non_finite)
     return Quantized(rows, cols, None)
   num_groups = req.group_sizes.shape[0]
   ids = row_groups(req.group_sizes, x.shape[0])
   if req.rows:
-    rows = quantize_rows(_in_groups(x, ids, num_groups), q_dtype, recipe.margin)
+    rows = quantize_rows(_in_groups(x, ids, num_groups), q_dtype, recipe.margin, non_finite)
   if req.cols:
     if recipe.weight_grad_high_precision:
       cols = ScaledTensor(_in_groups(x, ids, num_groups), jnp.ones((1,), jnp.float32), None,
                           scaling_mode=HIGH_PRECISION, dq_dtype=np.dtype(x.dtype))
     else:
-      cols = _group_columns(x, ids, num_groups, q_dtype, recipe.margin)
+      cols = _group_columns(x, ids, num_groups, q_dtype, recipe.margin, non_finite)
   return Quantized(rows, cols, None)
 
 

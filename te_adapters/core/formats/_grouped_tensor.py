@@ -51,7 +51,7 @@ from te_adapters.core.formats._grouping import (
   ROWS_TIMES_GROUP_KERNEL_DIMS,
   row_groups,
 )
-from te_adapters.core.formats._scaled_tensor import ScaledTensor
+from te_adapters.core.formats._scaled_tensor import ScaledTensor, non_finite_scale_inv
 from te_adapters.core.formats._tensor_scaling import TensorScaling
 
 __all__ = ["NATIVE", "XLA", "grouped_format"]
@@ -124,8 +124,10 @@ def _role_scales(scaling: TensorScaling, amax, role, q_dtype, recipe, state):
   return scale[:, 0], new
 
 
-def _quantize_rows(scaling, x, ids, num_groups, role, q_dtype, recipe, state, granularity):
-  """Quantizes [M, F] rows with their group's scale; rows past the groups become 0."""
+def _quantize_rows(scaling, x, ids, num_groups, role, q_dtype, recipe, state, granularity,
+                   non_finite="propagate"):
+  """Quantizes [M, F] rows with their group's scale; rows past the groups become 0. A group
+  whose amax is not finite gets a NaN inverse scale unless ``non_finite="saturate"``."""
   amax = _group_amax(x, ids, num_groups)
   if granularity == "tensor":
     amax = _to_tensor_amax(amax)
@@ -134,10 +136,11 @@ def _quantize_rows(scaling, x, ids, num_groups, role, q_dtype, recipe, state, gr
   scaled = x.astype(jnp.float32) * _per_row(scale, ids, 1.0)[:, None]
   data = jnp.clip(scaled, -limit, limit).astype(q_dtype)
   data = jnp.where((ids < num_groups)[:, None], data, jnp.zeros((), q_dtype))
-  return data, _scaling.scale_inverse(scale), new
+  return data, non_finite_scale_inv(_scaling.scale_inverse(scale), amax, non_finite), new
 
 
-def _quantize_experts(scaling, w, role, q_dtype, recipe, state, granularity, native):
+def _quantize_experts(scaling, w, role, q_dtype, recipe, state, granularity, native,
+                      non_finite="propagate"):
   """Quantizes the kernels [G, K, N], each with its expert's scale.
 
   Returns ``(data, data_t, 1/scale [G], the role's new state)``. ``native`` (the native grouped
@@ -161,7 +164,8 @@ def _quantize_experts(scaling, w, role, q_dtype, recipe, state, granularity, nat
     # Off the native path the pure-JAX cast, whose transposed copy XLA drops unused.
     data, data_t, _ = _cast_transpose.cast_transpose_per_batch(
         w, scale, q_dtype, backend=None if native else "jax")
-  return data, (data_t if native else None), _scaling.scale_inverse(scale), new
+  sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), amax, non_finite)
+  return data, (data_t if native else None), sinv, new
 
 
 def _quantize(scaling: TensorScaling, req: GroupedRequest) -> Quantized:
@@ -174,14 +178,15 @@ def _quantize(scaling: TensorScaling, req: GroupedRequest) -> Quantized:
   if role == "kernel":
     native = req.route == NATIVE
     data, data_t, sinv, new = _quantize_experts(
-        scaling, x, role, q_dtype, recipe, req.state, req.granularity, native)
+        scaling, x, role, q_dtype, recipe, req.state, req.granularity, native, req.non_finite)
     along_n = _tensor(data, sinv, dq)
     along_k = _tensor(data_t, sinv, dq) if native else along_n
     return Quantized(along_k if req.rows else None, along_n if req.cols else None, new)
   num_groups = req.group_sizes.shape[0]
   ids = row_groups(req.group_sizes, x.shape[0])
   data, sinv, new = _quantize_rows(
-      scaling, x, ids, num_groups, role, q_dtype, recipe, req.state, req.granularity)
+      scaling, x, ids, num_groups, role, q_dtype, recipe, req.state, req.granularity,
+      req.non_finite)
   t = _tensor(data, sinv, dq)
   return Quantized(t if req.rows else None, t if req.cols else None, new)
 

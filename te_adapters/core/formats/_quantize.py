@@ -139,7 +139,10 @@ def _quantize_own(x, recipe, fmt, role, scale, axis, rng, rht) -> ScaledTensor:
     raise ValueError(f"axis={axis!r} is not valid for an array of shape {x.shape} under {name}")
   axis = int(axis)
   moved = jnp.moveaxis(x, axis, -1)
-  t = fmt.quantize(QuantizeRequest(moved, role, recipe, cols=False)).rows
+  # TE's quantized values, as every other path of quantize gives them: the NaN inverse scales
+  # of a non-finite amax (GemmConfig.non_finite) are how a GEMM passes it on, not part of them.
+  saturate = recipes.GemmConfig(non_finite="saturate")
+  t = fmt.quantize(QuantizeRequest(moved, role, recipe, config=saturate, cols=False)).rows
   return dataclasses.replace(
       t, data=jnp.moveaxis(t.data, -1, axis), scale_inv=jnp.moveaxis(t.scale_inv, -1, axis))
 

@@ -48,7 +48,7 @@ from jax import lax
 
 from te_adapters.core.formats import _block, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
-from te_adapters.core.formats._scaled_tensor import ScaledTensor
+from te_adapters.core.formats._scaled_tensor import ScaledTensor, non_finite_scale_inv
 from te_adapters.core.formats._tensor_format import (
   _cublas_refusal,
   _cublas_tn_dot,
@@ -102,9 +102,10 @@ def power_of_two_scale(amax, limit: float) -> tuple[jax.Array, jax.Array]:
   return jnp.where(ok, _pow2(e), one), jnp.where(ok, _pow2(-e), one)
 
 
-def quantize_rows(x, q_dtype, margin: float = 0.0) -> ScaledTensor:
+def quantize_rows(x, q_dtype, margin: float = 0.0, non_finite: str = "propagate") -> ScaledTensor:
   """``x (..., P, C)`` in ``q_dtype`` with one power-of-two scale per row (from the amax over
-  ``C``)."""
+  ``C``); a row holding a NaN or an infinity gets a NaN inverse scale unless
+  ``non_finite="saturate"`` (``GemmConfig.non_finite``)."""
   dq = np.dtype(x.dtype)
   if dq.itemsize < 4:
     # Keep a narrow input's rounding (see _tensor_format: XLA may fuse the convert that made x).
@@ -113,6 +114,7 @@ def quantize_rows(x, q_dtype, margin: float = 0.0) -> ScaledTensor:
   limit = _scaling.fp8_max(q_dtype)
   scale, sinv = power_of_two_scale(a, limit / 2.0**margin)
   data = jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(q_dtype)
+  sinv = non_finite_scale_inv(sinv, a, non_finite)
   amax = jnp.max(a, initial=0.0).reshape(1)
   return ScaledTensor(data, sinv, amax, scaling_mode=ROWWISE, dq_dtype=dq)
 
@@ -150,14 +152,15 @@ def _quantize(req: QuantizeRequest) -> Quantized:
     x = req.producer.value()
   _check_plan(recipe, role, req.plan)
   q_dtype = _q_dtype(recipe, role)
-  rows = quantize_rows(x, q_dtype, recipe.margin) if req.rows else None
+  non_finite = req.config.non_finite
+  rows = quantize_rows(x, q_dtype, recipe.margin, non_finite) if req.rows else None
   cols = None
   if req.cols:
     swapped = jnp.swapaxes(x, -1, -2)
     if recipe.weight_grad_high_precision and role != "kernel":
       cols = _high_precision(swapped)  # x's and the gradient's cols feed only wgrad
     else:
-      cols = quantize_rows(swapped, q_dtype, recipe.margin)
+      cols = quantize_rows(swapped, q_dtype, recipe.margin, non_finite)
   return Quantized(rows, cols, None)
 
 

@@ -11,7 +11,14 @@ import numpy as np
 
 from te_adapters.core.formats import _scaling
 
-__all__ = ["ScaledTensor", "cast_with_scale", "check_float_operand", "check_fp8_dtype"]
+__all__ = [
+    "ScaledTensor",
+    "cast_with_scale",
+    "check_float_operand",
+    "check_fp8_dtype",
+    "flag_non_finite",
+    "non_finite_scale_inv",
+]
 
 _FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
@@ -71,3 +78,26 @@ def cast_with_scale(x, scale, q_dtype) -> jax.Array:
   limit = _scaling.fp8_max(q_dtype)
   scaled = x.astype(jnp.float32) * scale.astype(jnp.float32).reshape(())
   return jnp.clip(scaled, -limit, limit).astype(q_dtype)
+
+
+def non_finite_scale_inv(scale_inv, amax, non_finite: str) -> jax.Array:
+  """``scale_inv``, NaN where ``amax`` (broadcast against it) is not finite, unless
+  ``non_finite`` is ``"saturate"`` (``GemmConfig.non_finite``).
+
+  The amax is the one a format computes for its scales anyway (inf for a NaN where the format
+  maps it so), so the check costs no pass over the operand: a GEMM that multiplies by the
+  inverse scales writes NaN where the operand held a NaN or an infinity, which TE's saturating
+  cast would otherwise turn into finite values.
+  """
+  if non_finite == "saturate" or amax is None:
+    return scale_inv
+  nan = jnp.asarray(jnp.nan, scale_inv.dtype)
+  return jnp.where(jnp.isfinite(amax), scale_inv, nan)
+
+
+def flag_non_finite(t: ScaledTensor | None, non_finite: str) -> ScaledTensor | None:
+  """``t`` with ``non_finite_scale_inv`` applied from its own (tensor-wide) amax."""
+  if t is None or t.amax is None or non_finite == "saturate":
+    return t
+  amax = jnp.reshape(t.amax, (1,) * t.scale_inv.ndim) if t.amax.size == 1 else t.amax
+  return dataclasses.replace(t, scale_inv=non_finite_scale_inv(t.scale_inv, amax, non_finite))

@@ -21,7 +21,11 @@ from te_adapters.core import kernels, sharding
 from te_adapters.core import state as core_state
 from te_adapters.core.formats import _block, _cast_transpose, _grouped_tensor, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
-from te_adapters.core.formats._scaled_tensor import ScaledTensor, cast_with_scale
+from te_adapters.core.formats._scaled_tensor import (
+    ScaledTensor,
+    cast_with_scale,
+    non_finite_scale_inv,
+)
 from te_adapters.core.formats._tensor_scaling import TensorScaling
 
 __all__ = ["tensor_format", "tensor", "cast_both"]
@@ -37,10 +41,11 @@ def _q_dtype(recipe, role):
 
 
 def _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a):
-  """The scale one operand is cast with and the role's new state, from its amax ``a`` (made
-  global over the mesh first, ``_amax_reduction.global_amax``)."""
+  """The scale one operand is cast with, the role's new state and the amax they come from:
+  ``a`` made global over the mesh first (``_amax_reduction.global_amax``), so that every shard
+  sees a non-finite entry of another (``GemmConfig.non_finite``)."""
   a = sharding.global_amax(a, x, role, plan, scaling.state_varying(state, role))
-  return scaling.next_scale(recipe, a, state, role, _scaling.fp8_max(q_dtype))
+  return *scaling.next_scale(recipe, a, state, role, _scaling.fp8_max(q_dtype)), a
 
 
 def cast_both(x, scale, q_dtype, config, with_amax=False):
@@ -64,9 +69,10 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
     if np.dtype(x.dtype).itemsize < 4:
       x = _block.keep_narrow(x)
     a = _scaling.tensor_amax(x)
-    scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
+    scale, new, whole = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     data = cast_with_scale(x, scale, q_dtype)
-    return Quantized(tensor(data, _scaling.scale_inverse(scale), a, dq), None, new)
+    sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), whole, req.config.non_finite)
+    return Quantized(tensor(data, sinv, a, dq), None, new)
   if req.producer is None:
     def cast(scale, with_amax):
       return cast_both(x, scale, q_dtype, req.config, with_amax)
@@ -79,15 +85,17 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
     # Delayed scaling: the stored scale is known before the pass, so the amax comes out of the
     # cast itself.
     q, q_t, a = cast(scale, True)
-    _, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
+    _, new, whole = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
   else:
     # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
     # kernel and can fuse into the op that produces x.
     a = (_cast_transpose.amax(x, backend="jax", over_mesh=req.config.fold_amax)
          if amax is None else amax())
-    scale, new = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
+    scale, new, whole = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     q, q_t, _ = cast(scale, False)
-  sinv = _scaling.scale_inverse(scale)
+  # A NaN or inf in x (a non-finite amax, from the pass that already ran) makes the GEMM's
+  # output NaN instead of the saturated cast's finite values (GemmConfig.non_finite).
+  sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), whole, req.config.non_finite)
   rows = tensor(q, sinv, a, dq) if req.rows else None
   return Quantized(rows, tensor(q_t, sinv, a, dq), new)
 

@@ -44,7 +44,7 @@ from te_adapters.core import formats, kernels
 from te_adapters.core import state as core_state
 from te_adapters.core.formats import GroupedRequest
 from te_adapters.core.gemm import _frozen, _remat
-from te_adapters.core.recipes import check_recipe
+from te_adapters.core.recipes import check_config, check_recipe
 from te_adapters.core.state import DelayedScalingState
 
 __all__ = ["Grouped", "check_ragged_state", "grouped_gemms", "init_ragged_state", "ragged_dot"]
@@ -151,6 +151,7 @@ def ragged_dot(
     *,
     recipe,
     state=None,
+    config=None,
 ):
   """``jax.lax.ragged_dot`` with FP8 operands, per ``recipe``: the grouped GEMM of an MoE layer.
 
@@ -202,6 +203,9 @@ def ragged_dot(
       instead of XLA's ragged dot.
     state: this GEMM's recipe state (``init_ragged_state(recipe, G)``); ``None`` for stateless
       recipes.
+    config: a ``GemmConfig``; the grouped GEMM takes its ``non_finite`` (a group whose rows, or
+      an expert whose kernel, hold a NaN or an infinity gives NaN rows by default). ``None``:
+      ``GemmConfig()``.
 
   Returns:
     [M, N], with the dtype ``jax.lax.ragged_dot`` gives. Under differentiation, the gradient with
@@ -229,6 +233,7 @@ def ragged_dot(
         f"K={rhs.shape[1]}"
     )
   group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
+  config = check_config(config)
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported; pass group_offset=None")
   # The dtype lax.ragged_dot gives (its rule is dot_general's), from shapes without shardings:
@@ -259,7 +264,8 @@ def ragged_dot(
   # Which GEMMs run is the format's choice (the native grouped GEMM where it runs), made here,
   # where the operands' placement is the caller's.
   route = grouped.route(lhs, rhs, recipe, (out_dtype, *operand_dtypes))
-  spec = Grouped(recipe, precision, np.dtype(out_dtype), operand_dtypes, route)
+  spec = Grouped(recipe, precision, np.dtype(out_dtype), operand_dtypes, route,
+                 non_finite=config.non_finite)
 
   def call(lhs, rhs, group_sizes, state):
     return _grouped_gemms(lhs, rhs, group_sizes, state, spec)
@@ -326,6 +332,7 @@ class Grouped:
     route: the format's choice of GEMMs (``GroupedFormat.route``).
     granularity: ``"group"`` (per-group scales, as ``ragged_dot`` runs) or ``"tensor"`` (one
       amax over all groups; per-tensor formats, for measurements).
+    non_finite: ``GemmConfig.non_finite``.
   """
 
   recipe: Any
@@ -334,6 +341,7 @@ class Grouped:
   operand_dtypes: tuple[np.dtype, np.dtype]
   route: Any = None
   granularity: str = "group"
+  non_finite: str = "propagate"
 
   @property
   def grouped(self):
@@ -350,7 +358,7 @@ def grouped_gemms(lhs, rhs, group_sizes, state, spec: Grouped):
 def _request(x, role, spec: Grouped, group_sizes, state, **kw):
   return GroupedRequest(
       x, role, spec.recipe, group_sizes, state, route=spec.route, granularity=spec.granularity,
-      **kw)
+      non_finite=spec.non_finite, **kw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

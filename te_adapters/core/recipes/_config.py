@@ -13,6 +13,7 @@ _CHOICES = {
   "fp8_gemm": ("auto", "native", "xla"),
   "block_gemm": ("auto", "native", "xla"),
   "partial_sums": ("output", "float32"),
+  "non_finite": ("propagate", "saturate"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
 _DEPRECATED = {
@@ -31,7 +32,8 @@ class GemmConfig:
   """Which kernels run a quantized GEMM; hashable, so it can be a static argument.
 
   The defaults are the fastest choices measured (``bench/RESULTS.md``); every choice computes
-  the same quantized values (``partial_sums`` chooses how sums over devices are rounded).
+  the same quantized values (``partial_sums`` chooses how sums over devices are rounded, and
+  ``non_finite`` what a NaN or an infinity in an operand gives).
 
   Attributes:
     backend: the per-tensor FP8 cast (and amax) kernel. ``"auto"``: the extension's FFI kernel on
@@ -112,6 +114,17 @@ class GemmConfig:
       the amaxes of operands sharded over different axes (x over data parallelism, the kernel
       over tensor parallelism) are reduced over the same devices and XLA can combine their
       all-reduces into one. ``False`` (the default): each over its own axes.
+    non_finite: what a quantized GEMM gives when an operand holds a NaN or an infinity (its
+      amax, already computed for the scale, is then not finite). ``"propagate"`` (the
+      default): the operand's inverse scales become NaN, so the output the operand feeds is
+      NaN, as a high-precision GEMM's would be non-finite, and a loop's NaN check fires: the
+      whole output for per-tensor and block-scaled recipes (the per-tensor amax, the global
+      amax of the blocks), the rows (x, the gradient) or columns (the kernel) with the
+      non-finite entry for ``Float8RowwiseScaling``, the group's rows for ``ragged_dot``'s
+      per-group scales (one expert's kernel: every row routed to it). ``"saturate"``: TE's
+      casts, which clip an infinity to the format's largest value (448 for E4M3, 57344 for
+      E5M2) times the scale, so the output stays finite; a NaN stays NaN where the format has
+      one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
 
   Example:
     >>> import te_adapters as ta
@@ -132,6 +145,7 @@ class GemmConfig:
   comm_sm_margin: int | None = None
   sum_chunks: int = 1
   fold_amax: bool = False
+  non_finite: str = "propagate"
 
   def __post_init__(self):
     margin = self.comm_sm_margin

@@ -1,0 +1,119 @@
+"""Missing or mismatched recipe state is an error in every adapter, never silently replaced or
+ignored: a ``DelayedScaling`` model's variables given to a ``Float8CurrentScaling`` one (which
+keeps no state and would quantize on as if nothing were there), a ``DelayedScaling`` model given
+no state, or state of another history length. And NNX layers refuse a missing ``rngs`` as
+``nnx.Linear`` does."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import te_adapters as ta
+from te_adapters import linen as ta_linen
+from te_adapters import nnx as ta_nnx
+
+pytestmark = pytest.mark.filterwarnings("ignore::te_adapters.core.HighPrecisionGemmWarning")
+
+DELAYED, CURRENT = ta.DelayedScaling(amax_history_len=4), ta.Float8CurrentScaling()
+X = jnp.ones((4, 32))
+IGNORED = r"keeps none, so it would be silently ignored"
+
+
+class Tower(nn.Module):
+  """Nested layers of three kinds, each built with ``recipe``."""
+
+  recipe: object
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32, dot_general_cls=ta_linen.make_dot_general_cls(self.recipe), name="proj")(x)
+    x = ta_linen.Dense(32, recipe=self.recipe, name="dense")(x)
+    out, _ = ta_linen.LayerNormMLP(64, recipe=self.recipe, intermediate_dropout_rate=0.0,
+                                   name="mlp")(x, deterministic=True)
+    return out
+
+
+def test_linen_stateful_variables_given_to_a_stateless_model_raise():
+  variables = Tower(DELAYED).init(jax.random.PRNGKey(0), X)
+  assert set(variables["_overwrite_with_gradient"]) == {"proj", "dense", "mlp"}
+  with pytest.raises(ValueError, match=IGNORED) as info:
+    Tower(CURRENT).apply(variables, X)
+  message = str(info.value)
+  # The layer path and the entries that would be ignored, and both ways out.
+  assert "(proj/DelayedScalingDotGeneral_0)" in message and "Float8CurrentScaling" in message
+  assert "variables.pop('_overwrite_with_gradient')" in message
+  # Each kind of layer checks (the first to run raises; drop the others' entries to reach it).
+  for name, path in (("dense", "dense/DelayedScalingDotGeneral_0"), ("mlp", "mlp/x_0_scale")):
+    only = {"params": variables["params"],
+            "_overwrite_with_gradient": {name: variables["_overwrite_with_gradient"][name]}}
+    with pytest.raises(ValueError, match=IGNORED) as info:
+      Tower(CURRENT).apply(only, X)
+    assert path in str(info.value)
+  # The way out the message names works, and the stateless model then runs.
+  params_only = {"params": variables["params"]}
+  assert Tower(CURRENT).apply(params_only, X).shape == (4, 32)
+
+
+def test_linen_gemms_of_two_recipes_side_by_side_are_not_mistaken_for_a_checkpoints():
+  """make_dot_general_cls instances built in a model of the user's belong to that model, beside
+  each other: a stateless one next to a DelayedScaling one is no mismatch."""
+
+  class Mixed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      current = ta_linen.make_dot_general_cls(CURRENT)
+      delayed = ta_linen.make_dot_general_cls(DELAYED)
+      return nn.Dense(32, dot_general=delayed())(nn.Dense(32, dot_general=current())(x))
+
+  variables = Mixed().init(jax.random.PRNGKey(0), X)
+  assert set(variables["_overwrite_with_gradient"]) == {"DelayedScalingDotGeneral_0"}
+  assert Mixed().apply(variables, X).shape == (4, 32)
+
+
+def test_linen_missing_or_mismatched_delayed_state_raises():
+  variables = Tower(DELAYED).init(jax.random.PRNGKey(0), X)
+  with pytest.raises(Exception, match="_overwrite_with_gradient"):
+    Tower(DELAYED).apply({"params": variables["params"]}, X)
+  with pytest.raises(ValueError, match=r"x_amax_history'\] has shape \(4,\)"):
+    Tower(ta.DelayedScaling(amax_history_len=8)).apply(variables, X)
+
+
+def test_nnx_mismatched_state_raises():
+  delayed = ta_nnx.Linear(32, 32, recipe=DELAYED, rngs=nnx.Rngs(0))
+  current = ta_nnx.Linear(32, 32, recipe=CURRENT, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="grad_amax_history"):
+    nnx.update(current, nnx.state(delayed))
+  other = ta_nnx.Linear(32, 32, recipe=ta.DelayedScaling(amax_history_len=8), rngs=nnx.Rngs(0))
+  nnx.update(other, nnx.state(delayed))  # NNX replaces the arrays; the layer's check refuses them
+  with pytest.raises(ValueError, match=r"has shape \(4,\)"):
+    other(X)
+
+
+def test_haiku_missing_or_mismatched_state_raises():
+  hk = pytest.importorskip("haiku")
+  from te_adapters import haiku as ta_hk
+
+  def model(recipe):
+    return hk.transform_with_state(lambda x: ta_hk.Linear(32, recipe=recipe)(x))
+
+  params, state = model(DELAYED).init(jax.random.PRNGKey(0), X)
+  with pytest.raises(ValueError, match=IGNORED) as info:
+    model(CURRENT).apply(params, state, None, X)
+  assert "'linear'" in str(info.value) and "Float8CurrentScaling" in str(info.value)
+  with pytest.raises(ValueError, match="the state given to apply has none for it"):
+    model(DELAYED).apply(params, {}, None, X)
+  _, fresh = model(CURRENT).init(jax.random.PRNGKey(0), X)
+  assert model(CURRENT).apply(params, fresh, None, X)[0].shape == (4, 32)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ta_nnx.Linear(32, 32, recipe=DELAYED),
+    lambda: ta_nnx.LinearGeneral(32, 32, recipe=DELAYED),
+    lambda: ta_nnx.Einsum("bd,df->bf", (32, 32), recipe=DELAYED),
+], ids=["Linear", "LinearGeneral", "Einsum"])
+def test_nnx_layers_without_rngs_fail_as_flax_does(make):
+  with pytest.raises(TypeError, match=r"__init__\(\) missing 1 required keyword-only argument: "
+                                      r"'rngs'"):
+    make()
