@@ -16,8 +16,12 @@ def add_common_arguments(p) -> None:
   p.add_argument("--iters", type=int, default=20, help="timed steps per trial")
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--trials", type=int, default=3, help="the median over trials is reported")
-  p.add_argument("--cpu-devices", type=int, default=None,
-                 help="run on this many virtual CPU devices (sets XLA_FLAGS; for a dry run)")
+  p.add_argument(
+    "--cpu-devices",
+    type=int,
+    default=None,
+    help="run on this many virtual CPU devices (sets XLA_FLAGS; for a dry run)",
+  )
 
 
 def use_cpu_devices(count: int | None) -> None:
@@ -25,12 +29,13 @@ def use_cpu_devices(count: int | None) -> None:
   if count:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+      f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
     ).strip()
 
 
-def time_steps(step_once, iters: int, warmup: int, trials: int,
-               sync_each_step: bool = True) -> float:
+def time_steps(
+  step_once, iters: int, warmup: int, trials: int, sync_each_step: bool = True
+) -> float:
   """ms per step: the median over ``trials`` of the mean of ``iters`` steps, each step ended by
   ``block_until_ready``, after ``warmup`` steps. ``sync_each_step=False``: the ``iters`` steps
   of a trial run back to back and only the last is waited for (the host dispatches the next

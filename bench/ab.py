@@ -35,7 +35,7 @@ _MARK = "@ab "  # the workers' protocol lines; anything else they print passes t
 def _read(proc):
   for line in proc.stdout:
     if line.startswith(_MARK):
-      return json.loads(line[len(_MARK):])
+      return json.loads(line[len(_MARK) :])
     print(line, end="", file=sys.stderr)
   raise RuntimeError(f"a worker exited with {proc.wait()}")
 
@@ -48,8 +48,10 @@ def _variants(cases, full_size):
   import te_adapters as ta
   from bench import speed
 
-  recipes = [("current", ta.Float8CurrentScaling()),
-             ("delayed", ta.DelayedScaling(amax_history_len=1024))]
+  recipes = [
+    ("current", ta.Float8CurrentScaling()),
+    ("delayed", ta.DelayedScaling(amax_history_len=1024)),
+  ]
   out = []
 
   def add(case, name, apply_fn, variables, x, dy):
@@ -82,8 +84,14 @@ def _variants(cases, full_size):
         def apply_fn(v, x, model=model):
           return model.apply(v, x, deterministic=True)[0]
 
-        add("seed001 LayerNorm+MLP", f"LayerNormMLP {label} {'fused' if fused else 'unfused'}",
-            apply_fn, model.init(key, x, deterministic=True), x, dy)
+        add(
+          "seed001 LayerNorm+MLP",
+          f"LayerNormMLP {label} {'fused' if fused else 'unfused'}",
+          apply_fn,
+          model.init(key, x, deterministic=True),
+          x,
+          dy,
+        )
   if "layer" in cases:
     from bench.seed_layer import FlaxTransformerLayer, ModulesTransformerLayer
 
@@ -93,19 +101,45 @@ def _variants(cases, full_size):
     x = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
     dy = jax.random.normal(key, (batch, seq, hidden)).astype(jnp.bfloat16)
     attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
-    models = [("bf16", FlaxTransformerLayer(
-        hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-        dot_general_cls=lambda: None, attention=attention, dtype=jnp.bfloat16))]
+    models = [
+      (
+        "bf16",
+        FlaxTransformerLayer(
+          hidden_size=hidden,
+          ffn_hidden_size=ffn,
+          num_attention_heads=heads,
+          dot_general_cls=lambda: None,
+          attention=attention,
+          dtype=jnp.bfloat16,
+        ),
+      )
+    ]
     for label, recipe in recipes:
-      models.append((f"modules {label}", ModulesTransformerLayer(
-          hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, recipe=recipe,
-          attention=attention)))
+      models.append(
+        (
+          f"modules {label}",
+          ModulesTransformerLayer(
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            num_attention_heads=heads,
+            recipe=recipe,
+            attention=attention,
+          ),
+        )
+      )
     for name, model in models:
+
       def apply_fn(v, x, model=model):
         return model.apply(v, x, deterministic=True)
 
-      add(f"seed001 layer ({attention} attention)", name, apply_fn,
-          model.init(key, x, deterministic=True), x, dy)
+      add(
+        f"seed001 layer ({attention} attention)",
+        name,
+        apply_fn,
+        model.init(key, x, deterministic=True),
+        x,
+        dy,
+      )
   return out
 
 
@@ -160,11 +194,20 @@ def main(argv=None):
   trees = [os.path.abspath(t) for t in (args.trees or "").split(",") if t]
   if len(trees) != 2:
     p.error("--trees takes two source roots, A,B")
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cases", args.cases,
-         "--steps", str(args.steps)] + (["--small"] if args.small else [])
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--worker",
+    "--cases",
+    args.cases,
+    "--steps",
+    str(args.steps),
+  ] + (["--small"] if args.small else [])
   env = dict(os.environ, PYTHONPATH="")
-  procs = [subprocess.Popen(cmd, cwd=t, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True) for t in trees]
+  procs = [
+    subprocess.Popen(cmd, cwd=t, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for t in trees
+  ]
   ready = [_read(proc) for proc in procs]
   programs = [r["ready"] for r in ready]
   names = [(r["case"], r["variant"]) for r in programs[0]]
@@ -181,19 +224,34 @@ def main(argv=None):
     proc.stdin.close()
     proc.wait()
   rows = []
-  print(f"device: {ready[0]['device']}; A = {trees[0]}, B = {trees[1]}; "
-        f"{args.repeats} interleaved repeats of {args.steps} steps")
+  print(
+    f"device: {ready[0]['device']}; A = {trees[0]}, B = {trees[1]}; "
+    f"{args.repeats} interleaved repeats of {args.steps} steps"
+  )
   print(f"{'case':<34}{'variant':<30}{'A ms':>9}{'B ms':>9}{'B/A':>7}  fp8 GEMMs A/B, same program")
   for i, (case, name) in enumerate(names):
     a, b = np.median(times[0][i]), np.median(times[1][i])
     pa, pb = programs[0][i], programs[1][i]
     same = all(pa[k] == pb[k] for k in ("fp8_gemms", "other_gemms", "custom_calls"))
-    rows.append(dict(case=case, variant=name, a_ms=a, b_ms=b, ratio=b / a,
-                     a_spread=float(np.ptp(times[0][i])), b_spread=float(np.ptp(times[1][i])),
-                     a_program=pa, b_program=pb, same_gemms_and_kernels=same))
-    print(f"{case:<34}{name:<30}{a:9.2f}{b:9.2f}{b / a:7.3f}  {pa['fp8_gemms']}/{pb['fp8_gemms']}"
-          f" {same} (fusions {pa['fusions']}/{pb['fusions']}; spread "
-          f"{rows[-1]['a_spread']:.2f}/{rows[-1]['b_spread']:.2f})")
+    rows.append(
+      dict(
+        case=case,
+        variant=name,
+        a_ms=a,
+        b_ms=b,
+        ratio=b / a,
+        a_spread=float(np.ptp(times[0][i])),
+        b_spread=float(np.ptp(times[1][i])),
+        a_program=pa,
+        b_program=pb,
+        same_gemms_and_kernels=same,
+      )
+    )
+    print(
+      f"{case:<34}{name:<30}{a:9.2f}{b:9.2f}{b / a:7.3f}  {pa['fp8_gemms']}/{pb['fp8_gemms']}"
+      f" {same} (fusions {pa['fusions']}/{pb['fusions']}; spread "
+      f"{rows[-1]['a_spread']:.2f}/{rows[-1]['b_spread']:.2f})"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=ready[0]["device"], trees=trees, rows=rows, times=times), f, indent=1)

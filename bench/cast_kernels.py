@@ -49,18 +49,21 @@ def main():
   names = ("gelu",)
 
   def act(config):
-    return jax.jit(lambda h, b: fused.act_cast(
-        h, b, names, jnp.float8_e4m3fn, s4, True, config))
+    return jax.jit(lambda h, b: fused.act_cast(h, b, names, jnp.float8_e4m3fn, s4, True, config))
 
   def dact(config):
-    return jax.jit(lambda dz, h, b: fused.dact_cast(
-        dz, h, b, names, jnp.float8_e5m2, s5, True, config))
+    return jax.jit(
+      lambda dz, h, b: fused.dact_cast(dz, h, b, names, jnp.float8_e5m2, s5, True, config)
+    )
 
   mean, rsigma = ops.norm_stats(x.astype(jnp.float32), "layernorm", 1e-6)
 
   def norm(config):
-    return jax.jit(lambda x, mean, rsigma: fused.norm_cast(
-        x, mean, rsigma, gamma, beta, False, jnp.float8_e4m3fn, s4, True, config))
+    return jax.jit(
+      lambda x, mean, rsigma: fused.norm_cast(
+        x, mean, rsigma, gamma, beta, False, jnp.float8_e4m3fn, s4, True, config
+      )
+    )
 
   def act_amax(config):
     return jax.jit(lambda h, b: fused.act_amax(h, b, names, config))
@@ -70,11 +73,11 @@ def main():
 
   # (name, jitted function of a GemmConfig, its arguments, bytes read and written, FP8 codes out)
   cases = [
-      ("act_cast", act, (h, bias), m * f * (2 + 2), True),
-      ("dact_cast", dact, (dz, h, bias), m * f * (2 + 2 + 2), True),
-      ("norm_cast", norm, (x, mean, rsigma), m * k * (2 + 2), True),
-      ("act_amax", act_amax, (h, bias), m * f * 2, False),
-      ("dact_amax", dact_amax, (dz, h, bias), m * f * (2 + 2), False),
+    ("act_cast", act, (h, bias), m * f * (2 + 2), True),
+    ("dact_cast", dact, (dz, h, bias), m * f * (2 + 2 + 2), True),
+    ("norm_cast", norm, (x, mean, rsigma), m * k * (2 + 2), True),
+    ("act_amax", act_amax, (h, bias), m * f * 2, False),
+    ("dact_amax", dact_amax, (dz, h, bias), m * f * (2 + 2), False),
   ]
   for name, make, fn_args, nbytes, codes in cases:
     fn = make(config)
@@ -90,8 +93,10 @@ def main():
     elif not args.no_agree:
       ours, ref = _steps(fn(*fn_args)[0]), _steps(make(pure)(*fn_args)[0])
       diff = np.abs(ours - ref)
-      print(f"  codes differing from pure JAX: {np.mean(diff != 0):.2e} of {diff.size} "
-            f"(largest {diff.max()} FP8 steps)")
+      print(
+        f"  codes differing from pure JAX: {np.mean(diff != 0):.2e} of {diff.size} "
+        f"(largest {diff.max()} FP8 steps)"
+      )
 
 
 def _steps(q):

@@ -58,11 +58,11 @@ from te_adapters import core, inspect
 VOCAB = 256
 ADAPTERS = ("linen", "nnx", "haiku")
 RECIPES = {
-    "bf16": lambda: None,
-    "current": ta.Float8CurrentScaling,
-    "delayed": ta.DelayedScaling,  # TE's defaults: amax history 1024, "max"
-    "block": ta.Float8BlockScaling,
-    "rowwise": ta.Float8RowwiseScaling,
+  "bf16": lambda: None,
+  "current": ta.Float8CurrentScaling,
+  "delayed": ta.DelayedScaling,  # TE's defaults: amax history 1024, "max"
+  "block": ta.Float8BlockScaling,
+  "rowwise": ta.Float8RowwiseScaling,
 }
 # H100 SXM dense bf16 peak; MFU is stated against it for every recipe.
 H100_BF16_PEAK_TFLOPS = 989.0
@@ -86,13 +86,23 @@ class Size:
 
 
 SIZES = {
-    # 4 x 12 * 2048**2 = 201M parameters in projections, 16k tokens per step: about 21 TFLOP a
-    # step, 40-60 ms on an H100 in bf16.
-    "gpu": Size(d_model=2048, heads=16, layers=4, seq_len=1024, batch=16),
-    # d_model 128 so that Float8BlockScaling's 128-wide blocks tile every GEMM (512 tokens). In
-    # bf16 it trains well at 1e-3 to 2e-3; at 3e-3 to 1e-2 it stalled near 3.0 nats per byte.
-    "tiny": Size(d_model=128, heads=4, layers=2, seq_len=64, batch=8, learning_rate=2e-3,
-                 warmup_steps=15, eval_every=25, eval_batches=4, fp8_everywhere=True),
+  # 4 x 12 * 2048**2 = 201M parameters in projections, 16k tokens per step: about 21 TFLOP a
+  # step, 40-60 ms on an H100 in bf16.
+  "gpu": Size(d_model=2048, heads=16, layers=4, seq_len=1024, batch=16),
+  # d_model 128 so that Float8BlockScaling's 128-wide blocks tile every GEMM (512 tokens). In
+  # bf16 it trains well at 1e-3 to 2e-3; at 3e-3 to 1e-2 it stalled near 3.0 nats per byte.
+  "tiny": Size(
+    d_model=128,
+    heads=4,
+    layers=2,
+    seq_len=64,
+    batch=8,
+    learning_rate=2e-3,
+    warmup_steps=15,
+    eval_every=25,
+    eval_batches=4,
+    fp8_everywhere=True,
+  ),
 }
 
 
@@ -117,8 +127,9 @@ def stdlib_corpus() -> Corpus:
   """The bytes of the standard library's ``.py`` files (installed packages left out)."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   files = sorted(
-      p.relative_to(root).as_posix() for p in root.rglob("*.py")
-      if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+    p.relative_to(root).as_posix()
+    for p in root.rglob("*.py")
+    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
   )
   if not files:
     raise RuntimeError(f"no .py files under the standard library's directory {root}")
@@ -128,8 +139,14 @@ def stdlib_corpus() -> Corpus:
   train = np.frombuffer(b"".join(parts[False]), np.uint8)
   heldout = np.frombuffer(b"".join(parts[True]), np.uint8)
   digest = hashlib.sha256(train.tobytes() + heldout.tobytes()).hexdigest()[:16]
-  info = dict(python=sys.version.split()[0], files=len(files), heldout_files=len(parts[True]),
-              train_bytes=int(train.size), heldout_bytes=int(heldout.size), sha256=digest)
+  info = dict(
+    python=sys.version.split()[0],
+    files=len(files),
+    heldout_files=len(parts[True]),
+    train_bytes=int(train.size),
+    heldout_bytes=int(heldout.size),
+    sha256=digest,
+  )
   return Corpus(train, heldout, info)
 
 
@@ -164,7 +181,8 @@ def causal_attention(qkv: jax.Array, heads: int) -> jax.Array:
 
 def cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    logits.astype(jnp.float32), tokens[:, 1:]
+  ).mean()
 
 
 def init_std(size: Size) -> tuple[float, float]:
@@ -178,8 +196,16 @@ def is_head(path: str) -> bool:
 
 # The three models name their layers alike (embed, positions, block_<i>/{norm1, qkv, out, norm2,
 # mlp_in, mlp_out}, norm, head); their parameters differ only in the frameworks' own names.
-_LEAF_NAMES = {"kernel": "kernel", "w": "kernel", "embedding": "table", "embeddings": "table",
-               "positions": "table", "scale": "scale", "bias": "bias", "offset": "bias"}
+_LEAF_NAMES = {
+  "kernel": "kernel",
+  "w": "kernel",
+  "embedding": "table",
+  "embeddings": "table",
+  "positions": "table",
+  "scale": "scale",
+  "bias": "bias",
+  "offset": "bias",
+}
 
 
 def canonical_name(path) -> str:
@@ -225,8 +251,9 @@ def linen_model(size: Size):
   from flax import linen as nn
 
   std, out_std = init_std(size)
-  dense = functools.partial(nn.Dense, use_bias=False, dtype=jnp.bfloat16,
-                            kernel_init=nn.initializers.normal(std))
+  dense = functools.partial(
+    nn.Dense, use_bias=False, dtype=jnp.bfloat16, kernel_init=nn.initializers.normal(std)
+  )
   out_dense = functools.partial(dense, kernel_init=nn.initializers.normal(out_std))
 
   class Block(nn.Module):
@@ -281,8 +308,9 @@ def nnx_model(size: Size, seed: int):
       self.positions = nnx.Param(init(rngs.params(), (size.seq_len, d)))
       self.blocks = nnx.List([Block(rngs) for _ in range(size.layers)])
       self.norm = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
-      self.head = nnx.Linear(d, VOCAB, use_bias=False, dtype=jnp.bfloat16, kernel_init=init,
-                             rngs=rngs)
+      self.head = nnx.Linear(
+        d, VOCAB, use_bias=False, dtype=jnp.bfloat16, kernel_init=init, rngs=rngs
+      )
 
     def __call__(self, tokens):
       x = self.embed(tokens) + self.positions[...][: tokens.shape[1]]
@@ -342,17 +370,18 @@ def optimizer(size: Size, steps: int) -> optax.GradientTransformation:
   peak learning rate, cosine decay to a tenth of it at the last step."""
   warmup = min(size.warmup_steps, steps // 2)
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, size.learning_rate, warmup, max(steps, warmup + 1), end_value=0.1 * size.learning_rate)
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+    0.0, size.learning_rate, warmup, max(steps, warmup + 1), end_value=0.1 * size.learning_rate
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+  )
 
 
 def linen_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Trainer:
   from te_adapters import linen as ta_linen
 
   model = linen_model(size)
-  q = ta_linen.quantize(rules=[(is_head, None), (".*", recipe)], threshold=threshold,
-                        config=config)
+  q = ta_linen.quantize(rules=[(is_head, None), (".*", recipe)], threshold=threshold, config=config)
   # Not jitted: one compile less, and shared_init replaces the random values anyway.
   variables = q(model.init)(jax.random.key(seed), sample[:, :-1])
   variables = dict(variables, params=shared_init(variables["params"], size, seed))
@@ -380,9 +409,12 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Train
   report = None
   if recipe is not None:
     report = ta_nnx.quantize_model(
-        # The embedding is a lookup: its attend (a tied head) is never called.
-        model, rules=[(is_head, None), ("embed", None), (".*", recipe)], threshold=threshold,
-        config=config)
+      # The embedding is a lookup: its attend (a tied head) is never called.
+      model,
+      rules=[(is_head, None), ("embed", None), (".*", recipe)],
+      threshold=threshold,
+      config=config,
+    )
   params = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(params, shared_init(nnx.to_pure_dict(params), size, seed))
   nnx.update(model, params)
@@ -418,8 +450,7 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
 
   from te_adapters import haiku as ta_hk
 
-  q = ta_hk.quantize(rules=[(is_head, None), (".*", recipe)], threshold=threshold,
-                     config=config)
+  q = ta_hk.quantize(rules=[(is_head, None), (".*", recipe)], threshold=threshold, config=config)
   init = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: haiku_forward(t, size, jnp.bfloat16)))
   params, state = init.init(jax.random.key(seed), sample[:, :-1])
@@ -429,8 +460,9 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
     # float32 parameters, the projections' kernels cast to bf16 (as Linen's and NNX's
     # dtype=bfloat16 layers do): FP8 GEMMs quantize the bf16 operands.
     compute = jax.tree_util.tree_map_with_path(
-        lambda path, p: p.astype(jnp.bfloat16) if canonical_name(path).endswith("/kernel") else p,
-        params)
+      lambda path, p: p.astype(jnp.bfloat16) if canonical_name(path).endswith("/kernel") else p,
+      params,
+    )
     logits, state = model.apply(compute, state, None, tokens[:, :-1])
     return cross_entropy(logits, tokens), state
 
@@ -444,8 +476,9 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
     params, state, _ = carry
     return loss_fn(params, state, tokens)[0]
 
-  return Trainer((params, state, tx.init(params)), step, eval_loss,
-                 q.report if recipe is not None else None)
+  return Trainer(
+    (params, state, tx.init(params)), step, eval_loss, q.report if recipe is not None else None
+  )
 
 
 TRAINERS = {"linen": linen_trainer, "nnx": nnx_trainer, "haiku": haiku_trainer}
@@ -477,15 +510,18 @@ def load_checkpoint(path: pathlib.Path, template) -> tuple[object, dict]:
     wanted = {f"carry{jax.tree_util.keystr(p)}" for p, _ in flat}
     if saved != wanted:
       raise ValueError(
-          f"checkpoint {path} does not match this model: missing {sorted(wanted - saved)[:5]}, "
-          f"unexpected {sorted(saved - wanted)[:5]}")
+        f"checkpoint {path} does not match this model: missing {sorted(wanted - saved)[:5]}, "
+        f"unexpected {sorted(saved - wanted)[:5]}"
+      )
     leaves = []
     for p, leaf in flat:
       value = data[f"carry{jax.tree_util.keystr(p)}"]
       if value.shape != np.shape(leaf) or value.dtype != np.asarray(leaf).dtype:
-        raise ValueError(f"checkpoint {path}: {jax.tree_util.keystr(p)} is {value.dtype}"
-                         f"{list(value.shape)}, the model has {np.asarray(leaf).dtype}"
-                         f"{list(np.shape(leaf))}")
+        raise ValueError(
+          f"checkpoint {path}: {jax.tree_util.keystr(p)} is {value.dtype}"
+          f"{list(value.shape)}, the model has {np.asarray(leaf).dtype}"
+          f"{list(np.shape(leaf))}"
+        )
       leaves.append(jnp.asarray(value))
   return jax.tree_util.tree_unflatten(treedef, leaves), meta
 
@@ -538,11 +574,23 @@ def checkpoint_path(directory, adapter: str, recipe: str) -> pathlib.Path:
   return pathlib.Path(directory) / f"{adapter}_{recipe}.npz"
 
 
-def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 0, *,
-        out=None, save=None, resume=None, deadline: float | None = None,
-        stop_at: int | None = None, peak_tflops: float = H100_BF16_PEAK_TFLOPS,
-        corpus: Corpus | None = None, cache: dict | None = None,
-        config: core.GemmConfig | None = None) -> dict:
+def run(
+  adapter: str,
+  recipe_name: str,
+  size_name: str,
+  steps: int,
+  seed: int = 0,
+  *,
+  out=None,
+  save=None,
+  resume=None,
+  deadline: float | None = None,
+  stop_at: int | None = None,
+  peak_tflops: float = H100_BF16_PEAK_TFLOPS,
+  corpus: Corpus | None = None,
+  cache: dict | None = None,
+  config: core.GemmConfig | None = None,
+) -> dict:
   """Trains one (adapter, recipe) run of ``steps`` steps (the schedule's length), up to step
   ``stop_at`` if given, until ``deadline`` (``time.monotonic()``) at the latest; returns its
   summary, with the loss of every step it ran under ``"losses"``, the held-out loss by step
@@ -556,8 +604,11 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
     with np.load(checkpoint_path(resume, adapter, recipe_name)) as data:
       done = json.loads(str(data["__meta__"]))
     if done["step"] >= steps and done["steps"] == steps:
-      print(f"{adapter}/{recipe_name}: the checkpoint in {resume} is at step {done['step']} of "
-            f"{steps}: nothing to do", file=sys.stderr)
+      print(
+        f"{adapter}/{recipe_name}: the checkpoint in {resume} is at step {done['step']} of "
+        f"{steps}: nothing to do",
+        file=sys.stderr,
+      )
       return dict(done, summary=True, already_done=True, losses=[], carry=None)
   recipe = RECIPES[recipe_name]()
   threshold = None if size.fp8_everywhere else core.DEFAULT_SIZE_THRESHOLD
@@ -581,8 +632,9 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
     for field in ("adapter", "recipe", "size", "seed", "steps", "corpus_sha256"):
       mine = dict(tag, steps=steps, corpus_sha256=corpus.info["sha256"])[field]
       if meta[field] != mine:
-        raise ValueError(f"--resume: the checkpoint of {name} has {field}={meta[field]!r}, "
-                         f"this run {mine!r}")
+        raise ValueError(
+          f"--resume: the checkpoint of {name} has {field}={meta[field]!r}, this run {mine!r}"
+        )
     start_step = meta["step"]
 
   if compiled is None:
@@ -592,8 +644,13 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
       step_fn = jax.jit(trainer.step, donate_argnums=0).lower(carry, sample).compile()
       eval_fn = jax.jit(trainer.eval_loss).lower(carry, sample).compile()
     compile_s = time.perf_counter() - compile_start
-    high_precision = sorted({str(w.message) for w in caught + caught_step
-                             if issubclass(w.category, core.HighPrecisionGemmWarning)})
+    high_precision = sorted(
+      {
+        str(w.message)
+        for w in caught + caught_step
+        if issubclass(w.category, core.HighPrecisionGemmWarning)
+      }
+    )
     gemms = count_gemms(trainer.step, carry, sample, step_fn.as_text())
     compiled = (trainer, step_fn, eval_fn, compile_s, high_precision, gemms)
     if cache is not None:
@@ -617,8 +674,9 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
   step = start_step
   last_eval = None
   if step == 0:
-    last_eval = dict(tag, step=0, train_loss=None, heldout_loss=evaluate(carry),
-                     tokens_per_s=None, mfu=None)
+    last_eval = dict(
+      tag, step=0, train_loss=None, heldout_loss=evaluate(carry), tokens_per_s=None, mfu=None
+    )
     emit(last_eval, out)
   interval_start = time.perf_counter()
   interval_steps = 0
@@ -640,9 +698,13 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
       train_s += seconds
       timed_steps += interval_steps
       last_eval = dict(
-          tag, step=step, train_loss=float(np.mean(interval_losses)),
-          heldout_loss=evaluate(carry), tokens_per_s=tokens_per_s,
-          mfu=tokens_per_s / tokens_per_step * flops / (peak_tflops * 1e12))
+        tag,
+        step=step,
+        train_loss=float(np.mean(interval_losses)),
+        heldout_loss=evaluate(carry),
+        tokens_per_s=tokens_per_s,
+        mfu=tokens_per_s / tokens_per_step * flops / (peak_tflops * 1e12),
+      )
       emit(last_eval, out)
       interval_start, interval_steps = time.perf_counter(), 0
   losses += [float(x) for x in pending]
@@ -651,28 +713,43 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
     timed_steps += interval_steps
 
   if save is not None:
-    save_checkpoint(checkpoint_path(save, adapter, recipe_name), carry,
-                    dict(tag, steps=steps, step=step, corpus_sha256=corpus.info["sha256"]))
+    save_checkpoint(
+      checkpoint_path(save, adapter, recipe_name),
+      carry,
+      dict(tag, steps=steps, step=step, corpus_sha256=corpus.info["sha256"]),
+    )
   tokens_per_s = timed_steps * tokens_per_step / train_s if timed_steps else None
   report = trainer.report
   summary = dict(
-      tag, summary=True, steps=steps, start_step=start_step, step=step,
-      completed=step >= steps, stopped_by_time_limit=stopped,
-      final_heldout_loss=last_eval["heldout_loss"] if last_eval else None,
-      final_step_evaluated=last_eval["step"] if last_eval else None,
-      tokens_per_s=tokens_per_s,
-      mfu=tokens_per_s / tokens_per_step * flops / (peak_tflops * 1e12) if tokens_per_s else None,
-      peak_tflops=peak_tflops, model_tflop_per_step=flops / 1e12, compile_s=compile_s,
-      **gemms, fp8_gemms_expected=expected_fp8_gemms(size) if recipe is not None else 0,
-      fp8=is_fp8,
-      quantized_layers=len(report.quantized) if report is not None else 0,
-      skipped_layers=sorted(dict(report.skipped)) if report is not None else [],
-      kept_layers=sorted(p for p in report.high_precision if p not in report.quantized)
-      if report is not None else [],
-      high_precision_warnings=high_precision, threshold=repr(threshold),
-      gemm_config=repr(config) if config is not None else None,
-      device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-      corpus=corpus.info)
+    tag,
+    summary=True,
+    steps=steps,
+    start_step=start_step,
+    step=step,
+    completed=step >= steps,
+    stopped_by_time_limit=stopped,
+    final_heldout_loss=last_eval["heldout_loss"] if last_eval else None,
+    final_step_evaluated=last_eval["step"] if last_eval else None,
+    tokens_per_s=tokens_per_s,
+    mfu=tokens_per_s / tokens_per_step * flops / (peak_tflops * 1e12) if tokens_per_s else None,
+    peak_tflops=peak_tflops,
+    model_tflop_per_step=flops / 1e12,
+    compile_s=compile_s,
+    **gemms,
+    fp8_gemms_expected=expected_fp8_gemms(size) if recipe is not None else 0,
+    fp8=is_fp8,
+    quantized_layers=len(report.quantized) if report is not None else 0,
+    skipped_layers=sorted(dict(report.skipped)) if report is not None else [],
+    kept_layers=sorted(p for p in report.high_precision if p not in report.quantized)
+    if report is not None
+    else [],
+    high_precision_warnings=high_precision,
+    threshold=repr(threshold),
+    gemm_config=repr(config) if config is not None else None,
+    device=str(jax.devices()[0].device_kind),
+    backend=jax.default_backend(),
+    corpus=corpus.info,
+  )
   emit(summary, out)
   return dict(summary, losses=losses, evals=evals, carry=carry)
 
@@ -680,24 +757,43 @@ def run(adapter: str, recipe_name: str, size_name: str, steps: int, seed: int = 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-  parser.add_argument("--adapter", default="nnx",
-                      help=f"comma-separated, from {', '.join(ADAPTERS)}")
-  parser.add_argument("--recipes", default="bf16,current,delayed,block",
-                      help=f"comma-separated, from {', '.join(RECIPES)}")
+  parser.add_argument(
+    "--adapter", default="nnx", help=f"comma-separated, from {', '.join(ADAPTERS)}"
+  )
+  parser.add_argument(
+    "--recipes",
+    default="bf16,current,delayed,block",
+    help=f"comma-separated, from {', '.join(RECIPES)}",
+  )
   parser.add_argument("--steps", type=int, default=200, help="total steps of each run")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="append the JSON lines to this file too")
   parser.add_argument("--save", help="write a checkpoint per run into this directory")
   parser.add_argument("--resume", help="continue the runs that have a checkpoint here")
-  parser.add_argument("--stop-at", type=int, default=None,
-                      help="stop each run at this step (the schedule still spans --steps)")
-  parser.add_argument("--time-limit", type=float, default=None,
-                      help="seconds: stop (and save) then, and start no run in its last 60 s")
-  parser.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS,
-                      help="the peak that MFU is stated against (H100 SXM dense bf16)")
-  parser.add_argument("--gemm-config", default="",
-                      help="GemmConfig fields for every quantized layer, e.g. "
-                           "'fp8_gemm=xla,backend=jax' (to tell kernels' effects apart)")
+  parser.add_argument(
+    "--stop-at",
+    type=int,
+    default=None,
+    help="stop each run at this step (the schedule still spans --steps)",
+  )
+  parser.add_argument(
+    "--time-limit",
+    type=float,
+    default=None,
+    help="seconds: stop (and save) then, and start no run in its last 60 s",
+  )
+  parser.add_argument(
+    "--peak-tflops",
+    type=float,
+    default=H100_BF16_PEAK_TFLOPS,
+    help="the peak that MFU is stated against (H100 SXM dense bf16)",
+  )
+  parser.add_argument(
+    "--gemm-config",
+    default="",
+    help="GemmConfig fields for every quantized layer, e.g. "
+    "'fp8_gemm=xla,backend=jax' (to tell kernels' effects apart)",
+  )
   args = parser.parse_args(argv)
   config = None
   if args.gemm_config:
@@ -721,14 +817,25 @@ def main(argv=None) -> list[dict]:
   for adapter in adapters:
     for recipe in recipes:
       if deadline is not None and deadline - time.monotonic() < 60:
-        print(f"{adapter}/{recipe}: not started, less than 60 s of --time-limit left",
-              file=sys.stderr)
+        print(
+          f"{adapter}/{recipe}: not started, less than 60 s of --time-limit left", file=sys.stderr
+        )
         continue
-      result = run(adapter, recipe, args.size, args.steps, args.seed, out=args.out,
-                   save=args.save, resume=args.resume, deadline=deadline,
-                   stop_at=args.stop_at, peak_tflops=args.peak_tflops, config=config)
-      summaries.append({k: v for k, v in result.items()
-                        if k not in ("losses", "evals", "carry")})
+      result = run(
+        adapter,
+        recipe,
+        args.size,
+        args.steps,
+        args.seed,
+        out=args.out,
+        save=args.save,
+        resume=args.resume,
+        deadline=deadline,
+        stop_at=args.stop_at,
+        peak_tflops=args.peak_tflops,
+        config=config,
+      )
+      summaries.append({k: v for k, v in result.items() if k not in ("losses", "evals", "carry")})
   return summaries
 
 

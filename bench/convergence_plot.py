@@ -63,12 +63,16 @@ def run_figures(run: dict) -> dict:
   rates = [e["tokens_per_s"] for e in evals.values() if e.get("tokens_per_s")]
   summary = run["summaries"][-1] if run["summaries"] else {}
   return dict(
-      step=last, heldout=evals[last]["heldout_loss"] if last is not None else None,
-      tokens_per_s=statistics.median(rates) if rates else None,
-      mfu=statistics.median([e["mfu"] for e in evals.values() if e.get("mfu")] or [math.nan]),
-      fp8_gemms=summary.get("fp8_gemms"), gemms=summary.get("gemms"),
-      fp8_expected=summary.get("fp8_gemms_expected"), fp8=summary.get("fp8"),
-      steps=summary.get("steps"))
+    step=last,
+    heldout=evals[last]["heldout_loss"] if last is not None else None,
+    tokens_per_s=statistics.median(rates) if rates else None,
+    mfu=statistics.median([e["mfu"] for e in evals.values() if e.get("mfu")] or [math.nan]),
+    fp8_gemms=summary.get("fp8_gemms"),
+    gemms=summary.get("gemms"),
+    fp8_expected=summary.get("fp8_gemms_expected"),
+    fp8=summary.get("fp8"),
+    steps=summary.get("steps"),
+  )
 
 
 def _num(x, fmt: str) -> str:
@@ -78,9 +82,8 @@ def _num(x, fmt: str) -> str:
 def table(runs: dict) -> str:
   """The Markdown table of every run, by adapter, bf16 first."""
   lines = [
-      "| adapter | recipe | steps | held-out loss | vs bf16 | tokens/s | speedup | MFU | "
-      "FP8 GEMMs |",
-      "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    "| adapter | recipe | steps | held-out loss | vs bf16 | tokens/s | speedup | MFU | FP8 GEMMs |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---|",
   ]
   for adapter in sorted({a for a, _ in runs}):
     base = runs.get((adapter, "bf16"))
@@ -106,11 +109,12 @@ def table(runs: dict) -> str:
       if f["steps"] and f["step"] is not None and f["step"] < f["steps"]:
         steps += f" of {f['steps']}"
       lines.append(
-          f"| {adapter} | {recipe} | {steps} | {_num(f['heldout'], '.4f')} | "
-          f"{_num(diff, '+.2f')}{'%' if diff is not None else ''} | "
-          f"{_num(f['tokens_per_s'], ',.0f')} | {_num(speedup, '.2f')}{'x' if speedup else ''} | "
-          f"{_num(100 * f['mfu'] if not math.isnan(f['mfu']) else None, '.1f')}"
-          f"{'%' if not math.isnan(f['mfu']) else ''} | {gemms} |")
+        f"| {adapter} | {recipe} | {steps} | {_num(f['heldout'], '.4f')} | "
+        f"{_num(diff, '+.2f')}{'%' if diff is not None else ''} | "
+        f"{_num(f['tokens_per_s'], ',.0f')} | {_num(speedup, '.2f')}{'x' if speedup else ''} | "
+        f"{_num(100 * f['mfu'] if not math.isnan(f['mfu']) else None, '.1f')}"
+        f"{'%' if not math.isnan(f['mfu']) else ''} | {gemms} |"
+      )
   return "\n".join(lines)
 
 
@@ -120,8 +124,9 @@ def plot(runs: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     import matplotlib
   except ImportError:
     raise SystemExit(
-        "convergence_plot.py needs matplotlib for the plots: pip install -e '.[plot]' (or "
-        "matplotlib); --table-only writes the table without it") from None
+      "convergence_plot.py needs matplotlib for the plots: pip install -e '.[plot]' (or "
+      "matplotlib); --table-only writes the table without it"
+    ) from None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -132,17 +137,27 @@ def plot(runs: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     for recipe in sorted((r for a, r in runs if a == adapter), key=_order):
       evals = runs[(adapter, recipe)]["evals"]
       steps = sorted(evals)
-      ax.plot(steps, [evals[s]["heldout_loss"] for s in steps], marker=".", label=recipe,
-              linewidth=2.0 if recipe == "bf16" else 1.2,
-              color="black" if recipe == "bf16" else None)
+      ax.plot(
+        steps,
+        [evals[s]["heldout_loss"] for s in steps],
+        marker=".",
+        label=recipe,
+        linewidth=2.0 if recipe == "bf16" else 1.2,
+        color="black" if recipe == "bf16" else None,
+      )
     ax.set_xlabel("step")
     ax.set_ylabel("held-out loss (nats per byte)")
     ax.set_title(f"{adapter}: held-out loss, FP8 recipes against bf16")
     ax.grid(alpha=0.3)
     ax.legend()
     # The early steps fall from ln 256; the part that tells recipes apart is the tail.
-    finals = [e["heldout_loss"] for r in runs if r[0] == adapter
-              for s, e in runs[r]["evals"].items() if s > 0]
+    finals = [
+      e["heldout_loss"]
+      for r in runs
+      if r[0] == adapter
+      for s, e in runs[r]["evals"].items()
+      if s > 0
+    ]
     if finals:
       low = min(finals)
       ax.set_ylim(low - 0.05 * abs(low), min(max(finals), low * 2.0))

@@ -31,24 +31,36 @@ import te_adapters as ta  # noqa: E402
 from te_adapters import core  # noqa: E402
 
 RECIPES = {
-    "float8_block": ta.Float8BlockScaling(),
-    "rowwise": ta.Float8RowwiseScaling(),
-    "mxfp8": ta.MXFP8BlockScaling(),
-    "current": ta.Float8CurrentScaling(),
-    "delayed": ta.DelayedScaling(),
+  "float8_block": ta.Float8BlockScaling(),
+  "rowwise": ta.Float8RowwiseScaling(),
+  "mxfp8": ta.MXFP8BlockScaling(),
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(),
 }
 PATHS = {
-    "fused": core.GemmConfig(),
-    # The fused path with every cast XLA's fusion (no extension cast kernel reads a written value).
-    "fused, jax casts": core.GemmConfig(backend="jax"),
-    "composed": core.GemmConfig(fuse_activation_cast=False),
+  "fused": core.GemmConfig(),
+  # The fused path with every cast XLA's fusion (no extension cast kernel reads a written value).
+  "fused, jax casts": core.GemmConfig(backend="jax"),
+  "composed": core.GemmConfig(fuse_activation_cast=False),
 }
 
 
 def _step(recipe, config, acts, g, b):
   def loss(x, wi, wo, bi, bo, g, b, states):
-    out, _ = core.layernorm_mlp(x, g, b, wi, wo, bi, bo, activations=acts, recipe=recipe,
-                                states=states, threshold=None, config=config)
+    out, _ = core.layernorm_mlp(
+      x,
+      g,
+      b,
+      wi,
+      wo,
+      bi,
+      bo,
+      activations=acts,
+      recipe=recipe,
+      states=states,
+      threshold=None,
+      config=config,
+    )
     return jnp.sum(out.astype(jnp.float32))
 
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))
@@ -56,8 +68,21 @@ def _step(recipe, config, acts, g, b):
 
 def _fused(recipe, config, acts, args):
   def fwd(x, wi, wo, bi, bo, g, b, states):
-    return core.layernorm_mlp(x, g, b, wi, wo, bi, bo, activations=acts, recipe=recipe,
-                              states=states, threshold=None, config=config)[0]
+    return core.layernorm_mlp(
+      x,
+      g,
+      b,
+      wi,
+      wo,
+      bi,
+      bo,
+      activations=acts,
+      recipe=recipe,
+      states=states,
+      threshold=None,
+      config=config,
+    )[0]
+
   return str(jax.make_jaxpr(fwd)(*args)).count("name=_quantized_gemms") == 1
 
 
@@ -87,8 +112,10 @@ def main():
   wo = jax.random.normal(keys[2], (f, k), jnp.float32) / math.sqrt(f)
   bi, bo = jnp.zeros((n_act, f)), jnp.zeros((k,))
   g, b = jnp.ones(k), jnp.zeros(k)
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, x {m}x{k} bf16, F {f}, "
-        f"activations {acts}, {args.repeats} x {args.steps} steps")
+  print(
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}, x {m}x{k} bf16, F {f}, "
+    f"activations {acts}, {args.repeats} x {args.steps} steps"
+  )
   print("| recipe | path | ms/step (median) | runs (ms) | FP8 GEMMs / other GEMMs | fused rule |")
   print("|---|---|---|---|---|---|")
   paths = {p: PATHS[p] for p in args.paths.split(",")}
@@ -112,8 +139,10 @@ def main():
     med = {path: statistics.median(r) for path, r in runs.items()}
     for path in paths:
       shown = ", ".join(f"{t:.2f}" for t in runs[path])
-      print(f"| {name} | {path} | {med[path]:.2f} | {shown} | {info[path][0]} | "
-            f"{'yes' if info[path][1] else 'no'} |")
+      print(
+        f"| {name} | {path} | {med[path]:.2f} | {shown} | {info[path][0]} | "
+        f"{'yes' if info[path][1] else 'no'} |"
+      )
     if "composed" in med and "fused" in med:
       print(f"| {name} | composed / fused | {med['composed'] / med['fused']:.3f} | | | |")
     sys.stdout.flush()

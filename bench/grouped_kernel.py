@@ -58,8 +58,11 @@ def main(argv=None):
   dy_t = dy.T
   for fast in (True, False):
     sums = "fast" if fast else "promoted"
-    dense = jax.jit(lambda a, b, f=fast: kernels.gemm_call(
-      a, b, one, one, bf, lhs_mode=0, rhs_mode=0, fast_accum=f))
+    dense = jax.jit(
+      lambda a, b, f=fast: kernels.gemm_call(
+        a, b, one, one, bf, lhs_mode=0, rhs_mode=0, fast_accum=f
+      )
+    )
     for name, a, b in (("fwd", x, w_nk), ("dgrad", dy, w_kn), ("wgrad", x_t, dy_t)):
       ms = _time(dense, a, b, iters=args.iters)
       print(f"| dense {name} (cuBLASLt) | - | - | {sums} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
@@ -70,19 +73,21 @@ def main(argv=None):
     alpha = jnp.ones((g,), jnp.float32)
     w_nk = jax.random.normal(keys[2], (g, n, k)).astype(e4)
     w_kn = jax.random.normal(keys[3], (g, k, n)).astype(e4)
-    gather = jax.jit(lambda x, dy, s: (kernels.padded_columns(x, s),
-                                       kernels.padded_columns(dy, s)))
+    gather = jax.jit(lambda x, dy, s: (kernels.padded_columns(x, s), kernels.padded_columns(dy, s)))
     ms = _time(gather, x, dy, sizes, iters=args.iters)
     print(f"| wgrad operand gather | {g} | - | - | {ms:.3f} | - |")
     for cfg in args.configs:
       for fast in (True, False):
         sums = "fast" if fast else "promoted"
-        rows = jax.jit(lambda a, b, s, al, f=fast, c=cfg: kernels.rows_gemm(
-          a, b, s, al, bf, f, c))
-        wgrad = jax.jit(lambda a, b, s, al, f=fast, c=cfg: kernels.wgrad_gemm(
-          a, b, s, al, bf, f, c))
-        for name, fn, a, b in (("fwd", rows, x, w_nk), ("dgrad", rows, dy, w_kn),
-                               ("wgrad (with gather)", wgrad, x, dy)):
+        rows = jax.jit(lambda a, b, s, al, f=fast, c=cfg: kernels.rows_gemm(a, b, s, al, bf, f, c))
+        wgrad = jax.jit(
+          lambda a, b, s, al, f=fast, c=cfg: kernels.wgrad_gemm(a, b, s, al, bf, f, c)
+        )
+        for name, fn, a, b in (
+          ("fwd", rows, x, w_nk),
+          ("dgrad", rows, dy, w_kn),
+          ("wgrad (with gather)", wgrad, x, dy),
+        ):
           ms = _time(fn, a, b, sizes, alpha, iters=args.iters)
           print(f"| {name} | {g} | {cfg} | {sums} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
     del w_nk, w_kn

@@ -36,7 +36,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\w[\w-]*)\(")
 
 
 def _activation_buffers(hlo: str, elements: int):
-  entry = hlo[hlo.index("\nENTRY"):]
+  entry = hlo[hlo.index("\nENTRY") :]
   out = []
   for line in entry.splitlines()[1:]:
     m = _INSTR.match(line)
@@ -56,16 +56,25 @@ def _time_steps(x, g, b, w, recipe, config):
   dz = jnp.ones((x.shape[0], w.shape[1]), x.dtype)
 
   def loss(x, g, b, w, state, recipe=recipe):
-    z, _ = ta.core.layernorm_dense(x, g, b, w, recipe=recipe, state=state, threshold=None,
-                                   config=config)
+    z, _ = ta.core.layernorm_dense(
+      x, g, b, w, recipe=recipe, state=state, threshold=None, config=config
+    )
     return jnp.sum(z.astype(jnp.float32) * dz)
 
   fused = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
   norm_vjp = jax.jit(lambda x, g, b: jax.vjp(ta.core.layernorm, x, g, b))
 
   def gemm_loss(y, w, state):
-    z = ta.core.dot_general(y, w, (((1,), (0,)), ((), ())), preferred_element_type=y.dtype,
-                            recipe=recipe, state=state, threshold=None, config=config)
+    z = ta.core.dot_general(
+      y,
+      w,
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=y.dtype,
+      recipe=recipe,
+      state=state,
+      threshold=None,
+      config=config,
+    )
     return jnp.sum(z.astype(jnp.float32) * dz)
 
   gemm_grad = jax.jit(jax.grad(gemm_loss, argnums=(0, 1, 2)))
@@ -76,10 +85,14 @@ def _time_steps(x, g, b, w, recipe, config):
     dy, dw, new_state = gemm_grad(y, w, state)
     return norm_bwd(vjp, dy), dw, new_state
 
-  bf16 = jax.jit(jax.grad(lambda x, g, b, w: loss(x, g, b, w.astype(x.dtype), None, None),
-                          argnums=(0, 1, 2, 3)))
-  return (_median_ms(fused, (x, g, b, w, state)), _median_ms(split, (x, g, b, w, state)),
-          _median_ms(bf16, (x, g, b, w)))
+  bf16 = jax.jit(
+    jax.grad(lambda x, g, b, w: loss(x, g, b, w.astype(x.dtype), None, None), argnums=(0, 1, 2, 3))
+  )
+  return (
+    _median_ms(fused, (x, g, b, w, state)),
+    _median_ms(split, (x, g, b, w, state)),
+    _median_ms(bf16, (x, g, b, w)),
+  )
 
 
 def _median_ms(step, args, steps=20, repeats=3):
@@ -104,8 +117,10 @@ def main():
 
       def fwd(x, g, b, w, state, recipe=recipe, config=config):
         def f(x, g, b, w, state):
-          return ta.core.layernorm_dense(x, g, b, w, recipe=recipe, state=state,
-                                         threshold=None, config=config)[0]
+          return ta.core.layernorm_dense(
+            x, g, b, w, recipe=recipe, state=state, threshold=None, config=config
+          )[0]
+
         return jax.vjp(f, x, g, b, w, state)
 
       hlo = jax.jit(fwd).lower(x, g, b, w, state).compile().as_text()
@@ -115,8 +130,10 @@ def main():
         print("  ", line)
       if args.time:
         fused, split, bf16 = _time_steps(x, g, b, w, recipe, config)
-        print(f"   fwd+bwd ms: one jit {fused:.3f}, norm output between jits {split:.3f}, "
-              f"bf16 {bf16:.3f}")
+        print(
+          f"   fwd+bwd ms: one jit {fused:.3f}, norm output between jits {split:.3f}, "
+          f"bf16 {bf16:.3f}"
+        )
 
 
 if __name__ == "__main__":

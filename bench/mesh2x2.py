@@ -63,12 +63,19 @@ def _parse(argv):
   p.add_argument("--variants", default="bf16,current,delayed")
   p.add_argument("--json", default=None, help="write the header and rows here")
   p.add_argument("--hlo-dir", default=None, help="write each mesh program's compiled HLO here")
-  p.add_argument("--configs", default="base",
-                 help="FP8 mesh programs' GemmConfig levers: base, m<SMs> (comm_sm_margin), "
-                      "c<n> (sum_chunks), f (fold_amax), combined as m16c4f; comma-separated")
-  p.add_argument("--partial-sums", choices=("output", "float32"), default=None,
-                 help="GemmConfig.partial_sums of the FP8 layers: the dtype the sharded GEMMs "
-                      "sum their partial products in (default: the package's default)")
+  p.add_argument(
+    "--configs",
+    default="base",
+    help="FP8 mesh programs' GemmConfig levers: base, m<SMs> (comm_sm_margin), "
+    "c<n> (sum_chunks), f (fold_amax), combined as m16c4f; comma-separated",
+  )
+  p.add_argument(
+    "--partial-sums",
+    choices=("output", "float32"),
+    default=None,
+    help="GemmConfig.partial_sums of the FP8 layers: the dtype the sharded GEMMs "
+    "sum their partial products in (default: the package's default)",
+  )
   add_common_arguments(p)
   return p.parse_args(argv)
 
@@ -135,9 +142,9 @@ def _config():
 
 def _recipe(variant):
   return {
-      "bf16": None,
-      "current": ta.Float8CurrentScaling(),
-      "delayed": ta.DelayedScaling(amax_history_len=1024),
+    "bf16": None,
+    "current": ta.Float8CurrentScaling(),
+    "delayed": ta.DelayedScaling(amax_history_len=1024),
   }[variant]
 
 
@@ -191,8 +198,9 @@ def build_haiku(variant, hidden, features, x_init) -> Model:
   def forward(x):
     if recipe is None:
       return hk.Linear(features, with_bias=False)(x)
-    return ta_hk.Linear(features, with_bias=False, recipe=recipe, threshold=None,
-                        config=_config())(x)
+    return ta_hk.Linear(features, with_bias=False, recipe=recipe, threshold=None, config=_config())(
+      x
+    )
 
   f = hk.transform_with_state(forward)
   # float32 parameters (initialised from a float32 input), computed in bf16 like nn.Dense.
@@ -225,10 +233,12 @@ def make_step(model: Model, mesh, donate_state: bool):
   if mesh is not None:
     named = lambda spec: NamedSharding(mesh, spec)
     kw["out_shardings"] = (
-        (named(P()), named(DY_SPEC)),
-        (jax.tree.map(lambda a: named(_param_spec(a)), model.params),
-         jax.tree.map(lambda a: named(P()), model.state),
-         named(X_SPEC)),
+      (named(P()), named(DY_SPEC)),
+      (
+        jax.tree.map(lambda a: named(_param_spec(a)), model.params),
+        jax.tree.map(lambda a: named(P()), model.state),
+        named(X_SPEC),
+      ),
     )
   return jax.jit(grad_fn, **kw)
 
@@ -244,15 +254,34 @@ def hlo_summary(text):
     counts[c.op] = counts.get(c.op, 0) + 1
     if c.op == "all-gather":
       dtype, shape = c.arrays[-1]
-      itemsize = 1 if dtype in ("u8", "s8") or dtype.startswith("f8") else int(
-          jnp.dtype({"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}.get(
-              dtype, jnp.float32)).itemsize)
+      itemsize = (
+        1
+        if dtype in ("u8", "s8") or dtype.startswith("f8")
+        else int(
+          jnp.dtype(
+            {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}.get(dtype, jnp.float32)
+          ).itemsize
+        )
+      )
       gathered[dtype] = gathered.get(dtype, 0) + itemsize * int(np.prod(shape))
   return gemms, counts, gathered
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+}
 
 
 def _payload(c):
@@ -291,8 +320,9 @@ def collective_details(text):
   rows = []
   for c in inspect.hlo_collectives(text):
     arrays = _payload(c)
-    nbytes = sum(_DTYPE_BYTES.get(d, 1 if d.startswith("f8") else 4) * int(np.prod(s))
-                 for d, s in arrays)
+    nbytes = sum(
+      _DTYPE_BYTES.get(d, 1 if d.startswith("f8") else 4) * int(np.prod(s)) for d, s in arrays
+    )
     apply = re.search(r"to_apply=%?([\w.\-]+)", c.line)
     reduction = kinds.get(apply.group(1)) if apply else None
     scalars = all(int(np.prod(s)) == 1 for _, s in arrays)
@@ -307,10 +337,17 @@ def collective_details(text):
     else:
       carries = "grad"
     groups = re.search(r"replica_groups=(.*?)(?:, [a-z_]+=|$)", c.line)
-    rows.append(dict(op=c.op, carries=[carries], reduction=reduction,
-                     groups=groups.group(1) if groups else "",
-                     arrays=[(d, list(s)) for d, s in arrays], bytes=nbytes,
-                     name=c.line.split("=")[0].replace("ROOT", "").strip().lstrip("%")))
+    rows.append(
+      dict(
+        op=c.op,
+        carries=[carries],
+        reduction=reduction,
+        groups=groups.group(1) if groups else "",
+        arrays=[(d, list(s)) for d, s in arrays],
+        bytes=nbytes,
+        name=c.line.split("=")[0].replace("ROOT", "").strip().lstrip("%"),
+      )
+    )
   return rows
 
 
@@ -321,8 +358,10 @@ def format_collectives(rows):
     parts = []
     for c in r.get("collective_details", []):
       arrs = " ".join(f"{d}[{','.join(map(str, s))}]" for d, s in c["arrays"])
-      parts.append(f"{c['op']}({'+'.join(c['carries']) or '?'}: {arrs}, "
-                   f"{c['bytes'] / 2**20:.2f} MiB, {c['groups'][:60]})")
+      parts.append(
+        f"{c['op']}({'+'.join(c['carries']) or '?'}: {arrs}, "
+        f"{c['bytes'] / 2**20:.2f} MiB, {c['groups'][:60]})"
+      )
     lines.append(f"{r['framework']:<6}{r['variant']:<9}{r['config']:<8}" + "; ".join(parts))
   return "\n".join(lines)
 
@@ -377,8 +416,9 @@ def time_interleaved(programs, args, log=print):
       sync.append(time_steps(step_once, args.iters, args.warmup, 1, sync_each_step=True))
       pipe.append(time_steps(step_once, args.iters, 0, 1, sync_each_step=False))
     log(f"  repeat {r + 1}/{args.trials} done")
-  return {label: (float(np.median(s)), float(np.median(p)), s, p)
-          for label, (s, p) in times.items()}
+  return {
+    label: (float(np.median(s)), float(np.median(p)), s, p) for label, (s, p) in times.items()
+  }
 
 
 @jax.jit
@@ -412,10 +452,12 @@ def run(args, log=print):
   devices = jax.devices()
   n = int(np.prod(MESH_SHAPE))
   if len(devices) < n:
-    raise SystemExit(f"a 2x2 mesh needs {n} devices; {len(devices)} present "
-                     "(on CPU: --cpu-devices 4)")
-  mesh = jax.make_mesh(MESH_SHAPE, MESH_AXES, devices=devices[:n],
-                       axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    raise SystemExit(
+      f"a 2x2 mesh needs {n} devices; {len(devices)} present (on CPU: --cpu-devices 4)"
+    )
+  mesh = jax.make_mesh(
+    MESH_SHAPE, MESH_AXES, devices=devices[:n], axis_types=(AxisType.Auto,) * len(MESH_AXES)
+  )
   b, s, h, f = args.batch, args.seq, args.hidden, args.features
   kx, kd = jax.random.split(jax.random.PRNGKey(0), 2)
   x = jax.random.normal(kx, (b, s, h), jnp.float32).astype(jnp.bfloat16)
@@ -431,7 +473,7 @@ def run(args, log=print):
       model = BUILDERS[framework](variant, h, f, x_init)
       one_step, one_out, _ = prepare(model, x, dy, None, args)
       programs[(framework, variant, "1")] = one_step
-      for config in (["base"] if variant == "bf16" else configs):
+      for config in ["base"] if variant == "bf16" else configs:
         LEVERS = parse_config(config)
         model = BUILDERS[framework](variant, h, f, x_init)
         mesh_step, mesh_out, text = prepare(model, x, dy, mesh, args)
@@ -443,13 +485,24 @@ def run(args, log=print):
           os.makedirs(args.hlo_dir, exist_ok=True)
           with open(os.path.join(args.hlo_dir, f"{framework}_{variant}_{config}.txt"), "w") as fh:
             fh.write(text)
-        rows.append(dict(
-            framework=framework, variant=variant, config=config, levers=dict(LEVERS),
-            rel_y=errs["y"], rel_dx=errs["dx"], rel_dw=errs["dw"], rel_state=errs["state"],
-            gemms=gemms, gemm_targets=gemm_targets(text), collectives=collectives,
-            all_gather_bytes=gathered, collective_details=collective_details(text),
+        rows.append(
+          dict(
+            framework=framework,
+            variant=variant,
+            config=config,
+            levers=dict(LEVERS),
+            rel_y=errs["y"],
+            rel_dx=errs["dx"],
+            rel_dw=errs["dw"],
+            rel_state=errs["state"],
+            gemms=gemms,
+            gemm_targets=gemm_targets(text),
+            collectives=collectives,
+            all_gather_bytes=gathered,
+            collective_details=collective_details(text),
             flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
-        ))
+          )
+        )
       LEVERS = {}
       del one_out
       log(f"  {framework:<6}{variant:<9}compiled ({time.perf_counter() - start:.1f} s)")
@@ -457,12 +510,22 @@ def run(args, log=print):
   for r in rows:
     one = timed[f"{r['framework']}/{r['variant']}/1"]
     mesh_t = timed[f"{r['framework']}/{r['variant']}/{r['config']}"]
-    r.update(ms_1=one[0], ms_1_pipelined=one[1], ms_2x2=mesh_t[0], ms_2x2_pipelined=mesh_t[1],
-             ms_1_repeats=one[2], ms_2x2_repeats=mesh_t[2], ms_1_pipelined_repeats=one[3],
-             ms_2x2_pipelined_repeats=mesh_t[3])
-    r.update(speedup=r["ms_1"] / r["ms_2x2"], efficiency=r["ms_1"] / (n * r["ms_2x2"]),
-             efficiency_pipelined=r["ms_1_pipelined"] / (n * r["ms_2x2_pipelined"]),
-             tflops_per_dev_2x2=flops / (r["ms_2x2"] * 1e-3) / 1e12 / n)
+    r.update(
+      ms_1=one[0],
+      ms_1_pipelined=one[1],
+      ms_2x2=mesh_t[0],
+      ms_2x2_pipelined=mesh_t[1],
+      ms_1_repeats=one[2],
+      ms_2x2_repeats=mesh_t[2],
+      ms_1_pipelined_repeats=one[3],
+      ms_2x2_pipelined_repeats=mesh_t[3],
+    )
+    r.update(
+      speedup=r["ms_1"] / r["ms_2x2"],
+      efficiency=r["ms_1"] / (n * r["ms_2x2"]),
+      efficiency_pipelined=r["ms_1_pipelined"] / (n * r["ms_2x2_pipelined"]),
+      tflops_per_dev_2x2=flops / (r["ms_2x2"] * 1e-3) / 1e12 / n,
+    )
   return rows
 
 
@@ -479,9 +542,11 @@ def gemm_targets(text):
 
 def format_table(rows):
   bf16 = {r["framework"]: r for r in rows if r["variant"] == "bf16"}
-  head = (f"{'framework':<8}{'variant':<9}{'config':<8}{'1 dev':>8}{'2x2':>8}{'eff':>6}"
-          f"{'vs bf16':>8}{'1 pipe':>8}{'2x2 pipe':>9}{'eff':>6}{'vs bf16':>8}"
-          f"{'rel y':>9}{'rel dx':>9}{'rel dW':>9}{'state':>9}{'FP8/oth':>8}  GEMMs; collectives")
+  head = (
+    f"{'framework':<8}{'variant':<9}{'config':<8}{'1 dev':>8}{'2x2':>8}{'eff':>6}"
+    f"{'vs bf16':>8}{'1 pipe':>8}{'2x2 pipe':>9}{'eff':>6}{'vs bf16':>8}"
+    f"{'rel y':>9}{'rel dx':>9}{'rel dW':>9}{'state':>9}{'FP8/oth':>8}  GEMMs; collectives"
+  )
   lines = [head, "-" * len(head)]
   fmt_err = lambda v: f"{'-':>9}" if v is None else f"{v:>9.1e}"
   for r in rows:
@@ -490,20 +555,25 @@ def format_table(rows):
     vsp = f"{ref['ms_2x2_pipelined'] / r['ms_2x2_pipelined']:>7.3f}x" if ref else f"{'-':>8}"
     coll = ", ".join(f"{op} x{k}" for op, k in sorted(r["collectives"].items())) or "none"
     if r["all_gather_bytes"]:
-      coll += " (gathered " + ", ".join(
-          f"{d}: {v / 2**20:.1f} MiB" for d, v in sorted(r["all_gather_bytes"].items())) + ")"
+      coll += (
+        " (gathered "
+        + ", ".join(f"{d}: {v / 2**20:.1f} MiB" for d, v in sorted(r["all_gather_bytes"].items()))
+        + ")"
+      )
     t = r["gemm_targets"]
     lines.append(
-        f"{r['framework']:<8}{r['variant']:<9}{r['config']:<8}{r['ms_1']:>8.3f}"
-        f"{r['ms_2x2']:>8.3f}{r['efficiency']:>6.2f}{vs}{r['ms_1_pipelined']:>8.3f}"
-        f"{r['ms_2x2_pipelined']:>9.3f}{r['efficiency_pipelined']:>6.2f}{vsp}"
-        f"{fmt_err(r['rel_y'])}{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}"
-        f"{fmt_err(r['rel_state'])}{r['gemms'] or '-':>8}  ext {t['extension']} xla-fp8 "
-        f"{t['xla_fp8']} other {t['xla_other']}; {coll}{'  CHECK' if r['flagged'] else ''}")
+      f"{r['framework']:<8}{r['variant']:<9}{r['config']:<8}{r['ms_1']:>8.3f}"
+      f"{r['ms_2x2']:>8.3f}{r['efficiency']:>6.2f}{vs}{r['ms_1_pipelined']:>8.3f}"
+      f"{r['ms_2x2_pipelined']:>9.3f}{r['efficiency_pipelined']:>6.2f}{vsp}"
+      f"{fmt_err(r['rel_y'])}{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}"
+      f"{fmt_err(r['rel_state'])}{r['gemms'] or '-':>8}  ext {t['extension']} xla-fp8 "
+      f"{t['xla_fp8']} other {t['xla_other']}; {coll}{'  CHECK' if r['flagged'] else ''}"
+    )
   flagged = [f"{r['framework']} {r['variant']} {r['config']}" for r in rows if r["flagged"]]
   lines.append("")
-  lines.append(f"relative error above {FLAG_ABOVE:g} (mesh against one device): "
-               f"{', '.join(flagged) or 'none'}")
+  lines.append(
+    f"relative error above {FLAG_ABOVE:g} (mesh against one device): {', '.join(flagged) or 'none'}"
+  )
   return "\n".join(lines)
 
 
@@ -511,24 +581,37 @@ def main():
   args = ARGS
   dev = jax.devices()[0]
   meta = dict(
-      date=time.strftime("%Y-%m-%d"), device=f"{dev.platform} {dev.device_kind}",
-      device_count=jax.device_count(), jax=jax.__version__, flax=flax.__version__,
-      haiku=hk.__version__, python=platform.python_version(),
-      shape=dict(batch=args.batch, seq=args.seq, hidden=args.hidden, features=args.features),
-      iters=args.iters, warmup=args.warmup, repeats=args.trials, configs=args.configs,
-      timing="interleaved repeats; each step synchronised, and pipelined (one sync a trial)",
-      partial_sums=args.partial_sums or ta.core.GemmConfig().partial_sums,
-      xla_flags=os.environ.get("XLA_FLAGS", ""),
+    date=time.strftime("%Y-%m-%d"),
+    device=f"{dev.platform} {dev.device_kind}",
+    device_count=jax.device_count(),
+    jax=jax.__version__,
+    flax=flax.__version__,
+    haiku=hk.__version__,
+    python=platform.python_version(),
+    shape=dict(batch=args.batch, seq=args.seq, hidden=args.hidden, features=args.features),
+    iters=args.iters,
+    warmup=args.warmup,
+    repeats=args.trials,
+    configs=args.configs,
+    timing="interleaved repeats; each step synchronised, and pipelined (one sync a trial)",
+    partial_sums=args.partial_sums or ta.core.GemmConfig().partial_sums,
+    xla_flags=os.environ.get("XLA_FLAGS", ""),
   )
-  print(f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
-        f"(mesh 2x2 over the first 4); jax {meta['jax']}, flax {meta['flax']}, "
-        f"haiku {meta['haiku']}, python {meta['python']}")
-  print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
-        f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
-        f"mean of {args.iters} steps, median of {args.trials} {meta['timing']}; "
-        f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}")
-  print(f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
-        f"recipe state {P()}; errors at step {CHECK_STEP} against the first device alone\n")
+  print(
+    f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
+    f"(mesh 2x2 over the first 4); jax {meta['jax']}, flax {meta['flax']}, "
+    f"haiku {meta['haiku']}, python {meta['python']}"
+  )
+  print(
+    f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
+    f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
+    f"mean of {args.iters} steps, median of {args.trials} {meta['timing']}; "
+    f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}"
+  )
+  print(
+    f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
+    f"recipe state {P()}; errors at step {CHECK_STEP} against the first device alone\n"
+  )
   rows = run(args)
   print()
   print(format_table(rows))

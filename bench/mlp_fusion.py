@@ -34,9 +34,12 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--shape", default="8192x4096x16384", help="MxKxF")
   parser.add_argument("--activations", default="gelu")
-  parser.add_argument("--paths", default="fused,unfused",
-                      help="comma list: fused (the default GemmConfig), unfused "
-                           "(GemmConfig(fuse_activation_cast=False))")
+  parser.add_argument(
+    "--paths",
+    default="fused,unfused",
+    help="comma list: fused (the default GemmConfig), unfused "
+    "(GemmConfig(fuse_activation_cast=False))",
+  )
   args = parser.parse_args()
   m, k, f = (int(s) for s in args.shape.split("x"))
   acts = tuple(args.activations.split(","))
@@ -45,19 +48,33 @@ def main():
   wi = jax.random.normal(jax.random.key(1), (k, n_act, f), jnp.float32) / math.sqrt(k)
   wo = jax.random.normal(jax.random.key(2), (f, k), jnp.float32) / math.sqrt(f)
   g, b = jnp.ones(k), jnp.zeros(k)
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, x {m}x{k} bf16, F {f}, "
-        f"activations {acts}")
+  print(
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}, x {m}x{k} bf16, F {f}, "
+    f"activations {acts}"
+  )
   configs = {"fused": None, "unfused": ta.core.GemmConfig(fuse_activation_cast=False)}
   for recipe, label in itertools.product(
-      (ta.Float8CurrentScaling(), ta.DelayedScaling()), args.paths.split(",")):
+    (ta.Float8CurrentScaling(), ta.DelayedScaling()), args.paths.split(",")
+  ):
     states = None
     if ta.core.init_state(recipe):
       states = (ta.core.init_state(recipe), ta.core.init_state(recipe))
 
     def fwd(x, wi, wo, states, recipe=recipe, config=configs[label]):
       def f(x, wi, wo, states):
-        return ta.core.layernorm_mlp(x, g, b, wi, wo, activations=acts, recipe=recipe,
-                                     states=states, threshold=None, config=config)[0]
+        return ta.core.layernorm_mlp(
+          x,
+          g,
+          b,
+          wi,
+          wo,
+          activations=acts,
+          recipe=recipe,
+          states=states,
+          threshold=None,
+          config=config,
+        )[0]
+
       return jax.vjp(f, x, wi, wo, states)
 
     hlo = jax.jit(fwd).lower(x, wi, wo, states).compile().as_text()

@@ -51,13 +51,14 @@ def _parse(argv):
   p.add_argument("--processes", type=int, default=2)
   p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
   p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
-  p.add_argument("--grace", type=float, default=20.0,
-                 help="seconds the others get after one process fails")
+  p.add_argument(
+    "--grace", type=float, default=20.0, help="seconds the others get after one process fails"
+  )
   p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
   p.add_argument("--log-dir", default=None, help="write process i's output to DIR/process_i.log")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv[:cut])
-  target = argv[cut + 1:]
+  target = argv[cut + 1 :]
   if not target or (target[0] == "-m" and len(target) < 2):
     p.error("nothing to run after --")
   return args, target
@@ -82,8 +83,15 @@ def _free_port() -> int:
 def child_env(base: dict, platform: str, coordinator: str, processes: int, i: int) -> dict:
   """The environment of process ``i``."""
   env = dict(base)
-  env.update({ENV_COORDINATOR: coordinator, ENV_PROCESSES: str(processes),
-              ENV_PROCESS_ID: str(i), ENV_PLATFORM: platform, "PYTHONUNBUFFERED": "1"})
+  env.update(
+    {
+      ENV_COORDINATOR: coordinator,
+      ENV_PROCESSES: str(processes),
+      ENV_PROCESS_ID: str(i),
+      ENV_PLATFORM: platform,
+      "PYTHONUNBUFFERED": "1",
+    }
+  )
   if platform == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
@@ -108,8 +116,9 @@ def _kill(proc):
       pass
 
 
-def launch(target, processes, platform="auto", timeout=600.0, grace=20.0, port=0,
-           log_dir=None) -> list:
+def launch(
+  target, processes, platform="auto", timeout=600.0, grace=20.0, port=0, log_dir=None
+) -> list:
   """Runs ``target`` (argv after ``python``) in ``processes`` processes; returns each one's exit
   code, or ``None`` for a process killed at the deadline."""
   if platform == "auto":
@@ -119,14 +128,21 @@ def launch(target, processes, platform="auto", timeout=600.0, grace=20.0, port=0
     os.makedirs(log_dir, exist_ok=True)
   lock = threading.Lock()
   procs, pumps, sinks = [], [], []
-  print(f"launching {processes} processes on {platform}, coordinator {coordinator}: "
-        f"{' '.join(target)}", flush=True)
+  print(
+    f"launching {processes} processes on {platform}, coordinator {coordinator}: {' '.join(target)}",
+    flush=True,
+  )
   for i in range(processes):
     sink = open(os.path.join(log_dir, f"process_{i}.log"), "w") if log_dir else None
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--", *target]
-    proc = subprocess.Popen(cmd, env=child_env(os.environ, platform, coordinator, processes, i),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+      cmd,
+      env=child_env(os.environ, platform, coordinator, processes, i),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+    )
     pump = threading.Thread(target=_pump, args=(i, proc.stdout, sink, lock), daemon=True)
     pump.start()
     procs.append(proc)
@@ -166,9 +182,12 @@ def _worker(target):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   else:
     kwargs["local_device_ids"] = [i]
-  jax.distributed.initialize(coordinator_address=os.environ[ENV_COORDINATOR],
-                             num_processes=int(os.environ[ENV_PROCESSES]), process_id=i,
-                             **kwargs)
+  jax.distributed.initialize(
+    coordinator_address=os.environ[ENV_COORDINATOR],
+    num_processes=int(os.environ[ENV_PROCESSES]),
+    process_id=i,
+    **kwargs,
+  )
   # A process whose target fails exits at once: at a normal exit jax.distributed waits in a
   # shutdown barrier for every other process, which may never come.
   try:
@@ -203,11 +222,13 @@ def main(argv=None) -> int:
     _worker(target)
     return 0
   start = time.monotonic()
-  codes = launch(target, args.processes, args.platform, args.timeout, args.grace, args.port,
-                 args.log_dir)
+  codes = launch(
+    target, args.processes, args.platform, args.timeout, args.grace, args.port, args.log_dir
+  )
   took = time.monotonic() - start
-  summary = ", ".join(f"process {i}: {'timeout' if c is None else f'exit {c}'}"
-                      for i, c in enumerate(codes))
+  summary = ", ".join(
+    f"process {i}: {'timeout' if c is None else f'exit {c}'}" for i, c in enumerate(codes)
+  )
   if all(c == 0 for c in codes):
     print(f"all {len(codes)} processes succeeded in {took:.1f} s", flush=True)
     return 0

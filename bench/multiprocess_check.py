@@ -57,21 +57,35 @@ def _parse(argv):
   p.add_argument("--adapters", default="linen,nnx,haiku")
   p.add_argument("--recipes", default="delayed,current")
   p.add_argument("--plans", default="dp,fsdp")
-  p.add_argument("--configs", default=None,
-                 help="adapter/recipe/plan,... instead of every combination of the three above")
+  p.add_argument(
+    "--configs",
+    default=None,
+    help="adapter/recipe/plan,... instead of every combination of the three above",
+  )
   p.add_argument("--steps", type=int, default=6)
   p.add_argument("--batch", type=int, default=64, help="global batch (rows)")
   p.add_argument("--dims", default="128,128,64", help="in,hidden,out")
   p.add_argument("--lr", type=float, default=0.01)
   p.add_argument("--out", required=True, help="results.json and the checkpoints go here")
-  p.add_argument("--reference", default=None,
-                 help="results.json of another run (one process, same mesh): must match bitwise")
+  p.add_argument(
+    "--reference",
+    default=None,
+    help="results.json of another run (one process, same mesh): must match bitwise",
+  )
   p.add_argument("--no-checkpoint", action="store_true", help="skip the Orbax save and restore")
   p.add_argument("--no-one-device", action="store_true", help="skip the one-device training")
-  p.add_argument("--one-device-rtol", type=float, default=1e-2,
-                 help="each step's loss against one device's, relative")
-  p.add_argument("--cpu-devices", type=int, default=None,
-                 help="alone, on this many virtual CPU devices (sets XLA_FLAGS)")
+  p.add_argument(
+    "--one-device-rtol",
+    type=float,
+    default=1e-2,
+    help="each step's loss against one device's, relative",
+  )
+  p.add_argument(
+    "--cpu-devices",
+    type=int,
+    default=None,
+    help="alone, on this many virtual CPU devices (sets XLA_FLAGS)",
+  )
   return p.parse_args(argv)
 
 
@@ -88,8 +102,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import te_adapters as ta  # noqa: E402
 
 RECIPES = {
-    "delayed": lambda: ta.DelayedScaling(amax_history_len=4),
-    "current": lambda: ta.Float8CurrentScaling(),
+  "delayed": lambda: ta.DelayedScaling(amax_history_len=4),
+  "current": lambda: ta.Float8CurrentScaling(),
 }
 
 
@@ -190,7 +204,7 @@ def batch(step, rows, dims, shards):
   t = rng.standard_normal((rows, dims[2]), np.float32)
   share = rows // shards
   owner = step % shards
-  x[owner * share:(owner + 1) * share] *= 4.0
+  x[owner * share : (owner + 1) * share] *= 4.0
   return x, t
 
 
@@ -199,14 +213,17 @@ def _specs(tree, plan, is_params):
     if is_params and plan == "fsdp" and np.ndim(a) == 2:
       return P("data", None)
     return P()
+
   return jax.tree.map(spec, tree)
 
 
 def _place(tree, shardings):
   """Host arrays (the same on every process) as global arrays laid out by ``shardings``."""
   return jax.tree.map(
-      lambda a, s: jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx]),
-      tree, shardings)
+    lambda a, s: jax.make_array_from_callback(np.shape(a), s, lambda idx: np.asarray(a)[idx]),
+    tree,
+    shardings,
+  )
 
 
 def _local(tree):
@@ -279,16 +296,25 @@ def run_config(adapter, recipe_name, plan, args, dims, mesh, ckpt_dir):
     warnings.simplefilter("ignore", ta.core.ShardingFallbackWarning)
     with jax.set_mesh(mesh):
       p, s = _place(params, p_sh), _place(state, s_sh)
-      losses, p, s, saved = train(p, s, 0, args.steps,
-                                  save_at=None if args.no_checkpoint else half)
+      losses, p, s, saved = train(p, s, 0, args.steps, save_at=None if args.no_checkpoint else half)
       final_state = _local(s)
       if saved is not None:
         p2, s2 = _restore(saved, p_sh, s_sh, params, state)
         resumed, _, s2, _ = train(p2, s2, half, args.steps)
-        assert _bits(resumed) == _bits(losses[half:]), (adapter, recipe_name, plan,
-                                                         "after restore", resumed, losses[half:])
-        assert _digest(_local(s2)) == _digest(final_state), (adapter, recipe_name, plan,
-                                                             "state after restore")
+        assert _bits(resumed) == _bits(losses[half:]), (
+          adapter,
+          recipe_name,
+          plan,
+          "after restore",
+          resumed,
+          losses[half:],
+        )
+        assert _digest(_local(s2)) == _digest(final_state), (
+          adapter,
+          recipe_name,
+          plan,
+          "state after restore",
+        )
 
   # Every process holds the same state and losses.
   mine = np.concatenate([np.asarray(losses, np.float32), _flat(final_state)])
@@ -296,30 +322,42 @@ def run_config(adapter, recipe_name, plan, args, dims, mesh, ckpt_dir):
   assert every.shape[0] == processes
   for i in range(1, processes):
     assert np.array_equal(every[i].view(np.uint32), every[0].view(np.uint32)), (
-        adapter, recipe_name, plan, f"process {i} differs from process 0")
+      adapter,
+      recipe_name,
+      plan,
+      f"process {i} differs from process 0",
+    )
 
-  result = dict(losses=losses, loss_bits=_bits(losses), one_device_losses=one_losses,
-                state_digest=_digest(final_state), checkpoint=saved is not None)
+  result = dict(
+    losses=losses,
+    loss_bits=_bits(losses),
+    one_device_losses=one_losses,
+    state_digest=_digest(final_state),
+    checkpoint=saved is not None,
+  )
   if one_losses:
     rel = np.abs(np.asarray(losses) - np.asarray(one_losses)) / np.abs(np.asarray(one_losses))
     result["max_rel_vs_one_device"] = float(rel.max())
   if final_state:
     # The newest x amax of the first layer is the global batch's, not a process's own rows'.
     x_last, _ = batch(args.steps - 1, args.batch, dims, jax.device_count())
-    histories = {jax.tree_util.keystr(k): np.asarray(v)
-                 for k, v in jax.tree_util.tree_leaves_with_path(final_state)
-                 if "x_amax_history" in jax.tree_util.keystr(k)}
+    histories = {
+      jax.tree_util.keystr(k): np.asarray(v)
+      for k, v in jax.tree_util.tree_leaves_with_path(final_state)
+      if "x_amax_history" in jax.tree_util.keystr(k)
+    }
     first = sorted(histories)[0]  # fc1 / Dense_0 / linear come first
     newest = float(histories[first][-1])
     assert newest == float(np.max(np.abs(x_last))), (adapter, first, newest)
     share = args.batch // processes
-    mine_rows = x_last[jax.process_index() * share:(jax.process_index() + 1) * share]
+    mine_rows = x_last[jax.process_index() * share : (jax.process_index() + 1) * share]
     result["x_amax"] = newest
     result["own_rows_amax"] = float(np.max(np.abs(mine_rows)))
     if one_losses:
       one_flat, mesh_flat = _flat(one_state), _flat(final_state)
       result["state_max_rel_vs_one_device"] = float(
-          np.max(np.abs(mesh_flat - one_flat) / np.maximum(np.abs(one_flat), 1e-30)))
+        np.max(np.abs(mesh_flat - one_flat) / np.maximum(np.abs(one_flat), 1e-30))
+      )
   return result
 
 
@@ -340,10 +378,12 @@ def _restore(path, p_sh, s_sh, params, state):
   import orbax.checkpoint as ocp
 
   abstract = {
-      "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s),
-                             params, p_sh),
-      "state": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s),
-                            state, s_sh),
+    "params": jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s), params, p_sh
+    ),
+    "state": jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s), state, s_sh
+    ),
   }
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(path, abstract)
@@ -357,15 +397,21 @@ def main(args):
   dev = jax.devices()[0]
   lead = jax.process_index() == 0
   if lead:
-    print(f"{jax.process_count()} processes, {n} devices ({dev.platform} {dev.device_kind}), "
-          f"jax {jax.__version__}; batch {args.batch}, dims {dims}, {args.steps} steps")
+    print(
+      f"{jax.process_count()} processes, {n} devices ({dev.platform} {dev.device_kind}), "
+      f"jax {jax.__version__}; batch {args.batch}, dims {dims}, {args.steps} steps"
+    )
   os.makedirs(args.out, exist_ok=True)
   ckpt_dir = os.path.abspath(os.path.join(args.out, "checkpoints"))
   if args.configs:
     configs = [tuple(c.split("/")) for c in args.configs.split(",")]
   else:
-    configs = [(a, r, p) for a in args.adapters.split(",") for r in args.recipes.split(",")
-               for p in args.plans.split(",")]
+    configs = [
+      (a, r, p)
+      for a in args.adapters.split(",")
+      for r in args.recipes.split(",")
+      for p in args.plans.split(",")
+    ]
   results = {}
   for adapter, recipe_name, plan in configs:
     name = f"{adapter}/{recipe_name}/{plan}"
@@ -373,37 +419,61 @@ def main(args):
     r = run_config(adapter, recipe_name, plan, args, dims, mesh, ckpt_dir)
     results[name] = r
     if lead:
-      amax = (f"x amax {r['x_amax']:.4g} (own rows {r['own_rows_amax']:.4g}), "
-              if "x_amax" in r else "")
-      one = (f"vs one device {r['max_rel_vs_one_device']:.2e}, "
-             if "max_rel_vs_one_device" in r else "")
-      print(f"{name:<22} loss {r['losses'][0]:.6f} -> {r['losses'][-1]:.6f}, {amax}{one}"
-            f"checkpoint {'restored' if r['checkpoint'] else 'off'} "
-            f"({time.perf_counter() - start:.1f} s)", flush=True)
-  summary = dict(processes=jax.process_count(), devices=n, platform=dev.platform,
-                 device_kind=dev.device_kind, jax=jax.__version__, steps=args.steps,
-                 batch=args.batch, dims=list(dims), results=results)
+      amax = (
+        f"x amax {r['x_amax']:.4g} (own rows {r['own_rows_amax']:.4g}), " if "x_amax" in r else ""
+      )
+      one = (
+        f"vs one device {r['max_rel_vs_one_device']:.2e}, " if "max_rel_vs_one_device" in r else ""
+      )
+      print(
+        f"{name:<22} loss {r['losses'][0]:.6f} -> {r['losses'][-1]:.6f}, {amax}{one}"
+        f"checkpoint {'restored' if r['checkpoint'] else 'off'} "
+        f"({time.perf_counter() - start:.1f} s)",
+        flush=True,
+      )
+  summary = dict(
+    processes=jax.process_count(),
+    devices=n,
+    platform=dev.platform,
+    device_kind=dev.device_kind,
+    jax=jax.__version__,
+    steps=args.steps,
+    batch=args.batch,
+    dims=list(dims),
+    results=results,
+  )
   if lead:
     with open(os.path.join(args.out, "results.json"), "w") as f:
       json.dump(summary, f, indent=1)
   rtol = args.one_device_rtol
-  bad = {k: r["max_rel_vs_one_device"] for k, r in results.items()
-         if r.get("max_rel_vs_one_device", 0.0) > rtol}
+  bad = {
+    k: r["max_rel_vs_one_device"]
+    for k, r in results.items()
+    if r.get("max_rel_vs_one_device", 0.0) > rtol
+  }
   assert not bad, f"losses off one device's by more than {rtol}: {bad}"
   if args.reference:
     with open(args.reference) as f:
       ref = json.load(f)
     assert ref["devices"] == n, (ref["devices"], n)
     theirs = ref["results"]
-    differ = [k for k, r in results.items()
-              if k in theirs and (r["loss_bits"] != theirs[k]["loss_bits"]
-                                  or r["state_digest"] != theirs[k]["state_digest"])]
+    differ = [
+      k
+      for k, r in results.items()
+      if k in theirs
+      and (
+        r["loss_bits"] != theirs[k]["loss_bits"] or r["state_digest"] != theirs[k]["state_digest"]
+      )
+    ]
     missing = [k for k in results if k not in ref["results"]]
     if lead:
-      print(f"against {ref['processes']} process(es) on the same {n}-device mesh: "
-            f"{len(results) - len(differ) - len(missing)} of {len(results)} bit for bit"
-            + (f"; differ: {differ}" if differ else "")
-            + (f"; not in the reference: {missing}" if missing else ""), flush=True)
+      print(
+        f"against {ref['processes']} process(es) on the same {n}-device mesh: "
+        f"{len(results) - len(differ) - len(missing)} of {len(results)} bit for bit"
+        + (f"; differ: {differ}" if differ else "")
+        + (f"; not in the reference: {missing}" if missing else ""),
+        flush=True,
+      )
     assert not differ and not missing, (differ, missing)
   if lead:
     print(f"ok: {len(results)} configurations", flush=True)

@@ -23,9 +23,9 @@ from bench import speed  # noqa: E402
 
 # Substrings of kernel names, first match wins.
 KINDS = (
-    ("GEMM (cuBLAS/CUTLASS)", ("gemm", "xmma", "nvjet", "cutlass", "cublas")),
-    ("library casts and amax (FFI)", ("te_adapters", "cast_transpose", "amax", "quantize")),
-    ("XLA fusions", ("fusion", "loop_", "input_", "reduce", "transpose", "copy", "convert")),
+  ("GEMM (cuBLAS/CUTLASS)", ("gemm", "xmma", "nvjet", "cutlass", "cublas")),
+  ("library casts and amax (FFI)", ("te_adapters", "cast_transpose", "amax", "quantize")),
+  ("XLA fusions", ("fusion", "loop_", "input_", "reduce", "transpose", "copy", "convert")),
 )
 
 
@@ -44,8 +44,11 @@ def main(argv=None):
   p.add_argument("--recipes", default="bf16,current,block")
   p.add_argument("--steps", type=int, default=3, help="profiled steps")
   p.add_argument("--top", type=int, default=15)
-  p.add_argument("--hlo-dir", default=None,
-                 help="write each recipe's compiled step (HLO text) here, to read its fusions")
+  p.add_argument(
+    "--hlo-dir",
+    default=None,
+    help="write each recipe's compiled step (HLO text) here, to read its fusions",
+  )
   args = p.parse_args(argv)
   size = conv.SIZES[args.size]
   corpus = conv.stdlib_corpus()
@@ -54,8 +57,9 @@ def main(argv=None):
   print(f"device: {jax.devices()[0].device_kind}, size {args.size}, adapter {args.adapter}")
   for name in args.recipes.split(","):
     recipe = conv.RECIPES[name]()
-    trainer = conv.TRAINERS[args.adapter](size, recipe, threshold, 0, conv.optimizer(size, 100),
-                                          sample)
+    trainer = conv.TRAINERS[args.adapter](
+      size, recipe, threshold, 0, conv.optimizer(size, 100), sample
+    )
     step = jax.jit(trainer.step)
     compiled = step.lower(trainer.carry, sample).compile()
     gemms = conv.count_gemms(trainer.step, trainer.carry, sample, compiled.as_text())
@@ -68,11 +72,13 @@ def main(argv=None):
     groups: dict[str, float] = {}
     for k, v in per_kernel.items():
       groups[kind(k)] = groups.get(kind(k), 0.0) + v
-    print(f"\n== {name}: {total:.2f} ms of GPU kernels per step; FP8 GEMMs {gemms['fp8_gemms']} "
-          f"of {gemms['gemms']}")
+    print(
+      f"\n== {name}: {total:.2f} ms of GPU kernels per step; FP8 GEMMs {gemms['fp8_gemms']} "
+      f"of {gemms['gemms']}"
+    )
     for label, v in sorted(groups.items(), key=lambda kv: -kv[1]):
       print(f"  {v:8.2f} ms  {label}")
-    for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
+    for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
       print(f"    {v:7.3f} ms  {k[:120]}")
 
 

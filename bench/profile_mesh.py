@@ -61,10 +61,16 @@ def trace(step_once, steps: int):
 
 def gpu_events(events):
   """``{device name: [(start us, end us, kernel name, stream, args)]}`` of the GPU tracks."""
-  pname = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  tname = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  pname = {
+    e["pid"]: str(e.get("args", {}).get("name", ""))
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
+  tname = {
+    (e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name"
+  }
   out: dict[str, list] = {}
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
@@ -74,8 +80,9 @@ def gpu_events(events):
       continue
     start = float(e["ts"])
     stream = tname.get((e["pid"], e.get("tid")), str(e.get("tid")))
-    out.setdefault(dev, []).append((start, start + float(e["dur"]), e["name"], stream,
-                                    e.get("args", {})))
+    out.setdefault(dev, []).append(
+      (start, start + float(e["dur"]), e["name"], stream, e.get("args", {}))
+    )
   return out
 
 
@@ -116,9 +123,19 @@ def summarize(evs, steps: int, hlo_ops: dict):
       continue
     op = str(args.get("hlo_op", args.get("long_name", "")))
     key = f"{name} | {op}" if op else name
-    c = colls.setdefault(key, dict(kernel=name, hlo_op=op, stream=stream, us=0.0, count=0,
-                                   with_gemm_us=0.0, with_compute_us=0.0,
-                                   hlo=hlo_ops.get(op)))
+    c = colls.setdefault(
+      key,
+      dict(
+        kernel=name,
+        hlo_op=op,
+        stream=stream,
+        us=0.0,
+        count=0,
+        with_gemm_us=0.0,
+        with_compute_us=0.0,
+        hlo=hlo_ops.get(op),
+      ),
+    )
     c["us"] += t - s
     c["count"] += 1
     c["with_gemm_us"] += _overlap((s, t), gemm_spans)
@@ -130,11 +147,14 @@ def summarize(evs, steps: int, hlo_ops: dict):
   top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
   sample_args = next((args for *_, args in evs if args), {})
   return dict(
-      span_ms=span / steps / 1e3, busy_ms=busy / steps / 1e3, idle_ms=(span - busy) / steps / 1e3,
-      by_kind_ms={k: v / steps / 1e3 for k, v in by_kind.items()},
-      collectives=sorted(colls.values(), key=lambda c: -c["us"]),
-      top_kernels_ms=[(k, v / steps / 1e3) for k, v in top],
-      streams=sorted({e[3] for e in evs}), arg_keys=sorted(sample_args),
+    span_ms=span / steps / 1e3,
+    busy_ms=busy / steps / 1e3,
+    idle_ms=(span - busy) / steps / 1e3,
+    by_kind_ms={k: v / steps / 1e3 for k, v in by_kind.items()},
+    collectives=sorted(colls.values(), key=lambda c: -c["us"]),
+    top_kernels_ms=[(k, v / steps / 1e3) for k, v in top],
+    streams=sorted({e[3] for e in evs}),
+    arg_keys=sorted(sample_args),
   )
 
 
@@ -146,7 +166,7 @@ def schedule(text: str):
   except StopIteration:
     return []
   out = []
-  for line in lines[start + 1:]:
+  for line in lines[start + 1 :]:
     if line.startswith("}"):
       break
     m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(", line)
@@ -155,11 +175,18 @@ def schedule(text: str):
     name, shape, op = m.groups()
     target = re.search(r'custom_call_target="([^"]+)"', line)
     what = target.group(1) if target else op
-    if (op in ("custom-call", "fusion") or "all-" in op or "reduce-scatter" in op
-        or "collective" in op or op.endswith("-done") or op == "dot"):
+    if (
+      op in ("custom-call", "fusion")
+      or "all-" in op
+      or "reduce-scatter" in op
+      or "collective" in op
+      or op.endswith("-done")
+      or op == "dot"
+    ):
       calls = re.search(r"calls=%?([\w.\-]+)", line)
-      out.append(f"{name} = {op}:{what} {shape[:60]}"
-                 + (f" calls {calls.group(1)}" if calls else ""))
+      out.append(
+        f"{name} = {op}:{what} {shape[:60]}" + (f" calls {calls.group(1)}" if calls else "")
+      )
   return out
 
 
@@ -196,9 +223,12 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--variants", default="bf16,current,delayed")
   p.add_argument("--framework", default="linen")
-  p.add_argument("--config", default="base",
-                 help="the FP8 layers' GemmConfig levers, as bench/mesh2x2.py's --configs takes "
-                      "one (base, m<SMs>, c<n>, m<SMs>c<n>)")
+  p.add_argument(
+    "--config",
+    default="base",
+    help="the FP8 layers' GemmConfig levers, as bench/mesh2x2.py's --configs takes "
+    "one (base, m<SMs>, c<n>, m<SMs>c<n>)",
+  )
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--out", default=".")
   p.add_argument("--events", action="store_true", help="also write the GPU events (gzipped)")
@@ -209,15 +239,21 @@ def main():
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
   devices = jax.devices()
-  mesh = jax.make_mesh(mesh2x2.MESH_SHAPE, mesh2x2.MESH_AXES, devices=devices[:4],
-                       axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.make_mesh(
+    mesh2x2.MESH_SHAPE, mesh2x2.MESH_AXES, devices=devices[:4], axis_types=(AxisType.Auto,) * 2
+  )
   b, s, h, f = args.batch, args.seq, args.hidden, args.features
   kx, kd = jax.random.split(jax.random.PRNGKey(0), 2)
   x = jax.random.normal(kx, (b, s, h), jnp.float32).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (b, s, f), jnp.float32).astype(jnp.bfloat16)
-  report = dict(device=f"{devices[0].platform} {devices[0].device_kind} x {len(devices)}",
-                config=args.config,
-                jax=jax.__version__, shape=[b, s, h, f], steps=args.steps, variants={})
+  report = dict(
+    device=f"{devices[0].platform} {devices[0].device_kind} x {len(devices)}",
+    config=args.config,
+    jax=jax.__version__,
+    shape=[b, s, h, f],
+    steps=args.steps,
+    variants={},
+  )
   for variant in args.variants.split(","):
     start = time.perf_counter()
     mesh2x2.LEVERS = {} if variant == "bf16" else mesh2x2.parse_config(args.config)
@@ -230,27 +266,37 @@ def main():
     per_dev = gpu_events(events)
     ops = hlo_op_table(text)
     summary = {dev: summarize(evs, args.steps, ops) for dev, evs in sorted(per_dev.items())}
-    report["variants"][variant] = dict(wall_ms=ms, gpus=summary, schedule=schedule(text),
-                                       collectives=mesh2x2.collective_details(text))
+    report["variants"][variant] = dict(
+      wall_ms=ms,
+      gpus=summary,
+      schedule=schedule(text),
+      collectives=mesh2x2.collective_details(text),
+    )
     if args.events:
-      with gzip.open(os.path.join(args.out, f"events_{tag}.json.gz"),
-                     "wt") as fh:
-        json.dump({d: [(s_, t_, n, st, a) for s_, t_, n, st, a in evs]
-                   for d, evs in per_dev.items()}, fh)
-    print(f"\n== {args.framework} {variant} {args.config}: wall {ms:.3f} ms a step "
-          f"({time.perf_counter() - start:.1f} s)")
+      with gzip.open(os.path.join(args.out, f"events_{tag}.json.gz"), "wt") as fh:
+        json.dump(
+          {d: [(s_, t_, n, st, a) for s_, t_, n, st, a in evs] for d, evs in per_dev.items()}, fh
+        )
+    print(
+      f"\n== {args.framework} {variant} {args.config}: wall {ms:.3f} ms a step "
+      f"({time.perf_counter() - start:.1f} s)"
+    )
     for dev, sm in summary.items():
       if not sm:
         continue
       kinds = ", ".join(f"{k} {v:.3f}" for k, v in sorted(sm["by_kind_ms"].items()))
-      print(f"  {dev}: span {sm['span_ms']:.3f} ms, busy {sm['busy_ms']:.3f}, idle "
-            f"{sm['idle_ms']:.3f}; by kind (ms, streams summed): {kinds}")
+      print(
+        f"  {dev}: span {sm['span_ms']:.3f} ms, busy {sm['busy_ms']:.3f}, idle "
+        f"{sm['idle_ms']:.3f}; by kind (ms, streams summed): {kinds}"
+      )
       for c in sm["collectives"]:
         hlo = c["hlo"] or {}
         arrs = " ".join(f"{d}[{','.join(map(str, s_))}]" for d, s_ in hlo.get("arrays", []))
-        print(f"    {c['us']:8.1f} us x{c['count']:.0f}  with GEMM {c['with_gemm_us']:7.1f} us, "
-              f"with any compute {c['with_compute_us']:7.1f} us  {c['kernel'][:60]}  "
-              f"{c['hlo_op']} {'+'.join(hlo.get('carries', []))} {arrs}")
+        print(
+          f"    {c['us']:8.1f} us x{c['count']:.0f}  with GEMM {c['with_gemm_us']:7.1f} us, "
+          f"with any compute {c['with_compute_us']:7.1f} us  {c['kernel'][:60]}  "
+          f"{c['hlo_op']} {'+'.join(hlo.get('carries', []))} {arrs}"
+        )
       break  # the first GPU in the printout; all are in the JSON
   with open(os.path.join(args.out, f"profile_{args.framework}_{args.config}.json"), "w") as fh:
     json.dump(report, fh, indent=1, default=str)

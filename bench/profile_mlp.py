@@ -44,8 +44,16 @@ class _Clocks:
   def __enter__(self):
     if self.active:
       self.proc = subprocess.Popen(
-          ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-           "-lms", "20"], stdout=subprocess.PIPE, text=True)
+        [
+          "nvidia-smi",
+          "--query-gpu=clocks.sm,power.draw",
+          "--format=csv,noheader,nounits",
+          "-lms",
+          "20",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+      )
     return self
 
   def __exit__(self, *exc):
@@ -65,8 +73,10 @@ class _Clocks:
       return ""
     clock = sorted(r[0] for r in rows)
     power = sorted(r[1] for r in rows)
-    return (f" [SM clock median {clock[len(clock) // 2]:.0f} MHz, lowest {clock[0]:.0f}; "
-            f"power median {power[len(power) // 2]:.0f} W; {len(rows)} samples]")
+    return (
+      f" [SM clock median {clock[len(clock) // 2]:.0f} MHz, lowest {clock[0]:.0f}; "
+      f"power median {power[len(power) // 2]:.0f} W; {len(rows)} samples]"
+    )
 
 
 def model_for(name, hidden, intermediate):
@@ -78,26 +88,33 @@ def model_for(name, hidden, intermediate):
     return speed._FlaxLnMlp(hidden, intermediate, cls)
   recipe, _, path = name.partition("-")
   config = {
-      "": None,  # the default: fused
-      "fused": ta.core.GemmConfig(fuse_activation_cast=True),
-      "unfused": ta.core.GemmConfig(fuse_activation_cast=False),
-      "jax": ta.core.GemmConfig(backend="jax"),
+    "": None,  # the default: fused
+    "fused": ta.core.GemmConfig(fuse_activation_cast=True),
+    "unfused": ta.core.GemmConfig(fuse_activation_cast=False),
+    "jax": ta.core.GemmConfig(backend="jax"),
   }[path]
   return speed.te_layernorm_mlp(intermediate, recipes[recipe], config)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--variants",
-                 default="bf16,current-fused,current-unfused,delayed-fused,delayed-unfused")
+  p.add_argument(
+    "--variants", default="bf16,current-fused,current-unfused,delayed-fused,delayed-unfused"
+  )
   p.add_argument("--size", default="4x2048x4096x16384", help="batch x seq x hidden x intermediate")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=20)
-  p.add_argument("--timed-steps", default="20",
-                 help="steps per timed repeat of the wall-clock step time (3 repeats; 0: none); "
-                      "a comma-separated list times each")
-  p.add_argument("--clocks", action="store_true",
-                 help="sample the GPU's SM clock and power with nvidia-smi while steps are timed")
+  p.add_argument(
+    "--timed-steps",
+    default="20",
+    help="steps per timed repeat of the wall-clock step time (3 repeats; 0: none); "
+    "a comma-separated list times each",
+  )
+  p.add_argument(
+    "--clocks",
+    action="store_true",
+    help="sample the GPU's SM clock and power with nvidia-smi while steps are timed",
+  )
   args = p.parse_args(argv)
   batch, seq, hidden, intermediate = (int(s) for s in args.size.split("x"))
   x = jax.random.normal(jax.random.PRNGKey(7), (batch, seq, hidden)).astype(jnp.bfloat16)
@@ -138,10 +155,12 @@ def main(argv=None):
       print(f"    {gap / 1e3:7.3f} ms  after {before[:60]}  before {after[:60]}")
     for low, high in ((0, 5), (5, 20), (20, 100), (100, float("inf"))):
       sizes = [g for g, _, _ in every_gap if low <= g < high]
-      print(f"    gaps of {low}-{high} us: {len(sizes) / args.steps:.1f} a step, "
-            f"{sum(sizes) / args.steps / 1e3:.3f} ms a step")
+      print(
+        f"    gaps of {low}-{high} us: {len(sizes) / args.steps:.1f} a step, "
+        f"{sum(sizes) / args.steps / 1e3:.3f} ms a step"
+      )
     print(f"    {len(events) / args.steps:.0f} GPU events a step")
-    for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
+    for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
       print(f"    {v:7.3f} ms  {k[:140]}")
 
 

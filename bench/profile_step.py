@@ -35,10 +35,14 @@ def _ours(recipe):
   return ta.linen.make_dot_general_cls(recipe, threshold=None)
 
 
-classes = {"bf16": lambda: None, "flax": _bench.nn.Fp8DirectDotGeneralOp,
-           "current": _ours(ta.Float8CurrentScaling()), "delayed": _ours(ta.DelayedScaling()),
-           "current-fast": _ours(_bench.fast_sums(ta.Float8CurrentScaling())),
-           "delayed-fast": _ours(_bench.fast_sums(ta.DelayedScaling()))}
+classes = {
+  "bf16": lambda: None,
+  "flax": _bench.nn.Fp8DirectDotGeneralOp,
+  "current": _ours(ta.Float8CurrentScaling()),
+  "delayed": _ours(ta.DelayedScaling()),
+  "current-fast": _ours(_bench.fast_sums(ta.Float8CurrentScaling())),
+  "delayed-fast": _ours(_bench.fast_sums(ta.DelayedScaling())),
+}
 make = _bench._make_dense(out)
 steps = 3
 for name in variants:
@@ -65,9 +69,11 @@ for name in variants:
   fp8 = _bench._count_cublas_fp8(step, (variables, x, dy))
   if not per_kernel:
     print("no GPU kernel events in the profiler trace")
-  print(f"\n== {name}: wall {wall_ms:.2f} ms (spread {spread:.2f}), {total:.2f} ms of GPU kernels"
-        f" per step (device tracks, may double count), GPU idle {idle:.3f} ms per step,"
-        f" FP8/other GEMMs {fp8}")
+  print(
+    f"\n== {name}: wall {wall_ms:.2f} ms (spread {spread:.2f}), {total:.2f} ms of GPU kernels"
+    f" per step (device tracks, may double count), GPU idle {idle:.3f} ms per step,"
+    f" FP8/other GEMMs {fp8}"
+  )
   for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]:
     print(f"  {v:8.3f} ms  {k[:110]}")
   for gap, before, after in gaps:

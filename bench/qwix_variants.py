@@ -35,12 +35,12 @@ _FWD_BWD = "qwix fp8 (fwd+dgrad+wgrad GEMMs)"
 
 def _rule(qwix, bwd_qtype):
   return qwix.QtRule(
-      module_path=".*",
-      op_names=("dot_general",),
-      weight_qtype=jnp.float8_e4m3fn,
-      act_qtype=jnp.float8_e4m3fn,
-      bwd_qtype=bwd_qtype,
-      disable_channelwise_axes=True,
+    module_path=".*",
+    op_names=("dot_general",),
+    weight_qtype=jnp.float8_e4m3fn,
+    act_qtype=jnp.float8_e4m3fn,
+    bwd_qtype=bwd_qtype,
+    disable_channelwise_axes=True,
   )
 
 

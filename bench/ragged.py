@@ -95,8 +95,16 @@ RECIPES = {
 H100_COPY_TBS = 3.0
 
 
-def traffic_floor(m: int, k: int, n: int, groups: int, *, amax_passes: bool,
-                  fp8_in_memory: bool = True, high_bytes: int = 2) -> int:
+def traffic_floor(
+  m: int,
+  k: int,
+  n: int,
+  groups: int,
+  *,
+  amax_passes: bool,
+  fp8_in_memory: bool = True,
+  high_bytes: int = 2,
+) -> int:
   """The fewest bytes one fwd+bwd step of a grouped layer moves through device memory.
 
   x (M, K), the kernels (G, K, N) and dy (M, N) are high precision (``high_bytes`` each); each
@@ -129,14 +137,17 @@ def floor_ms(floor_bytes: int, bandwidth_tbs: float) -> float:
 
 def floor_line(m: int, k: int, n: int, groups: int, bandwidth_tbs: float) -> str:
   """The header line with the step's memory floors (GB and ms at ``bandwidth_tbs``)."""
+
   def show(**kw):
     b = traffic_floor(m, k, n, groups, **kw)
     return f"{b / 1e9:.1f} GB = {floor_ms(b, bandwidth_tbs):.2f} ms"
 
-  return (f"memory floor of the step at {bandwidth_tbs:g} TB/s: FP8 operands in memory "
-          f"{show(amax_passes=False)} (delayed), {show(amax_passes=True)} (current); converted "
-          f"on chip {show(amax_passes=False, fp8_in_memory=False)} (delayed); "
-          f"compute: {6 * m * k * n / 1e12:.2f} TFLOP")
+  return (
+    f"memory floor of the step at {bandwidth_tbs:g} TB/s: FP8 operands in memory "
+    f"{show(amax_passes=False)} (delayed), {show(amax_passes=True)} (current); converted "
+    f"on chip {show(amax_passes=False, fp8_in_memory=False)} (delayed); "
+    f"compute: {6 * m * k * n / 1e12:.2f} TFLOP"
+  )
 
 
 def variant_floor(variant: str, m: int, k: int, n: int, groups: int) -> int | None:
@@ -174,6 +185,7 @@ def make_forward(variant: str, num_groups: int):
   if variant == "ours_bf16":
     return (lambda x, w, gs, st: core.ragged_dot(x, w, gs, recipe=None)), {}
   if variant == "native_bf16":
+
     def forward(x, w, gs, st):
       why = kernels.bf16_refusal(x, w, x.dtype)
       if why is not None:
@@ -256,12 +268,16 @@ def bench_groups(args, num_groups: int) -> None:
   dy = jax.random.normal(keys[2], (m, n), dtype)
   gs = routed_group_sizes(keys[3], m, num_groups, args.routing)
   sizes = np.asarray(gs)
-  print(f"\n## G={num_groups}: M={m} K={k} N={n} {args.dtype}, {args.routing} routing, "
-        f"group sizes min {sizes.min()} max {sizes.max()} (sum {sizes.sum()})")
+  print(
+    f"\n## G={num_groups}: M={m} K={k} N={n} {args.dtype}, {args.routing} routing, "
+    f"group sizes min {sizes.min()} max {sizes.max()} (sum {sizes.sum()})"
+  )
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print(floor_line(m, k, n, num_groups, args.bandwidth))
-  print("| variant | ms/step (median) | runs (ms) | useful TFLOP/s | vs lax_bf16 | FP8 GEMM | "
-        "fwd err vs lax_bf16 | memory floor / ms |")
+  print(
+    "| variant | ms/step (median) | runs (ms) | useful TFLOP/s | vs lax_bf16 | FP8 GEMM | "
+    "fwd err vs lax_bf16 | memory floor / ms |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   flops = 6.0 * m * k * n
   reference = None
@@ -297,8 +313,10 @@ def bench_groups(args, num_groups: int) -> None:
     if floor is not None:
       fms = floor_ms(floor, args.bandwidth)
       floor_cell = f"{fms:.2f} ms = {fms / ms:.0%}"
-    print(f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
-          f"{fp8} | {err} | {floor_cell} |")
+    print(
+      f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
+      f"{fp8} | {err} | {floor_cell} |"
+    )
     sys.stdout.flush()
 
 
@@ -310,15 +328,21 @@ def main(argv=None):
   p.add_argument("--groups", type=int, nargs="+", default=[8, 64], help="G values to run")
   p.add_argument("--dtype", default="bfloat16", help="dtype of x, kernels and dy")
   p.add_argument("--routing", choices=("random", "balanced", "skewed"), default="random")
-  p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
-                 help="variants to time (default: all)")
-  p.add_argument("--recipe", choices=tuple(RECIPES),
-                 help="short for --variants lax_bf16 ours_bf16 ours_RECIPE")
+  p.add_argument(
+    "--variants", nargs="+", default=None, choices=VARIANTS, help="variants to time (default: all)"
+  )
+  p.add_argument(
+    "--recipe", choices=tuple(RECIPES), help="short for --variants lax_bf16 ours_bf16 ours_RECIPE"
+  )
   p.add_argument("--iters", type=int, default=10, help="timed steps per run")
   p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
   p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--bandwidth", type=float, default=H100_COPY_TBS,
-                 help="device memory rate for the floor line, TB/s (bytes read plus written)")
+  p.add_argument(
+    "--bandwidth",
+    type=float,
+    default=H100_COPY_TBS,
+    help="device memory rate for the floor line, TB/s (bytes read plus written)",
+  )
   args = p.parse_args(argv)
   if args.recipe and args.variants:
     p.error("give --recipe or --variants, not both")

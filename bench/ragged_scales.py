@@ -46,8 +46,8 @@ def fp8_grads(x, w, dy, group_sizes, granularity, recipe=CURRENT, state=None):
 
   # The grouped GEMM's rule on XLA's route, with the scales per group or per tensor.
   spec = gemm.Grouped(
-      recipe, None, np.dtype(np.float32), (np.dtype(x.dtype), np.dtype(w.dtype)), "xla",
-      granularity)
+    recipe, None, np.dtype(np.float32), (np.dtype(x.dtype), np.dtype(w.dtype)), "xla", granularity
+  )
 
   def f(x, w, state):
     return gemm.grouped_gemms(x, w, group_sizes, state, spec)
@@ -86,19 +86,13 @@ def main():
 
   scenarios = [("N(0,1), random routing", x, w, dy)]
   for factor in (1e-2, 1e-3, 1e-4, 1e-5):
-    scenarios.append(
-        (f"expert {last}'s kernel x{factor:g}", x, w.at[last].multiply(factor), dy)
-    )
+    scenarios.append((f"expert {last}'s kernel x{factor:g}", x, w.at[last].multiply(factor), dy))
   for low in (1e-2, 1e-3, 1e-5):
     gate = np.logspace(0, np.log10(low), g).astype(np.float32)
     scale_rows = np.repeat(gate, group_sizes)
     scale_rows = np.concatenate([scale_rows, np.ones(m - scale_rows.size, np.float32)])
-    scenarios.append(
-        (f"dY of group j x gate_j, gates 1..{low:g}", x, w, dy * scale_rows[:, None])
-    )
-    scenarios.append(
-        (f"x of group j x gate_j, gates 1..{low:g}", x * scale_rows[:, None], w, dy)
-    )
+    scenarios.append((f"dY of group j x gate_j, gates 1..{low:g}", x, w, dy * scale_rows[:, None]))
+    scenarios.append((f"x of group j x gate_j, gates 1..{low:g}", x * scale_rows[:, None], w, dy))
 
   print(f"M={m} K={k} N={n} G={g}, group sizes {group_sizes.tolist()}")
   print("normwise relative error vs float64; 'group' = the last group's rows / expert")
@@ -134,16 +128,14 @@ def delayed(m, k, n, g, steps=12, history=16):
       w = rng.standard_normal((g, k, n)).astype(np.float32)
       dy = rng.standard_normal((m, n)).astype(np.float32)
       group_sizes = np.bincount(rng.choice(g, m, p=probs), minlength=g).astype(np.int32)
-      y, dx, dw, state = fp8_grads(
-          x, w, dy, jnp.asarray(group_sizes), granularity, recipe, state
-      )
+      y, dx, dw, state = fp8_grads(x, w, dy, jnp.asarray(group_sizes), granularity, recipe, state)
       if step >= 2:  # after the first steps, whose scales come from the initial 1.0
         refs = reference(x, w, dy, group_sizes)
         end = int(group_sizes.sum())
         rows = slice(end - int(group_sizes[-1]), end)
         errs.append(
-            [rel(a, r) for a, r in zip((y, dx, dw), refs, strict=True)]
-            + [rel(y[rows], refs[0][rows]), rel(dx[rows], refs[1][rows]), rel(dw[-1], refs[2][-1])]
+          [rel(a, r) for a, r in zip((y, dx, dw), refs, strict=True)]
+          + [rel(y[rows], refs[0][rows]), rel(dx[rows], refs[1][rows]), rel(dw[-1], refs[2][-1])]
         )
     errs = np.asarray(errs)
     cells = " | ".join(f"{v:.4f}" for v in errs.mean(0))

@@ -37,15 +37,19 @@ def variants(full_size: bool):
   x = jax.random.normal(k_x, (batch, seq, hidden)).astype(jnp.bfloat16)
   dy = jax.random.normal(k_dy, (batch, seq, features)).astype(jnp.bfloat16)
   recipes = [
-      ("current", ta.Float8CurrentScaling()),
-      ("rowwise", ta.Float8RowwiseScaling()),
-      ("rowwise, wgrad high precision", ta.Float8RowwiseScaling(weight_grad_high_precision=True)),
+    ("current", ta.Float8CurrentScaling()),
+    ("rowwise", ta.Float8RowwiseScaling()),
+    ("rowwise, wgrad high precision", ta.Float8RowwiseScaling(weight_grad_high_precision=True)),
   ]
   make = speed._make_dense(features)
   models = speed._linen_variants(make, recipes, False)
   xla = core.GemmConfig(fp8_gemm="xla")
-  models.append(("linen rowwise, XLA's FP8 dot", make(ta_linen.make_dot_general_cls(
-      ta.Float8RowwiseScaling(), threshold=None, config=xla))))
+  models.append(
+    (
+      "linen rowwise, XLA's FP8 dot",
+      make(ta_linen.make_dot_general_cls(ta.Float8RowwiseScaling(), threshold=None, config=xla)),
+    )
+  )
   out = []
   for name, model in models:
     step = speed._speedometer(model.apply)
@@ -77,13 +81,16 @@ def main(argv=None):
   base = next(np.median(r["ms"]) for r in rows if r["variant"] == "bf16")
   current = next(np.median(r["ms"]) for r in rows if r["variant"] == "linen current")
   print(f"device: {jax.devices()[0].device_kind}; {args.repeats} rounds of {args.steps} steps")
-  print(f"{'variant':38} {'ms':>8} {'spread':>7} {'vs bf16':>8} {'/ current':>9}  "
-        "FP8 GEMMs / other")
+  print(
+    f"{'variant':38} {'ms':>8} {'spread':>7} {'vs bf16':>8} {'/ current':>9}  FP8 GEMMs / other"
+  )
   for r in rows:
     ms = np.median(r["ms"])
     r["median_ms"] = float(ms)
-    print(f"{r['variant']:38} {ms:8.2f} {np.ptp(r['ms']):7.2f} {base / ms:8.3f}x "
-          f"{ms / current:9.3f}  {r['fp8_gemms']} / {r['other_gemms']}")
+    print(
+      f"{r['variant']:38} {ms:8.2f} {np.ptp(r['ms']):7.2f} {base / ms:8.3f}x "
+      f"{ms / current:9.3f}  {r['fp8_gemms']} / {r['other_gemms']}"
+    )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)

@@ -5,7 +5,6 @@ same causal attention through ``jax.nn.dot_product_attention`` instead (``"xla"`
 cuDNN's fused attention on the GPU, the seed's pointer to a faster attention). Both layers take the
 field, so that a comparison changes the attention on both sides at once."""
 
-
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -96,7 +95,11 @@ class FlaxTransformerLayer(nn.Module):
     if not deterministic and self.attention_dropout > 0:
       dropout_rng = self.make_rng("dropout")
     x = causal_attention(
-      q, k, v, attention_mask, self.attention,
+      q,
+      k,
+      v,
+      attention_mask,
+      self.attention,
       dropout_rng=dropout_rng,
       dropout_rate=self.attention_dropout,
       deterministic=deterministic,
@@ -140,8 +143,12 @@ class ModulesTransformerLayer(nn.Module):
     del deterministic
     heads, kv = self.num_attention_heads, self.hidden_size // self.num_attention_heads
     qkv, _ = ta_linen.LayerNormDenseGeneral(
-      3 * self.hidden_size, epsilon=self.layernorm_eps, use_bias=True,
-      return_layernorm_output=False, recipe=self.recipe, threshold=None,
+      3 * self.hidden_size,
+      epsilon=self.layernorm_eps,
+      use_bias=True,
+      return_layernorm_output=False,
+      recipe=self.recipe,
+      threshold=None,
     )(x)
     q, k, v = jnp.split(qkv.reshape(*qkv.shape[:2], heads, 3 * kv), 3, axis=3)
     a = causal_attention(q, k, v, attention_mask, self.attention, deterministic=True)
@@ -150,8 +157,13 @@ class ModulesTransformerLayer(nn.Module):
       self.hidden_size, use_bias=True, dtype=x.dtype, recipe=self.recipe, threshold=None
     )(a)
     y, _ = ta_linen.LayerNormMLP(
-      intermediate_dim=self.ffn_hidden_size, epsilon=self.layernorm_eps, activations=("gelu",),
-      use_bias=True, intermediate_dropout_rate=0.0, return_layernorm_output=False,
-      recipe=self.recipe, threshold=None,
+      intermediate_dim=self.ffn_hidden_size,
+      epsilon=self.layernorm_eps,
+      activations=("gelu",),
+      use_bias=True,
+      intermediate_dropout_rate=0.0,
+      return_layernorm_output=False,
+      recipe=self.recipe,
+      threshold=None,
     )(x, deterministic=True)
     return x + y

@@ -52,11 +52,11 @@ def figures(got, want, dtype=None):
   d = g - w
   norm = float(np.linalg.norm(w))
   return dict(
-      rel=float(np.linalg.norm(d) / norm),
-      max_over_max=float(np.abs(d).max() / np.abs(w).max()),
-      max_ulps=float(np.max(np.abs(d) / _ulp(w, dtype))),  # large where w is near 0
-      differ=float(np.mean(d != 0)),
-      along=float(np.vdot(d, w) / norm**2),  # d's component along w: a scale error
+    rel=float(np.linalg.norm(d) / norm),
+    max_over_max=float(np.abs(d).max() / np.abs(w).max()),
+    max_ulps=float(np.max(np.abs(d) / _ulp(w, dtype))),  # large where w is near 0
+    differ=float(np.mean(d != 0)),
+    along=float(np.vdot(d, w) / norm**2),  # d's component along w: a scale error
   )
 
 
@@ -75,39 +75,54 @@ def gemm_part(log):
     return rows
   sa, sb = jnp.full((1,), 0.0123, jnp.float32), jnp.full((1,), 0.0371, jnp.float32)
   shapes = [  # (M, N, K, what)
-      (1024, 512, 256, "fsdp test y, one device"), (1024, 256, 512, "fsdp test dx, one device"),
-      (32, 32, 64, "exact-data tests y, one device"), (2048, 2048, 4096, "large K"),
+    (1024, 512, 256, "fsdp test y, one device"),
+    (1024, 256, 512, "fsdp test dx, one device"),
+    (32, 32, 64, "exact-data tests y, one device"),
+    (2048, 2048, 4096, "large K"),
   ]
   for m, n, k, what in shapes:
     a, b = _fp8((m, k), m + k), _fp8((n, k), n + k + 1)
     exact = (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T) * float(sa[0]) * float(sb[0])
     for dtype in (jnp.bfloat16, jnp.float32):
       for fast in (True, False):
-        ext = jax.jit(lambda a, b, dtype=dtype, fast=fast: kernels.gemm_call(
-            a, b, sa, sb, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast))
-        xla = jax.jit(lambda a, b, dtype=dtype, fast=fast: kernels.tensor_fallback(
-            fast, a, b, sa, sb, dtype))
+        ext = jax.jit(
+          lambda a, b, dtype=dtype, fast=fast: kernels.gemm_call(
+            a, b, sa, sb, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast
+          )
+        )
+        xla = jax.jit(
+          lambda a, b, dtype=dtype, fast=fast: kernels.tensor_fallback(fast, a, b, sa, sb, dtype)
+        )
         y_ext, y_xla = np.asarray(ext(a, b)), np.asarray(xla(a, b))
         half = m // 2
         y_half = np.asarray(ext(a[:half], b))  # a shard of the rows
-        y_khalf = (np.asarray(ext(a[:, : k // 2], b[:, : k // 2]).astype(np.float32), np.float64)
-                   + np.asarray(ext(a[:, k // 2:], b[:, k // 2:]).astype(np.float32), np.float64))
+        y_khalf = np.asarray(
+          ext(a[:, : k // 2], b[:, : k // 2]).astype(np.float32), np.float64
+        ) + np.asarray(ext(a[:, k // 2 :], b[:, k // 2 :]).astype(np.float32), np.float64)
         row = dict(
-            m=m, n=n, k=k, what=what, dtype=np.dtype(dtype).name, fast=fast,
-            ext_vs_exact=figures(y_ext, exact, dtype), xla_vs_exact=figures(y_xla, exact, dtype),
-            ext_vs_xla=figures(y_ext, y_xla),
-            half_rows_vs_whole=figures(y_half, y_ext[:half]),
-            two_k_halves_vs_exact=figures(y_khalf, exact, dtype),
-            ext_deterministic=bool(np.array_equal(np.asarray(ext(a, b)), y_ext)),
+          m=m,
+          n=n,
+          k=k,
+          what=what,
+          dtype=np.dtype(dtype).name,
+          fast=fast,
+          ext_vs_exact=figures(y_ext, exact, dtype),
+          xla_vs_exact=figures(y_xla, exact, dtype),
+          ext_vs_xla=figures(y_ext, y_xla),
+          half_rows_vs_whole=figures(y_half, y_ext[:half]),
+          two_k_halves_vs_exact=figures(y_khalf, exact, dtype),
+          ext_deterministic=bool(np.array_equal(np.asarray(ext(a, b)), y_ext)),
         )
         rows.append(row)
         ex, xl = row["ext_vs_exact"], row["xla_vs_exact"]
         ev, hv = row["ext_vs_xla"], row["half_rows_vs_whole"]
-        log(f"  gemm M={m:5d} N={n:5d} K={k:5d} {row['dtype']:9s} fast={int(fast)}: vs exact "
-            f"(normwise, max err / max) ext {ex['rel']:.2e} {ex['max_over_max']:.2e}"
-            f", xla {xl['rel']:.2e} {xl['max_over_max']:.2e}; ext vs xla {ev['max_ulps']:.0f} ulps"
-            f" ({ev['differ']:.3f} differ); half rows vs whole {hv['max_ulps']:.0f} ulps "
-            f"({hv['differ']:.3f} differ)")
+        log(
+          f"  gemm M={m:5d} N={n:5d} K={k:5d} {row['dtype']:9s} fast={int(fast)}: vs exact "
+          f"(normwise, max err / max) ext {ex['rel']:.2e} {ex['max_over_max']:.2e}"
+          f", xla {xl['rel']:.2e} {xl['max_over_max']:.2e}; ext vs xla {ev['max_ulps']:.0f} ulps"
+          f" ({ev['differ']:.3f} differ); half rows vs whole {hv['max_ulps']:.0f} ulps "
+          f"({hv['differ']:.3f} differ)"
+        )
   return rows
 
 
@@ -128,8 +143,16 @@ def _data(equal_shard_amax=False):
 def _step(recipe, config, **kw):
   def step(x, w, state, dy):
     def layer(x, w, state):
-      return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state or None,
-                              threshold=None, config=config, **kw)
+      return core.dot_general(
+        x,
+        w.astype(jnp.bfloat16),
+        DN,
+        recipe=recipe,
+        state=state or None,
+        threshold=None,
+        config=config,
+        **kw,
+      )
 
     y, vjp = jax.vjp(layer, x, w, state)
     return (y, *vjp(dy))
@@ -147,13 +170,13 @@ def fsdp_part(log, hlo_dir=None):
   current, delayed = ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)
   default, xla, jaxcast = None, core.GemmConfig(fp8_gemm="xla"), core.GemmConfig(backend="jax")
   cases = [  # name, recipe, config, kernel spec, kernel_all_gather, equal shard amax
-      ("fsdp_fp8_gather (the test)", current, default, gather, gather, False),
-      ("fsdp_fp8_gather, XLA's GEMM", current, xla, gather, gather, False),
-      ("fsdp_fp8_gather, pure-JAX cast", current, jaxcast, gather, gather, False),
-      ("fsdp_fp8_gather, equal shard amaxes", current, default, gather, gather, True),
-      ("fsdp, no FP8 gather", current, default, gather, None, False),
-      ("dp (kernel replicated)", current, default, P(), None, False),
-      ("fsdp_fp8_gather, DelayedScaling", delayed, default, gather, gather, False),
+    ("fsdp_fp8_gather (the test)", current, default, gather, gather, False),
+    ("fsdp_fp8_gather, XLA's GEMM", current, xla, gather, gather, False),
+    ("fsdp_fp8_gather, pure-JAX cast", current, jaxcast, gather, gather, False),
+    ("fsdp_fp8_gather, equal shard amaxes", current, default, gather, gather, True),
+    ("fsdp, no FP8 gather", current, default, gather, None, False),
+    ("dp (kernel replicated)", current, default, P(), None, False),
+    ("fsdp_fp8_gather, DelayedScaling", delayed, default, gather, gather, False),
   ]
   for name, recipe, config, w_spec, kag, equal in cases:
     start = time.perf_counter()
@@ -173,26 +196,36 @@ def fsdp_part(log, hlo_dir=None):
         f.write(text)
     # The unquantized product in float64, against which both runs are FP8 approximations.
     x64, w64, dy64 = (np.asarray(t, np.float64) for t in (x, w.astype(jnp.bfloat16), dy))
-    exact = dict(y=x64 @ w64, dx=dy64 @ w64.T,
-                 dW=np.einsum("bsk,bsn->kn", x64, dy64))
-    row = dict(case=name, fp8_gemms=inspect.count_fp8_gemms(text),
-               collectives=[(c.op, c.arrays) for c in inspect.hlo_collectives(text)])
+    exact = dict(y=x64 @ w64, dx=dy64 @ w64.T, dW=np.einsum("bsk,bsn->kn", x64, dy64))
+    row = dict(
+      case=name,
+      fp8_gemms=inspect.count_fp8_gemms(text),
+      collectives=[(c.op, c.arrays) for c in inspect.hlo_collectives(text)],
+    )
     for key, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
       row[key] = figures(a, b)
-      row[key]["mesh_vs_unquantized"] = float(np.linalg.norm(np.asarray(a, np.float64) - exact[key])
-                                              / np.linalg.norm(exact[key]))
-      row[key]["one_vs_unquantized"] = float(np.linalg.norm(np.asarray(b, np.float64) - exact[key])
-                                             / np.linalg.norm(exact[key]))
+      row[key]["mesh_vs_unquantized"] = float(
+        np.linalg.norm(np.asarray(a, np.float64) - exact[key]) / np.linalg.norm(exact[key])
+      )
+      row[key]["one_vs_unquantized"] = float(
+        np.linalg.norm(np.asarray(b, np.float64) - exact[key]) / np.linalg.norm(exact[key])
+      )
     if jax.tree.leaves(ref[3]):
-      row["state_equal"] = {k: bool(np.array_equal(np.asarray(got[3][k]), np.asarray(ref[3][k])))
-                            for k in ref[3]}
+      row["state_equal"] = {
+        k: bool(np.array_equal(np.asarray(got[3][k]), np.asarray(ref[3][k]))) for k in ref[3]
+      }
       row["state_mesh"] = {k: np.asarray(got[3][k]).tolist()[-2:] for k in ref[3]}
       row["state_one"] = {k: np.asarray(ref[3][k]).tolist()[-2:] for k in ref[3]}
     rows.append(row)
-    log(f"  {name:<40s} " + "  ".join(
+    log(
+      f"  {name:<40s} "
+      + "  ".join(
         f"{k} rel {row[k]['rel']:.2e} ({row[k]['max_ulps']:.0f} ulps, {row[k]['differ']:.3f} "
-        f"differ, along {row[k]['along']:+.1e})" for k in ("y", "dx", "dW"))
-        + f"  ({time.perf_counter() - start:.1f} s)")
+        f"differ, along {row[k]['along']:+.1e})"
+        for k in ("y", "dx", "dW")
+      )
+      + f"  ({time.perf_counter() - start:.1f} s)"
+    )
   return rows
 
 

@@ -72,8 +72,11 @@ DN = (((2,), (0,)), ((), ()))
 
 
 def _recipe(variant):
-  return {"bf16": None, "current": core.Float8CurrentScaling(),
-          "delayed": core.DelayedScaling(amax_history_len=1024)}[variant]
+  return {
+    "bf16": None,
+    "current": core.Float8CurrentScaling(),
+    "delayed": core.DelayedScaling(amax_history_len=1024),
+  }[variant]
 
 
 def init_params(key, hidden, ffn):
@@ -82,27 +85,54 @@ def init_params(key, hidden, ffn):
   def w(k, shape):
     return jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5
 
-  return {"ln1": jnp.ones(hidden), "ln1_b": jnp.zeros(hidden),
-          "qkv": w(ks[0], (hidden, 3 * hidden)), "qkv_b": jnp.zeros(3 * hidden),
-          "out": w(ks[1], (hidden, hidden)), "out_b": jnp.zeros(hidden),
-          "ln2": jnp.ones(hidden), "ln2_b": jnp.zeros(hidden),
-          "fc1": w(ks[2], (hidden, ffn)), "fc1_b": jnp.zeros(ffn),
-          "fc2": w(ks[3], (ffn, hidden)), "fc2_b": jnp.zeros(hidden)}
+  return {
+    "ln1": jnp.ones(hidden),
+    "ln1_b": jnp.zeros(hidden),
+    "qkv": w(ks[0], (hidden, 3 * hidden)),
+    "qkv_b": jnp.zeros(3 * hidden),
+    "out": w(ks[1], (hidden, hidden)),
+    "out_b": jnp.zeros(hidden),
+    "ln2": jnp.ones(hidden),
+    "ln2_b": jnp.zeros(hidden),
+    "fc1": w(ks[2], (hidden, ffn)),
+    "fc1_b": jnp.zeros(ffn),
+    "fc2": w(ks[3], (ffn, hidden)),
+    "fc2_b": jnp.zeros(hidden),
+  }
 
 
 # Column-parallel kernels and biases split on their outputs, row-parallel kernels on their
 # inputs; the row-parallel biases and the norms replicated.
-PARAM_SPECS = {"ln1": P(), "ln1_b": P(), "qkv": P(None, "tp"), "qkv_b": P("tp"),
-               "out": P("tp", None), "out_b": P(), "ln2": P(), "ln2_b": P(),
-               "fc1": P(None, "tp"), "fc1_b": P("tp"), "fc2": P("tp", None), "fc2_b": P()}
+PARAM_SPECS = {
+  "ln1": P(),
+  "ln1_b": P(),
+  "qkv": P(None, "tp"),
+  "qkv_b": P("tp"),
+  "out": P("tp", None),
+  "out_b": P(),
+  "ln2": P(),
+  "ln2_b": P(),
+  "fc1": P(None, "tp"),
+  "fc1_b": P("tp"),
+  "fc2": P("tp", None),
+  "fc2_b": P(),
+}
 
 
 def layer(x, p, states, *, recipe, heads, sequence, config, attention):
   """x (S, B, H) -> (S, B, H); ``heads``: this device's; ``sequence``: inside shard_map."""
+
   def gemm(a, w, state, mode):
-    return core.dot_general(a, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state,
-                            threshold=None, config=config,
-                            sequence_parallel=(mode, "tp") if sequence else None)
+    return core.dot_general(
+      a,
+      w.astype(jnp.bfloat16),
+      DN,
+      recipe=recipe,
+      state=state,
+      threshold=None,
+      config=config,
+      sequence_parallel=(mode, "tp") if sequence else None,
+    )
 
   def norm(a, g, b):
     a32 = a.astype(jnp.float32)
@@ -116,8 +146,9 @@ def layer(x, p, states, *, recipe, heads, sequence, config, attention):
   s, b, _ = qkv.shape
   q, k, v = jnp.split(qkv.reshape(s, b, heads, -1), 3, axis=3)
   bshd = lambda t: jnp.transpose(t, (1, 0, 2, 3))  # noqa: E731
-  o = jax.nn.dot_product_attention(bshd(q), bshd(k), bshd(v), is_causal=True,
-                                   implementation=attention)
+  o = jax.nn.dot_product_attention(
+    bshd(q), bshd(k), bshd(v), is_causal=True, implementation=attention
+  )
   o = jnp.transpose(o, (1, 0, 2, 3)).reshape(s, b, -1)
   x = res + gemm(o, p["out"], states[1], "reduce_scatter") + p["out_b"].astype(x.dtype)
   res = x
@@ -130,8 +161,14 @@ def make_step(variant, plan, mesh, heads, attention):
   recipe = _recipe(variant)
   config = core.GemmConfig(collective_matmul=plan == "tp_ring")
   n = 1 if mesh is None else mesh.size
-  fn = functools.partial(layer, recipe=recipe, heads=heads // n, sequence=mesh is not None,
-                         config=config, attention=attention)
+  fn = functools.partial(
+    layer,
+    recipe=recipe,
+    heads=heads // n,
+    sequence=mesh is not None,
+    config=config,
+    attention=attention,
+  )
   if mesh is not None:
     fn = jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"), PARAM_SPECS, P()), out_specs=P("tp"))
 
@@ -158,12 +195,18 @@ def run(args):
       mesh = jax.make_mesh((n,), ("tp",), devices=devices[:n], axis_types=(AxisType.Auto,))
     for variant in args.variants.split(","):
       recipe = _recipe(variant)
-      states = tuple(core.init_state(recipe) if recipe is not None and recipe.stateful else None
-                     for _ in range(4))
+      states = tuple(
+        core.init_state(recipe) if recipe is not None and recipe.stateful else None
+        for _ in range(4)
+      )
       put = functools.partial(_put, mesh, devices[0])
       p = {k: put(v, PARAM_SPECS[k]) for k, v in params.items()}
-      call_args = (put(x, P("tp")), p, jax.tree.map(lambda a, put=put: put(a, P()), states),
-                   put(dy, P("tp")))
+      call_args = (
+        put(x, P("tp")),
+        p,
+        jax.tree.map(lambda a, put=put: put(a, P()), states),
+        put(dy, P("tp")),
+      )
       step = make_step(variant, plan, mesh, args.heads, attention)
       if mesh is None:
         compiled = step.lower(*call_args).compile()
@@ -171,10 +214,17 @@ def run(args):
         with jax.set_mesh(mesh):
           compiled = step.lower(*call_args).compile()
       text = compiled.as_text()
-      configs.append(dict(plan=plan, variant=variant, n=1 if mesh is None else n,
-                          run=functools.partial(compiled, *call_args),
-                          gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
-                          collectives=_collectives(text), times=[]))
+      configs.append(
+        dict(
+          plan=plan,
+          variant=variant,
+          n=1 if mesh is None else n,
+          run=functools.partial(compiled, *call_args),
+          gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
+          collectives=_collectives(text),
+          times=[],
+        )
+      )
       print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
   for c in configs:
     for _ in range(args.warmup):
@@ -187,8 +237,11 @@ def run(args):
         jax.block_until_ready(c["run"]())
         times.append(time.perf_counter() - start)
       c["times"].append(float(np.mean(times)) * 1e3)
-    print(f"  round {r + 1}: " + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}"
-                                           for c in configs), flush=True)
+    print(
+      f"  round {r + 1}: "
+      + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
+      flush=True,
+    )
   return configs
 
 
@@ -209,26 +262,34 @@ def _collectives(text):
 
 def format_tables(configs):
   med = {(c["plan"], c["variant"]): float(np.median(c["times"])) for c in configs}
-  lines = [f"{'plan':<9}{'variant':<9}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
-           f"{'eff':>6}  FP8/other GEMMs; collectives"]
+  lines = [
+    f"{'plan':<9}{'variant':<9}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
+    f"{'eff':>6}  FP8/other GEMMs; collectives"
+  ]
   for c in configs:
     t = med[(c["plan"], c["variant"])]
     bf16 = med.get((c["plan"], "bf16"), float("nan"))
     single = med.get(("single", c["variant"]))
     eff = "" if single is None or c["plan"] == "single" else f"{single / (c['n'] * t):.2f}"
     spread = f"{min(c['times']):.2f}-{max(c['times']):.2f}"
-    lines.append(f"{c['plan']:<9}{c['variant']:<9}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
-                 f"{eff:>6}  {c['gemms']}; {c['collectives']}")
+    lines.append(
+      f"{c['plan']:<9}{c['variant']:<9}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
+      f"{eff:>6}  {c['gemms']}; {c['collectives']}"
+    )
   return "\n".join(lines)
 
 
 def main():
   args = ARGS
   dev = jax.devices()[0]
-  print(f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
-        f"{args.devices or jax.device_count()}; jax {jax.__version__}")
-  print(f"x ({args.seq}, {args.batch}, {args.hidden}) bf16, ffn {args.ffn}, {args.heads} heads; "
-        f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} steps\n")
+  print(
+    f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
+    f"{args.devices or jax.device_count()}; jax {jax.__version__}"
+  )
+  print(
+    f"x ({args.seq}, {args.batch}, {args.hidden}) bf16, ffn {args.ffn}, {args.heads} heads; "
+    f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} steps\n"
+  )
   print(format_tables(run(args)))
 
 

@@ -81,6 +81,7 @@ def _speedometer(apply_fn):
   def loss(variables, x, dy):
     y = apply_fn(variables, x)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
@@ -108,6 +109,7 @@ def trained_state(step, variables, *args, steps: int = _WARM_STEPS):
   a Linen collection ``_overwrite_with_gradient`` (ours and Flax's fp8 op), the core's
   ``{"w", "state"}``, or the second half of an adapter's ``(params, recipe_state)`` pair.
   """
+
   def with_next(v, g):
     if isinstance(v, dict):
       keys = [k for k in ("_overwrite_with_gradient", "state") if k in v]
@@ -150,8 +152,14 @@ def _core_variant(recipe, w_shape, kernel_dtype=jnp.bfloat16, config=None):
   def apply_fn(variables, x):
     dn = (((x.ndim - 1,), (0,)), ((), ()))
     return core.dot_general(
-        x, variables["w"].astype(kernel_dtype), dn, preferred_element_type=jnp.bfloat16,
-        recipe=recipe, state=variables.get("state") or None, threshold=None, config=config,
+      x,
+      variables["w"].astype(kernel_dtype),
+      dn,
+      preferred_element_type=jnp.bfloat16,
+      recipe=recipe,
+      state=variables.get("state") or None,
+      threshold=None,
+      config=config,
     )
 
   def init(key):
@@ -159,6 +167,7 @@ def _core_variant(recipe, w_shape, kernel_dtype=jnp.bfloat16, config=None):
     if state:
       v["state"] = state
     return v
+
   return apply_fn, init
 
 
@@ -173,9 +182,11 @@ def bench_dense(batch, seq, hidden, out_features, steps, repeats, recipes, log) 
   # The core doing nn.Dense's work (a bf16 copy of the kernel first), then with the float32
   # kernel straight into the cast, then also with fast sums in dgrad and wgrad (what TE's JAX
   # layer and Flax's fp8 op do).
-  for suffix, kernel_dtype, fast in [("", jnp.bfloat16, False),
-                                     (", f32 kernel", jnp.float32, False),
-                                     (", f32 kernel, fast sums", jnp.float32, True)]:
+  for suffix, kernel_dtype, fast in [
+    ("", jnp.bfloat16, False),
+    (", f32 kernel", jnp.float32, False),
+    (", f32 kernel, fast sums", jnp.float32, True),
+  ]:
     for label, recipe in recipes:
       if fast:
         recipe = fast_sums(recipe)
@@ -187,8 +198,15 @@ def bench_dense(batch, seq, hidden, out_features, steps, repeats, recipes, log) 
     step = _speedometer(apply_fn)
     variables = trained_state(step, variables, x, dy)
     ms, spread = _timed(step, (variables, x, dy), steps, repeats)
-    rows.append(dict(case="seed000 dense", variant=name, ms=ms, spread_ms=spread,
-                     cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
+    rows.append(
+      dict(
+        case="seed000 dense",
+        variant=name,
+        ms=ms,
+        spread_ms=spread,
+        cublas_fp8=_count_cublas_fp8(step, (variables, x, dy)),
+      )
+    )
     log(rows[-1])
     del step
   return rows
@@ -201,13 +219,23 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
     from flax import nnx
 
     from te_adapters import nnx as ta_nnx
+
     if hasattr(ta_nnx, "Linear"):
       for label, recipe in recipes:
-        model = ta_nnx.Linear(hidden, out_features, use_bias=False, dtype=jnp.bfloat16,
-                              recipe=recipe, threshold=None, rngs=nnx.Rngs(0))
+        model = ta_nnx.Linear(
+          hidden,
+          out_features,
+          use_bias=False,
+          dtype=jnp.bfloat16,
+          recipe=recipe,
+          threshold=None,
+          rngs=nnx.Rngs(0),
+        )
         graphdef, recipe_state, rest = nnx.split(model, ta_nnx.RecipeState, ...)
+
         def apply_fn(variables, x, graphdef=graphdef):
           return nnx.merge(graphdef, variables[0], variables[1])(x)
+
         out.append((f"nnx {label}", apply_fn, (rest, recipe_state)))
   except ImportError:
     pass
@@ -215,16 +243,21 @@ def _adapter_variants(hidden, out_features, recipes, key, x):
     import haiku as hk
 
     from te_adapters import haiku as ta_hk
+
     if hasattr(ta_hk, "Linear"):
       for label, recipe in recipes:
+
         def fwd(x, recipe=recipe):
           return ta_hk.Linear(out_features, with_bias=False, recipe=recipe, threshold=None)(x)
+
         f = hk.transform_with_state(fwd)
         # float32 parameters (initialised from a float32 input), computed in bf16 like nn.Dense.
         params, state = f.init(key, x.astype(jnp.float32))
+
         def apply_fn(variables, x, f=f):
           p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), variables[0])
           return f.apply(p, variables[1], None, x)[0]
+
         out.append((f"haiku {label}", apply_fn, (params, state)))
   except ImportError:
     pass
@@ -248,26 +281,48 @@ def bench_layer(dtype, steps, repeats, recipes, log, size, attention="flax") -> 
 
   def make(cls):
     kw = {} if dtype is None else {"dtype": dtype}
-    return FlaxTransformerLayer(hidden_size=hidden, ffn_hidden_size=ffn,
-                                num_attention_heads=heads, dot_general_cls=cls,
-                                attention=attention, **kw)
+    return FlaxTransformerLayer(
+      hidden_size=hidden,
+      ffn_hidden_size=ffn,
+      num_attention_heads=heads,
+      dot_general_cls=cls,
+      attention=attention,
+      **kw,
+    )
 
   variants = _linen_variants(make, recipes)
   if dtype is not None:
     # The same layer from te_adapters' Linen modules (computed in bf16, as this variant's).
     from bench.seed_layer import ModulesTransformerLayer
+
     for label, recipe in recipes + [(f"{n}, fast sums", fast_sums(r)) for n, r in recipes]:
-      variants.append((f"modules {label}", ModulesTransformerLayer(
-          hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads, recipe=recipe,
-          attention=attention)))
+      variants.append(
+        (
+          f"modules {label}",
+          ModulesTransformerLayer(
+            hidden_size=hidden,
+            ffn_hidden_size=ffn,
+            num_attention_heads=heads,
+            recipe=recipe,
+            attention=attention,
+          ),
+        )
+      )
   for name, model in variants:
     variables = model.init(key, x, deterministic=True)
     apply_fn = lambda v, x, model=model: model.apply(v, x, deterministic=True)
     step = _speedometer(apply_fn)
     variables = trained_state(step, variables, x, dy)
     ms, spread = _timed(step, (variables, x, dy), steps, repeats)
-    rows.append(dict(case=f"seed001 layer ({label_dtype})", variant=name, ms=ms,
-                     spread_ms=spread, cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
+    rows.append(
+      dict(
+        case=f"seed001 layer ({label_dtype})",
+        variant=name,
+        ms=ms,
+        spread_ms=spread,
+        cublas_fp8=_count_cublas_fp8(step, (variables, x, dy)),
+      )
+    )
     log(rows[-1])
   return rows
 
@@ -290,8 +345,13 @@ def gpu_trace_events(step, args, steps: int) -> list[dict]:
     with gzip.open(paths[0]) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-              and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  gpu_pids = {
+    e["pid"]
+    for e in events
+    if e.get("ph") == "M"
+    and e.get("name") == "process_name"
+    and "/device:GPU" in str(e.get("args", {}).get("name", ""))
+  }
   return [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids]
 
 
@@ -340,8 +400,10 @@ def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
   rows = []
   variants = [("bf16", None, None)]
   for label, recipe in recipes:
-    variants += [(label, recipe, None),
-                 (label + _DEFAULT_THRESHOLD, recipe, core.DEFAULT_SIZE_THRESHOLD)]
+    variants += [
+      (label, recipe, None),
+      (label + _DEFAULT_THRESHOLD, recipe, core.DEFAULT_SIZE_THRESHOLD),
+    ]
   for m, k, n in shapes:
     kx, kw, kd = jax.random.split(jax.random.PRNGKey(m + k + n), 3)
     x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
@@ -349,18 +411,28 @@ def bench_sweep(shapes, steps, repeats, recipes, log) -> list[dict]:
     dy = jax.random.normal(kd, (m, n)).astype(jnp.bfloat16)
     for label, recipe, threshold in variants:
       state = core.init_state(recipe) if recipe is not None else {}
+
       def loss(w, state, x, dy, recipe=recipe, threshold=threshold):
         y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None, threshold=threshold)
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-      jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)),
-                       donate_argnums=(1,) if state else ())
+
+      jitted = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1, 2)), donate_argnums=(1,) if state else ()
+      )
       step = _feed_state_back(jitted, state) if state else jitted
       args = (w, state, x, dy)
       ms, spread = _timed(step, args, steps, repeats)
       gpu_ms = _gpu_ms(step, args, 10) if ms < 2.0 else None
-      rows.append(dict(case=f"gemm {m}x{k}x{n}", variant=f"core {label}", ms=ms,
-                       spread_ms=spread, cublas_fp8=_count_cublas_fp8(jitted, args),
-                       gpu_ms=gpu_ms))
+      rows.append(
+        dict(
+          case=f"gemm {m}x{k}x{n}",
+          variant=f"core {label}",
+          ms=ms,
+          spread_ms=spread,
+          cublas_fp8=_count_cublas_fp8(jitted, args),
+          gpu_ms=gpu_ms,
+        )
+      )
       log(rows[-1])
   return rows
 
@@ -376,6 +448,7 @@ def _feed_state_back(jitted, state):
     out = jitted(w, current[0], x, dy)
     current[0] = out[1][1]
     return out
+
   return step
 
 
@@ -384,8 +457,10 @@ def format_table(rows: list[dict]) -> str:
   it, a summary of the default-threshold variants of the GEMM sweep."""
   slower = f">{round((_SLOWER_TOLERANCE - 1) * 100)}% slower"
   cw = max([30] + [len(r["case"]) + 2 for r in rows])  # the case column's width
-  lines = [f"{'case':<{cw}}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'GPU ms':>9}{'vs bf16':>9}"
-           f"{'FP8/other GEMMs':>17}  {slower}"]
+  lines = [
+    f"{'case':<{cw}}{'variant':<36}{'ms':>9}{'vs bf16':>9}{'GPU ms':>9}{'vs bf16':>9}"
+    f"{'FP8/other GEMMs':>17}  {slower}"
+  ]
 
   def judged(r):  # GPU time where both it and its case's bf16 row have one, else wall time
     return "gpu_ms" if r.get("gpu_ms") and gpu_base.get(r["case"]) else "ms"
@@ -400,10 +475,15 @@ def format_table(rows: list[dict]) -> str:
     ref = (gpu_base if key == "gpu_ms" else base).get(r["case"], float("nan"))
     is_slow = r[key] > _SLOWER_TOLERANCE * ref
     fp8 = "-" if r["cublas_fp8"] is None else str(r["cublas_fp8"])
-    gpu = (f"{r['gpu_ms']:>9.3f}{gpu_base[r['case']] / r['gpu_ms']:>8.2f}x"
-           if key == "gpu_ms" else f"{'-':>9}{'-':>9}")
-    lines.append(f"{r['case']:<{cw}}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x{gpu}"
-                 f"{fp8:>17}  {'SLOWER' if is_slow else ''}".rstrip())
+    gpu = (
+      f"{r['gpu_ms']:>9.3f}{gpu_base[r['case']] / r['gpu_ms']:>8.2f}x"
+      if key == "gpu_ms"
+      else f"{'-':>9}{'-':>9}"
+    )
+    lines.append(
+      f"{r['case']:<{cw}}{r['variant']:<36}{r['ms']:>9.2f}{bf16 / r['ms']:>8.2f}x{gpu}"
+      f"{fp8:>17}  {'SLOWER' if is_slow else ''}".rstrip()
+    )
     if r["variant"].endswith(_DEFAULT_THRESHOLD):
       forced = by_key.get((r["case"], r["variant"][: -len(_DEFAULT_THRESHOLD)]))
       if is_slow:
@@ -440,9 +520,15 @@ def te_layernorm_mlp(intermediate, recipe, config=None):
   computed in the input's dtype, gelu, biases, no dropout, no size threshold (both GEMMs
   quantized)."""
   return ta_linen.LayerNormMLP(
-      intermediate_dim=intermediate, activations=("gelu",), use_bias=True,
-      intermediate_dropout_rate=0.0, return_layernorm_output=False, recipe=recipe,
-      threshold=None, config=config)
+    intermediate_dim=intermediate,
+    activations=("gelu",),
+    use_bias=True,
+    intermediate_dropout_rate=0.0,
+    return_layernorm_output=False,
+    recipe=recipe,
+    threshold=None,
+    config=config,
+  )
 
 
 def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
@@ -457,15 +543,22 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
   variants = _linen_variants(lambda cls: _FlaxLnMlp(hidden, intermediate, cls), recipes)
   if hasattr(ta_linen, "LayerNormMLP"):
     # The fused activation casts (the default), and the activation between two dot_generals.
-    configs = ((" fused", ta.core.GemmConfig(fuse_activation_cast=True)),
-               (" unfused", ta.core.GemmConfig(fuse_activation_cast=False)))
+    configs = (
+      (" fused", ta.core.GemmConfig(fuse_activation_cast=True)),
+      (" unfused", ta.core.GemmConfig(fuse_activation_cast=False)),
+    )
     for label, recipe in recipes:
       for suffix, config in configs:
-        variants.append((f"LayerNormMLP {label}{suffix}",
-                         te_layernorm_mlp(intermediate, recipe, config)))
+        variants.append(
+          (f"LayerNormMLP {label}{suffix}", te_layernorm_mlp(intermediate, recipe, config))
+        )
     for label, recipe in recipes:
-      variants.append((f"LayerNormMLP {label} fused, fast sums",
-                       te_layernorm_mlp(intermediate, fast_sums(recipe), configs[0][1])))
+      variants.append(
+        (
+          f"LayerNormMLP {label} fused, fast sums",
+          te_layernorm_mlp(intermediate, fast_sums(recipe), configs[0][1]),
+        )
+      )
   rows = []
   for name, model in variants:
     kw = {"deterministic": True} if isinstance(model, getattr(ta_linen, "LayerNormMLP", ())) else {}
@@ -478,8 +571,15 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
     step = _speedometer(apply_fn)
     variables = trained_state(step, variables, x, dy)
     ms, spread = _timed(step, (variables, x, dy), steps, repeats)
-    rows.append(dict(case="seed001 LayerNorm+MLP", variant=name, ms=ms, spread_ms=spread,
-                     cublas_fp8=_count_cublas_fp8(step, (variables, x, dy))))
+    rows.append(
+      dict(
+        case="seed001 LayerNorm+MLP",
+        variant=name,
+        ms=ms,
+        spread_ms=spread,
+        cublas_fp8=_count_cublas_fp8(step, (variables, x, dy)),
+      )
+    )
     log(rows[-1])
   return rows
 
@@ -487,22 +587,34 @@ def bench_mlp(steps, repeats, recipes, log, size) -> list[dict]:
 def main(argv=None) -> None:
   on_gpu = jax.default_backend() == "gpu"
   p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-  p.add_argument("--cases", default="dense,layer,sweep",
-                 help="comma list: dense,layer,mlp,sweep")
+  p.add_argument("--cases", default="dense,layer,sweep", help="comma list: dense,layer,mlp,sweep")
   p.add_argument("--steps", type=int, default=20 if on_gpu else 2)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, help="write the rows here")
-  p.add_argument("--shapes", default=None,
-                 help="GEMM sweep shapes instead of the built-in ones: comma list of MxKxN")
-  p.add_argument("--full-size", action=argparse.BooleanOptionalAction, default=on_gpu,
-                 help="seed sizes (default on GPU); small sizes otherwise")
-  p.add_argument("--attention", default="flax", choices=ATTENTIONS,
-                 help="the layer case's attention, in every variant: flax (the seed's "
-                      "nn.dot_product_attention), or jax.nn.dot_product_attention's xla or cudnn "
-                      "(cudnn: bf16 only, so the dtype-unset layer is left out)")
+  p.add_argument(
+    "--shapes",
+    default=None,
+    help="GEMM sweep shapes instead of the built-in ones: comma list of MxKxN",
+  )
+  p.add_argument(
+    "--full-size",
+    action=argparse.BooleanOptionalAction,
+    default=on_gpu,
+    help="seed sizes (default on GPU); small sizes otherwise",
+  )
+  p.add_argument(
+    "--attention",
+    default="flax",
+    choices=ATTENTIONS,
+    help="the layer case's attention, in every variant: flax (the seed's "
+    "nn.dot_product_attention), or jax.nn.dot_product_attention's xla or cudnn "
+    "(cudnn: bf16 only, so the dtype-unset layer is left out)",
+  )
   args = p.parse_args(argv)
-  recipes = [("current", ta.Float8CurrentScaling()),
-             ("delayed", ta.DelayedScaling(amax_history_len=1024))]
+  recipes = [
+    ("current", ta.Float8CurrentScaling()),
+    ("delayed", ta.DelayedScaling(amax_history_len=1024)),
+  ]
   log = lambda r: print(f"  {r['case']:<30} {r['variant']:<36}{r['ms']:9.2f} ms", flush=True)
   rows = []
   cases = args.cases.split(",")
@@ -510,10 +622,17 @@ def main(argv=None) -> None:
     dense, layer = (8, 2048, 8192, 32768), (4, 2048, 4096, 16384, 32)
     mlp = (4, 2048, 4096, 16384)
     sweep = [(s, s, s) for s in (1024, 2048, 4096, 8192, 16384)] + [
-        (8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 4096), (4096, 4096, 1024),
-        # Around the default size threshold (M*K*N = 4096**3, min dim 2048), from both sides.
-        (2048, 8192, 8192), (1024, 8192, 8192), (8192, 2048, 2048), (4096, 4096, 2048),
-        (16384, 1024, 1024)]
+      (8192, 4096, 14336),
+      (8192, 14336, 4096),
+      (16384, 4096, 4096),
+      (4096, 4096, 1024),
+      # Around the default size threshold (M*K*N = 4096**3, min dim 2048), from both sides.
+      (2048, 8192, 8192),
+      (1024, 8192, 8192),
+      (8192, 2048, 2048),
+      (4096, 4096, 2048),
+      (16384, 1024, 1024),
+    ]
   else:
     dense, layer = (2, 64, 256, 512), (2, 64, 128, 256, 4)
     mlp = (2, 64, 128, 256)
@@ -523,8 +642,7 @@ def main(argv=None) -> None:
   if "layer" in cases:
     if args.attention != "cudnn":  # cuDNN's attention takes bf16 / fp16 only
       rows += bench_layer(None, args.steps, args.repeats, recipes, log, layer, args.attention)
-    rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer,
-                        args.attention)
+    rows += bench_layer(jnp.bfloat16, args.steps, args.repeats, recipes, log, layer, args.attention)
   if "mlp" in cases:
     rows += bench_mlp(args.steps, args.repeats, recipes, log, mlp)
   if args.shapes:
@@ -532,9 +650,14 @@ def main(argv=None) -> None:
   if "sweep" in cases:
     rows += bench_sweep(sweep, args.steps, args.repeats, recipes, log)
   device = jax.devices()[0]
-  meta = dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
-              python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+  meta = dict(
+    device=f"{device.platform} {device.device_kind}",
+    jax=jax.__version__,
+    python=platform.python_version(),
+    date=time.strftime("%Y-%m-%d"),
+  )
   import flax
+
   meta["flax"] = flax.__version__
   print(f"\n{meta}\n")
   print(format_table(rows))

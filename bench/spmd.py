@@ -44,11 +44,15 @@ def _parse(argv):
   p.add_argument("--devices", type=int, default=None, help="devices per plan (default: all)")
   p.add_argument("--plans", default="single,dp,tp,tp_row,fsdp")
   p.add_argument("--variants", default="bf16,current,delayed,current+fp8_gather")
-  p.add_argument("--repeats", type=int, default=0,
-                 help="interleaved rounds: compile every configuration first, then run one "
-                      "trial of --iters steps of each in turn, --repeats times; report the "
-                      "median over rounds and the spread (0: --trials per configuration, "
-                      "one configuration after the other)")
+  p.add_argument(
+    "--repeats",
+    type=int,
+    default=0,
+    help="interleaved rounds: compile every configuration first, then run one "
+    "trial of --iters steps of each in turn, --repeats times; report the "
+    "median over rounds and the spread (0: --trials per configuration, "
+    "one configuration after the other)",
+  )
   add_common_arguments(p)
   return p.parse_args(argv)
 
@@ -68,20 +72,20 @@ DN = (((2,), (0,)), ((), ()))
 
 # plan -> (mesh axis, x spec, W spec, dy spec)
 PLANS = {
-    "single": (None, P(), P(), P()),
-    "dp": ("dp", P("dp"), P(), P("dp")),
-    "tp": ("tp", P(), P(None, "tp"), P(None, None, "tp")),
-    "tp_row": ("tp", P(None, None, "tp"), P("tp", None), P()),
-    "fsdp": ("fsdp", P("fsdp"), P("fsdp", None), P("fsdp")),
+  "single": (None, P(), P(), P()),
+  "dp": ("dp", P("dp"), P(), P("dp")),
+  "tp": ("tp", P(), P(None, "tp"), P(None, None, "tp")),
+  "tp_row": ("tp", P(None, None, "tp"), P("tp", None), P()),
+  "fsdp": ("fsdp", P("fsdp"), P("fsdp", None), P("fsdp")),
 }
 
 
 def _recipe(variant):
   name = variant.split("+")[0]
   return {
-      "bf16": None,
-      "current": core.Float8CurrentScaling(),
-      "delayed": core.DelayedScaling(amax_history_len=1024),
+    "bf16": None,
+    "current": core.Float8CurrentScaling(),
+    "delayed": core.DelayedScaling(amax_history_len=1024),
   }[name]
 
 
@@ -98,8 +102,9 @@ def make_step(variant, plan, mesh):
 
   def step(x, w, state, dy):
     def layer(x, w, state):
-      return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe,
-                              state=state or None, threshold=None, **kw)
+      return core.dot_general(
+        x, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state or None, threshold=None, **kw
+      )
 
     y, vjp = jax.vjp(layer, x, w, state)
     dx, dw, new_state = vjp(dy)
@@ -169,8 +174,16 @@ def run(args):
           compiled = step.lower(*call_args).compile()
       run_once = functools.partial(compiled, *call_args)
       gemms, gathers, reduces, n_reduces = hlo_summary(compiled.as_text())
-      row = dict(plan=plan, n=1 if mesh is None else n, variant=variant, gemms=gemms,
-                 gathers=gathers, reduces=reduces, n_reduces=n_reduces, times=[])
+      row = dict(
+        plan=plan,
+        n=1 if mesh is None else n,
+        variant=variant,
+        gemms=gemms,
+        gathers=gathers,
+        reduces=reduces,
+        n_reduces=n_reduces,
+        times=[],
+      )
       if args.repeats:
         row["run"] = run_once
         print(f"  compiled {plan} {variant}: FP8/other GEMMs {gemms}", flush=True)
@@ -195,8 +208,11 @@ def _interleaved(rows, args):
   for r in range(args.repeats):
     for row in rows:
       row["times"].append(time_steps(row["run"], args.iters, 0, 1))
-    print(f"  round {r + 1}: " + ", ".join(f"{row['plan']}/{row['variant']} {row['times'][-1]:.2f}"
-                                           for row in rows), flush=True)
+    print(
+      f"  round {r + 1}: "
+      + ", ".join(f"{row['plan']}/{row['variant']} {row['times'][-1]:.2f}" for row in rows),
+      flush=True,
+    )
   for row in rows:
     row["ms"] = float(np.median(row["times"]))
     del row["run"]
@@ -205,34 +221,50 @@ def _interleaved(rows, args):
 def format_tables(rows):
   single = {r["variant"]: r["ms"] for r in rows if r["plan"] == "single"}
   bf16 = {r["plan"]: r["ms"] for r in rows if r["variant"] == "bf16"}
-  head = (f"{'plan':<8}{'devices':>8}  {'variant':<20}{'step ms':>9}{'TFLOP/s/dev':>13}"
-          f"{'vs bf16':>9}{'scaling eff':>13}{'rounds min-max':>16}")
+  head = (
+    f"{'plan':<8}{'devices':>8}  {'variant':<20}{'step ms':>9}{'TFLOP/s/dev':>13}"
+    f"{'vs bf16':>9}{'scaling eff':>13}{'rounds min-max':>16}"
+  )
   lines = [head, "-" * len(head)]
   for r in rows:
     vs_bf16 = bf16.get(r["plan"], float("nan")) / r["ms"]
     base = single.get(r["variant"].split("+")[0])
     eff = "" if base is None or r["plan"] == "single" else f"{base / (r['n'] * r['ms']):.2f}"
     spread = f"{min(r['times']):.2f}-{max(r['times']):.2f}" if r["times"] else ""
-    lines.append(f"{r['plan']:<8}{r['n']:>8}  {r['variant']:<20}{r['ms']:>9.3f}"
-                 f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}{spread:>16}")
-  lines += ["", f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"
-             "; all-reduces and reduce-scatters: count (dtype: MiB)"]
+    lines.append(
+      f"{r['plan']:<8}{r['n']:>8}  {r['variant']:<20}{r['ms']:>9.3f}"
+      f"{r['tflops']:>13.1f}{vs_bf16:>8.2f}x{eff:>13}{spread:>16}"
+    )
+  lines += [
+    "",
+    f"{'plan':<8}{'variant':<22}{'FP8/other GEMMs':>16}  all-gathers (dtype: MiB)"
+    "; all-reduces and reduce-scatters: count (dtype: MiB)",
+  ]
   mib = lambda d: ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(d.items()))
   for r in rows:
-    lines.append(f"{r['plan']:<8}{r['variant']:<22}{r['gemms']:>16}  {mib(r['gathers']) or '-'}"
-                 f"; {r['n_reduces']} ({mib(r['reduces']) or '-'})")
+    lines.append(
+      f"{r['plan']:<8}{r['variant']:<22}{r['gemms']:>16}  {mib(r['gathers']) or '-'}"
+      f"; {r['n_reduces']} ({mib(r['reduces']) or '-'})"
+    )
   return "\n".join(lines)
 
 
 def main():
   args = ARGS
   dev = jax.devices()[0]
-  print(f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
-        f"{args.devices or jax.device_count()}; jax {jax.__version__}")
-  timing = (f"median over {args.repeats} interleaved rounds" if args.repeats
-            else f"median of {args.trials} trials")
-  print(f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ W ({args.hidden}, {args.features}) "
-        f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, {timing}\n")
+  print(
+    f"date: {datetime.date.today()}; device: {dev.platform} {dev.device_kind} x "
+    f"{args.devices or jax.device_count()}; jax {jax.__version__}"
+  )
+  timing = (
+    f"median over {args.repeats} interleaved rounds"
+    if args.repeats
+    else f"median of {args.trials} trials"
+  )
+  print(
+    f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ W ({args.hidden}, {args.features}) "
+    f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, {timing}\n"
+  )
   print(format_tables(run(args)))
 
 

@@ -48,8 +48,17 @@ class Config:
   seed: int = 0
 
 
-TINY = Config(vocab=32, seq_len=16, batch=16, d_model=32, heads=2, layers=1, steps=100,
-              learning_rate=1e-2, log_every=20)
+TINY = Config(
+  vocab=32,
+  seq_len=16,
+  batch=16,
+  d_model=32,
+  heads=2,
+  layers=1,
+  steps=100,
+  learning_rate=1e-2,
+  log_every=20,
+)
 
 # This model's GEMMs (1024 rows, 128 to 512 features) are far below the size at which FP8 is
 # faster than bf16 on a GPU, so by default (core.DEFAULT_SIZE_THRESHOLD) they would run in bf16
@@ -57,9 +66,9 @@ TINY = Config(vocab=32, seq_len=16, batch=16, d_model=32, heads=2, layers=1, ste
 THRESHOLD = None
 
 RECIPES = {
-    "bf16": None,
-    "current": ta.Float8CurrentScaling(),
-    "delayed": ta.DelayedScaling(amax_history_len=16),
+  "bf16": None,
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(amax_history_len=16),
 }
 
 
@@ -74,7 +83,7 @@ def transformer(tokens: jax.Array, cfg: Config, dtype=jnp.bfloat16) -> jax.Array
   for i in range(cfg.layers):
     h = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(x)
     x = x + hk.MultiHeadAttention(
-        cfg.heads, cfg.d_model // cfg.heads, w_init=init, name=f"attention_{i}"
+      cfg.heads, cfg.d_model // cfg.heads, w_init=init, name=f"attention_{i}"
     )(h, h, h, mask=mask)
     h = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(x)
     h = jax.nn.gelu(hk.Linear(4 * cfg.d_model, w_init=init, name=f"mlp_in_{i}")(h))
@@ -105,7 +114,8 @@ def init(cfg: Config):
   """
   tokens, _ = next(batches(cfg))
   forward = ta_hk.quantize(RECIPES["delayed"], threshold=THRESHOLD)(
-      lambda t: transformer(t, cfg, jnp.float32))
+    lambda t: transformer(t, cfg, jnp.float32)
+  )
   return jax.jit(hk.transform_with_state(forward).init)(jax.random.key(cfg.seed), tokens)
 
 
@@ -135,7 +145,8 @@ def train(recipe, params, state, cfg: Config, name: str = ""):
   losses = []
   data = batches(cfg)
   gemms = ta.inspect.count_fp8_dot_generals(
-      ta_hk.value_grad_and_state(loss_fn), params, state, *batches(cfg).__next__())
+    ta_hk.value_grad_and_state(loss_fn), params, state, *batches(cfg).__next__()
+  )
   start, since = time.perf_counter(), 0
   for i in range(1, cfg.steps + 1):
     tokens, targets = next(data)
@@ -144,8 +155,12 @@ def train(recipe, params, state, cfg: Config, name: str = ""):
     if i == 1 or i % cfg.log_every == 0 or i == cfg.steps:
       now = time.perf_counter()
       note = " (the first step compiles)" if since == 0 else ""
-      print(f"{name}: step {i}/{cfg.steps} loss {losses[-1]:.4f} "
-            f"{1e3 * (now - start) / (i - since):.1f} ms/step{note}", file=sys.stderr, flush=True)
+      print(
+        f"{name}: step {i}/{cfg.steps} loss {losses[-1]:.4f} "
+        f"{1e3 * (now - start) / (i - since):.1f} ms/step{note}",
+        file=sys.stderr,
+        flush=True,
+      )
       start, since = now, i
   return losses, quantize.report, gemms
 
@@ -171,8 +186,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
       warnings.simplefilter("ignore")  # skipped layers are listed from the report below
       curves[name], report, (fp8, gemms) = train(recipe, params, state, cfg, name)
     seconds = time.perf_counter() - start
-    print(f"{name:8s} {len(report.quantized)} FP8 layers, skipped {report.skipped or 'none'}, "
-          f"{fp8} of {gemms} GEMMs per step with FP8 operands, {seconds:.1f} s")
+    print(
+      f"{name:8s} {len(report.quantized)} FP8 layers, skipped {report.skipped or 'none'}, "
+      f"{fp8} of {gemms} GEMMs per step with FP8 operands, {seconds:.1f} s"
+    )
 
   print("step  " + "  ".join(f"{name:>8s}" for name in curves))
   for i in list(range(0, cfg.steps, cfg.log_every)) + [cfg.steps - 1]:

@@ -78,8 +78,9 @@ class LanguageModel(nnx.Module):
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model)))
     self.blocks = nnx.List([Block(cfg, recipe, rngs) for _ in range(cfg.layers)])
     self.norm = nnx.RMSNorm(cfg.d_model, dtype=jnp.bfloat16, rngs=rngs)
-    self.head = ta_nnx.Linear(cfg.d_model, cfg.vocab, recipe=recipe, threshold=THRESHOLD,
-                              dtype=jnp.bfloat16, rngs=rngs)
+    self.head = ta_nnx.Linear(
+      cfg.d_model, cfg.vocab, recipe=recipe, threshold=THRESHOLD, dtype=jnp.bfloat16, rngs=rngs
+    )
 
   def __call__(self, tokens):
     x = self.embed(tokens) + self.pos[...][: tokens.shape[1]].astype(jnp.bfloat16)
@@ -117,9 +118,9 @@ def synthetic_batches(cfg: Config, steps: int, seed: int):
 
 
 RECIPES = {
-    "bf16": None,
-    "fp8-current": ta.Float8CurrentScaling(),
-    "fp8-delayed": ta.DelayedScaling(amax_history_len=16),
+  "bf16": None,
+  "fp8-current": ta.Float8CurrentScaling(),
+  "fp8-delayed": ta.DelayedScaling(amax_history_len=16),
 }
 
 
@@ -130,8 +131,9 @@ def fp8_gemms(model, tokens) -> tuple[int, int]:
   return ta.inspect.count_fp8_dot_generals(step, state, tokens)
 
 
-def train(cfg: Config, recipe, steps: int, seed: int, name: str = "", every: int = 0
-          ) -> tuple[list[float], tuple[int, int]]:
+def train(
+  cfg: Config, recipe, steps: int, seed: int, name: str = "", every: int = 0
+) -> tuple[list[float], tuple[int, int]]:
   """The loss of every step and the FP8 GEMM count; with ``every``, a progress line on stderr
   after the first step (which compiles) and every ``every`` steps."""
   model = LanguageModel(cfg, recipe, nnx.Rngs(seed))
@@ -144,9 +146,12 @@ def train(cfg: Config, recipe, steps: int, seed: int, name: str = "", every: int
     if every and (step == 1 or step % every == 0 or step == steps):
       now = time.perf_counter()
       note = " (the first step compiles)" if since == 0 else ""
-      print(f"{name}: step {step}/{steps} loss {losses[-1]:.4f} "
-            f"{1e3 * (now - start) / (step - since):.1f} ms/step{note}", file=sys.stderr,
-            flush=True)
+      print(
+        f"{name}: step {step}/{steps} loss {losses[-1]:.4f} "
+        f"{1e3 * (now - start) / (step - since):.1f} ms/step{note}",
+        file=sys.stderr,
+        flush=True,
+      )
       start, since = now, step
   return losses, counts
 
@@ -156,15 +161,20 @@ def main(argv=None) -> dict[str, list[float]]:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--tiny", action="store_true", help="a tiny model, for a quick check")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--log-every", type=int, default=0,
-                      help="steps between progress lines and table rows (default: about 15)")
+  parser.add_argument(
+    "--log-every",
+    type=int,
+    default=0,
+    help="steps between progress lines and table rows (default: about 15)",
+  )
   args = parser.parse_args(argv)
   cfg = TINY if args.tiny else Config()
   every = args.log_every or max(1, args.steps // 15)
 
   # Progress on stderr as each run trains; the loss table on stdout once all have.
-  runs = {name: train(cfg, recipe, args.steps, args.seed, name, every)
-          for name, recipe in RECIPES.items()}
+  runs = {
+    name: train(cfg, recipe, args.steps, args.seed, name, every) for name, recipe in RECIPES.items()
+  }
   curves = {name: run[0] for name, run in runs.items()}
   print(f"{'step':>6}" + "".join(f"{name:>14}" for name in curves))
   for step in range(args.steps):
@@ -173,8 +183,10 @@ def main(argv=None) -> dict[str, list[float]]:
   tail = max(1, args.steps // 10)
   base = np.mean(curves["bf16"][-tail:])
   for name in ("fp8-current", "fp8-delayed"):
-    print(f"{name}: mean of the last {tail} losses {np.mean(curves[name][-tail:]):.4f} "
-          f"(bf16 {base:.4f})")
+    print(
+      f"{name}: mean of the last {tail} losses {np.mean(curves[name][-tail:]):.4f} "
+      f"(bf16 {base:.4f})"
+    )
   for name, (_, (fp8, total)) in runs.items():
     print(f"{name}: {fp8} of {total} GEMMs per step with FP8 operands ({jax.default_backend()})")
   return curves

@@ -15,17 +15,21 @@ def _checkout_root() -> Path | None:
 
 # The subcommands and what each does, as ``--help`` lists them.
 COMMANDS = {
-    "demo": "FP8 against bf16 on one GEMM on this device: step time, error, FP8 GEMMs counted",
-    "bench": "the benchmark (python -m bench), from a source checkout",
+  "demo": "FP8 against bf16 on one GEMM on this device: step time, error, FP8 GEMMs counted",
+  "bench": "the benchmark (python -m bench), from a source checkout",
 }
 
 
 def usage() -> str:
   """The command line's help text: its subcommands, one a line."""
   width = max(map(len, COMMANDS))
-  lines = [f"usage: python -m te_adapters {{{','.join(COMMANDS)}}} [options]", "",
-           "TransformerEngine-grade quantized GEMMs for JAX (Flax Linen, Flax NNX, Haiku).", "",
-           "subcommands:"]
+  lines = [
+    f"usage: python -m te_adapters {{{','.join(COMMANDS)}}} [options]",
+    "",
+    "TransformerEngine-grade quantized GEMMs for JAX (Flax Linen, Flax NNX, Haiku).",
+    "",
+    "subcommands:",
+  ]
   lines += [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
   lines += ["", "  -h, --help  show this message and exit"]
   return "\n".join(lines)
@@ -48,9 +52,12 @@ def main(argv=None) -> int:
   elif argv[0] == "bench":
     root = _checkout_root()
     if root is None:
-      print("python -m te_adapters bench: the benchmark is not part of the installed package; "
-            "run `python -m bench` from the root of a source checkout "
-            "(or install one with `pip install -e .`)", file=sys.stderr)
+      print(
+        "python -m te_adapters bench: the benchmark is not part of the installed package; "
+        "run `python -m bench` from the root of a source checkout "
+        "(or install one with `pip install -e .`)",
+        file=sys.stderr,
+      )
       return 2
     sys.path.insert(0, str(root))
     from bench import speed

@@ -34,12 +34,12 @@ def _time(fn, args, repeats: int) -> float:
 
 
 def run(
-    m: int,
-    k: int,
-    n: int,
-    repeats: int = 5,
-    warmup_steps: int = 3,
-    threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
+  m: int,
+  k: int,
+  n: int,
+  repeats: int = 5,
+  warmup_steps: int = 3,
+  threshold: core.SizeThreshold | None = core.DEFAULT_SIZE_THRESHOLD,
 ) -> list[dict]:
   """Times fwd+bwd of ``x @ w`` for bf16 and each FP8 recipe; errors are against float64.
 
@@ -55,22 +55,20 @@ def run(
 
   rows = []
   recipes = [
-      ("bf16", None),
-      ("Float8CurrentScaling", core.Float8CurrentScaling()),
-      ("DelayedScaling", core.DelayedScaling(amax_history_len=16)),
+    ("bf16", None),
+    ("Float8CurrentScaling", core.Float8CurrentScaling()),
+    ("DelayedScaling", core.DelayedScaling(amax_history_len=16)),
   ]
   for label, recipe in recipes:
     state: Any = core.init_state(recipe) if recipe is not None else {}
 
     def step(x, w, dy, state, recipe=recipe):
       def f(x, w, state):
-        y = core.dot_general(
-            x, w, _DN, recipe=recipe, state=state or None, threshold=threshold
-        )
+        y = core.dot_general(x, w, _DN, recipe=recipe, state=state or None, threshold=threshold)
         return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
       (_, y), (dx, dw, new_state) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
-          x, w, state
+        x, w, state
       )
       return y, dx, dw, new_state
 
@@ -85,15 +83,15 @@ def run(
       hlo = step_jit.lower(x, w, dy, state).compile().as_text() or ""
       cublas = "{}/{}".format(*inspect.count_fp8_gemms(hlo))
     rows.append(
-        dict(
-            recipe=label,
-            ms=_time(step_jit, (x, w, dy, state), repeats),
-            err_y=_rel(y, refs[0]),
-            err_dx=_rel(dx, refs[1]),
-            err_dw=_rel(dw, refs[2]),
-            fp8_dots=f"{fp8_dots}/{dots}",
-            cublas_fp8=cublas,
-        )
+      dict(
+        recipe=label,
+        ms=_time(step_jit, (x, w, dy, state), repeats),
+        err_y=_rel(y, refs[0]),
+        err_dx=_rel(dx, refs[1]),
+        err_dw=_rel(dw, refs[2]),
+        fp8_dots=f"{fp8_dots}/{dots}",
+        cublas_fp8=cublas,
+      )
     )
   return rows
 
@@ -106,8 +104,8 @@ def format_table(rows: list[dict]) -> str:
     if r["cublas_fp8"] is not None:
       fp8 += f", FP8/other in compiled HLO {r['cublas_fp8']}"
     lines.append(
-        f"{r['recipe']:<22}{r['ms']:>9.3f}{r['err_y']:>9.4f}{r['err_dx']:>9.4f}"
-        f"{r['err_dw']:>9.4f}  {fp8}"
+      f"{r['recipe']:<22}{r['ms']:>9.3f}{r['err_y']:>9.4f}{r['err_dx']:>9.4f}"
+      f"{r['err_dw']:>9.4f}  {fp8}"
     )
   return "\n".join(lines)
 
@@ -134,9 +132,12 @@ def main(argv=None) -> None:
   p.add_argument("--k", type=int, default=8192 if on_gpu else 512, help="contracting size")
   p.add_argument("--n", type=int, default=8192 if on_gpu else 512, help="output features")
   p.add_argument("--repeats", type=int, default=10 if on_gpu else 3)
-  p.add_argument("--force-fp8", action="store_true",
-                 help="quantize whatever the size (threshold=None); by default a GEMM too small "
-                      "for FP8 to pay on a GPU runs in high precision there")
+  p.add_argument(
+    "--force-fp8",
+    action="store_true",
+    help="quantize whatever the size (threshold=None); by default a GEMM too small "
+    "for FP8 to pay on a GPU runs in high precision there",
+  )
   args = p.parse_args(argv)
   threshold = None if args.force_fp8 else core.DEFAULT_SIZE_THRESHOLD
   device = jax.devices()[0]
@@ -152,5 +153,7 @@ def main(argv=None) -> None:
     rows = run(args.m, args.k, args.n, args.repeats, threshold=threshold)
   print(format_table(rows))
   if any(r["recipe"] != "bf16" and r["fp8_dots"].startswith("0/") for r in rows):
-    print(f"\nThe FP8 rows ran in high precision: this GEMM is below the size threshold "
-          f"({core.DEFAULT_SIZE_THRESHOLD.rule()}). --force-fp8 quantizes it anyway.")
+    print(
+      f"\nThe FP8 rows ran in high precision: this GEMM is below the size threshold "
+      f"({core.DEFAULT_SIZE_THRESHOLD.rule()}). --force-fp8 quantizes it anyway."
+    )

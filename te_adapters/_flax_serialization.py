@@ -19,18 +19,20 @@ def _to_state_dict(state: core.DelayedScalingState) -> dict:
 
 def _from_state_dict(target: core.DelayedScalingState, state: dict) -> core.DelayedScalingState:
   restored = core.DelayedScalingState.from_mapping(state)
-  return core.DelayedScalingState(**{
+  return core.DelayedScalingState(
+    **{
       name: serialization.from_state_dict(target[name], restored[name], name=name)
       for name in target
-  })
+    }
+  )
 
 
 def register() -> None:
   """Registers the typed states with ``flax.serialization`` (again is a no-op)."""
   serialization.register_serialization_state(
-      core.DelayedScalingState, _to_state_dict, _from_state_dict, override=True
+    core.DelayedScalingState, _to_state_dict, _from_state_dict, override=True
   )
   # A stateless recipe's state writes as the empty dict it was before it was typed.
   serialization.register_serialization_state(
-      core.EmptyState, lambda state: {}, lambda target, state: core.EmptyState(), override=True
+    core.EmptyState, lambda state: {}, lambda target, state: core.EmptyState(), override=True
   )

@@ -14,13 +14,13 @@ from jax.extend import core as jax_core
 from te_adapters.core import kernels
 
 __all__ = [
-    "Collective",
-    "count_fp8_cublas_gemms",
-    "count_fp8_dot_generals",
-    "count_fp8_gemms",
-    "dot_general_operand_dtypes",
-    "hlo_collectives",
-    "hlo_dot_operand_types",
+  "Collective",
+  "count_fp8_cublas_gemms",
+  "count_fp8_dot_generals",
+  "count_fp8_gemms",
+  "dot_general_operand_dtypes",
+  "hlo_collectives",
+  "hlo_dot_operand_types",
 ]
 
 
@@ -137,8 +137,9 @@ def count_fp8_gemms(hlo_text: str) -> tuple[int, int]:
     >>> ta.inspect.count_fp8_gemms(hlo)[0]
     0
   """
-  fp8_dots = sum(a.startswith("f8") and b.startswith("f8") for a, b in hlo_dot_operand_types(
-      hlo_text))
+  fp8_dots = sum(
+    a.startswith("f8") and b.startswith("f8") for a, b in hlo_dot_operand_types(hlo_text)
+  )
   other_dots = len(hlo_dot_operand_types(hlo_text)) - fp8_dots
   other_calls = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', hlo_text))
   return count_fp8_cublas_gemms(hlo_text) + fp8_dots, other_dots + other_calls
@@ -161,8 +162,8 @@ class Collective(NamedTuple):
 
 
 _COLLECTIVE_RE = re.compile(
-    r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\("
+  r"=\s*(?P<type>\(?[^=]*?\)?)\s+(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|"
+  r"collective-permute)(?:-start)?\("
 )
 
 
@@ -183,8 +184,8 @@ def hlo_collectives(hlo_text: str) -> list[Collective]:
     if m is None:
       continue
     arrays = tuple(
-        (dtype, tuple(int(n) for n in dims.split(",") if n))
-        for dtype, dims in _ARRAY_RE.findall(m.group("type"))
+      (dtype, tuple(int(n) for n in dims.split(",") if n))
+      for dtype, dims in _ARRAY_RE.findall(m.group("type"))
     )
     found.append(Collective(m.group("op"), arrays, line.strip()))
   return found

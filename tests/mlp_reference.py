@@ -27,8 +27,12 @@ def block_params(seed=0, n_act=2, bias=True):
   def r(*shape, scale=1.0):
     return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
-  p = {"scale": 1.0 + r(K, scale=0.1), "ln_bias": r(K, scale=0.1),
-       "wi_kernel": r(K, n_act, F, scale=K**-0.5), "wo_kernel": r(F, K, scale=F**-0.5)}
+  p = {
+    "scale": 1.0 + r(K, scale=0.1),
+    "ln_bias": r(K, scale=0.1),
+    "wi_kernel": r(K, n_act, F, scale=K**-0.5),
+    "wo_kernel": r(F, K, scale=F**-0.5),
+  }
   if bias:
     p.update(wi_bias=r(n_act, F, scale=0.1), wo_bias=r(K, scale=0.1))
   return p
@@ -36,8 +40,10 @@ def block_params(seed=0, n_act=2, bias=True):
 
 def inputs(seed=10, shape=(2, 64, K)):
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.normal(size=shape), jnp.float32),
-          jnp.asarray(rng.normal(size=shape), jnp.float32))
+  return (
+    jnp.asarray(rng.normal(size=shape), jnp.float32),
+    jnp.asarray(rng.normal(size=shape), jnp.float32),
+  )
 
 
 def float64_reference(x, params, dy, activations=GATED):
@@ -62,14 +68,23 @@ def _unrolled_step(recipe, activations, n):
       p = jax.tree.map(lambda a, i=i: a[i], params)
       s = None if states is None else jax.tree.map(lambda a, i=i: a[i], states)
       h, _ = core.layernorm_mlp(
-          h, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p.get("wi_bias"),
-          p.get("wo_bias"), activations=activations, recipe=recipe, states=s, threshold=None)
+        h,
+        p["scale"],
+        p["ln_bias"],
+        p["wi_kernel"],
+        p["wo_kernel"],
+        p.get("wi_bias"),
+        p.get("wo_bias"),
+        activations=activations,
+        recipe=recipe,
+        states=s,
+        threshold=None,
+      )
     return jnp.sum(h * dy), h
 
   @jax.jit
   def step(x, params, states, dy):
-    (_, out), (g, s) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        params, states, x, dy)
+    (_, out), (g, s) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, states, x, dy)
     return out, g, s
 
   return step

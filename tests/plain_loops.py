@@ -29,12 +29,18 @@ W0 = _probe(0.25, (32, 32), 5)
 
 def reference_states(kernels):
   """The state after each step, given the kernel each step used (float64, TE's rule)."""
-  state = {f"{r}_{k}": (np.ones(1) if k == "scale" else np.zeros(HISTORY))
-           for r in ("x", "kernel", "grad") for k in ("scale", "amax_history")}
+  state = {
+    f"{r}_{k}": (np.ones(1) if k == "scale" else np.zeros(HISTORY))
+    for r in ("x", "kernel", "grad")
+    for k in ("scale", "amax_history")
+  }
   out = []
   for w in kernels:
-    amaxes = {"x": max(np.abs(X1).max(), np.abs(X2).max()), "kernel": np.abs(w).max(),
-              "grad": max(np.abs(DY1).max(), np.abs(DY2).max())}
+    amaxes = {
+      "x": max(np.abs(X1).max(), np.abs(X2).max()),
+      "kernel": np.abs(w).max(),
+      "grad": max(np.abs(DY1).max(), np.abs(DY2).max()),
+    }
     new = {}
     for role, amax in amaxes.items():
       history = np.roll(state[f"{role}_amax_history"], -1)
@@ -49,8 +55,9 @@ def reference_states(kernels):
 
 def assert_state(got, want, what=""):
   for name, value in want.items():
-    np.testing.assert_allclose(np.asarray(got[name], np.float64), value, rtol=1e-6,
-                               err_msg=f"{what}{name}")
+    np.testing.assert_allclose(
+      np.asarray(got[name], np.float64), value, rtol=1e-6, err_msg=f"{what}{name}"
+    )
 
 
 def linen_loop(layer, x, dy, steps, key=None):
@@ -67,6 +74,7 @@ def linen_loop(layer, x, dy, steps, key=None):
     def loss(v, x):
       y = layer.apply(v, x)
       return jnp.sum(y * dy), y
+
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
 
   for _ in range(steps):

@@ -24,7 +24,7 @@ FACTORS = (1.0, 2.0)  # per step: the activations' amax changes between steps
 
 def dp_mesh():
   return jax.make_mesh(
-      (DEVICES,), ("dp",), devices=jax.devices()[:DEVICES], axis_types=(AxisType.Auto,)
+    (DEVICES,), ("dp",), devices=jax.devices()[:DEVICES], axis_types=(AxisType.Auto,)
   )
 
 
@@ -85,11 +85,12 @@ def comparison_figures(got, want) -> dict:
   scale = float(np.max(np.abs(w))) if w.size else 0.0
   norm = float(np.linalg.norm(w))
   return dict(
-      dtype=str(dtype), shape=list(w.shape),
-      rel=float(np.linalg.norm(g - w) / norm) if norm else float(np.linalg.norm(g - w)),
-      max_over_max=float(diff.max() / scale) if scale else float(diff.max(initial=0.0)),
-      max_ulps=float(np.max(diff / _ulp(w, dtype), initial=0.0)),
-      differ=float(np.mean(diff > 0)) if w.size else 0.0,
+    dtype=str(dtype),
+    shape=list(w.shape),
+    rel=float(np.linalg.norm(g - w) / norm) if norm else float(np.linalg.norm(g - w)),
+    max_over_max=float(diff.max() / scale) if scale else float(diff.max(initial=0.0)),
+    max_ulps=float(np.max(diff / _ulp(w, dtype), initial=0.0)),
+    differ=float(np.mean(diff > 0)) if w.size else 0.0,
   )
 
 
@@ -103,8 +104,14 @@ def record(name, got, want) -> dict:
 def _log(name, figures):
   path = os.environ.get(ERROR_LOG)
   if path:
-    line = json.dumps(dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""), name=name,
-                           platform=jax.default_backend(), **figures))
+    line = json.dumps(
+      dict(
+        test=os.environ.get("PYTEST_CURRENT_TEST", ""),
+        name=name,
+        platform=jax.default_backend(),
+        **figures,
+      )
+    )
     with open(path, "a") as f:
       f.write(line + "\n")
 
@@ -129,8 +136,11 @@ def assert_close_to_one_device(got, want, name="", cpu_rel=None):
   w = np.asarray(want, np.float64)
   bound = GPU_OUTPUT_ULPS * _ulp(w, want.dtype) + FP8_GEMM_RTOL * np.max(np.abs(w), initial=0.0)
   over = np.abs(np.asarray(got, np.float64) - w) > bound
-  assert not over.any(), (name, f"{int(over.sum())} of {over.size} elements over the bound",
-                          figures)
+  assert not over.any(), (
+    name,
+    f"{int(over.sum())} of {over.size} elements over the bound",
+    figures,
+  )
 
 
 def is_recipe_state(path) -> bool:
@@ -144,8 +154,9 @@ def assert_trees_match_one_device(got, want):
   """Outputs and gradients of a sharded program against one device's: recipe state (amaxes and
   scales, exact on every platform) bit for bit, the rest by ``assert_close_to_one_device``."""
   assert jax.tree.structure(got) == jax.tree.structure(want)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                          strict=True):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+  ):
     assert a.dtype == b.dtype and a.shape == b.shape
     name = jax.tree_util.keystr(path)
     if is_recipe_state(path):
@@ -168,7 +179,7 @@ def compare_with_one_device(loss, params, new_params, x, dy):
     return jax.lax.psum(value, "dp"), y
 
   sharded = jax.shard_map(
-      body, mesh=dp_mesh(), in_specs=(P(), P("dp"), P("dp")), out_specs=(P(), P("dp"))
+    body, mesh=dp_mesh(), in_specs=(P(), P("dp"), P("dp")), out_specs=(P(), P("dp"))
   )
   runs = []
   for fn in (loss, sharded):
@@ -186,8 +197,9 @@ def compare_with_one_device(loss, params, new_params, x, dy):
 def fsdp_gathers(fn, args):
   """``(compiled fn, [(dtype, shape)] of its all-gathers)`` for ``fn`` jitted over ``args``."""
   compiled = jax.jit(fn).lower(*args).compile()
-  gathers = [c.arrays[-1] for c in ta.inspect.hlo_collectives(compiled.as_text())
-             if c.op == "all-gather"]
+  gathers = [
+    c.arrays[-1] for c in ta.inspect.hlo_collectives(compiled.as_text()) if c.op == "all-gather"
+  ]
   return compiled, gathers
 
 
@@ -203,7 +215,7 @@ def assert_spmd_keywords_reach_the_core(apply):
   """
   x = exact_data((16, 32), 0)
   mapped = jax.shard_map(
-      lambda x: apply(x, amax_axes="nope"), mesh=dp_mesh(), in_specs=P("dp"), out_specs=P("dp")
+    lambda x: apply(x, amax_axes="nope"), mesh=dp_mesh(), in_specs=P("dp"), out_specs=P("dp")
   )
   with pytest.raises(ValueError, match=r"amax_axes for 'x' names mesh axes \['nope'\]"):
     jax.eval_shape(mapped, x)

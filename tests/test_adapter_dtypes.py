@@ -56,6 +56,7 @@ def test_every_adapter_refuses_complex_inputs_with_the_same_error():
 
 def test_haiku_conversion_skips_integer_inputs_with_the_rule_as_its_reason():
   q = ta_hk.quantize(CURRENT)
+
   def model(x):
     # The second layer gets integer inputs: it stays hk.Linear (integer parameters).
     integer = hk.Linear(16, w_init=hk.initializers.Constant(1))(x)
@@ -73,9 +74,16 @@ def test_haiku_linear_takes_hk_linear_constructor_unchanged():
   ours = list(inspect.signature(ta_hk.Linear).parameters)
   theirs = list(inspect.signature(hk.Linear).parameters)
   assert ours[: len(theirs)] == theirs
-  assert ours[len(theirs):] == ["recipe", "threshold", "amax_axes", "kernel_all_gather", "config",
-                                "enable_low_rank_adaptation", "low_rank_adaptation_dim",
-                                "low_rank_adaptation_alpha"]
+  assert ours[len(theirs) :] == [
+    "recipe",
+    "threshold",
+    "amax_axes",
+    "kernel_all_gather",
+    "config",
+    "enable_low_rank_adaptation",
+    "low_rank_adaptation_dim",
+    "low_rank_adaptation_alpha",
+  ]
 
   def make(cls, **kw):
     # Positional with_bias=False and a named initializer, as hk.Linear takes them.

@@ -49,8 +49,9 @@ def _haiku_layer(k, n):
 
 
 @pytest.mark.parametrize("k, n", SIZES)
-@pytest.mark.parametrize("build", [_linen_layer, _nnx_layer, _haiku_layer],
-                         ids=["linen", "nnx", "haiku"])
+@pytest.mark.parametrize(
+  "build", [_linen_layer, _nnx_layer, _haiku_layer], ids=["linen", "nnx", "haiku"]
+)
 def test_explicit_layers_apply_one_size_rule(build, k, n):
   refusal = core.gemm_dims_refusal(k, n)
   assert (refusal is None) == (k % 16 == 0 and n % 16 == 0)
@@ -110,13 +111,22 @@ def test_one_default_recipe_and_threshold():
     assert fields["threshold"].default is core.DEFAULT_THRESHOLD
   for layer in (ta_nnx.Linear, ta_nnx.LinearGeneral, ta_nnx.Einsum, ta_hk.Linear):
     assert _default(layer.__init__, "recipe") is core.DEFAULT_RECIPE, layer
-  for fn in (ta_nnx.Linear.__init__, ta_nnx.LinearGeneral.__init__, ta_nnx.Einsum.__init__,
-             ta_nnx.DotGeneral.__init__, ta_nnx.EinsumOp.__init__, ta_nnx.quantize_model,
-             ta_hk.Linear.__init__, ta_hk.quantize.__init__, ta_linen.quantize.__init__,
-             ta_linen.make_dot_general_cls):
+  for fn in (
+    ta_nnx.Linear.__init__,
+    ta_nnx.LinearGeneral.__init__,
+    ta_nnx.Einsum.__init__,
+    ta_nnx.DotGeneral.__init__,
+    ta_nnx.EinsumOp.__init__,
+    ta_nnx.quantize_model,
+    ta_hk.Linear.__init__,
+    ta_hk.quantize.__init__,
+    ta_linen.quantize.__init__,
+    ta_linen.make_dot_general_cls,
+  ):
     assert _default(fn, "threshold") is core.DEFAULT_THRESHOLD, fn
   assert ta_linen.QuantizedDotGeneral.__dataclass_fields__["threshold"].default is (
-      core.DEFAULT_THRESHOLD)
+    core.DEFAULT_THRESHOLD
+  )
 
 
 def test_layers_built_without_a_recipe_use_the_default_one():
@@ -133,8 +143,10 @@ def test_layers_built_without_a_recipe_use_the_default_one():
   f = hk.transform_with_state(lambda x: ta_hk.Linear(n, threshold=None)(x))
   params, state = f.init(jax.random.key(0), x)
   assert state == {}
-  assert ta.inspect.count_fp8_dot_generals(
-      lambda p, x: f.apply(p, state, None, x), params, x) == (1, 1)
+  assert ta.inspect.count_fp8_dot_generals(lambda p, x: f.apply(p, state, None, x), params, x) == (
+    1,
+    1,
+  )
 
 
 def test_training_helpers_share_one_shape_and_agree_after_several_steps():
@@ -150,8 +162,7 @@ def test_training_helpers_share_one_shape_and_agree_after_several_steps():
   linen = ta_linen.Dense(n, use_bias=False, recipe=recipe, threshold=None)
   variables = linen.init(jax.random.key(0), batches[0])
   variables = {**variables, "params": {"kernel": kernel}}
-  linen_step = jax.jit(ta_linen.value_and_grad(
-      lambda v, x: jnp.mean(linen.apply(v, x) ** 2)))
+  linen_step = jax.jit(ta_linen.value_and_grad(lambda v, x: jnp.mean(linen.apply(v, x) ** 2)))
   linen_losses = []
   for x in batches:
     loss, (grads, recipe_state) = linen_step(variables, x)
@@ -171,13 +182,14 @@ def test_training_helpers_share_one_shape_and_agree_after_several_steps():
   nnx_state = layer.dot_general.recipe_state()
 
   model = hk.transform_with_state(
-      lambda x: ta_hk.Linear(n, with_bias=False, recipe=recipe, threshold=None)(x))
+    lambda x: ta_hk.Linear(n, with_bias=False, recipe=recipe, threshold=None)(x)
+  )
   params, state = model.init(jax.random.key(0), batches[0])
   params = {"linear": {"w": kernel}}
 
   def hk_loss(params, state, x):
     y, state = model.apply(params, state, None, x)
-    return jnp.mean(y ** 2), state
+    return jnp.mean(y**2), state
 
   hk_step = jax.jit(ta_hk.value_and_grad(hk_loss))
   hk_losses = []
@@ -197,29 +209,37 @@ def test_training_helpers_share_one_shape_and_agree_after_several_steps():
     np.testing.assert_array_equal(state["linear"][name], linen_state[name], err_msg=name)
   history = np.asarray(linen_state["x_amax_history"])
   np.testing.assert_allclose(
-      sorted(history[history > 0]), sorted(float(jnp.max(jnp.abs(x))) for x in batches),
-      rtol=1e-6)
+    sorted(history[history > 0]), sorted(float(jnp.max(jnp.abs(x))) for x in batches), rtol=1e-6
+  )
 
 
 def test_haiku_value_grad_and_state_is_value_and_grad_reordered():
   model = hk.transform_with_state(
-      lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)(x))
+    lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)(x)
+  )
   x = _x(32)
   params, state = model.init(jax.random.key(0), x)
 
   def loss_fn(params, state, x):
     y, state = model.apply(params, state, None, x)
-    return jnp.mean(y ** 2), (jnp.max(y), state)
+    return jnp.mean(y**2), (jnp.max(y), state)
 
   (loss, aux), (grads, new_state) = ta_hk.value_and_grad(loss_fn, has_aux=True)(params, state, x)
   old = ta_hk.value_grad_and_state(loss_fn, has_aux=True)(params, state, x)
-  for a, b in zip(jax.tree_util.tree_leaves((loss, aux, grads, new_state)),
-                  jax.tree_util.tree_leaves(old), strict=True):
+  for a, b in zip(
+    jax.tree_util.tree_leaves((loss, aux, grads, new_state)),
+    jax.tree_util.tree_leaves(old),
+    strict=True,
+  ):
     np.testing.assert_array_equal(a, b)
 
 
-DENSE_RECIPES = [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4),
-                 ta.Float8BlockScaling(), ta.MXFP8BlockScaling()]
+DENSE_RECIPES = [
+  ta.Float8CurrentScaling(),
+  ta.DelayedScaling(amax_history_len=4),
+  ta.Float8BlockScaling(),
+  ta.MXFP8BlockScaling(),
+]
 
 
 def _dense_linen(recipe, x, dy, steps):
@@ -241,6 +261,7 @@ def _dense_nnx(recipe, x, dy, steps):
     def loss(m, x):
       y = m(x)
       return jnp.sum(y * dy), y
+
     (_, y), (grads, dx) = nnx.value_and_grad(loss, argnums=(diff, 1), has_aux=True)(layer, x)
     params, state = nnx.split_state(grads, nnx.Param, ta_nnx.RecipeState)
     nnx.update(layer, state)
@@ -261,17 +282,27 @@ def _dense_haiku(recipe, x, dy, steps):
     def loss(p, s, x):
       y, _ = f.apply(p, s, None, x)
       return jnp.sum(y * dy), y
+
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, state, x)
 
   for _ in range(steps):
     (_, y), (grads, state, dx) = step(params, state, x)
-  return (y, dx, grads["linear"]["w"], grads["linear"]["b"], params["linear"]["w"],
-          dict(state.get("linear", {})))
+  return (
+    y,
+    dx,
+    grads["linear"]["w"],
+    grads["linear"]["b"],
+    params["linear"]["w"],
+    dict(state.get("linear", {})),
+  )
 
 
 @pytest.mark.parametrize("recipe", DENSE_RECIPES, ids=lambda r: type(r).__name__)
-@pytest.mark.parametrize("loop", [_dense_linen, _dense_nnx, _dense_haiku],
-                         ids=["linen-Dense", "nnx-Linear", "haiku-Linear"])
+@pytest.mark.parametrize(
+  "loop",
+  [_dense_linen, _dense_nnx, _dense_haiku],
+  ids=["linen-Dense", "nnx-Linear", "haiku-Linear"],
+)
 def test_dense_layers_in_each_frameworks_loop_against_float64(loop, recipe, rel):
   # Three steps of the framework's plain loop (the recipe state, where there is one, replaced by
   # its gradient): the output and the gradients of x, the kernel and the bias against float64,
@@ -281,8 +312,11 @@ def test_dense_layers_in_each_frameworks_loop_against_float64(loop, recipe, rel)
   dy = jnp.asarray(rng.normal(size=(2, 64, 128)), jnp.float32)
   y, dx, dw, db, w, state = loop(recipe, x, dy, steps=3)
   x64, dy64, w64 = (np.asarray(v, np.float64) for v in (x, dy, w))
-  errs = {"y": rel(y, x64 @ w64), "dx": rel(dx, dy64 @ w64.T),
-          "dkernel": rel(dw, np.einsum("bsk,bsn->kn", x64, dy64))}
+  errs = {
+    "y": rel(y, x64 @ w64),
+    "dx": rel(dx, dy64 @ w64.T),
+    "dkernel": rel(dw, np.einsum("bsk,bsn->kn", x64, dy64)),
+  }
   assert errs["y"] < 0.05 and max(errs.values()) < 0.1, errs
   assert min(errs.values()) > 1e-3, errs  # FP8 ran in the forward, dgrad and wgrad
   assert rel(db, dy64.sum(axis=(0, 1))) < 1e-6

@@ -14,12 +14,12 @@ from te_adapters import core
 
 # {name in te_adapters.core: why it is not annotated yet}
 NOT_YET = {
-    "layernorm_dense": "the fused norm-and-GEMM path, being reworked; annotated with it",
-    "layernorm_mlp": "the fused MLP path, being reworked; annotated with it",
-    "dropout": "the fused MLP path's dropout, being reworked; annotated with it",
-    "ragged_dot": "the grouped GEMM, being reworked; annotated with it",
-    "init_ragged_state": "the grouped GEMM's state, being reworked; annotated with it",
-    "watch_lora_state": "the frozen-state check, being reworked; annotated with it",
+  "layernorm_dense": "the fused norm-and-GEMM path, being reworked; annotated with it",
+  "layernorm_mlp": "the fused MLP path, being reworked; annotated with it",
+  "dropout": "the fused MLP path's dropout, being reworked; annotated with it",
+  "ragged_dot": "the grouped GEMM, being reworked; annotated with it",
+  "init_ragged_state": "the grouped GEMM's state, being reworked; annotated with it",
+  "watch_lora_state": "the frozen-state check, being reworked; annotated with it",
 }
 
 
@@ -40,16 +40,20 @@ def _public_callables():
 def _unannotated(fn) -> list[str]:
   sig = inspect.signature(fn)
   missing = [
-      p.name for p in sig.parameters.values()
-      if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty
+    p.name
+    for p in sig.parameters.values()
+    if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty
   ]
   if sig.return_annotation is inspect.Signature.empty and fn.__name__ != "__init__":
     missing.append("return")
   return missing
 
 
-@pytest.mark.parametrize("qualname, name, fn", list(_public_callables()),
-                         ids=lambda v: v if isinstance(v, str) and "." in v else "")
+@pytest.mark.parametrize(
+  "qualname, name, fn",
+  list(_public_callables()),
+  ids=lambda v: v if isinstance(v, str) and "." in v else "",
+)
 def test_public_function_is_annotated(qualname, name, fn):
   missing = _unannotated(fn)
   if name in NOT_YET:

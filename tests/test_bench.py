@@ -21,7 +21,10 @@ def test_bench_sweep_rows_and_table():
   recipes = [("current", core.Float8CurrentScaling())]
   rows = speed.bench_sweep([(32, 64, 32)], steps=1, repeats=1, recipes=recipes, log=lambda r: None)
   assert [r["variant"] for r in rows] == [
-      "core bf16", "core current", "core current (default threshold)"]
+    "core bf16",
+    "core current",
+    "core current (default threshold)",
+  ]
   assert all(r["ms"] > 0 and r["case"] == "gemm 32x64x32" for r in rows)
   table = speed.format_table(rows)
   assert "core current" in table and "x" in table.splitlines()[3]
@@ -29,17 +32,26 @@ def test_bench_sweep_rows_and_table():
 
 def test_bench_table_flags_points_slower_than_bf16():
   case = "gemm 1024x1024x1024"
-  rows = [dict(case=case, variant=v, ms=ms, spread_ms=0.0, cublas_fp8=None) for v, ms in [
-      ("core bf16", 1.0), ("core current", 1.5), ("core current (default threshold)", 1.02),
-      ("core delayed", 0.9), ("core delayed (default threshold)", 1.2)]]
+  rows = [
+    dict(case=case, variant=v, ms=ms, spread_ms=0.0, cublas_fp8=None)
+    for v, ms in [
+      ("core bf16", 1.0),
+      ("core current", 1.5),
+      ("core current (default threshold)", 1.02),
+      ("core delayed", 0.9),
+      ("core delayed (default threshold)", 1.2),
+    ]
+  ]
   lines = speed.format_table(rows).splitlines()
   assert lines[0].endswith(">3% slower")
   assert [line.endswith("SLOWER") for line in lines[1:6]] == [False, True, False, False, True]
-  summary = lines[lines.index("") + 1:]
-  assert summary[0] == (f"default threshold, >3% slower than bf16: {case} core delayed "
-                        "(default threshold)")
-  assert summary[1] == (f"default threshold, >3% slower than forced FP8: {case} core delayed "
-                        "(default threshold)")
+  summary = lines[lines.index("") + 1 :]
+  assert summary[0] == (
+    f"default threshold, >3% slower than bf16: {case} core delayed (default threshold)"
+  )
+  assert summary[1] == (
+    f"default threshold, >3% slower than forced FP8: {case} core delayed (default threshold)"
+  )
 
 
 def test_bench_qwix_variants_quantize_what_their_names_say():
@@ -69,9 +81,27 @@ def test_bench_command_runs_from_a_checkout():
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "rows.json")
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--cases", "sweep", "--shapes", "32x64x32", "--steps",
-         "1", "--repeats", "1", "--no-full-size", "--json", out],
-        capture_output=True, text=True, cwd=ROOT, timeout=600)
+      [
+        sys.executable,
+        "-m",
+        "bench",
+        "--cases",
+        "sweep",
+        "--shapes",
+        "32x64x32",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--no-full-size",
+        "--json",
+        out,
+      ],
+      capture_output=True,
+      text=True,
+      cwd=ROOT,
+      timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out) as f:
       rows = json.load(f)["rows"]
@@ -81,8 +111,13 @@ def test_bench_command_runs_from_a_checkout():
 
 def test_te_adapters_bench_points_to_the_checkouts_benchmark():
   # From a checkout (this one: an editable install), the old command runs the same code.
-  done = subprocess.run([sys.executable, "-m", "te_adapters", "bench", "--help"],
-                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+  done = subprocess.run(
+    [sys.executable, "-m", "te_adapters", "bench", "--help"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.startswith("usage: python -m bench") and "--cases" in done.stdout
 
@@ -111,13 +146,15 @@ def test_seed_layer_from_the_modules_runs_its_gemms_in_fp8():
   import te_adapters as ta
   from bench.seed_layer import ModulesTransformerLayer
 
-  layer = ModulesTransformerLayer(hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
-                                  recipe=ta.Float8CurrentScaling())
+  layer = ModulesTransformerLayer(
+    hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, recipe=ta.Float8CurrentScaling()
+  )
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 128)).astype(jnp.bfloat16)
   variables = layer.init(jax.random.PRNGKey(1), x)
   loss = lambda v, x: jnp.sum(layer.apply(v, x).astype(jnp.float32) ** 2)
   fp8, total = inspect.count_fp8_dot_generals(
-      jax.value_and_grad(loss, argnums=(0, 1)), variables, x)
+    jax.value_and_grad(loss, argnums=(0, 1)), variables, x
+  )
   assert fp8 == 12, (fp8, total)
   y = layer.apply(variables, x)
   assert y.shape == x.shape and y.dtype == jnp.bfloat16 and bool(jnp.isfinite(y).all())
@@ -132,42 +169,57 @@ def test_seed_layer_attention_choice_computes_the_same_layer():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 64))
   for cls, kw in ((FlaxTransformerLayer, {}), (ModulesTransformerLayer, {"recipe": None})):
     make = lambda attention, cls=cls, kw=kw: cls(
-        hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, attention=attention, **kw)
+      hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, attention=attention, **kw
+    )
     variables = make("flax").init(jax.random.PRNGKey(1), x, deterministic=True)
     seed = make("flax").apply(variables, x, deterministic=True)
     fused = make("xla").apply(variables, x, deterministic=True)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(seed), rtol=2e-5, atol=2e-5)
     # A changed attention shows: one query attends to a key past it (not causal) or not at all.
-    assert float(jnp.max(jnp.abs(seed[:, :-1] - make("flax").apply(
-        variables, x.at[:, -1].add(1.0), deterministic=True)[:, :-1]))) == 0.0
-  layer = FlaxTransformerLayer(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                               attention="xla")
+    assert (
+      float(
+        jnp.max(
+          jnp.abs(
+            seed[:, :-1]
+            - make("flax").apply(variables, x.at[:, -1].add(1.0), deterministic=True)[:, :-1]
+          )
+        )
+      )
+      == 0.0
+    )
+  layer = FlaxTransformerLayer(
+    hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, attention="xla"
+  )
   with pytest.raises(ValueError, match="no dropout"):
-    layer.init({"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x,
-               deterministic=False)
+    layer.init(
+      {"params": jax.random.PRNGKey(1), "dropout": jax.random.PRNGKey(2)}, x, deterministic=False
+    )
   with pytest.raises(ValueError, match="causal mask only"):
-    layer.init(jax.random.PRNGKey(1), x, attention_mask=jnp.ones((2, 1, 32, 32), bool),
-               deterministic=True)
+    layer.init(
+      jax.random.PRNGKey(1), x, attention_mask=jnp.ones((2, 1, 32, 32), bool), deterministic=True
+    )
   with pytest.raises(ValueError, match="attention must be one of"):
-    FlaxTransformerLayer(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                         attention="flash").init(jax.random.PRNGKey(1), x, deterministic=True)
+    FlaxTransformerLayer(
+      hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, attention="flash"
+    ).init(jax.random.PRNGKey(1), x, deterministic=True)
 
 
 def test_gpu_idle_counts_time_no_stream_runs_and_names_the_gaps():
   # Two steps on two streams: the second stream's kernel covers part of the first's gap.
   events = [
-      dict(name="gemm", ts=0.0, dur=100.0),
-      dict(name="copy", ts=90.0, dur=30.0),     # overlaps gemm, ends at 120
-      dict(name="cast", ts=150.0, dur=50.0),    # 30 us idle before it
-      dict(name="gemm", ts=1200.0, dur=100.0),  # 1000 us idle before it (the next step)
-      dict(name="tiny", ts=1310.0, dur=5.0),    # 10 us idle before it
+    dict(name="gemm", ts=0.0, dur=100.0),
+    dict(name="copy", ts=90.0, dur=30.0),  # overlaps gemm, ends at 120
+    dict(name="cast", ts=150.0, dur=50.0),  # 30 us idle before it
+    dict(name="gemm", ts=1200.0, dur=100.0),  # 1000 us idle before it (the next step)
+    dict(name="tiny", ts=1310.0, dur=5.0),  # 10 us idle before it
   ]
   idle_ms, gaps = speed.gpu_idle(events, steps=2, top=2)
   assert idle_ms == pytest.approx((30 + 1000 + 10) / 2 / 1e3)
   assert gaps == [(1000.0, "cast", "gemm"), (30.0, "copy", "cast")]
   assert speed.gpu_idle(events, steps=2, top=None)[1] == gaps + [(10.0, "gemm", "tiny")]
   assert speed.kernel_ms(events, steps=2) == pytest.approx(
-      {"gemm": 0.1, "copy": 0.015, "cast": 0.025, "tiny": 0.0025})
+    {"gemm": 0.1, "copy": 0.015, "cast": 0.025, "tiny": 0.0025}
+  )
   assert speed.gpu_idle([], steps=1) == (0.0, [])
 
 
@@ -196,19 +248,43 @@ def test_ragged_memory_floor_counts_every_array_of_the_step():
 def test_ragged_bench_runs_and_prints_its_floor(capsys):
   from bench import ragged
 
-  ragged.main(["--tokens", "64", "--k", "32", "--n", "32", "--groups", "2", "--iters", "1",
-               "--repeats", "1", "--warmup", "0", "--variants", "ours_bf16", "dense_current"])
+  ragged.main(
+    [
+      "--tokens",
+      "64",
+      "--k",
+      "32",
+      "--n",
+      "32",
+      "--groups",
+      "2",
+      "--iters",
+      "1",
+      "--repeats",
+      "1",
+      "--warmup",
+      "0",
+      "--variants",
+      "ours_bf16",
+      "dense_current",
+    ]
+  )
   out = capsys.readouterr().out
   assert "memory floor of the step at 3 TB/s" in out
-  rows = [line for line in out.splitlines() if line.startswith("| ours_bf16") or
-          line.startswith("| dense_current")]
+  rows = [
+    line
+    for line in out.splitlines()
+    if line.startswith("| ours_bf16") or line.startswith("| dense_current")
+  ]
   assert len(rows) == 2 and not any("failed" in r for r in rows), out
   assert all(r.rstrip(" |").endswith("%") and " ms = " in r.split("|")[-2] for r in rows), rows
   # Each variant's floor: bf16 operands read as they are, FP8 copies with current's amax passes.
   assert ragged.variant_floor("ours_bf16", 64, 32, 32, 2) == ragged.traffic_floor(
-      64, 32, 32, 2, amax_passes=False, fp8_in_memory=False)
+    64, 32, 32, 2, amax_passes=False, fp8_in_memory=False
+  )
   assert ragged.variant_floor("dense_current", 64, 32, 32, 2) == ragged.traffic_floor(
-      64, 32, 32, 1, amax_passes=True)
+    64, 32, 32, 1, amax_passes=True
+  )
   assert ragged.variant_floor("loop_current", 64, 32, 32, 2) is None
 
 
@@ -218,15 +294,18 @@ def test_trained_state_gives_every_delayed_variant_the_scale_training_reaches():
   then E4M3's 448 over the bf16 kernel's amax (Flax's op: its inverse), as the state rule gives
   after a step."""
   import te_adapters as ta
+
   batch, seq, hidden, out = 2, 8, 64, 32
   kx, kd = jax.random.split(jax.random.PRNGKey(3))
   x = jax.random.normal(kx, (batch, seq, hidden)).astype(jnp.bfloat16)
   dy = jax.random.normal(kd, (batch, seq, out)).astype(jnp.bfloat16)
   recipes = [("delayed", ta.DelayedScaling(amax_history_len=4))]
   key = jax.random.PRNGKey(0)
-  variants = [(n, m.apply, m.init(key, x))
-              for n, m in speed._linen_variants(speed._make_dense(out), recipes)
-              if "delayed" in n or "Fp8Direct" in n]
+  variants = [
+    (n, m.apply, m.init(key, x))
+    for n, m in speed._linen_variants(speed._make_dense(out), recipes)
+    if "delayed" in n or "Fp8Direct" in n
+  ]
   apply_fn, init = speed._core_variant(recipes[0][1], (hidden, out))
   variants.append(("core delayed", apply_fn, init(key)))
   variants += speed._adapter_variants(hidden, out, recipes, key, x)
@@ -238,8 +317,11 @@ def test_trained_state_gives_every_delayed_variant_the_scale_training_reaches():
     before = dict(_leaves_named(variables, "kernel_scale"))
     after = dict(_leaves_named(trained, "kernel_scale"))
     assert after and before.keys() == after.keys(), name
-    weights = [np.asarray(v, np.float32) for p, v in _leaves_named(trained, "")
-               if p.endswith(("kernel", "w")) and np.ndim(v) == 2]
+    weights = [
+      np.asarray(v, np.float32)
+      for p, v in _leaves_named(trained, "")
+      if p.endswith(("kernel", "w")) and np.ndim(v) == 2
+    ]
     assert len(weights) == 1, (name, [p for p, _ in _leaves_named(trained, "")])
     amax = np.max(np.abs(np.asarray(jnp.asarray(weights[0]).astype(jnp.bfloat16), np.float32)))
     for path, scale in after.items():

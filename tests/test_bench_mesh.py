@@ -14,19 +14,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_mesh2x2_dry_run_matches_one_device(tmp_path):
   out = tmp_path / "mesh.json"
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  cmd = [sys.executable, os.path.join(ROOT, "bench", "mesh2x2.py"), "--cpu-devices", "4",
-         "--batch", "4", "--seq", "32", "--hidden", "128", "--features", "256", "--iters", "1",
-         "--trials", "1", "--warmup", "1", "--configs", "base,f", "--json", str(out)]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "bench", "mesh2x2.py"),
+    "--cpu-devices",
+    "4",
+    "--batch",
+    "4",
+    "--seq",
+    "32",
+    "--hidden",
+    "128",
+    "--features",
+    "256",
+    "--iters",
+    "1",
+    "--trials",
+    "1",
+    "--warmup",
+    "1",
+    "--configs",
+    "base,f",
+    "--json",
+    str(out),
+  ]
   done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   rows = json.loads(out.read_text())["rows"]
   assert {(r["framework"], r["variant"]) for r in rows} == {
-      (f, v) for f in ("linen", "nnx", "haiku") for v in ("bf16", "current", "delayed")}
+    (f, v) for f in ("linen", "nnx", "haiku") for v in ("bf16", "current", "delayed")
+  }
   # Each FP8 variant also with GemmConfig(fold_amax=True): the same numbers, one amax all-reduce.
   assert {r["config"] for r in rows if r["variant"] != "bf16"} == {"base", "f"}
   for r in rows:
-    r = dict(r, what=f"{r['framework']} {r['variant']}: rel y {r['rel_y']}, dx {r['rel_dx']}, "
-                     f"dW {r['rel_dw']}, state {r['rel_state']}")
+    r = dict(
+      r,
+      what=f"{r['framework']} {r['variant']}: rel y {r['rel_y']}, dx {r['rel_dx']}, "
+      f"dW {r['rel_dw']}, state {r['rel_state']}",
+    )
     assert r["rel_y"] == 0.0, r["what"]
     if r["variant"] == "bf16":
       # dx and dW are sums over shards of partial products each rounded to bf16 (unit roundoff

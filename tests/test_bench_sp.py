@@ -12,8 +12,19 @@ from bench import sp_layer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
 
-ARGS = dict(devices=2, plans="single,tp_sp,tp_ring", variants="bf16,current", batch=2, seq=32,
-            hidden=64, ffn=128, heads=4, iters=1, warmup=0, repeats=2)
+ARGS = dict(
+  devices=2,
+  plans="single,tp_sp,tp_ring",
+  variants="bf16,current",
+  batch=2,
+  seq=32,
+  hidden=64,
+  ffn=128,
+  heads=4,
+  iters=1,
+  warmup=0,
+  repeats=2,
+)
 
 
 def test_sp_layer_bench_dry_run():
@@ -43,8 +54,9 @@ def test_sequence_parallel_layer_matches_one_device(plan, variant):
   params = sp_layer.init_params(keys[2], h, f)
   states = (None,) * 4
   want = sp_layer.make_step(variant, "single", None, heads, "xla")(x, params, states, dy)
-  mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,)
+  )
   with jax.set_mesh(mesh):
     got = sp_layer.make_step(variant, plan, mesh, heads, "xla")(x, params, states, dy)
   y_bound, grad_bound = (1e-2, 1e-2) if variant == "bf16" else (3e-2, 0.15)

@@ -57,8 +57,13 @@ def fake_gpu(monkeypatch):
 
   def make(capability, archs="sm_90a", runtime=13000, driver=13000):
     module = types.ModuleType("te_adapters._csrc_cuda")
-    module.build_info = lambda: {"cuda_runtime_version": runtime, "cuda_driver_version": driver,
-                                 "archs": archs, "cublaslt_gemm": True, "grouped_gemm": False}
+    module.build_info = lambda: {
+      "cuda_runtime_version": runtime,
+      "cuda_driver_version": driver,
+      "archs": archs,
+      "cublaslt_gemm": True,
+      "grouped_gemm": False,
+    }
     module.registrations = lambda: {}
     monkeypatch.setitem(sys.modules, "te_adapters._csrc_cuda", module)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

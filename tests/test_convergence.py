@@ -50,10 +50,10 @@ LEARNED = 2.47
 @pytest.fixture(scope="module")
 def runs():
   return {
-      ("nnx", "bf16"): conv.run("nnx", "bf16", "tiny", STEPS),
-      ("linen", "current"): conv.run("linen", "current", "tiny", STEPS),
-      ("haiku", "delayed"): conv.run("haiku", "delayed", "tiny", STEPS, cache=COMPILED),
-      ("nnx", "block"): conv.run("nnx", "block", "tiny", STEPS, stop_at=BLOCK_STEPS),
+    ("nnx", "bf16"): conv.run("nnx", "bf16", "tiny", STEPS),
+    ("linen", "current"): conv.run("linen", "current", "tiny", STEPS),
+    ("haiku", "delayed"): conv.run("haiku", "delayed", "tiny", STEPS, cache=COMPILED),
+    ("nnx", "block"): conv.run("nnx", "block", "tiny", STEPS, stop_at=BLOCK_STEPS),
   }
 
 
@@ -90,7 +90,8 @@ ON_GPU = jax.default_backend() == "gpu"
 # deterministic; there the single-seed comparison holds. On GPU the means over seeds decide
 # (test_fp8_tracks_bf16_over_seeds_on_gpu).
 SINGLE_RUN_ON_CPU = pytest.mark.skipif(
-    ON_GPU, reason="one GPU run is within run-to-run noise; the GPU test compares seed means")
+  ON_GPU, reason="one GPU run is within run-to-run noise; the GPU test compares seed means"
+)
 GPU_SEEDS = (0, 1, 2, 3)
 # Of the means over GPU_SEEDS: measured +1.3% (current), -0.5% (delayed); broken quantization
 # costs 6% and more (CPU figures above).
@@ -119,8 +120,9 @@ def test_block_scaling_tracks_bf16_over_its_first_steps(runs):
 
 
 @pytest.mark.slow  # the module's runs take about 100 s on 2 cores
-@pytest.mark.xfail(ON_GPU, strict=False,
-                   reason="XLA's GPU programs are not run-to-run deterministic by default")
+@pytest.mark.xfail(
+  ON_GPU, strict=False, reason="XLA's GPU programs are not run-to-run deterministic by default"
+)
 def test_resume_continues_bit_for_bit(runs, tmp_path):
   """A checkpoint (parameters, Adam moments, amax histories and scales, the data position) at
   step 10, then 10 more steps: the losses of the straight run, bit for bit. (The pieces reuse
@@ -129,8 +131,7 @@ def test_resume_continues_bit_for_bit(runs, tmp_path):
   straight = runs[("haiku", "delayed")]["losses"]
   first = conv.run("haiku", "delayed", "tiny", STEPS, save=tmp_path, stop_at=10, cache=COMPILED)
   assert first["step"] == 10 and not first["completed"]
-  second = conv.run("haiku", "delayed", "tiny", STEPS, resume=tmp_path, stop_at=20,
-                    cache=COMPILED)
+  second = conv.run("haiku", "delayed", "tiny", STEPS, resume=tmp_path, stop_at=20, cache=COMPILED)
   assert second["start_step"] == 10 and second["step"] == 20
   assert first["losses"] + second["losses"] == straight[:20]
   assert conv.jax.tree.leaves(second["carry"][1])  # the recipe state was part of it
@@ -141,7 +142,8 @@ def test_resume_continues_bit_for_bit(runs, tmp_path):
 
 def _load_plot():
   spec = importlib.util.spec_from_file_location(
-      "convergence_plot", ROOT / "bench" / "convergence_plot.py")
+    "convergence_plot", ROOT / "bench" / "convergence_plot.py"
+  )
   module = importlib.util.module_from_spec(spec)
   sys.modules["convergence_plot"] = module
   spec.loader.exec_module(module)
@@ -157,21 +159,39 @@ def test_plot_table_from_json_lines(tmp_path):
     out = [dict(tag, step=s, heldout_loss=x, tokens_per_s=rate, mfu=0.4) for s, x in losses]
     return out + [dict(tag, summary=True, steps=200, **summary)]
 
-  first = lines("bf16", [(0, 5.5), (100, 2.5)], 1000.0, fp8_gemms=0, gemms=60, fp8=False,
-                fp8_gemms_expected=0)
-  first += lines("current", [(0, 5.5), (100, 2.6)], 1500.0, fp8_gemms=48, gemms=60, fp8=True,
-                 fp8_gemms_expected=48)
-  second = lines("bf16", [(200, 2.0)], 1000.0, fp8_gemms=0, gemms=60, fp8=False,
-                 fp8_gemms_expected=0)
-  second += lines("current", [(200, 2.02)], 1500.0, fp8_gemms=48, gemms=60, fp8=True,
-                  fp8_gemms_expected=48)
-  second += lines("delayed", [(200, 2.1)], 900.0, fp8_gemms=0, gemms=60, fp8=False,
-                  fp8_gemms_expected=48)
+  first = lines(
+    "bf16", [(0, 5.5), (100, 2.5)], 1000.0, fp8_gemms=0, gemms=60, fp8=False, fp8_gemms_expected=0
+  )
+  first += lines(
+    "current",
+    [(0, 5.5), (100, 2.6)],
+    1500.0,
+    fp8_gemms=48,
+    gemms=60,
+    fp8=True,
+    fp8_gemms_expected=48,
+  )
+  second = lines(
+    "bf16", [(200, 2.0)], 1000.0, fp8_gemms=0, gemms=60, fp8=False, fp8_gemms_expected=0
+  )
+  second += lines(
+    "current", [(200, 2.02)], 1500.0, fp8_gemms=48, gemms=60, fp8=True, fp8_gemms_expected=48
+  )
+  second += lines(
+    "delayed", [(200, 2.1)], 900.0, fp8_gemms=0, gemms=60, fp8=False, fp8_gemms_expected=48
+  )
   for name, records in (("a.jsonl", first), ("b.jsonl", second)):
     (tmp_path / name).write_text("\n".join(json.dumps(r) for r in records) + "\n")
   plot = _load_plot()
-  text = plot.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--table-only",
-                    "--out-dir", str(tmp_path)])
+  text = plot.main(
+    [
+      str(tmp_path / "a.jsonl"),
+      str(tmp_path / "b.jsonl"),
+      "--table-only",
+      "--out-dir",
+      str(tmp_path),
+    ]
+  )
   rows = {line.split("|")[2].strip(): line for line in text.splitlines()[2:]}
   assert list(rows) == ["bf16", "current", "delayed"]
   assert "| 2.0200 | +1.00% | 1,500 | 1.50x | 40.0% | 48 of 60 |" in rows["current"]
@@ -181,8 +201,15 @@ def test_plot_table_from_json_lines(tmp_path):
   other_seed = dict(first[0], seed=1)
   (tmp_path / "c.jsonl").write_text(json.dumps(other_seed) + "\n")
   with pytest.raises(SystemExit, match="--seed"):
-    plot.main([str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl"), "--table-only",
-               "--out-dir", str(tmp_path)])
+    plot.main(
+      [
+        str(tmp_path / "a.jsonl"),
+        str(tmp_path / "c.jsonl"),
+        "--table-only",
+        "--out-dir",
+        str(tmp_path),
+      ]
+    )
 
 
 @pytest.mark.slow  # 12 runs: about 2 minutes on an H100

@@ -23,10 +23,10 @@ CURRENT = ta.Float8CurrentScaling()
 # Attention in high precision, the MLP's first layer delayed, its second current, the head
 # current too (but N=10: it cannot be quantized).
 RULES = [
-    ta.Rule("attn/.*", None),
-    ta.Rule("mlp/in_proj", DELAYED),
-    ("mlp/.*", CURRENT),
-    ("out", CURRENT),
+  ta.Rule("attn/.*", None),
+  ta.Rule("mlp/in_proj", DELAYED),
+  ("mlp/.*", CURRENT),
+  ("out", CURRENT),
 ]
 SKIPPED = {"out": "GEMM size K=32, N=10 is not a multiple of 16"}
 
@@ -113,8 +113,11 @@ def _convert_haiku(**kwargs):
 
 
 CONVERT = {"linen": _convert_linen, "nnx": _convert_nnx, "haiku": _convert_haiku}
-CALLER = {"linen": "te_adapters.linen.quantize", "nnx": "te_adapters.nnx.quantize_model",
-          "haiku": "te_adapters.haiku.quantize"}
+CALLER = {
+  "linen": "te_adapters.linen.quantize",
+  "nnx": "te_adapters.nnx.quantize_model",
+  "haiku": "te_adapters.haiku.quantize",
+}
 
 
 def test_the_report_is_the_same_in_every_adapter():
@@ -133,11 +136,11 @@ def test_the_report_is_the_same_in_every_adapter():
   assert report.high_precision == {"attn/query": "rule 0 ('attn/.*') keeps it in high precision"}
   assert report.skipped == SKIPPED
   assert str(report) == (
-      "quantized 2 layer(s), kept 1 in high precision, skipped 1\n"
-      "  quantized mlp/in_proj: DelayedScaling\n"
-      "  quantized mlp/out_proj: Float8CurrentScaling\n"
-      "  high precision attn/query: rule 0 ('attn/.*') keeps it in high precision\n"
-      "  skipped out: GEMM size K=32, N=10 is not a multiple of 16"
+    "quantized 2 layer(s), kept 1 in high precision, skipped 1\n"
+    "  quantized mlp/in_proj: DelayedScaling\n"
+    "  quantized mlp/out_proj: Float8CurrentScaling\n"
+    "  high precision attn/query: rule 0 ('attn/.*') keeps it in high precision\n"
+    "  skipped out: GEMM size K=32, N=10 is not a multiple of 16"
   )
   for name in ("linen", "haiku"):
     assert reports[name] == report, name
@@ -145,23 +148,26 @@ def test_the_report_is_the_same_in_every_adapter():
   # One warning text, the conversion's name aside.
   texts = {messages[name].removeprefix(CALLER[name]) for name in CONVERT}
   assert texts == {
-      ": 1 layer(s) that a rule gave a recipe stay in high precision:\n"
-      "  out: GEMM size K=32, N=10 is not a multiple of 16\n"
-      "(listed in the report's skipped; a rule with recipe None keeps a layer in high precision "
-      "without this warning)"
+    ": 1 layer(s) that a rule gave a recipe stay in high precision:\n"
+    "  out: GEMM size K=32, N=10 is not a multiple of 16\n"
+    "(listed in the report's skipped; a rule with recipe None keeps a layer in high precision "
+    "without this warning)"
   }
 
 
 @pytest.mark.parametrize("adapter", CONVERT)
 def test_first_match_wins_and_unmatched_layers_stay_in_high_precision(adapter):
-  rules = [(lambda path: path.endswith("in_proj"), CURRENT),  # a function of the path string
-           (r"mlp/.*", None), (r"attn/q", CURRENT)]  # fullmatch: "attn/q" is not "attn/query"
+  rules = [
+    (lambda path: path.endswith("in_proj"), CURRENT),  # a function of the path string
+    (r"mlp/.*", None),
+    (r"attn/q", CURRENT),
+  ]  # fullmatch: "attn/q" is not "attn/query"
   report = CONVERT[adapter](rules=rules, threshold=None)
   assert report.quantized == ["mlp/in_proj"]
   assert report.high_precision == {
-      "attn/query": "no rule selects it",
-      "mlp/out_proj": "rule 1 ('mlp/.*') keeps it in high precision",
-      "out": "no rule selects it",
+    "attn/query": "no rule selects it",
+    "mlp/out_proj": "rule 1 ('mlp/.*') keeps it in high precision",
+    "out": "no rule selects it",
   }
   assert report.skipped == {}  # no rule asked for the head: no warning either
 
@@ -209,8 +215,8 @@ def test_each_rule_gives_its_own_gemm_options_to_its_layers():
   model = _NnxModel(nnx.Rngs(0))
   big = ta.core.SizeThreshold(min_mkn=1, min_dim=48, platforms=(jax.default_backend(),))
   report = ta_nnx.quantize_model(
-      model, rules=[("mlp/in_proj", CURRENT, {"threshold": None}), ("mlp/.*", CURRENT)],
-      threshold=big)
+    model, rules=[("mlp/in_proj", CURRENT, {"threshold": None}), ("mlp/.*", CURRENT)], threshold=big
+  )
   assert model.mlp.in_proj.dot_general.options.threshold is None
   assert model.mlp.out_proj.dot_general.options.threshold is big
   # min_dim 48: only out_proj (K=64, N=32) is kept below it, and the report says so.
@@ -230,9 +236,11 @@ def _readme_block(marker: str) -> str:
 
 def test_the_readmes_rules_examples_run_as_written_and_report_alike(capsys):
   printed = {}
-  for adapter, marker in (("linen", "ta_linen.quantize(rules="),
-                          ("nnx", "ta_nnx.quantize_model(Block("),
-                          ("haiku", "ta_hk.quantize(rules=")):
+  for adapter, marker in (
+    ("linen", "ta_linen.quantize(rules="),
+    ("nnx", "ta_nnx.quantize_model(Block("),
+    ("haiku", "ta_hk.quantize(rules="),
+  ):
     exec(_readme_block(marker), {})  # self-contained: nothing defined for it
     printed[adapter] = capsys.readouterr().out.splitlines()
     assert printed[adapter][0] == "quantized 2 layer(s), kept 4 in high precision, skipped 0"
@@ -247,20 +255,26 @@ def test_gemms_the_threshold_keeps_warn_naming_the_layer_at_the_models_line():
   nnx_model = _NnxModel(nnx.Rngs(0))
   ta_nnx.quantize_model(nnx_model, rules=[("mlp/in_proj", CURRENT)])  # the default threshold
   runs = {
-      "linen": lambda: ta_linen.quantize(rules=[("mlp/in_proj", CURRENT)])(
-          _LinenModel().init)(jax.random.key(0), x),
-      "nnx": lambda: nnx_model(x),
-      "haiku": lambda: hk.transform(ta_hk.quantize(rules=[("mlp/in_proj", CURRENT)])(
-          _hk_forward)).init(jax.random.key(0), x),
+    "linen": lambda: ta_linen.quantize(rules=[("mlp/in_proj", CURRENT)])(_LinenModel().init)(
+      jax.random.key(0), x
+    ),
+    "nnx": lambda: nnx_model(x),
+    "haiku": lambda: hk.transform(
+      ta_hk.quantize(rules=[("mlp/in_proj", CURRENT)])(_hk_forward)
+    ).init(jax.random.key(0), x),
   }
-  names = {"linen": "layer 'mlp/in_proj'", "nnx": "DotGeneral layer at 'mlp/in_proj'",
-           "haiku": "layer 'mlp/in_proj'"}
+  names = {
+    "linen": "layer 'mlp/in_proj'",
+    "nnx": "DotGeneral layer at 'mlp/in_proj'",
+    "haiku": "layer 'mlp/in_proj'",
+  }
   for adapter, run in runs.items():
     with pytest.warns(ta.core.HighPrecisionGemmWarning) as record:
       run()
     [warning] = record
     assert str(warning.message).startswith(
-        f"te_adapters: {names[adapter]}: a GEMM with M=4, K=32, N=64 runs in high precision")
+      f"te_adapters: {names[adapter]}: a GEMM with M=4, K=32, N=64 runs in high precision"
+    )
     assert warning.filename == __file__, adapter  # the model's call of the layer
 
 
@@ -305,24 +319,33 @@ def _frozen_haiku(x):
   jax.eval_shape(jax.grad(loss), params, state)
 
 
-@pytest.mark.parametrize("adapter, names, remedy", [
-    ("linen", ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
-     "te_adapters.linen.TrainState.value_and_grad"),
+@pytest.mark.parametrize(
+  "adapter, names, remedy",
+  [
+    (
+      "linen",
+      ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
+      "te_adapters.linen.TrainState.value_and_grad",
+    ),
     ("nnx", ["the GEMM x"] * 3, "te_adapters.nnx.value_and_grad"),  # NNX layers know no path
-    ("haiku", ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
-     "te_adapters.haiku.value_grad_and_state"),
-])
+    (
+      "haiku",
+      ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
+      "te_adapters.haiku.value_grad_and_state",
+    ),
+  ],
+)
 def test_te_modules_frozen_state_warning_gives_the_frameworks_remedy(adapter, names, remedy):
   run = {"linen": _frozen_linen, "nnx": _frozen_nnx, "haiku": _frozen_haiku}[adapter]
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     run(jnp.ones((4, 32)))  # the parameters differentiated, the state not
-  frozen = [str(w.message) for w in record
-            if issubclass(w.category, ta.core.FrozenStateWarning)]
+  frozen = [str(w.message) for w in record if issubclass(w.category, ta.core.FrozenStateWarning)]
   # LayerNormDenseGeneral's GEMM, then LayerNormMLP's two.
   assert len(frozen) == 3, frozen
   others = {"te_adapters.linen.", "te_adapters.nnx.", "te_adapters.haiku."} - {
-      remedy[:remedy.index(".", len("te_adapters.")) + 1]}
+    remedy[: remedy.index(".", len("te_adapters.")) + 1]
+  }
   for name, message in zip(names, frozen, strict=True):
     assert f"DelayedScaling state of {name} (" in message, message
     assert remedy in message and not any(o in message for o in others), message

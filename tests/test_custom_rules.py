@@ -42,13 +42,17 @@ def rules_in_doc() -> dict[str, bool]:
 
 def test_the_finder_sees_each_form():
   tree = ast.parse(
-      "import functools, jax\n"
-      "@jax.custom_vjp\ndef a(x): return x\n"
-      "@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))\ndef b(x, n): return x\n"
-      "@jax.custom_jvp\ndef c(x): return x\n"
-      "@functools.lru_cache\ndef d(x): return x\n")
-  marked = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)
-            and any(_is_rule(d) for d in n.decorator_list)]
+    "import functools, jax\n"
+    "@jax.custom_vjp\ndef a(x): return x\n"
+    "@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))\ndef b(x, n): return x\n"
+    "@jax.custom_jvp\ndef c(x): return x\n"
+    "@functools.lru_cache\ndef d(x): return x\n"
+  )
+  marked = [
+    n.name
+    for n in tree.body
+    if isinstance(n, ast.FunctionDef) and any(_is_rule(d) for d in n.decorator_list)
+  ]
   assert marked == ["a", "b", "c"]
 
 
@@ -56,9 +60,10 @@ def test_every_rule_is_listed_with_its_reason():
   listed = rules_in_doc()
   assert len(listed) >= 10  # the table was found and parsed
   assert rules_in_code() == set(listed), (
-      "custom VJP/JVP rules in the code and in docs/architecture.md differ: "
-      f"only in code {sorted(rules_in_code() - set(listed))}, "
-      f"only in the doc {sorted(set(listed) - rules_in_code())}")
+    "custom VJP/JVP rules in the code and in docs/architecture.md differ: "
+    f"only in code {sorted(rules_in_code() - set(listed))}, "
+    f"only in the doc {sorted(set(listed) - rules_in_code())}"
+  )
 
 
 def test_one_quantized_gemm_rule_serves_the_dense_and_fused_paths():
@@ -67,5 +72,6 @@ def test_one_quantized_gemm_rule_serves_the_dense_and_fused_paths():
   # The dense, block-scaled, norm+GEMM and MLP paths have no quantized rule of their own; the
   # grouped GEMM has one, for every format with a grouped GEMM.
   assert quantizing == {
-      "te_adapters.core.gemm._gemm._quantized_gemms",
-      "te_adapters.core.gemm._ragged._grouped_gemms"}
+    "te_adapters.core.gemm._gemm._quantized_gemms",
+    "te_adapters.core.gemm._ragged._grouped_gemms",
+  }

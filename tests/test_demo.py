@@ -28,8 +28,24 @@ def test_demo_says_when_the_gemm_stays_in_high_precision():
     rows = _demo.run(32, 64, 32, repeats=1, warmup_steps=1)
   assert [r["fp8_dots"] for r in rows] == ["0/3", "0/3", "0/3"]
   assert all(r["err_y"] < 0.005 for r in rows)  # bf16 numerics in every row
-  out = subprocess.run([sys.executable, "-m", "te_adapters", "demo", "--m", "32", "--k", "64",
-                        "--n", "32", "--repeats", "1"], capture_output=True, text=True)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "te_adapters",
+      "demo",
+      "--m",
+      "32",
+      "--k",
+      "64",
+      "--n",
+      "32",
+      "--repeats",
+      "1",
+    ],
+    capture_output=True,
+    text=True,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   below = "The FP8 rows ran in high precision" in out.stdout
   # What is installed, and whether FP8 is emulated here, comes before the table.
@@ -38,9 +54,25 @@ def test_demo_says_when_the_gemm_stays_in_high_precision():
   assert emulated == (ta.build_info().fp8_gemms == "emulated"), out.stdout
   # In a fresh process the shipped default applies on GPUs only.
   assert below == (jax.default_backend() == "gpu"), out.stdout
-  forced = subprocess.run([sys.executable, "-m", "te_adapters", "demo", "--m", "32", "--k", "64",
-                           "--n", "32", "--repeats", "1", "--force-fp8"],
-                          capture_output=True, text=True)
+  forced = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "te_adapters",
+      "demo",
+      "--m",
+      "32",
+      "--k",
+      "64",
+      "--n",
+      "32",
+      "--repeats",
+      "1",
+      "--force-fp8",
+    ],
+    capture_output=True,
+    text=True,
+  )
   assert forced.returncode == 0 and "3/3 in jaxpr" in forced.stdout, forced.stdout
   assert "ran in high precision" not in forced.stdout
 
@@ -48,17 +80,20 @@ def test_demo_says_when_the_gemm_stays_in_high_precision():
 def test_command_line_usage_error():
   out = subprocess.run([sys.executable, "-m", "te_adapters"], capture_output=True, text=True)
   assert out.returncode == 2 and "usage" in out.stderr
-  out = subprocess.run([sys.executable, "-m", "te_adapters", "demos"], capture_output=True,
-                       text=True)
+  out = subprocess.run(
+    [sys.executable, "-m", "te_adapters", "demos"], capture_output=True, text=True
+  )
   assert out.returncode == 2 and "unknown subcommand 'demos'" in out.stderr
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_command_line_help_lists_the_subcommands(flag):
-  out = subprocess.run([sys.executable, "-m", "te_adapters", flag], capture_output=True,
-                       text=True)
+  out = subprocess.run([sys.executable, "-m", "te_adapters", flag], capture_output=True, text=True)
   assert out.returncode == 0, out.stderr
-  listed = [line.split()[0] for line in out.stdout.split("subcommands:")[1].splitlines()
-            if line.startswith("  ") and not line.strip().startswith("-")]
+  listed = [
+    line.split()[0]
+    for line in out.stdout.split("subcommands:")[1].splitlines()
+    if line.startswith("  ") and not line.strip().startswith("-")
+  ]
   assert listed == ["demo", "bench"], out.stdout
   assert "FP8 against bf16" in out.stdout and out.stderr == ""

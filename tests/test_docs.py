@@ -12,12 +12,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = {
-    "te_adapters": "te_adapters.rst",
-    "te_adapters.core": "core.rst",
-    "te_adapters.linen": "linen.rst",
-    "te_adapters.nnx": "nnx.rst",
-    "te_adapters.haiku": "haiku.rst",
-    "te_adapters.inspect": "inspect.rst",
+  "te_adapters": "te_adapters.rst",
+  "te_adapters.core": "core.rst",
+  "te_adapters.linen": "linen.rst",
+  "te_adapters.nnx": "nnx.rst",
+  "te_adapters.haiku": "haiku.rst",
+  "te_adapters.inspect": "inspect.rst",
 }
 # Re-exported from te_adapters.core at the top level: the te_adapters page points there.
 TOP_LEVEL_OWN = {"BuildInfo", "build_info"}
@@ -44,7 +44,8 @@ def test_every_public_name_is_documented(module_name):
   for name in sorted(names):
     obj = getattr(module, name)
     own = (inspect.isclass(obj) or inspect.isfunction(obj)) and (
-        getattr(obj, "__module__", "").startswith("te_adapters"))
+      getattr(obj, "__module__", "").startswith("te_adapters")
+    )
     if own and not name.startswith("_"):
       doc = inspect.getdoc(obj)
       if not doc or (inspect.isclass(obj) and doc == inspect.getdoc(type(obj).__mro__[0])):
@@ -65,17 +66,17 @@ def test_top_level_page_points_to_the_core_for_the_rest():
 # The entry points a user starts from: each docstring has its arguments, its result and a
 # runnable example (a doctest, run by the suite's --doctest-modules).
 ENTRY_POINTS = (
-    "te_adapters.build_info",
-    "te_adapters.core.dot_general",
-    "te_adapters.core.quantize",
-    "te_adapters.core.dequantize",
-    "te_adapters.core.init_state",
-    "te_adapters.core.typed_state",
-    "te_adapters.core.updated_state",
-    "te_adapters.core.with_max_grad",
-    "te_adapters.core.format_of",
-    "te_adapters.inspect.count_fp8_dot_generals",
-    "te_adapters.inspect.count_fp8_gemms",
+  "te_adapters.build_info",
+  "te_adapters.core.dot_general",
+  "te_adapters.core.quantize",
+  "te_adapters.core.dequantize",
+  "te_adapters.core.init_state",
+  "te_adapters.core.typed_state",
+  "te_adapters.core.updated_state",
+  "te_adapters.core.with_max_grad",
+  "te_adapters.core.format_of",
+  "te_adapters.inspect.count_fp8_dot_generals",
+  "te_adapters.inspect.count_fp8_gemms",
 )
 
 
@@ -83,6 +84,8 @@ ENTRY_POINTS = (
 def test_entry_point_has_arguments_result_and_example(path):
   module_name, name = path.rsplit(".", 1)
   doc = inspect.getdoc(getattr(importlib.import_module(module_name), name))
-  has_args = "Args:" in doc or not inspect.signature(
-      getattr(importlib.import_module(module_name), name)).parameters
+  has_args = (
+    "Args:" in doc
+    or not inspect.signature(getattr(importlib.import_module(module_name), name)).parameters
+  )
   assert has_args and "Returns:" in doc and ">>> " in doc, f"{path}: {doc[:200]}"

@@ -15,19 +15,25 @@ from te_adapters import core, inspect
 from te_adapters import linen as ta_linen
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
+  pytest.mark.gpu,
+  pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
 ]
 
-RECIPES = [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=16),
-           ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3)]
+RECIPES = [
+  ta.Float8CurrentScaling(),
+  ta.DelayedScaling(amax_history_len=16),
+  ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3),
+]
 DN = (((1,), (0,)), ((), ()))
 
 
 def _data(m, k, n, dtype=jnp.bfloat16):
   kx, kw, kd = jax.random.split(jax.random.PRNGKey(0), 3)
-  return (jax.random.normal(kx, (m, k)).astype(dtype), jax.random.normal(kw, (k, n)).astype(dtype),
-          jax.random.normal(kd, (m, n)).astype(dtype))
+  return (
+    jax.random.normal(kx, (m, k)).astype(dtype),
+    jax.random.normal(kw, (k, n)).astype(dtype),
+    jax.random.normal(kd, (m, n)).astype(dtype),
+  )
 
 
 def _train_core(recipe, x, w, dy, **kwargs):
@@ -61,8 +67,11 @@ def test_float32_kernel_goes_straight_into_fp8(recipe, rel):
   x, _, dy = _data(256, 512, 384)
   w = jax.random.normal(jax.random.PRNGKey(1), (512, 384), jnp.float32)
   hlo, y, dx, dw = _train_core(recipe, x, w, dy, preferred_element_type=jnp.bfloat16)
-  assert not [ln for ln in hlo.splitlines()
-              if "f32[384,512]" in ln and (" transpose(" in ln or " copy(" in ln)]
+  assert not [
+    ln
+    for ln in hlo.splitlines()
+    if "f32[384,512]" in ln and (" transpose(" in ln or " copy(" in ln)
+  ]
   assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
   _assert_fp8_errors(rel, x, w, dy, y, dx, dw)
 
@@ -76,8 +85,12 @@ def test_core_emits_three_fp8_cublas_gemms_and_matches_float64(recipe, rel):
 
 @pytest.mark.parametrize("recipe", RECIPES[:2], ids=lambda r: type(r).__name__)
 def test_linen_dense_emits_fp8_gemms(recipe):
-  model = nn.Dense(256, use_bias=False, dtype=jnp.bfloat16,
-                   dot_general=ta_linen.make_dot_general_cls(recipe, threshold=None)())
+  model = nn.Dense(
+    256,
+    use_bias=False,
+    dtype=jnp.bfloat16,
+    dot_general=ta_linen.make_dot_general_cls(recipe, threshold=None)(),
+  )
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 64, 512)).astype(jnp.bfloat16)
   dy = jax.random.normal(jax.random.PRNGKey(2), (4, 64, 256)).astype(jnp.bfloat16)
   variables = model.init(jax.random.PRNGKey(0), x)
@@ -114,4 +127,5 @@ def test_default_threshold_quantizes_large_gemms_only(recipe):
     hlo = compiled_hlo(1024, 1024, 1024)
   fp8, other = inspect.count_fp8_gemms(hlo)
   assert fp8 == 0 and inspect.count_fp8_cublas_gemms(hlo) == 0 and other >= 3, (
-      inspect.hlo_dot_operand_types(hlo))
+    inspect.hlo_dot_operand_types(hlo)
+  )

@@ -39,31 +39,31 @@ UPWARD = set()
 
 # {file: (the private modules it still imports, why)}. Each needs the module itself.
 TEST_PRIVATE_IMPORTS = {
-    "tests/core/test_block_float8.py": (
-        ("te_adapters.core.formats._float8_block",),
-        "patches _PARTIALS_BUDGET, a global its gemm reads; its gemm and compute_scale are names"
-        " several formats define, which the face leaves out",
-    ),
-    "tests/core/test_block_gpu.py": (
-        ("te_adapters.core.formats._float8_block",),
-        "the 1x128/128x128 format's own quantize, gemm and dequantize_values: names several"
-        " formats define, which the face leaves out",
-    ),
-    "tests/core/test_grouped_kernel.py": (
-        ("te_adapters.core.kernels._ffi", "te_adapters.core.kernels._grouped_kernel"),
-        "patches rows_gemm, wgrad_gemm, available and _ffi.single_device, globals the grouped"
-        " kernel's own functions read (a patch on the face would not reach them)",
-    ),
-    "tests/core/test_partition.py": (
-        ("te_adapters.core.formats._float8_block",),
-        "the 1x128/128x128 format's own quantize and XLA GEMM (_xla_gemm) as the rule's kernel and"
-        " fallback: names several formats define, which the face leaves out",
-    ),
-    "tests/test_custom_rules.py": (
-        ("te_adapters.core.gemm._gemm", "te_adapters.core.gemm._ragged"),
-        "imports none: names the custom rules by their place in the source, as the table of"
-        " docs/architecture.md does",
-    ),
+  "tests/core/test_block_float8.py": (
+    ("te_adapters.core.formats._float8_block",),
+    "patches _PARTIALS_BUDGET, a global its gemm reads; its gemm and compute_scale are names"
+    " several formats define, which the face leaves out",
+  ),
+  "tests/core/test_block_gpu.py": (
+    ("te_adapters.core.formats._float8_block",),
+    "the 1x128/128x128 format's own quantize, gemm and dequantize_values: names several"
+    " formats define, which the face leaves out",
+  ),
+  "tests/core/test_grouped_kernel.py": (
+    ("te_adapters.core.kernels._ffi", "te_adapters.core.kernels._grouped_kernel"),
+    "patches rows_gemm, wgrad_gemm, available and _ffi.single_device, globals the grouped"
+    " kernel's own functions read (a patch on the face would not reach them)",
+  ),
+  "tests/core/test_partition.py": (
+    ("te_adapters.core.formats._float8_block",),
+    "the 1x128/128x128 format's own quantize and XLA GEMM (_xla_gemm) as the rule's kernel and"
+    " fallback: names several formats define, which the face leaves out",
+  ),
+  "tests/test_custom_rules.py": (
+    ("te_adapters.core.gemm._gemm", "te_adapters.core.gemm._ragged"),
+    "imports none: names the custom rules by their place in the source, as the table of"
+    " docs/architecture.md does",
+  ),
 }
 
 FRAMEWORKS = ("flax", "haiku")
@@ -119,7 +119,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     path.append(node)
     for nxt in sorted(graph[node]):
       if state.get(nxt) == 1:
-        return path[path.index(nxt):] + [nxt]
+        return path[path.index(nxt) :] + [nxt]
       if nxt not in state and (cycle := visit(nxt)):
         return cycle
     path.pop()
@@ -171,8 +171,13 @@ _CHAIN = re.compile(r"\bcore\.(\w+)\.(_\w+)\b")
 def _code_text(text: str, tree) -> str:
   """``text`` with its comments and docstrings blanked out (other strings, patch targets among
   them, stay)."""
-  docstrings = {(n.lineno, n.col_offset) for n in ast.walk(tree) if isinstance(n, ast.Expr)
-                and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+  docstrings = {
+    (n.lineno, n.col_offset)
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Expr)
+    and isinstance(n.value, ast.Constant)
+    and isinstance(n.value.value, str)
+  }
   starts = [0]
   for line in text.splitlines(keepends=True):
     starts.append(starts[-1] + len(line))
@@ -210,11 +215,11 @@ def outside_private_imports(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
 
 def test_the_graph_sees_imports(tmp_path):
   files = {
-      "__init__.py": "from pkg.sub import face_name\n",
-      "sub/__init__.py": "from pkg.sub._a import face_name\n",
-      "sub/_a.py": "face_name = 1\n\n\ndef f():\n  from pkg import _b\n",
-      "_b.py": "import pkg.sub._a\nfrom . import _c\n",
-      "_c.py": "from .sub import _a as a\nfrom pkg.sub import face_name\n",
+    "__init__.py": "from pkg.sub import face_name\n",
+    "sub/__init__.py": "from pkg.sub._a import face_name\n",
+    "sub/_a.py": "face_name = 1\n\n\ndef f():\n  from pkg import _b\n",
+    "_b.py": "import pkg.sub._a\nfrom . import _c\n",
+    "_c.py": "from .sub import _a as a\nfrom pkg.sub import face_name\n",
   }
   for rel, text in files.items():
     (tmp_path / "pkg" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -222,11 +227,11 @@ def test_the_graph_sees_imports(tmp_path):
   graph = import_graph(tmp_path / "pkg", "pkg")
   # Module-level and function-level imports, absolute and relative, modules and packages' names.
   assert graph == {
-      "pkg": {"pkg.sub"},
-      "pkg.sub": {"pkg.sub._a"},
-      "pkg.sub._a": {"pkg._b"},
-      "pkg._b": {"pkg.sub._a", "pkg._c"},
-      "pkg._c": {"pkg.sub._a", "pkg.sub"},
+    "pkg": {"pkg.sub"},
+    "pkg.sub": {"pkg.sub._a"},
+    "pkg.sub._a": {"pkg._b"},
+    "pkg._b": {"pkg.sub._a", "pkg._c"},
+    "pkg._c": {"pkg.sub._a", "pkg.sub"},
   }
   assert "te_adapters.core" in import_graph()["te_adapters"]
   assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
@@ -256,13 +261,17 @@ def test_subpackages_import_downward_only():
 def test_private_modules_are_imported_from_their_subpackage_only():
   found = {a: sorted(bs) for a, bs in private_reaches(import_graph()).items()}
   assert not found, "private modules imported from outside their subpackage (import the face): " + (
-      str(found))
+    str(found)
+  )
 
 
 def test_subpackages_do_not_import_their_own_face_or_the_core():
   bad = sorted(
-      (a, b) for a, bs in import_graph().items() for b in bs
-      if subpackage(a) and ((b == CORE) or (b == f"{CORE}.{subpackage(a)}" and is_private(a))))
+    (a, b)
+    for a, bs in import_graph().items()
+    for b in bs
+    if subpackage(a) and ((b == CORE) or (b == f"{CORE}.{subpackage(a)}" and is_private(a)))
+  )
   assert not bad, f"a subpackage's module imports its own face or te_adapters.core: {bad}"
 
 
@@ -295,7 +304,11 @@ def test_core_imports_no_framework_and_nothing_above_it():
         top = name.split(".")[0]
         if top in FRAMEWORKS:
           bad.append((module, name))
-        elif top == "te_adapters" and not name.startswith(CORE) and name != "te_adapters" and not (
-            module == CORE and name == "te_adapters.inspect"):
+        elif (
+          top == "te_adapters"
+          and not name.startswith(CORE)
+          and name != "te_adapters"
+          and not (module == CORE and name == "te_adapters.inspect")
+        ):
           bad.append((module, name))
   assert not bad, f"te_adapters.core imports a framework or te_adapters above the core: {bad}"

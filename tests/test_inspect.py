@@ -7,13 +7,13 @@ import te_adapters as ta
 from te_adapters import core, inspect
 
 MOVED = (
-    "Collective",
-    "count_fp8_cublas_gemms",
-    "count_fp8_dot_generals",
-    "count_fp8_gemms",
-    "dot_general_operand_dtypes",
-    "hlo_collectives",
-    "hlo_dot_operand_types",
+  "Collective",
+  "count_fp8_cublas_gemms",
+  "count_fp8_dot_generals",
+  "count_fp8_gemms",
+  "dot_general_operand_dtypes",
+  "hlo_collectives",
+  "hlo_dot_operand_types",
 )
 
 

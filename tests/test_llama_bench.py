@@ -21,9 +21,15 @@ def tokens():
   return train.token_data(CFG)[0]
 
 
-@pytest.mark.parametrize("variant,remat", [
-    ("nnx-current", None), ("linen-delayed", "gemm_outputs"), ("haiku-current", "gemm_outputs"),
-    ("nnx-modules-current", "gemm_outputs")])
+@pytest.mark.parametrize(
+  "variant,remat",
+  [
+    ("nnx-current", None),
+    ("linen-delayed", "gemm_outputs"),
+    ("haiku-current", "gemm_outputs"),
+    ("nnx-modules-current", "gemm_outputs"),
+  ],
+)
 def test_converted_model_gemms_are_fp8(variant, remat, tokens):
   # With the benchmark's rematerialisation policy too: it recomputes no GEMM, so the counts hold.
   cfg = dataclasses.replace(CFG, remat=remat)
@@ -44,8 +50,10 @@ def test_converted_model_gemms_are_fp8(variant, remat, tokens):
 
 def test_fp8_training_lowers_the_loss_as_bf16_does(tokens):
   cfg = dataclasses.replace(CFG, layers=1)
-  runs = {v: train.run_variant(cfg, v, tokens, warmup=1, windows=1, window_steps=4)
-          for v in ("nnx-bf16", "nnx-current")}
+  runs = {
+    v: train.run_variant(cfg, v, tokens, warmup=1, windows=1, window_steps=4)
+    for v in ("nnx-bf16", "nnx-current")
+  }
   bf16, fp8 = np.array(runs["nnx-bf16"]["losses"]), np.array(runs["nnx-current"]["losses"])
   assert runs["nnx-current"]["fp8_gemms"] == 12 and runs["nnx-bf16"]["fp8_gemms"] == 0
   # From ln(512) = 6.24 nats; no learning would stay there.

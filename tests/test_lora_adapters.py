@@ -20,8 +20,9 @@ from te_adapters import nnx as ta_nnx
 
 CURRENT = ta.Float8CurrentScaling()
 K, N, R, ALPHA = 32, 48, 4, 8.0
-LORA = dict(enable_low_rank_adaptation=True, low_rank_adaptation_dim=R,
-            low_rank_adaptation_alpha=ALPHA)
+LORA = dict(
+  enable_low_rank_adaptation=True, low_rank_adaptation_dim=R, low_rank_adaptation_alpha=ALPHA
+)
 
 
 def _rand(shape, seed, scale=1.0):
@@ -52,8 +53,9 @@ def _linen(lora, recipe=CURRENT, **kw):
 
 
 def _nnx(lora, recipe=CURRENT, **kw):
-  layer = ta_nnx.Linear(K, N, recipe=recipe, threshold=None, rngs=nnx.Rngs(0),
-                        **(LORA if lora else {}), **kw)
+  layer = ta_nnx.Linear(
+    K, N, recipe=recipe, threshold=None, rngs=nnx.Rngs(0), **(LORA if lora else {}), **kw
+  )
   graphdef, state = nnx.split(layer)
   pure = nnx.to_pure_dict(state)
 
@@ -62,14 +64,16 @@ def _nnx(lora, recipe=CURRENT, **kw):
     nnx.replace_by_pure_dict(new, {**pure, **p})
     return nnx.merge(graphdef, new)(x)
 
-  params = {k: v for k, v in pure.items() if k in {
-      "kernel", "bias", "lora_a_kernel", "lora_b_kernel"}}
+  params = {
+    k: v for k, v in pure.items() if k in {"kernel", "bias", "lora_a_kernel", "lora_b_kernel"}
+  }
   return apply, params
 
 
 def _haiku(lora, recipe=CURRENT, **kw):
-  f = hk.transform(lambda x: ta_hk.Linear(N, recipe=recipe, threshold=None,
-                                          **(LORA if lora else {}), **kw)(x))
+  f = hk.transform(
+    lambda x: ta_hk.Linear(N, recipe=recipe, threshold=None, **(LORA if lora else {}), **kw)(x)
+  )
   params = f.init(jax.random.key(0), X)
   return (lambda p, x: f.apply({"linear": p}, None, x)), dict(params["linear"])
 
@@ -99,8 +103,9 @@ def test_lora_term_is_high_precision_beside_the_fp8_kernel(fw, rel):
   base = {k: params[k] for k in base_params}
   y, y_base = apply(params, X), base_apply(base, X)
   # The LoRA GEMMs: float32 against float64, far tighter than any FP8 GEMM.
-  np.testing.assert_allclose(np.float64(y) - np.float64(y_base), _lora_ref(X, A, B),
-                             rtol=HP_TOL, atol=HP_TOL)
+  np.testing.assert_allclose(
+    np.float64(y) - np.float64(y_base), _lora_ref(X, A, B), rtol=HP_TOL, atol=HP_TOL
+  )
   # The base GEMM is FP8: its error against float64 is an FP8 one.
   w = np.float64(params[KERNEL[fw]])
   assert 0.01 < rel(y_base - np.float64(params.get("bias", params.get("b"))), np.float64(X) @ w)
@@ -152,7 +157,8 @@ def _train_haiku_partitioned(steps=3):
   f = hk.transform(lambda x: ta_hk.Linear(N, recipe=CURRENT, threshold=None, **LORA)(x))
   params = f.init(jax.random.key(0), X)
   trainable, frozen = hk.data_structures.partition(
-      lambda module, name, value: name.startswith("lora_"), params)
+    lambda module, name, value: name.startswith("lora_"), params
+  )
   tx = optax.adam(1e-2)
   opt_state = tx.init(trainable)
 
@@ -160,6 +166,7 @@ def _train_haiku_partitioned(steps=3):
   def step(trainable, opt_state):
     def loss_fn(t):
       return _loss(f.apply(hk.data_structures.merge(t, frozen), None, X))
+
     loss, grads = jax.value_and_grad(loss_fn)(trainable)
     updates, opt_state = tx.update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state, loss
@@ -173,10 +180,15 @@ def _train_haiku_partitioned(steps=3):
   return start, end, losses
 
 
-@pytest.mark.parametrize("train, kernel", [(_train_linen_masked, "kernel"),
-                                           (_train_nnx_wrt_lora, "kernel"),
-                                           (_train_haiku_partitioned, "w")],
-                         ids=["linen-optax-mask", "nnx-wrt-LoRAParam", "haiku-partition"])
+@pytest.mark.parametrize(
+  "train, kernel",
+  [
+    (_train_linen_masked, "kernel"),
+    (_train_nnx_wrt_lora, "kernel"),
+    (_train_haiku_partitioned, "w"),
+  ],
+  ids=["linen-optax-mask", "nnx-wrt-LoRAParam", "haiku-partition"],
+)
 def test_frozen_base_kernel_left_out_of_the_optimizer(train, kernel):
   start, end, losses = train()
   np.testing.assert_array_equal(end[kernel], start[kernel])
@@ -188,8 +200,11 @@ def test_frozen_base_kernel_left_out_of_the_optimizer(train, kernel):
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("rank", [33, 0])
 def test_rank_larger_than_the_dims_is_a_clear_error(fw, rank):
-  with pytest.raises(ValueError, match=r"low_rank_adaptation_dim must be an int from 1 to "
-                                       r"min\(K, N\) = 32 \(K=32 contracted, N=48"):
+  with pytest.raises(
+    ValueError,
+    match=r"low_rank_adaptation_dim must be an int from 1 to "
+    r"min\(K, N\) = 32 \(K=32 contracted, N=48",
+  ):
     _build_with_rank(fw, rank)
 
 
@@ -293,6 +308,7 @@ def _delayed_linen(steps=3):
     def loss(v):
       y = layer.apply(v, X)
       return jnp.sum(y * DY), y
+
     (_, y), grads = jax.value_and_grad(loss, has_aux=True)(variables)
     params = variables["params"]
     updates, opt_state = tx.update(grads["params"], opt_state, params)
@@ -336,8 +352,7 @@ def _delayed_nnx(steps=3, grads="DiffState"):
     return y
 
   def params():
-    return {k: getattr(layer, k)[...] for k in ("kernel", "bias", "lora_a_kernel",
-                                                "lora_b_kernel")}
+    return {k: getattr(layer, k)[...] for k in ("kernel", "bias", "lora_a_kernel", "lora_b_kernel")}
 
   for _ in range(steps):
     used = params()
@@ -346,12 +361,12 @@ def _delayed_nnx(steps=3, grads="DiffState"):
 
 
 def _delayed_haiku(steps=3):
-  f = hk.transform_with_state(
-      lambda x: ta_hk.Linear(N, recipe=DELAYED, threshold=None, **LORA)(x))
+  f = hk.transform_with_state(lambda x: ta_hk.Linear(N, recipe=DELAYED, threshold=None, **LORA)(x))
   params, state = f.init(jax.random.key(0), X)
   params = {"linear": {**params["linear"], "lora_a_kernel": A, "lora_b_kernel": B}}
   trainable, frozen = hk.data_structures.partition(
-      lambda module, name, value: name.startswith("lora_"), params)
+    lambda module, name, value: name.startswith("lora_"), params
+  )
   tx = optax.sgd(LR)
   opt_state = tx.init(trainable)
 
@@ -360,16 +375,22 @@ def _delayed_haiku(steps=3):
     def loss(t, s):
       y, _ = f.apply(hk.data_structures.merge(t, frozen), s, None, X)
       return jnp.sum(y * DY), y
+
     # The state's gradient is the new state.
     (_, y), (grads, state) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        trainable, state)
+      trainable, state
+    )
     updates, opt_state = tx.update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), state, opt_state, y
 
   def named(t):
     p = hk.data_structures.merge(t, frozen)["linear"]
-    return {"kernel": p["w"], "bias": p["b"], "lora_a_kernel": p["lora_a_kernel"],
-            "lora_b_kernel": p["lora_b_kernel"]}
+    return {
+      "kernel": p["w"],
+      "bias": p["b"],
+      "lora_a_kernel": p["lora_a_kernel"],
+      "lora_b_kernel": p["lora_b_kernel"],
+    }
 
   for _ in range(steps):
     used = named(trainable)
@@ -377,10 +398,16 @@ def _delayed_haiku(steps=3):
   return y, used, named(trainable), dict(state["linear"])
 
 
-@pytest.mark.parametrize("loop", [_delayed_linen, _delayed_nnx,
-                                  lambda: _delayed_nnx(grads="helper"), _delayed_haiku],
-                         ids=["linen-owg-collection", "nnx-DiffState-RecipeState",
-                              "nnx-ta_nnx.value_and_grad", "haiku-transform_with_state"])
+@pytest.mark.parametrize(
+  "loop",
+  [_delayed_linen, _delayed_nnx, lambda: _delayed_nnx(grads="helper"), _delayed_haiku],
+  ids=[
+    "linen-owg-collection",
+    "nnx-DiffState-RecipeState",
+    "nnx-ta_nnx.value_and_grad",
+    "haiku-transform_with_state",
+  ],
+)
 def test_delayed_scaling_state_advances_while_training_lora_alone(loop, rel):
   y, used, end, state = loop()
   np.testing.assert_array_equal(end["kernel"], used["kernel"])  # the base kernel frozen
@@ -389,14 +416,19 @@ def test_delayed_scaling_state_advances_while_training_lora_alone(loop, rel):
   # After 3 steps, each role's history holds its amax from each step (x and the kernel are
   # fixed, and so is the gradient of sum(y * DY)), and its scale is fp8_max / amax.
   assert set(state) == set(core.state_names(DELAYED))
-  for role, operand, fp8_max in [("x", X, 448), ("kernel", used["kernel"], 448),
-                                 ("grad", DY, 57344)]:
+  for role, operand, fp8_max in [
+    ("x", X, 448),
+    ("kernel", used["kernel"], 448),
+    ("grad", DY, 57344),
+  ]:
     amax = float(jnp.max(jnp.abs(operand)))
     np.testing.assert_allclose(state[f"{role}_amax_history"], [0, amax, amax, amax], rtol=1e-6)
     np.testing.assert_allclose(state[f"{role}_scale"], [fp8_max / amax], rtol=1e-6)
   # The last step quantized with the scales the first two stored: an FP8 error, LoRA's exact.
-  x, w, bias, a, b = (np.float64(v) for v in (X, *(used[k] for k in (
-      "kernel", "bias", "lora_a_kernel", "lora_b_kernel"))))
+  x, w, bias, a, b = (
+    np.float64(v)
+    for v in (X, *(used[k] for k in ("kernel", "bias", "lora_a_kernel", "lora_b_kernel")))
+  )
   err = rel(y, x @ w + bias + _lora_ref(x, a, b))
   assert 0.005 < err < 0.06, err  # 0.03 seen on CPU
 
@@ -426,16 +458,20 @@ def _lora_alone(fw, with_state, threshold=None):
 
     def loss(lora, state):
       return jnp.sum(layer.apply({"params": {**v["params"], **lora}, OWG: state}, X) * DY)
+
     jax.grad(loss, argnums=(0, 1) if with_state else 0)(lora, v[OWG])
   else:
     f = hk.transform_with_state(
-        lambda x: ta_hk.Linear(N, recipe=DELAYED, threshold=threshold, **LORA)(x))
+      lambda x: ta_hk.Linear(N, recipe=DELAYED, threshold=threshold, **LORA)(x)
+    )
     params, state = f.init(jax.random.key(0), X)
     trainable, frozen = hk.data_structures.partition(
-        lambda module, name, value: name.startswith("lora_"), params)
+      lambda module, name, value: name.startswith("lora_"), params
+    )
 
     def loss(t, s):
       return jnp.sum(f.apply(hk.data_structures.merge(t, frozen), s, None, X)[0] * DY)
+
     jax.grad(loss, argnums=(0, 1) if with_state else 0)(trainable, state)
 
 
@@ -468,8 +504,7 @@ def test_forward_mode_through_the_lora_factors_with_delayed_scaling(rel):
   v = layer.init(jax.random.key(0), X)
 
   def y(a, b):
-    return layer.apply({**v, "params": {**v["params"], "lora_a_kernel": a,
-                                        "lora_b_kernel": b}}, X)
+    return layer.apply({**v, "params": {**v["params"], "lora_a_kernel": a, "lora_b_kernel": b}}, X)
 
   da, db = _rand((K, R), 11, 0.2), _rand((R, N), 12, 0.2)
   _, tangent = jax.jvp(y, (A, B), (da, db))
@@ -481,8 +516,15 @@ IN, OUT = (4, 8), (2, 16)  # LinearGeneral: K = 32 contracted, features (2, 16),
 
 
 def _nnx_general(lora=True, **kw):
-  return ta_nnx.LinearGeneral(IN, OUT, axis=(-2, -1), recipe=CURRENT, threshold=None,
-                              rngs=nnx.Rngs(0), **{**(LORA if lora else {}), **kw})
+  return ta_nnx.LinearGeneral(
+    IN,
+    OUT,
+    axis=(-2, -1),
+    recipe=CURRENT,
+    threshold=None,
+    rngs=nnx.Rngs(0),
+    **{**(LORA if lora else {}), **kw},
+  )
 
 
 def test_nnx_linear_general_lora_over_two_axes(rel):
@@ -503,7 +545,8 @@ def test_nnx_linear_general_lora_over_two_axes(rel):
   _hp_close(np.float64(y) - np.float64(y_base), lora, rel)
   # The base GEMM over both axes is FP8.
   base = np.einsum("pij,ijkn->pkn", x64, np.float64(layer.kernel[...])) + np.float64(
-      layer.bias[...])
+    layer.bias[...]
+  )
   assert 0.005 < rel(y_base, base) < 0.1
   assert inspect.count_fp8_dot_generals(lambda x: layer(x), x) == (1, 3)
 
@@ -512,14 +555,18 @@ def test_nnx_linear_general_lora_over_two_axes(rel):
 def test_nnx_linear_general_rank_is_bounded_by_the_last_feature(rank):
   # N is the last feature (16), not the product of the features (32): TE factors one K x N
   # matrix per leading feature.
-  with pytest.raises(ValueError, match=r"LinearGeneral\(\(4, 8\), \(2, 16\)\): "
-                                       r"low_rank_adaptation_dim must be an int from 1 to "
-                                       r"min\(K, N\) = 16 \(K=32 contracted, N=16"):
+  with pytest.raises(
+    ValueError,
+    match=r"LinearGeneral\(\(4, 8\), \(2, 16\)\): "
+    r"low_rank_adaptation_dim must be an int from 1 to "
+    r"min\(K, N\) = 16 \(K=32 contracted, N=16",
+  ):
     _nnx_general(low_rank_adaptation_dim=rank)
   assert _nnx_general(low_rank_adaptation_dim=16).lora_b_kernel.shape == (2, 16, 16)
 
 
 def test_nnx_linear_general_lora_refuses_batch_axis():
-  with pytest.raises(ValueError, match="LinearGeneral: low-rank adaptation does not take "
-                                       "batch_axis"):
+  with pytest.raises(
+    ValueError, match="LinearGeneral: low-rank adaptation does not take batch_axis"
+  ):
     ta_nnx.LinearGeneral(32, 32, batch_axis={0: 16}, recipe=None, rngs=nnx.Rngs(0), **LORA)

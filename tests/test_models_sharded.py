@@ -81,8 +81,13 @@ def _assert_trained_alike(got, want):
   got_leaves = dict(jax.tree_util.tree_leaves_with_path(got_params))
   assert got_leaves.keys() == want_leaves.keys()
   for path, value in want_leaves.items():
-    np.testing.assert_allclose(np.asarray(got_leaves[path]), np.asarray(value), rtol=PARAM_TOL,
-                               atol=PARAM_TOL, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(got_leaves[path]),
+      np.asarray(value),
+      rtol=PARAM_TOL,
+      atol=PARAM_TOL,
+      err_msg=jax.tree_util.keystr(path),
+    )
 
 
 # --------------------------------------------------------------------------- Linen lm1b
@@ -98,8 +103,13 @@ def _train_lm1b(mesh):
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
     is_box = lambda v: isinstance(v, nn.Partitioned)  # noqa: E731
     boxed = jax.tree.map(
-        lambda v, s: v.replace_boxed(jax.device_put(v.value, s)) if is_box(v)
-        else jax.device_put(v, s), boxed, shardings, is_leaf=is_box)
+      lambda v, s: (
+        v.replace_boxed(jax.device_put(v.value, s)) if is_box(v) else jax.device_put(v, s)
+      ),
+      boxed,
+      shardings,
+      is_leaf=is_box,
+    )
   tx = optax.sgd(0.5)
   opt_state = tx.init(boxed["params"])
 
@@ -164,7 +174,8 @@ def test_linen_kernel_annotation_keeps_the_heads_shards_under_auto_axes():
 
   boxed = model.init(jax.random.key(0), x)
   boxed["params"]["kernel"] = boxed["params"]["kernel"].replace_boxed(
-      spmd_checks.exact_data((3, 4, 32, 16), 2))
+    spmd_checks.exact_data((3, 4, 32, 16), 2)
+  )
   want = jax.jit(step)(nn.unbox(boxed))
   mesh = _mesh()
   with jax.set_mesh(mesh):
@@ -199,11 +210,11 @@ def test_linen_gemm_without_an_annotation_hands_none():
 
 # Gemma's heads over the tensor-parallel axis, as its ShardingConfig annotates them.
 GEMMA_SPECS = {
-    "qkv_einsum": (None, "model", None, None),  # (S, N, D, H)
-    "attn_vec_einsum": ("model", None, None),  # (N, H, D)
-    "gate_proj": (None, "model"),
-    "up_proj": (None, "model"),
-    "down_proj": ("model", None),
+  "qkv_einsum": (None, "model", None, None),  # (S, N, D, H)
+  "attn_vec_einsum": ("model", None, None),  # (N, H, D)
+  "gate_proj": (None, "model"),
+  "up_proj": (None, "model"),
+  "down_proj": ("model", None),
 }
 
 
@@ -228,8 +239,7 @@ def _train_gemma(mesh):
 
   @nnx.jit
   def step(model, optimizer, tokens):
-    loss, (grads, recipe_state) = ta_nnx.value_and_grad(gemma_nnx.next_token_loss)(
-        model, tokens)
+    loss, (grads, recipe_state) = ta_nnx.value_and_grad(gemma_nnx.next_token_loss)(model, tokens)
     optimizer.update(model, grads)
     nnx.update(model, recipe_state)
     return loss
@@ -280,8 +290,10 @@ def _train_haiku(mesh):
   params, state = f.init(jax.random.key(0), tokens)
   assert len(q.report.quantized) == 7 and not q.report.skipped
   if mesh is not None:
-    params = {name: {p: jax.device_put(v, NamedSharding(mesh, _haiku_spec(name, p)))
-                     for p, v in d.items()} for name, d in params.items()}
+    params = {
+      name: {p: jax.device_put(v, NamedSharding(mesh, _haiku_spec(name, p))) for p, v in d.items()}
+      for name, d in params.items()
+    }
   tx = optax.sgd(0.5)
   opt_state = tx.init(params)
 
@@ -309,5 +321,8 @@ def test_haiku_transformer_trains_megatron_sharded_like_one_device(monkeypatch):
     got = _train_haiku(_mesh())
   _assert_trained_alike(got, want)
   # Haiku's layers name themselves in the core's sharding messages.
-  assert {"layer 'transformer/multi_head_attention/query'", "layer 'transformer/linear_1'",
-          "layer 'language_model/linear'"} <= set(seen)
+  assert {
+    "layer 'transformer/multi_head_attention/query'",
+    "layer 'transformer/linear_1'",
+    "layer 'language_model/linear'",
+  } <= set(seen)

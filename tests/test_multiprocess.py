@@ -21,8 +21,10 @@ import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = ("linen/delayed/dp,linen/current/fsdp,nnx/delayed/fsdp,nnx/current/dp,"
-           "haiku/delayed/dp,haiku/current/fsdp")
+CONFIGS = (
+  "linen/delayed/dp,linen/current/fsdp,nnx/delayed/fsdp,nnx/current/dp,"
+  "haiku/delayed/dp,haiku/current/fsdp"
+)
 
 
 def _gloo_missing() -> str | None:
@@ -41,21 +43,35 @@ pytestmark = pytest.mark.skipif(_gloo_missing() is not None, reason=str(_gloo_mi
 def _env():
   """This environment without the suite's 8 virtual devices (each run sets its own count)."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                            env.get("XLA_FLAGS", "")).strip()
+  env["XLA_FLAGS"] = re.sub(
+    r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+  ).strip()
   env["JAX_PLATFORMS"] = "cpu"
   return env
 
 
 def _run(args, timeout=300):
-  out = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=timeout)
+  out = subprocess.run(
+    [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+  )
   return out.returncode, out.stdout + out.stderr
 
 
 def _launch(processes, target, *options, timeout=300):
-  return _run(["-m", "bench.multiprocess", "--processes", str(processes), "--platform", "cpu",
-               *options, "--", *target], timeout=timeout)
+  return _run(
+    [
+      "-m",
+      "bench.multiprocess",
+      "--processes",
+      str(processes),
+      "--platform",
+      "cpu",
+      *options,
+      "--",
+      *target,
+    ],
+    timeout=timeout,
+  )
 
 
 @pytest.mark.slow  # two runs of the check: about a minute on two cores
@@ -64,11 +80,11 @@ def test_two_processes_train_bit_for_bit_like_one_process_on_the_same_mesh(tmp_p
   single, multi = tmp_path / "single", tmp_path / "multi"
   # The reference trains on the mesh only: the two processes' run also trains on one device
   # and saves, restores and trains again.
-  rc, log = _run([*check, "--cpu-devices", "2", "--out", str(single), "--no-one-device",
-                  "--no-checkpoint"])
+  rc, log = _run(
+    [*check, "--cpu-devices", "2", "--out", str(single), "--no-one-device", "--no-checkpoint"]
+  )
   assert rc == 0, log[-4000:]
-  rc, log = _launch(2, [*check, "--out", str(multi), "--reference",
-                        str(single / "results.json")])
+  rc, log = _launch(2, [*check, "--out", str(multi), "--reference", str(single / "results.json")])
   assert rc == 0, log[-6000:]
   assert "all 2 processes succeeded" in log
   assert "6 of 6 bit for bit" in log, log[-3000:]
@@ -93,11 +109,11 @@ def test_two_processes_train_bit_for_bit_like_one_process_on_the_same_mesh(tmp_p
 def test_the_launcher_fails_when_a_process_fails_and_ends_the_ones_left_waiting(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text(
-      "import sys, time, jax\n"
-      "if jax.process_index() == 1:\n"
-      "  print('process 1 fails', flush=True)\n"
-      "  sys.exit(3)\n"
-      "time.sleep(600)\n"
+    "import sys, time, jax\n"
+    "if jax.process_index() == 1:\n"
+    "  print('process 1 fails', flush=True)\n"
+    "  sys.exit(3)\n"
+    "time.sleep(600)\n"
   )
   start = time.monotonic()
   rc, log = _launch(2, [str(script)], "--grace", "2", "--timeout", "120")

@@ -21,8 +21,11 @@ from tests.linen import test_linen_norm as linen_norm
 from tests.nnx import test_nnx_norm as nnx_norm
 
 
-@pytest.mark.parametrize("recipe", [ta.DelayedScaling(amax_history_len=4),
-                                    ta.Float8CurrentScaling()], ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize(
+  "recipe",
+  [ta.DelayedScaling(amax_history_len=4), ta.Float8CurrentScaling()],
+  ids=lambda r: type(r).__name__,
+)
 def test_layer_norm_dense_general_agrees_across_adapters(recipe, rel):
   x, g, b, _ = _inputs()
   w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
@@ -39,8 +42,9 @@ def test_layer_norm_dense_general_agrees_across_adapters(recipe, rel):
     assert rel(z, z_linen) < 1e-5
   # ... and right: the last step's output and kernel gradient against float64.
   p = history[-1]["params"]
-  ref, (_, _, _, dw) = _reference(x, p["scale"], p["ln_bias"], None, "layernorm", False, 1e-6,
-                                  kernel=p["kernel"], dz=dz)
+  ref, (_, _, _, dw) = _reference(
+    x, p["scale"], p["ln_bias"], None, "layernorm", False, 1e-6, kernel=p["kernel"], dz=dz
+  )
   assert 0.005 < rel(z_linen, ref) < 0.05 and rel(g_linen["kernel"], dw) < 0.08
   for grads in (g_nnx, g_hk):
     assert sorted(grads) == sorted(g_linen) == ["kernel", "ln_bias", "scale"]
@@ -87,8 +91,9 @@ def test_training_helpers_carry_the_state():
     _, (_, state_grads) = ta_nnx.value_and_grad(lambda m, x: loss(m(x)))(layer, x)
     ta_nnx.update_recipe_state(layer, state_grads)
 
-  model = hk.transform_with_state(lambda x: ta_hk.LayerNormDenseGeneral(
-      256, recipe=recipe, threshold=None)(x))
+  model = hk.transform_with_state(
+    lambda x: ta_hk.LayerNormDenseGeneral(256, recipe=recipe, threshold=None)(x)
+  )
   _, hk_state = model.init(jax.random.key(0), x)
 
   def hk_loss(params, state, x):
@@ -101,6 +106,5 @@ def test_training_helpers_carry_the_state():
 
   assert float(linen_state["x_amax_history"][-2]) > 0  # two steps recorded
   for name in core.state_names(recipe):
-    np.testing.assert_allclose(layer.dot_general.recipe_state()[name], linen_state[name],
-                               rtol=1e-6)
+    np.testing.assert_allclose(layer.dot_general.recipe_state()[name], linen_state[name], rtol=1e-6)
     np.testing.assert_allclose(hk_state[hk_norm.NAME][name], linen_state[name], rtol=1e-6)

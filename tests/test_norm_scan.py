@@ -27,9 +27,9 @@ FIELDS = {"recipe": RECIPE, "threshold": None, "return_layernorm_output": False}
 def _stacked_params(seed=1):
   keys = jax.random.split(jax.random.key(seed), 3)
   return {
-      "scale": 1.0 + 0.1 * jax.random.normal(keys[0], (LAYERS, K)),
-      "ln_bias": 0.1 * jax.random.normal(keys[1], (LAYERS, K)),
-      "kernel": jax.random.normal(keys[2], (LAYERS, K, K)) / np.sqrt(K),
+    "scale": 1.0 + 0.1 * jax.random.normal(keys[0], (LAYERS, K)),
+    "ln_bias": 0.1 * jax.random.normal(keys[1], (LAYERS, K)),
+    "kernel": jax.random.normal(keys[2], (LAYERS, K, K)) / np.sqrt(K),
   }
 
 
@@ -57,23 +57,26 @@ def test_linen_scan(remat):
       z, _ = ta_linen.LayerNormDenseGeneral(K, **FIELDS)(h)
       return jnp.tanh(z), None
 
-  stack = nn.scan(nn.remat(Block) if remat else Block, variable_axes={"params": 0, OWG: 0},
-                  split_rngs={"params": True},
-                  length=LAYERS)
+  stack = nn.scan(
+    nn.remat(Block) if remat else Block,
+    variable_axes={"params": 0, OWG: 0},
+    split_rngs={"params": True},
+    length=LAYERS,
+  )
   variables = stack().init(jax.random.key(0), X, None)
   params = {"LayerNormDenseGeneral_0": _stacked_params()}
   state = variables[OWG]
 
   def scan_loss(params, state):
     h, _ = stack().apply({"params": params, OWG: state}, X, None)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
   def unrolled_loss(params, state):
     h = X
     for i in range(LAYERS):
       one = jax.tree.map(lambda a, i=i: a[i], (params, state))
       h, _ = Block().apply({"params": one[0], OWG: one[1]}, h, None)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
   results = []
   for loss in (scan_loss, unrolled_loss):
@@ -97,25 +100,27 @@ def test_nnx_scan(remat):
   def scan_loss(stack):
     def block(layer, h):
       return jnp.tanh(layer(h)[0])
-    body = nnx.scan(nnx.remat(block) if remat else block, in_axes=(0, nnx.Carry),
-                    out_axes=nnx.Carry)
+
+    body = nnx.scan(
+      nnx.remat(block) if remat else block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry
+    )
     return jnp.sum(body(stack, X) ** 2)
 
   diff = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
   value, grads = nnx.jit(nnx.value_and_grad(scan_loss, argnums=diff))(stack)
   params, state = nnx.split_state(grads, nnx.Param, ta_nnx.RecipeState)
-  scanned = (value, nnx.to_pure_dict(params),
-             nnx.to_pure_dict(state)["dot_general"]["state"])
+  scanned = (value, nnx.to_pure_dict(params), nnx.to_pure_dict(state)["dot_general"]["state"])
 
   graphdef, p0, s0 = nnx.split(stack, nnx.Param, ta_nnx.RecipeState)
 
   def unrolled_loss(p, s):
     h = X
     for i in range(LAYERS):
-      one = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], p),
-                      jax.tree.map(lambda a, i=i: a[i], s))
+      one = nnx.merge(
+        graphdef, jax.tree.map(lambda a, i=i: a[i], p), jax.tree.map(lambda a, i=i: a[i], s)
+      )
       h = jnp.tanh(one(h)[0])
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
   value, (gp, gs) = jax.jit(jax.value_and_grad(unrolled_loss, argnums=(0, 1)))(p0, s0)
   unrolled = (value, nnx.to_pure_dict(gp), nnx.to_pure_dict(gs)["dot_general"]["state"])
@@ -131,7 +136,8 @@ def test_haiku_layer_stack(remat):
     return jnp.tanh(z)
 
   stacked = hk.transform_with_state(
-      lambda x: jnp.sum(hk.layer_stack(LAYERS)(hk.remat(block) if remat else block)(x) ** 2))
+    lambda x: jnp.sum(hk.layer_stack(LAYERS)(hk.remat(block) if remat else block)(x) ** 2)
+  )
   one = hk.transform_with_state(block)
   _, state = stacked.init(jax.random.key(0), X)
   (path,) = state
@@ -145,7 +151,7 @@ def test_haiku_layer_stack(remat):
     for i in range(LAYERS):
       p, s = jax.tree.map(lambda a, i=i: a[i], (params[path], state[path]))
       h, _ = one.apply({"block": p}, {"block": s}, None, h)
-    return jnp.sum(h ** 2)
+    return jnp.sum(h**2)
 
   results = []
   for loss in (scan_loss, unrolled_loss):

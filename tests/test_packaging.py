@@ -28,8 +28,9 @@ sys.meta_path.insert(0, _Blocker())
 
 
 def _run_without_frameworks(code: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-c", _BLOCKER + code], capture_output=True, text=True,
-                        cwd=ROOT, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-c", _BLOCKER + code], capture_output=True, text=True, cwd=ROOT, timeout=300
+  )
 
 
 def test_core_imports_and_runs_without_flax_or_haiku():
@@ -53,8 +54,7 @@ print("ok")
   assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("adapter, extra", [("linen", "flax"), ("nnx", "flax"),
-                                            ("haiku", "haiku")])
+@pytest.mark.parametrize("adapter, extra", [("linen", "flax"), ("nnx", "flax"), ("haiku", "haiku")])
 def test_an_adapter_without_its_framework_names_the_extra(adapter, extra):
   done = _run_without_frameworks(f"import te_adapters.{adapter}")
   assert done.returncode != 0

@@ -29,24 +29,28 @@ from tests import conftest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 pytestmark = [
-    pytest.mark.filterwarnings("ignore::te_adapters.core.HighPrecisionGemmWarning"),
-    # Orbax's and multi-device jax's notes on what they do.
-    pytest.mark.filterwarnings("ignore::UserWarning:orbax"),
+  pytest.mark.filterwarnings("ignore::te_adapters.core.HighPrecisionGemmWarning"),
+  # Orbax's and multi-device jax's notes on what they do.
+  pytest.mark.filterwarnings("ignore::UserWarning:orbax"),
 ]
 
 
 def python_blocks(page: pathlib.Path = README) -> list[tuple[int, str]]:
   """``(line, code)`` of every python block of a Markdown page (the README by default)."""
   text = page.read_text()
-  return [(text[:m.start()].count("\n") + 2, m.group(1))
-          for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+  return [
+    (text[: m.start()].count("\n") + 2, m.group(1))
+    for m in re.finditer(r"```python\n(.*?)```", text, re.S)
+  ]
 
 
 def guide_blocks() -> list[tuple[str, str]]:
   """``(page:line, code)`` of every python block of the user-guide pages, ``docs/**/*.md``."""
-  return [(f"{page.relative_to(ROOT)}:{line}", code)
-          for page in sorted((ROOT / "docs").rglob("*.md"))
-          for line, code in python_blocks(page)]
+  return [
+    (f"{page.relative_to(ROOT)}:{line}", code)
+    for page in sorted((ROOT / "docs").rglob("*.md"))
+    for line, code in python_blocks(page)
+  ]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -190,8 +194,12 @@ def check_config(ns):
 
 def check_fsdp(ns):
   x, w = (jnp.asarray(np.asarray(ns[k])) for k in ("x", "w"))  # on one device
-  want = jax.grad(lambda w: jnp.sum(core.dot_general(
-      x, w, (((2,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling())), argnums=0)(w)
+  want = jax.grad(
+    lambda w: jnp.sum(
+      core.dot_general(x, w, (((2,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling())
+    ),
+    argnums=0,
+  )(w)
   got = ns["grads"]
   assert got.shape == w.shape and len(got.sharding.device_set) == 4
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -207,23 +215,23 @@ def check_formats(ns):
 
 
 CHECKS = {
-    "state = ta.core.with_max_grad(state)": check_plain_jax,
-    "ocp.StandardCheckpointer()": check_orbax,
-    "ta_linen.TrainState.create": check_linen,
-    "ta_nnx.update_recipe_state(model, state_grads)": check_nnx,
-    "ta_hk.value_grad_and_state(loss_fn)": check_haiku,
-    "ta_linen.quantize(rules=": lambda ns: check_rules(ns["q"].report),
-    "ta_nnx.quantize_model(Block(": lambda ns: check_rules(ns["report"]),
-    "ta_hk.quantize(rules=": lambda ns: check_rules(ns["q"].report),
-    "class QKV(nn.Module)": check_layernorm_dense,
-    "traverse_util.path_aware_map(": check_linen_lora,
-    "wrt=nnx.LoRAParam)": check_nnx_lora,
-    "hk.data_structures.partition(": check_haiku_lora,
-    "core.runs_in_fp8(x.shape, w.shape, dn, threshold=mine)": check_threshold,
-    'ta.GemmConfig(backend="jax")': check_config,
-    'kernel_all_gather=P("fsdp", None)': check_fsdp,
-    "ta.core.register_format(": check_formats,
-    "# train_multihost.py": None,  # test_multihost_block
+  "state = ta.core.with_max_grad(state)": check_plain_jax,
+  "ocp.StandardCheckpointer()": check_orbax,
+  "ta_linen.TrainState.create": check_linen,
+  "ta_nnx.update_recipe_state(model, state_grads)": check_nnx,
+  "ta_hk.value_grad_and_state(loss_fn)": check_haiku,
+  "ta_linen.quantize(rules=": lambda ns: check_rules(ns["q"].report),
+  "ta_nnx.quantize_model(Block(": lambda ns: check_rules(ns["report"]),
+  "ta_hk.quantize(rules=": lambda ns: check_rules(ns["q"].report),
+  "class QKV(nn.Module)": check_layernorm_dense,
+  "traverse_util.path_aware_map(": check_linen_lora,
+  "wrt=nnx.LoRAParam)": check_nnx_lora,
+  "hk.data_structures.partition(": check_haiku_lora,
+  "core.runs_in_fp8(x.shape, w.shape, dn, threshold=mine)": check_threshold,
+  'ta.GemmConfig(backend="jax")': check_config,
+  'kernel_all_gather=P("fsdp", None)': check_fsdp,
+  "ta.core.register_format(": check_formats,
+  "# train_multihost.py": None,  # test_multihost_block
 }
 
 
@@ -238,9 +246,11 @@ def test_every_block_is_claimed_by_one_check():
   assert sorted(claimed) == sorted(CHECKS), "a check lost its block"
 
 
-@pytest.mark.parametrize("line, code", [b for b in python_blocks()
-                                        if "# train_multihost.py" not in b[1]],
-                         ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+@pytest.mark.parametrize(
+  "line, code",
+  [b for b in python_blocks() if "# train_multihost.py" not in b[1]],
+  ids=lambda v: f"line{v}" if isinstance(v, int) else "",
+)
 def test_block_runs_as_written(line, code):
   marker = _claim(code)
   if marker == 'kernel_all_gather=P("fsdp", None)' and jax.device_count() < 4:
@@ -266,15 +276,18 @@ def test_multihost_block_runs_in_two_processes(tmp_path):
   (code,) = [c for _, c in python_blocks() if "# train_multihost.py" in c]
   script = tmp_path / "train_multihost.py"
   script.write_text(code)
-  shell = re.search(r"```sh\n(python -m bench\.multiprocess [^\n]*train_multihost\.py)\n```",
-                    README.read_text())
+  shell = re.search(
+    r"```sh\n(python -m bench\.multiprocess [^\n]*train_multihost\.py)\n```", README.read_text()
+  )
   assert shell, "the README's command for the script"
   args = shell.group(1).split()[1:]
   args[-1] = str(script)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                  os.environ.get("PYTHONPATH")])))
-  out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+  env = dict(
+    os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+  )
+  out = subprocess.run(
+    [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   lines = re.findall(r"process (\d): loss (\S+), x amax (\S+)", out.stdout)
   assert sorted(i for i, _, _ in lines) == ["0", "1"], out.stdout[-3000:]

@@ -67,10 +67,15 @@ def _data(seed=0):
   def r(*shape, scale=1.0):
     return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
-  return {"x": r(M, K).astype(jnp.bfloat16), "w": r(K, F, scale=K**-0.5),
-          "scale": 1.0 + r(K, scale=0.1), "bias": r(K, scale=0.1),
-          "wi": r(K, 1, F, scale=K**-0.5), "wo": r(F, K, scale=F**-0.5),
-          "experts": r(4, K, F, scale=K**-0.5)}
+  return {
+    "x": r(M, K).astype(jnp.bfloat16),
+    "w": r(K, F, scale=K**-0.5),
+    "scale": 1.0 + r(K, scale=0.1),
+    "bias": r(K, scale=0.1),
+    "wi": r(K, 1, F, scale=K**-0.5),
+    "wo": r(F, K, scale=F**-0.5),
+    "experts": r(4, K, F, scale=K**-0.5),
+  }
 
 
 def _walk(jaxpr):
@@ -100,8 +105,9 @@ def _gemm_dtypes(closed):
 
 
 def _quantizes(closed) -> bool:
-  return any(str(np.dtype(v.aval.dtype)) in _QUANTIZED
-             for eqn in _walk(closed.jaxpr) for v in eqn.outvars)
+  return any(
+    str(np.dtype(v.aval.dtype)) in _QUANTIZED for eqn in _walk(closed.jaxpr) for v in eqn.outvars
+  )
 
 
 def _traced(step, recipe, grad):
@@ -144,8 +150,9 @@ def _dot_general(recipe, d):
   (rng,) = _keys(recipe)
 
   def loss(x, w, state):
-    y = core.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe, state=state, rng=rng,
-                         threshold=None)
+    y = core.dot_general(
+      x, w, (((1,), (0,)), ((), ())), recipe=recipe, state=state, rng=rng, threshold=None
+    )
     return jnp.sum(y.astype(jnp.float32))
 
   return loss, (d["x"], d["w"], core.init_state(recipe) or None)
@@ -156,8 +163,9 @@ def _layernorm_dense(recipe, d):
   state = core.init_state(recipe) or None
 
   def loss(x, w, state):
-    z, _ = core.layernorm_dense(x, d["scale"], d["bias"], w, recipe=recipe, state=state, rng=rng,
-                                threshold=None)
+    z, _ = core.layernorm_dense(
+      x, d["scale"], d["bias"], w, recipe=recipe, state=state, rng=rng, threshold=None
+    )
     return jnp.sum(z.astype(jnp.float32))
 
   return loss, (d["x"], d["w"], state)
@@ -167,8 +175,17 @@ def _layernorm_mlp(recipe, d):
   states = (core.init_state(recipe), core.init_state(recipe)) if core.init_state(recipe) else None
 
   def loss(x, wi, wo, states):
-    out, _ = core.layernorm_mlp(x, d["scale"], d["bias"], wi, wo, recipe=recipe, states=states,
-                                rngs=_keys(recipe, 2), threshold=None)
+    out, _ = core.layernorm_mlp(
+      x,
+      d["scale"],
+      d["bias"],
+      wi,
+      wo,
+      recipe=recipe,
+      states=states,
+      rngs=_keys(recipe, 2),
+      threshold=None,
+    )
     return jnp.sum(out.astype(jnp.float32))
 
   return loss, (d["x"], d["wi"], d["wo"], states)
@@ -187,8 +204,13 @@ def _ragged_dot(recipe, d):
 
 # TE's defaults leave the norm outside (its output returned) and drop out the activation: the
 # ordinary training configuration of the fused block has neither.
-_MLP = dict(activations=("gelu",), recipe=None, threshold=None, return_layernorm_output=False,
-            intermediate_dropout_rate=0.0)
+_MLP = dict(
+  activations=("gelu",),
+  recipe=None,
+  threshold=None,
+  return_layernorm_output=False,
+  intermediate_dropout_rate=0.0,
+)
 
 
 def _linen(recipe, d):
@@ -215,16 +237,14 @@ def _nnx(recipe, d):
     return layer_loss(nnx.merge(graph, params, rest))
 
   def grad(params, rest):  # NNX's grad: the layer's streams advance inside its trace
-    return nnx.grad(layer_loss, argnums=nnx.DiffState(0, nnx.Param))(
-        nnx.merge(graph, params, rest))
+    return nnx.grad(layer_loss, argnums=nnx.DiffState(0, nnx.Param))(nnx.merge(graph, params, rest))
 
   loss.grad = grad
   return loss, (params, rest)
 
 
 def _haiku(recipe, d):
-  model = hk.transform_with_state(
-      lambda x: ta_hk.LayerNormMLP(F, **{**_MLP, "recipe": recipe})(x))
+  model = hk.transform_with_state(lambda x: ta_hk.LayerNormMLP(F, **{**_MLP, "recipe": recipe})(x))
   params, state = model.init(jax.random.key(0), d["x"])
 
   def loss(p, s):
@@ -234,19 +254,27 @@ def _haiku(recipe, d):
   return loss, (params, state)
 
 
-STEPS = {"`dot_general`": (_dot_general, _check_gemms),
-         "`layernorm_dense`": (_layernorm_dense, _check_fused),
-         "`layernorm_mlp`": (_layernorm_mlp, _check_fused),
-         "`ragged_dot`": (_ragged_dot, _check_gemms),
-         "Linen": (_linen, _check_fused), "NNX": (_nnx, _check_fused),
-         "Haiku": (_haiku, _check_fused)}
+STEPS = {
+  "`dot_general`": (_dot_general, _check_gemms),
+  "`layernorm_dense`": (_layernorm_dense, _check_fused),
+  "`layernorm_mlp`": (_layernorm_mlp, _check_fused),
+  "`ragged_dot`": (_ragged_dot, _check_gemms),
+  "Linen": (_linen, _check_fused),
+  "NNX": (_nnx, _check_fused),
+  "Haiku": (_haiku, _check_fused),
+}
 
 
 def test_the_table_has_every_recipe_and_path():
   rows = {row for row, _ in CELLS}
   assert {type(_recipe(r)).__name__ for r in rows} == {
-      "DelayedScaling", "Float8CurrentScaling", "Float8RowwiseScaling", "Float8BlockScaling",
-      "MXFP8BlockScaling", "NVFP4BlockScaling"}
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8RowwiseScaling",
+    "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+  }
   assert COLUMNS == list(STEPS)
   for cell in CELLS.values():
     assert cell in WORDS or cell.startswith("error: "), cell
@@ -260,7 +288,7 @@ def test_cell(row, column):
   with warnings.catch_warnings():
     warnings.simplefilter("error", core.HighPrecisionGemmWarning)  # every GEMM in FP8
     if word.startswith("error: "):
-      with pytest.raises(Exception, match=re.escape(word[len("error: "):])):
+      with pytest.raises(Exception, match=re.escape(word[len("error: ") :])):
         _traced(step, recipe, grad=True)
       return
     if word == "composed (reported)":

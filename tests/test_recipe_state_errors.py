@@ -30,8 +30,9 @@ class Tower(nn.Module):
   def __call__(self, x):
     x = nn.Dense(32, dot_general_cls=ta_linen.make_dot_general_cls(self.recipe), name="proj")(x)
     x = ta_linen.Dense(32, recipe=self.recipe, name="dense")(x)
-    out, _ = ta_linen.LayerNormMLP(64, recipe=self.recipe, intermediate_dropout_rate=0.0,
-                                   name="mlp")(x, deterministic=True)
+    out, _ = ta_linen.LayerNormMLP(
+      64, recipe=self.recipe, intermediate_dropout_rate=0.0, name="mlp"
+    )(x, deterministic=True)
     return out
 
 
@@ -46,8 +47,10 @@ def test_linen_stateful_variables_given_to_a_stateless_model_raise():
   assert "variables.pop('_overwrite_with_gradient')" in message
   # Each kind of layer checks (the first to run raises; drop the others' entries to reach it).
   for name, path in (("dense", "dense/DelayedScalingDotGeneral_0"), ("mlp", "mlp/x_0_scale")):
-    only = {"params": variables["params"],
-            "_overwrite_with_gradient": {name: variables["_overwrite_with_gradient"][name]}}
+    only = {
+      "params": variables["params"],
+      "_overwrite_with_gradient": {name: variables["_overwrite_with_gradient"][name]},
+    }
     with pytest.raises(ValueError, match=IGNORED) as info:
       Tower(CURRENT).apply(only, X)
     assert path in str(info.value)
@@ -108,12 +111,19 @@ def test_haiku_missing_or_mismatched_state_raises():
   assert model(CURRENT).apply(params, fresh, None, X)[0].shape == (4, 32)
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: ta_nnx.Linear(32, 32, recipe=DELAYED),
     lambda: ta_nnx.LinearGeneral(32, 32, recipe=DELAYED),
     lambda: ta_nnx.Einsum("bd,df->bf", (32, 32), recipe=DELAYED),
-], ids=["Linear", "LinearGeneral", "Einsum"])
+  ],
+  ids=["Linear", "LinearGeneral", "Einsum"],
+)
 def test_nnx_layers_without_rngs_fail_as_flax_does(make):
-  with pytest.raises(TypeError, match=r"__init__\(\) missing 1 required keyword-only argument: "
-                                      r"'rngs'"):
+  with pytest.raises(
+    TypeError,
+    match=r"__init__\(\) missing 1 required keyword-only argument: "
+    r"'rngs'",
+  ):
     make()

@@ -76,8 +76,10 @@ def test_old_linen_variables_load_into_the_model_and_continue(saved):
   kernel = variables["params"]["kernel"]
   bias_free = old.step(kernel, variables["_overwrite_with_gradient"]["dot_general"], x, 3)
   assert_state_equal(fresh, dict(bias_free))
-  assert not np.array_equal(fresh["x_amax_history"], saved["linen_variables"][
-      "_overwrite_with_gradient"]["dot_general"]["x_amax_history"])
+  assert not np.array_equal(
+    fresh["x_amax_history"],
+    saved["linen_variables"]["_overwrite_with_gradient"]["dot_general"]["x_amax_history"],
+  )
 
 
 def test_incomplete_or_mismatched_old_state_gets_a_clear_error(saved):
@@ -90,6 +92,10 @@ def test_incomplete_or_mismatched_old_state_gets_a_clear_error(saved):
   longer = ta.core.init_state(ta.DelayedScaling(amax_history_len=8))
   with pytest.raises(ValueError, match=r"x_amax_history.*shape \(4,\).*\(8,\)"):
     ta.core.dot_general(
-        x, w, old.DN, recipe=ta.DelayedScaling(amax_history_len=8),
-        state=serialization.from_state_dict(longer, saved["core_state"]), threshold=None,
+      x,
+      w,
+      old.DN,
+      recipe=ta.DelayedScaling(amax_history_len=8),
+      state=serialization.from_state_dict(longer, saved["core_state"]),
+      threshold=None,
     )

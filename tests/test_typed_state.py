@@ -13,15 +13,21 @@ import te_adapters as ta
 from te_adapters import core
 
 DELAYED = ta.DelayedScaling(amax_history_len=4)
-STATELESS = [ta.Float8CurrentScaling(), ta.MXFP8BlockScaling(), ta.NVFP4BlockScaling(),
-             ta.Float8BlockScaling()]
+STATELESS = [
+  ta.Float8CurrentScaling(),
+  ta.MXFP8BlockScaling(),
+  ta.NVFP4BlockScaling(),
+  ta.Float8BlockScaling(),
+]
 DN = (((1,), (0,)), ((), ()))
 
 
 def _inputs(seed=0):
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.standard_normal((32, 64)), jnp.float32),
-          jnp.asarray(rng.standard_normal((64, 32)), jnp.float32))
+  return (
+    jnp.asarray(rng.standard_normal((32, 64)), jnp.float32),
+    jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
+  )
 
 
 def _step(state, seed=0):
@@ -147,8 +153,8 @@ def test_flax_serialization_round_trip():
   raw = serialization.msgpack_restore(data)
   assert sorted(raw["dense"]) == sorted(core.state_names(DELAYED)) and raw["mlp"] == {}
   restored = serialization.from_bytes(
-      {"dense": core.init_state(DELAYED), "mlp": core.init_state(ta.Float8CurrentScaling())},
-      data)
+    {"dense": core.init_state(DELAYED), "mlp": core.init_state(ta.Float8CurrentScaling())}, data
+  )
   assert type(restored["dense"]) is core.DelayedScalingState
   assert type(restored["mlp"]) is core.EmptyState
   _assert_same(restored["dense"], state)

@@ -70,10 +70,17 @@ def check_wheel(path: Path, args) -> list[str]:
   with zipfile.ZipFile(path) as z:
     names = set(z.namelist())
     dist_info = f"te_adapters-{m['version']}.dist-info"
-    for required in ("te_adapters/__init__.py", "te_adapters/_version.py", "te_adapters/py.typed",
-                     "te_adapters/core/__init__.py", "te_adapters/linen/__init__.py",
-                     "te_adapters/nnx/__init__.py", "te_adapters/haiku/__init__.py",
-                     f"{dist_info}/METADATA", f"{dist_info}/WHEEL"):
+    for required in (
+      "te_adapters/__init__.py",
+      "te_adapters/_version.py",
+      "te_adapters/py.typed",
+      "te_adapters/core/__init__.py",
+      "te_adapters/linen/__init__.py",
+      "te_adapters/nnx/__init__.py",
+      "te_adapters/haiku/__init__.py",
+      f"{dist_info}/METADATA",
+      f"{dist_info}/WHEEL",
+    ):
       if required not in names:
         errors.append(f"missing {required}")
     if not any(n.startswith(f"{dist_info}/") and "LICENSE" in n for n in names):
@@ -131,9 +138,16 @@ def check_sdist(path: Path) -> list[str]:
   errors = []
   with tarfile.open(path) as t:
     names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-  for required in ("pyproject.toml", "README.md", "LICENSE", "csrc/CMakeLists.txt",
-                   "csrc/cuda_module.cc", "te_adapters/__init__.py", "te_adapters/_version.py",
-                   "te_adapters/py.typed"):
+  for required in (
+    "pyproject.toml",
+    "README.md",
+    "LICENSE",
+    "csrc/CMakeLists.txt",
+    "csrc/cuda_module.cc",
+    "te_adapters/__init__.py",
+    "te_adapters/_version.py",
+    "te_adapters/py.typed",
+  ):
     if required not in names:
       errors.append(f"missing {required}")
   if not path.name.startswith(f"te_adapters-{_version()}."):

@@ -36,8 +36,10 @@ def is_heldout(relative_path: str) -> bool:
 def stdlib_files() -> tuple[pathlib.Path, list[str]]:
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   files = sorted(
-      p.relative_to(root).as_posix() for p in root.rglob("*.py")
-      if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+    p.relative_to(root).as_posix()
+    for p in root.rglob("*.py")
+    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
+  )
   if not files:
     raise RuntimeError(f"no .py files under the standard library's directory {root}")
   return root, files
@@ -50,8 +52,7 @@ def byte_tokens() -> tuple[np.ndarray, np.ndarray]:
   parts = {False: [], True: []}
   for name in files:
     parts[is_heldout(name)].append((root / name).read_bytes())
-  return tuple(np.frombuffer(b"".join(parts[h]), np.uint8).astype(np.uint16)
-               for h in (False, True))
+  return tuple(np.frombuffer(b"".join(parts[h]), np.uint8).astype(np.uint16) for h in (False, True))
 
 
 def load_tokens(directory) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -73,8 +74,12 @@ def build(out_dir, vocab: int = 32768) -> dict:
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
-      vocab_size=vocab, min_frequency=2, special_tokens=[END_OF_TEXT],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    vocab_size=vocab,
+    min_frequency=2,
+    special_tokens=[END_OF_TEXT],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
   train_names = [n for n in files if not is_heldout(n)]
   tokenizer.train_from_iterator((texts[n] for n in train_names), trainer=trainer)
   train_s = time.perf_counter() - start
@@ -92,11 +97,15 @@ def build(out_dir, vocab: int = 32768) -> dict:
     np.save(out / f"{split}.npy", arrays[split])
   n_bytes = sum(len(texts[n].encode()) for n in train_names)
   info = dict(
-      python=sys.version.split()[0], files=len(files), vocab=tokenizer.get_vocab_size(),
-      train_tokens=int(arrays["train"].size), heldout_tokens=int(arrays["heldout"].size),
-      train_bytes_per_token=n_bytes / arrays["train"].size, tokenizer_train_s=train_s,
-      sha256=hashlib.sha256(arrays["train"].tobytes() + arrays["heldout"].tobytes())
-      .hexdigest()[:16])
+    python=sys.version.split()[0],
+    files=len(files),
+    vocab=tokenizer.get_vocab_size(),
+    train_tokens=int(arrays["train"].size),
+    heldout_tokens=int(arrays["heldout"].size),
+    train_bytes_per_token=n_bytes / arrays["train"].size,
+    tokenizer_train_s=train_s,
+    sha256=hashlib.sha256(arrays["train"].tobytes() + arrays["heldout"].tobytes()).hexdigest()[:16],
+  )
   (out / "info.json").write_text(json.dumps(info, indent=1) + "\n")
   return info
 

@@ -79,23 +79,44 @@ class Config:
     """Model FLOPs of one training step: 6 per GEMM parameter per token, plus attention's score
     and value GEMMs, 12 * layers * heads * head_dim * seq_len per token (forward and backward,
     the PaLM convention, causal masking not discounted)."""
-    per_token = (6 * self.matmul_params()
-                 + 12 * self.layers * self.heads * self.head_dim * self.seq_len)
+    per_token = (
+      6 * self.matmul_params() + 12 * self.layers * self.heads * self.head_dim * self.seq_len
+    )
     return float(per_token * self.tokens_per_step)
 
 
 CONFIGS = {
-    # Llama-3.2-1B's width with 128-wide heads: 16 layers, d_model 2048, 16 query heads and 4
-    # KV heads of 128, SwiGLU 8192, vocabulary 32768, untied head: 1.10B parameters (1.04B in
-    # GEMMs). 8 sequences of 2048 tokens per step. Every projection GEMM has M = 16384 and
-    # K, N >= 2048, so it passes the default FP8 size threshold.
-    # Without rematerialisation the plain models' step needs ~61 GiB of temporaries besides the
-    # 12 GiB of parameters and optimizer state: more than an 80 GB H100 holds.
-    "1b": Config(vocab=32768, d_model=2048, layers=16, heads=16, kv_heads=4, ffn=8192,
-                 seq_len=2048, batch=8, remat="gemm_outputs"),
-    # CPU: every dim a multiple of 128 (Float8BlockScaling tiles it), all GEMMs in FP8.
-    "cpu": Config(vocab=512, d_model=128, layers=2, heads=4, kv_heads=2, ffn=256, seq_len=64,
-                  batch=4, learning_rate=3e-3, warmup_steps=2, fp8_everywhere=True),
+  # Llama-3.2-1B's width with 128-wide heads: 16 layers, d_model 2048, 16 query heads and 4
+  # KV heads of 128, SwiGLU 8192, vocabulary 32768, untied head: 1.10B parameters (1.04B in
+  # GEMMs). 8 sequences of 2048 tokens per step. Every projection GEMM has M = 16384 and
+  # K, N >= 2048, so it passes the default FP8 size threshold.
+  # Without rematerialisation the plain models' step needs ~61 GiB of temporaries besides the
+  # 12 GiB of parameters and optimizer state: more than an 80 GB H100 holds.
+  "1b": Config(
+    vocab=32768,
+    d_model=2048,
+    layers=16,
+    heads=16,
+    kv_heads=4,
+    ffn=8192,
+    seq_len=2048,
+    batch=8,
+    remat="gemm_outputs",
+  ),
+  # CPU: every dim a multiple of 128 (Float8BlockScaling tiles it), all GEMMs in FP8.
+  "cpu": Config(
+    vocab=512,
+    d_model=128,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    ffn=256,
+    seq_len=64,
+    batch=4,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    fp8_everywhere=True,
+  ),
 }
 
 
@@ -124,8 +145,9 @@ def attention(qkv: jax.Array, cfg: Config) -> jax.Array:
   q = rotary(q.reshape(b, t, nq, hd), cfg.rope_theta)
   k = rotary(k.reshape(b, t, nkv, hd), cfg.rope_theta)
   v = v.reshape(b, t, nkv, hd)
-  out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=attention_implementation())
+  out = jax.nn.dot_product_attention(
+    q, k, v, is_causal=True, implementation=attention_implementation()
+  )
   return out.reshape(b, t, nq * hd)
 
 
@@ -165,8 +187,15 @@ def remat_policy(cfg: Config):
 # Flax NNX
 
 
-def nnx_model(cfg: Config, seed: int = 0, *, modules_recipe=None, modules: bool = False,
-              threshold=None, gemm_config=None):
+def nnx_model(
+  cfg: Config,
+  seed: int = 0,
+  *,
+  modules_recipe=None,
+  modules: bool = False,
+  threshold=None,
+  gemm_config=None,
+):
   """The model in plain NNX; with ``modules=True``, its blocks are the library's fused modules
   built with ``modules_recipe`` (None: bf16), ``threshold`` and ``gemm_config``."""
   from flax import nnx
@@ -199,12 +228,21 @@ def nnx_model(cfg: Config, seed: int = 0, *, modules_recipe=None, modules: bool 
       d = cfg.d_model
       gemm = dict(recipe=modules_recipe, threshold=threshold, config=gemm_config)
       norm = dict(layernorm_type="rmsnorm", epsilon=cfg.norm_eps, return_layernorm_output=False)
-      self.qkv = ta_nnx.LayerNormDenseGeneral(d, cfg.qkv_features, kernel_init=init, **norm,
-                                              **gemm, rngs=rngs)
-      self.out = ta_nnx.Linear(cfg.heads * cfg.head_dim, d, use_bias=False, dtype=bf16,
-                               kernel_init=out_init, **gemm, rngs=rngs)
-      self.mlp = ta_nnx.LayerNormMLP(d, cfg.ffn, activations=("silu", "linear"),
-                                     kernel_init=init, **norm, **gemm, rngs=rngs)
+      self.qkv = ta_nnx.LayerNormDenseGeneral(
+        d, cfg.qkv_features, kernel_init=init, **norm, **gemm, rngs=rngs
+      )
+      self.out = ta_nnx.Linear(
+        cfg.heads * cfg.head_dim,
+        d,
+        use_bias=False,
+        dtype=bf16,
+        kernel_init=out_init,
+        **gemm,
+        rngs=rngs,
+      )
+      self.mlp = ta_nnx.LayerNormMLP(
+        d, cfg.ffn, activations=("silu", "linear"), kernel_init=init, **norm, **gemm, rngs=rngs
+      )
 
     def __call__(self, x):
       z, _ = self.qkv(x)
@@ -219,6 +257,7 @@ def nnx_model(cfg: Config, seed: int = 0, *, modules_recipe=None, modules: bool 
       d = cfg.d_model
       self.embed = nnx.Embed(cfg.vocab, d, dtype=bf16, embedding_init=init, rngs=rngs)
       if cfg.scan:
+
         @nnx.split_rngs(splits=cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stack(rngs):
@@ -228,15 +267,16 @@ def nnx_model(cfg: Config, seed: int = 0, *, modules_recipe=None, modules: bool 
       else:
         self.blocks = nnx.List([block_cls(rngs) for _ in range(cfg.layers)])
       self.norm = nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=bf16, rngs=rngs)
-      self.head = nnx.Linear(d, cfg.vocab, use_bias=False, dtype=bf16, kernel_init=init,
-                             rngs=rngs)
+      self.head = nnx.Linear(d, cfg.vocab, use_bias=False, dtype=bf16, kernel_init=init, rngs=rngs)
 
     def __call__(self, tokens):
       x = self.embed(tokens)
       policy = remat_policy(cfg)
       if cfg.scan:
+
         def body(block, h):
           return block(h)
+
         if cfg.remat:
           body = nnx.remat(body, policy=policy)
         x = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
@@ -262,13 +302,18 @@ def linen_model(cfg: Config, dot_general_cls=None):
   class Block(nn.Module):
     @nn.compact
     def __call__(self, x, _=None):
-      dense = functools.partial(nn.Dense, use_bias=False, dtype=bf16,
-                                kernel_init=nn.initializers.normal(std),
-                                dot_general_cls=dot_general_cls)
+      dense = functools.partial(
+        nn.Dense,
+        use_bias=False,
+        dtype=bf16,
+        kernel_init=nn.initializers.normal(std),
+        dot_general_cls=dot_general_cls,
+      )
       out_dense = functools.partial(dense, kernel_init=nn.initializers.normal(out_std))
       h = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=bf16, name="attn_norm")(x)
       x = x + out_dense(cfg.d_model, name="out")(
-          attention(dense(cfg.qkv_features, name="qkv")(h), cfg))
+        attention(dense(cfg.qkv_features, name="qkv")(h), cfg)
+      )
       h = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=bf16, name="mlp_norm")(x)
       x = x + out_dense(cfg.d_model, name="down")(swiglu(dense(2 * cfg.ffn, name="gate_up")(h)))
       return (x, None) if cfg.scan else x
@@ -276,20 +321,26 @@ def linen_model(cfg: Config, dot_general_cls=None):
   class LanguageModel(nn.Module):
     @nn.compact
     def __call__(self, tokens):
-      x = nn.Embed(cfg.vocab, cfg.d_model, dtype=bf16,
-                   embedding_init=nn.initializers.normal(std), name="embed")(tokens)
+      x = nn.Embed(
+        cfg.vocab, cfg.d_model, dtype=bf16, embedding_init=nn.initializers.normal(std), name="embed"
+      )(tokens)
       block = Block
       if cfg.remat:
         block = nn.remat(Block, policy=remat_policy(cfg))
       if cfg.scan:
-        x, _ = nn.scan(block, variable_axes={"params": 0, "_overwrite_with_gradient": 0},
-                       split_rngs={"params": True}, length=cfg.layers)(name="blocks")(x, None)
+        x, _ = nn.scan(
+          block,
+          variable_axes={"params": 0, "_overwrite_with_gradient": 0},
+          split_rngs={"params": True},
+          length=cfg.layers,
+        )(name="blocks")(x, None)
       else:
         for i in range(cfg.layers):
           x = block(name=f"block_{i}")(x)
       x = nn.RMSNorm(epsilon=cfg.norm_eps, dtype=bf16, name="norm")(x)
-      return nn.Dense(cfg.vocab, use_bias=False, dtype=bf16,
-                      kernel_init=nn.initializers.normal(std), name="head")(x)
+      return nn.Dense(
+        cfg.vocab, use_bias=False, dtype=bf16, kernel_init=nn.initializers.normal(std), name="head"
+      )(x)
 
   return LanguageModel()
 
@@ -317,8 +368,7 @@ def haiku_forward(tokens, cfg: Config, compute_dtype):
 
   def block(x):
     h = norm("attn_norm")(x)
-    x = x + linear(cfg.d_model, "out", out_init)(attention(linear(cfg.qkv_features, "qkv")(h),
-                                                           cfg))
+    x = x + linear(cfg.d_model, "out", out_init)(attention(linear(cfg.qkv_features, "qkv")(h), cfg))
     h = norm("mlp_norm")(x)
     return x + linear(cfg.d_model, "down", out_init)(swiglu(linear(2 * cfg.ffn, "gate_up")(h)))
 

@@ -68,9 +68,9 @@ from . import model as model_lib
 
 H100_BF16_PEAK_TFLOPS = 989.0
 RECIPES = {
-    "current": ta.Float8CurrentScaling,
-    "delayed": ta.DelayedScaling,
-    "block": ta.Float8BlockScaling,
+  "current": ta.Float8CurrentScaling,
+  "delayed": ta.DelayedScaling,
+  "block": ta.Float8BlockScaling,
 }
 OVERWRITE = "_overwrite_with_gradient"
 
@@ -88,21 +88,25 @@ def parse_variant(name: str) -> tuple[str, str]:
     return "linen-flax", "flax-fp8"
   for family in ("nnx-modules", "nnx", "linen", "haiku"):
     prefix = family + "-"
-    if name.startswith(prefix) and (name[len(prefix):] in RECIPES or name[len(prefix):] == "bf16"):
-      return family, name[len(prefix):]
+    if name.startswith(prefix) and (
+      name[len(prefix) :] in RECIPES or name[len(prefix) :] == "bf16"
+    ):
+      return family, name[len(prefix) :]
   raise ValueError(f"unknown variant {name!r}; known: {', '.join(variant_names())}")
 
 
 def optimizer(cfg: model_lib.Config) -> optax.GradientTransformation:
   """AdamW (betas 0.9/0.95, weight decay 0.1), linear warm-up, gradients clipped to norm 1."""
   schedule = optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1))
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+  return optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
+  )
 
 
 def cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    logits.astype(jnp.float32), tokens[:, 1:]
+  ).mean()
 
 
 @dataclasses.dataclass
@@ -123,16 +127,20 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None) -> Trainer:
 
   quantized = 0
   if family == "nnx-modules":
-    model = model_lib.nnx_model(cfg, seed, modules=True, modules_recipe=recipe,
-                                threshold=_threshold(cfg), gemm_config=config)
+    model = model_lib.nnx_model(
+      cfg, seed, modules=True, modules_recipe=recipe, threshold=_threshold(cfg), gemm_config=config
+    )
     quantized = (3 if cfg.scan else 3 * cfg.layers) if recipe is not None else 0
   else:
     model = model_lib.nnx_model(cfg, seed)
     if recipe is not None:
       report = ta_nnx.quantize_model(
-          # The embedding is a lookup: its attend (a tied head) is never called.
-          model, rules=[(model_lib.is_head, None), ("embed", None), (".*", recipe)],
-          threshold=_threshold(cfg), config=config)
+        # The embedding is a lookup: its attend (a tied head) is never called.
+        model,
+        rules=[(model_lib.is_head, None), ("embed", None), (".*", recipe)],
+        threshold=_threshold(cfg),
+        config=config,
+      )
       quantized = len(report.quantized)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -172,15 +180,17 @@ def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer
     def step(carry, tokens):  # Flax's rule: the state's gradient is its next value
       params, fp8_state, opt_state = carry
       loss, (grads, fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-          params, fp8_state, tokens)
+        params, fp8_state, tokens
+      )
       updates, opt_state = tx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), fp8_state, opt_state), loss
 
     return Trainer((params, fp8_state, tx.init(params)), step, 0)
 
   model = model_lib.linen_model(cfg)
-  q = ta_linen.quantize(rules=[(model_lib.is_head, None), (".*", recipe)],
-                        threshold=_threshold(cfg), config=config)
+  q = ta_linen.quantize(
+    rules=[(model_lib.is_head, None), (".*", recipe)], threshold=_threshold(cfg), config=config
+  )
   variables = jax.jit(q(model.init))(jax.random.key(seed), sample[:, :-1])
   state = ta_linen.TrainState.create(apply_fn=q(model.apply), variables=variables, tx=tx)
 
@@ -199,8 +209,9 @@ def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
 
   from te_adapters import haiku as ta_hk
 
-  q = ta_hk.quantize(rules=[(model_lib.is_head, None), (".*", recipe)],
-                     threshold=_threshold(cfg), config=config)
+  q = ta_hk.quantize(
+    rules=[(model_lib.is_head, None), (".*", recipe)], threshold=_threshold(cfg), config=config
+  )
   init = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.bfloat16)))
   params, state = jax.jit(init.init)(jax.random.key(seed), sample[:, :-1])
@@ -209,8 +220,8 @@ def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
     # float32 parameters, the projections' kernels cast to bf16 (as Linen's and NNX's
     # dtype=bfloat16 layers do): FP8 GEMMs quantize the bf16 operands.
     compute = jax.tree_util.tree_map_with_path(
-        lambda path, p: p.astype(jnp.bfloat16) if path[-1].key == "w" and p.ndim >= 2 else p,
-        params)
+      lambda path, p: p.astype(jnp.bfloat16) if path[-1].key == "w" and p.ndim >= 2 else p, params
+    )
     logits, state = model.apply(compute, state, None, tokens[:, :-1])
     return cross_entropy(logits, tokens), state
 
@@ -243,8 +254,9 @@ def token_data(cfg, tokens_dir=None) -> tuple[np.ndarray, dict]:
   if tokens_dir:
     train, _, info = data_lib.load_tokens(tokens_dir)
     if info["vocab"] > cfg.vocab:
-      raise ValueError(f"the token files' vocabulary ({info['vocab']}) exceeds the model's "
-                       f"({cfg.vocab})")
+      raise ValueError(
+        f"the token files' vocabulary ({info['vocab']}) exceeds the model's ({cfg.vocab})"
+      )
     return train, dict(info, source=str(tokens_dir))
   train, _ = data_lib.byte_tokens()
   return train, dict(source="standard library bytes", vocab=256, train_tokens=int(train.size))
@@ -261,8 +273,6 @@ def batch(train: np.ndarray, cfg, seed: int, step: int) -> np.ndarray:
 # Profile
 
 
-
-
 def hlo_instructions(hlo_text: str) -> dict[str, dict]:
   """name -> {line, target, op_name} of each instruction of compiled HLO text."""
   out = {}
@@ -272,8 +282,11 @@ def hlo_instructions(hlo_text: str) -> dict[str, dict]:
       continue
     target = re.search(r'custom_call_target="([^"]+)"', line)
     op_name = re.search(r'op_name="([^"]+)"', line)
-    out[m.group(1)] = dict(line=m.group(2)[:200], target=target.group(1) if target else "",
-                           op_name=op_name.group(1) if op_name else "")
+    out[m.group(1)] = dict(
+      line=m.group(2)[:200],
+      target=target.group(1) if target else "",
+      op_name=op_name.group(1) if op_name else "",
+    )
   return out
 
 
@@ -331,8 +344,13 @@ def profile(step_fn, carry, batches, hlo_text: str, steps: int = 3):
     with gzip.open(paths[0]) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-              and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  gpu_pids = {
+    e["pid"]
+    for e in events
+    if e.get("ph") == "M"
+    and e.get("name") == "process_name"
+    and "/device:GPU" in str(e.get("args", {}).get("name", ""))
+  }
   events = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids]
   instructions = hlo_instructions(hlo_text)
   groups, kernels = {}, {}
@@ -342,15 +360,20 @@ def profile(step_fn, carry, batches, hlo_text: str, steps: int = 3):
     key = (e["name"][:90], c)
     kernels[key] = kernels.get(key, 0.0) + e["dur"] / steps / 1e3
   idle, gaps = speed.gpu_idle(events, steps)
-  span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps / 1e3 \
-      if events else 0.0
+  span = (
+    (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / steps / 1e3
+    if events
+    else 0.0
+  )
   report = dict(
-      ms_per_step_span=span, idle_ms=idle, groups_ms=dict(sorted(groups.items(),
-                                                                 key=lambda kv: -kv[1])),
-      top_kernels=[(k[0], k[1], v) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])
-                   [:15]],
-      events_with_hlo_op=sum("hlo_op" in e.get("args", {}) for e in events),
-      events=len(events), sample_args=events[0].get("args", {}) if events else {})
+    ms_per_step_span=span,
+    idle_ms=idle,
+    groups_ms=dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+    top_kernels=[(k[0], k[1], v) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]],
+    events_with_hlo_op=sum("hlo_op" in e.get("args", {}) for e in events),
+    events=len(events),
+    sample_args=events[0].get("args", {}) if events else {},
+  )
   return report, carry
 
 
@@ -366,10 +389,20 @@ def count_gemms(step, carry, sample, compiled_text: str) -> dict:
   return dict(fp8_gemms=fp8, gemms=total, gemm_count_source="jaxpr")
 
 
-def run_variant(cfg, variant: str, train: np.ndarray, *, seed: int = 0, warmup: int = 2,
-                windows: int = 5, window_steps: int = 3, do_profile: bool = False,
-                peak_tflops: float = H100_BF16_PEAK_TFLOPS, config=None,
-                hlo_dir=None) -> dict:
+def run_variant(
+  cfg,
+  variant: str,
+  train: np.ndarray,
+  *,
+  seed: int = 0,
+  warmup: int = 2,
+  windows: int = 5,
+  window_steps: int = 3,
+  do_profile: bool = False,
+  peak_tflops: float = H100_BF16_PEAK_TFLOPS,
+  config=None,
+  hlo_dir=None,
+) -> dict:
   """Builds, compiles and times one variant; returns its record (``losses``: every step's)."""
   t0 = time.perf_counter()
   total_steps = warmup + windows * window_steps
@@ -382,8 +415,9 @@ def run_variant(cfg, variant: str, train: np.ndarray, *, seed: int = 0, warmup: 
     lowered = jax.jit(trainer.step, donate_argnums=0).lower(trainer.carry, batches[0])
     step_fn = lowered.compile()
     compile_s = time.perf_counter() - t1
-  high_precision = sorted({str(w.message)[:200] for w in caught
-                           if issubclass(w.category, core.HighPrecisionGemmWarning)})
+  high_precision = sorted(
+    {str(w.message)[:200] for w in caught if issubclass(w.category, core.HighPrecisionGemmWarning)}
+  )
   text = step_fn.as_text() if jax.default_backend() == "gpu" else ""
   gemms = count_gemms(trainer.step, trainer.carry, batches[0], text)
   if hlo_dir:
@@ -412,15 +446,30 @@ def run_variant(cfg, variant: str, train: np.ndarray, *, seed: int = 0, warmup: 
   flops = cfg.flops_per_step()
   family, recipe_name = parse_variant(variant)
   record = dict(
-      variant=variant, family=family, recipe=recipe_name, tokens_per_step=cfg.tokens_per_step,
-      tokens_per_s=median, tokens_per_s_min=tps[0], tokens_per_s_max=tps[-1],
-      step_ms=1e3 * cfg.tokens_per_step / median,
-      mfu=median / cfg.tokens_per_step * flops / (peak_tflops * 1e12),
-      model_tflop_per_step=flops / 1e12, windows=windows, window_steps=window_steps,
-      warmup=warmup, **gemms, fp8=recipe_name != "bf16" and gemms["fp8_gemms"] > 0,
-      quantized_layers=quantized, high_precision=high_precision,
-      first_loss=losses[0], last_loss=losses[-1], losses=losses, build_s=build_s,
-      compile_s=compile_s, device=str(jax.devices()[0].device_kind))
+    variant=variant,
+    family=family,
+    recipe=recipe_name,
+    tokens_per_step=cfg.tokens_per_step,
+    tokens_per_s=median,
+    tokens_per_s_min=tps[0],
+    tokens_per_s_max=tps[-1],
+    step_ms=1e3 * cfg.tokens_per_step / median,
+    mfu=median / cfg.tokens_per_step * flops / (peak_tflops * 1e12),
+    model_tflop_per_step=flops / 1e12,
+    windows=windows,
+    window_steps=window_steps,
+    warmup=warmup,
+    **gemms,
+    fp8=recipe_name != "bf16" and gemms["fp8_gemms"] > 0,
+    quantized_layers=quantized,
+    high_precision=high_precision,
+    first_loss=losses[0],
+    last_loss=losses[-1],
+    losses=losses,
+    build_s=build_s,
+    compile_s=compile_s,
+    device=str(jax.devices()[0].device_kind),
+  )
   if recipe_name != "bf16" and not record["fp8"]:
     print(f"WARNING: {variant} ran no FP8 GEMM: it is not an FP8 run", file=sys.stderr)
   if do_profile and jax.default_backend() == "gpu":
@@ -437,20 +486,30 @@ def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", choices=sorted(model_lib.CONFIGS), default="cpu")
   p.add_argument("--variants", default="nnx-bf16,nnx-current,nnx-delayed")
-  p.add_argument("--tokens", default=None,
-                 help="directory of bench.llama.data's token files (default: stdlib bytes)")
+  p.add_argument(
+    "--tokens",
+    default=None,
+    help="directory of bench.llama.data's token files (default: stdlib bytes)",
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--windows", type=int, default=5)
   p.add_argument("--window-steps", type=int, default=3)
   p.add_argument("--profile", default="", help="comma-separated variants to profile (GPU)")
   p.add_argument("--no-scan", action="store_true", help="unrolled layers instead of a scan")
-  p.add_argument("--remat", default=None,
-                 help="rematerialisation for every variant: gemm_outputs "
-                      "(model.save_gemm_outputs), a jax.checkpoint_policies name, or none "
-                      "(default: the configuration's)")
-  p.add_argument("--time-limit", type=float, default=None,
-                 help="seconds: start no variant after this much time has passed")
+  p.add_argument(
+    "--remat",
+    default=None,
+    help="rematerialisation for every variant: gemm_outputs "
+    "(model.save_gemm_outputs), a jax.checkpoint_policies name, or none "
+    "(default: the configuration's)",
+  )
+  p.add_argument(
+    "--time-limit",
+    type=float,
+    default=None,
+    help="seconds: start no variant after this much time has passed",
+  )
   p.add_argument("--hlo-dir", default=None)
   p.add_argument("--out", default=None, help="append the JSON records to this file")
   args = p.parse_args(argv)
@@ -461,11 +520,18 @@ def main(argv=None) -> list[dict]:
   for v in variants:
     parse_variant(v)
   train, info = token_data(cfg, args.tokens)
-  header = dict(config=args.config, **dataclasses.asdict(cfg), params=cfg.params(),
-                matmul_params=cfg.matmul_params(), tokens_per_step=cfg.tokens_per_step,
-                model_tflop_per_step=cfg.flops_per_step() / 1e12, data=info,
-                jax=jax.__version__, backend=jax.default_backend(),
-                device=str(jax.devices()[0].device_kind))
+  header = dict(
+    config=args.config,
+    **dataclasses.asdict(cfg),
+    params=cfg.params(),
+    matmul_params=cfg.matmul_params(),
+    tokens_per_step=cfg.tokens_per_step,
+    model_tflop_per_step=cfg.flops_per_step() / 1e12,
+    data=info,
+    jax=jax.__version__,
+    backend=jax.default_backend(),
+    device=str(jax.devices()[0].device_kind),
+  )
   print(json.dumps(header), flush=True)
   start = time.monotonic()
   records = []
@@ -474,9 +540,17 @@ def main(argv=None) -> list[dict]:
       print(f"{v}: not started, --time-limit passed", file=sys.stderr, flush=True)
       continue
     try:
-      record = run_variant(cfg, v, train, seed=args.seed, warmup=args.warmup,
-                           windows=args.windows, window_steps=args.window_steps,
-                           do_profile=v in args.profile.split(","), hlo_dir=args.hlo_dir)
+      record = run_variant(
+        cfg,
+        v,
+        train,
+        seed=args.seed,
+        warmup=args.warmup,
+        windows=args.windows,
+        window_steps=args.window_steps,
+        do_profile=v in args.profile.split(","),
+        hlo_dir=args.hlo_dir,
+      )
     except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others
       record = dict(variant=v, error=f"{type(e).__name__}: {str(e)[:2000]}")
     records.append(record)
@@ -491,21 +565,27 @@ def main(argv=None) -> list[dict]:
 
 def print_table(records) -> None:
   base = next((r for r in records if r.get("recipe") == "bf16" and "tokens_per_s" in r), None)
-  print(f"\n{'variant':22s} {'tok/s':>9s} {'x bf16':>7s} {'MFU':>6s} {'step ms':>8s} "
-        f"{'FP8/all GEMMs':>13s} {'compile s':>9s} {'loss 1st->last':>15s}")
+  print(
+    f"\n{'variant':22s} {'tok/s':>9s} {'x bf16':>7s} {'MFU':>6s} {'step ms':>8s} "
+    f"{'FP8/all GEMMs':>13s} {'compile s':>9s} {'loss 1st->last':>15s}"
+  )
   for r in records:
     if "error" in r:
       print(f"{r['variant']:22s} ERROR {r['error'][:200]}")
       continue
     ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
-    print(f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {ratio:7.3f} {r['mfu']:6.3f} "
-          f"{r['step_ms']:8.1f} {r['fp8_gemms']:>6d}/{r['gemms']:<6d} {r['compile_s']:9.1f} "
-          f"{r['first_loss']:7.3f}->{r['last_loss']:.3f}")
+    print(
+      f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {ratio:7.3f} {r['mfu']:6.3f} "
+      f"{r['step_ms']:8.1f} {r['fp8_gemms']:>6d}/{r['gemms']:<6d} {r['compile_s']:9.1f} "
+      f"{r['first_loss']:7.3f}->{r['last_loss']:.3f}"
+    )
   for r in records:
     if "profile" in r:
       prof = r["profile"]
-      print(f"\nprofile of {r['variant']}: {json.dumps(prof.get('groups_ms'))}, idle "
-            f"{prof.get('idle_ms')} ms, span {prof.get('ms_per_step_span')} ms per step")
+      print(
+        f"\nprofile of {r['variant']}: {json.dumps(prof.get('groups_ms'))}, idle "
+        f"{prof.get('idle_ms')} ms, span {prof.get('ms_per_step_span')} ms per step"
+      )
       for name, cls, ms in prof.get("top_kernels", []):
         print(f"  {ms:8.3f} ms  {cls[:28]:28s} {name}")
 

@@ -12,19 +12,19 @@ __all__ = ["add_lora"]
 
 
 def add_lora(
-    y,
-    inputs,
-    lora_a,
-    lora_b,
-    *,
-    state,
-    kernel_shape,
-    axis=-1,
-    threshold=core.DEFAULT_THRESHOLD,
-    alpha: float | None = None,
-    promote: Callable | None = None,
-    layer: str | None = None,
-    framework: str | None = None,
+  y,
+  inputs,
+  lora_a,
+  lora_b,
+  *,
+  state,
+  kernel_shape,
+  axis=-1,
+  threshold=core.DEFAULT_THRESHOLD,
+  alpha: float | None = None,
+  promote: Callable | None = None,
+  layer: str | None = None,
+  framework: str | None = None,
 ):
   """``y`` plus ``core.low_rank_adaptation(inputs, lora_a, lora_b)``, in ``y``'s dtype.
 
@@ -42,8 +42,16 @@ def add_lora(
     256.0
   """
   lora_a, lora_b = core.watch_lora_state(
-      lora_a, lora_b, state, x_shape=jnp.shape(inputs), kernel_shape=tuple(kernel_shape),
-      axis=axis, threshold=threshold, layer=layer, framework=framework)
+    lora_a,
+    lora_b,
+    state,
+    x_shape=jnp.shape(inputs),
+    kernel_shape=tuple(kernel_shape),
+    axis=axis,
+    threshold=threshold,
+    layer=layer,
+    framework=framework,
+  )
   if promote is not None:
     inputs, lora_a, lora_b = promote(inputs, lora_a, lora_b)
   lora = core.low_rank_adaptation(inputs, lora_a, lora_b, axis=axis, alpha=alpha)

@@ -11,27 +11,27 @@ __all__ = ["layernorm_dense_general"]
 
 
 def layernorm_dense_general(
-    inputs,
-    scale,
-    ln_bias,
-    kernel,
-    bias=None,
-    *,
-    enable_layernorm: bool = True,
-    layernorm_type: str = "layernorm",
-    zero_centered_gamma: bool = False,
-    epsilon: float = 1e-6,
-    return_layernorm_output: bool = True,
-    depth_scaling: float | None = None,
-    layernorm_input_constraint: Callable | None = None,
-    dot_input_constraint: Callable | None = None,
-    recipe,
-    state=None,
-    rng=None,
-    threshold=core.DEFAULT_THRESHOLD,
-    config=None,
-    layer: str | None = None,
-    framework: str | None = None,
+  inputs,
+  scale,
+  ln_bias,
+  kernel,
+  bias=None,
+  *,
+  enable_layernorm: bool = True,
+  layernorm_type: str = "layernorm",
+  zero_centered_gamma: bool = False,
+  epsilon: float = 1e-6,
+  return_layernorm_output: bool = True,
+  depth_scaling: float | None = None,
+  layernorm_input_constraint: Callable | None = None,
+  dot_input_constraint: Callable | None = None,
+  recipe,
+  state=None,
+  rng=None,
+  threshold=core.DEFAULT_THRESHOLD,
+  config=None,
+  layer: str | None = None,
+  framework: str | None = None,
 ):
   """``(z, ln_out)`` of TE's ``LayerNormDenseGeneral`` from its parameters.
 
@@ -66,16 +66,30 @@ def layernorm_dense_general(
     >>> float(z[0, 0]), ln_out is x
     (8.0, True)
   """
-  gemm = {"recipe": recipe, "state": state, "rng": rng, "threshold": threshold, "config": config,
-          "layer": layer, "framework": framework}
+  gemm = {
+    "recipe": recipe,
+    "state": state,
+    "rng": rng,
+    "threshold": threshold,
+    "config": config,
+    "layer": layer,
+    "framework": framework,
+  }
   if enable_layernorm:
     if layernorm_input_constraint is not None:
       inputs = layernorm_input_constraint(inputs)
     z, ln_out = core.layernorm_dense(
-        inputs, scale, ln_bias, kernel, layernorm_type=layernorm_type,
-        zero_centered_gamma=zero_centered_gamma, epsilon=epsilon,
-        return_layernorm_output=return_layernorm_output,
-        dot_input_constraint=dot_input_constraint, dense_bias=bias, **gemm,
+      inputs,
+      scale,
+      ln_bias,
+      kernel,
+      layernorm_type=layernorm_type,
+      zero_centered_gamma=zero_centered_gamma,
+      epsilon=epsilon,
+      return_layernorm_output=return_layernorm_output,
+      dot_input_constraint=dot_input_constraint,
+      dense_bias=bias,
+      **gemm,
     )
   else:
     if dot_input_constraint is not None:

@@ -52,15 +52,15 @@ class GemmOptions:
     ``core.layernorm_mlp``, which take no SPMD options (a ValueError if any is set)."""
     if spmd:
       return {
-          "threshold": self.threshold,
-          "amax_axes": self.amax_axes,
-          "kernel_all_gather": self.kernel_all_gather,
-          "config": self.config,
+        "threshold": self.threshold,
+        "amax_axes": self.amax_axes,
+        "kernel_all_gather": self.kernel_all_gather,
+        "config": self.config,
       }
     if self.amax_axes is not None or self.kernel_all_gather is not None:
       raise ValueError(
-          "amax_axes and kernel_all_gather go to core.dot_general only; the fused core functions "
-          "take threshold and config"
+        "amax_axes and kernel_all_gather go to core.dot_general only; the fused core functions "
+        "take threshold and config"
       )
     return {"threshold": self.threshold, "config": self.config}
 
@@ -80,8 +80,9 @@ class GemmOptionAttributes:
 
   threshold = property(lambda self: self.options.threshold, doc="``GemmOptions.threshold``")
   amax_axes = property(lambda self: self.options.amax_axes, doc="``GemmOptions.amax_axes``")
-  kernel_all_gather = property(lambda self: self.options.kernel_all_gather,
-                               doc="``GemmOptions.kernel_all_gather``")
+  kernel_all_gather = property(
+    lambda self: self.options.kernel_all_gather, doc="``GemmOptions.kernel_all_gather``"
+  )
   config = property(lambda self: self.options.config, doc="``GemmOptions.config``")
 
 

@@ -32,5 +32,5 @@ def check_layernorm_type(layernorm_type: str, layer: str) -> None:
   """
   if layernorm_type not in core.LAYERNORM_TYPES:
     raise ValueError(
-        f"{layer}: layernorm_type must be one of {core.LAYERNORM_TYPES}, got {layernorm_type!r}"
+      f"{layer}: layernorm_type must be one of {core.LAYERNORM_TYPES}, got {layernorm_type!r}"
     )

@@ -9,5 +9,7 @@ def require(module: str, adapter: str, extra: str) -> None:
     importlib.import_module(module)
   except ImportError as e:
     raise ImportError(
-        f"{adapter} needs {module}, which does not import ({e}): pip install "
-        f"'te_adapters[{extra}]' (te_adapters.core works without it)", name=module) from e
+      f"{adapter} needs {module}, which does not import ({e}): pip install "
+      f"'te_adapters[{extra}]' (te_adapters.core works without it)",
+      name=module,
+    ) from e

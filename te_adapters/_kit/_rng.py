@@ -31,8 +31,8 @@ def missing_key_message(recipe, how: str, where: str = "") -> str:
     or use disable_stochastic_rounding=True
   """
   return (
-      f"{where}{type(recipe).__name__} rounds the gradient stochastically{how}"
-      "or use disable_stochastic_rounding=True"
+    f"{where}{type(recipe).__name__} rounds the gradient stochastically{how}"
+    "or use disable_stochastic_rounding=True"
   )
 
 

@@ -22,11 +22,11 @@ from te_adapters._kit._options import GemmOptions, check_needs_recipe
 from te_adapters._kit._recipe import check_recipe_or_none
 
 __all__ = [
-    "Conversion",
-    "Rule",
-    "SkippedLayersWarning",
-    "attend_reason",
-    "own_slot_reason",
+  "Conversion",
+  "Rule",
+  "SkippedLayersWarning",
+  "attend_reason",
+  "own_slot_reason",
 ]
 
 
@@ -53,8 +53,8 @@ def attend_reason(owner: str, called: bool = True) -> str:
   """Why a module's ``attend`` (a tied output projection) is not converted; ``called=False``
   where the adapter cannot tell whether the model calls it (NNX converts before it runs)."""
   return (
-      f"{owner}.attend (a tied output projection){'' if called else ', if the model calls it,'} "
-      "computes its GEMM outside any dot_general slot, where no conversion reaches it"
+    f"{owner}.attend (a tied output projection){'' if called else ', if the model calls it,'} "
+    "computes its GEMM outside any dot_general slot, where no conversion reaches it"
   )
 
 
@@ -99,8 +99,8 @@ class Rule:
         raise ValueError(f"Rule: path {self.path!r} is not a regular expression: {e}") from e
     elif not callable(self.path):
       raise TypeError(
-          "Rule: path must be a regular expression (str) or a function of the path string, got "
-          f"{type(self.path).__name__}"
+        "Rule: path must be a regular expression (str) or a function of the path string, got "
+        f"{type(self.path).__name__}"
       )
     object.__setattr__(self, "recipe", check_recipe_or_none(self.recipe))
     if self.threshold is not INHERIT:
@@ -108,8 +108,11 @@ class Rule:
     if self.config is not INHERIT:
       object.__setattr__(self, "config", core.check_config(self.config))
     spmd = {o: getattr(self, o) for o in ("amax_axes", "kernel_all_gather")}
-    check_needs_recipe(self.recipe, f"Rule({self.describe()})",
-                       **{o: None if v is INHERIT else v for o, v in spmd.items()})
+    check_needs_recipe(
+      self.recipe,
+      f"Rule({self.describe()})",
+      **{o: None if v is INHERIT else v for o, v in spmd.items()},
+    )
 
   def matches(self, path: str) -> bool:
     """Whether this rule selects the layer at ``path``."""
@@ -125,10 +128,9 @@ class Rule:
 
   def options(self, base: GemmOptions) -> GemmOptions:
     """This rule's GEMM options, those it leaves out taken from ``base``."""
-    return GemmOptions(**{
-        name: getattr(base if getattr(self, name) is INHERIT else self, name)
-        for name in _OPTIONS
-    })
+    return GemmOptions(
+      **{name: getattr(base if getattr(self, name) is INHERIT else self, name) for name in _OPTIONS}
+    )
 
 
 def as_rule(entry) -> Rule:
@@ -142,7 +144,7 @@ def as_rule(entry) -> Rule:
       raise TypeError(f"a rule's third entry is a dict of GEMM options, got {options!r}")
     return Rule(entry[0], entry[1], **options)
   raise TypeError(
-      f"each rule is a te_adapters.Rule or a tuple (path, recipe[, options]), got {entry!r}"
+    f"each rule is a te_adapters.Rule or a tuple (path, recipe[, options]), got {entry!r}"
   )
 
 
@@ -192,12 +194,12 @@ class Conversion:
   """
 
   def __init__(
-      self,
-      caller: str,
-      recipe,
-      rules: Sequence | None,
-      options: GemmOptions,
-      deprecated_filter: tuple[str, Callable[[str], bool] | None] = ("filter", None),
+    self,
+    caller: str,
+    recipe,
+    rules: Sequence | None,
+    options: GemmOptions,
+    deprecated_filter: tuple[str, Callable[[str], bool] | None] = ("filter", None),
   ):
     self.caller = caller
     filter_name, filter_fn = deprecated_filter
@@ -209,12 +211,12 @@ class Conversion:
       if not callable(filter_fn):
         raise TypeError(f"{filter_name} must be callable, got {type(filter_fn).__name__}")
       warnings.warn(
-          f"{caller}: {filter_name}= is deprecated and will be removed in the next release; pass "
-          "rules=[(pattern, recipe)], each pattern a regular expression on the layer's path or "
-          "a function of the path string (first match wins; recipe None keeps a layer in high "
-          "precision)",
-          DeprecationWarning,
-          stacklevel=core.caller_stacklevel(),
+        f"{caller}: {filter_name}= is deprecated and will be removed in the next release; pass "
+        "rules=[(pattern, recipe)], each pattern a regular expression on the layer's path or "
+        "a function of the path string (first match wins; recipe None keeps a layer in high "
+        "precision)",
+        DeprecationWarning,
+        stacklevel=core.caller_stacklevel(),
       )
     if rules is None:
       if recipe is UNSET:
@@ -239,8 +241,9 @@ class Conversion:
     for index, rule in enumerate(self.rules):
       if rule.matches(path):
         if rule.recipe is None:
-          return HighPrecision(None, f"rule {index} ({rule.describe()}) keeps it in high "
-                               "precision", index)
+          return HighPrecision(
+            None, f"rule {index} ({rule.describe()}) keeps it in high precision", index
+          )
         return Quantized(rule.recipe, self._rule_options[index], index)
     return HighPrecision(None, NO_RULE, None)
 
@@ -278,9 +281,9 @@ class Conversion:
       names = ", ".join(self._conflicts)
       self._conflicts = []
       raise ValueError(
-          f"{self.caller}: these layers are quantized already, by an earlier conversion or a "
-          f"recipe of their own: {names}. Convert each layer once: give every rule to one "
-          "conversion, or write the rules so that none matches these layers"
+        f"{self.caller}: these layers are quantized already, by an earlier conversion or a "
+        f"recipe of their own: {names}. Convert each layer once: give every rule to one "
+        "conversion, or write the rules so that none matches these layers"
       )
     new = {p: r for p, r in self.report.skipped.items() if p not in self._warned}
     if not new:
@@ -288,10 +291,10 @@ class Conversion:
     self._warned.update(new)
     lines = "".join(f"\n  {path}: {reason}" for path, reason in new.items())
     warnings.warn(
-        SkippedLayersWarning(
-            f"{self.caller}: {len(new)} layer(s) that a rule gave a recipe stay in high "
-            f"precision:{lines}\n(listed in the report's skipped; a rule with recipe None keeps "
-            "a layer in high precision without this warning)"
-        ),
-        stacklevel=core.caller_stacklevel(),
+      SkippedLayersWarning(
+        f"{self.caller}: {len(new)} layer(s) that a rule gave a recipe stay in high "
+        f"precision:{lines}\n(listed in the report's skipped; a rule with recipe None keeps "
+        "a layer in high precision without this warning)"
+      ),
+      stacklevel=core.caller_stacklevel(),
     )

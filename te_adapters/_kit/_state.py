@@ -32,7 +32,7 @@ def initial_state(recipe, n_groups: int | None = None) -> Mapping[str, Any]:
 
 
 def recipe_state(
-    recipe, variable: Callable[[str, Any], Any], n_groups: int | None = None
+  recipe, variable: Callable[[str, Any], Any], n_groups: int | None = None
 ) -> core.DelayedScalingState | core.EmptyState | None:
   """The typed state (``core.typed_state``) of ``{name: variable(name, initial value)}`` over
   ``initial_state(recipe, n_groups)``, or None where the recipe keeps no state.

@@ -36,13 +36,13 @@ class GroupedLinear(hk.Module):
   """
 
   def __init__(
-      self,
-      num_groups: int,
-      output_size: int,
-      *,
-      w_init: hk.initializers.Initializer | None = None,
-      recipe: core.Recipe | None = None,
-      name: str | None = None,
+    self,
+    num_groups: int,
+    output_size: int,
+    *,
+    w_init: hk.initializers.Initializer | None = None,
+    recipe: core.Recipe | None = None,
+    name: str | None = None,
   ):
     """Constructs the layer.
 
@@ -61,7 +61,7 @@ class GroupedLinear(hk.Module):
     self.recipe = kit.check_recipe_or_none(recipe)
 
   def __call__(
-      self, inputs: jax.Array, group_sizes: jax.Array, *, precision: jax.lax.Precision | None = None
+    self, inputs: jax.Array, group_sizes: jax.Array, *, precision: jax.lax.Precision | None = None
   ) -> jax.Array:
     """Applies expert ``g``'s kernel to the ``group_sizes[g]`` rows of group ``g``.
 
@@ -85,5 +85,5 @@ class GroupedLinear(hk.Module):
     w = hk.get_parameter("w", shape, inputs.dtype, init=w_init)
     state = kit.recipe_state(self.recipe, state_variable, self.num_groups)
     return core.ragged_dot(
-        inputs, w, group_sizes, precision=precision, recipe=self.recipe, state=state
+      inputs, w, group_sizes, precision=precision, recipe=self.recipe, state=state
     )

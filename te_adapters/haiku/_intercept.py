@@ -82,20 +82,20 @@ class quantize(kit.GemmOptionAttributes, kit.InterceptScope):  # lower case: use
   """
 
   def __init__(
-      self,
-      recipe: core.Recipe | None | kit.Unset = kit.UNSET,
-      *,
-      rules=None,
-      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
-      amax_axes=None,
-      kernel_all_gather=None,
-      config: core.GemmConfig | None = None,
-      module_filter: Callable[[str], bool] | None = None,
+    self,
+    recipe: core.Recipe | None | kit.Unset = kit.UNSET,
+    *,
+    rules=None,
+    threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config: core.GemmConfig | None = None,
+    module_filter: Callable[[str], bool] | None = None,
   ):
     self.options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
     self._conversion = kit.Conversion(
-        "te_adapters.haiku.quantize", recipe, rules, self.options,
-        ("module_filter", module_filter))
+      "te_adapters.haiku.quantize", recipe, rules, self.options, ("module_filter", module_filter)
+    )
 
   @property
   def report(self) -> QuantizeReport:
@@ -132,10 +132,14 @@ class quantize(kit.GemmOptionAttributes, kit.InterceptScope):  # lower case: use
       conversion.skip(name, refusal)
       return next_f(*args, **kwargs)
     m = math.prod(inputs.shape[:-1])
-    conversion.quantized(name, choice.recipe, core.high_precision_reason(
-        choice.options.threshold, inputs.shape[-1], module.output_size, m))
+    conversion.quantized(
+      name,
+      choice.recipe,
+      core.high_precision_reason(choice.options.threshold, inputs.shape[-1], module.output_size, m),
+    )
     call = functools.partial(
-        _linear.linear_forward, module, recipe=choice.recipe, options=choice.options)
+      _linear.linear_forward, module, recipe=choice.recipe, options=choice.options
+    )
     return _call_like_linear(call, *args, **kwargs)
 
 

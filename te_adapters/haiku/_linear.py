@@ -18,17 +18,17 @@ __all__ = ["Linear"]
 _DEFAULT_RECIPE = kit.DEFAULT_RECIPE
 # How a Haiku layer gets its rounding keys, said when it has none.
 _HOW_TO_GIVE_KEYS = (
-    " and draws a key per call with hk.next_rng_key(), but apply was given rng=None: pass a PRNG "
-    "key to apply (a fresh one per step), "
+  " and draws a key per call with hk.next_rng_key(), but apply was given rng=None: pass a PRNG "
+  "key to apply (a fresh one per step), "
 )
 
 
 def linear_forward(
-    module: hk.Linear,
-    inputs: jax.Array,
-    precision: lax.Precision | None,
-    recipe,
-    options: kit.GemmOptions,
+  module: hk.Linear,
+  inputs: jax.Array,
+  precision: lax.Precision | None,
+  recipe,
+  options: kit.GemmOptions,
 ) -> jax.Array:
   """The body of ``hk.Linear.__call__`` with its GEMM done by ``core.dot_general``.
 
@@ -58,9 +58,16 @@ def linear_forward(
   w = hk.get_parameter("w", [input_size, module.output_size], dtype, init=w_init)
 
   out = core.dot_general(
-      inputs, w, (((inputs.ndim - 1,), (0,)), ((), ())), precision, recipe=recipe,
-      state=recipe_state(module, recipe), rng=rounding_key(module, recipe),
-      **options.keywords(), layer=f"layer {module.module_name!r}", framework="haiku",
+    inputs,
+    w,
+    (((inputs.ndim - 1,), (0,)), ((), ())),
+    precision,
+    recipe=recipe,
+    state=recipe_state(module, recipe),
+    rng=rounding_key(module, recipe),
+    **options.keywords(),
+    layer=f"layer {module.module_name!r}",
+    framework="haiku",
   )
 
   if module.with_bias:
@@ -83,9 +90,9 @@ def state_variable(name: str, initial: jax.Array) -> jax.Array:
   except ValueError as e:
     module = hk.experimental.current_name()
     raise ValueError(
-        f"te_adapters.haiku: {module!r} keeps recipe state ({name!r} and the other entries of "
-        "its recipe), but the state given to apply has none for it; pass the state that init "
-        "returned (or the previous step's new state) to apply, not an empty one"
+      f"te_adapters.haiku: {module!r} keeps recipe state ({name!r} and the other entries of "
+      "its recipe), but the state given to apply has none for it; pass the state that init "
+      "returned (or the previous step's new state) to apply, not an empty one"
     ) from e
 
 
@@ -101,11 +108,11 @@ def refuse_ignored_state(recipe) -> None:
   if stateful[0] not in hk.experimental.get_current_state().get(module, {}):
     return  # none: as it should be
   raise ValueError(
-      f"te_adapters.haiku: the state given to apply holds recipe state for {module!r} "
-      f"({', '.join(repr(n) for n in stateful)}), but its recipe {type(recipe).__name__} keeps "
-      "none, so it would be silently ignored: the state comes from a model with another recipe "
-      "(DelayedScaling). Apply the model with that recipe, or pass the state init returns "
-      f"with {type(recipe).__name__}."
+    f"te_adapters.haiku: the state given to apply holds recipe state for {module!r} "
+    f"({', '.join(repr(n) for n in stateful)}), but its recipe {type(recipe).__name__} keeps "
+    "none, so it would be silently ignored: the state comes from a model with another recipe "
+    "(DelayedScaling). Apply the model with that recipe, or pass the state init returns "
+    f"with {type(recipe).__name__}."
   )
 
 
@@ -121,21 +128,27 @@ def recipe_state(module: hk.Module, recipe) -> dict | None:
     if recipe is not None:
       refuse_ignored_state(recipe)
     return None
-  cast = sorted({str(v.dtype) for v in state.values()
-                 if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32})
+  cast = sorted(
+    {
+      str(v.dtype)
+      for v in state.values()
+      if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != jnp.float32
+    }
+  )
   if cast:
     raise TypeError(
-        f"{module.module_name}: recipe state must stay float32, but a Haiku state getter cast "
-        f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
-        "use a stateless recipe (Float8CurrentScaling) with such policies"
+      f"{module.module_name}: recipe state must stay float32, but a Haiku state getter cast "
+      f"it to {', '.join(cast)} (an hk.mixed_precision policy on this module does that); "
+      "use a stateless recipe (Float8CurrentScaling) with such policies"
     )
   return refuse_state_in_hk_scan(module.module_name, recipe, state)
 
 
 def rounding_key(module: hk.Module, recipe):
   """A fresh key from Haiku's RNG sequence when ``recipe`` rounds stochastically, else None."""
-  return kit.rounding_key(recipe, hk.maybe_next_rng_key, _HOW_TO_GIVE_KEYS,
-                          f"{module.module_name}: ")
+  return kit.rounding_key(
+    recipe, hk.maybe_next_rng_key, _HOW_TO_GIVE_KEYS, f"{module.module_name}: "
+  )
 
 
 class Linear(kit.GemmOptionAttributes, hk.Linear):
@@ -163,17 +176,17 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
   """
 
   def __init__(
-      self,
-      *args,
-      recipe: core.Recipe | None = _DEFAULT_RECIPE,
-      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
-      amax_axes=None,
-      kernel_all_gather=None,
-      config: core.GemmConfig | None = None,
-      enable_low_rank_adaptation: bool = False,
-      low_rank_adaptation_dim: int = 32,
-      low_rank_adaptation_alpha: float | None = None,
-      **kwargs,
+    self,
+    *args,
+    recipe: core.Recipe | None = _DEFAULT_RECIPE,
+    threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config: core.GemmConfig | None = None,
+    enable_low_rank_adaptation: bool = False,
+    low_rank_adaptation_dim: int = 32,
+    low_rank_adaptation_alpha: float | None = None,
+    **kwargs,
   ):
     """Constructs the quantized Linear module.
 
@@ -222,7 +235,7 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
     """
     if self.enable_low_rank_adaptation and jnp.ndim(inputs):
       core.check_lora_rank(
-          self.low_rank_adaptation_dim, jnp.shape(inputs)[-1], self.output_size, self.module_name
+        self.low_rank_adaptation_dim, jnp.shape(inputs)[-1], self.output_size, self.module_name
       )
     out = linear_forward(self, inputs, precision, self.recipe, self.options)
     if not self.enable_low_rank_adaptation:
@@ -234,14 +247,20 @@ class Linear(kit.GemmOptionAttributes, hk.Linear):
     lora_a = hk.get_parameter("lora_a_kernel", a_shape, dtype, init=w_init)
     lora_b = hk.get_parameter("lora_b_kernel", b_shape, dtype, init=jnp.zeros)
     return kit.add_lora(
-        out, inputs, lora_a, lora_b, state=recipe_state(self, self.recipe),
-        kernel_shape=(self.input_size, self.output_size), threshold=self.threshold,
-        alpha=self.low_rank_adaptation_alpha, layer=f"layer {self.module_name!r}",
-        framework="haiku",
+      out,
+      inputs,
+      lora_a,
+      lora_b,
+      state=recipe_state(self, self.recipe),
+      kernel_shape=(self.input_size, self.output_size),
+      threshold=self.threshold,
+      alpha=self.low_rank_adaptation_alpha,
+      layer=f"layer {self.module_name!r}",
+      framework="haiku",
     )
 
 
 # hk.Linear's own signature, plus the quantization keywords (inspect.signature(Linear) shows it).
 Linear.__init__.__signature__ = kit.signature_with_keywords(  # type: ignore[attr-defined]
-    hk.Linear.__init__, Linear.__init__
+  hk.Linear.__init__, Linear.__init__
 )

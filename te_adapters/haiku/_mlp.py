@@ -47,14 +47,28 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
   """
 
   def __init__(
-      self, intermediate_dim: int, *, activations=("gelu",), enable_layernorm: bool = True,
-      layernorm_type: str = "layernorm", epsilon: float = 1e-6,
-      zero_centered_gamma: bool = False, scale_init=None, ln_bias_init=jnp.zeros,
-      kernel_init=None, use_bias: bool = False, bias_init=jnp.zeros,
-      return_layernorm_output: bool = True, intermediate_dropout_rate: float = 0.0,
-      intermediate_hidden_dropout_dims=(), param_dtype=jnp.float32, axis=-1,
-      recipe: Any = kit.DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, config=None,
-      name: str | None = None,
+    self,
+    intermediate_dim: int,
+    *,
+    activations=("gelu",),
+    enable_layernorm: bool = True,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    scale_init=None,
+    ln_bias_init=jnp.zeros,
+    kernel_init=None,
+    use_bias: bool = False,
+    bias_init=jnp.zeros,
+    return_layernorm_output: bool = True,
+    intermediate_dropout_rate: float = 0.0,
+    intermediate_hidden_dropout_dims=(),
+    param_dtype=jnp.float32,
+    axis=-1,
+    recipe: Any = kit.DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    config=None,
+    name: str | None = None,
   ):
     """Constructs the block.
 
@@ -89,7 +103,8 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
     self.scale_init = scale_init
     self.bias_init = ln_bias_init
     self.kernel_init = kernel_init or hk.initializers.VarianceScaling(
-        1.0, "fan_in", "truncated_normal")
+      1.0, "fan_in", "truncated_normal"
+    )
     self.use_bias = use_bias
     self.gemm_bias_init = bias_init
     self.return_layernorm_output = return_layernorm_output
@@ -117,23 +132,37 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
     wo = hk.get_parameter("wo_kernel", (f, k), self.param_dtype, init=self.kernel_init)
     wi_bias = wo_bias = None
     if self.use_bias:
-      wi_bias = hk.get_parameter("wi_bias", (n_act, f), self.param_dtype,
-                                 init=self.gemm_bias_init)
+      wi_bias = hk.get_parameter("wi_bias", (n_act, f), self.param_dtype, init=self.gemm_bias_init)
       wo_bias = hk.get_parameter("wo_bias", (k,), self.param_dtype, init=self.gemm_bias_init)
     if self.recipe is None:
       wi, wo = wi.astype(inputs.dtype), wo.astype(inputs.dtype)
     (state_0, rng_0), (state_1, rng_1) = (
-        _GemmState(self.recipe, "gemm_0")(), _GemmState(self.recipe, "gemm_1")())
+      _GemmState(self.recipe, "gemm_0")(),
+      _GemmState(self.recipe, "gemm_1")(),
+    )
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
     return core.layernorm_mlp(
-        inputs, scale, ln_bias, wi, wo, wi_bias, wo_bias, activations=self.activations,
-        layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
-        epsilon=self.epsilon, enable_layernorm=self.enable_layernorm,
-        dropout_rate=self.intermediate_dropout_rate,
-        dropout_rng=hk.next_rng_key() if dropping else None,
-        dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
-        deterministic=deterministic, recipe=self.recipe, states=(state_0, state_1),
-        rngs=(rng_0, rng_1), **self.options.keywords(spmd=False),
-        return_layernorm_output=self.return_layernorm_output, layer=f"layer {self.module_name!r}",
-        framework="haiku",
+      inputs,
+      scale,
+      ln_bias,
+      wi,
+      wo,
+      wi_bias,
+      wo_bias,
+      activations=self.activations,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
+      enable_layernorm=self.enable_layernorm,
+      dropout_rate=self.intermediate_dropout_rate,
+      dropout_rng=hk.next_rng_key() if dropping else None,
+      dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
+      deterministic=deterministic,
+      recipe=self.recipe,
+      states=(state_0, state_1),
+      rngs=(rng_0, rng_1),
+      **self.options.keywords(spmd=False),
+      return_layernorm_output=self.return_layernorm_output,
+      layer=f"layer {self.module_name!r}",
+      framework="haiku",
     )

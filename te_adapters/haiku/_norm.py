@@ -47,9 +47,15 @@ class LayerNorm(hk.Module):
   """
 
   def __init__(
-      self, *, epsilon: float = 1e-6, layernorm_type: str = "layernorm",
-      zero_centered_gamma: bool = False, scale_init=None, bias_init=jnp.zeros,
-      param_dtype=jnp.float32, name: str | None = None,
+    self,
+    *,
+    epsilon: float = 1e-6,
+    layernorm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    scale_init=None,
+    bias_init=jnp.zeros,
+    param_dtype=jnp.float32,
+    name: str | None = None,
   ):
     """Constructs the norm.
 
@@ -74,8 +80,12 @@ class LayerNorm(hk.Module):
   def __call__(self, x):
     scale, bias = _norm_params(self, x.shape[-1])
     return core.layernorm(
-        x, scale, bias, layernorm_type=self.layernorm_type,
-        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
+      x,
+      scale,
+      bias,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
     )
 
 
@@ -100,13 +110,26 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
   """
 
   def __init__(
-      self, features: int | Iterable[int], *, enable_layernorm: bool = True,
-      layernorm_type: str = "layernorm", epsilon: float = 1e-6,
-      zero_centered_gamma: bool = False, scale_init=None, ln_bias_init=jnp.zeros,
-      kernel_init=None, use_bias: bool = False, bias_init=jnp.zeros,
-      return_layernorm_output: bool = True, axis=-1, param_dtype=jnp.float32,
-      depth_scaling: float | None = None, recipe: Any = kit.DEFAULT_RECIPE,
-      threshold=kit.DEFAULT_THRESHOLD, config=None, name: str | None = None,
+    self,
+    features: int | Iterable[int],
+    *,
+    enable_layernorm: bool = True,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    scale_init=None,
+    ln_bias_init=jnp.zeros,
+    kernel_init=None,
+    use_bias: bool = False,
+    bias_init=jnp.zeros,
+    return_layernorm_output: bool = True,
+    axis=-1,
+    param_dtype=jnp.float32,
+    depth_scaling: float | None = None,
+    recipe: Any = kit.DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    config=None,
+    name: str | None = None,
   ):
     """Constructs the layer.
 
@@ -137,7 +160,8 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
     self.scale_init = scale_init
     self.bias_init = ln_bias_init
     self.kernel_init = kernel_init or hk.initializers.VarianceScaling(
-        1.0, "fan_in", "truncated_normal")
+      1.0, "fan_in", "truncated_normal"
+    )
     self.use_bias = use_bias
     self.out_bias_init = bias_init
     self.return_layernorm_output = return_layernorm_output
@@ -149,8 +173,9 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
   def __call__(self, inputs):
     k = inputs.shape[-1]
     kernel_shape = (k, *self.features)
-    kit.check_kernel_gemm_dims(self.recipe, kernel_shape, (((0,), (0,)), ((), ())),
-                               self.module_name)
+    kit.check_kernel_gemm_dims(
+      self.recipe, kernel_shape, (((0,), (0,)), ((), ())), self.module_name
+    )
     scale = ln_bias = None
     if self.enable_layernorm:
       scale, ln_bias = _norm_params(self, k)
@@ -160,12 +185,23 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
     if self.use_bias:
       bias = hk.get_parameter("bias", self.features, self.param_dtype, init=self.out_bias_init)
     return kit.layernorm_dense_general(
-        inputs, scale, ln_bias, kernel, bias, enable_layernorm=self.enable_layernorm,
-        layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
-        epsilon=self.epsilon, return_layernorm_output=self.return_layernorm_output,
-        depth_scaling=self.depth_scaling, recipe=self.recipe, state=state, rng=rng,
-        **self.options.keywords(spmd=False), layer=f"layer {self.module_name!r}",
-        framework="haiku",
+      inputs,
+      scale,
+      ln_bias,
+      kernel,
+      bias,
+      enable_layernorm=self.enable_layernorm,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
+      return_layernorm_output=self.return_layernorm_output,
+      depth_scaling=self.depth_scaling,
+      recipe=self.recipe,
+      state=state,
+      rng=rng,
+      **self.options.keywords(spmd=False),
+      layer=f"layer {self.module_name!r}",
+      framework="haiku",
     )
 
 
@@ -180,9 +216,14 @@ class Softmax(hk.Module):
     0.25
   """
 
-  def __init__(self, *, scale_factor: float = 1.0,
-               softmax_fusion_type=core.SoftmaxFusionType.SCALED, softmax_type: str = "vanilla",
-               name: str | None = None):
+  def __init__(
+    self,
+    *,
+    scale_factor: float = 1.0,
+    softmax_fusion_type=core.SoftmaxFusionType.SCALED,
+    softmax_type: str = "vanilla",
+    name: str | None = None,
+  ):
     """Constructs the softmax.
 
     Args:
@@ -199,6 +240,11 @@ class Softmax(hk.Module):
 
   def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
     return core.softmax(
-        inputs, mask, bias, softmax_offset, scale_factor=self.scale_factor,
-        softmax_fusion_type=self.softmax_fusion_type, softmax_type=self.softmax_type,
+      inputs,
+      mask,
+      bias,
+      softmax_offset,
+      scale_factor=self.scale_factor,
+      softmax_fusion_type=self.softmax_fusion_type,
+      softmax_type=self.softmax_type,
     )

@@ -53,10 +53,10 @@ def refuse_state_in_hk_scan(module_name: str, recipe, state: Any) -> Any:
   if not any(isinstance(v, jax.core.Tracer) for v in state.values()) or not _inside_hk_scan():
     return state
   message = (
-      f"te_adapters.haiku: {module_name}'s {type(recipe).__name__} state is read inside "
-      "hk.scan, which carries it unchanged through every iteration, and a plain jax.grad over "
-      "the Haiku state would add up the iterations' amax histories instead of taking their max. "
-      "Differentiate with te_adapters.haiku.value_grad_and_state (it combines the iterations by "
-      "max), or stack the layers with hk.layer_stack outside any hk.scan, each with its own state."
+    f"te_adapters.haiku: {module_name}'s {type(recipe).__name__} state is read inside "
+    "hk.scan, which carries it unchanged through every iteration, and a plain jax.grad over "
+    "the Haiku state would add up the iterations' amax histories instead of taking their max. "
+    "Differentiate with te_adapters.haiku.value_grad_and_state (it combines the iterations by "
+    "max), or stack the layers with hk.layer_stack outside any hk.scan, each with its own state."
   )
   return refuse_state_grad(state, message)

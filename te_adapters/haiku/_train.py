@@ -10,7 +10,12 @@ import jax
 from te_adapters import core
 
 __all__ = [
-    "RECIPE_STATE_NAMES", "split_state", "merge_state", "value_and_grad", "value_grad_and_state"]
+  "RECIPE_STATE_NAMES",
+  "split_state",
+  "merge_state",
+  "value_and_grad",
+  "value_grad_and_state",
+]
 
 # Naming convention: inside a module's Haiku state these names hold recipe state (TE's names).
 RECIPE_STATE_NAMES: frozenset[str] = frozenset(core.state_names(core.DelayedScaling()))
@@ -38,15 +43,15 @@ def split_state(state: State) -> tuple[dict, dict]:
   for module_name, entries in state.items():
     if not isinstance(entries, Mapping):
       raise TypeError(
-          f"state[{module_name!r}] must map state names to arrays, got {type(entries).__name__}"
+        f"state[{module_name!r}] must map state names to arrays, got {type(entries).__name__}"
       )
     recipe = {k: v for k, v in entries.items() if k in RECIPE_STATE_NAMES}
     other = {k: v for k, v in entries.items() if k not in RECIPE_STATE_NAMES}
     if recipe and len(recipe) != len(RECIPE_STATE_NAMES):
       missing = sorted(RECIPE_STATE_NAMES - set(recipe))
       raise ValueError(
-          f"state of {module_name!r} has recipe state names {sorted(recipe)} but lacks "
-          f"{missing}; the names {sorted(RECIPE_STATE_NAMES)} are reserved for recipe state"
+        f"state of {module_name!r} has recipe state names {sorted(recipe)} but lacks "
+        f"{missing}; the names {sorted(RECIPE_STATE_NAMES)} are reserved for recipe state"
       )
     if recipe:
       recipe_state[module_name] = recipe
@@ -68,7 +73,7 @@ def merge_state(recipe_state: State, other_state: State) -> dict:
 
 
 def value_grad_and_state(
-    loss_fn: Callable[..., Any], *, has_aux: bool = False
+  loss_fn: Callable[..., Any], *, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any, Any, dict]]:
   """Turns a loss written with ``apply`` into a step giving the loss, grads and the new state.
 
@@ -117,9 +122,9 @@ def value_grad_and_state(
       out = loss_fn(params, merge_state(tracked, other_state), *args, **kwargs)
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
-            "loss_fn must return (loss, new_state)"
-            + (", with new_state replaced by (aux, new_state) for has_aux=True" if has_aux else "")
-            + f"; got {type(out).__name__}"
+          "loss_fn must return (loss, new_state)"
+          + (", with new_state replaced by (aux, new_state) for has_aux=True" if has_aux else "")
+          + f"; got {type(out).__name__}"
         )
       loss, rest = out
       if has_aux:
@@ -133,8 +138,8 @@ def value_grad_and_state(
       created = sorted(set(new_recipe) - set(recipe_state))
       if created:
         raise ValueError(
-            f"recipe state of {created} was created inside apply, so it cannot be updated: pass "
-            "the state returned by init (or by the previous step) to the step"
+          f"recipe state of {created} was created inside apply, so it cannot be updated: pass "
+          "the state returned by init (or by the previous step) to the step"
         )
       return loss, (aux, new_other)
 

@@ -109,8 +109,8 @@ class LayerNormMLP(nn.Module):
     kit.check_last_axis(self.axis, inputs.ndim, what, "LayerNormMLP")
     if self.enable_low_rank_adaptation:
       raise ValueError(
-          f"{what}: low-rank adaptation is not supported in LayerNormMLP; use DenseGeneral("
-          "enable_low_rank_adaptation=True) layers for LoRA"
+        f"{what}: low-rank adaptation is not supported in LayerNormMLP; use DenseGeneral("
+        "enable_low_rank_adaptation=True) layers for LoRA"
       )
     names = core.normalize_activations(self.activations)
     n_act, f, k = len(names), self.intermediate_dim, inputs.shape[-1]
@@ -119,7 +119,8 @@ class LayerNormMLP(nn.Module):
     kit.check_kernel_gemm_dims(recipe, (k, n_act, f), dims, f"{what} wi_kernel")
     kit.check_kernel_gemm_dims(recipe, (f, k), dims, f"{what} wo_kernel")
     kernel_init = self.kernel_init or nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal")
+      1.0, "fan_in", "truncated_normal"
+    )
 
     scale = ln_bias = None
     if self.enable_layernorm:
@@ -129,15 +130,16 @@ class LayerNormMLP(nn.Module):
       keys = jax.random.split(key, shape[1])
       return jnp.stack([kernel_init(kk, (shape[0], shape[2]), dtype) for kk in keys], axis=1)
 
-    wi = self.param("wi_kernel", _with_axes(wi_init, self.kernel_axes_1), (k, n_act, f),
-                    self.dtype)
+    wi = self.param("wi_kernel", _with_axes(wi_init, self.kernel_axes_1), (k, n_act, f), self.dtype)
     wo = self.param("wo_kernel", _with_axes(kernel_init, self.kernel_axes_2), (f, k), self.dtype)
     wi_bias = wo_bias = None
     if self.use_bias:
-      wi_bias = self.param("wi_bias", _with_axes(self.bias_init, self.bias_axes_1), (n_act, f),
-                           self.dtype)
-      wo_bias = self.param("wo_bias", _with_axes(self.bias_init, self.bias_axes_2), (k,),
-                           self.dtype)
+      wi_bias = self.param(
+        "wi_bias", _with_axes(self.bias_init, self.bias_axes_1), (n_act, f), self.dtype
+      )
+      wo_bias = self.param(
+        "wo_bias", _with_axes(self.bias_init, self.bias_axes_2), (k,), self.dtype
+      )
     if recipe is None:  # high precision computes in the input's dtype (TE casts too)
       wi, wo = wi.astype(inputs.dtype), wo.astype(inputs.dtype)
     states = (gemm_state(self, recipe, "_0"), gemm_state(self, recipe, "_1"))
@@ -145,19 +147,31 @@ class LayerNormMLP(nn.Module):
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
     inputs = _constrain(inputs, self.layernorm_input_axes)
     return core.layernorm_mlp(
-        inputs, scale, ln_bias, wi, wo, wi_bias, wo_bias,
-        activations=names, layernorm_type=self.layernorm_type,
-        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-        enable_layernorm=self.enable_layernorm,
-        dropout_rate=self.intermediate_dropout_rate,
-        dropout_rng=self.make_rng(self.intermediate_dropout_rng_name) if dropping else None,
-        dropout_broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
-        deterministic=deterministic, recipe=recipe, states=states, rngs=sr_rngs,
-        **kit.GemmOptions(self.threshold, config=self.config).keywords(spmd=False),
-        return_layernorm_output=self.return_layernorm_output,
-        ffn1_ckpt_name=self.ffn1_ckpt_name, ffn2_ckpt_name=self.ffn2_ckpt_name,
-        dot_1_input_constraint=_constraint(self.dot_1_input_axes),
-        dot_2_input_constraint=_constraint(self.dot_2_input_axes),
-        layer=layer_label(self), framework="linen",
+      inputs,
+      scale,
+      ln_bias,
+      wi,
+      wo,
+      wi_bias,
+      wo_bias,
+      activations=names,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
+      enable_layernorm=self.enable_layernorm,
+      dropout_rate=self.intermediate_dropout_rate,
+      dropout_rng=self.make_rng(self.intermediate_dropout_rng_name) if dropping else None,
+      dropout_broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+      deterministic=deterministic,
+      recipe=recipe,
+      states=states,
+      rngs=sr_rngs,
+      **kit.GemmOptions(self.threshold, config=self.config).keywords(spmd=False),
+      return_layernorm_output=self.return_layernorm_output,
+      ffn1_ckpt_name=self.ffn1_ckpt_name,
+      ffn2_ckpt_name=self.ffn2_ckpt_name,
+      dot_1_input_constraint=_constraint(self.dot_1_input_axes),
+      dot_2_input_constraint=_constraint(self.dot_2_input_axes),
+      layer=layer_label(self),
+      framework="linen",
     )
-

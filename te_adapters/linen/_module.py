@@ -20,8 +20,8 @@ OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 SR_RNG = kit.SR_RNG
 # How a Linen layer gets its rounding keys, said when it has none.
 _HOW_TO_GIVE_KEYS = (
-    f" and draws a key per call from the Linen RNG stream {SR_RNG!r}: pass "
-    f"rngs={{{SR_RNG!r}: key}} to apply (a fresh key per step), "
+  f" and draws a key per call from the Linen RNG stream {SR_RNG!r}: pass "
+  f"rngs={{{SR_RNG!r}: key}} to apply (a fresh key per step), "
 )
 
 
@@ -107,23 +107,26 @@ def _refuse_ignored_state(module: nn.Module, recipe) -> None:
   # side by side, whose state this GEMM cannot tell from a checkpoint's.
   if isinstance(parent, _ONE_GEMM_LAYERS):
     mine = f"{type(recipe).__name__}DotGeneral_"
-    found += [_joined(parent, name)
-              for name in parent.variables.get(OVERWRITE_WITH_GRADIENT, {})
-              if re.fullmatch(r"\w+DotGeneral_\d+", name) and not name.startswith(mine)]
+    found += [
+      _joined(parent, name)
+      for name in parent.variables.get(OVERWRITE_WITH_GRADIENT, {})
+      if re.fullmatch(r"\w+DotGeneral_\d+", name) and not name.startswith(mine)
+    ]
   if found:
     raise ValueError(
-        f"{_layer_name(module)}: the variables hold recipe state in {OVERWRITE_WITH_GRADIENT!r} "
-        f"({', '.join(sorted(found))}), but this layer's recipe {type(recipe).__name__} keeps "
-        "none, so it would be silently ignored: the variables come from a model with another "
-        "recipe (DelayedScaling keeps state). Apply the model with that recipe, or leave the "
-        f"collection out of the variables (variables.pop({OVERWRITE_WITH_GRADIENT!r})) to go on "
-        f"with {type(recipe).__name__}."
+      f"{_layer_name(module)}: the variables hold recipe state in {OVERWRITE_WITH_GRADIENT!r} "
+      f"({', '.join(sorted(found))}), but this layer's recipe {type(recipe).__name__} keeps "
+      "none, so it would be silently ignored: the variables come from a model with another "
+      "recipe (DelayedScaling keeps state). Apply the model with that recipe, or leave the "
+      f"collection out of the variables (variables.pop({OVERWRITE_WITH_GRADIENT!r})) to go on "
+      f"with {type(recipe).__name__}."
     )
 
 
 # Flax's layers with a dot_general slot: one GEMM each.
-_ONE_GEMM_LAYERS = tuple(getattr(nn, name) for name in ("Dense", "DenseGeneral", "Einsum")
-                         if hasattr(nn, name))
+_ONE_GEMM_LAYERS = tuple(
+  getattr(nn, name) for name in ("Dense", "DenseGeneral", "Einsum") if hasattr(nn, name)
+)
 
 
 def _joined(module: nn.Module, name: str) -> str:
@@ -133,8 +136,9 @@ def _joined(module: nn.Module, name: str) -> str:
 
 
 def _options(module) -> kit.GemmOptions:
-  return kit.GemmOptions(module.threshold, module.amax_axes, module.kernel_all_gather,
-                         module.config)
+  return kit.GemmOptions(
+    module.threshold, module.amax_axes, module.kernel_all_gather, module.config
+  )
 
 
 class QuantizedDotGeneral(nn.Module):
@@ -156,9 +160,9 @@ class QuantizedDotGeneral(nn.Module):
     # nn.Dense(dot_general=cls) calls the class with the GEMM's operands (and precision=...).
     if (args and hasattr(args[0], "shape")) or "precision" in kwargs:
       raise TypeError(
-          f"{cls.__name__} is a module class and was called as a dot_general: pass an instance, "
-          f"nn.Dense(..., dot_general={cls.__name__}()), or the class itself as "
-          f"nn.Dense(..., dot_general_cls={cls.__name__})"
+        f"{cls.__name__} is a module class and was called as a dot_general: pass an instance, "
+        f"nn.Dense(..., dot_general={cls.__name__}()), or the class itself as "
+        f"nn.Dense(..., dot_general_cls={cls.__name__})"
       )
     return super().__new__(cls)
 
@@ -167,20 +171,28 @@ class QuantizedDotGeneral(nn.Module):
     kit.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
     kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
     return core.dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
-        state=gemm_state(self, self.recipe, ""), rng=rounding_key(self, self.recipe),
-        **_options(self).keywords(), layer=layer_label(self, owner=True), framework="linen",
-        kernel_sharding=kernel_annotation(self, rhs),
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision,
+      preferred_element_type,
+      recipe=self.recipe,
+      state=gemm_state(self, self.recipe, ""),
+      rng=rounding_key(self, self.recipe),
+      **_options(self).keywords(),
+      layer=layer_label(self, owner=True),
+      framework="linen",
+      kernel_sharding=kernel_annotation(self, rhs),
     )
 
 
 def make_dot_general_cls(
-    recipe,
-    *,
-    threshold=kit.DEFAULT_THRESHOLD,
-    amax_axes=None,
-    kernel_all_gather=None,
-    config=None,
+  recipe,
+  *,
+  threshold=kit.DEFAULT_THRESHOLD,
+  amax_axes=None,
+  kernel_all_gather=None,
+  config=None,
 ) -> type[nn.Module]:
   """A Linen module class whose instances run ``dot_general`` quantized by ``recipe``.
 
@@ -216,8 +228,12 @@ def _with_recipe_dot_general(module):
   """Fills a dense layer's ``dot_general_cls`` slot with its recipe's GEMM (once: a clone
   arrives with the slot filled)."""
   if module.recipe is None:
-    kit.check_needs_recipe(None, type(module).__name__, amax_axes=module.amax_axes,
-                           kernel_all_gather=module.kernel_all_gather)
+    kit.check_needs_recipe(
+      None,
+      type(module).__name__,
+      amax_axes=module.amax_axes,
+      kernel_all_gather=module.kernel_all_gather,
+    )
     return
   options = _options(module)
   current = module.dot_general_cls
@@ -226,8 +242,9 @@ def _with_recipe_dot_general(module):
       return  # a clone of a module already set up
   if module.dot_general is not None or current is not None:
     raise ValueError(f"{type(module).__name__}: give either recipe or dot_general, not both")
-  object.__setattr__(module, "dot_general_cls",
-                     make_dot_general_cls(module.recipe, **options.keywords()))
+  object.__setattr__(
+    module, "dot_general_cls", make_dot_general_cls(module.recipe, **options.keywords())
+  )
 
 
 class Dense(nn.Dense):
@@ -327,16 +344,28 @@ class DenseGeneral(nn.DenseGeneral):
     core.check_lora_rank(rank, in_shape, features, f"DenseGeneral({features})")
     y = super().__call__(inputs)
     a_shape, b_shape = core.lora_shapes(in_shape, features, rank)
-    lora_a = self.param("lora_a_kernel", _flat_init(_unnamed(self.kernel_init), len(in_shape)),
-                        a_shape, self.param_dtype)
+    lora_a = self.param(
+      "lora_a_kernel",
+      _flat_init(_unnamed(self.kernel_init), len(in_shape)),
+      a_shape,
+      self.param_dtype,
+    )
     lora_b = self.param("lora_b_kernel", nn.initializers.zeros_init(), b_shape, self.param_dtype)
     # The base GEMM's recipe state: its child's variables.
     state = self.variables.get(OVERWRITE_WITH_GRADIENT) if self.recipe is not None else None
     return kit.add_lora(
-        y, inputs, lora_a, lora_b, state=state, kernel_shape=in_shape + features, axis=axis,
-        threshold=self.threshold, alpha=self.low_rank_adaptation_alpha,
-        promote=lambda *arrays: self.promote_dtype(*arrays, dtype=self.dtype),
-        layer=layer_label(self), framework="linen",
+      y,
+      inputs,
+      lora_a,
+      lora_b,
+      state=state,
+      kernel_shape=in_shape + features,
+      axis=axis,
+      threshold=self.threshold,
+      alpha=self.low_rank_adaptation_alpha,
+      promote=lambda *arrays: self.promote_dtype(*arrays, dtype=self.dtype),
+      layer=layer_label(self),
+      framework="linen",
     )
 
 
@@ -353,8 +382,7 @@ class _NamedAxesInit:
     return self._named(key, shape, dtype)
 
   def __eq__(self, other):
-    return (isinstance(other, _NamedAxesInit) and other.init == self.init
-            and other.axes == self.axes)
+    return isinstance(other, _NamedAxesInit) and other.init == self.init and other.axes == self.axes
 
   def __hash__(self):
     return hash((self.init, self.axes))

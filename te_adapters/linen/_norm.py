@@ -89,8 +89,12 @@ class LayerNorm(nn.Module):
   def __call__(self, x):
     scale, bias = _norm_params(self, x.shape[-1], self.bias_init, self.bias_axes)
     return core.layernorm(
-        x, scale, bias, layernorm_type=self.layernorm_type,
-        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
+      x,
+      scale,
+      bias,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
     )
 
 
@@ -171,27 +175,41 @@ class LayerNormDenseGeneral(nn.Module):
     options = kit.GemmOptions(self.threshold, config=self.config)
     kernel_shape = (k, *features)
     kit.check_kernel_gemm_dims(
-        recipe, kernel_shape, (((0,), (0,)), ((), ())), f"{self.name or 'LayerNormDenseGeneral'}"
+      recipe, kernel_shape, (((0,), (0,)), ((), ())), f"{self.name or 'LayerNormDenseGeneral'}"
     )
     kernel_init = self.kernel_init or nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal")
+      1.0, "fan_in", "truncated_normal"
+    )
     scale = ln_bias = None
     if self.enable_layernorm:
       scale, ln_bias = _norm_params(self, k, self.ln_bias_init, self.ln_bias_axes)
-    kernel = self.param("kernel", _with_axes(kernel_init, self.kernel_axes), kernel_shape,
-                        self.dtype)
+    kernel = self.param(
+      "kernel", _with_axes(kernel_init, self.kernel_axes), kernel_shape, self.dtype
+    )
     state, rng = gemm_state(self, recipe, ""), rounding_key(self, recipe)
     bias = None
     if self.use_bias:
       bias = self.param("bias", _with_axes(self.bias_init, self.bias_axes), features, self.dtype)
     return kit.layernorm_dense_general(
-        inputs, scale, ln_bias, kernel, bias, enable_layernorm=self.enable_layernorm,
-        layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma,
-        epsilon=self.epsilon, return_layernorm_output=self.return_layernorm_output,
-        depth_scaling=self.depth_scaling,
-        layernorm_input_constraint=_constraint(self.layernorm_input_axes),
-        dot_input_constraint=_constraint(self.dot_input_axes), recipe=recipe, state=state,
-        rng=rng, **options.keywords(spmd=False), layer=layer_label(self), framework="linen",
+      inputs,
+      scale,
+      ln_bias,
+      kernel,
+      bias,
+      enable_layernorm=self.enable_layernorm,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
+      return_layernorm_output=self.return_layernorm_output,
+      depth_scaling=self.depth_scaling,
+      layernorm_input_constraint=_constraint(self.layernorm_input_axes),
+      dot_input_constraint=_constraint(self.dot_input_axes),
+      recipe=recipe,
+      state=state,
+      rng=rng,
+      **options.keywords(spmd=False),
+      layer=layer_label(self),
+      framework="linen",
     )
 
 
@@ -220,6 +238,11 @@ class Softmax(nn.Module):
 
   def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
     return core.softmax(
-        inputs, mask, bias, softmax_offset, scale_factor=self.scale_factor,
-        softmax_fusion_type=self.softmax_fusion_type, softmax_type=self.softmax_type,
+      inputs,
+      mask,
+      bias,
+      softmax_offset,
+      scale_factor=self.scale_factor,
+      softmax_fusion_type=self.softmax_fusion_type,
+      softmax_type=self.softmax_type,
     )

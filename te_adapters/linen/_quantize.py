@@ -22,11 +22,11 @@ __all__ = ["QuantizeReport", "quantize"]
 
 # GEMMs in Linen's own layers that have no dot_general slot to convert.
 _UNREACHABLE = {
-    (nn.Embed, "attend"): kit.attend_reason("nn.Embed"),
-    (nn.Einsum, "__call__"): (
-        "nn.Einsum has no dot_general slot in Flax Linen (use nn.DenseGeneral, or "
-        "te_adapters.nnx.Einsum in NNX)"
-    ),
+  (nn.Embed, "attend"): kit.attend_reason("nn.Embed"),
+  (nn.Einsum, "__call__"): (
+    "nn.Einsum has no dot_general slot in Flax Linen (use nn.DenseGeneral, or "
+    "te_adapters.nnx.Einsum in NNX)"
+  ),
 }
 
 
@@ -53,9 +53,9 @@ def _quantized_already(module) -> bool:
   with a recipe, or a ``QuantizedDotGeneral`` in its slot."""
   current = module.dot_general_cls
   return (
-      getattr(module, "recipe", None) is not None
-      or isinstance(module.dot_general, QuantizedDotGeneral)
-      or (isinstance(current, type) and issubclass(current, QuantizedDotGeneral))
+    getattr(module, "recipe", None) is not None
+    or isinstance(module.dot_general, QuantizedDotGeneral)
+    or (isinstance(current, type) and issubclass(current, QuantizedDotGeneral))
   )
 
 
@@ -110,19 +110,20 @@ class quantize(kit.InterceptScope):  # lower case: used like a function
   """
 
   def __init__(
-      self,
-      recipe: core.Recipe | None | kit.Unset = kit.UNSET,
-      *,
-      rules=None,
-      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
-      amax_axes=None,
-      kernel_all_gather=None,
-      config: core.GemmConfig | None = None,
-      filter: Callable[[str], bool] | None = None,
+    self,
+    recipe: core.Recipe | None | kit.Unset = kit.UNSET,
+    *,
+    rules=None,
+    threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config: core.GemmConfig | None = None,
+    filter: Callable[[str], bool] | None = None,
   ):
     options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
     self._conversion = kit.Conversion(
-        "te_adapters.linen.quantize", recipe, rules, options, ("filter", filter))
+      "te_adapters.linen.quantize", recipe, rules, options, ("filter", filter)
+    )
     self._classes: dict[int, type[QuantizedDotGeneral]] = {}
 
   @property
@@ -141,8 +142,7 @@ class quantize(kit.InterceptScope):  # lower case: used like a function
 
   def _dot_general_cls(self, choice):
     if choice.index not in self._classes:
-      self._classes[choice.index] = make_dot_general_cls(
-          choice.recipe, **choice.options.keywords())
+      self._classes[choice.index] = make_dot_general_cls(choice.recipe, **choice.options.keywords())
     return self._classes[choice.index]
 
   def _intercept(self, next_fun, args, kwargs, context):
@@ -182,7 +182,8 @@ class quantize(kit.InterceptScope):  # lower case: used like a function
       return next_fun(*args, **kwargs)
     m = math.prod(jnp.shape(inputs)) // k
     conversion.quantized(
-        path, choice.recipe, core.high_precision_reason(choice.options.threshold, k, n, m))
+      path, choice.recipe, core.high_precision_reason(choice.options.threshold, k, n, m)
+    )
     # Linen modules are frozen dataclasses; the slot is set for this call only.
     object.__setattr__(module, "dot_general_cls", self._dot_general_cls(choice))
     try:

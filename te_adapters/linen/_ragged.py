@@ -50,13 +50,13 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
 
     @nn.compact
     def __call__(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        group_offset: jax.Array | None = None,
+      self,
+      lhs: jax.Array,
+      rhs: jax.Array,
+      group_sizes: jax.Array,
+      precision: Any = None,
+      preferred_element_type: Any = None,
+      group_offset: jax.Array | None = None,
     ) -> jax.Array:
       kit.check_input_dtype(recipe, jax.numpy.result_type(lhs), type(self).__name__)
       state = None
@@ -65,14 +65,14 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
           raise ValueError(f"rhs must be 3-D [G, K, N], got shape {getattr(rhs, 'shape', None)}")
         state = gemm_state(self, recipe, "", n_groups=rhs.shape[0])
       return core.ragged_dot(
-          lhs,
-          rhs,
-          group_sizes,
-          precision,
-          preferred_element_type,
-          group_offset,
-          recipe=recipe,
-          state=state,
+        lhs,
+        rhs,
+        group_sizes,
+        precision,
+        preferred_element_type,
+        group_offset,
+        recipe=recipe,
+        state=state,
       )
 
   RaggedDot.recipe = recipe  # type: ignore[attr-defined]  # an attribute of the made class

@@ -69,7 +69,7 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
       return loss_fn(full, *args, **kwargs)
 
     value, (g_params, g_state) = jax.value_and_grad(wrapped, argnums=(0, 1), has_aux=has_aux)(
-        params, recipe_state
+      params, recipe_state
     )
     if recipe_state:
       recipe_state = core.updated_state(recipe_state, g_state)
@@ -108,14 +108,14 @@ class TrainState(flax.struct.PyTreeNode):
     params = variables.pop("params")
     recipe_state = variables.pop(OVERWRITE_WITH_GRADIENT, {})
     return cls(
-        step=0,
-        apply_fn=apply_fn,
-        params=params,
-        recipe_state=recipe_state,
-        collections=variables,
-        tx=tx,
-        opt_state=tx.init(params),
-        **kwargs,
+      step=0,
+      apply_fn=apply_fn,
+      params=params,
+      recipe_state=recipe_state,
+      collections=variables,
+      tx=tx,
+      opt_state=tx.init(params),
+      **kwargs,
     )
 
   @property
@@ -143,7 +143,7 @@ class TrainState(flax.struct.PyTreeNode):
       return loss_fn(variables, *args)
 
     value, (g_params, g_state) = jax.value_and_grad(wrapped, argnums=(0, 1), has_aux=has_aux)(
-        self.params, self.recipe_state
+      self.params, self.recipe_state
     )
     return value, {"params": g_params, OVERWRITE_WITH_GRADIENT: g_state}
 
@@ -157,14 +157,14 @@ class TrainState(flax.struct.PyTreeNode):
     if recipe_state:
       if OVERWRITE_WITH_GRADIENT not in grads:
         raise ValueError(
-            f"grads has no {OVERWRITE_WITH_GRADIENT!r} entry: differentiate w.r.t. the recipe "
-            "state too, or its new values are lost"
+          f"grads has no {OVERWRITE_WITH_GRADIENT!r} entry: differentiate w.r.t. the recipe "
+          "state too, or its new values are lost"
         )
       recipe_state = core.updated_state(recipe_state, grads[OVERWRITE_WITH_GRADIENT])
     return self.replace(
-        step=self.step + 1,
-        params=params,
-        recipe_state=recipe_state,
-        opt_state=opt_state,
-        **kwargs,
+      step=self.step + 1,
+      params=params,
+      recipe_state=recipe_state,
+      opt_state=opt_state,
+      **kwargs,
     )

@@ -16,12 +16,12 @@ __all__ = ["wrap_function_in_te_state_module"]
 
 
 def wrap_function_in_te_state_module(
-    f: Callable,
-    recipe: core.Recipe | None,
-    name: str | None = None,
-    *,
-    threshold=kit.DEFAULT_THRESHOLD,
-    config: core.GemmConfig | None = None,
+  f: Callable,
+  recipe: core.Recipe | None,
+  name: str | None = None,
+  *,
+  threshold=kit.DEFAULT_THRESHOLD,
+  config: core.GemmConfig | None = None,
 ) -> type[nn.Module]:
   """A Linen module class that runs ``f`` with recipe state it owns (TE's function of this name).
 
@@ -89,19 +89,26 @@ def wrap_function_in_te_state_module(
         if not isinstance(postfix, str):
           raise TypeError(f"{type(self).__name__}: postfix must be a str, got {postfix!r}")
         if n_groups is not None and (
-            isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1):
+          isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1
+        ):
           raise ValueError(
-              f"{type(self).__name__}: n_groups must be a positive int or None, got {n_groups!r}")
+            f"{type(self).__name__}: n_groups must be a positive int or None, got {n_groups!r}"
+          )
         if postfix in declared:
           raise ValueError(
-              f"{type(self).__name__}: the state of GEMM postfix {postfix!r} was already "
-              "declared in this call; give each GEMM its own postfix")
+            f"{type(self).__name__}: the state of GEMM postfix {postfix!r} was already "
+            "declared in this call; give each GEMM its own postfix"
+          )
         declared.add(postfix)
         state = gemm_state(self, recipe, postfix, n_groups)
         if n_groups is not None:
           return {"recipe": recipe, "state": state}
-        return {"recipe": recipe, "state": state, "rng": rounding_key(self, recipe),
-                **options.keywords(spmd=False)}
+        return {
+          "recipe": recipe,
+          "state": state,
+          "rng": rounding_key(self, recipe),
+          **options.keywords(spmd=False),
+        }
 
       return f(quantization, *args, **kwargs)
 

@@ -14,12 +14,12 @@ from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._layers import Einsum, Linear, LinearGeneral
 from te_adapters.nnx._ops import (
-    SR_RNG,
-    DotGeneral,
-    EinsumOp,
-    _RecipeOp,
-    kernel_annotation,
-    source_stream,
+  SR_RNG,
+  DotGeneral,
+  EinsumOp,
+  _RecipeOp,
+  kernel_annotation,
+  source_stream,
 )
 
 __all__ = ["QuantizeReport", "quantize_model"]
@@ -53,22 +53,25 @@ def _path_filter(model: nnx.Module, filter) -> Callable[[str], bool]:
   """The deprecated NNX ``filter`` (called with ``(path, layer)``) as a function of the path
   string."""
   predicate = nnx.filterlib.to_predicate(filter)
-  accepted = {"/".join(str(p) for p in path) or "." for path, node in nnx.iter_graph(model)
-              if predicate(path, node)}
+  accepted = {
+    "/".join(str(p) for p in path) or "."
+    for path, node in nnx.iter_graph(model)
+    if predicate(path, node)
+  }
   return accepted.__contains__
 
 
 def quantize_model(
-    model: nnx.Module,
-    recipe: core.Recipe | None | kit.Unset = kit.UNSET,
-    *,
-    rules=None,
-    threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
-    rngs: nnx.Rngs | nnx.RngStream | None = None,
-    amax_axes=None,
-    kernel_all_gather=None,
-    config: core.GemmConfig | None = None,
-    filter=None,
+  model: nnx.Module,
+  recipe: core.Recipe | None | kit.Unset = kit.UNSET,
+  *,
+  rules=None,
+  threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
+  rngs: nnx.Rngs | nnx.RngStream | None = None,
+  amax_axes=None,
+  kernel_all_gather=None,
+  config: core.GemmConfig | None = None,
+  filter=None,
 ) -> QuantizeReport:
   """Makes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model`` use
   quantized GEMMs, with a recipe chosen per layer by ``rules``, in place, keeping their
@@ -132,13 +135,20 @@ def quantize_model(
   if filter is not None:
     filter = _path_filter(model, filter)
   conversion = kit.Conversion(
-      "te_adapters.nnx.quantize_model", recipe, rules, options, ("filter", filter))
+    "te_adapters.nnx.quantize_model", recipe, rules, options, ("filter", filter)
+  )
   if any(r.recipe is not None and r.recipe.uses_rng for r in conversion.rules) and (
-      source_stream(rngs) is None):
+    source_stream(rngs) is None
+  ):
     uses = next(r.recipe for r in conversion.rules if r.recipe is not None and r.recipe.uses_rng)
-    raise ValueError(kit.missing_key_message(
-        uses, f", so every converted layer needs a key stream: pass rngs=nnx.Rngs({SR_RNG}=seed)"
-        f" (an Rngs with a {SR_RNG!r} or 'default' stream), ", "quantize_model: "))
+    raise ValueError(
+      kit.missing_key_message(
+        uses,
+        f", so every converted layer needs a key stream: pass rngs=nnx.Rngs({SR_RNG}=seed)"
+        f" (an Rngs with a {SR_RNG!r} or 'default' stream), ",
+        "quantize_model: ",
+      )
+    )
   plan = []
   for path, node in nnx.iter_graph(model):
     name = "/".join(str(p) for p in path) or "."
@@ -194,5 +204,6 @@ def quantize_model(
       layer.recipe = choice.recipe  # type: ignore[union-attr]
       layer.threshold = choice.options.threshold  # type: ignore[union-attr]
     conversion.quantized(
-        name, choice.recipe, core.high_precision_reason(choice.options.threshold, k, n))
+      name, choice.recipe, core.high_precision_reason(choice.options.threshold, k, n)
+    )
   return conversion.report

@@ -59,24 +59,24 @@ class GroupedLinear(nnx.Module):
   """
 
   def __init__(
-      self,
-      num_groups: int,
-      in_features: int,
-      out_features: int,
-      *,
-      dtype: Any = None,
-      param_dtype: Any = jnp.float32,
-      precision: Any = None,
-      kernel_init: nnx.Initializer = default_kernel_init,
-      preferred_element_type: Any = None,
-      recipe: core.Recipe | None = None,
-      rngs: nnx.Rngs,
-      kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    self,
+    num_groups: int,
+    in_features: int,
+    out_features: int,
+    *,
+    dtype: Any = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: nnx.Initializer = default_kernel_init,
+    preferred_element_type: Any = None,
+    recipe: core.Recipe | None = None,
+    rngs: nnx.Rngs,
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
     recipe = kit.check_recipe_or_none(recipe)
     self.kernel = nnx.Param(
-        kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype),
-        **kernel_metadata,
+      kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype),
+      **kernel_metadata,
     )
     self.state_names = ()
     self.state = nnx.data(None)
@@ -107,11 +107,11 @@ class GroupedLinear(nnx.Module):
     kit.check_input_dtype(self.recipe, inputs.dtype, type(self).__name__)
     state = state_value(self.state) or None
     return core.ragged_dot(
-        inputs,
-        kernel,
-        group_sizes,
-        precision=self.precision,
-        preferred_element_type=self.preferred_element_type,
-        recipe=self.recipe,
-        state=state,
+      inputs,
+      kernel,
+      group_sizes,
+      precision=self.precision,
+      preferred_element_type=self.preferred_element_type,
+      recipe=self.recipe,
+      state=state,
     )

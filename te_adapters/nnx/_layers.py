@@ -30,12 +30,13 @@ def _init_parent(layer, parent, slot: str, op_cls, args, kwargs, given, recipe, 
   ``einsum_op``) holding ``op_cls(recipe, **options)``; with no recipe, as given."""
   name = parent.__name__
   if recipe is None:
-    kit.check_needs_recipe(None, name, amax_axes=options["amax_axes"],
-                           kernel_all_gather=options["kernel_all_gather"])
+    kit.check_needs_recipe(
+      None, name, amax_axes=options["amax_axes"], kernel_all_gather=options["kernel_all_gather"]
+    )
   elif given[slot] is not inspect.signature(parent.__init__).parameters[slot].default:
     raise ValueError(
-        f"{name}: pass either recipe= or a custom {slot}=, not both (recipe={recipe!r} "
-        f"replaces the {slot})"
+      f"{name}: pass either recipe= or a custom {slot}=, not both (recipe={recipe!r} "
+      f"replaces the {slot})"
     )
   else:
     kwargs[slot] = op_cls(recipe, **options)
@@ -60,7 +61,7 @@ def _add_lora(layer, in_shape, features, given, what: str, enable: bool, rank: i
     return
   core.check_lora_rank(rank, in_shape, features, what)
   a_shape, b_shape = core.lora_shapes(in_shape, features, rank)
-  flat = (math.prod(in_shape), math.prod(a_shape[len(in_shape):]))
+  flat = (math.prod(in_shape), math.prod(a_shape[len(in_shape) :]))
   rngs, dtype = given["rngs"], given["param_dtype"]
   a = given["kernel_init"](rngs.params(), flat, dtype).reshape(a_shape)
   layer.lora_a_kernel = nnx.LoRAParam(a)
@@ -73,12 +74,19 @@ def _lora_term(layer, inputs, y, axis):
     return y
   op_state = getattr(layer.dot_general, "recipe_state", None)  # None: no recipe
   return kit.add_lora(
-      y, inputs, layer.lora_a_kernel[...], layer.lora_b_kernel[...],
-      state=op_state() if op_state is not None else None, kernel_shape=layer.kernel.shape,
-      axis=axis, threshold=layer.threshold, alpha=layer.low_rank_adaptation_alpha,
-      promote=lambda *arrays: layer.promote_dtype(arrays, dtype=layer.dtype),
-      layer=getattr(layer.dot_general, "layer_path", None) and
-      f"layer {layer.dot_general.layer_path!r}", framework="nnx",
+    y,
+    inputs,
+    layer.lora_a_kernel[...],
+    layer.lora_b_kernel[...],
+    state=op_state() if op_state is not None else None,
+    kernel_shape=layer.kernel.shape,
+    axis=axis,
+    threshold=layer.threshold,
+    alpha=layer.low_rank_adaptation_alpha,
+    promote=lambda *arrays: layer.promote_dtype(arrays, dtype=layer.dtype),
+    layer=getattr(layer.dot_general, "layer_path", None)
+    and f"layer {layer.dot_general.layer_path!r}",
+    framework="nnx",
   )
 
 
@@ -141,9 +149,17 @@ class Linear(nnx.Linear):
   """
 
   def __init__(
-      self, *args, recipe=_DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, amax_axes=None,
-      kernel_all_gather=None, config=None, enable_low_rank_adaptation=False,
-      low_rank_adaptation_dim=32, low_rank_adaptation_alpha=None, **kwargs,
+    self,
+    *args,
+    recipe=_DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config=None,
+    enable_low_rank_adaptation=False,
+    low_rank_adaptation_dim=32,
+    low_rank_adaptation_alpha=None,
+    **kwargs,
   ):
     given = _parent_arguments(nnx.Linear.__init__, self, args, kwargs)
     k, n = given["in_features"], given["out_features"]
@@ -151,12 +167,29 @@ class Linear(nnx.Linear):
     if recipe is not None:
       kit.check_gemm_dims(k, n, what)
     _init_parent(
-        self, nnx.Linear, "dot_general", DotGeneral, args, kwargs, given, recipe,
-        threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
-        config=config,
+      self,
+      nnx.Linear,
+      "dot_general",
+      DotGeneral,
+      args,
+      kwargs,
+      given,
+      recipe,
+      threshold=threshold,
+      amax_axes=amax_axes,
+      kernel_all_gather=kernel_all_gather,
+      config=config,
     )
-    _add_lora(self, (k,), (n,), given, what, enable_low_rank_adaptation, low_rank_adaptation_dim,
-              low_rank_adaptation_alpha)
+    _add_lora(
+      self,
+      (k,),
+      (n,),
+      given,
+      what,
+      enable_low_rank_adaptation,
+      low_rank_adaptation_dim,
+      low_rank_adaptation_alpha,
+    )
 
   __init__.__signature__ = kit.signature_with_keywords(nnx.Linear.__init__, __init__)  # type: ignore[attr-defined]
 
@@ -198,9 +231,17 @@ class LinearGeneral(nnx.LinearGeneral):
   """
 
   def __init__(
-      self, *args, recipe=_DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, amax_axes=None,
-      kernel_all_gather=None, config=None, enable_low_rank_adaptation=False,
-      low_rank_adaptation_dim=32, low_rank_adaptation_alpha=None, **kwargs,
+    self,
+    *args,
+    recipe=_DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config=None,
+    enable_low_rank_adaptation=False,
+    low_rank_adaptation_dim=32,
+    low_rank_adaptation_alpha=None,
+    **kwargs,
   ):
     given = _parent_arguments(nnx.LinearGeneral.__init__, self, args, kwargs)
     in_features = nnx_linear._canonicalize_tuple(given["in_features"])
@@ -211,14 +252,31 @@ class LinearGeneral(nnx.LinearGeneral):
         raise ValueError("LinearGeneral: pass either recipe= or dot_general_cls=, not both")
       kit.check_gemm_dims(math.prod(in_features), math.prod(out_features), what)
     _init_parent(
-        self, nnx.LinearGeneral, "dot_general", DotGeneral, args, kwargs, given, recipe,
-        threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
-        config=config,
+      self,
+      nnx.LinearGeneral,
+      "dot_general",
+      DotGeneral,
+      args,
+      kwargs,
+      given,
+      recipe,
+      threshold=threshold,
+      amax_axes=amax_axes,
+      kernel_all_gather=kernel_all_gather,
+      config=config,
     )
     if enable_low_rank_adaptation and given["batch_axis"]:
       raise ValueError("LinearGeneral: low-rank adaptation does not take batch_axis")
-    _add_lora(self, in_features, out_features, given, what, enable_low_rank_adaptation,
-              low_rank_adaptation_dim, low_rank_adaptation_alpha)
+    _add_lora(
+      self,
+      in_features,
+      out_features,
+      given,
+      what,
+      enable_low_rank_adaptation,
+      low_rank_adaptation_dim,
+      low_rank_adaptation_alpha,
+    )
 
   __init__.__signature__ = kit.signature_with_keywords(nnx.LinearGeneral.__init__, __init__)  # type: ignore[attr-defined]
 
@@ -258,8 +316,14 @@ class Einsum(nnx.Einsum):
   """
 
   def __init__(
-      self, *args, recipe=_DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, amax_axes=None,
-      kernel_all_gather=None, config=None, **kwargs,
+    self,
+    *args,
+    recipe=_DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    amax_axes=None,
+    kernel_all_gather=None,
+    config=None,
+    **kwargs,
   ):
     given = _parent_arguments(nnx.Einsum.__init__, self, args, kwargs)
     einsum_str, kernel_shape = given["einsum_str"], given["kernel_shape"]
@@ -268,9 +332,18 @@ class Einsum(nnx.Einsum):
       if dims is not None:
         kit.check_gemm_dims(*dims, f"Einsum({einsum_str!r}, kernel_shape={tuple(kernel_shape)})")
     _init_parent(
-        self, nnx.Einsum, "einsum_op", EinsumOp, args, kwargs, given, recipe,
-        threshold=threshold, amax_axes=amax_axes, kernel_all_gather=kernel_all_gather,
-        config=config,
+      self,
+      nnx.Einsum,
+      "einsum_op",
+      EinsumOp,
+      args,
+      kwargs,
+      given,
+      recipe,
+      threshold=threshold,
+      amax_axes=amax_axes,
+      kernel_all_gather=kernel_all_gather,
+      config=config,
     )
 
   __init__.__signature__ = kit.signature_with_keywords(nnx.Einsum.__init__, __init__)  # type: ignore[attr-defined]

@@ -59,14 +59,30 @@ class LayerNormMLP(nnx.Module):
   """
 
   def __init__(
-      self, in_features: int, intermediate_dim: int, *, activations=("gelu",),
-      enable_layernorm: bool = True, layernorm_type: str = "layernorm", epsilon: float = 1e-6,
-      zero_centered_gamma: bool = False, scale_init=None, ln_bias_init=nnx.initializers.zeros,
-      kernel_init=None, use_bias: bool = False, bias_init=nnx.initializers.zeros,
-      return_layernorm_output: bool = True, intermediate_dropout_rate: float = 0.0,
-      intermediate_hidden_dropout_dims=(), deterministic: bool = False,
-      param_dtype=jnp.float32, axis=-1, recipe: Any = kit.DEFAULT_RECIPE,
-      threshold=kit.DEFAULT_THRESHOLD, config=None, rngs: nnx.Rngs,
+    self,
+    in_features: int,
+    intermediate_dim: int,
+    *,
+    activations=("gelu",),
+    enable_layernorm: bool = True,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    scale_init=None,
+    ln_bias_init=nnx.initializers.zeros,
+    kernel_init=None,
+    use_bias: bool = False,
+    bias_init=nnx.initializers.zeros,
+    return_layernorm_output: bool = True,
+    intermediate_dropout_rate: float = 0.0,
+    intermediate_hidden_dropout_dims=(),
+    deterministic: bool = False,
+    param_dtype=jnp.float32,
+    axis=-1,
+    recipe: Any = kit.DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    config=None,
+    rngs: nnx.Rngs,
   ):
     kit.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
     kit.check_layernorm_type(layernorm_type, "LayerNormMLP")
@@ -92,10 +108,12 @@ class LayerNormMLP(nnx.Module):
     if enable_layernorm:
       _norm_params(self, k, scale_init, ln_bias_init, param_dtype, rngs)
     kernel_init = kernel_init or nnx.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal")
+      1.0, "fan_in", "truncated_normal"
+    )
     keys = jax.random.split(rngs.params(), n_act)
     self.wi_kernel = nnx.Param(
-        jnp.stack([kernel_init(key, (k, f), param_dtype) for key in keys], axis=1))
+      jnp.stack([kernel_init(key, (k, f), param_dtype) for key in keys], axis=1)
+    )
     self.wo_kernel = nnx.Param(kernel_init(rngs.params(), (f, k), param_dtype))
     self.wi_bias = self.wo_bias = nnx.data(None)
     if use_bias:
@@ -120,19 +138,35 @@ class LayerNormMLP(nnx.Module):
     else:
       assert self.dot_general_0 is not None and self.dot_general_1 is not None
       args = (self.dot_general_0.gemm_arguments(), self.dot_general_1.gemm_arguments())
-      gemm = {"recipe": args[0]["recipe"], "threshold": args[0]["threshold"],
-              "config": args[0]["config"]}
+      gemm = {
+        "recipe": args[0]["recipe"],
+        "threshold": args[0]["threshold"],
+        "config": args[0]["config"],
+      }
       states = (args[0]["state"], args[1]["state"])
       sr_rngs = (args[0]["rng"], args[1]["rng"])
       wi, wo = self.wi_kernel[...], self.wo_kernel[...]
     dropping = self.intermediate_dropout_rate > 0 and not deterministic
     return core.layernorm_mlp(
-        inputs, _value(self.scale), _value(self.ln_bias), wi, wo, _value(self.wi_bias),
-        _value(self.wo_bias), activations=self.activations, layernorm_type=self.layernorm_type,
-        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-        enable_layernorm=self.enable_layernorm, dropout_rate=self.intermediate_dropout_rate,
-        dropout_rng=self.dropout_rngs() if dropping and self.dropout_rngs is not None else None,
-        dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
-        deterministic=deterministic, states=states, rngs=sr_rngs,
-        return_layernorm_output=self.return_layernorm_output, **gemm, framework="nnx",
+      inputs,
+      _value(self.scale),
+      _value(self.ln_bias),
+      wi,
+      wo,
+      _value(self.wi_bias),
+      _value(self.wo_bias),
+      activations=self.activations,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
+      enable_layernorm=self.enable_layernorm,
+      dropout_rate=self.intermediate_dropout_rate,
+      dropout_rng=self.dropout_rngs() if dropping and self.dropout_rngs is not None else None,
+      dropout_broadcast_dims=self.intermediate_hidden_dropout_dims,
+      deterministic=deterministic,
+      states=states,
+      rngs=sr_rngs,
+      return_layernorm_output=self.return_layernorm_output,
+      **gemm,
+      framework="nnx",
     )

@@ -37,8 +37,12 @@ def _value(variable):
 
 def _norm(module, x):
   return core.layernorm(
-      x, module.scale[...], _value(module.ln_bias), layernorm_type=module.layernorm_type,
-      zero_centered_gamma=module.zero_centered_gamma, epsilon=module.epsilon,
+    x,
+    module.scale[...],
+    _value(module.ln_bias),
+    layernorm_type=module.layernorm_type,
+    zero_centered_gamma=module.zero_centered_gamma,
+    epsilon=module.epsilon,
   )
 
 
@@ -68,9 +72,16 @@ class LayerNorm(nnx.Module):
   """
 
   def __init__(
-      self, num_features: int, *, epsilon: float = 1e-6, layernorm_type: str = "layernorm",
-      zero_centered_gamma: bool = False, scale_init=None, bias_init=nnx.initializers.zeros,
-      param_dtype=jnp.float32, rngs: nnx.Rngs,
+    self,
+    num_features: int,
+    *,
+    epsilon: float = 1e-6,
+    layernorm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    scale_init=None,
+    bias_init=nnx.initializers.zeros,
+    param_dtype=jnp.float32,
+    rngs: nnx.Rngs,
   ):
     kit.check_layernorm_type(layernorm_type, "LayerNorm")
     self.epsilon = epsilon
@@ -120,21 +131,38 @@ class LayerNormDenseGeneral(nnx.Module):
   """
 
   def __init__(
-      self, in_features: int, features: int | Iterable[int], *, enable_layernorm: bool = True,
-      layernorm_type: str = "layernorm", epsilon: float = 1e-6,
-      zero_centered_gamma: bool = False, scale_init=None,
-      ln_bias_init=nnx.initializers.zeros, kernel_init=None, use_bias: bool = False,
-      bias_init=nnx.initializers.zeros, return_layernorm_output: bool = True, axis=-1,
-      param_dtype=jnp.float32, depth_scaling: float | None = None,
-      recipe: Any = kit.DEFAULT_RECIPE, threshold=kit.DEFAULT_THRESHOLD, config=None,
-      rngs: nnx.Rngs,
+    self,
+    in_features: int,
+    features: int | Iterable[int],
+    *,
+    enable_layernorm: bool = True,
+    layernorm_type: str = "layernorm",
+    epsilon: float = 1e-6,
+    zero_centered_gamma: bool = False,
+    scale_init=None,
+    ln_bias_init=nnx.initializers.zeros,
+    kernel_init=None,
+    use_bias: bool = False,
+    bias_init=nnx.initializers.zeros,
+    return_layernorm_output: bool = True,
+    axis=-1,
+    param_dtype=jnp.float32,
+    depth_scaling: float | None = None,
+    recipe: Any = kit.DEFAULT_RECIPE,
+    threshold=kit.DEFAULT_THRESHOLD,
+    config=None,
+    rngs: nnx.Rngs,
   ):
     kit.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
     kit.check_layernorm_type(layernorm_type, "LayerNormDenseGeneral")
     features = tuple(features) if isinstance(features, Iterable) else (features,)
     kernel_shape = (in_features, *features)
-    kit.check_kernel_gemm_dims(recipe, kernel_shape, (((0,), (0,)), ((), ())),
-                                f"LayerNormDenseGeneral({in_features}, {features})")
+    kit.check_kernel_gemm_dims(
+      recipe,
+      kernel_shape,
+      (((0,), (0,)), ((), ())),
+      f"LayerNormDenseGeneral({in_features}, {features})",
+    )
     self.enable_layernorm = enable_layernorm
     self.layernorm_type = layernorm_type
     self.epsilon = epsilon
@@ -145,7 +173,8 @@ class LayerNormDenseGeneral(nnx.Module):
     if enable_layernorm:
       _norm_params(self, in_features, scale_init, ln_bias_init, param_dtype, rngs)
     kernel_init = kernel_init or nnx.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal")
+      1.0, "fan_in", "truncated_normal"
+    )
     self.kernel = nnx.Param(kernel_init(rngs.params(), kernel_shape, param_dtype))
     self.bias = nnx.data(None)
     if use_bias:
@@ -166,11 +195,19 @@ class LayerNormDenseGeneral(nnx.Module):
     if self.enable_layernorm:
       scale, ln_bias = self.scale[...], _value(self.ln_bias)
     return kit.layernorm_dense_general(
-        inputs, scale, ln_bias, self.kernel[...], _value(self.bias),
-        enable_layernorm=self.enable_layernorm, layernorm_type=self.layernorm_type,
-        zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon,
-        return_layernorm_output=self.return_layernorm_output, depth_scaling=self.depth_scaling,
-        **gemm, framework="nnx",
+      inputs,
+      scale,
+      ln_bias,
+      self.kernel[...],
+      _value(self.bias),
+      enable_layernorm=self.enable_layernorm,
+      layernorm_type=self.layernorm_type,
+      zero_centered_gamma=self.zero_centered_gamma,
+      epsilon=self.epsilon,
+      return_layernorm_output=self.return_layernorm_output,
+      depth_scaling=self.depth_scaling,
+      **gemm,
+      framework="nnx",
     )
 
 
@@ -189,14 +226,24 @@ class Softmax(nnx.Module):
     0.25
   """
 
-  def __init__(self, *, scale_factor: float = 1.0,
-               softmax_fusion_type=core.SoftmaxFusionType.SCALED, softmax_type: str = "vanilla"):
+  def __init__(
+    self,
+    *,
+    scale_factor: float = 1.0,
+    softmax_fusion_type=core.SoftmaxFusionType.SCALED,
+    softmax_type: str = "vanilla",
+  ):
     self.scale_factor = scale_factor
     self.softmax_fusion_type = softmax_fusion_type
     self.softmax_type = softmax_type
 
   def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
     return core.softmax(
-        inputs, mask, bias, softmax_offset, scale_factor=self.scale_factor,
-        softmax_fusion_type=self.softmax_fusion_type, softmax_type=self.softmax_type,
+      inputs,
+      mask,
+      bias,
+      softmax_offset,
+      scale_factor=self.scale_factor,
+      softmax_fusion_type=self.softmax_fusion_type,
+      softmax_type=self.softmax_type,
     )

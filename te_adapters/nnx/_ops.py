@@ -32,8 +32,8 @@ __all__ = ["DotGeneral", "EinsumOp", "SR_RNG"]
 SR_RNG = kit.SR_RNG
 # How an NNX layer gets its rounding keys, said when it has none.
 _HOW_TO_GIVE_KEYS = (
-    f" and needs a key per call from the {SR_RNG!r} stream: build the layer with "
-    f"rngs=nnx.Rngs({SR_RNG}=...) (a 'default' stream works too), or call it with rngs=...; "
+  f" and needs a key per call from the {SR_RNG!r} stream: build the layer with "
+  f"rngs=nnx.Rngs({SR_RNG}=...) (a 'default' stream works too), or call it with rngs=...; "
 )
 # rngs= given to a quantized layer's __call__, for its GEMM op (the NNX parent calls the op).
 _CALL_RNGS: contextvars.ContextVar = contextvars.ContextVar("te_adapters_nnx_rngs", default=None)
@@ -79,8 +79,9 @@ def kernel_annotation(kernel, stacked: int):
   """The kernel's sharding annotation (``nnx.with_partitioning``), one entry per dim of the
   kernel a layer's call sees (less ``stacked`` leading dims), or None."""
   meta = kernel.get_metadata()
-  spec = next((meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k)),
-              None)
+  spec = next(
+    (meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k)), None
+  )
   if not isinstance(spec, (tuple, list, jax.sharding.PartitionSpec)):
     return None
   spec = tuple(spec)
@@ -107,7 +108,7 @@ def _permuted_sharding(out_sharding, perm: list[int]):
   spec = getattr(out_sharding, "spec", out_sharding)
   if not isinstance(spec, jax.sharding.PartitionSpec):
     raise TypeError(
-        f"EinsumOp: out_sharding must be a NamedSharding or a PartitionSpec, got {out_sharding!r}"
+      f"EinsumOp: out_sharding must be a NamedSharding or a PartitionSpec, got {out_sharding!r}"
     )
   entries = tuple(spec) + (None,) * (len(perm) - len(spec))
   permuted = jax.sharding.PartitionSpec(*(entries[p] for p in perm))
@@ -128,19 +129,20 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
   """
 
   def __init__(
-      self,
-      recipe: core.Recipe,
-      *,
-      threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
-      rngs: nnx.Rngs | nnx.RngStream | None = None,
-      amax_axes: Any = None,
-      kernel_all_gather: Any = None,
-      config: core.GemmConfig | None = None,
+    self,
+    recipe: core.Recipe,
+    *,
+    threshold: core.SizeThreshold | None = kit.DEFAULT_THRESHOLD,
+    rngs: nnx.Rngs | nnx.RngStream | None = None,
+    amax_axes: Any = None,
+    kernel_all_gather: Any = None,
+    config: core.GemmConfig | None = None,
   ):
     self.recipe = core.check_recipe(recipe)
     # A static attribute of the graph: hashable, so nnx.jit can key its cache on it.
     self.options = kit.GemmOptions(
-        threshold, _hashable(amax_axes), _hashable(kernel_all_gather), config)
+      threshold, _hashable(amax_axes), _hashable(kernel_all_gather), config
+    )
     self.state = hold_state(kit.initial_state(self.recipe))
     self.rngs: nnx.RngStream | None = nnx.data(None)
     self.set_rngs(rngs)
@@ -175,11 +177,11 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     """This op's keywords for a core function that runs its GEMM (``core.layernorm_dense``):
     ``recipe``, ``state``, ``rng``, ``threshold`` and ``config``."""
     return {
-        "recipe": self.recipe,
-        "state": refuse_shared_scan_state(self, self.recipe_state()) or None,
-        "rng": self._rounding_key(rngs),
-        "threshold": self.options.threshold,
-        "config": self.options.config,
+      "recipe": self.recipe,
+      "state": refuse_shared_scan_state(self, self.recipe_state()) or None,
+      "rng": self._rounding_key(rngs),
+      "threshold": self.options.threshold,
+      "config": self.options.config,
     }
 
   def recipe_state(self):
@@ -194,16 +196,32 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     return what if self.layer_path is None else f"{what} at {self.layer_path!r}"
 
   def _dot(
-      self, lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs=None,
-      out_sharding=None, layer=None,
+    self,
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision,
+    preferred_element_type,
+    rngs=None,
+    out_sharding=None,
+    layer=None,
   ):
     kit.check_input_dtype(self.recipe, lhs.dtype, type(self).__name__)
     kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
     return core.dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe,
-        state=refuse_shared_scan_state(self, self.recipe_state()),
-        rng=self._rounding_key(rngs), out_sharding=out_sharding, **self.options.keywords(),
-        layer=self._layer_name(layer), kernel_sharding=self.kernel_sharding, framework="nnx",
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision,
+      preferred_element_type,
+      recipe=self.recipe,
+      state=refuse_shared_scan_state(self, self.recipe_state()),
+      rng=self._rounding_key(rngs),
+      out_sharding=out_sharding,
+      **self.options.keywords(),
+      layer=self._layer_name(layer),
+      kernel_sharding=self.kernel_sharding,
+      framework="nnx",
     )
 
 
@@ -235,20 +253,20 @@ class DotGeneral(_RecipeOp):
   """
 
   def __call__(
-      self,
-      lhs: jax.Array,
-      rhs: jax.Array,
-      dimension_numbers,
-      precision=None,
-      preferred_element_type=None,
-      out_sharding=None,
-      *,
-      rngs=None,
+    self,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+    *,
+    rngs=None,
   ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, ...)`` with FP8 operands; ``out_sharding`` as for it (with
     Explicit mesh axes, e.g. row-parallel layers whose contracting dimension is sharded)."""
     return self._dot(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs, out_sharding
+      lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs, out_sharding
     )
 
 
@@ -263,27 +281,27 @@ def _check_einsum(einsum_str, in_labels, kernel_labels, out_labels, inputs, kern
   for what, labels, array in (("input", in_labels, inputs), ("kernel", kernel_labels, kernel)):
     if len(labels) != array.ndim:
       raise ValueError(
-          f"Einsum {einsum_str!r}: the {what} has rank {array.ndim} (shape {array.shape}) but "
-          f"the equation gives it {len(labels)} labels ({labels!r})"
+        f"Einsum {einsum_str!r}: the {what} has rank {array.ndim} (shape {array.shape}) but "
+        f"the equation gives it {len(labels)} labels ({labels!r})"
       )
   for what, labels in (("input", in_labels), ("kernel", kernel_labels)):
     if len(set(labels)) != len(labels):
       raise ValueError(
-          f"Einsum {einsum_str!r}: a label repeats in the {what} ({labels}); a quantized "
-          "einsum needs one GEMM without diagonals"
+        f"Einsum {einsum_str!r}: a label repeats in the {what} ({labels}); a quantized "
+        "einsum needs one GEMM without diagonals"
       )
   lonely = [c for c in in_labels if c not in kernel_labels and c not in out_labels]
   lonely += [c for c in kernel_labels if c not in in_labels and c not in out_labels]
   if lonely:
     raise ValueError(
-        f"Einsum {einsum_str!r}: label(s) {lonely} are summed over one operand only; a quantized "
-        "einsum needs every summed label in both the input and the kernel"
+      f"Einsum {einsum_str!r}: label(s) {lonely} are summed over one operand only; a quantized "
+      "einsum needs every summed label in both the input and the kernel"
     )
   for c in set(in_labels) & set(kernel_labels):
     a, b = inputs.shape[in_labels.index(c)], kernel.shape[kernel_labels.index(c)]
     if a != b:
       raise ValueError(
-          f"Einsum {einsum_str!r}: label {c!r} has size {a} in the input but {b} in the kernel"
+        f"Einsum {einsum_str!r}: label {c!r} has size {a} in the input but {b} in the kernel"
       )
 
 
@@ -310,15 +328,15 @@ class EinsumOp(_RecipeOp):
   """
 
   def __call__(
-      self,
-      einsum_str: str,
-      inputs: jax.Array,
-      kernel: jax.Array,
-      precision=None,
-      preferred_element_type=None,
-      out_sharding=None,
-      *,
-      rngs=None,
+    self,
+    einsum_str: str,
+    inputs: jax.Array,
+    kernel: jax.Array,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+    *,
+    rngs=None,
   ) -> jax.Array:
     """``jnp.einsum(einsum_str, inputs, kernel, ...)`` with one FP8 GEMM; ``out_sharding`` as
     for ``jnp.einsum`` (a model's own sharding annotations)."""
@@ -329,9 +347,9 @@ class EinsumOp(_RecipeOp):
     def matches(a, b, dims, a_labels, b_labels, a_shape, b_shape) -> bool:
       (ac, bc), (ab, bb) = dims
       return (
-          tuple(a.shape) == tuple(a_shape)
-          and tuple(b.shape) == tuple(b_shape)
-          and all(a_labels[i] == b_labels[j] for i, j in zip((*ac, *ab), (*bc, *bb), strict=True))
+        tuple(a.shape) == tuple(a_shape)
+        and tuple(b.shape) == tuple(b_shape)
+        and all(a_labels[i] == b_labels[j] for i, j in zip((*ac, *ab), (*bc, *bb), strict=True))
       )
 
     def dot_general(a, b, dims, precision=None, preferred_element_type=None, **kwargs: Any):
@@ -341,8 +359,8 @@ class EinsumOp(_RecipeOp):
       kernel_first = matches(a, b, dims, k_labels, in_labels, kernel.shape, inputs.shape)
       if x_first == kernel_first:
         raise ValueError(
-            f"Einsum {einsum_str!r}: cannot tell the input from the kernel in the GEMM that "
-            "jnp.einsum formed; use distinct labels or shapes for the two operands"
+          f"Einsum {einsum_str!r}: cannot tell the input from the kernel in the GEMM that "
+          "jnp.einsum formed; use distinct labels or shapes for the two operands"
         )
       layer = f"Einsum {einsum_str!r}"
       if x_first:
@@ -357,19 +375,25 @@ class EinsumOp(_RecipeOp):
       ours = batch + [n_batch + n_k_free + i for i in range(n_x_free)]
       ours += [n_batch + i for i in range(n_k_free)]
       out = self._dot(
-          b, a, ((bc, ac), (bb, ab)), precision, preferred_element_type, rngs,
-          _permuted_sharding(out_sharding, ours), layer,
+        b,
+        a,
+        ((bc, ac), (bb, ab)),
+        precision,
+        preferred_element_type,
+        rngs,
+        _permuted_sharding(out_sharding, ours),
+        layer,
       )
       x_free = list(range(n_batch, n_batch + n_x_free))
       k_free = list(range(n_batch + n_x_free, n_batch + n_x_free + n_k_free))
       return jnp.transpose(out, batch + k_free + x_free)
 
     return jnp.einsum(
-        einsum_str,
-        inputs,
-        kernel,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        _dot_general=dot_general,
-        out_sharding=out_sharding,
+      einsum_str,
+      inputs,
+      kernel,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      _dot_general=dot_general,
+      out_sharding=out_sharding,
     )

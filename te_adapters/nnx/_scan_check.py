@@ -92,11 +92,11 @@ def refuse_shared_scan_state(op, state: dict) -> dict:
   if axis is None:
     return state
   message = (
-      f"te_adapters.nnx: {type(op).__name__}'s {type(op.recipe).__name__} state is handed to "
-      f"every iteration of an nnx.scan (its in_axes entry is {axis}), and a plain nnx.grad "
-      "over RecipeState would add up the iterations' amax histories instead of taking their "
-      "max. Differentiate with te_adapters.nnx.value_and_grad or te_adapters.nnx.grad (they "
-      "combine the iterations by max), or scan over stacked layers (in_axes=0), each with its "
-      "own state."
+    f"te_adapters.nnx: {type(op).__name__}'s {type(op.recipe).__name__} state is handed to "
+    f"every iteration of an nnx.scan (its in_axes entry is {axis}), and a plain nnx.grad "
+    "over RecipeState would add up the iterations' amax histories instead of taking their "
+    "max. Differentiate with te_adapters.nnx.value_and_grad or te_adapters.nnx.grad (they "
+    "combine the iterations by max), or scan over stacked layers (in_axes=0), each with its "
+    "own state."
   )
   return refuse_state_grad(state, message)

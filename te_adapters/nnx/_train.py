@@ -22,7 +22,11 @@ from te_adapters import core
 from te_adapters.nnx._variables import RecipeState
 
 __all__ = [
-    "value_and_grad", "grad", "update_recipe_state", "recipe_state", "upgrade_state_dict",
+  "value_and_grad",
+  "grad",
+  "update_recipe_state",
+  "recipe_state",
+  "upgrade_state_dict",
 ]
 
 
@@ -76,10 +80,10 @@ def _grad_general(f, argnums, has_aux, wrt, return_value, **kwargs):
   diff = tuple(nnx.DiffState(i, nnx.Any(wrt, RecipeState)) for i in argnums_t)
   transform = nnx.value_and_grad if return_value else nnx.grad
   inner = transform(
-      _with_max_grad_state(f, argnums_t),
-      argnums=diff[0] if isinstance(argnums, int) else diff,
-      has_aux=has_aux,
-      **kwargs,
+    _with_max_grad_state(f, argnums_t),
+    argnums=diff[0] if isinstance(argnums, int) else diff,
+    has_aux=has_aux,
+    **kwargs,
   )
 
   def split(grads):
@@ -103,12 +107,12 @@ def _grad_general(f, argnums, has_aux, wrt, return_value, **kwargs):
 
 
 def value_and_grad(
-    f: tp.Callable[..., tp.Any],
-    *,
-    argnums: int | tp.Sequence[int] = 0,
-    has_aux: bool = False,
-    wrt: nnx.filterlib.Filter = nnx.Param,
-    **kwargs: tp.Any,
+  f: tp.Callable[..., tp.Any],
+  *,
+  argnums: int | tp.Sequence[int] = 0,
+  has_aux: bool = False,
+  wrt: nnx.filterlib.Filter = nnx.Param,
+  **kwargs: tp.Any,
 ) -> tp.Callable[..., tp.Any]:
   """``nnx.value_and_grad`` that also returns the new recipe state.
 
@@ -152,12 +156,12 @@ def value_and_grad(
 
 
 def grad(
-    f: tp.Callable[..., tp.Any],
-    *,
-    argnums: int | tp.Sequence[int] = 0,
-    has_aux: bool = False,
-    wrt: nnx.filterlib.Filter = nnx.Param,
-    **kwargs: tp.Any,
+  f: tp.Callable[..., tp.Any],
+  *,
+  argnums: int | tp.Sequence[int] = 0,
+  has_aux: bool = False,
+  wrt: nnx.filterlib.Filter = nnx.Param,
+  **kwargs: tp.Any,
 ) -> tp.Callable[..., tp.Any]:
   """``nnx.grad`` that also returns the new recipe state; see ``value_and_grad``.
 
@@ -222,16 +226,16 @@ def _merge(old, new, path=()):
   if set(old) != set(new):
     where = "/".join(map(str, path)) or "the model"
     raise ValueError(
-        f"state_grads do not match the recipe state of {where}: missing "
-        f"{sorted(map(str, set(old) - set(new)))}, unexpected "
-        f"{sorted(map(str, set(new) - set(old)))}"
+      f"state_grads do not match the recipe state of {where}: missing "
+      f"{sorted(map(str, set(old) - set(new)))}, unexpected "
+      f"{sorted(map(str, set(new) - set(old)))}"
     )
   if core.is_state_mapping(old):
     for k in old:
       if np.shape(old[k]) != np.shape(new[k]):
         raise ValueError(
-            f"state_grads at {'/'.join(map(str, (*path, k)))} has shape {np.shape(new[k])}, "
-            f"the recipe state {np.shape(old[k])}"
+          f"state_grads at {'/'.join(map(str, (*path, k)))} has shape {np.shape(new[k])}, "
+          f"the recipe state {np.shape(old[k])}"
         )
     return _gemm_updated(dict(old), dict(new))
   return {k: _merge(old[k], new[k], (*path, k)) for k in old}
@@ -258,8 +262,8 @@ def update_recipe_state(model, state_grads) -> None:
     state_grads = nnx.to_pure_dict(state_grads)
   if not isinstance(state_grads, Mapping):
     raise TypeError(
-        f"state_grads must be the nnx.State from te_adapters.nnx.value_and_grad, got "
-        f"{type(state_grads).__name__}"
+      f"state_grads must be the nnx.State from te_adapters.nnx.value_and_grad, got "
+      f"{type(state_grads).__name__}"
     )
   if not old and not state_grads:
     return

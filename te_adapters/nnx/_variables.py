@@ -42,10 +42,10 @@ def te_name_aliases(cls):
   def alias(name):
     def get(self):
       warnings.warn(
-          f"{type(self).__name__}.{name} moved to {type(self).__name__}.state.{name} (the recipe "
-          "state is one typed attribute, `state`); the old spelling goes in the next release",
-          DeprecationWarning,
-          stacklevel=2,
+        f"{type(self).__name__}.{name} moved to {type(self).__name__}.state.{name} (the recipe "
+        "state is one typed attribute, `state`); the old spelling goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
       )
       state = self.state
       if state is None or name not in state:

@@ -25,21 +25,24 @@ def _sigmoid(x):
 
 # name -> (f, f') in float64 numpy, written from the formulas.
 REFERENCE = {
-    "gelu": (_gelu, _dgelu),
-    "relu": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64)),
-    "silu": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
-    "swish": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
-    "quick_gelu": (
-        lambda x: x * _sigmoid(1.702 * x),
-        lambda x: _sigmoid(1.702 * x) * (1 + 1.702 * x * (1 - _sigmoid(1.702 * x))),
-    ),
-    "squared_relu": (lambda x: np.maximum(x, 0.0) ** 2, lambda x: 2 * np.maximum(x, 0.0)),
-    "linear": (lambda x: x, np.ones_like),
+  "gelu": (_gelu, _dgelu),
+  "relu": (lambda x: np.maximum(x, 0.0), lambda x: (x > 0).astype(np.float64)),
+  "silu": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
+  "swish": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
+  "quick_gelu": (
+    lambda x: x * _sigmoid(1.702 * x),
+    lambda x: _sigmoid(1.702 * x) * (1 + 1.702 * x * (1 - _sigmoid(1.702 * x))),
+  ),
+  "squared_relu": (lambda x: np.maximum(x, 0.0) ** 2, lambda x: 2 * np.maximum(x, 0.0)),
+  "linear": (lambda x: x, np.ones_like),
 }
 
 CASES = [(n,) for n in REFERENCE] + [
-    ("gelu", "linear"), ("silu", "linear"), ("relu", "linear"), ("quick_gelu", "linear"),
-    ("squared_relu", "linear"),
+  ("gelu", "linear"),
+  ("silu", "linear"),
+  ("relu", "linear"),
+  ("quick_gelu", "linear"),
+  ("squared_relu", "linear"),
 ]
 
 
@@ -61,12 +64,13 @@ def test_forward_and_gradient_against_float64(names):
   ref, terms = _reference(h, names)
   h64, g64 = np.asarray(h, np.float64), np.asarray(g, np.float64)
   dref = np.stack(
-      [
-          g64 * REFERENCE[n][1](h64[..., i, :])
-          * np.prod([t for j, t in enumerate(terms) if j != i], axis=0)
-          for i, n in enumerate(names)
-      ],
-      axis=-2,
+    [
+      g64
+      * REFERENCE[n][1](h64[..., i, :])
+      * np.prod([t for j, t in enumerate(terms) if j != i], axis=0)
+      for i, n in enumerate(names)
+    ],
+    axis=-2,
   )
   assert out.shape == (8, 32) and out.dtype == jnp.float32
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
@@ -88,7 +92,7 @@ def test_names_are_normalized_as_te():
   assert core.normalize_activations(("linear", "silu")) == ("silu", "linear")
   h = jnp.asarray(np.random.default_rng(2).normal(size=(4, 2, 16)), jnp.float32)
   np.testing.assert_array_equal(
-      core.activation(h, ("linear", "silu")), core.activation(h, ("silu", "linear"))
+    core.activation(h, ("linear", "silu")), core.activation(h, ("silu", "linear"))
   )
 
 
@@ -99,13 +103,13 @@ def test_a_callable_is_applied_to_its_slice():
 
 
 @pytest.mark.parametrize(
-    "activations, match",
-    [
-        (("geglu",), "unknown activation 'geglu'; known: gelu, linear"),
-        (("gelu", "tanh"), "unknown activation 'tanh'"),
-        ((), "non-empty sequence"),
-        ((3,), "a name or a callable"),
-    ],
+  "activations, match",
+  [
+    (("geglu",), "unknown activation 'geglu'; known: gelu, linear"),
+    (("gelu", "tanh"), "unknown activation 'tanh'"),
+    ((), "non-empty sequence"),
+    ((3,), "a name or a callable"),
+  ],
 )
 def test_bad_activation_is_a_clear_error(activations, match):
   with pytest.raises(ValueError, match=match):

@@ -164,8 +164,9 @@ def test_2d_activation_tiles_train():
 
   @jax.jit
   def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe), x,
-                     w)
+    y, vjp = jax.vjp(
+      lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe), x, w
+    )
     return (y, *vjp(g))
 
   y, dx, dw = (np.asarray(a, np.float64) for a in run(x, w, g))

@@ -58,8 +58,6 @@ ABSOLUTE_BOUNDS = {
 }
 
 
-
-
 @functools.cache
 def _data():
   rng = np.random.default_rng(0)
@@ -83,8 +81,9 @@ def _run(name):
 
   @jax.jit
   def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe,
-                                                      rng=key), x, w)
+    y, vjp = jax.vjp(
+      lambda x, w: ta.core.dot_general(x, w, DN, threshold=None, recipe=recipe, rng=key), x, w
+    )
     dx, dw = vjp(g)
     eps = {
       "x": _copy_error(x, recipe, "x", 1),
@@ -140,8 +139,9 @@ def test_general_dimension_numbers_match_the_plain_layout():
 
   @jax.jit
   def both(xs, ws, gs):
-    general = jax.vjp(lambda a, b: ta.core.dot_general(a, b, dn, threshold=None, recipe=recipe),
-                      xs, ws)
+    general = jax.vjp(
+      lambda a, b: ta.core.dot_general(a, b, dn, threshold=None, recipe=recipe), xs, ws
+    )
     plain = lambda a, b: ta.core.dot_general(a.T, b.T, DN, threshold=None, recipe=recipe)
     per_batch = [jax.vjp(plain, xs[i], ws[i]) for i in range(2)]
     out_general = (general[0], *general[1](gs))
@@ -161,11 +161,13 @@ def test_bf16_operands_and_preferred_element_type():
   recipe = RECIPES["mxfp8"]
   x, w, _ = _data()
   xb, wb = jnp.asarray(x[:64, :64], jnp.bfloat16), jnp.asarray(w[:64, :64], jnp.bfloat16)
-  out = jax.eval_shape(lambda a, b: ta.core.dot_general(a, b, DN, threshold=None, recipe=recipe),
-                       xb, wb)
+  out = jax.eval_shape(
+    lambda a, b: ta.core.dot_general(a, b, DN, threshold=None, recipe=recipe), xb, wb
+  )
   assert out.dtype == jnp.bfloat16
-  f = lambda a, b: ta.core.dot_general(a, b, DN, preferred_element_type=jnp.float32,
-                                       threshold=None, recipe=recipe)
+  f = lambda a, b: ta.core.dot_general(
+    a, b, DN, preferred_element_type=jnp.float32, threshold=None, recipe=recipe
+  )
   out = jax.eval_shape(f, xb, wb)
   assert out.dtype == jnp.float32
   grads = jax.eval_shape(jax.grad(lambda a, b: f(a, b).sum(), argnums=(0, 1)), xb, wb)

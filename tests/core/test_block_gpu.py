@@ -58,7 +58,8 @@ def test_float8_block_gemms_are_fp8_gemms(gemm):
   def run(x, w, g):
     y, vjp = jax.vjp(
       lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None, config=config),
-      x, w,
+      x,
+      w,
     )
     return (y, *vjp(g))
 
@@ -239,24 +240,32 @@ def _block_cast_input(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=str)
 @pytest.mark.parametrize("tile", [False, True], ids=["1x128", "128x128"])
-@pytest.mark.parametrize("q_dtype,power_2", [(jnp.float8_e4m3fn, True), (jnp.float8_e5m2, False)],
-                         ids=["e4m3-pow2", "e5m2-f32"])
+@pytest.mark.parametrize(
+  "q_dtype,power_2",
+  [(jnp.float8_e4m3fn, True), (jnp.float8_e5m2, False)],
+  ids=["e4m3-pow2", "e5m2-f32"],
+)
 def test_block_cast_kernel_quantizes_like_cpu(dtype, tile, q_dtype, power_2):
   """The CUDA block cast gives, bit for bit, the CPU's pure-JAX quantization of both copies."""
   _skip_unless_block_cast()
   x = _block_cast_input(dtype)
-  q, s, q_t, s_t, amax = jax.jit(lambda x: kernels.block_cast_call(
-      x, q_dtype, rowwise=True, colwise=True, tile=tile, power_2=power_2))(x)
+  q, s, q_t, s_t, amax = jax.jit(
+    lambda x: kernels.block_cast_call(
+      x, q_dtype, rowwise=True, colwise=True, tile=tile, power_2=power_2
+    )
+  )(x)
   block = (128, 128) if tile else (128,)
   cpu_x = _on_cpu(x)
-  want_q, want_s, want_amax = jax.jit(
-      lambda x: _float8_block.quantize(x, block, q_dtype, power_2))(cpu_x)
+  want_q, want_s, want_amax = jax.jit(lambda x: _float8_block.quantize(x, block, q_dtype, power_2))(
+    cpu_x
+  )
   if tile:
     want_qt, want_st = jnp.swapaxes(want_q, -1, -2), None
     assert s_t.size == 0
   else:
-    want_qt, want_st, _ = jax.jit(lambda x: _float8_block.quantize(
-        jnp.swapaxes(x, -1, -2), block, q_dtype, power_2))(cpu_x)
+    want_qt, want_st, _ = jax.jit(
+      lambda x: _float8_block.quantize(jnp.swapaxes(x, -1, -2), block, q_dtype, power_2)
+    )(cpu_x)
   pairs = [(q, want_q), (s, want_s), (q_t, want_qt), (amax, want_amax)]
   if not tile:
     pairs.append((s_t, want_st))
@@ -273,8 +282,11 @@ def test_block_cast_kernel_nan():
   _skip_unless_block_cast()
   x = np.full((128, 256), 3.0, np.float32)
   x[5, 200] = np.nan
-  q, s, q_t, s_t, amax = jax.jit(lambda x: kernels.block_cast_call(
-      x, jnp.float8_e4m3fn, rowwise=True, colwise=True, tile=False, power_2=True))(x)
+  q, s, q_t, s_t, amax = jax.jit(
+    lambda x: kernels.block_cast_call(
+      x, jnp.float8_e4m3fn, rowwise=True, colwise=True, tile=False, power_2=True
+    )
+  )(x)
   s, s_t = np.asarray(s), np.asarray(s_t)
   q, q_t = np.asarray(q, np.float32), np.asarray(q_t, np.float32)
   third = 0.0078125  # 1 / 128: 448 / 3 rounded down to a power of two
@@ -297,9 +309,13 @@ def test_block_cast_kernel_runs_in_the_float8_block_dot_general():
 
   def step(config):
     def run(x, w, g):
-      y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(
-          x, w, DN, recipe=recipe, threshold=None, config=config), x, w)
+      y, vjp = jax.vjp(
+        lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None, config=config),
+        x,
+        w,
+      )
       return (y, *vjp(g))
+
     return jax.jit(run).lower(x, w, g).compile()
 
   fused, plain = step(ta.GemmConfig()), step(ta.GemmConfig(backend="jax"))
@@ -325,9 +341,13 @@ def test_block_cast_kernel_non_finite_input_reaches_the_output():
 
   def step(config, x):
     def run(x, w, g):
-      y, vjp = jax.vjp(lambda x, w: ta.core.dot_general(
-          x, w, DN, recipe=recipe, threshold=None, config=config), x, w)
+      y, vjp = jax.vjp(
+        lambda x, w: ta.core.dot_general(x, w, DN, recipe=recipe, threshold=None, config=config),
+        x,
+        w,
+      )
       return (y, *vjp(g))
+
     compiled = jax.jit(run).lower(x, w, g).compile()
     # The forward and both gradient GEMMs read the CUDA cast's copies (one pass per operand).
     assert compiled.as_text().count('custom_call_target="te_adapters_block_cast"') == 3

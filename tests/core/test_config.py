@@ -17,9 +17,15 @@ def test_defaults_and_bad_values():
   config = ta.GemmConfig()
   assert (config.backend, config.fp8_gemm, config.block_gemm) == ("auto", "auto", "auto")
   assert hash(config) == hash(ta.GemmConfig())  # a static argument under jit
-  for field, bad in [("backend", "triton"), ("fp8_gemm", "cublas"), ("block_gemm", "emulated"),
-                     ("layout", "nt"), ("output", "bf16"), ("transpose", "none"),
-                     ("amax", "cuda")]:
+  for field, bad in [
+    ("backend", "triton"),
+    ("fp8_gemm", "cublas"),
+    ("block_gemm", "emulated"),
+    ("layout", "nt"),
+    ("output", "bf16"),
+    ("transpose", "none"),
+    ("amax", "cuda"),
+  ]:
     with pytest.raises(ValueError, match=f"GemmConfig.{field} must be one of"):
       ta.GemmConfig(**{field: bad})
   x = jnp.ones((16, 32))
@@ -46,13 +52,18 @@ def _train(recipe, config, steps=3):
 
 
 @pytest.mark.parametrize(
-    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
-    ids=["current", "delayed"],
+  "recipe",
+  [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
+  ids=["current", "delayed"],
 )
-@pytest.mark.parametrize("config", [
+@pytest.mark.parametrize(
+  "config",
+  [
     ta.GemmConfig(backend="jax"),
     ta.GemmConfig(fp8_gemm="xla"),
-], ids=["jax", "xla-gemm"])
+  ],
+  ids=["jax", "xla-gemm"],
+)
 def test_every_choice_computes_the_same_step(recipe, config, rel):
   """Every configuration quantizes to the same values: outputs, gradients and state agree with
   the default's after several steps, and with float64 to FP8's accuracy."""
@@ -78,12 +89,19 @@ def test_native_gemm_is_refused_where_it_cannot_run():
   x = jnp.ones((32, 64))
   w = jnp.ones((64, 32))
   with pytest.raises(RuntimeError, match="fp8_gemm='native', but"):
-    core.dot_general(x, w, DN, recipe=ta.Float8CurrentScaling(), threshold=None,
-                     config=ta.GemmConfig(fp8_gemm="native"))
+    core.dot_general(
+      x,
+      w,
+      DN,
+      recipe=ta.Float8CurrentScaling(),
+      threshold=None,
+      config=ta.GemmConfig(fp8_gemm="native"),
+    )
 
 
-@pytest.mark.parametrize("recipe", [ta.MXFP8BlockScaling(), ta.Float8BlockScaling()],
-                         ids=["mxfp8", "float8_block"])
+@pytest.mark.parametrize(
+  "recipe", [ta.MXFP8BlockScaling(), ta.Float8BlockScaling()], ids=["mxfp8", "float8_block"]
+)
 def test_native_block_gemm_is_refused_where_it_cannot_run(recipe):
   if isinstance(recipe, ta.MXFP8BlockScaling):
     if formats.native_gemm_available("mxfp8"):
@@ -92,13 +110,20 @@ def test_native_block_gemm_is_refused_where_it_cannot_run(recipe):
     pytest.skip("cuBLASLt's block-scaled GEMM runs here")
   x = jnp.ones((128, 128))
   with pytest.raises(RuntimeError, match="block_gemm='native', but"):
-    core.dot_general(x, x, DN, recipe=recipe, threshold=None,
-                     config=ta.GemmConfig(block_gemm="native"))
+    core.dot_general(
+      x, x, DN, recipe=recipe, threshold=None, config=ta.GemmConfig(block_gemm="native")
+    )
 
 
-@pytest.mark.parametrize("field, value", [
-    ("layout", "xla"), ("output", "f32"), ("transpose", "fp8"), ("amax", "ffi"),
-])
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("layout", "xla"),
+    ("output", "f32"),
+    ("transpose", "fp8"),
+    ("amax", "ffi"),
+  ],
+)
 def test_measurement_only_fields_are_deprecated_and_change_nothing(field, value, rel):
   """The measurement-only choices of earlier releases still construct, with a DeprecationWarning
   naming the field, and the step they configure is the default's, bit for bit."""
@@ -113,10 +138,20 @@ def test_measurement_only_fields_are_deprecated_and_change_nothing(field, value,
     np.testing.assert_array_equal(np.asarray(got_state[name]), np.asarray(want_state[name]))
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("comm_sm_margin", -1), ("comm_sm_margin", 8.0), ("comm_sm_margin", True),
-    ("comm_sm_margin", "8"), ("sum_chunks", 0), ("sum_chunks", 2.0), ("sum_chunks", False),
-    ("fold_amax", 1), ("fold_amax", None)])
+@pytest.mark.parametrize(
+  ("field", "value"),
+  [
+    ("comm_sm_margin", -1),
+    ("comm_sm_margin", 8.0),
+    ("comm_sm_margin", True),
+    ("comm_sm_margin", "8"),
+    ("sum_chunks", 0),
+    ("sum_chunks", 2.0),
+    ("sum_chunks", False),
+    ("fold_amax", 1),
+    ("fold_amax", None),
+  ],
+)
 def test_mesh_levers_refuse_bad_values(field, value):
   default = core.GemmConfig()
   assert (default.comm_sm_margin, default.sum_chunks, default.fold_amax) == (None, 1, False)

@@ -47,12 +47,12 @@ def _next_scale(recipe, amax, state, role, fp8_max):
 
 
 POW2 = core.TensorScaling(
-    init_state=lambda recipe: {},
-    state_shapes=lambda recipe: {},
-    stored_scale=lambda state, role: None,
-    state_varying=lambda state, role: None,
-    next_scale=_next_scale,
-    next_state=lambda state, roles: {},
+  init_state=lambda recipe: {},
+  state_shapes=lambda recipe: {},
+  stored_scale=lambda state, role: None,
+  state_varying=lambda state, role: None,
+  next_scale=_next_scale,
+  next_state=lambda state, roles: {},
 )
 
 
@@ -93,8 +93,13 @@ def test_an_unregistered_recipe_is_an_error_not_a_fallback():
 
 
 def test_every_package_recipe_has_its_format():
-  recipes = [ta.DelayedScaling(), ta.Float8CurrentScaling(), ta.MXFP8BlockScaling(),
-             ta.NVFP4BlockScaling(), ta.Float8BlockScaling()]
+  recipes = [
+    ta.DelayedScaling(),
+    ta.Float8CurrentScaling(),
+    ta.MXFP8BlockScaling(),
+    ta.NVFP4BlockScaling(),
+    ta.Float8BlockScaling(),
+  ]
   per_tensor = [core.format_of(r).per_tensor for r in recipes]
   assert per_tensor == [True, True, False, False, False]
   assert [core.format_of(r).recipe_type for r in recipes] == [type(r) for r in recipes]
@@ -108,7 +113,8 @@ def test_toy_format_quantizes_with_power_of_two_scales(pow2):
   assert sinv == 2.0 ** np.round(np.log2(sinv))  # a power of two
   assert q.rows.dtype == jnp.float8_e4m3fn and q.cols.shape == (64, 32)
   np.testing.assert_array_equal(
-      np.asarray(fmt.dequantize(q.rows, jnp.float32), np.float64), _quantized64(x))
+    np.asarray(fmt.dequantize(q.rows, jnp.float32), np.float64), _quantized64(x)
+  )
 
 
 def test_toy_format_runs_through_dot_general(pow2):
@@ -128,7 +134,8 @@ def test_toy_format_runs_through_dot_general(pow2):
   y64 = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   assert np.linalg.norm(np.asarray(y, np.float64) - y64) / np.linalg.norm(y64) < 0.1
   fp8, total = inspect.count_fp8_dot_generals(
-      jax.grad(lambda x, w: loss(x, w)[0], argnums=(0, 1)), x, w)
+    jax.grad(lambda x, w: loss(x, w)[0], argnums=(0, 1)), x, w
+  )
   assert (fp8, total) == (3, 3)
 
 
@@ -138,9 +145,12 @@ def test_toy_format_runs_through_the_fused_mlp(pow2):
   k, f = 64, 128
   x = _data((32, k), 4)
   params = dict(
-      ln_scale=jnp.ones((k,)), ln_bias=jnp.zeros((k,)),
-      wi_kernel=_data((k, 1, f), 5, 0.1), wo_kernel=_data((f, k), 6, 0.1),
-      wi_bias=jnp.zeros((1, f)), wo_bias=jnp.zeros((k,)),
+    ln_scale=jnp.ones((k,)),
+    ln_bias=jnp.zeros((k,)),
+    wi_kernel=_data((k, 1, f), 5, 0.1),
+    wo_kernel=_data((f, k), 6, 0.1),
+    wi_bias=jnp.zeros((1, f)),
+    wo_bias=jnp.zeros((k,)),
   )
   states = ({}, {})
 
@@ -149,8 +159,18 @@ def test_toy_format_runs_through_the_fused_mlp(pow2):
 
     def loss(x, p):
       out = core.layernorm_mlp(
-          x, p["ln_scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"],
-          p["wo_bias"], recipe=pow2, states=states, threshold=None, config=config)
+        x,
+        p["ln_scale"],
+        p["ln_bias"],
+        p["wi_kernel"],
+        p["wo_kernel"],
+        p["wi_bias"],
+        p["wo_bias"],
+        recipe=pow2,
+        states=states,
+        threshold=None,
+        config=config,
+      )
       return jnp.sum(out[0] ** 2), out[0]
 
     forward = jax.make_jaxpr(lambda x, p: loss(x, p)[1])(x, params)
@@ -177,8 +197,8 @@ def test_toy_format_runs_through_ragged_dot(pow2):
   y = core.ragged_dot(x, w, group_sizes, recipe=pow2)
   start = 0
   for g, size in enumerate(np.asarray(group_sizes)):
-    rows = x[start:start + size]
+    rows = x[start : start + size]
     want = _quantized64(rows) @ _quantized64(w[g])
-    got = np.asarray(y[start:start + size], np.float64)
+    got = np.asarray(y[start : start + size], np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < EXACT
     start += size

@@ -13,11 +13,11 @@ from te_adapters import core
 from te_adapters.core import kernels
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        jax.default_backend() != "gpu" or not kernels.cublas_gemm_available(),
-        reason="needs a Hopper GPU and the extension's CUDA part",
-    ),
+  pytest.mark.gpu,
+  pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not kernels.cublas_gemm_available(),
+    reason="needs a Hopper GPU and the extension's CUDA part",
+  ),
 ]
 
 DN = (((1,), (0,)), ((), ()))
@@ -29,6 +29,7 @@ def _step(recipe, x, w, dy, config=None):
   def loss(x, w):
     y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None, config=config)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
@@ -75,9 +76,10 @@ def test_forward_is_the_exact_product_rounded_once(monkeypatch):
 def test_each_gemm_gets_the_recipes_accumulation():
   x, w, dy = _data(256, 512, 384)
   fast = ta.MMParams(use_split_accumulator=False)
-  for recipe, expected in [(ta.Float8CurrentScaling(), [0, 0, 1]),
-                           (ta.DelayedScaling(fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast),
-                            [1, 1, 1])]:
+  for recipe, expected in [
+    (ta.Float8CurrentScaling(), [0, 0, 1]),
+    (ta.DelayedScaling(fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast), [1, 1, 1]),
+  ]:
     hlo = _step(recipe, x, w, dy).lower(x, w).compile().as_text()
     flags = sorted(int(v) for v in re.findall(r"fast_accum\s*=\s*(\d)", hlo))
     assert flags == expected, re.findall(r"fast_accum[^,}]*", hlo)
@@ -92,6 +94,7 @@ def test_matches_the_xla_formulation(rel):
     def loss(x, w, state):
       y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None, config=config)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     s, outs = state, None
     for _ in range(3):
@@ -115,8 +118,9 @@ def test_native_choice_refuses_what_it_cannot_run():
     _step(ta.Float8CurrentScaling(), x, w, dy, native)(x, w)
 
 
-@pytest.mark.parametrize("recipe", [ta.DelayedScaling(), ta.Float8CurrentScaling()],
-                         ids=["delayed", "current"])
+@pytest.mark.parametrize(
+  "recipe", [ta.DelayedScaling(), ta.Float8CurrentScaling()], ids=["delayed", "current"]
+)
 def test_a_non_finite_operand_reaches_the_output_of_the_cublas_gemm(recipe):
   """The extension's cast saturates an infinity as TE's does; the NaN inverse scale of the
   operand whose amax is not finite (GemmConfig.non_finite="propagate") makes the cuBLASLt GEMM's

@@ -23,15 +23,15 @@ ON_CPU = jax.default_backend() == "cpu"
 ACTS = ("gelu", "linear")
 FUSED = core.GemmConfig(fuse_activation_cast=True)
 RECIPES = {
-    "float8_block": ta.Float8BlockScaling(),
-    "rowwise": ta.Float8RowwiseScaling(),
-    "rowwise_gw_hp": ta.Float8RowwiseScaling(weight_grad_high_precision=True),
+  "float8_block": ta.Float8BlockScaling(),
+  "rowwise": ta.Float8RowwiseScaling(),
+  "rowwise_gw_hp": ta.Float8RowwiseScaling(weight_grad_high_precision=True),
 }
 # Every recipe that is not per-tensor, for the bit-for-bit comparison with the composed path.
 ALL = {
-    **RECIPES,
-    "mxfp8": ta.MXFP8BlockScaling(),
-    "nvfp4": ta.NVFP4BlockScaling(disable_stochastic_rounding=True),
+  **RECIPES,
+  "mxfp8": ta.MXFP8BlockScaling(),
+  "nvfp4": ta.NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
 
 
@@ -41,8 +41,9 @@ def _same(a, b, err_msg=""):
     np.testing.assert_array_equal(a, b, err_msg=err_msg)
   else:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    np.testing.assert_allclose(a, b, rtol=FP8_GEMM_RTOL,
-                               atol=1e-2 * float(np.max(np.abs(b), initial=0)), err_msg=err_msg)
+    np.testing.assert_allclose(
+      a, b, rtol=FP8_GEMM_RTOL, atol=1e-2 * float(np.max(np.abs(b), initial=0)), err_msg=err_msg
+    )
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -96,11 +97,12 @@ def _dense_step(recipe, config):
   @jax.jit
   def step(x, scale, bias, w, b, dz):
     def loss(*args):
-      z, _ = core.layernorm_dense(*args[:4], dense_bias=args[4], recipe=recipe, threshold=None,
-                                  config=config)
+      z, _ = core.layernorm_dense(
+        *args[:4], dense_bias=args[4], recipe=recipe, threshold=None, config=config
+      )
       return jnp.sum(z.astype(jnp.float32) * dz.astype(jnp.float32)), z
-    (_, z), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(
-        x, scale, bias, w, b)
+
+    (_, z), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(x, scale, bias, w, b)
     return z, grads
 
   return step
@@ -116,8 +118,13 @@ def _dense_data(dtype):
 
 
 def _dense_fused(recipe, *args):
-  jaxpr = str(jax.make_jaxpr(lambda x, s, b, w: core.layernorm_dense(
-      x, s, b, w, recipe=recipe, threshold=None, config=FUSED)[0])(*args[:4]))
+  jaxpr = str(
+    jax.make_jaxpr(
+      lambda x, s, b, w: core.layernorm_dense(
+        x, s, b, w, recipe=recipe, threshold=None, config=FUSED
+      )[0]
+    )(*args[:4])
+  )
   return jaxpr.count("name=_quantized_gemms") == 1 and "name=_norm" not in jaxpr
 
 
@@ -131,8 +138,12 @@ def test_fused_layernorm_dense_against_float64(name, rel):
     z, grads = step(*args)
   ref_z, ref_grads = _dense_reference(*args)
   errs = {"z": rel(z, ref_z)}
-  errs.update({n: rel(g, r) for n, g, r in zip(("dx", "dgamma", "dbeta", "dw", "db"), grads,
-                                                ref_grads, strict=True)})
+  errs.update(
+    {
+      n: rel(g, r)
+      for n, g, r in zip(("dx", "dgamma", "dbeta", "dw", "db"), grads, ref_grads, strict=True)
+    }
+  )
   # One FP8 GEMM: 4-7% seen; a bug gives O(1).
   assert errs["z"] < 0.05, errs
   assert max(errs.values()) < 0.1, errs
@@ -152,10 +163,12 @@ def test_float32_fused_is_the_composed_path(name):
   # gradients, bit for bit on CPU, after 3 steps.
   recipe = ALL[name]
   jax_casts = dict(backend="jax")  # the extension's kernels' fast exp is a few ulp off XLA's
-  fused = _run(recipe, ACTS, core.GemmConfig(fuse_activation_cast=True, **jax_casts),
-               dtype=jnp.float32)
-  composed = _run(recipe, ACTS, core.GemmConfig(fuse_activation_cast=False, **jax_casts),
-                  dtype=jnp.float32)
+  fused = _run(
+    recipe, ACTS, core.GemmConfig(fuse_activation_cast=True, **jax_casts), dtype=jnp.float32
+  )
+  composed = _run(
+    recipe, ACTS, core.GemmConfig(fuse_activation_cast=False, **jax_casts), dtype=jnp.float32
+  )
   for a, b in zip(jax.tree.leaves(fused[:3]), jax.tree.leaves(composed[:3]), strict=True):
     _same(a, b, err_msg=name)
   args = _dense_data(jnp.float32)
@@ -177,6 +190,7 @@ def test_stochastic_rounding_keys_reach_each_fused_gemm():
   def grads(config, keys):
     def loss(x, p):
       return jnp.sum(_block(x, p, None, ACTS, recipe, config, threshold=None, rngs=keys) * dy)
+
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
 
   cfg = dict(backend="jax")
@@ -207,8 +221,15 @@ def test_a_format_without_producers_composes_with_a_warning():
       assert not _takes_fused(x, p, ACTS, recipe, FUSED, threshold=None)
     with pytest.warns(core.FusedPathFallbackWarning, match="takes no producer"):
       ours = _block(x, p, None, ACTS, recipe, FUSED, threshold=None)
-    want = _block(x, p, None, ACTS, ta.Float8CurrentScaling(),
-                  core.GemmConfig(fuse_activation_cast=False), threshold=None)
+    want = _block(
+      x,
+      p,
+      None,
+      ACTS,
+      ta.Float8CurrentScaling(),
+      core.GemmConfig(fuse_activation_cast=False),
+      threshold=None,
+    )
     np.testing.assert_array_equal(ours, want)
   finally:
     core.unregister_format(_NoProducerScaling)

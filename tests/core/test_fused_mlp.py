@@ -29,8 +29,10 @@ def _assert_same(a, b, rtol=FP8_GEMM_RTOL, err_msg=""):
     np.testing.assert_array_equal(a, b, err_msg=err_msg)
   else:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b), initial=0)),
-                               err_msg=err_msg)
+    np.testing.assert_allclose(
+      a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b), initial=0)), err_msg=err_msg
+    )
+
 
 B, S, K, F = 2, 64, 128, 256  # multiples of 128 for Float8BlockScaling
 RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4)}
@@ -46,17 +48,31 @@ def _data(activations, seed=0, dtype=jnp.bfloat16):
     return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
   params = {
-      "scale": 1.0 + r(K, scale=0.1), "ln_bias": r(K, scale=0.1),
-      "wi_kernel": r(K, n_act, F, scale=K**-0.5), "wo_kernel": r(F, K, scale=F**-0.5),
-      "wi_bias": r(n_act, F, scale=0.3), "wo_bias": r(K, scale=0.1),
+    "scale": 1.0 + r(K, scale=0.1),
+    "ln_bias": r(K, scale=0.1),
+    "wi_kernel": r(K, n_act, F, scale=K**-0.5),
+    "wo_kernel": r(F, K, scale=F**-0.5),
+    "wi_bias": r(n_act, F, scale=0.3),
+    "wo_bias": r(K, scale=0.1),
   }
   return r(B, S, K).astype(dtype), params, r(B, S, K).astype(dtype)
 
 
 def _block(x, p, states, activations, recipe, config, **kw):
   return core.layernorm_mlp(
-      x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"],
-      activations=activations, recipe=recipe, states=states, config=config, **kw)[0]
+    x,
+    p["scale"],
+    p["ln_bias"],
+    p["wi_kernel"],
+    p["wo_kernel"],
+    p["wi_bias"],
+    p["wo_bias"],
+    activations=activations,
+    recipe=recipe,
+    states=states,
+    config=config,
+    **kw,
+  )[0]
 
 
 def _step_fn(recipe, activations, config, **kw):
@@ -65,6 +81,7 @@ def _step_fn(recipe, activations, config, **kw):
     def loss(x, params, states):
       out = _block(x, params, states, activations, recipe, config, threshold=None, **kw)
       return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, params, states)
     return out, grads
 
@@ -72,8 +89,9 @@ def _step_fn(recipe, activations, config, **kw):
 
 
 def _takes_fused(x, p, activations, recipe, config, **kw):
-  jaxpr = jax.make_jaxpr(
-      lambda x, p, s: _block(x, p, s, activations, recipe, config, **kw))(x, p, _states(recipe))
+  jaxpr = jax.make_jaxpr(lambda x, p, s: _block(x, p, s, activations, recipe, config, **kw))(
+    x, p, _states(recipe)
+  )
   # Fused: both GEMMs and the activation in one run of the quantized GEMM rule.
   text = str(jaxpr)
   return text.count("name=_quantized_gemms") == 1 and "name=_activation" not in text
@@ -131,10 +149,12 @@ def test_float32_fused_is_the_composed_path(name):
   # same quantized tensors, GEMMs and states (the recipe state contract of layernorm_mlp).
   recipe, acts = RECIPES[name], ("silu", "linear")
   config = dict(backend="jax")  # the extension's kernels' fast exp is a few ulp off XLA's
-  fused = _run(recipe, acts, core.GemmConfig(fuse_activation_cast=True, **config),
-               dtype=jnp.float32)
-  composed = _run(recipe, acts, core.GemmConfig(fuse_activation_cast=False, **config),
-                  dtype=jnp.float32)
+  fused = _run(
+    recipe, acts, core.GemmConfig(fuse_activation_cast=True, **config), dtype=jnp.float32
+  )
+  composed = _run(
+    recipe, acts, core.GemmConfig(fuse_activation_cast=False, **config), dtype=jnp.float32
+  )
   _assert_same(fused[0], composed[0])
   for a, b in zip(jax.tree.leaves(fused[1:3]), jax.tree.leaves(composed[1:3]), strict=True):
     np.testing.assert_allclose(a, b, rtol=max(1e-5, FP8_GEMM_RTOL), atol=1e-6)  # sums reordered
@@ -190,8 +210,20 @@ def test_the_switch_drops_the_bfloat16_activation_buffer(name):
 
     def fwd(x, wi, wo, states, config=config):
       def f(x, wi, wo, states):
-        return core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, bias, activations=acts,
-                                  recipe=recipe, states=states, threshold=None, config=config)[0]
+        return core.layernorm_mlp(
+          x,
+          jnp.ones(k),
+          jnp.zeros(k),
+          wi,
+          wo,
+          bias,
+          activations=acts,
+          recipe=recipe,
+          states=states,
+          threshold=None,
+          config=config,
+        )[0]
+
       return jax.vjp(f, x, wi, wo, states)
 
     hlo = jax.jit(fwd).lower(x, wi, wo, _states(recipe)).compile().as_text()
@@ -205,10 +237,10 @@ def test_fallbacks_give_the_composed_results():
   x, p, _ = _data(acts)
   current = RECIPES["current"]
   cases = {
-      "dropout": (current, dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), threshold=None)),
-      # M = 2 x 48 rows: 128-row blocks cannot tile the weight gradients' M.
-      "block rows": (ta.Float8BlockScaling(), dict(threshold=None)),
-      "threshold": (current, {}),  # the suite's size threshold keeps these GEMMs in bf16
+    "dropout": (current, dict(dropout_rate=0.5, dropout_rng=jax.random.key(0), threshold=None)),
+    # M = 2 x 48 rows: 128-row blocks cannot tile the weight gradients' M.
+    "block rows": (ta.Float8BlockScaling(), dict(threshold=None)),
+    "threshold": (current, {}),  # the suite's size threshold keeps these GEMMs in bf16
   }
   for what, (recipe, kw) in cases.items():
     xs = x[:, :48] if what == "block rows" else x
@@ -216,17 +248,21 @@ def test_fallbacks_give_the_composed_results():
       warnings.simplefilter("ignore", core.HighPrecisionGemmWarning)
       assert not _takes_fused(xs, p, acts, recipe, FUSED, **kw), what
       ours, composed = (
-          jax.jit(functools.partial(_block, activations=acts, recipe=recipe, config=c, **kw))(
-              xs, p, _states(recipe))
-          for c in (FUSED, COMPOSED))
+        jax.jit(functools.partial(_block, activations=acts, recipe=recipe, config=c, **kw))(
+          xs, p, _states(recipe)
+        )
+        for c in (FUSED, COMPOSED)
+      )
     np.testing.assert_array_equal(ours, composed, err_msg=what)
   # Sharding constraints stay on the fused path (tests/core/test_fused_sharding.py).
-  constrained = dict(dot_1_input_constraint=lambda y: y, dot_2_input_constraint=lambda z: z,
-                     threshold=None)
+  constrained = dict(
+    dot_1_input_constraint=lambda y: y, dot_2_input_constraint=lambda z: z, threshold=None
+  )
   assert _takes_fused(x, p, acts, current, FUSED, **constrained)
   # Deterministic dropout is no dropout: fused.
-  assert _takes_fused(x, p, acts, current, FUSED, dropout_rate=0.5, deterministic=True,
-                      threshold=None)
+  assert _takes_fused(
+    x, p, acts, current, FUSED, dropout_rate=0.5, deterministic=True, threshold=None
+  )
   with pytest.warns(core.HighPrecisionGemmWarning):
     _block(x, p, None, acts, current, FUSED)
 
@@ -241,8 +277,9 @@ def test_remat_gives_the_same_gradients_and_state():
 
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))
-  policy = jax.jit(jax.grad(jax.checkpoint(loss, policy=core.save_quantized_operands),
-                            argnums=(0, 1, 2)))
+  policy = jax.jit(
+    jax.grad(jax.checkpoint(loss, policy=core.save_quantized_operands), argnums=(0, 1, 2))
+  )
   states = _states(recipe)
   want = grads(x, params, states)
   for fn in (remat, policy):
@@ -275,17 +312,23 @@ def test_bad_switch_value_is_a_clear_error():
     core.GemmConfig(fuse_activation_cast="yes")
 
 
-
 def test_norm_output_on_request_keeps_the_norm_outside(rel):
   # The fused path casts the norm's float32 output to FP8 unless the caller wants that output.
   acts = ("silu", "linear")
   x, p, _ = _data(acts)
   recipe = RECIPES["current"]
   args = (x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"])
-  inside, none = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None,
-                                    config=FUSED)
-  outside, ln = core.layernorm_mlp(*args, activations=acts, recipe=recipe, threshold=None,
-                                   config=FUSED, return_layernorm_output=True)
+  inside, none = core.layernorm_mlp(
+    *args, activations=acts, recipe=recipe, threshold=None, config=FUSED
+  )
+  outside, ln = core.layernorm_mlp(
+    *args,
+    activations=acts,
+    recipe=recipe,
+    threshold=None,
+    config=FUSED,
+    return_layernorm_output=True,
+  )
   assert none is None
   _assert_same(ln, core.layernorm(x, p["scale"], p["ln_bias"]), rtol=1e-2)  # bf16 ulp
   assert 0 < rel(inside, outside) < 0.07  # the bfloat16 rounding of the norm's output alone
@@ -304,6 +347,7 @@ def test_float32_fused_is_the_composed_path_under_vmap_and_without_norm(how):
     def loss(x, p, states, dy):
       out = _block(x, p, states, acts, recipe, config, threshold=None, **kw)
       return jnp.sum(out * dy)
+
     g = jax.grad(loss, argnums=(0, 1, 2))
     if how == "vmap":
       g = jax.vmap(g, in_axes=(0, None, None, 0))

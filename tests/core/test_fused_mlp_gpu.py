@@ -30,8 +30,14 @@ JAX = core.GemmConfig(backend="jax", fuse_activation_cast=True)
 # a few ulp of float32 of an E4M3 rounding boundary is rare (about 2**-19 per ulp); a wrong
 # formula, bias or layout changes most codes.
 MAX_DIFFERING = 1e-3
-ACTIVATIONS = [("gelu",), ("gelu", "linear"), ("silu", "linear"), ("relu",), ("quick_gelu",),
-               ("squared_relu",)]
+ACTIVATIONS = [
+  ("gelu",),
+  ("gelu", "linear"),
+  ("silu", "linear"),
+  ("relu",),
+  ("quick_gelu",),
+  ("squared_relu",),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -77,8 +83,9 @@ def test_activation_cast_matches_pure_jax(activations, shape, with_bias):
   scale = jnp.asarray([448.0 / 20.0], jnp.float32)
 
   def cast(config):
-    return jax.jit(lambda h, b: fused.act_cast(
-        h, b, activations, jnp.float8_e4m3fn, scale, True, config))(h, bias)
+    return jax.jit(
+      lambda h, b: fused.act_cast(h, b, activations, jnp.float8_e4m3fn, scale, True, config)
+    )(h, bias)
 
   q, q_t, a = cast(KERNEL)
   rq, rq_t, ra = cast(JAX)
@@ -98,8 +105,9 @@ def test_activation_gradient_cast_matches_pure_jax(activations, shape):
   scale = jnp.asarray([57344.0 / 64.0], jnp.float32)
 
   def cast(config):
-    return jax.jit(lambda dz, h, b: fused.dact_cast(
-        dz, h, b, activations, jnp.float8_e5m2, scale, True, config))(dz, h, bias)
+    return jax.jit(
+      lambda dz, h, b: fused.dact_cast(dz, h, b, activations, jnp.float8_e5m2, scale, True, config)
+    )(dz, h, bias)
 
   q, q_t, a, db = cast(KERNEL)
   rq, rq_t, ra, rdb = cast(JAX)
@@ -129,8 +137,12 @@ def test_output_gradient_cast_with_its_bias_gradient(shape, dtype):
   def cast(config):
     return jax.jit(lambda g: fused.dbias_cast(g, jnp.float8_e5m2, scale, True, config))(g)
 
-  hlo = jax.jit(lambda g: fused.dbias_cast(g, jnp.float8_e5m2, scale, True, KERNEL)).lower(
-      g).compile().as_text()
+  hlo = (
+    jax.jit(lambda g: fused.dbias_cast(g, jnp.float8_e5m2, scale, True, KERNEL))
+    .lower(g)
+    .compile()
+    .as_text()
+  )
   assert kernels.DACT_CAST_TARGET in hlo
   q, q_t, a, db = cast(KERNEL)
   rq, rq_t, ra, _ = cast(JAX)
@@ -143,8 +155,9 @@ def test_output_gradient_cast_with_its_bias_gradient(shape, dtype):
 
 
 @pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
-@pytest.mark.parametrize("norm", [("layernorm", False), ("rmsnorm", True)],
-                         ids=["layernorm", "rmsnorm-zero-centered"])
+@pytest.mark.parametrize(
+  "norm", [("layernorm", False), ("rmsnorm", True)], ids=["layernorm", "rmsnorm-zero-centered"]
+)
 def test_norm_cast_matches_pure_jax(norm, shape):
   # No transcendental function: the same float32 operations in the same order, so the same
   # codes unless XLA contracts a multiply and an add into one FMA.
@@ -160,8 +173,10 @@ def test_norm_cast_matches_pure_jax(norm, shape):
   def cast(config):
     def f(x, scale, bias):
       mean, rsigma = ops.norm_stats(x.astype(jnp.float32), layernorm_type, 1e-6)
-      return fused.norm_cast(x, mean, rsigma, scale, bias, zero_centered,
-                                   jnp.float8_e4m3fn, q_scale, True, config)
+      return fused.norm_cast(
+        x, mean, rsigma, scale, bias, zero_centered, jnp.float8_e4m3fn, q_scale, True, config
+      )
+
     return jax.jit(f)(x, scale, bias)
 
   q, q_t, a = cast(KERNEL)
@@ -207,22 +222,22 @@ def test_current_scalings_amax_pass_is_the_casts_amax(activations, shape):
   dz = jnp.asarray(np.random.default_rng(1).normal(size=(m, f)), jnp.bfloat16)
   one = jnp.ones(1)
   amax = jax.jit(lambda h, b: fused.act_amax(h, b, activations, KERNEL))(h, bias)
-  _, _, cast_amax = fused.act_cast(h, bias, activations, jnp.float8_e4m3fn, one, True,
-                                         KERNEL)
+  _, _, cast_amax = fused.act_cast(h, bias, activations, jnp.float8_e4m3fn, one, True, KERNEL)
   np.testing.assert_array_equal(amax, cast_amax)
   formula = formats.tensor_amax(fused.activation_f32(h, bias, activations))
   np.testing.assert_allclose(amax, formula, rtol=1e-5)
-  d_amax = jax.jit(lambda dz, h, b: fused.dact_amax(dz, h, b, activations, KERNEL))(
-      dz, h, bias)
-  _, _, d_cast_amax, _ = fused.dact_cast(dz, h, bias, activations, jnp.float8_e5m2, one,
-                                               True, KERNEL)
+  d_amax = jax.jit(lambda dz, h, b: fused.dact_amax(dz, h, b, activations, KERNEL))(dz, h, bias)
+  _, _, d_cast_amax, _ = fused.dact_cast(
+    dz, h, bias, activations, jnp.float8_e5m2, one, True, KERNEL
+  )
   np.testing.assert_array_equal(d_amax, d_cast_amax)
   d_formula = formats.tensor_amax(fused.dact_f32(dz, h, bias, activations))
   np.testing.assert_allclose(d_amax, d_formula, rtol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()],
-                         ids=["current", "delayed"])
+@pytest.mark.parametrize(
+  "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()], ids=["current", "delayed"]
+)
 def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
   m, k, f = 512, 256, 512
   rng = np.random.default_rng(0)
@@ -236,9 +251,20 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
   bo = jnp.asarray(rng.normal(size=(k,)) * 0.1, jnp.float32)
 
   def loss(x, wi, wo, bi, bo, states, config):
-    out, _ = core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, bi, bo,
-                                activations=("gelu", "linear"), recipe=recipe, states=states,
-                                threshold=None, config=config)
+    out, _ = core.layernorm_mlp(
+      x,
+      jnp.ones(k),
+      jnp.zeros(k),
+      wi,
+      wo,
+      bi,
+      bo,
+      activations=("gelu", "linear"),
+      recipe=recipe,
+      states=states,
+      threshold=None,
+      config=config,
+    )
     return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)
@@ -246,7 +272,9 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
   targets = [kernels.NORM_CAST_TARGET, kernels.ACT_CAST_TARGET, kernels.DACT_CAST_TARGET]
   if isinstance(recipe, ta.Float8CurrentScaling):
     targets += [
-        kernels.ACT_AMAX_TARGET, kernels.DACT_AMAX_TARGET]  # the amax passes before the casts
+      kernels.ACT_AMAX_TARGET,
+      kernels.DACT_AMAX_TARGET,
+    ]  # the amax passes before the casts
   for target in targets:
     assert target in hlo, target
   # The activation's gradient and dy with the output bias's gradient: two calls of one kernel.
@@ -262,8 +290,9 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
       np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()],
-                         ids=["current", "delayed"])
+@pytest.mark.parametrize(
+  "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()], ids=["current", "delayed"]
+)
 def test_layernorm_dense_runs_the_norm_cast_with_pure_jaxs_results(recipe):
   """core.layernorm_dense's fused path casts the norm's output with the CUDA norm cast (never
   written in bf16): gradients and state as with the pure-JAX casts."""
@@ -278,8 +307,9 @@ def test_layernorm_dense_runs_the_norm_cast_with_pure_jaxs_results(recipe):
   state = core.init_state(recipe) or None
 
   def loss(x, g, b, w, c, state, config):
-    z, _ = core.layernorm_dense(x, g, b, w, recipe=recipe, state=state, threshold=None,
-                                config=config, dense_bias=c)
+    z, _ = core.layernorm_dense(
+      x, g, b, w, recipe=recipe, state=state, threshold=None, config=config, dense_bias=c
+    )
     return jnp.sum(z.astype(jnp.float32) * dz.astype(jnp.float32))
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=6)

@@ -43,10 +43,16 @@ def _params():
   def r(seed, *shape, scale=1.0):
     return spmd_checks.random(shape, seed) * scale
 
-  return {"scale": 1.0 + r(1, K, scale=0.1), "ln_bias": r(2, K, scale=0.1),
-          "wi_kernel": r(3, K, 2, F, scale=K**-0.5), "wo_kernel": r(4, F, K, scale=F**-0.5),
-          "wi_bias": r(5, 2, F, scale=0.3), "wo_bias": r(6, K, scale=0.1),
-          "kernel": r(7, K, F, scale=K**-0.5), "dense_bias": r(8, F, scale=0.1)}
+  return {
+    "scale": 1.0 + r(1, K, scale=0.1),
+    "ln_bias": r(2, K, scale=0.1),
+    "wi_kernel": r(3, K, 2, F, scale=K**-0.5),
+    "wo_kernel": r(4, F, K, scale=F**-0.5),
+    "wi_bias": r(5, 2, F, scale=0.3),
+    "wo_bias": r(6, K, scale=0.1),
+    "kernel": r(7, K, F, scale=K**-0.5),
+    "dense_bias": r(8, F, scale=0.1),
+  }
 
 
 def _data():
@@ -55,15 +61,36 @@ def _data():
 
 
 def _mlp(x, p, states, recipe, **kw):
-  return core.layernorm_mlp(x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"],
-                            p["wi_bias"], p["wo_bias"], activations=ACTS, recipe=recipe,
-                            states=states, threshold=None, config=CONFIG, **kw)[0]
+  return core.layernorm_mlp(
+    x,
+    p["scale"],
+    p["ln_bias"],
+    p["wi_kernel"],
+    p["wo_kernel"],
+    p["wi_bias"],
+    p["wo_bias"],
+    activations=ACTS,
+    recipe=recipe,
+    states=states,
+    threshold=None,
+    config=CONFIG,
+    **kw,
+  )[0]
 
 
 def _dense(x, p, state, recipe, **kw):
-  return core.layernorm_dense(x, p["scale"], p["ln_bias"], p["kernel"], recipe=recipe,
-                              state=state, threshold=None, config=CONFIG,
-                              dense_bias=p["dense_bias"], **kw)[0]
+  return core.layernorm_dense(
+    x,
+    p["scale"],
+    p["ln_bias"],
+    p["kernel"],
+    recipe=recipe,
+    state=state,
+    threshold=None,
+    config=CONFIG,
+    dense_bias=p["dense_bias"],
+    **kw,
+  )[0]
 
 
 def _states(recipe, n):
@@ -113,8 +140,9 @@ def test_fused_path_inside_shard_map_matches_one_device(name, block):
     value, y = loss(x, p, states, dy)
     return jax.lax.psum(value, "dp"), y
 
-  sharded = jax.shard_map(body, mesh=_mesh("dp"), in_specs=(P("dp"), P(), P(), P("dp")),
-                          out_specs=(P(), P("dp")))
+  sharded = jax.shard_map(
+    body, mesh=_mesh("dp"), in_specs=(P("dp"), P(), P(), P("dp")), out_specs=(P(), P("dp"))
+  )
   assert _fused(sharded, x, p, states, dy)
   want = _steps(_grad(loss), x, p, states, dy)
   got = _steps(_grad(sharded), x, p, states, dy)
@@ -133,18 +161,23 @@ def test_fused_mlp_with_constraints_under_jit_matches_one_device(name):
   recipe = RECIPES[name]
   x, dy, _ = _data()
   p, states = _params(), _states(recipe, 2)
-  mesh = jax.make_mesh((1, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[:2])
+  mesh = jax.make_mesh(
+    (1, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:2]
+  )
   rows = NamedSharding(mesh, P("dp", None, None))
   hidden = NamedSharding(mesh, P("dp", None, "tp"))
-  kw = dict(dot_1_input_constraint=lambda y: jax.lax.with_sharding_constraint(y, rows),
-            dot_2_input_constraint=lambda z: jax.lax.with_sharding_constraint(z, hidden))
+  kw = dict(
+    dot_1_input_constraint=lambda y: jax.lax.with_sharding_constraint(y, rows),
+    dot_2_input_constraint=lambda z: jax.lax.with_sharding_constraint(z, hidden),
+  )
   loss = functools.partial(_loss, _mlp, recipe, kw)
   with jax.set_mesh(mesh):
     assert _fused(loss, x, p, states, dy)
-    placed = {**p, "wi_kernel": jax.device_put(p["wi_kernel"], NamedSharding(mesh, P(None, None,
-                                                                                       "tp"))),
-              "wo_kernel": jax.device_put(p["wo_kernel"], NamedSharding(mesh, P("tp", None)))}
+    placed = {
+      **p,
+      "wi_kernel": jax.device_put(p["wi_kernel"], NamedSharding(mesh, P(None, None, "tp"))),
+      "wo_kernel": jax.device_put(p["wo_kernel"], NamedSharding(mesh, P("tp", None))),
+    }
     step = _grad(loss)
     text = step.lower(x, placed, states, dy).compile().as_text()
     got = _steps(step, x, placed, states, dy)
@@ -161,8 +194,9 @@ def _assert_within_reassociation(got, want):
   normwise 1e-6 for float32 arrays, 1e-3 for bfloat16 ones, where a float32 difference in the
   last bit tips the rounding of an element now and then (one bf16 ulp is 2**-8 of it; a missing
   sum over the devices would be off by a factor of 2)."""
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                          strict=True):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+  ):
     name = jax.tree_util.keystr(path)
     if spmd_checks.is_recipe_state(path):
       np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=2)
@@ -197,8 +231,9 @@ def _norm_cast_stand_in(x, mean, rsigma, gamma, beta, scale):
 
 
 @pytest.mark.parametrize("has_beta", [True, False], ids=["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("spec", [P("a", None), P(None, "a"), P("a", "b")],
-                         ids=["rows", "cols", "both"])
+@pytest.mark.parametrize(
+  "spec", [P("a", None), P(None, "a"), P("a", "b")], ids=["rows", "cols", "both"]
+)
 def test_norm_cast_rule_casts_each_shard_like_one_device(spec, has_beta):
   """The rule runs the kernel per shard under ``jit`` (rows, columns or both sharded) and
   inside ``shard_map``: the FP8 copies as one device's, the amax the whole tensor's."""
@@ -213,8 +248,9 @@ def test_norm_cast_rule_casts_each_shard_like_one_device(spec, has_beta):
   if spec == P("a", "b"):
     if jax.device_count() < 4:
       pytest.skip("needs 4 devices")
-    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2,
-                         devices=jax.devices()[:4])
+    mesh = jax.make_mesh(
+      (2, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
   else:
     mesh = _mesh("a")
   rows, cols = spec
@@ -223,24 +259,31 @@ def test_norm_cast_rule_casts_each_shard_like_one_device(spec, has_beta):
   assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
   assert got[1].sharding.is_equivalent_to(NamedSharding(mesh, P(cols, rows)), 2)
   for a, b in zip(got, want, strict=True):
-    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
-                                  np.asarray(b.astype(jnp.float32)))
+    np.testing.assert_array_equal(
+      np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    )
   # Inside shard_map each device casts its shard and keeps its own amax (the format reduces it
   # over amax_axes, as for the other casts).
   beta_spec = P(cols) if has_beta else P()
-  mapped = jax.shard_map(rule, mesh=mesh,
-                         in_specs=(spec, P(rows), P(rows), P(cols), beta_spec, P()),
-                         out_specs=(spec, P(cols, rows), P(tuple(mesh.axis_names))))
+  mapped = jax.shard_map(
+    rule,
+    mesh=mesh,
+    in_specs=(spec, P(rows), P(rows), P(cols), beta_spec, P()),
+    out_specs=(spec, P(cols, rows), P(tuple(mesh.axis_names))),
+  )
   q, q_t, amaxes = jax.jit(mapped)(*args)
   for a, b in zip((q, q_t), want, strict=False):
-    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
-                                  np.asarray(b.astype(jnp.float32)))
+    np.testing.assert_array_equal(
+      np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    )
   assert amaxes.shape == (mesh.size,)
   np.testing.assert_array_equal(np.max(np.asarray(amaxes)), np.asarray(want[2])[0])
 
 
-@pytest.mark.skipif(not kernels.hopper_target_available(kernels.NORM_CAST_TARGET),
-                    reason="the CUDA norm cast runs on Hopper GPUs with the extension built")
+@pytest.mark.skipif(
+  not kernels.hopper_target_available(kernels.NORM_CAST_TARGET),
+  reason="the CUDA norm cast runs on Hopper GPUs with the extension built",
+)
 def test_cuda_norm_cast_runs_in_a_jitted_program_on_a_multi_gpu_host():
   """On a host with several GPUs every traced value used to count as possibly sharded, so even
   a one-device program lost the CUDA norm cast; with its rule it runs, sharded or not."""

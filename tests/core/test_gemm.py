@@ -11,8 +11,11 @@ import te_adapters as ta
 from te_adapters import core, inspect
 
 DN = (((1,), (0,)), ((), ()))
-RECIPES = [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=8),
-           ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3)]
+RECIPES = [
+  ta.Float8CurrentScaling(),
+  ta.DelayedScaling(amax_history_len=8),
+  ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3),
+]
 
 
 def _data(shapes, seed=0, dtype=jnp.float32):
@@ -30,6 +33,7 @@ def _train(recipe, x, w, dy, dn=DN, steps=3):
     def loss(x, w, state):
       y = core.dot_general(x, w, dn, threshold=None, recipe=recipe, state=state or None)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, state)
     return y, grads
 
@@ -61,13 +65,13 @@ def test_bf16_error_is_far_lower(rel):
 
 
 DIMENSION_CASES = [
-    # (lhs shape, rhs shape, dimension numbers, einsum)
-    ((4, 16, 32), (32, 48), (((2,), (0,)), ((), ())), "bsk,kn->bsn"),
-    ((32, 16), (32, 48), (((0,), (0,)), ((), ())), "km,kn->mn"),
-    ((16, 32), (48, 32), (((1,), (1,)), ((), ())), "mk,nk->mn"),
-    ((2, 16, 32), (2, 32, 16), (((2,), (1,)), ((0,), (0,))), "bmk,bkn->bmn"),
-    ((16, 2, 32, 4), (4, 32, 16), (((2, 3), (1, 0)), ((), ())), "mbkj,jkn->mbn"),
-    ((16, 3, 32), (32, 3, 16), (((2,), (0,)), ((1,), (1,))), "mbk,kbn->bmn"),
+  # (lhs shape, rhs shape, dimension numbers, einsum)
+  ((4, 16, 32), (32, 48), (((2,), (0,)), ((), ())), "bsk,kn->bsn"),
+  ((32, 16), (32, 48), (((0,), (0,)), ((), ())), "km,kn->mn"),
+  ((16, 32), (48, 32), (((1,), (1,)), ((), ())), "mk,nk->mn"),
+  ((2, 16, 32), (2, 32, 16), (((2,), (1,)), ((0,), (0,))), "bmk,bkn->bmn"),
+  ((16, 2, 32, 4), (4, 32, 16), (((2, 3), (1, 0)), ((), ())), "mbkj,jkn->mbn"),
+  ((16, 3, 32), (32, 3, 16), (((2,), (0,)), ((1,), (1,))), "mbk,kbn->bmn"),
 ]
 
 
@@ -79,8 +83,9 @@ def test_general_dimension_numbers(lhs_shape, rhs_shape, dn, spec, rel):
   y, dx, dw = _train(ta.Float8CurrentScaling(), x, w, dy, dn=dn, steps=1)
   x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
   ref_y = np.einsum(spec, x64, w64)
-  _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), x64.astype(np.float32),
-                   w64.astype(np.float32))
+  _, vjp = jax.vjp(
+    lambda a, b: jnp.einsum(spec, a, b), x64.astype(np.float32), w64.astype(np.float32)
+  )
   ref_dx, ref_dw = vjp(dy64.astype(np.float32))
   assert y.shape == ref_y.shape
   assert rel(y, ref_y) < 0.05
@@ -89,19 +94,24 @@ def test_general_dimension_numbers(lhs_shape, rhs_shape, dn, spec, rel):
 
 
 @pytest.mark.parametrize(
-    "lhs_dtype, rhs_dtype, preferred, expected",
-    [
-        (jnp.bfloat16, jnp.bfloat16, None, jnp.bfloat16),
-        (jnp.float32, jnp.float32, None, jnp.float32),
-        (jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32),
-        (jnp.float16, jnp.float16, None, jnp.float16),
-    ],
+  "lhs_dtype, rhs_dtype, preferred, expected",
+  [
+    (jnp.bfloat16, jnp.bfloat16, None, jnp.bfloat16),
+    (jnp.float32, jnp.float32, None, jnp.float32),
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32),
+    (jnp.float16, jnp.float16, None, jnp.float16),
+  ],
 )
 def test_output_and_grad_dtypes(lhs_dtype, rhs_dtype, preferred, expected):
-  x, = _data([(16, 32)], dtype=lhs_dtype)
-  w, = _data([(32, 16)], dtype=rhs_dtype)
-  f = functools.partial(core.dot_general, dimension_numbers=DN, preferred_element_type=preferred,
-                        threshold=None, recipe=ta.Float8CurrentScaling())
+  (x,) = _data([(16, 32)], dtype=lhs_dtype)
+  (w,) = _data([(32, 16)], dtype=rhs_dtype)
+  f = functools.partial(
+    core.dot_general,
+    dimension_numbers=DN,
+    preferred_element_type=preferred,
+    threshold=None,
+    recipe=ta.Float8CurrentScaling(),
+  )
   y = f(x, w)
   assert y.dtype == jax.lax.dot_general(x, w, DN, preferred_element_type=preferred).dtype
   assert y.dtype == np.dtype(expected)
@@ -111,13 +121,18 @@ def test_output_and_grad_dtypes(lhs_dtype, rhs_dtype, preferred, expected):
 
 def test_three_gemms_get_fp8_operands():
   x, w = _data([(16, 32), (32, 16)])
-  for recipe, grad_dtype in [(ta.Float8CurrentScaling(), "float8_e5m2"),
-                             (ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3), "float8_e4m3fn"),
-                             (ta.DelayedScaling(amax_history_len=4), "float8_e5m2")]:
+  for recipe, grad_dtype in [
+    (ta.Float8CurrentScaling(), "float8_e5m2"),
+    (ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3), "float8_e4m3fn"),
+    (ta.DelayedScaling(amax_history_len=4), "float8_e5m2"),
+  ]:
     state = core.init_state(recipe)
+
     def loss(x, w, state, recipe=recipe):
-      return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=recipe,
-                                      state=state or None) ** 2)
+      return jnp.sum(
+        core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state or None) ** 2
+      )
+
     pairs = inspect.dot_general_operand_dtypes(jax.grad(loss, argnums=(0, 1, 2)), x, w, state)
     assert pairs[0] == ("float8_e4m3fn", "float8_e4m3fn")
     # dgrad and wgrad: the gradient in the recipe's backward dtype times an E4M3 operand.
@@ -142,8 +157,9 @@ def test_delayed_quantizes_with_stored_scale():
 
 def test_recipe_none_is_plain_dot_general():
   x, w = _data([(8, 16), (16, 8)])
-  np.testing.assert_array_equal(core.dot_general(x, w, DN, recipe=None),
-                                jax.lax.dot_general(x, w, DN))
+  np.testing.assert_array_equal(
+    core.dot_general(x, w, DN, recipe=None), jax.lax.dot_general(x, w, DN)
+  )
 
 
 def test_drops_into_functions_taking_dot_general(rel):
@@ -152,7 +168,8 @@ def test_drops_into_functions_taking_dot_general(rel):
   y = jnp.einsum("bsk,kn->bsn", x, w, _dot_general=dg)
   assert rel(y, np.einsum("bsk,kn->bsn", np.float64(x), np.float64(w))) < 0.05
   assert inspect.count_fp8_dot_generals(
-      lambda a, b: jnp.einsum("bsk,kn->bsn", a, b, _dot_general=dg), x, w) == (1, 1)
+    lambda a, b: jnp.einsum("bsk,kn->bsn", a, b, _dot_general=dg), x, w
+  ) == (1, 1)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -208,10 +225,20 @@ def _gemm_precisions(recipe, precision=None, config=None):
   from te_adapters import inspect as _inspect
 
   x, w = _data([(16, 32), (32, 48)])
+
   def loss(x, w):
-    y = core.dot_general(x, w, DN, precision, threshold=None, recipe=recipe,
-                         state=core.init_state(recipe) or None, config=config)
+    y = core.dot_general(
+      x,
+      w,
+      DN,
+      precision,
+      threshold=None,
+      recipe=recipe,
+      state=core.init_state(recipe) or None,
+      config=config,
+    )
     return jnp.sum(y.astype(jnp.float32) ** 2)
+
   by_shape = {(16, 48): "fwd", (16, 32): "dgrad", (32, 48): "wgrad"}
   out = {}
   for eqn in _inspect._walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr):
@@ -233,10 +260,16 @@ def test_mm_params_choose_each_gemms_accumulation(cls):
   # TE's recipe defaults: fast sums forward, float32-promoted sums in dgrad and wgrad.
   assert _gemm_precisions(cls(), config=xla) == {"fwd": None, "dgrad": highest, "wgrad": highest}
   assert _gemm_precisions(cls(fp8_gemm_dgrad=fast, fp8_gemm_wgrad=fast), config=xla) == {
-      "fwd": None, "dgrad": None, "wgrad": None}
+    "fwd": None,
+    "dgrad": None,
+    "wgrad": None,
+  }
   split_fwd = cls(fp8_gemm_fprop=ta.MMParams(), fp8_gemm_wgrad=fast)
   assert _gemm_precisions(split_fwd, config=xla) == {
-      "fwd": highest, "dgrad": highest, "wgrad": None}
+    "fwd": highest,
+    "dgrad": highest,
+    "wgrad": None,
+  }
   # Without a split accumulator the caller's precision decides.
   assert _gemm_precisions(cls(fp8_gemm_dgrad=fast), highest, xla)["dgrad"] == highest
 

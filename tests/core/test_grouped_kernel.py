@@ -21,7 +21,7 @@ def test_padded_columns_places_each_group_at_a_multiple_of_16():
   starts, rows = [0, 16, 32, 48], [0, 5, 5, 21]
   expected = np.zeros((3, width), np.float32)
   for g, (start, row) in enumerate(zip(starts, rows, strict=True)):
-    expected[:, start:start + sizes[g]] = np.asarray(q)[row:row + sizes[g]].T
+    expected[:, start : start + sizes[g]] = np.asarray(q)[row : row + sizes[g]].T
   np.testing.assert_array_equal(cols, expected)
 
 
@@ -45,8 +45,12 @@ def _rows_gemm_model(a, b, group_sizes, alpha, out_dtype, fast):
   """The kernel's rows mode as grouped_gemm.h states it: out[rows of g] = a[rows of g] @ b[g]^T
   * alpha[g] with float32 sums, zero past the groups."""
   del fast
-  y = jax.lax.ragged_dot(a.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32),
-                         group_sizes, precision=jax.lax.Precision.HIGHEST)
+  y = jax.lax.ragged_dot(
+    a.astype(jnp.float32),
+    jnp.swapaxes(b, 1, 2).astype(jnp.float32),
+    group_sizes,
+    precision=jax.lax.Precision.HIGHEST,
+  )
   ids = jnp.repeat(jnp.arange(len(group_sizes)), group_sizes, total_repeat_length=a.shape[0])
   scale = jnp.where(jnp.arange(a.shape[0]) < group_sizes.sum(), alpha[ids], 0.0)
   return (y * scale[:, None]).astype(out_dtype)
@@ -56,8 +60,10 @@ def _wgrad_gemm_model(x, dy, group_sizes, alpha, out_dtype, fast):
   """The kernel's wgrad mode: dw[g] = x[rows of g]^T @ dy[rows of g] * alpha[g]."""
   del fast
   starts = np.concatenate([[0], np.cumsum(np.asarray(group_sizes))[:-1]])
-  dw = [x[s:s + n].astype(jnp.float32).T @ dy[s:s + n].astype(jnp.float32) * alpha[g]
-        for g, (s, n) in enumerate(zip(starts, np.asarray(group_sizes), strict=True))]
+  dw = [
+    x[s : s + n].astype(jnp.float32).T @ dy[s : s + n].astype(jnp.float32) * alpha[g]
+    for g, (s, n) in enumerate(zip(starts, np.asarray(group_sizes), strict=True))
+  ]
   return jnp.stack(dw).astype(out_dtype)
 
 
@@ -81,11 +87,11 @@ def test_bf16_ragged_dot_wires_its_gemms_as_lax_ragged_dot(monkeypatch):
   want = grads(lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=jax.lax.Precision.HIGHEST))
   for a, b in zip(got, want, strict=True):
     assert a.dtype == jnp.bfloat16 and a.shape == b.shape
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2
+    )
   assert np.all(np.asarray(got[0][32:]) == 0) and np.all(np.asarray(got[1][32:]) == 0)
   assert np.all(np.asarray(got[2][1]) == 0)  # the empty group's kernel gradient
-
 
 
 def test_ragged_dot_without_recipe_takes_the_bf16_kernel_where_it_runs(monkeypatch):
@@ -101,6 +107,7 @@ def test_ragged_dot_without_recipe_takes_the_bf16_kernel_where_it_runs(monkeypat
     def run(*args, **kwargs):
       calls.append(name)
       return model(*args, **kwargs)
+
     return run
 
   monkeypatch.setattr(_grouped_kernel, "rows_gemm", spy("rows", _rows_gemm_model))
@@ -116,17 +123,20 @@ def test_ragged_dot_without_recipe_takes_the_bf16_kernel_where_it_runs(monkeypat
 
   got = grads(lambda x, w, s: core.ragged_dot(x, w, s, recipe=None), x, w)
   assert calls == ["rows", "rows", "rows", "wgrad"]  # forward twice (value, then under grad)
-  want = grads(lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=jax.lax.Precision.HIGHEST),
-               x, w)
+  want = grads(
+    lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=jax.lax.Precision.HIGHEST), x, w
+  )
   for a, b in zip(got, want, strict=True):
     assert a.dtype == jnp.bfloat16 and a.shape == b.shape
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2
+    )
   calls.clear()
   core.ragged_dot(x.astype(jnp.float32), w, sizes, recipe=None)
   core.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, recipe=None)
   core.ragged_dot(x[:, :24], w[:, :24], sizes, recipe=None)
   assert calls == []
+
 
 def test_bf16_refusal_says_why():
   x, w = jnp.ones((32, 16), jnp.bfloat16), jnp.ones((2, 16, 16), jnp.bfloat16)
@@ -135,15 +145,18 @@ def test_bf16_refusal_says_why():
     assert "not built here" in reason
   else:
     assert reason is None
-    assert "bfloat16 by bfloat16" in _grouped_kernel.bf16_refusal(x.astype(jnp.float32), w,
-                                                                   jnp.bfloat16)
+    assert "bfloat16 by bfloat16" in _grouped_kernel.bf16_refusal(
+      x.astype(jnp.float32), w, jnp.bfloat16
+    )
     assert "writes bfloat16" in _grouped_kernel.bf16_refusal(x, w, jnp.float32)
     assert "multiples of 16" in _grouped_kernel.bf16_refusal(x[:, :8], w[:, :8], jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
-    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
-    ids=["current", "delayed"])
+  "recipe",
+  [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
+  ids=["current", "delayed"],
+)
 def test_fp8_native_route_wires_its_gemms_as_the_xla_route(monkeypatch, recipe):
   """The per-tensor format's grouped GEMM on the native route, with the kernel's two modes
   replaced by their models, gives the XLA route's outputs, gradients and next state: the same FP8
@@ -155,6 +168,7 @@ def test_fp8_native_route_wires_its_gemms_as_the_xla_route(monkeypatch, recipe):
     def run(*args, **kwargs):
       calls.append((name, str(args[0].dtype), str(args[1].dtype)))
       return model(*args, **kwargs)
+
     return run
 
   monkeypatch.setattr(core.kernels, "rows_gemm", spy("rows", _rows_gemm_model))

@@ -14,11 +14,11 @@ from te_adapters import core
 from te_adapters.core import kernels
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        jax.default_backend() != "gpu" or not kernels.available(),
-        reason="needs a Hopper GPU and the extension built with TE_ADAPTERS_CUTLASS_DIR",
-    ),
+  pytest.mark.gpu,
+  pytest.mark.skipif(
+    jax.default_backend() != "gpu" or not kernels.available(),
+    reason="needs a Hopper GPU and the extension built with TE_ADAPTERS_CUTLASS_DIR",
+  ),
 ]
 
 SIZES = np.array([150, 0, 37, 83], np.int32)  # 270 rows in groups, 30 past them
@@ -43,8 +43,12 @@ def _starts():
 # rounding to bfloat16 is about 2e-3. The tensor cores keep their own sums for a few FP8 MMAs
 # before CUTLASS promotes them to float32 (measured: 1e-4 with float32 output); fast sums lose
 # more.
-TOL = {(False, jnp.float32): 3e-4, (True, jnp.float32): 3e-3,
-       (False, jnp.bfloat16): 4e-3, (True, jnp.bfloat16): 5e-3}
+TOL = {
+  (False, jnp.float32): 3e-4,
+  (True, jnp.float32): 3e-3,
+  (False, jnp.bfloat16): 4e-3,
+  (True, jnp.bfloat16): 5e-3,
+}
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -56,17 +60,18 @@ def test_rows_gemm_matches_float64(fast, out_dtype, types):
   b = _fp8(kb, (len(SIZES), N, K), types[1], 2.0)
   alpha = jnp.array([0.5, 3.0, 0.013, 1.7], jnp.float32)
   y = jax.jit(functools.partial(kernels.rows_gemm, out_dtype=out_dtype, fast=fast))(
-      a, b, jnp.asarray(SIZES), alpha)
+    a, b, jnp.asarray(SIZES), alpha
+  )
   assert y.dtype == out_dtype and y.shape == (M, N)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   ref = np.zeros((M, N))
   for g, (s, n) in enumerate(zip(_starts(), SIZES, strict=True)):
-    ref[s:s + n] = a64[s:s + n] @ b64[g].T * float(alpha[g])
+    ref[s : s + n] = a64[s : s + n] @ b64[g].T * float(alpha[g])
   y = np.asarray(y, np.float64)
-  assert np.all(y[SIZES.sum():] == 0), "rows past the groups must be zero"
+  assert np.all(y[SIZES.sum() :] == 0), "rows past the groups must be zero"
   for g, (s, n) in enumerate(zip(_starts(), SIZES, strict=True)):
     if n:
-      assert _norm_err(y[s:s + n], ref[s:s + n]) < TOL[(fast, out_dtype)], f"group {g}"
+      assert _norm_err(y[s : s + n], ref[s : s + n]) < TOL[(fast, out_dtype)], f"group {g}"
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -78,12 +83,13 @@ def test_wgrad_gemm_matches_float64(fast, out_dtype, types):
   dy = _fp8(kg, (M, N), types[1], 2.0)
   alpha = jnp.array([0.25, 9.0, 0.031, 1.1], jnp.float32)
   dw = jax.jit(functools.partial(kernels.wgrad_gemm, out_dtype=out_dtype, fast=fast))(
-      x, dy, jnp.asarray(SIZES), alpha)
+    x, dy, jnp.asarray(SIZES), alpha
+  )
   assert dw.dtype == out_dtype and dw.shape == (len(SIZES), K, N)
   x64, g64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
   dw = np.asarray(dw, np.float64)
   for g, (s, n) in enumerate(zip(_starts(), SIZES, strict=True)):
-    ref = x64[s:s + n].T @ g64[s:s + n] * float(alpha[g])
+    ref = x64[s : s + n].T @ g64[s : s + n] * float(alpha[g])
     if n == 0:
       assert np.all(dw[g] == 0), "an empty group's weight gradient must be zero"
     else:
@@ -115,6 +121,7 @@ def test_bf16_ragged_dot_matches_float64_and_lax():
     def loss(x, w):
       y = f(x, w, sizes)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
   native = step(kernels.bf16_ragged_dot)
@@ -134,7 +141,6 @@ def test_bf16_ragged_dot_matches_float64_and_lax():
     assert _norm_err(a, np.asarray(b, np.float64)) < 8e-3
 
 
-
 def test_ragged_dot_without_recipe_runs_bf16_on_the_kernel():
   """``core.ragged_dot(recipe=None)`` with bfloat16 operands and result takes the native kernel
   (three grouped GEMMs in the step, the same values as ``bf16_ragged_dot``); a float32 result
@@ -145,31 +151,35 @@ def test_ragged_dot_without_recipe_runs_bf16_on_the_kernel():
   sizes = jnp.asarray(SIZES)
 
   def step(f):
-    return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2),
-                                      argnums=(0, 1)))
+    return jax.jit(
+      jax.value_and_grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))
+    )
 
   ours = step(lambda x, w: core.ragged_dot(x, w, sizes, recipe=None))
   assert ours.lower(x, w).as_text().count("te_adapters_grouped_gemm") == 3
   direct = step(lambda x, w: kernels.bf16_ragged_dot(x, w, sizes))
   for a, b in zip(jax.tree.leaves(ours(x, w)), jax.tree.leaves(direct(x, w)), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  wide = step(lambda x, w: core.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32,
-                                           recipe=None))
+  wide = step(
+    lambda x, w: core.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32, recipe=None)
+  )
   assert "te_adapters_grouped_gemm" not in wide.lower(x, w).as_text()
+
 
 def _reference(x, w, dy):
   """Per-group float64 forward, dgrad and wgrad of the unquantized values."""
   x, w, dy = (np.asarray(t, np.float64) for t in (x, w, dy))
   y, dx, dw = np.zeros((M, N)), np.zeros((M, K)), np.zeros_like(w)
   for g, (s, n) in enumerate(zip(_starts(), SIZES, strict=True)):
-    y[s:s + n] = x[s:s + n] @ w[g]
-    dx[s:s + n] = dy[s:s + n] @ w[g].T
-    dw[g] = x[s:s + n].T @ dy[s:s + n]
+    y[s : s + n] = x[s : s + n] @ w[g]
+    dx[s : s + n] = dy[s : s + n] @ w[g].T
+    dw[g] = x[s : s + n].T @ dy[s : s + n]
   return y, dx, dw
 
 
-@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()],
-                         ids=["current", "delayed"])
+@pytest.mark.parametrize(
+  "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()], ids=["current", "delayed"]
+)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_ragged_dot_runs_the_kernel(recipe, dtype):
   kx, kw, kd = jax.random.split(jax.random.PRNGKey(2), 3)
@@ -183,6 +193,7 @@ def test_ragged_dot_runs_the_kernel(recipe, dtype):
     def loss(x, w, state):
       y = core.ragged_dot(x, w, sizes, recipe=recipe, state=state)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, state)
 
   sizes = jnp.asarray(SIZES)
@@ -204,8 +215,10 @@ def test_ragged_dot_runs_the_kernel(recipe, dtype):
 
 
 @pytest.mark.parametrize(
-    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
-    ids=["current", "delayed"])
+  "recipe",
+  [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
+  ids=["current", "delayed"],
+)
 def test_ragged_dot_matches_the_xla_path(recipe):
   """The kernel and XLA's ragged dot multiply the same FP8 operands: they agree to rounding. The
   native path casts the kernels in one pass (both orientations, and with delayed scaling the
@@ -223,6 +236,7 @@ def test_ragged_dot_matches_the_xla_path(recipe):
       spec = core.gemm.Grouped(recipe, None, f32, (f32, f32), "native" if native else "xla")
       y = core.gemm.grouped_gemms(x, w, sizes, state, spec)
       return jnp.sum(y * dy), y
+
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     state = core.init_ragged_state(recipe, len(SIZES))
     for i in range(3):

@@ -46,15 +46,19 @@ def test_several_axes_and_features_follow_tes_shapes():
 
 
 def test_bf16_inputs_give_bf16():
-  x, a, b = (v.astype(jnp.bfloat16) for v in (_rand((4, 32), 0), _rand((32, 2), 1),
-                                              _rand((2, 16), 2)))
+  x, a, b = (
+    v.astype(jnp.bfloat16) for v in (_rand((4, 32), 0), _rand((32, 2), 1), _rand((2, 16), 2))
+  )
   assert core.low_rank_adaptation(x, a, b).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("rank", [0, 33, 17, 2.0])
 def test_rank_outside_one_to_min_dims_is_a_clear_error(rank):
-  with pytest.raises(ValueError, match=r"layer: low_rank_adaptation_dim must be an int from 1 "
-                                       r"to min\(K, N\) = 16 \(K=32 contracted, N=16"):
+  with pytest.raises(
+    ValueError,
+    match=r"layer: low_rank_adaptation_dim must be an int from 1 "
+    r"to min\(K, N\) = 16 \(K=32 contracted, N=16",
+  ):
     core.check_lora_rank(rank, (32,), (16,), "layer")
 
 

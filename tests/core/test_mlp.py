@@ -14,9 +14,9 @@ from te_adapters import core
 
 B, S, K, F = 2, 64, 128, 128
 RECIPES = {
-    "current": ta.Float8CurrentScaling(),
-    "delayed": ta.DelayedScaling(amax_history_len=4),
-    "block": ta.Float8BlockScaling(),
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(amax_history_len=4),
+  "block": ta.Float8BlockScaling(),
 }
 GATED = ("gelu", "linear")
 
@@ -28,17 +28,24 @@ def _data(n_act=2, seed=0):
     return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
   params = {
-      "scale": 1.0 + r(K, scale=0.1), "ln_bias": r(K, scale=0.1),
-      "wi_kernel": r(K, n_act, F, scale=K**-0.5), "wo_kernel": r(F, K, scale=F**-0.5),
-      "wi_bias": r(n_act, F, scale=0.1), "wo_bias": r(K, scale=0.1),
+    "scale": 1.0 + r(K, scale=0.1),
+    "ln_bias": r(K, scale=0.1),
+    "wi_kernel": r(K, n_act, F, scale=K**-0.5),
+    "wo_kernel": r(F, K, scale=F**-0.5),
+    "wi_bias": r(n_act, F, scale=0.1),
+    "wo_bias": r(K, scale=0.1),
   }
   return r(B, S, K), params, r(B, S, K)
 
 
 def _reference(x, p, activations, ln_type="layernorm", zero_centered=False):
   """The block in float64 (jax with x64 on), straight from the formulas."""
-  acts = {"gelu": functools.partial(jax.nn.gelu, approximate=True), "linear": lambda v: v,
-          "silu": jax.nn.silu, "squared_relu": lambda v: jax.nn.relu(v) ** 2}
+  acts = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=True),
+    "linear": lambda v: v,
+    "silu": jax.nn.silu,
+    "squared_relu": lambda v: jax.nn.relu(v) ** 2,
+  }
   if ln_type == "layernorm":
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
@@ -72,10 +79,21 @@ def _step_fn(recipe, activations, **kw):
   def step(x, params, states, dy):
     def loss(x, params, states):
       out, _ = core.layernorm_mlp(
-          x, params["scale"], params["ln_bias"], params["wi_kernel"], params["wo_kernel"],
-          params["wi_bias"], params["wo_bias"], activations=activations, recipe=recipe,
-          states=states, threshold=None, **kw)
+        x,
+        params["scale"],
+        params["ln_bias"],
+        params["wi_kernel"],
+        params["wo_kernel"],
+        params["wi_bias"],
+        params["wo_bias"],
+        activations=activations,
+        recipe=recipe,
+        states=states,
+        threshold=None,
+        **kw,
+      )
       return jnp.sum(out * dy), out
+
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, params, states)
     return out, grads
 
@@ -119,11 +137,14 @@ def test_high_precision_is_exact_to_float32(rel):
 # Not relu: its derivative jumps at 0, so FP8's error in GEMM 1's output flips it for the ~3% of
 # entries near 0 and dx differs from float64 by ~0.2 with no bug (core.activation's own tests
 # check relu exactly).
-@pytest.mark.parametrize("activations, ln", [
+@pytest.mark.parametrize(
+  "activations, ln",
+  [
     (("gelu",), ("rmsnorm", False)),
     (("silu", "linear"), ("layernorm", True)),
     (("squared_relu",), ("rmsnorm", False)),
-])
+  ],
+)
 def test_activations_and_norm_types(activations, ln, rel):
   ln_type, zero_centered = ln
   x, params, dy = _data(n_act=len(activations))
@@ -135,8 +156,9 @@ def test_activations_and_norm_types(activations, ln, rel):
   out, (dx, dp, _) = _step_fn(RECIPES["current"], activations, **kw)(x, params, None, dy)
   if ln_type == "rmsnorm":
     params = {**params, "ln_bias": jnp.zeros(K)}
-  ref_out, ref_dx, ref_dp = _reference_grads(x, params, dy, activations, ln_type=ln_type,
-                                             zero_centered=zero_centered)
+  ref_out, ref_dx, ref_dp = _reference_grads(
+    x, params, dy, activations, ln_type=ln_type, zero_centered=zero_centered
+  )
   assert rel(out, ref_out) < 0.08 and rel(dx, ref_dx) < 0.12
   assert rel(dp["scale"], ref_dp["scale"]) < 0.12
   assert rel(dp["wi_kernel"], ref_dp["wi_kernel"]) < 0.12
@@ -158,12 +180,15 @@ def test_delayed_state_of_both_gemms_after_three_steps():
       ln = ln * p64["scale"] + p64["ln_bias"]
       h = jnp.einsum("bsk,knf->bsnf", ln, p64["wi_kernel"]) + p64["wi_bias"]
       z = jax.nn.gelu(h[..., 0, :], approximate=True) * h[..., 1, :]
-      amaxes.append({
-          "x_0": float(jnp.abs(ln).max()), "x_1": float(jnp.abs(z).max()),
+      amaxes.append(
+        {
+          "x_0": float(jnp.abs(ln).max()),
+          "x_1": float(jnp.abs(z).max()),
           "kernel_0": float(np.abs(params["wi_kernel"]).max()),
           "kernel_1": float(np.abs(params["wo_kernel"]).max()),
           "grad_1": float(np.abs(dy).max()),
-      })
+        }
+      )
   state_0, state_1 = states
   for gemm, state in (("0", state_0), ("1", state_1)):
     for role in ("x", "kernel"):
@@ -223,25 +248,44 @@ def test_bad_input_is_a_clear_error():
     core.layernorm_mlp(*args, activations=("gelu",), recipe=RECIPES["current"])
   with pytest.raises(ValueError, match=r"wo_kernel must have shape \(F=128, K=128\)"):
     core.layernorm_mlp(*args[:4], p["wo_kernel"][:64], activations=GATED, recipe=None)
-  small = (jnp.ones((4, 40)), jnp.ones(40), jnp.zeros(40), jnp.ones((40, 1, 32)),
-           jnp.ones((32, 40)))
+  small = (
+    jnp.ones((4, 40)),
+    jnp.ones(40),
+    jnp.zeros(40),
+    jnp.ones((40, 1, 32)),
+    jnp.ones((32, 40)),
+  )
   with pytest.raises(ValueError, match="multiples of 16, got K=40"):
     core.layernorm_mlp(*small, recipe=RECIPES["current"])  # at every size, threshold or not
 
 
-@pytest.mark.parametrize("recipe, bounds", [
+@pytest.mark.parametrize(
+  "recipe, bounds",
+  [
     (ta.MXFP8BlockScaling(), (0.1, 0.15)),
     # FP4 with stochastic rounding of the gradients: about 0.25 to 0.35 here; a bug gives O(1).
     (ta.NVFP4BlockScaling(), (0.35, 0.5)),
-], ids=["mxfp8", "nvfp4"])
+  ],
+  ids=["mxfp8", "nvfp4"],
+)
 def test_block_formats_against_float64(recipe, bounds, rel):
   x, params, dy = _data()
   keys = (jax.random.key(0), jax.random.key(1)) if recipe.uses_rng else None
 
   def loss(x, p):
     out, _ = core.layernorm_mlp(
-        x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"],
-        activations=GATED, recipe=recipe, rngs=keys, threshold=None)
+      x,
+      p["scale"],
+      p["ln_bias"],
+      p["wi_kernel"],
+      p["wo_kernel"],
+      p["wi_bias"],
+      p["wo_bias"],
+      activations=GATED,
+      recipe=recipe,
+      rngs=keys,
+      threshold=None,
+    )
     return jnp.sum(out * dy), out
 
   (_, out), (dx, dp) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)

@@ -15,12 +15,12 @@ DN = (((1,), (0,)), ((), ()))
 SATURATE = ta.GemmConfig(non_finite="saturate")
 
 RECIPES = [
-    ta.DelayedScaling(),
-    ta.Float8CurrentScaling(),
-    ta.MXFP8BlockScaling(),
-    ta.NVFP4BlockScaling(),
-    ta.Float8BlockScaling(),
-    ta.Float8RowwiseScaling(),
+  ta.DelayedScaling(),
+  ta.Float8CurrentScaling(),
+  ta.MXFP8BlockScaling(),
+  ta.NVFP4BlockScaling(),
+  ta.Float8BlockScaling(),
+  ta.Float8RowwiseScaling(),
 ]
 IDS = [type(r).__name__ for r in RECIPES]
 
@@ -36,8 +36,9 @@ def _operands(bad=None, where=(3, 5)):
 
 def _dot(recipe, x, w, config=None, rng=None):
   state = core.init_state(recipe) or None
-  return core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None, config=config,
-                          rng=rng)
+  return core.dot_general(
+    x, w, DN, recipe=recipe, state=state, threshold=None, config=config, rng=rng
+  )
 
 
 @pytest.mark.parametrize("bad", [-np.inf, np.nan], ids=["-inf", "nan"])
@@ -64,8 +65,9 @@ def test_saturate_keeps_te_clipping(recipe):
   y = np.asarray(_dot(recipe, x, w, config=SATURATE))
   assert np.isfinite(y).all()
   clean = np.asarray(_dot(recipe, *_operands(None), config=SATURATE))
-  np.testing.assert_allclose(np.delete(y, 3, axis=0), np.delete(clean, 3, axis=0), rtol=0.2,
-                             atol=0.2)
+  np.testing.assert_allclose(
+    np.delete(y, 3, axis=0), np.delete(clean, 3, axis=0), rtol=0.2, atol=0.2
+  )
   # Without the infinity the same recipe's output is finite too: the flag is the input's alone.
   assert np.isfinite(np.asarray(_dot(recipe, *_operands(None)))).all()
 
@@ -101,8 +103,18 @@ def test_fused_mlp_and_norm_dense_propagate(recipe):
   states = (core.init_state(recipe) or None, core.init_state(recipe) or None)
 
   def mlp(config):
-    out, _ = core.layernorm_mlp(x, jnp.ones(k), jnp.zeros(k), wi, wo, activations=("relu",),
-                                recipe=recipe, states=states, threshold=None, config=config)
+    out, _ = core.layernorm_mlp(
+      x,
+      jnp.ones(k),
+      jnp.zeros(k),
+      wi,
+      wo,
+      activations=("relu",),
+      recipe=recipe,
+      states=states,
+      threshold=None,
+      config=config,
+    )
     return np.asarray(out)
 
   assert np.isnan(mlp(None)).all()
@@ -113,8 +125,16 @@ def test_fused_mlp_and_norm_dense_propagate(recipe):
   assert np.isfinite(mlp(SATURATE)).all() or not saturates
 
   def norm_dense(config):
-    z, _ = core.layernorm_dense(x, jnp.ones(k), jnp.zeros(k), wi[:, 0, :], recipe=recipe,
-                                state=states[0], threshold=None, config=config)
+    z, _ = core.layernorm_dense(
+      x,
+      jnp.ones(k),
+      jnp.zeros(k),
+      wi[:, 0, :],
+      recipe=recipe,
+      state=states[0],
+      threshold=None,
+      config=config,
+    )
     return np.asarray(z)
 
   z = norm_dense(None)
@@ -157,8 +177,8 @@ def test_delayed_scaling_records_a_non_finite_amax_as_te_does():
   @jax.jit
   def step(state, x):
     _, grads = jax.value_and_grad(
-        lambda s: jnp.sum(core.dot_general(x, w, DN, recipe=recipe, state=s, threshold=None)))(
-            state)
+      lambda s: jnp.sum(core.dot_general(x, w, DN, recipe=recipe, state=s, threshold=None))
+    )(state)
     return core.updated_state(state, grads)
 
   state = step(core.init_state(recipe), x)
@@ -180,12 +200,14 @@ def test_adapter_layers_propagate_by_default():
 
   from te_adapters import nnx as ta_nnx
 
-  layer = ta_nnx.Linear(256, 128, recipe=ta.Float8CurrentScaling(), threshold=None,
-                        rngs=nnx.Rngs(0))
+  layer = ta_nnx.Linear(
+    256, 128, recipe=ta.Float8CurrentScaling(), threshold=None, rngs=nnx.Rngs(0)
+  )
   x, _ = _operands(np.inf)
   assert np.isnan(np.asarray(layer(x))).all()
-  saturating = ta_nnx.Linear(256, 128, recipe=ta.Float8CurrentScaling(), threshold=None,
-                             config=SATURATE, rngs=nnx.Rngs(0))
+  saturating = ta_nnx.Linear(
+    256, 128, recipe=ta.Float8CurrentScaling(), threshold=None, config=SATURATE, rngs=nnx.Rngs(0)
+  )
   assert np.isfinite(np.asarray(saturating(x))).all()
 
 
@@ -209,9 +231,13 @@ def test_inside_shard_map_every_shard_sees_another_shards_infinity(recipe):
 
   def run(config):
     f = jax.shard_map(
-        lambda x, w: core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None,
-                                      config=config),
-        mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+      lambda x, w: core.dot_general(
+        x, w, DN, recipe=recipe, state=state, threshold=None, config=config
+      ),
+      mesh=mesh,
+      in_specs=(P("dp"), P()),
+      out_specs=P("dp"),
+    )
     return np.asarray(jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("dp"))), w))
 
   assert np.isnan(run(None)).all()

@@ -61,13 +61,15 @@ def test_layernorm_against_float64(layernorm_type, zero_centered_gamma, dtype, t
   x, dy = x.astype(dtype), dy.astype(dtype)
 
   def loss(x, g, b):
-    y = core.layernorm(x, g, b, layernorm_type=layernorm_type,
-                       zero_centered_gamma=zero_centered_gamma, epsilon=1e-5)
+    y = core.layernorm(
+      x, g, b, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma, epsilon=1e-5
+    )
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
   (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, g, b)
-  ref, ref_grads = _reference(x, g, jnp.zeros_like(g) if b is None else b, dy, layernorm_type,
-                              zero_centered_gamma, 1e-5)
+  ref, ref_grads = _reference(
+    x, g, jnp.zeros_like(g) if b is None else b, dy, layernorm_type, zero_centered_gamma, 1e-5
+  )
   assert y.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == jnp.float32
   errs = [rel(y, ref)] + [rel(a, r) for a, r in zip(grads[:2], ref_grads[:2], strict=True)]
   if b is not None:
@@ -88,14 +90,14 @@ def test_layernorm_bf16_params_and_float32_compute(rel):
 
 
 @pytest.mark.parametrize(
-    "kwargs, bias, scale_shape, match",
-    [
-        ({"layernorm_type": "batchnorm"}, True, (32,), "layernorm_type must be one of"),
-        ({"layernorm_type": "rmsnorm"}, True, (32,), "rmsnorm has no bias"),
-        ({}, False, (32,), "needs a bias"),
-        ({}, True, (16,), r"scale must have shape \(32,\)"),
-        ({}, "short", (32,), r"bias must have shape \(32,\)"),
-    ],
+  "kwargs, bias, scale_shape, match",
+  [
+    ({"layernorm_type": "batchnorm"}, True, (32,), "layernorm_type must be one of"),
+    ({"layernorm_type": "rmsnorm"}, True, (32,), "rmsnorm has no bias"),
+    ({}, False, (32,), "needs a bias"),
+    ({}, True, (16,), r"scale must have shape \(32,\)"),
+    ({}, "short", (32,), r"bias must have shape \(32,\)"),
+  ],
 )
 def test_layernorm_bad_input(kwargs, bias, scale_shape, match):
   x = jnp.ones((4, 32))
@@ -110,9 +112,18 @@ def _train_ln_dense(recipe, x, g, b, w, dz, steps, layernorm_type="layernorm"):
   @jax.jit
   def step(x, g, b, w, state):
     def loss(x, g, b, w, state):
-      z, _ = core.layernorm_dense(x, g, b, w, layernorm_type=layernorm_type, recipe=recipe,
-                                  state=state or None, threshold=None)
+      z, _ = core.layernorm_dense(
+        x,
+        g,
+        b,
+        w,
+        layernorm_type=layernorm_type,
+        recipe=recipe,
+        state=state or None,
+        threshold=None,
+      )
       return jnp.sum(z.astype(jnp.float32) * dz), z
+
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, g, b, w, state)
 
   for _ in range(steps):
@@ -121,19 +132,24 @@ def _train_ln_dense(recipe, x, g, b, w, dz, steps, layernorm_type="layernorm"):
 
 
 @pytest.mark.parametrize(
-    "recipe, layernorm_type",
-    [(r, "layernorm") for r in [*RECIPES, ta.MXFP8BlockScaling()]] + [(RECIPES[0], "rmsnorm")],
-    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+  "recipe, layernorm_type",
+  [(r, "layernorm") for r in [*RECIPES, ta.MXFP8BlockScaling()]] + [(RECIPES[0], "rmsnorm")],
+  ids=lambda v: v if isinstance(v, str) else type(v).__name__,
 )
 def test_layernorm_dense_against_float64(recipe, layernorm_type, rel):
   x, g, b, _ = _inputs()
   w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
   b = b if layernorm_type == "layernorm" else None
   z, grads, _ = _train_ln_dense(recipe, x, g, b, w, dz, steps=3, layernorm_type=layernorm_type)
-  ref, ref_grads = _reference(x, g, jnp.zeros_like(g) if b is None else b, None, layernorm_type,
-                              False, 1e-6, kernel=w, dz=dz)
-  errs = {"z": rel(z, ref), "dx": rel(grads[0], ref_grads[0]),
-          "dgamma": rel(grads[1], ref_grads[1]), "dkernel": rel(grads[3], ref_grads[3])}
+  ref, ref_grads = _reference(
+    x, g, jnp.zeros_like(g) if b is None else b, None, layernorm_type, False, 1e-6, kernel=w, dz=dz
+  )
+  errs = {
+    "z": rel(z, ref),
+    "dx": rel(grads[0], ref_grads[0]),
+    "dgamma": rel(grads[1], ref_grads[1]),
+    "dkernel": rel(grads[3], ref_grads[3]),
+  }
   if b is not None:
     errs["dbeta"] = rel(grads[2], ref_grads[2])
   # FP8 with E4M3 forward and E5M2 gradients: about 0.04 forward and 0.06 backward on this
@@ -147,8 +163,7 @@ def test_layernorm_dense_high_precision_matches_norm_then_dot(rel):
   x, g, b, _ = _inputs()
   w = _data([(128, 64)], seed=1)[0]
   z, ln = core.layernorm_dense(x, g, b, w, recipe=None, return_layernorm_output=True)
-  ref, _ = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w,
-                      dz=np.zeros((4, 32, 64)))
+  ref, _ = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w, dz=np.zeros((4, 32, 64)))
   np.testing.assert_array_equal(ln, core.layernorm(x, g, b))
   # float32 GEMM: to float32 rounding on CPU; GPUs may run it with TF32 inputs.
   assert rel(z, ref) < (1e-5 if jax.default_backend() == "cpu" else 5e-3)
@@ -173,8 +188,13 @@ def test_return_layernorm_output(return_layernorm_output):
   x = x.astype(jnp.bfloat16)
   w = _data([(128, 64)], seed=1)[0]
   z, ln = core.layernorm_dense(
-      x, g, b, w, recipe=ta.Float8CurrentScaling(), threshold=None,
-      return_layernorm_output=return_layernorm_output,
+    x,
+    g,
+    b,
+    w,
+    recipe=ta.Float8CurrentScaling(),
+    threshold=None,
+    return_layernorm_output=return_layernorm_output,
   )
   assert z.dtype == jnp.bfloat16 and z.shape == (4, 32, 64)  # x's dtype, as TE's
   if return_layernorm_output:
@@ -193,8 +213,9 @@ def _saved(f, *args):
   return out
 
 
-@pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.Float8BlockScaling()],
-                         ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize(
+  "recipe", [ta.Float8CurrentScaling(), ta.Float8BlockScaling()], ids=lambda r: type(r).__name__
+)
 def test_no_high_precision_norm_output_is_saved(recipe):
   # The backward keeps x, gamma, the row statistics and the FP8 copies, not the normalized
   # tensor in high precision (TE's fused layernorm_dense keeps the same).
@@ -215,19 +236,20 @@ def test_no_high_precision_norm_output_is_saved(recipe):
 
 
 @pytest.mark.parametrize(
-    "kwargs, kernel_shape, match",
-    [
-        ({"axis": 0}, (128, 64), "axis must be -1"),
-        ({"axis": (-2, -1)}, (128, 64), "axis must be -1"),
-        ({}, (64, 128), "axis 0 must have size 128"),
-        ({"layernorm_type": "groupnorm"}, (128, 64), "layernorm_type must be one of"),
-    ],
+  "kwargs, kernel_shape, match",
+  [
+    ({"axis": 0}, (128, 64), "axis must be -1"),
+    ({"axis": (-2, -1)}, (128, 64), "axis must be -1"),
+    ({}, (64, 128), "axis 0 must have size 128"),
+    ({"layernorm_type": "groupnorm"}, (128, 64), "layernorm_type must be one of"),
+  ],
 )
 def test_layernorm_dense_bad_input(kwargs, kernel_shape, match):
   x, g, b, _ = _inputs()
   with pytest.raises(ValueError, match=match):
-    core.layernorm_dense(x, g, b, jnp.ones(kernel_shape), recipe=ta.Float8CurrentScaling(),
-                         **kwargs)
+    core.layernorm_dense(
+      x, g, b, jnp.ones(kernel_shape), recipe=ta.Float8CurrentScaling(), **kwargs
+    )
 
 
 def test_remat_gives_the_same_grads_and_state():
@@ -240,8 +262,9 @@ def test_remat_gives_the_same_grads_and_state():
     return jnp.sum(z * dz)
 
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-  remat = jax.jit(jax.grad(jax.checkpoint(loss, policy=core.save_quantized_operands),
-                           argnums=(0, 1, 2, 3, 4)))
+  remat = jax.jit(
+    jax.grad(jax.checkpoint(loss, policy=core.save_quantized_operands), argnums=(0, 1, 2, 3, 4))
+  )
   plain, again = grads(x, g, b, w, state), remat(x, g, b, w, state)
   for a, r in zip(jax.tree.leaves(plain), jax.tree.leaves(again), strict=True):
     if jax.default_backend() == "cpu":
@@ -257,8 +280,9 @@ def _one_fused_rule(jaxpr) -> bool:
   """Whether a traced program runs its norm (and activation) inside the quantized GEMM rule:
   the rule's custom VJP is there and the norm's and the activation's own ones are not."""
   text = str(jaxpr)
-  return ("name=_quantized_gemms" in text and "name=_norm" not in text
-          and "name=_activation" not in text)
+  return (
+    "name=_quantized_gemms" in text and "name=_norm" not in text and "name=_activation" not in text
+  )
 
 
 def _takes_fused(**kw):
@@ -277,14 +301,16 @@ def test_layernorm_dense_fuses_the_norm_into_the_cast_where_it_applies():
   # A sharding constraint on the norm's output goes on its input (tests/core/test_fused_sharding),
   # for per-tensor recipes; block scaling composes under it.
   assert _takes_fused(recipe=current, threshold=None, dot_input_constraint=lambda y: y)
-  assert not _takes_fused(recipe=ta.Float8BlockScaling(), threshold=None,
-                          dot_input_constraint=lambda y: y)
+  assert not _takes_fused(
+    recipe=ta.Float8BlockScaling(), threshold=None, dot_input_constraint=lambda y: y
+  )
   # Composed: high precision, the norm's output returned, the switch off, a GEMM the default
   # size threshold keeps in bf16.
   assert not _takes_fused(recipe=None)
   assert not _takes_fused(recipe=current, threshold=None, return_layernorm_output=True)
-  assert not _takes_fused(recipe=current, threshold=None,
-                          config=core.GemmConfig(fuse_activation_cast=False))
+  assert not _takes_fused(
+    recipe=current, threshold=None, config=core.GemmConfig(fuse_activation_cast=False)
+  )
   with pytest.warns(core.HighPrecisionGemmWarning):
     assert not _takes_fused(recipe=current)
 
@@ -303,9 +329,20 @@ def test_fused_layernorm_dense_equals_the_composed_path(recipe, layernorm_type):
     config = core.GemmConfig(fuse_activation_cast=fuse)
 
     def loss(x, g, b, w, c, state):
-      z, _ = core.layernorm_dense(x, g, b, w, layernorm_type=layernorm_type, recipe=recipe,
-                                  state=state, threshold=None, config=config, dense_bias=c)
+      z, _ = core.layernorm_dense(
+        x,
+        g,
+        b,
+        w,
+        layernorm_type=layernorm_type,
+        recipe=recipe,
+        state=state,
+        threshold=None,
+        config=config,
+        dense_bias=c,
+      )
       return jnp.sum(z * dz), z
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
 
   out = {}
@@ -319,16 +356,25 @@ def test_fused_layernorm_dense_equals_the_composed_path(recipe, layernorm_type):
   for a, r in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False]), strict=True):
     np.testing.assert_allclose(a, r, rtol=2e-6, atol=2e-6 * float(np.max(np.abs(r))))
   # The dense bias's gradient: dz's sums over the rows.
-  np.testing.assert_allclose(out[True][1][4], np.sum(np.asarray(dz, np.float64), axis=(0, 1)),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    out[True][1][4], np.sum(np.asarray(dz, np.float64), axis=(0, 1)), rtol=1e-5, atol=1e-5
+  )
 
 
 def test_layernorm_dense_refuses_a_dense_bias_of_another_shape():
   x, g, b, _ = _inputs()
   for config in (None, core.GemmConfig(fuse_activation_cast=False)):
     with pytest.raises(ValueError, match=r"dense_bias must have the kernel's feature shape"):
-      core.layernorm_dense(x, g, b, jnp.ones((128, 256)), recipe=ta.Float8CurrentScaling(),
-                           threshold=None, config=config, dense_bias=jnp.ones((128,)))
+      core.layernorm_dense(
+        x,
+        g,
+        b,
+        jnp.ones((128, 256)),
+        recipe=ta.Float8CurrentScaling(),
+        threshold=None,
+        config=config,
+        dense_bias=jnp.ones((128,)),
+      )
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py sets 8 on CPU)")
@@ -352,9 +398,11 @@ def test_fused_layernorm_dense_with_rows_sharded_equals_one_device(recipe):
 
   def grads(x, dz):
     def loss(x, g, b, w, c, state):
-      z, _ = core.layernorm_dense(x, g, b, w, recipe=recipe, state=state, threshold=None,
-                                  dense_bias=c, config=config)
+      z, _ = core.layernorm_dense(
+        x, g, b, w, recipe=recipe, state=state, threshold=None, dense_bias=c, config=config
+      )
       return jnp.sum(z * dz)
+
     assert _one_fused_rule(jax.make_jaxpr(loss)(x, g, b, w, c, state))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))(x, g, b, w, c, state)
 
@@ -374,20 +422,23 @@ def test_fused_paths_warn_when_delayed_state_is_left_out_of_the_gradient():
   dot_general does instead of freezing the state silently; with the state differentiated,
   no warning."""
   import warnings
+
   x, g, b, _ = _inputs()
   w = _data([(128, 256)], seed=1)[0]
   wi, wo = _data([(128, 1, 256), (256, 128)], seed=2)
 
   def dense(x, w, state):
-    return jnp.sum(core.layernorm_dense(x, g, b, w, recipe=DELAYED, state=state,
-                                        threshold=None)[0])
+    return jnp.sum(core.layernorm_dense(x, g, b, w, recipe=DELAYED, state=state, threshold=None)[0])
 
   def mlp(x, w, state):
-    return jnp.sum(core.layernorm_mlp(x, g, b, wi, wo, recipe=DELAYED, states=state,
-                                      threshold=None)[0])
+    return jnp.sum(
+      core.layernorm_mlp(x, g, b, wi, wo, recipe=DELAYED, states=state, threshold=None)[0]
+    )
 
-  cases = [(dense, core.init_state(DELAYED)),
-           (mlp, (core.init_state(DELAYED), core.init_state(DELAYED)))]
+  cases = [
+    (dense, core.init_state(DELAYED)),
+    (mlp, (core.init_state(DELAYED), core.init_state(DELAYED))),
+  ]
   for f, state in cases:
     assert _one_fused_rule(jax.make_jaxpr(f)(x, w, state))
     with pytest.warns(core.FrozenStateWarning):

@@ -32,8 +32,8 @@ from te_adapters.core import formats, kernels
 from tests import spmd_checks
 
 pytestmark = [
-    pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)"),
-    pytest.mark.skipif(not kernels.ffi_available("cpu"), reason="extension not built"),
+  pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)"),
+  pytest.mark.skipif(not kernels.ffi_available("cpu"), reason="extension not built"),
 ]
 
 DN = (((2,), (0,)), ((), ()))  # x (batch, seq, hidden) . kernel (hidden, features)
@@ -54,17 +54,18 @@ class Plan:
 
 
 PLANS = [
-    Plan("dp", P("dp"), P(), P("dp")),
-    Plan("tp_column", P(), P(None, "tp"), P(None, None, "tp"), bf16_sums=("dx",)),
-    Plan("tp_row", P(None, None, "tp"), P("tp", None), P(), bf16_sums=("y",)),
-    Plan("fsdp", P("dp"), P("dp", None), P("dp")),
-    Plan("dp_tp", P("dp"), P(None, "tp"), P("dp", None, "tp"), bf16_sums=("dx",)),
+  Plan("dp", P("dp"), P(), P("dp")),
+  Plan("tp_column", P(), P(None, "tp"), P(None, None, "tp"), bf16_sums=("dx",)),
+  Plan("tp_row", P(None, None, "tp"), P("tp", None), P(), bf16_sums=("y",)),
+  Plan("fsdp", P("dp"), P("dp", None), P("dp")),
+  Plan("dp_tp", P("dp"), P(None, "tp"), P("dp", None, "tp"), bf16_sums=("dx",)),
 ]
 
 
 def _mesh(axis_type=AxisType.Auto):
-  return jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4],
-                       axis_types=(axis_type, axis_type))
+  return jax.make_mesh(
+    (2, 2), ("dp", "tp"), devices=jax.devices()[:4], axis_types=(axis_type, axis_type)
+  )
 
 
 # Float32 sums of partial products over a split K (GemmConfig.partial_sums), so that with the
@@ -83,13 +84,21 @@ def _data():
 
 def _step(recipe, config=FFI):
   def loss(x, w, state, dy, factor):
-    y = core.dot_general(x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=recipe,
-                         state=state or None, threshold=None, config=config)
+    y = core.dot_general(
+      x * factor.astype(x.dtype),
+      w.astype(jnp.bfloat16),
+      DN,
+      recipe=recipe,
+      state=state or None,
+      threshold=None,
+      config=config,
+    )
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
   def step(x, w, state, dy, factor):
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        x, w, state, dy, factor)
+      x, w, state, dy, factor
+    )
     return y, grads
 
   return jax.jit(step)
@@ -135,12 +144,13 @@ def _cast_calls(text):
 
 def _assert_equal_to_one_device(got, want, plan):
   for step, ((y, (dx, dw, state)), (ry, (rdx, rdw, rstate))) in enumerate(
-      zip(got, want, strict=True)):
+    zip(got, want, strict=True)
+  ):
     for name, a, b in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
       if name in plan.bf16_sums:
-        assert np.linalg.norm(
-            a.astype(np.float64) - b.astype(np.float64)) <= 1e-2 * np.linalg.norm(
-            b.astype(np.float64)), (step, name)
+        assert np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)) <= 1e-2 * np.linalg.norm(
+          b.astype(np.float64)
+        ), (step, name)
       else:
         np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
     for name in rstate:  # the recipe state: exactly
@@ -178,17 +188,26 @@ def test_inside_shard_map_the_kernels_outputs_vary_like_their_inputs():
   mesh = _mesh()
 
   def body(x, w, state, dy, factor):
-    y = core.dot_general(x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, recipe=DELAYED,
-                         state=state, threshold=None, config=FFI)
+    y = core.dot_general(
+      x * factor.astype(x.dtype),
+      w.astype(jnp.bfloat16),
+      DN,
+      recipe=DELAYED,
+      state=state,
+      threshold=None,
+      config=FFI,
+    )
     return lax.psum(jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), ("dp", "tp")), y
 
-  mapped = jax.shard_map(body, mesh=mesh, in_specs=(plan.x, plan.w, P(), plan.dy, P()),
-                         out_specs=(P(), plan.dy))
+  mapped = jax.shard_map(
+    body, mesh=mesh, in_specs=(plan.x, plan.w, P(), plan.dy, P()), out_specs=(P(), plan.dy)
+  )
 
   @jax.jit
   def step(x, w, state, dy, factor):
     (_, y), grads = jax.value_and_grad(mapped, argnums=(0, 1, 2), has_aux=True)(
-        x, w, state, dy, factor)
+      x, w, state, dy, factor
+    )
     return y, grads
 
   put = lambda a, spec=None: jax.device_put(a, NamedSharding(mesh, spec or P()))
@@ -209,8 +228,11 @@ def test_amax_of_a_sharded_tensor_is_global_on_every_device():
   assert [float(s.data[0]) for s in a.addressable_shards] == [9.0] * 4
   x[0, 0] = np.nan  # NaN on another shard: inf everywhere
   xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, P("dp", "tp")))
-  _, _, a = jax.jit(lambda v: formats.cast_transpose(
-      v, jnp.ones((1,)), jnp.float8_e4m3fn, with_amax=True, backend="ffi"))(xs)
+  _, _, a = jax.jit(
+    lambda v: formats.cast_transpose(
+      v, jnp.ones((1,)), jnp.float8_e4m3fn, with_amax=True, backend="ffi"
+    )
+  )(xs)
   assert [float(s.data[0]) for s in a.addressable_shards] == [np.inf] * 4
 
 
@@ -219,8 +241,7 @@ def test_nnx_linear_with_sharded_kernel_matches_one_device():
 
   from te_adapters import nnx as ta_nnx
 
-  layer = ta_nnx.Linear(64, 32, threshold=None, recipe=DELAYED, config=FFI,
-                        rngs=nnx.Rngs(0))
+  layer = ta_nnx.Linear(64, 32, threshold=None, recipe=DELAYED, config=FFI, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(layer)
   params, recipe_state = nnx.split_state(state, nnx.Param, ta_nnx.RecipeState)
   x, _, dy = _data()
@@ -243,13 +264,15 @@ def test_nnx_linear_with_sharded_kernel_matches_one_device():
     return out
 
   device = jax.devices()[0]
-  want = run(*jax.device_put((params, recipe_state, x, dy), device),
-             lambda t: jax.device_put(t, device))
+  want = run(
+    *jax.device_put((params, recipe_state, x, dy), device), lambda t: jax.device_put(t, device)
+  )
   mesh = _mesh()
   shard = lambda spec: NamedSharding(mesh, spec)
   # Column-parallel: the kernel (64, 32) and the bias over tp.
   params_s = jax.tree.map(
-      lambda v: jax.device_put(v, shard(P(None, "tp") if v.ndim == 2 else P("tp"))), params)
+    lambda v: jax.device_put(v, shard(P(None, "tp") if v.ndim == 2 else P("tp"))), params
+  )
   recipe_s = jax.device_put(recipe_state, shard(P()))
   x_s, dy_s = jax.device_put(x, shard(P("dp"))), jax.device_put(dy, shard(P("dp", "tp")))
   got = run(params_s, recipe_s, x_s, dy_s, lambda t: jax.device_put(t, shard(P())))
@@ -264,8 +287,9 @@ def test_nnx_linear_with_sharded_kernel_matches_one_device():
 def _cpu_gemm(a, b, sa, sb, dtype):
   """The per-tensor FP8 GEMM's contract, ``a . b^T * sa * sb`` in float32, on XLA:CPU."""
   batch = tuple(range(a.ndim - 2))
-  y = lax.dot_general(a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)),
-                      preferred_element_type=jnp.float32)
+  y = lax.dot_general(
+    a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)), preferred_element_type=jnp.float32
+  )
   return (y * (sa * sb).reshape(())).astype(dtype)
 
 
@@ -275,12 +299,12 @@ def _quantized(shape, seed):
 
 
 GEMM_CASES = [
-    # name, a spec, b spec, whether K is summed over devices
-    ("rows", P("dp"), P(), False),
-    ("columns", P(), P("tp"), False),
-    ("rows_and_columns", P("dp"), P("tp"), False),
-    ("contracting", P(None, "tp"), P(None, "tp"), True),
-    ("contracting_and_rows", P("dp", "tp"), P(None, "tp"), True),
+  # name, a spec, b spec, whether K is summed over devices
+  ("rows", P("dp"), P(), False),
+  ("columns", P(), P("tp"), False),
+  ("rows_and_columns", P("dp"), P("tp"), False),
+  ("contracting", P(None, "tp"), P(None, "tp"), True),
+  ("contracting_and_rows", P("dp", "tp"), P(None, "tp"), True),
 ]
 
 
@@ -297,8 +321,7 @@ def test_gemm_rule_runs_the_kernel_on_shards(name, a_spec, b_spec, summed):
     calls.append((a.shape, b.shape, np.dtype(dtype)))
     return _cpu_gemm(a, b, sa, sb, dtype)
 
-  f = jax.jit(lambda a, b: kernels.gemm("test GEMM", kernel, _cpu_gemm, a, b, sa, sb,
-                                           jnp.bfloat16))
+  f = jax.jit(lambda a, b: kernels.gemm("test GEMM", kernel, _cpu_gemm, a, b, sa, sb, jnp.bfloat16))
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     compiled = f.lower(a_s, b_s).compile()
@@ -308,7 +331,8 @@ def test_gemm_rule_runs_the_kernel_on_shards(name, a_spec, b_spec, summed):
   entries = tuple(a_spec) + (None,) * (2 - len(a_spec))
   a_local = tuple(n // (2 if e else 1) for n, e in zip(a.shape, entries, strict=True))
   assert (a_local, np.dtype(jnp.float32 if summed else jnp.bfloat16)) in [
-      (c[0], c[2]) for c in calls], calls
+    (c[0], c[2]) for c in calls
+  ], calls
   ops = [c.op for c in inspect.hlo_collectives(compiled.as_text())]
   assert ("all-reduce" in ops) == summed and "all-gather" not in ops, ops
   if summed:  # summed in float32, rounded once after
@@ -322,8 +346,7 @@ def test_gemm_rule_warns_once_where_it_reshards():
   # The same mesh axis on the rows of a and the columns of b: the output cannot use it twice.
   a_s = jax.device_put(a, NamedSharding(mesh, P("dp")))
   b_s = jax.device_put(b, NamedSharding(mesh, P("dp")))
-  f = lambda a, b: kernels.gemm("reshard GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
-                                   jnp.float32)
+  f = lambda a, b: kernels.gemm("reshard GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb, jnp.float32)
   with pytest.warns(ta.core.ShardingFallbackWarning, match=r"reshard GEMM.*'dp'.*gathered"):
     y = jax.jit(f)(a_s, b_s)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
@@ -343,13 +366,17 @@ def test_gemm_rule_falls_back_to_xla_on_shards_the_kernel_refuses():
     def gemm(a, b, sa, sb, dtype):
       calls[which].append(a.shape)
       return _cpu_gemm(a, b, sa, sb, dtype)
+
     return gemm
 
   refusal = lambda a_shape, b_shape: "M must be a multiple of 32" if a_shape[0] % 32 else None
-  f = lambda a, b: kernels.gemm("picky GEMM", traced("kernel"), traced("fallback"), a, b, sa,
-                                   sb, jnp.float32, refusal=refusal)
-  with pytest.warns(ta.core.ShardingFallbackWarning,
-                    match=r"picky GEMM.*\(16, 64\).*M must be a multiple of 32.*XLA's GEMM"):
+  f = lambda a, b: kernels.gemm(
+    "picky GEMM", traced("kernel"), traced("fallback"), a, b, sa, sb, jnp.float32, refusal=refusal
+  )
+  with pytest.warns(
+    ta.core.ShardingFallbackWarning,
+    match=r"picky GEMM.*\(16, 64\).*M must be a multiple of 32.*XLA's GEMM",
+  ):
     y = jax.jit(f)(a_s, b)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
   # The kernel was only traced for the global shapes; the shards ran the fallback.
@@ -364,8 +391,9 @@ def _emulated_cublas(calls, margins=None):
   (and each call's ``sm_margin`` in ``margins``)."""
   margins = [] if margins is None else margins
 
-  def cublas_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False,
-                  sm_margin=0):
+  def cublas_call(
+    a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False, sm_margin=0
+  ):
     assert lhs_mode == rhs_mode == 0
     calls.append((a.shape, b.shape, np.dtype(out_dtype)))
     margins.append(sm_margin)
@@ -418,7 +446,8 @@ def test_fp8_gemm_call_site_sums_partial_products_in_the_output_dtype(monkeypatc
   assert ((64, 16), (64, 16), np.dtype(jnp.bfloat16)) in sharded_calls, sharded_calls
   # (The kernel is traced once with the global shapes too: wgrad's in float32 there.)
   assert not any(c[2] == np.dtype(jnp.float32) and c[0][-1] < 128 for c in sharded_calls), (
-      sharded_calls)
+    sharded_calls
+  )
   reduces = [c for c in inspect.hlo_collectives(text) if c.op == "all-reduce"]
   sums = [c for c in reduces if any(int(np.prod(s)) > 1 for _, s in c.arrays)]
   # dx (64, 64) over tp and dW (64, 16) over dp. XLA:CPU widens bf16 all-reduces to float32
@@ -430,7 +459,8 @@ def test_fp8_gemm_call_site_sums_partial_products_in_the_output_dtype(monkeypatc
   x, dy, w = x.reshape(-1, X_SHAPE[-1]), dy.reshape(-1, Y_SHAPE[-1]), w
   n, u = 2, 2.0**-8
   for step, factor, (y, (dx, dw, state)), (ry, (rdx, rdw, rstate)) in zip(
-      range(len(FACTORS)), FACTORS, got, want, strict=True):
+    range(len(FACTORS)), FACTORS, got, want, strict=True
+  ):
     np.testing.assert_array_equal(y, ry, err_msg=f"step {step}: y")  # K whole: as one device
     bounds = {"dx": factor * dy @ w.T, "dw": factor * x.T @ dy}
     for name, a, b in (("dx", dx, rdx), ("dw", dw, rdw)):
@@ -479,12 +509,18 @@ def test_block_scaled_gemm_rule_shards_the_scales_with_their_blocks():
   mesh = _mesh()
   put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
   calls = []
-  f = jax.jit(lambda a, sa, b, sb: kernels.block_scaled_gemm(
-      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
-      jnp.float32))
+  f = jax.jit(
+    lambda a, sa, b, sb: kernels.block_scaled_gemm(
+      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128), jnp.float32
+    )
+  )
   # Rows over dp, K over tp: 128 of K per device, one whole block (and tile) each.
-  args = (put(a, P(None, "dp", "tp")), put(sa, P(None, "dp", "tp")),
-          put(b, P(None, None, "tp")), put(sb, P(None, None, "tp")))
+  args = (
+    put(a, P(None, "dp", "tp")),
+    put(sa, P(None, "dp", "tp")),
+    put(b, P(None, None, "tp")),
+    put(sb, P(None, None, "tp")),
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     y = f(*args)
@@ -505,9 +541,11 @@ def test_block_scaled_gemm_rule_gathers_a_dim_whose_tiles_would_split():
   mesh = _mesh()
   put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
   calls = []
-  f = jax.jit(lambda a, sa, b, sb: kernels.block_scaled_gemm(
-      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128),
-      jnp.float32))
+  f = jax.jit(
+    lambda a, sa, b, sb: kernels.block_scaled_gemm(
+      _block_kernel(calls), _float8_block._xla_gemm, a, sa, (128,), b, sb, (128, 128), jnp.float32
+    )
+  )
   # N (128 rows: one row of 128x128 tiles) cannot be split over tp: it is gathered.
   args = (put(a, P()), put(sa, P()), put(b, P(None, "tp")), put(sb, P()))
   with pytest.warns(ta.core.ShardingFallbackWarning, match="block-scaled FP8 GEMM.*gathered"):
@@ -525,13 +563,15 @@ def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
   (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
   mesh = _mesh()
   a_s = jax.device_put(a, NamedSharding(mesh, P(None, "tp")))
-  f = jax.jit(lambda a, b: kernels.gemm("slicing GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb,
-                                           jnp.float32))
+  f = jax.jit(
+    lambda a, b: kernels.gemm("slicing GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb, jnp.float32)
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     compiled = f.lower(a_s, b).compile()
-  np.testing.assert_array_equal(np.asarray(compiled(a_s, b)),
-                                np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32)))
+  np.testing.assert_array_equal(
+    np.asarray(compiled(a_s, b)), np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32))
+  )
   ops = [c.op for c in inspect.hlo_collectives(compiled.as_text())]
   assert "all-gather" not in ops and "all-reduce" in ops, ops
 
@@ -576,13 +616,16 @@ def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
   if jax.default_backend() == "cpu":
     assert grad_sums(text) == [32 * 16] * 2 + [32 * 64] * 2, grad_sums(text)
   for step, (g, w) in enumerate(zip(got, want, strict=True)):
-    for name, a, b in zip(("y", "dx", "dw", "state"), jax.tree.leaves(g), jax.tree.leaves(w),
-                          strict=False):
+    for name, a, b in zip(
+      ("y", "dx", "dw", "state"), jax.tree.leaves(g), jax.tree.leaves(w), strict=False
+    ):
       np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
 
 
-@pytest.mark.parametrize(("rows", "chunks", "want"), [
-    (8192, 4, 2048), (64, 2, 32), (64, 4, 16), (64, 8, 64), (48, 2, 48), (100, 1, 100)])
+@pytest.mark.parametrize(
+  ("rows", "chunks", "want"),
+  [(8192, 4, 2048), (64, 2, 32), (64, 4, 16), (64, 8, 64), (48, 2, 48), (100, 1, 100)],
+)
 def test_sum_chunk_rows_keeps_the_kernels_multiples_of_16(rows, chunks, want):
   assert kernels.sum_chunk_rows(rows, chunks) == want
 
@@ -603,11 +646,17 @@ def test_fold_amax_reduces_every_amax_over_the_mesh_in_one_all_reduce(recipe):
         name = head.group(1)
       elif name and "ROOT" in line and " maximum(" in line:
         maxes.add(name)
-    return [c for c in inspect.hlo_collectives(hlo) if c.op == "all-reduce"
-            and (m := re.search(r"to_apply=%?([\w.\-]+)", c.line)) and m.group(1) in maxes]
+    return [
+      c
+      for c in inspect.hlo_collectives(hlo)
+      if c.op == "all-reduce"
+      and (m := re.search(r"to_apply=%?([\w.\-]+)", c.line))
+      and m.group(1) in maxes
+    ]
 
   every_device = re.compile(
-      r"replica_groups=(\{\{0,1,2,3\}\}|\[1,4\]<=\[4\]|mesh\[[^\]]*\] \{'dp','tp'\})")
+    r"replica_groups=(\{\{0,1,2,3\}\}|\[1,4\]<=\[4\]|mesh\[[^\]]*\] \{'dp','tp'\})"
+  )
   plan = PLANS[-1]
   got, text = _sharded(recipe, plan, step=_step(recipe, dataclasses.replace(FFI, fold_amax=True)))
   want, base_text = _sharded(recipe, plan)

@@ -20,13 +20,14 @@ def _gemm(x, w, state):
 
 
 def _loss_twice(w, state):
-  return (jnp.sum(_gemm(pl.X1, w, state) * pl.DY1) + jnp.sum(_gemm(pl.X2, w, state) * pl.DY2))
+  return jnp.sum(_gemm(pl.X1, w, state) * pl.DY1) + jnp.sum(_gemm(pl.X2, w, state) * pl.DY2)
 
 
 def _loss_scan(w, state):  # the same state closed over by a scan body: two iterations
   def body(total, xs):
     x, dy = xs
     return total + jnp.sum(_gemm(x, w, state) * dy), None
+
   xs = (jnp.stack([pl.X1, pl.X2]), jnp.stack([pl.DY1, pl.DY2]))
   return jax.lax.scan(body, 0.0, xs)[0]
 
@@ -36,8 +37,9 @@ def _loss_remat(w, state):  # one use inside jax.checkpoint, one outside
   return inner(w) + jnp.sum(_gemm(pl.X2, w, state) * pl.DY2)
 
 
-@pytest.mark.parametrize("loss", [_loss_twice, _loss_scan, _loss_remat],
-                         ids=["twice", "scan", "remat"])
+@pytest.mark.parametrize(
+  "loss", [_loss_twice, _loss_scan, _loss_remat], ids=["twice", "scan", "remat"]
+)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_plain_grad_loop_combines_uses_by_max(loss, jit):
   grad = jax.grad(loss, argnums=(0, 1))
@@ -57,7 +59,8 @@ def test_helper_and_plain_grad_agree_and_checkpoint_as_numpy():
   state = core.init_state(RECIPE)
   plain = jax.grad(_loss_twice, argnums=1)(jnp.asarray(pl.W0), state)
   helper = jax.grad(lambda w, s: _loss_twice(w, core.with_max_grad(s)), argnums=1)(
-      jnp.asarray(pl.W0), state)
+    jnp.asarray(pl.W0), state
+  )
   for k in plain:
     np.testing.assert_array_equal(plain[k], helper[k])
   saved = {k: np.asarray(v) for k, v in plain.items()}  # a plain checkpointer's view

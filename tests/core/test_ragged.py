@@ -21,9 +21,9 @@ E5M2_MAX = 57344.0
 # TE's TestGroupedDense shapes (G, m, n, k), m multiplied by 32 as TE does for tensor scaling.
 TE_SHAPES = [(5, 32, 128, 64), (8, 64, 32, 128), (8, 64, 128, 256), (4, 4, 128, 128)]
 RECIPES = {
-    "bf16": None,
-    "current": ta.Float8CurrentScaling(),
-    "delayed": ta.DelayedScaling(amax_history_len=4),
+  "bf16": None,
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(amax_history_len=4),
 }
 
 
@@ -66,13 +66,13 @@ def init(recipe, g):
 
 # Delayed scaling runs three steps; two shapes keep the CPU time down.
 CASES = [(s, r) for s in TE_SHAPES for r in ("bf16", "current")] + [
-    (TE_SHAPES[0], "delayed"),
-    (TE_SHAPES[2], "delayed"),
+  (TE_SHAPES[0], "delayed"),
+  (TE_SHAPES[2], "delayed"),
 ]
 
 
 @pytest.mark.parametrize(
-    "shape, recipe_name", CASES, ids=[f"G{s[0]}_m{s[1]}_n{s[2]}_k{s[3]}-{r}" for s, r in CASES]
+  "shape, recipe_name", CASES, ids=[f"G{s[0]}_m{s[1]}_n{s[2]}_k{s[3]}-{r}" for s, r in CASES]
 )
 def test_te_grouped_shapes_against_float64(shape, recipe_name, rel):
   g, m, n, k = shape
@@ -115,7 +115,7 @@ def test_rows_past_the_groups_give_zeros(recipe_name, rel):
   dy = rng.standard_normal((m, n)).astype(np.float32)
   dy[70:] = 1e30
   y, (dx, dw, _) = train_step(
-      jnp.asarray(x), jnp.asarray(w), init(recipe, g), jnp.asarray(sizes), jnp.asarray(dy), recipe
+    jnp.asarray(x), jnp.asarray(w), init(recipe, g), jnp.asarray(sizes), jnp.asarray(dy), recipe
   )
   y_ref, dx_ref, dw_ref = reference(x, w, dy, sizes)
   np.testing.assert_array_equal(np.asarray(y[70:]), 0.0)
@@ -147,12 +147,12 @@ def test_delayed_state_after_several_steps():
     dy = rng.standard_normal((m, n)).astype(np.float32) / factor
     dy[56:] = 1e6
     _, (_, _, state) = train_step(
-        jnp.asarray(x), jnp.asarray(w), state, jnp.asarray(sizes), jnp.asarray(dy), recipe
+      jnp.asarray(x), jnp.asarray(w), state, jnp.asarray(sizes), jnp.asarray(dy), recipe
     )
     amax = {
-        "x": [np.abs(x[:24]).max(), 0.0, np.abs(x[24:56]).max()],
-        "kernel": [np.abs(w[i]).max() for i in range(g)],
-        "grad": [np.abs(dy[:24]).max(), 0.0, np.abs(dy[24:56]).max()],
+      "x": [np.abs(x[:24]).max(), 0.0, np.abs(x[24:56]).max()],
+      "kernel": [np.abs(w[i]).max() for i in range(g)],
+      "grad": [np.abs(dy[:24]).max(), 0.0, np.abs(dy[24:56]).max()],
     }
     for role, limit in (("x", E4M3_MAX), ("kernel", E4M3_MAX), ("grad", E5M2_MAX)):
       window[role] = (window[role] + [amax[role]])[-3:]
@@ -164,7 +164,7 @@ def test_delayed_state_after_several_steps():
       np.testing.assert_allclose(state[f"{role}_amax_history"], hist, rtol=1e-6)
       want_scale = np.where(win_max > 0, limit / np.where(win_max > 0, win_max, 1.0), 1.0)
       np.testing.assert_allclose(
-          state[f"{role}_scale"][:, 0], want_scale, rtol=1e-6, err_msg=f"{role} step {step}"
+        state[f"{role}_scale"][:, 0], want_scale, rtol=1e-6, err_msg=f"{role} step {step}"
       )
   # TE's L=3 order after 4 steps: [0, a3, a4] per group.
   assert state["x_scale"].shape == (g, 1) and state["x_amax_history"].shape == (g, 3)
@@ -213,9 +213,12 @@ def test_native_kernel_cast_equals_the_xla_cast(recipe_name, granularity):
   w = jnp.asarray(w, jnp.bfloat16)
   state = init(recipe, 4)
   if state:  # non-trivial stored scales, so that the cast uses them and not the amax
-    state = state.with_roles({
+    state = state.with_roles(
+      {
         role: dataclasses.replace(state.role(role), scale=jnp.asarray([[0.5], [2.0], [8.0], [1.0]]))
-        for role in ("x", "kernel", "grad")})
+        for role in ("x", "kernel", "grad")
+      }
+    )
   sizes = jnp.asarray([8, 8, 8, 8], jnp.int32)
 
   def run(native):
@@ -224,7 +227,8 @@ def test_native_kernel_cast_equals_the_xla_cast(recipe_name, granularity):
     grouped = core.format_of(recipe).grouped
     route = "native" if native else "xla"
     request = lambda w, st: core.formats.GroupedRequest(
-        w, "kernel", recipe, sizes, st, route=route, granularity=granularity)
+      w, "kernel", recipe, sizes, st, route=route, granularity=granularity
+    )
     q = jax.jit(lambda w, st: grouped.quantize(request(w, st)))(w, state)
     return q.cols.data, q.rows.data, q.cols.scale_inv, q.state
 
@@ -259,20 +263,21 @@ def test_fp8_operands_reach_the_ragged_gemms():
   recipe = RECIPES["current"]
   x, w, dy = jnp.ones((32, 16)), jnp.ones((2, 16, 16)), jnp.ones((32, 16))
   jaxpr = jax.make_jaxpr(train_step.__wrapped__, static_argnums=(5,))(
-      x, w, {}, jnp.array([16, 16]), dy, recipe
+    x, w, {}, jnp.array([16, 16]), dy, recipe
   )
   operand_types = []
   for eqn in _all_eqns(jaxpr.jaxpr):
     # XLA's ragged dot, or the extension's grouped GEMM on Hopper.
     if eqn.primitive.name == "ragged_dot_general" or (
-        eqn.params.get("target_name") == "te_adapters_grouped_gemm"):
+      eqn.params.get("target_name") == "te_adapters_grouped_gemm"
+    ):
       operand_types.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
   assert sorted(operand_types) == sorted(
-      [
-          ("float8_e4m3fn", "float8_e4m3fn"),  # forward
-          ("float8_e5m2", "float8_e4m3fn"),  # dgrad
-          ("float8_e4m3fn", "float8_e5m2"),  # wgrad
-      ]
+    [
+      ("float8_e4m3fn", "float8_e4m3fn"),  # forward
+      ("float8_e5m2", "float8_e4m3fn"),  # dgrad
+      ("float8_e4m3fn", "float8_e5m2"),  # wgrad
+    ]
   ), operand_types
 
 
@@ -287,9 +292,9 @@ def _all_eqns(jaxpr):
 
 _HOST_PRIMITIVES = re.compile(r"callback|infeed|outfeed|device_put|host")
 _HOST_HLO = re.compile(
-    r"callback|infeed|outfeed|\bsend\(|\brecv\(|send-done|recv-done|S\(5\)|MoveToHost|"
-    r"host_compute|annotate_device_placement",
-    re.IGNORECASE,
+  r"callback|infeed|outfeed|\bsend\(|\brecv\(|send-done|recv-done|S\(5\)|MoveToHost|"
+  r"host_compute|annotate_device_placement",
+  re.IGNORECASE,
 )
 
 
@@ -322,10 +327,10 @@ def test_no_host_transfer_with_on_device_router(recipe_name):
   rng = np.random.default_rng(4)
   g = 4
   args = (
-      jnp.asarray(rng.standard_normal((32, g)), jnp.float32),
-      jnp.asarray(rng.standard_normal((g, 32, 16)), jnp.float32),
-      init(recipe, g),
-      jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
+    jnp.asarray(rng.standard_normal((32, g)), jnp.float32),
+    jnp.asarray(rng.standard_normal((g, 32, 16)), jnp.float32),
+    init(recipe, g),
+    jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
   )
   step = jax.value_and_grad(moe_loss(recipe), argnums=(1, 2))
   prims, ops, compiled = host_traffic(step, *args)
@@ -397,7 +402,7 @@ def test_drop_in_for_lax_ragged_dot_and_vmap():
   w = jnp.asarray(rng.standard_normal((2, 16, 16)), jnp.float32)
   sizes = jnp.array([[4, 12], [0, 16], [16, 0]], jnp.int32)
   ours = jax.jit(jax.vmap(functools.partial(core.ragged_dot, recipe=None)))(
-      x, w[None].repeat(3, 0), sizes
+    x, w[None].repeat(3, 0), sizes
   )
   lax = jax.jit(jax.vmap(jax.lax.ragged_dot))(x, w[None].repeat(3, 0), sizes)
   np.testing.assert_array_equal(ours, lax)
@@ -425,38 +430,40 @@ def test_preferred_element_type_and_dtypes():
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        (dict(lhs=jnp.ones((2, 8, 16))), ValueError, r"lhs must be 2-D"),
-        (dict(rhs=jnp.ones((16, 16))), ValueError, r"rhs must be 3-D"),
-        (dict(rhs=jnp.ones((2, 32, 16))), ValueError, r"contracting sizes differ"),
-        (dict(group_sizes=jnp.array([4.0, 4.0])), TypeError, r"group_sizes must be an integer"),
-        (dict(group_sizes=jnp.array([4, 4, 0])), ValueError, r"shape \(2,\), one size per group"),
-        (dict(lhs=jnp.ones((8, 16), jnp.int32)), TypeError, r"lhs must be a floating-point"),
-        (dict(group_offset=jnp.array([1])), NotImplementedError, r"group_offset"),
-        (dict(recipe=ta.DelayedScaling), TypeError, r"recipe instance"),
-        (dict(recipe=ta.DelayedScaling()), ValueError, r"init_ragged_state\(recipe, 2\)"),
-        (
-            dict(recipe=ta.DelayedScaling(amax_history_len=4),
-                 state=core.init_state(ta.DelayedScaling(amax_history_len=4))),
-            ValueError,
-            r"x_scale.*shape \(1,\).*need \(2, 1\).*one GEMM's state",
-        ),
-        (dict(state={"x_scale": jnp.ones((2, 1))}), ValueError, r"unexpected \['x_scale'\]"),
-        (dict(recipe=None, state={"x_scale": jnp.ones(1)}), ValueError, r"recipe is None"),
-        (
-            dict(lhs=jnp.ones((8, 24)), rhs=jnp.ones((2, 24, 40))),
-            ValueError,
-            r"multiples of 16; got K=24, N=40",
-        ),
-    ],
+  "kwargs, error, match",
+  [
+    (dict(lhs=jnp.ones((2, 8, 16))), ValueError, r"lhs must be 2-D"),
+    (dict(rhs=jnp.ones((16, 16))), ValueError, r"rhs must be 3-D"),
+    (dict(rhs=jnp.ones((2, 32, 16))), ValueError, r"contracting sizes differ"),
+    (dict(group_sizes=jnp.array([4.0, 4.0])), TypeError, r"group_sizes must be an integer"),
+    (dict(group_sizes=jnp.array([4, 4, 0])), ValueError, r"shape \(2,\), one size per group"),
+    (dict(lhs=jnp.ones((8, 16), jnp.int32)), TypeError, r"lhs must be a floating-point"),
+    (dict(group_offset=jnp.array([1])), NotImplementedError, r"group_offset"),
+    (dict(recipe=ta.DelayedScaling), TypeError, r"recipe instance"),
+    (dict(recipe=ta.DelayedScaling()), ValueError, r"init_ragged_state\(recipe, 2\)"),
+    (
+      dict(
+        recipe=ta.DelayedScaling(amax_history_len=4),
+        state=core.init_state(ta.DelayedScaling(amax_history_len=4)),
+      ),
+      ValueError,
+      r"x_scale.*shape \(1,\).*need \(2, 1\).*one GEMM's state",
+    ),
+    (dict(state={"x_scale": jnp.ones((2, 1))}), ValueError, r"unexpected \['x_scale'\]"),
+    (dict(recipe=None, state={"x_scale": jnp.ones(1)}), ValueError, r"recipe is None"),
+    (
+      dict(lhs=jnp.ones((8, 24)), rhs=jnp.ones((2, 24, 40))),
+      ValueError,
+      r"multiples of 16; got K=24, N=40",
+    ),
+  ],
 )
 def test_bad_input_raises_a_clear_error(kwargs, error, match):
   args = dict(
-      lhs=jnp.ones((8, 16)),
-      rhs=jnp.ones((2, 16, 16)),
-      group_sizes=jnp.array([4, 4]),
-      recipe=ta.Float8CurrentScaling(),
+    lhs=jnp.ones((8, 16)),
+    rhs=jnp.ones((2, 16, 16)),
+    group_sizes=jnp.array([4, 4]),
+    recipe=ta.Float8CurrentScaling(),
   )
   args.update(kwargs)
   with pytest.raises(error, match=match):
@@ -497,8 +504,9 @@ def test_gpu_fp8_grouped_gemm_numerics_and_hlo(rel):
     assert "__cublas$lt$matmul$f8" in hlo, "no FP8 cuBLAS GEMM in the compiled step"
   assert not _HOST_HLO.search(hlo)
   y, (dx, dw, _) = train_step(*args, recipe)
-  y_ref, dx_ref, dw_ref = reference(x.astype(jnp.float32), w.astype(jnp.float32),
-                                    dy.astype(jnp.float32), sizes)
+  y_ref, dx_ref, dw_ref = reference(
+    x.astype(jnp.float32), w.astype(jnp.float32), dy.astype(jnp.float32), sizes
+  )
   assert 0.015 < rel(y, y_ref) < 0.05
   assert rel(dx, dx_ref) < 0.08 and rel(dw, dw_ref) < 0.08
 

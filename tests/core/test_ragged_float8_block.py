@@ -78,8 +78,9 @@ def test_sizes_and_tiles_it_cannot_take_are_clear_errors():
   with pytest.raises(ValueError, match=r"N \(rhs dim 2\) is 64.*128x128 tiles"):
     jax.eval_shape(fwd, f32(32, 128), f32(2, 128, 64))
   one_d = ta.Float8BlockScaling(w_block_scaling_dim=1)
-  assert jax.eval_shape(functools.partial(fwd, recipe=one_d), f32(40, 128), f32(2, 128, 64)).shape \
-      == (40, 64)
+  assert jax.eval_shape(
+    functools.partial(fwd, recipe=one_d), f32(40, 128), f32(2, 128, 64)
+  ).shape == (40, 64)
   tiled_x = ta.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1)
   with pytest.raises(NotImplementedError, match=r"x in 128x128 tiles.*cross"):
     core.ragged_dot(jnp.ones((32, 128)), jnp.ones((2, 128, 128)), gs, recipe=tiled_x)
@@ -110,6 +111,7 @@ def test_nnx_expert_layer_trains_with_it_as_the_core_computes():
   value = step(layer, optimizer)
   y, (_, dw) = train_step(x, w0, sizes, dy, RECIPE)
   np.testing.assert_allclose(float(value), float(jnp.vdot(y, dy)), rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(layer.kernel[...]), np.asarray(w0 - 1e-2 * dw),
-                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+    np.asarray(layer.kernel[...]), np.asarray(w0 - 1e-2 * dw), rtol=1e-6, atol=1e-7
+  )
   np.testing.assert_array_equal(np.asarray(layer.kernel[...])[1], np.asarray(w0)[1])  # no tokens

@@ -253,8 +253,10 @@ def test_shape_and_recipe_errors_are_clear():
   with pytest.raises(ValueError, match=r"the output size N \(rhs dim 2\) is 40.*dgrad"):
     jax.eval_shape(grad, f32(40, 32), f32(2, 32, 40))
   assert jax.eval_shape(grad, f32(40, 32), f32(2, 32, 32))[1].shape == (2, 32, 32)
-  supported = (r"support DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
-               r"Float8BlockScaling and Float8RowwiseScaling")
+  supported = (
+    r"support DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
+    r"Float8BlockScaling and Float8RowwiseScaling"
+  )
   for recipe in (ta.NVFP4BlockScaling(),):
     name = type(recipe).__name__
     with pytest.raises(NotImplementedError, match=rf"does not implement {name}; .*{supported}"):

@@ -13,13 +13,16 @@ from te_adapters import core
 from tests.core.test_ragged import reference
 from tests.core.test_ragged_mxfp8 import group_scaled, train_step
 
-RECIPES = {"rowwise": ta.Float8RowwiseScaling(),
-           "gw_hp": ta.Float8RowwiseScaling(weight_grad_high_precision=True)}
+RECIPES = {
+  "rowwise": ta.Float8RowwiseScaling(),
+  "gw_hp": ta.Float8RowwiseScaling(weight_grad_high_precision=True),
+}
 DENSE = (((1,), (0,)), ((), ()))
 
 
 def _alone(x, w, dy, recipe):
   """dot_general's forward, dgrad and wgrad of one group's rows and its expert's kernel."""
+
   def loss(x, w):
     y = core.dot_general(x, w, DENSE, recipe=recipe, threshold=None)
     return jnp.vdot(y, dy), y

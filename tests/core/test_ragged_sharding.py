@@ -25,16 +25,16 @@ from tests import spmd_checks
 from tests.conftest import FP8_GEMM_RTOL
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 4,
-    reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
+  jax.device_count() < 4,
+  reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
 )
 
 EP = 4  # devices on the expert axis
 G, M, K, N = 8, 256, 64, 96
 RECIPES = {
-    "bf16": None,
-    "current": ta.Float8CurrentScaling(),
-    "delayed": ta.DelayedScaling(amax_history_len=4),
+  "bf16": None,
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(amax_history_len=4),
 }
 # Uneven groups, one empty, rows 240..255 past the groups.
 GROUP_SIZES = np.array([40, 0, 24, 56, 16, 48, 32, 24], np.int32)
@@ -50,13 +50,15 @@ def _data(seed=0):
 
 def _step(recipe):
   def loss(x, w, state, group_sizes, dy):
-    y = core.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.bfloat16, recipe=recipe,
-                        state=state)
+    y = core.ragged_dot(
+      x, w, group_sizes, preferred_element_type=jnp.bfloat16, recipe=recipe, state=state
+    )
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
   def step(x, w, state, group_sizes, dy):
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-        x, w, state, group_sizes, dy)
+      x, w, state, group_sizes, dy
+    )
     return y, grads
 
   return step
@@ -86,15 +88,23 @@ def test_experts_sharded_under_jit_equal_one_device(name, rows_sharded, axis_typ
   experts = NamedSharding(mesh, P("ep"))
   tokens = NamedSharding(mesh, P("ep") if rows_sharded else P())
   put = lambda a, s: jax.device_put(a, s)  # noqa: E731
-  args = (put(x, tokens), put(w, experts), jax.tree.map(lambda a: put(a, experts), state),
-          put(gs, NamedSharding(mesh, P())), put(dy, tokens))
+  args = (
+    put(x, tokens),
+    put(w, experts),
+    jax.tree.map(lambda a: put(a, experts), state),
+    put(gs, NamedSharding(mesh, P())),
+    put(dy, tokens),
+  )
   with jax.set_mesh(mesh):
     y2, (dx2, dw2, st2) = step(*args)
   if recipe is not None:  # each device keeps its experts' gradient (bf16: XLA's own choice)
     assert dw2.sharding.spec[0] == "ep"
   if axis_type == AxisType.Explicit:  # the output's rows and dx as lhs, dw as rhs
-    assert tuple(y2.sharding.spec)[:1] == tuple(dx2.sharding.spec)[:1] == (
-        ("ep",) if rows_sharded else (None,))
+    assert (
+      tuple(y2.sharding.spec)[:1]
+      == tuple(dx2.sharding.spec)[:1]
+      == (("ep",) if rows_sharded else (None,))
+    )
   np.testing.assert_array_equal(np.asarray(y2, np.float32), np.asarray(y1, np.float32))
   np.testing.assert_array_equal(np.asarray(dx2, np.float32), np.asarray(dx1, np.float32))
   if rows_sharded:
@@ -124,9 +134,14 @@ def test_shard_map_each_device_its_experts_and_tokens(name):
   mesh = _mesh()
   spec = P("ep")
   state_spec = jax.tree.map(lambda _: spec, state)
-  sharded = jax.jit(jax.shard_map(
-      local, mesh=mesh, in_specs=(spec, spec, state_spec, spec, spec),
-      out_specs=(spec, (spec, spec, state_spec))))
+  sharded = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(spec, spec, state_spec, spec, spec),
+      out_specs=(spec, (spec, spec, state_spec)),
+    )
+  )
   put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
   y2, (dx2, dw2, st2) = sharded(put(x), put(w), jax.tree.map(put, state), put(gs), put(dy))
   one = jax.jit(local)
@@ -149,7 +164,8 @@ def test_sharded_experts_against_float64():
   experts = NamedSharding(mesh, P("ep"))
   with jax.set_mesh(mesh):
     y, (dx, dw, _) = jax.jit(_step(recipe))(
-        x, jax.device_put(w, experts), None, jnp.asarray(GROUP_SIZES), dy)
+      x, jax.device_put(w, experts), None, jnp.asarray(GROUP_SIZES), dy
+    )
   x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
   ends = np.cumsum(GROUP_SIZES)
   y_ref, dx_ref, dw_ref = np.zeros((M, N)), np.zeros((M, K)), np.zeros((G, K, N))
@@ -160,7 +176,7 @@ def test_sharded_experts_against_float64():
     got = np.asarray(got, np.float64)
     # FP8 E4M3/E5M2 quantization: a few percent normwise; a wrong expert or scale is O(1).
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 0.08
-  assert not np.asarray(y[ends[-1]:]).any()  # rows past the groups stay zero
+  assert not np.asarray(y[ends[-1] :]).any()  # rows past the groups stay zero
 
 
 @pytest.mark.parametrize("name", ["current", "delayed", "mxfp8"])
@@ -174,8 +190,9 @@ def test_explicit_axes_take_the_callers_out_sharding(name):
   with jax.set_mesh(mesh):
     xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
     ws = jax.device_put(w, NamedSharding(mesh, P("ep")))
-    f = jax.jit(lambda x, w: core.ragged_dot(x, w, gs, out_sharding=P(), recipe=recipe,
-                                             state=state))
+    f = jax.jit(
+      lambda x, w: core.ragged_dot(x, w, gs, out_sharding=P(), recipe=recipe, state=state)
+    )
     y = f(xs, ws)
   assert tuple(y.sharding.spec) in ((), (None, None))  # replicated, as asked
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
@@ -191,7 +208,8 @@ def test_high_precision_takes_out_sharding_on_explicit_axes():
     f = jax.jit(lambda x, w: core.ragged_dot(x, w, gs, out_sharding=P(), recipe=None))
     y = f(x, w_sharded)
   np.testing.assert_array_equal(
-      np.asarray(y, np.float32), np.asarray(jax.lax.ragged_dot(x, w, gs), np.float32))
+    np.asarray(y, np.float32), np.asarray(jax.lax.ragged_dot(x, w, gs), np.float32)
+  )
 
 
 def test_nnx_grouped_linear_trains_with_experts_sharded():
@@ -208,8 +226,11 @@ def test_nnx_grouped_linear_trains_with_experts_sharded():
     if mesh is not None:
       graph, state = nnx.split((model, opt))
       state = jax.tree.map(
-          lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
-          if a.ndim >= 1 and a.shape[0] == G else a, state)
+        lambda a: (
+          jax.device_put(a, NamedSharding(mesh, P("ep"))) if a.ndim >= 1 and a.shape[0] == G else a
+        ),
+        state,
+      )
       model, opt = nnx.merge(graph, state)
 
     diff = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
@@ -218,6 +239,7 @@ def test_nnx_grouped_linear_trains_with_experts_sharded():
     def step(model, opt, x, dy):
       def loss(model):
         return jnp.vdot(model(x, gs).astype(jnp.float32), dy.astype(jnp.float32))
+
       value, grads = nnx.value_and_grad(loss, argnums=diff)(model)
       params, recipe_state = nnx.split_state(grads, nnx.Param, ta_nnx.RecipeState)
       opt.update(model, params)
@@ -240,12 +262,12 @@ def test_nnx_grouped_linear_trains_with_experts_sharded():
     np.testing.assert_allclose(losses2, losses1, rtol=FP8_GEMM_RTOL)
     spmd_checks.assert_close_to_one_device(model2.kernel[...], model1.kernel[...], "kernel")
     for name in model1.state_names:
-      spmd_checks.assert_close_to_one_device(getattr(model2, name)[...],
-                                             getattr(model1, name)[...], name)
+      spmd_checks.assert_close_to_one_device(
+        getattr(model2, name)[...], getattr(model1, name)[...], name
+      )
   else:
     np.testing.assert_allclose(losses2, losses1, rtol=1e-6)
     np.testing.assert_array_equal(model2.kernel[...], model1.kernel[...])
     for name in model1.state_names:
       np.testing.assert_array_equal(getattr(model2, name)[...], getattr(model1, name)[...])
   assert np.asarray(model1.x_amax_history[...])[GROUP_SIZES > 0].max() > 0  # state moved
-

@@ -10,7 +10,11 @@ import te_adapters as ta
 def test_defaults_match_te():
   r = ta.DelayedScaling()
   assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (
-      0, ta.Format.HYBRID, 1024, "max")
+    0,
+    ta.Format.HYBRID,
+    1024,
+    "max",
+  )
   assert ta.Float8CurrentScaling().fp8_format is ta.Format.HYBRID
 
 
@@ -29,18 +33,18 @@ def test_frozen_and_hashable():
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        (dict(amax_history_len=0), ValueError, "amax_history_len"),
-        (dict(amax_history_len=2.5), TypeError, "amax_history_len"),
-        (dict(amax_history_len=True), TypeError, "amax_history_len"),
-        (dict(amax_compute_algo="mean"), ValueError, "amax_compute_algo"),
-        (dict(amax_compute_algo=max), ValueError, "amax_compute_algo"),
-        (dict(margin=-1), ValueError, "margin"),
-        (dict(margin="1"), TypeError, "margin"),
-        (dict(fp8_format="HYBRID"), TypeError, "fp8_format"),
-        (dict(fp8_format=ta.Format.E5M2), ValueError, "E5M2"),
-    ],
+  "kwargs, error, match",
+  [
+    (dict(amax_history_len=0), ValueError, "amax_history_len"),
+    (dict(amax_history_len=2.5), TypeError, "amax_history_len"),
+    (dict(amax_history_len=True), TypeError, "amax_history_len"),
+    (dict(amax_compute_algo="mean"), ValueError, "amax_compute_algo"),
+    (dict(amax_compute_algo=max), ValueError, "amax_compute_algo"),
+    (dict(margin=-1), ValueError, "margin"),
+    (dict(margin="1"), TypeError, "margin"),
+    (dict(fp8_format="HYBRID"), TypeError, "fp8_format"),
+    (dict(fp8_format=ta.Format.E5M2), ValueError, "E5M2"),
+  ],
 )
 def test_delayed_rejects_bad_values(kwargs, error, match):
   with pytest.raises(error, match=match):

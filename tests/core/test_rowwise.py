@@ -34,10 +34,10 @@ ROWWISE = ta.Float8RowwiseScaling()
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 
 
-
 def gpu_only(test):
-  return pytest.mark.gpu(pytest.mark.skipif(
-      not ON_GPU, reason="needs an NVIDIA GPU with FP8 GEMMs (Hopper)")(test))
+  return pytest.mark.gpu(
+    pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU with FP8 GEMMs (Hopper)")(test)
+  )
 
 
 def _data(shape, seed, scale=1.0):
@@ -113,7 +113,9 @@ def test_recipe_fields_and_format():
   assert hash(r) == hash(ta.Float8RowwiseScaling())
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
     ({"margin": -1}, ValueError, r"Float8RowwiseScaling.margin must be finite and >= 0"),
     ({"margin": float("inf")}, ValueError, r"margin must be finite"),
     ({"margin": "1"}, TypeError, r"margin must be a real number"),
@@ -122,7 +124,8 @@ def test_recipe_fields_and_format():
     ({"fp8_format": "HYBRID"}, TypeError, r"fp8_format must be a te_adapters.Format"),
     ({"weight_grad_high_precision": 1}, TypeError, r"weight_grad_high_precision must be a bool"),
     ({"fp8_gemm_wgrad": True}, TypeError, r"fp8_gemm_wgrad must be a te_adapters.MMParams"),
-])
+  ],
+)
 def test_bad_fields_are_clear_errors(kwargs, error, match):
   with pytest.raises(error, match=match):
     ta.Float8RowwiseScaling(**kwargs)
@@ -160,8 +163,10 @@ def test_quantization_is_the_numpy_model_bit_for_bit(dtype, role):
   q_dtype = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
   default = core.format_of(recipe).quantize(core.QuantizeRequest(x, role, recipe)).rows
   assert np.isnan(float(default.scale_inv[1, 5, 0]))
-  np.testing.assert_array_equal(np.delete(np.asarray(default.scale_inv), 5, axis=1),
-                                np.delete(np.asarray(q.rows.scale_inv), 5, axis=1))
+  np.testing.assert_array_equal(
+    np.delete(np.asarray(default.scale_inv), 5, axis=1),
+    np.delete(np.asarray(q.rows.scale_inv), 5, axis=1),
+  )
   for got, operand in ((q.rows, x), (q.cols, jnp.swapaxes(x, -1, -2))):
     data, sinv = np_rows(operand, q_dtype, margin=1)
     assert got.scaling_mode == "rowwise" and got.data.dtype == q_dtype
@@ -180,10 +185,28 @@ def test_power_of_two_scales_at_their_edges():
   just past the limit's mantissa, a zero, subnormal, infinite or NaN amax (scale 1), and the
   exponent's clamp at 2**±126."""
   tiny = np.finfo(np.float32).tiny
-  amax = np.array([448, 449, 1, 1.75, np.nextafter(np.float32(1.75), 2), 3.5, 224, 0, 1e-40,
-                   np.inf, np.nan, 3e38, tiny, 1e-37], np.float32)
-  want = np.array([1, 0.5, 256, 256, 128, 128, 2, 1, 1, 1, 1, 2.0**-120, 2.0**126, 2.0**126],
-                  np.float32)
+  amax = np.array(
+    [
+      448,
+      449,
+      1,
+      1.75,
+      np.nextafter(np.float32(1.75), 2),
+      3.5,
+      224,
+      0,
+      1e-40,
+      np.inf,
+      np.nan,
+      3e38,
+      tiny,
+      1e-37,
+    ],
+    np.float32,
+  )
+  want = np.array(
+    [1, 0.5, 256, 256, 128, 128, 2, 1, 1, 1, 1, 2.0**-120, 2.0**126, 2.0**126], np.float32
+  )
   t = ta.quantize(jnp.asarray(amax)[:, None], recipe=ROWWISE)
   np.testing.assert_array_equal(t.scale_inv[:, 0], np.float32(1) / want)
   # The limit's own mantissa counts: E5M2's 57344 is 1.75 * 2**15 (the gradient's format).
@@ -236,8 +259,10 @@ def test_batched_and_bfloat16_operands():
   w = _data((64, 48), 61, 0.1).astype(jnp.bfloat16)
   y = core.dot_general(x, w, (((3,), (0,)), ((), ())), recipe=ROWWISE, threshold=None)
   assert y.shape == (2, 3, 32, 48) and y.dtype == jnp.bfloat16
-  want = q64(np.asarray(x.astype(jnp.float32)).reshape(-1, 64), E4M3) @ q64(
-      np.asarray(w.astype(jnp.float32)).T, E4M3).T
+  want = (
+    q64(np.asarray(x.astype(jnp.float32)).reshape(-1, 64), E4M3)
+    @ q64(np.asarray(w.astype(jnp.float32)).T, E4M3).T
+  )
   assert rel_err(np.asarray(y, np.float32).reshape(-1, 48), want) < 4e-3  # bf16 rounding
 
 
@@ -278,16 +303,21 @@ def test_weight_grad_high_precision():
 
   def grads(x, w):
     return jax.grad(
-        lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=recipe, threshold=None) * dy),
-        argnums=(0, 1))(x, w)
+      lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=recipe, threshold=None) * dy),
+      argnums=(0, 1),
+    )(x, w)
 
   assert inspect.count_fp8_dot_generals(grads, x, w) == (2, 3)
   dtypes = inspect.dot_general_operand_dtypes(grads, x, w)
   assert [d for d in dtypes if "float8" not in str(d[0])] == [("float32", "float32")]
   assert inspect.count_fp8_dot_generals(
-      jax.grad(lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=ROWWISE,
-                                                     threshold=None) * dy), argnums=(0, 1)),
-      x, w) == (3, 3)
+    jax.grad(
+      lambda x, w: jnp.sum(core.dot_general(x, w, DN, recipe=ROWWISE, threshold=None) * dy),
+      argnums=(0, 1),
+    ),
+    x,
+    w,
+  ) == (3, 3)
 
 
 def test_forward_only_quantizes_only_the_forward_copies():
@@ -296,7 +326,8 @@ def test_forward_only_quantizes_only_the_forward_copies():
   # GEMM is a custom call instead).
   xla = core.GemmConfig(fp8_gemm="xla")
   jaxpr = jax.make_jaxpr(
-      lambda x, w: core.dot_general(x, w, DN, recipe=ROWWISE, threshold=None, config=xla))(x, w)
+    lambda x, w: core.dot_general(x, w, DN, recipe=ROWWISE, threshold=None, config=xla)
+  )(x, w)
   text = str(jaxpr)
   assert text.count("dot_general") == 1 and "float8_e4m3fn" in text
 
@@ -305,10 +336,10 @@ def test_forward_only_quantizes_only_the_forward_copies():
 
 
 EXPLICIT_PLANS = {
-    # name: x, kernel, dy shardings and dot_general's keywords
-    "data": (P("dp", None), P(), P("dp", None), {}),
-    "column": (P("dp", None), P(None, "tp"), P("dp", "tp"), {}),
-    "row": (P("dp", "tp"), P("tp", None), P("dp", None), {"out_sharding": P("dp", None)}),
+  # name: x, kernel, dy shardings and dot_general's keywords
+  "data": (P("dp", None), P(), P("dp", None), {}),
+  "column": (P("dp", None), P(None, "tp"), P("dp", "tp"), {}),
+  "row": (P("dp", "tp"), P("tp", None), P("dp", None), {"out_sharding": P("dp", None)}),
 }
 
 
@@ -317,8 +348,9 @@ EXPLICIT_PLANS = {
 def test_explicit_mesh_axes_match_one_device(plan):
   """Under jit with Explicit mesh axes a row's amax is that of the whole row, as on one device
   (data, column- and row-parallel: K split over "tp")."""
-  mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8],
-                       axis_types=(AxisType.Explicit,) * 2)
+  mesh = jax.make_mesh(
+    (2, 4), ("dp", "tp"), devices=jax.devices()[:8], axis_types=(AxisType.Explicit,) * 2
+  )
   sx, sw, sdy, kw = EXPLICIT_PLANS[plan]
   x, w, dy = _data((64, 96), 100), _data((96, 48), 101, 0.05), _data((64, 48), 102)
   want = _grads()(x, w, dy)
@@ -339,18 +371,22 @@ def test_inside_shard_map_rows_are_scaled_per_shard():
   want = _grads()(x, w, dy)
 
   def body(x, w, dy):
-    y, vjp = jax.vjp(
-        lambda x, w: core.dot_general(x, w, DN, recipe=ROWWISE, threshold=None), x, w)
+    y, vjp = jax.vjp(lambda x, w: core.dot_general(x, w, DN, recipe=ROWWISE, threshold=None), x, w)
     dx, dw = vjp(dy)
     return y, dx, dw  # w is replicated: its cotangent is summed over "dp"
 
-  mapped = jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(P("dp"), P(), P("dp")), out_specs=(P("dp"), P("dp"), P())))
+  mapped = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P("dp"), P(), P("dp")), out_specs=(P("dp"), P("dp"), P())
+    )
+  )
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
   y, dx, dw = mapped(put(x, P("dp")), put(w, P()), put(dy, P("dp")))
   assert rel_err(y, want[0]) < 1e-6 and rel_err(dx, want[1]) < 1e-6
-  parts = [q64(np.asarray(x[i:i + 16]).T, E4M3) @ q64(np.asarray(dy[i:i + 16]).T, E5M2).T
-           for i in range(0, 64, 16)]
+  parts = [
+    q64(np.asarray(x[i : i + 16]).T, E4M3) @ q64(np.asarray(dy[i : i + 16]).T, E5M2).T
+    for i in range(0, 64, 16)
+  ]
   assert rel_err(dw, sum(parts)) < 1e-6
 
   def with_amax_axes(x, w):
@@ -426,8 +462,7 @@ def test_layers_keep_the_size_rule_of_every_recipe():
 
 
 def test_haiku_linear_trains():
-  model = hk.transform_with_state(
-      lambda x: ta_hk.Linear(32, recipe=ROWWISE, threshold=None)(x))
+  model = hk.transform_with_state(lambda x: ta_hk.Linear(32, recipe=ROWWISE, threshold=None)(x))
   x, target = _regression(140)
   params, state = model.init(jax.random.PRNGKey(0), x)
   opt = optax.adam(1e-2)
@@ -475,7 +510,8 @@ def test_conversions_take_it():
   assert sorted(variables) == ["params"]
   p = variables["params"]
   np.testing.assert_array_equal(
-      y, core.dot_general(x, p["kernel"], DN, recipe=ROWWISE, threshold=None) + p["bias"])
+    y, core.dot_general(x, p["kernel"], DN, recipe=ROWWISE, threshold=None) + p["bias"]
+  )
 
   q = ta_hk.quantize(ROWWISE, threshold=None)
   f = hk.transform_with_state(q(lambda x: hk.Linear(32)(x)))
@@ -484,7 +520,8 @@ def test_conversions_take_it():
   y, _ = f.apply(params, state, None, x)
   p = params["linear"]
   np.testing.assert_array_equal(
-      y, core.dot_general(x, p["w"], DN, recipe=ROWWISE, threshold=None) + p["b"])
+    y, core.dot_general(x, p["w"], DN, recipe=ROWWISE, threshold=None) + p["b"]
+  )
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------------
@@ -492,8 +529,10 @@ def test_conversions_take_it():
 
 @gpu_only
 @pytest.mark.parametrize(
-    "recipe, fp8_gemms", [(ROWWISE, 3), (ta.Float8RowwiseScaling(weight_grad_high_precision=True),
-                                          2)], ids=["rowwise", "weight_grad_high_precision"])
+  "recipe, fp8_gemms",
+  [(ROWWISE, 3), (ta.Float8RowwiseScaling(weight_grad_high_precision=True), 2)],
+  ids=["rowwise", "weight_grad_high_precision"],
+)
 def test_gpu_runs_cublaslt_fp8_gemms(recipe, fp8_gemms):
   """On Hopper each FP8 GEMM is a cuBLASLt FP8 GEMM (the extension's, with unit scales; the row
   and column factors multiply its float32 output), and the results match the float64 reference
@@ -522,17 +561,21 @@ def test_gpu_quantization_is_the_cpus_bit_for_bit():
     fmt = core.format_of(recipe)
     for dtype in (jnp.float32, jnp.bfloat16):
       for role in ("x", "kernel", "grad"):
-        quantize = jax.jit(lambda x, role=role, fmt=fmt, recipe=recipe: fmt.quantize(  # noqa: B023
-            core.QuantizeRequest(x, role, recipe)))
+        quantize = jax.jit(
+          lambda x, role=role, fmt=fmt, recipe=recipe: fmt.quantize(  # noqa: B023
+            core.QuantizeRequest(x, role, recipe)
+          )
+        )
         on_gpu = quantize(x.astype(dtype))
         on_cpu = quantize(jax.device_put(x.astype(dtype), cpu))
         assert on_cpu.rows.data.devices() == {cpu}
         for g, c in ((on_gpu.rows, on_cpu.rows), (on_gpu.cols, on_cpu.cols)):
-          np.testing.assert_array_equal(np.asarray(g.data).view(np.uint8),
-                                        np.asarray(c.data).view(np.uint8))
-          np.testing.assert_array_equal(np.asarray(g.scale_inv).view(np.uint32),
-                                        np.asarray(c.scale_inv).view(np.uint32))
-
+          np.testing.assert_array_equal(
+            np.asarray(g.data).view(np.uint8), np.asarray(c.data).view(np.uint8)
+          )
+          np.testing.assert_array_equal(
+            np.asarray(g.scale_inv).view(np.uint32), np.asarray(c.scale_inv).view(np.uint32)
+          )
 
 
 # --- the fused paths -----------------------------------------------------------------------------
@@ -549,23 +592,28 @@ def test_norm_and_mlp_fused_paths_are_the_composed_ones_in_float32():
   kernel = _data((k, f), 161, 0.1)
   z, _ = core.layernorm_dense(x, scale, bias, kernel, recipe=ROWWISE, threshold=None)
   h = core.layernorm(x, scale, bias)
-  np.testing.assert_array_equal(z, core.dot_general(h, kernel, DN, recipe=ROWWISE,
-                                                    threshold=None))
+  np.testing.assert_array_equal(z, core.dot_general(h, kernel, DN, recipe=ROWWISE, threshold=None))
   wi, wo = _data((k, 1, f), 162, 0.1), _data((f, k), 163, 0.1)
 
   def mlp(x, wi, wo, fuse):
     config = core.GemmConfig(fuse_activation_cast=fuse)
-    return core.layernorm_mlp(x, scale, bias, wi, wo, recipe=ROWWISE, threshold=None,
-                              config=config)[0]
+    return core.layernorm_mlp(
+      x, scale, bias, wi, wo, recipe=ROWWISE, threshold=None, config=config
+    )[0]
 
   jaxpr = jax.make_jaxpr(lambda x, wi, wo: mlp(x, wi, wo, None))(x, wi, wo)
   assert sum("custom_vjp" in e.primitive.name for e in jaxpr.eqns) == 1  # one fused VJP
   loss = lambda fuse: jax.grad(  # noqa: E731
-      lambda *a: jnp.sum(mlp(*a, fuse) ** 2), argnums=(0, 1, 2))(x, wi, wo)
+    lambda *a: jnp.sum(mlp(*a, fuse) ** 2), argnums=(0, 1, 2)
+  )(x, wi, wo)
   for a, b in zip(loss(None), loss(False), strict=True):
     np.testing.assert_array_equal(a, b)
   out = mlp(x, wi, wo, None)
-  want = core.dot_general(jax.nn.gelu(core.dot_general(h, wi[:, 0], DN, recipe=ROWWISE,
-                                                       threshold=None)), wo, DN,
-                          recipe=ROWWISE, threshold=None)
+  want = core.dot_general(
+    jax.nn.gelu(core.dot_general(h, wi[:, 0], DN, recipe=ROWWISE, threshold=None)),
+    wo,
+    DN,
+    recipe=ROWWISE,
+    threshold=None,
+  )
   assert rel_err(out, want) < 1e-5

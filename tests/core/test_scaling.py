@@ -17,8 +17,14 @@ def test_compute_scale_cases(margin):
   amaxes = np.array([0.0, np.inf, np.nan, 1e-30, 448.0, 1.0], np.float32)
   got = np.asarray([core.compute_scale(jnp.float32(a), 448.0, old, margin) for a in amaxes])
   f32 = np.float32
-  expected = [7.0, 7.0, 7.0, f32(f32(448.0) / f32(1e-30)) / f32(2.0**margin),
-              f32(1.0) / f32(2.0**margin), f32(448.0) / f32(2.0**margin)]
+  expected = [
+    7.0,
+    7.0,
+    7.0,
+    f32(f32(448.0) / f32(1e-30)) / f32(2.0**margin),
+    f32(1.0) / f32(2.0**margin),
+    f32(448.0) / f32(2.0**margin),
+  ]
   np.testing.assert_array_equal(got, np.asarray(expected, np.float32))
 
 
@@ -30,12 +36,12 @@ def _probe(amax, shape):
 
 
 @pytest.mark.parametrize(
-    "algo, fmt, expected_divisors",
-    [
-        ("max", ta.Format.HYBRID, [1, 4, 4, 4]),
-        ("most_recent", ta.Format.HYBRID, [1, 4, 2, 0.5]),
-        ("max", ta.Format.E4M3, [1, 4, 4, 4]),
-    ],
+  "algo, fmt, expected_divisors",
+  [
+    ("max", ta.Format.HYBRID, [1, 4, 4, 4]),
+    ("most_recent", ta.Format.HYBRID, [1, 4, 2, 0.5]),
+    ("max", ta.Format.E4M3, [1, 4, 4, 4]),
+  ],
 )
 def test_history_sequence_through_dot_general(algo, fmt, expected_divisors):
   # te_jax_reference.md §11 item 1(b): L=3, amaxes 1, 4, 2, 0.5 on every role.
@@ -49,6 +55,7 @@ def test_history_sequence_through_dot_general(algo, fmt, expected_divisors):
   def step(x, w, dy, state):
     def loss(x, w, state):
       return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=recipe, state=state) * dy)
+
     return jax.grad(loss, argnums=2)(x, w, state)
 
   for a, hist, div in zip(amaxes, expected_histories, expected_divisors, strict=True):
@@ -65,7 +72,8 @@ def test_history_sequence_through_dot_general(algo, fmt, expected_divisors):
 def test_margin_divides_scale():
   recipe = ta.DelayedScaling(amax_history_len=2, margin=2)
   new_scale, new_hist = core.delayed_update(
-      jnp.float32([2.0]), jnp.float32([1.0]), jnp.zeros(2, jnp.float32), 448.0, 2, "max")
+    jnp.float32([2.0]), jnp.float32([1.0]), jnp.zeros(2, jnp.float32), 448.0, 2, "max"
+  )
   np.testing.assert_array_equal(new_scale, [np.float32(448.0 / 2.0 / 4.0)])
   np.testing.assert_array_equal(new_hist, [0.0, 2.0])
   assert recipe.margin == 2
@@ -106,4 +114,4 @@ def test_leading_amax_is_the_amax_of_each_leading_index():
     np.testing.assert_array_equal(got[:2], want.astype(np.float32))
     assert np.isposinf(got[2:]).all()
     for g in range(4):
-      np.testing.assert_array_equal(got[g:g + 1], np.asarray(formats.tensor_amax(x[g])))
+      np.testing.assert_array_equal(got[g : g + 1], np.asarray(formats.tensor_amax(x[g])))

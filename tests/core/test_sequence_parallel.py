@@ -38,11 +38,27 @@ def _mesh():
 def _pair(x, w1, w2, states, recipe, sequence=True, config=CONFIG):
   """The column-then-row pair: ``gelu(x @ w1) @ w2``."""
   seq = (lambda mode: (mode, "tp")) if sequence else (lambda mode: None)
-  h = core.dot_general(x, w1, DN, recipe=recipe, state=states[0], threshold=None, config=config,
-                       sequence_parallel=seq("all_gather"))
+  h = core.dot_general(
+    x,
+    w1,
+    DN,
+    recipe=recipe,
+    state=states[0],
+    threshold=None,
+    config=config,
+    sequence_parallel=seq("all_gather"),
+  )
   a = jax.nn.gelu(h.astype(jnp.float32)).astype(h.dtype)
-  return core.dot_general(a, w2, DN, recipe=recipe, state=states[1], threshold=None,
-                          config=config, sequence_parallel=seq("reduce_scatter"))
+  return core.dot_general(
+    a,
+    w2,
+    DN,
+    recipe=recipe,
+    state=states[1],
+    threshold=None,
+    config=config,
+    sequence_parallel=seq("reduce_scatter"),
+  )
 
 
 def _data():
@@ -67,8 +83,11 @@ def _step(fn):
 
 def _sharded(recipe, config=CONFIG):
   return jax.shard_map(
-      lambda x, w1, w2, states: _pair(x, w1, w2, states, recipe, config=config), mesh=_mesh(),
-      in_specs=(P("tp"), P(None, "tp"), P("tp", None), P()), out_specs=P("tp"))
+    lambda x, w1, w2, states: _pair(x, w1, w2, states, recipe, config=config),
+    mesh=_mesh(),
+    in_specs=(P("tp"), P(None, "tp"), P("tp", None), P()),
+    out_specs=P("tp"),
+  )
 
 
 def _run(step, x, w1, w2, states, dy):
@@ -94,8 +113,9 @@ def test_sequence_parallel_pair_matches_one_device(name, config):
   want = _run(_step(lambda *a: _pair(*a, recipe, sequence=False)), x, w1, w2, states, dy)
   with jax.set_mesh(_mesh()):
     got = _run(_step(_sharded(recipe, config)), x, w1, w2, states, dy)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                          strict=True):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+  ):
     name = jax.tree_util.keystr(path)
     if spmd_checks.is_recipe_state(path):
       # The amaxes are the whole tensors' (reduced over the mesh); the activation's is computed
@@ -126,8 +146,11 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   assert ("u8", (rows, H)) in gathers and ("u8", (H, rows)) in gathers, gathers
   assert all(dtype == "u8" for dtype, _ in gathers), gathers
   assert [c.op for c in found].count("reduce-scatter") >= 2, [c.op for c in found]
-  big = [c.arrays for c in found if c.op == "all-reduce"
-         and any(int(np.prod(shape)) > 1 for _, shape in c.arrays)]
+  big = [
+    c.arrays
+    for c in found
+    if c.op == "all-reduce" and any(int(np.prod(shape)) > 1 for _, shape in c.arrays)
+  ]
   assert not big, big
 
 
@@ -138,8 +161,9 @@ def test_high_precision_pair_runs_the_same_layout():
   want = _run(_step(lambda *a: _pair(*a, None, sequence=False)), x, w1, w2, (None, None), dy)
   with jax.set_mesh(_mesh()):
     got = _run(_step(_sharded(None)), x, w1, w2, (None, None), dy)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                          strict=True):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+  ):
     if a.dtype == jnp.bfloat16:
       # dx: the two devices' bf16 partial products (autodiff's dgrad in the input's dtype)
       # summed by the reduce-scatter in bf16, one rounding more than one device's float32 sum:
@@ -168,18 +192,38 @@ def test_ring_steps_are_collective_permutes_beside_the_gemms():
 def test_sequence_parallel_refuses_what_it_cannot_serve():
   x, w1, _, _ = _data()
   with pytest.raises(ValueError, match="sequence_parallel over 'tp' runs inside shard_map"):
-    core.dot_general(x, w1, DN, recipe=RECIPES["current"], threshold=None,
-                     sequence_parallel=("all_gather", "tp"))
+    core.dot_general(
+      x, w1, DN, recipe=RECIPES["current"], threshold=None, sequence_parallel=("all_gather", "tp")
+    )
 
   def body(x, w1):
-    return core.dot_general(x, w1, DN, recipe=ta.MXFP8BlockScaling(), threshold=None,
-                            sequence_parallel=("all_gather", "tp"))
+    return core.dot_general(
+      x,
+      w1,
+      DN,
+      recipe=ta.MXFP8BlockScaling(),
+      threshold=None,
+      sequence_parallel=("all_gather", "tp"),
+    )
 
   with pytest.raises(ValueError, match="sequence_parallel takes per-tensor recipes"):
-    jax.eval_shape(jax.shard_map(body, mesh=_mesh(), in_specs=(P("tp"), P(None, "tp")),
-                                 out_specs=P(None, None, "tp")), x, w1)
+    jax.eval_shape(
+      jax.shard_map(
+        body, mesh=_mesh(), in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, None, "tp")
+      ),
+      x,
+      w1,
+    )
   with pytest.raises(ValueError, match="sequence_parallel must be"):
-    jax.eval_shape(jax.shard_map(
-        lambda x, w1: core.dot_general(x, w1, DN, recipe=RECIPES["current"],
-                                       sequence_parallel=("gather", "tp")),
-        mesh=_mesh(), in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, None, "tp")), x, w1)
+    jax.eval_shape(
+      jax.shard_map(
+        lambda x, w1: core.dot_general(
+          x, w1, DN, recipe=RECIPES["current"], sequence_parallel=("gather", "tp")
+        ),
+        mesh=_mesh(),
+        in_specs=(P("tp"), P(None, "tp")),
+        out_specs=P(None, None, "tp"),
+      ),
+      x,
+      w1,
+    )

@@ -27,8 +27,8 @@ from te_adapters.core import sharding
 from tests import spmd_checks
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
+  jax.device_count() < 8,
+  reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
 )
 
 DN = (((2,), (0,)), ((), ()))  # x (batch, seq, hidden) . kernel (hidden, features)
@@ -63,22 +63,31 @@ class Plan:
 
 
 COLUMN = Plan(
-    "dp2_tp2_column", (("dp", 2), ("tp", 2)), P("dp"), P(None, "tp"), P("dp", None, "tp"),
-    bf16_sums=("dx",),
+  "dp2_tp2_column",
+  (("dp", 2), ("tp", 2)),
+  P("dp"),
+  P(None, "tp"),
+  P("dp", None, "tp"),
+  bf16_sums=("dx",),
 )
 ROW = Plan(
-    "dp2_tp2_row", (("dp", 2), ("tp", 2)), P("dp", None, "tp"), P("tp", None), P("dp"),
-    row_parallel=True, bf16_sums=("y",),
+  "dp2_tp2_row",
+  (("dp", 2), ("tp", 2)),
+  P("dp", None, "tp"),
+  P("tp", None),
+  P("dp"),
+  row_parallel=True,
+  bf16_sums=("y",),
 )
 FSDP = Plan("fsdp4", (("fsdp", 4),), P("fsdp"), P("fsdp", None), P("fsdp"), gather=P("fsdp", None))
 FSDP_TP = Plan(
-    "dp2_fsdp2_tp2",
-    (("dp", 2), ("fsdp", 2), ("tp", 2)),
-    P(("dp", "fsdp")),
-    P("fsdp", "tp"),
-    P(("dp", "fsdp"), None, "tp"),
-    gather=P("fsdp", None),
-    bf16_sums=("dx",),
+  "dp2_fsdp2_tp2",
+  (("dp", 2), ("fsdp", 2), ("tp", 2)),
+  P(("dp", "fsdp")),
+  P("fsdp", "tp"),
+  P(("dp", "fsdp"), None, "tp"),
+  gather=P("fsdp", None),
+  bf16_sums=("dx",),
 )
 
 
@@ -93,8 +102,13 @@ def _loss_terms(x, w, state, dy, factor, **kw):
   recipe = kw.pop("recipe")
   # The step factor changes the activations' amax between steps.
   y = core.dot_general(
-      x * factor.astype(x.dtype), w.astype(jnp.bfloat16), DN, threshold=None, recipe=recipe,
-      state=state or None, **kw
+    x * factor.astype(x.dtype),
+    w.astype(jnp.bfloat16),
+    DN,
+    threshold=None,
+    recipe=recipe,
+    state=state or None,
+    **kw,
   )
   return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
@@ -116,7 +130,7 @@ def _compile_and_run(step, mesh, args, recipe):
   """Compiles ``step`` once for the placed ``args``; returns (results of _run, compiled HLO)."""
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P()))
   compiled = step.lower(
-      args[0], args[1], put(core.init_state(recipe)), args[2], put(jnp.float32(1))
+    args[0], args[1], put(core.init_state(recipe)), args[2], put(jnp.float32(1))
   ).compile()
   return _run(compiled, *args, recipe, put=put), compiled.as_text()
 
@@ -168,15 +182,15 @@ def _shard_map_step(plan, mesh, recipe, use_gather=True, amax_axes=None):
 
   y_spec = P(plan.dy[0]) if plan.row_parallel else plan.dy
   mapped = jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(plan.x, plan.w, P(), plan.dy, P()),
-      out_specs=(P(), y_spec),
+    body,
+    mesh=mesh,
+    in_specs=(plan.x, plan.w, P(), plan.dy, P()),
+    out_specs=(P(), y_spec),
   )
 
   def step(x, w, state, dy, factor):
     (_, y), grads = jax.value_and_grad(mapped, argnums=(0, 1, 2), has_aux=True)(
-        x, w, state, dy, factor
+      x, w, state, dy, factor
     )
     return y, grads
 
@@ -185,9 +199,9 @@ def _shard_map_step(plan, mesh, recipe, use_gather=True, amax_axes=None):
 
 def _put(mesh, plan, x, w, dy):
   return (
-      jax.device_put(x, NamedSharding(mesh, plan.x)),
-      jax.device_put(w, NamedSharding(mesh, plan.w)),
-      jax.device_put(dy, NamedSharding(mesh, plan.dy)),
+    jax.device_put(x, NamedSharding(mesh, plan.x)),
+    jax.device_put(w, NamedSharding(mesh, plan.w)),
+    jax.device_put(dy, NamedSharding(mesh, plan.dy)),
   )
 
 
@@ -232,25 +246,25 @@ def _check_collectives(plan, text, use_gather):
 
 
 MESH_CASES = [
-    (COLUMN, AxisType.Explicit),
-    (COLUMN, AxisType.Auto),
-    (ROW, AxisType.Explicit),
-    (ROW, AxisType.Auto),
-    (FSDP, AxisType.Explicit),
-    (FSDP, AxisType.Auto),
-    (FSDP_TP, AxisType.Auto),
+  (COLUMN, AxisType.Explicit),
+  (COLUMN, AxisType.Auto),
+  (ROW, AxisType.Explicit),
+  (ROW, AxisType.Auto),
+  (FSDP, AxisType.Explicit),
+  (FSDP, AxisType.Auto),
+  (FSDP_TP, AxisType.Auto),
 ]
 # Every case for DelayedScaling; for current scaling, whose amaxes take the same path, one mesh
 # axis type per plan (keeps the file's CPU time down).
 JIT_CASES = [(p, t, DELAYED) for p, t in MESH_CASES] + [
-    (p, t, CURRENT) for p, t in MESH_CASES if t == AxisType.Explicit or p is FSDP_TP
+  (p, t, CURRENT) for p, t in MESH_CASES if t == AxisType.Explicit or p is FSDP_TP
 ]
 
 
 @pytest.mark.parametrize(
-    "plan, axis_type, recipe",
-    JIT_CASES,
-    ids=[f"{p.name}-{t.name}-{type(r).__name__}" for p, t, r in JIT_CASES],
+  "plan, axis_type, recipe",
+  JIT_CASES,
+  ids=[f"{p.name}-{t.name}-{type(r).__name__}" for p, t, r in JIT_CASES],
 )
 def test_jit_with_named_sharding_matches_single_device(plan, axis_type, recipe, rel):
   mesh = plan.mesh(axis_type)
@@ -307,13 +321,16 @@ def test_shard_map_with_partly_manual_mesh_matches_single_device(rel):
     return lax.psum(loss, "dp"), y
 
   mapped = jax.shard_map(
-      body, mesh=mesh, in_specs=(P("dp"), P(), P(), P("dp"), P()), out_specs=(P(), P("dp")),
-      axis_names={"dp"},
+    body,
+    mesh=mesh,
+    in_specs=(P("dp"), P(), P(), P("dp"), P()),
+    out_specs=(P(), P("dp")),
+    axis_names={"dp"},
   )
 
   def step(x, w, state, dy, factor):
     (_, y), grads = jax.value_and_grad(mapped, argnums=(0, 1, 2), has_aux=True)(
-        x, w, state, dy, factor
+      x, w, state, dy, factor
     )
     return y, grads
 
@@ -326,9 +343,9 @@ def test_shard_map_with_partly_manual_mesh_matches_single_device(rel):
 # --------------------------------------------------------------------------- block recipes
 
 BLOCK_RECIPES = [
-    ta.MXFP8BlockScaling(),
-    ta.NVFP4BlockScaling(disable_stochastic_rounding=True),
-    ta.Float8BlockScaling(),
+  ta.MXFP8BlockScaling(),
+  ta.NVFP4BlockScaling(disable_stochastic_rounding=True),
+  ta.Float8BlockScaling(),
 ]
 # Multiples of 128 (FP8 1x128/128x128 blocks), also per device: M = 256, K = N = 256.
 BLOCK_X, BLOCK_W = (4, 64, 256), (256, 256)
@@ -344,8 +361,9 @@ def _block_data():
 
 def _block_grads(x, w, dy, recipe):
   y, vjp = jax.vjp(
-      lambda x, w: core.dot_general(x, w.astype(jnp.bfloat16), DN, threshold=None,
-                                    recipe=recipe), x, w
+    lambda x, w: core.dot_general(x, w.astype(jnp.bfloat16), DN, threshold=None, recipe=recipe),
+    x,
+    w,
   )
   return (y, *vjp(dy))
 
@@ -373,7 +391,7 @@ def test_block_scaled_under_jit_matches_single_device(recipe, rel):
 
 
 @pytest.mark.parametrize(
-    "recipe", [BLOCK_RECIPES[0], BLOCK_RECIPES[2]], ids=lambda r: type(r).__name__
+  "recipe", [BLOCK_RECIPES[0], BLOCK_RECIPES[2]], ids=lambda r: type(r).__name__
 )
 def test_block_scaled_inside_shard_map_matches_single_device(recipe, rel):
   plan = COLUMN
@@ -382,9 +400,11 @@ def test_block_scaled_inside_shard_map_matches_single_device(recipe, rel):
   def body(x, w, dy):
     return _block_grads(x, w, dy, recipe)
 
-  mapped = jax.jit(jax.shard_map(
+  mapped = jax.jit(
+    jax.shard_map(
       body, mesh=mesh, in_specs=(plan.x, plan.w, plan.dy), out_specs=(plan.dy, plan.x, plan.w)
-  ))
+    )
+  )
   _check_block(recipe, mapped(*_put(mesh, plan, *_block_data())), rel)
 
 
@@ -393,8 +413,9 @@ DP = Plan("dp2", (("dp", 2),), P("dp"), P(), P("dp"))  # data parallel: only dW 
 
 def _block_grads_f32_kernel(x, w, dy, rng=None, *, recipe, **kw):
   """y, dx, dW with a float32 kernel (float32 dW, so sums over devices show at full precision)."""
-  y, vjp = jax.vjp(lambda x, w: core.dot_general(x, w, DN, threshold=None, recipe=recipe, rng=rng,
-                                                 **kw), x, w)
+  y, vjp = jax.vjp(
+    lambda x, w: core.dot_general(x, w, DN, threshold=None, recipe=recipe, rng=rng, **kw), x, w
+  )
   return (y, *vjp(dy.astype(y.dtype)))
 
 
@@ -411,8 +432,9 @@ EXPLICIT_BLOCK_CASES = [(r, DP) for r in BLOCK_RECIPES] + [(BLOCK_RECIPES[2], RO
 
 
 @pytest.mark.parametrize(
-    "recipe, plan", EXPLICIT_BLOCK_CASES,
-    ids=[f"{type(r).__name__}-{p.name}" for r, p in EXPLICIT_BLOCK_CASES],
+  "recipe, plan",
+  EXPLICIT_BLOCK_CASES,
+  ids=[f"{type(r).__name__}-{p.name}" for r, p in EXPLICIT_BLOCK_CASES],
 )
 def test_block_scaled_with_explicit_axes_matches_single_device(recipe, plan, rel):
   """The block layout's reshapes name their shardings under Explicit axes (JAX requires it)."""
@@ -437,9 +459,16 @@ def test_block_scaled_with_explicit_axes_needs_whole_blocks_per_device():
   x, w, dy = _put(mesh, plan, *_block_data())
   fn = functools.partial(_block_grads_f32_kernel, recipe=BLOCK_RECIPES[2])
   # M = 256 over 4 devices: 64 rows each, but the wgrad copies have blocks of 128 along M.
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match=(
-      r"Float8BlockScaling: the lhs free size M .* is 256, split over 4 devices \(mesh axes "
-      r"\('dp',\)\): 64 per device, which is not a multiple of 128")):
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(
+      ValueError,
+      match=(
+        r"Float8BlockScaling: the lhs free size M .* is 256, split over 4 devices \(mesh axes "
+        r"\('dp',\)\): 64 per device, which is not a multiple of 128"
+      ),
+    ),
+  ):
     jax.eval_shape(fn, x, w, dy)
 
 
@@ -448,7 +477,7 @@ def test_reshape_spec_keeps_each_group_s_major_sharding():
   spec = sharding.reshape_spec((4, 64, 256), P("dp", None, "tp"), (1, 256, 8, 32), sizes)
   assert spec == P(None, "dp", "tp", None)
   assert sharding.reshape_spec((1, 256, 8), P(None, "dp", "tp"), (4, 64, 8), sizes) == P(
-      "dp", None, "tp"
+    "dp", None, "tp"
   )
   with pytest.raises(ValueError, match=r"only the first of them may be sharded"):
     sharding.reshape_spec((4, 64, 256), P(None, "dp"), (256, 256), sizes)
@@ -467,9 +496,9 @@ def _nvfp4_shard_map(plan, recipe, **kw):
     body, in_specs = fn, (plan.x, plan.w, plan.dy, P())
   else:
     body, in_specs = (lambda x, w, dy: fn(x, w, dy)), (plan.x, plan.w, plan.dy)
-  mapped = jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=in_specs, out_specs=(plan.dy, plan.x, plan.w)
-  ))
+  mapped = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(plan.dy, plan.x, plan.w))
+  )
   return mesh, mapped
 
 
@@ -532,10 +561,14 @@ def test_quantized_data_and_scales_are_bit_identical():
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   for p, same in ((plan, True), (local_plan, False)):
     # Per-device scale_inv is returned stacked along a new leading axis.
-    mapped = jax.jit(jax.shard_map(
+    mapped = jax.jit(
+      jax.shard_map(
         lambda x, p=p: jax.tree_util.tree_map(lambda a: a[None], quantize(x, p)),
-        mesh=mesh, in_specs=spec, out_specs=(P(("dp", "tp")), P(("dp", "tp"))),
-    ))
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=(P(("dp", "tp")), P(("dp", "tp"))),
+      )
+    )
     data, scale_inv = mapped(xs)
     scale_inv = np.asarray(scale_inv)
     if same:
@@ -569,12 +602,12 @@ def test_nan_on_one_shard_reaches_every_device():
 
   ref = jax.jit(new_x_state)(x, state)
   got = jax.jit(jax.shard_map(new_x_state, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P()))(
-      jax.device_put(x, NamedSharding(mesh, P("dp"))), state
+    jax.device_put(x, NamedSharding(mesh, P("dp"))), state
   )
   assert not np.isfinite(np.asarray(ref["x_amax_history"])[-1])
   np.testing.assert_array_equal(np.asarray(got["x_scale"]), [1.0])
   np.testing.assert_array_equal(
-      np.asarray(got["x_amax_history"]), np.asarray(ref["x_amax_history"])
+    np.asarray(got["x_amax_history"]), np.asarray(ref["x_amax_history"])
   )
 
 
@@ -612,10 +645,12 @@ def test_fsdp_fp8_gather_moves_fp8_bytes():
     fp8 = _all_gathers(functools.partial(_fsdp_grads, recipe=CURRENT, gather=True), x, w, dy)
     bf16 = _all_gathers(functools.partial(_fsdp_grads, recipe=None, gather=False), x, w, dy)
     remat = _all_gathers(
-        functools.partial(
-            _fsdp_grads, recipe=CURRENT, gather=True, policy=core.save_quantized_operands
-        ),
-        x, w, dy,
+      functools.partial(
+        _fsdp_grads, recipe=CURRENT, gather=True, policy=core.save_quantized_operands
+      ),
+      x,
+      w,
+      dy,
     )
   # FP8 bytes (uint8 on the wire), one gather per step: the gathered kernel is kept for the
   # backward pass.
@@ -656,9 +691,9 @@ def test_state_used_twice_inside_shard_map_combines_by_max():
   state = core.init_state(DELAYED)
   ref = jax.jit(jax.grad(twice, argnums=2))(x, w, state)
   got = jax.jit(jax.grad(mapped, argnums=2))(
-      jax.device_put(x, NamedSharding(mesh, P("dp"))),
-      jax.device_put(w, NamedSharding(mesh, P(None, "tp"))),
-      state,
+    jax.device_put(x, NamedSharding(mesh, P("dp"))),
+    jax.device_put(w, NamedSharding(mesh, P(None, "tp"))),
+    state,
   )
   amax_x = float(jnp.max(jnp.abs(x.astype(jnp.float32)))) * 4
   assert float(ref["x_amax_history"][-1]) == amax_x  # the larger use, not the sum
@@ -678,6 +713,7 @@ def _sum_gemm(**kw):
   def fn(x, w, state=None):
     y = core.dot_general(x, w, DN, state=state or None, threshold=None, **kw)
     return lax.psum(jnp.sum(y), tuple(sorted(sharding.varying_axes(jnp.sum(y)))))
+
   return fn
 
 
@@ -685,9 +721,7 @@ def test_error_unknown_amax_axis():
   mesh = COLUMN.mesh(AxisType.Auto)
   x, w, _ = _data()
   with pytest.raises(ValueError, match=r"amax_axes for 'x' names mesh axes \['data'\]"):
-    _trace_in_shard_map(
-        _sum_gemm(recipe=CURRENT, amax_axes="data"), mesh, (P("dp"), P()), (x, w)
-    )
+    _trace_in_shard_map(_sum_gemm(recipe=CURRENT, amax_axes="data"), mesh, (P("dp"), P()), (x, w))
 
 
 def test_error_delayed_scaling_without_reduction_over_a_varying_axis():
@@ -696,8 +730,10 @@ def test_error_delayed_scaling_without_reduction_over_a_varying_axis():
   state = core.init_state(DELAYED)
   with pytest.raises(ValueError, match=r"amax_axes for 'x' leaves out mesh axes \['dp'\]"):
     _trace_in_shard_map(
-        jax.grad(_sum_gemm(recipe=DELAYED, amax_axes=()), argnums=2),
-        mesh, (P("dp"), P(), P()), (x, w, state),
+      jax.grad(_sum_gemm(recipe=DELAYED, amax_axes=()), argnums=2),
+      mesh,
+      (P("dp"), P(), P()),
+      (x, w, state),
     )
 
 
@@ -717,8 +753,9 @@ def test_error_kernel_all_gather_without_mesh():
   x, w, _ = _data()
   with pytest.raises(ValueError, match="kernel_all_gather needs a mesh"):
     jax.make_jaxpr(
-        lambda x, w: core.dot_general(x, w, DN, threshold=None, recipe=CURRENT,
-                                      kernel_all_gather=P("fsdp"))
+      lambda x, w: core.dot_general(
+        x, w, DN, threshold=None, recipe=CURRENT, kernel_all_gather=P("fsdp")
+      )
     )(x, w)
 
 
@@ -727,32 +764,37 @@ def test_error_kernel_all_gather_over_an_axis_the_kernel_is_not_sharded_over():
   mesh = FSDP.mesh(AxisType.Auto)
   with pytest.raises(ValueError, match="the kernel varies only over"):
     _trace_in_shard_map(
-        _sum_gemm(recipe=CURRENT, kernel_all_gather=P("fsdp", None)), mesh,
-        (P("fsdp"), P()), (x, w),
+      _sum_gemm(recipe=CURRENT, kernel_all_gather=P("fsdp", None)),
+      mesh,
+      (P("fsdp"), P()),
+      (x, w),
     )
   mesh = FSDP.mesh()
   with jax.set_mesh(mesh):  # Explicit axes: the kernel's type names its sharding
     ws = jax.device_put(w, NamedSharding(mesh, P("fsdp", None)))
     with pytest.raises(ValueError, match="kernel's sharding on that dim is None"):
       jax.make_jaxpr(
-          lambda x, w: core.dot_general(
-              x, w, DN, threshold=None, recipe=CURRENT, kernel_all_gather=P(None, "fsdp")
-          )
+        lambda x, w: core.dot_general(
+          x, w, DN, threshold=None, recipe=CURRENT, kernel_all_gather=P(None, "fsdp")
+        )
       )(jax.device_put(x, NamedSharding(mesh, P("fsdp"))), ws)
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"kernel_all_gather": P("fsdp", None, None)}, ValueError, "has 3 entries"),
-        ({"kernel_all_gather": P(None, None)}, ValueError, "names no mesh axis"),
-        ({"kernel_all_gather": "fsdp"}, TypeError, "must be a PartitionSpec"),
-        ({"amax_axes": 3}, TypeError, "amax_axes must be a mesh axis name"),
-        ({"amax_axes": {"y": "dp"}}, ValueError, "amax_axes keys must be among"),
-        ({"recipe": None, "amax_axes": "dp"}, ValueError, "need a recipe"),
-        ({"recipe": ta.MXFP8BlockScaling(), "kernel_all_gather": P("fsdp", None)},
-         NotImplementedError, "per-tensor FP8 recipes"),
-    ],
+  "kwargs, error, match",
+  [
+    ({"kernel_all_gather": P("fsdp", None, None)}, ValueError, "has 3 entries"),
+    ({"kernel_all_gather": P(None, None)}, ValueError, "names no mesh axis"),
+    ({"kernel_all_gather": "fsdp"}, TypeError, "must be a PartitionSpec"),
+    ({"amax_axes": 3}, TypeError, "amax_axes must be a mesh axis name"),
+    ({"amax_axes": {"y": "dp"}}, ValueError, "amax_axes keys must be among"),
+    ({"recipe": None, "amax_axes": "dp"}, ValueError, "need a recipe"),
+    (
+      {"recipe": ta.MXFP8BlockScaling(), "kernel_all_gather": P("fsdp", None)},
+      NotImplementedError,
+      "per-tensor FP8 recipes",
+    ),
+  ],
 )
 def test_bad_spmd_arguments(kwargs, error, match):
   x, w, _ = _data()
@@ -765,18 +807,26 @@ def test_explicit_merge_of_two_sharded_dims_gathers_one_with_a_warning_naming_th
   # x's batch and sequence dims are both sharded; the GEMM merges them into M, which can keep
   # only one dim's shards: x is all-gathered over the other (sequence, "tp") with a
   # ShardingFallbackWarning that names the GEMM and the cost, and the result is unchanged.
-  mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:4])
+  mesh = jax.make_mesh(
+    (2, 2), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4]
+  )
   x = spmd_checks.exact_data((4, 8, 64), 0)
   w = spmd_checks.exact_data((64, 32), 1)
-  gemm = lambda x, w: core.dot_general(x, w, (((2,), (0,)), ((), ())), threshold=None,  # noqa: E731
-                                       recipe=CURRENT)
+  gemm = lambda x, w: core.dot_general(
+    x,
+    w,
+    (((2,), (0,)), ((), ())),
+    threshold=None,  # noqa: E731
+    recipe=CURRENT,
+  )
   want = jax.jit(gemm)(x, w)
   with jax.set_mesh(mesh):
     xs = jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))
     ws = jax.device_put(w, NamedSharding(mesh, P()))
-    with pytest.warns(core.ShardingFallbackWarning,
-                      match=r"the GEMM \(4, 8, 64\) \. \(64, 32\).*all-gathered over dims \[1\]"):
+    with pytest.warns(
+      core.ShardingFallbackWarning,
+      match=r"the GEMM \(4, 8, 64\) \. \(64, 32\).*all-gathered over dims \[1\]",
+    ):
       got = jax.jit(gemm)(xs, ws)
   assert got.sharding.spec == P("dp", None, None)
   spmd_checks.assert_close_to_one_device(got, want, "y")
@@ -789,8 +839,9 @@ GEMMA_DN = (((2,), (2,)), ((), ()))
 
 @pytest.mark.parametrize("kernel_shape", [(3, 4, 32, 16), (2, 2, 32, 16)], ids=["qkv", "kv"])
 @pytest.mark.parametrize("annotated", [False, True], ids=["inferred", "out_sharding"])
-def test_gemma_einsum_dimension_numbers_with_heads_sharded_match_one_device(kernel_shape,
-                                                                            annotated):
+def test_gemma_einsum_dimension_numbers_with_heads_sharded_match_one_device(
+  kernel_shape, annotated
+):
   """The layout orders the sharded heads first within the flattened free dims and the output's
   split and transpose put them back: outputs, gradients and the next state as on one device."""
   x = spmd_checks.exact_data((2, 8, 32), 0)
@@ -801,8 +852,9 @@ def test_gemma_einsum_dimension_numbers_with_heads_sharded_match_one_device(kern
 
   def step(x, w, state, out_sharding=None):
     def loss(x, w, state):
-      y = core.dot_general(x, w, GEMMA_DN, threshold=None, recipe=DELAYED, state=state,
-                           out_sharding=out_sharding)
+      y = core.dot_general(
+        x, w, GEMMA_DN, threshold=None, recipe=DELAYED, state=state, out_sharding=out_sharding
+      )
       return jnp.sum(y * dy), y
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, state)
@@ -825,8 +877,9 @@ def test_gemm_layout_orders_sharded_dims_first_and_puts_the_output_back():
   assert layout.out_shape == (2, 8, 3, 4, 16) and layout.split_out_shape == (2, 8, 4, 3, 16)
   assert layout.out_perm == (0, 1, 3, 2, 4) and layout.unserved == ((), (), ())
   # Contracting pairs follow the lhs's sharded dim; a second sharded dim of a group is unserved.
-  layout = core_gemm.GemmLayout((((1, 2), (0, 1)), ((), ())), (4, 8, 16), (8, 16, 32),
-                                ((2,), (), (0,)))
+  layout = core_gemm.GemmLayout(
+    (((1, 2), (0, 1)), ((), ())), (4, 8, 16), (8, 16, 32), ((2,), (), (0,))
+  )
   assert layout.dn == (((2, 1), (1, 0)), ((), ())) and layout.out_perm is None
   assert layout.unserved == ((), (), ())
   layout = core_gemm.GemmLayout(GEMMA_DN, (2, 8, 32), (3, 4, 32, 16), ((), (1, 3), (2,)))

@@ -23,10 +23,10 @@ from tests import spmd_checks
 from tests.conftest import rel_err as _rel
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs two GPUs"
-    ),
+  pytest.mark.gpu,
+  pytest.mark.skipif(
+    jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs two GPUs"
+  ),
 ]
 
 DN = (((2,), (0,)), ((), ()))
@@ -47,19 +47,27 @@ def _data():
 def _step(recipe, config=FLOAT32_SUMS, **kw):
   def step(x, w, state, dy):
     def layer(x, w, state):
-      return core.dot_general(x, w.astype(jnp.bfloat16), DN, recipe=recipe, state=state or None,
-                              threshold=None, config=config, **kw)
+      return core.dot_general(
+        x,
+        w.astype(jnp.bfloat16),
+        DN,
+        recipe=recipe,
+        state=state or None,
+        threshold=None,
+        config=config,
+        **kw,
+      )
+
     y, vjp = jax.vjp(layer, x, w, state)
     return (y, *vjp(dy))
+
   return jax.jit(step)
 
 
-
-
 @pytest.mark.parametrize(
-    "specs",
-    [("dp", P("dp"), P(), P("dp")), ("tp", P(), P(None, "tp"), P(None, None, "tp"))],
-    ids=["dp2", "tp2"],
+  "specs",
+  [("dp", P("dp"), P(), P("dp")), ("tp", P(), P(None, "tp"), P(None, None, "tp"))],
+  ids=["dp2", "tp2"],
 )
 def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
   axis, x_spec, w_spec, dy_spec = specs
@@ -92,9 +100,9 @@ def test_dp_and_tp_match_one_gpu_with_fp8_gemms(specs):
 
 
 @pytest.mark.parametrize(
-    "specs",
-    [("dp", P("dp"), P(), P("dp")), ("tp", P(), P(None, "tp"), P(None, None, "tp"))],
-    ids=["dp2", "tp2"],
+  "specs",
+  [("dp", P("dp"), P(), P("dp")), ("tp", P(), P(None, "tp"), P(None, None, "tp"))],
+  ids=["dp2", "tp2"],
 )
 def test_partial_products_are_summed_in_bf16_by_default(specs):
   """``GemmConfig.partial_sums="output"`` (the default): the GEMM whose K is split (wgrad over
@@ -123,15 +131,21 @@ def test_partial_products_are_summed_in_bf16_by_default(specs):
   text = compiled.as_text()
   assert inspect.count_fp8_gemms(text)[0] >= 3
   # The gradient's sum (the amaxes' max reductions, which XLA may combine, are a few floats).
-  sums = [c for c in inspect.hlo_collectives(text)
-          if c.op.startswith("all-reduce") and any(int(np.prod(s)) >= 1024 for _, s in c.arrays)]
-  assert sums and all(d == "bf16" for c in sums for d, s in c.arrays if int(np.prod(s)) >= 1024), (
-      [(c.arrays, c.line[:120]) for c in sums])
+  sums = [
+    c
+    for c in inspect.hlo_collectives(text)
+    if c.op.startswith("all-reduce") and any(int(np.prod(s)) >= 1024 for _, s in c.arrays)
+  ]
+  assert sums and all(d == "bf16" for c in sums for d, s in c.arrays if int(np.prod(s)) >= 1024), [
+    (c.arrays, c.line[:120]) for c in sums
+  ]
   a64 = lambda t: np.abs(np.asarray(t, np.float64))
   rows_x, rows_dy = a64(x).reshape(-1, X_SHAPE[-1]), a64(dy).reshape(-1, W_SHAPE[-1])
   summed = "dW" if axis == "dp" else "dx"
-  products = {"dW": rows_x.T @ rows_dy,
-              "dx": (rows_dy @ a64(w.astype(jnp.bfloat16)).T).reshape(X_SHAPE)}
+  products = {
+    "dW": rows_x.T @ rows_dy,
+    "dx": (rows_dy @ a64(w.astype(jnp.bfloat16)).T).reshape(X_SHAPE),
+  }
   n, u = 2, 2.0**-8
   for name, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):
     spmd_checks.record(name, a, b)
@@ -139,9 +153,11 @@ def test_partial_products_are_summed_in_bf16_by_default(specs):
       spmd_checks.assert_close_to_one_device(a, b, name)
       continue
     b64 = np.asarray(b, np.float64)
-    bound = (2 * n * u * (1 + 2 * u) * 1.2 * products[name]
-             + spmd_checks.GPU_OUTPUT_ULPS * spmd_checks._ulp(b64, np.asarray(b).dtype)
-             + spmd_checks.FP8_GEMM_RTOL * np.max(np.abs(b64)))
+    bound = (
+      2 * n * u * (1 + 2 * u) * 1.2 * products[name]
+      + spmd_checks.GPU_OUTPUT_ULPS * spmd_checks._ulp(b64, np.asarray(b).dtype)
+      + spmd_checks.FP8_GEMM_RTOL * np.max(np.abs(b64))
+    )
     over = np.abs(np.asarray(a, np.float64) - b64) > bound
     assert not over.any(), (name, int(over.sum()), spmd_checks.comparison_figures(a, b))
   for name in ref[3]:  # the next step's scales and histories: identical
@@ -176,15 +192,21 @@ def test_chunked_sums_beside_an_sm_margin_match_the_whole_gemm():
     chunked = _step(recipe, config=levers).lower(*args).compile()
   text = chunked.as_text()
   if kernels.cublas_gemm_available():
-    calls = [line for line in text.splitlines()
-             if 'custom_call_target="te_adapters_block_gemm"' in line]
+    calls = [
+      line for line in text.splitlines() if 'custom_call_target="te_adapters_block_gemm"' in line
+    ]
     margins = sorted(int(m) for line in calls for m in re.findall(r"sm_margin\s*=\s*(\d+)", line))
     assert margins == [0, 0, 8, 8, 8, 8], [line[:200] for line in calls]  # fprop, dgrad; wgrad x4
   # The gradient's sums carry dW (256, 512) once, in bf16: XLA combines the chunks' all-reduces
   # of a GEMM this small back into one (under its combine threshold; seen on two H100s, as one
   # all-reduce of dW flattened); at seed 000's sizes they stay apart (bench/RESULTS.md).
-  summed = [(d, int(np.prod(s))) for c in inspect.hlo_collectives(text)
-            if c.op == "all-reduce" for d, s in _operands(c) if int(np.prod(s)) >= 1024]
+  summed = [
+    (d, int(np.prod(s)))
+    for c in inspect.hlo_collectives(text)
+    if c.op == "all-reduce"
+    for d, s in _operands(c)
+    if int(np.prod(s)) >= 1024
+  ]
   assert {d for d, _ in summed} == {"bf16"} and sum(n for _, n in summed) == 256 * 512, summed
   got, ref = chunked(*args), whole(*args)
   for name, a, b in zip(("y", "dx", "dW"), got[:3], ref[:3], strict=True):

@@ -57,13 +57,16 @@ def test_every_layer_refuses_them_with_one_message():
   from te_adapters import linen as ta_linen
   from te_adapters import nnx as ta_nnx
 
-  message = r"FP8 GEMMs need the contracting size K and the output-feature size N to be " \
-            r"multiples of 16, got K=50, N=40"
+  message = (
+    r"FP8 GEMMs need the contracting size K and the output-feature size N to be "
+    r"multiples of 16, got K=50, N=40"
+  )
   with pytest.raises(ValueError, match=message):
     ta_nnx.Linear(50, 40, recipe=ta.Float8CurrentScaling(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=message):
-    ta_linen.Dense(40, recipe=ta.Float8CurrentScaling()).init(jax.random.PRNGKey(0),
-                                                               jnp.ones((2, 50)))
+    ta_linen.Dense(40, recipe=ta.Float8CurrentScaling()).init(
+      jax.random.PRNGKey(0), jnp.ones((2, 50))
+    )
   hk = pytest.importorskip("haiku")
   from te_adapters import haiku as ta_hk
 
@@ -75,8 +78,16 @@ def test_every_layer_refuses_them_with_one_message():
 def test_core_functions_over_layer_parameters_apply_the_layer_rule():
   x = jnp.ones((32, 48))
   with pytest.raises(ValueError, match="multiples of 16"):
-    core.ragged_dot(x, jnp.ones((2, 48, 40)), jnp.array([16, 16], jnp.int32),
-                    recipe=ta.Float8CurrentScaling())
+    core.ragged_dot(
+      x, jnp.ones((2, 48, 40)), jnp.array([16, 16], jnp.int32), recipe=ta.Float8CurrentScaling()
+    )
   with pytest.raises(ValueError, match="multiples of 16"):
-    core.layernorm_mlp(x, jnp.ones(48), jnp.zeros(48), jnp.ones((48, 1, 40)), jnp.ones((40, 48)),
-                       recipe=ta.Float8CurrentScaling(), threshold=None)
+    core.layernorm_mlp(
+      x,
+      jnp.ones(48),
+      jnp.zeros(48),
+      jnp.ones((48, 1, 40)),
+      jnp.ones((40, 48)),
+      recipe=ta.Float8CurrentScaling(),
+      threshold=None,
+    )

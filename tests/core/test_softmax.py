@@ -42,12 +42,15 @@ CAUSAL = np.triu(np.ones((8, 16), bool), 1)
 
 
 CASES = [(f, t, jnp.float32, 1e-5) for f in core.SoftmaxFusionType for t in core.SOFTMAX_TYPES]
-CASES += [(core.SoftmaxFusionType.SCALED_MASKED, "vanilla", jnp.bfloat16, 1e-2),
-          (core.SoftmaxFusionType.SCALED_UPPER_TRIANG_MASKED, "learnable", jnp.bfloat16, 1e-2)]
+CASES += [
+  (core.SoftmaxFusionType.SCALED_MASKED, "vanilla", jnp.bfloat16, 1e-2),
+  (core.SoftmaxFusionType.SCALED_UPPER_TRIANG_MASKED, "learnable", jnp.bfloat16, 1e-2),
+]
 
 
-@pytest.mark.parametrize("fusion, softmax_type, dtype, tol", CASES,
-                         ids=lambda v: getattr(v, "name", None) or str(v))
+@pytest.mark.parametrize(
+  "fusion, softmax_type, dtype, tol", CASES, ids=lambda v: getattr(v, "name", None) or str(v)
+)
 def test_softmax_against_float64(fusion, softmax_type, dtype, tol, rel):
   logits, mask, bias, dy = _data()
   scale = 0.125
@@ -65,8 +68,15 @@ def test_softmax_against_float64(fusion, softmax_type, dtype, tol, rel):
   x = jnp.asarray(logits, dtype)
 
   def loss(x):
-    p = core.softmax(x, mask if use_mask else None, jnp.asarray(bias, dtype), offset,
-                     scale_factor=scale, softmax_fusion_type=fusion, softmax_type=softmax_type)
+    p = core.softmax(
+      x,
+      mask if use_mask else None,
+      jnp.asarray(bias, dtype),
+      offset,
+      scale_factor=scale,
+      softmax_fusion_type=fusion,
+      softmax_type=softmax_type,
+    )
     return jnp.sum(p.astype(jnp.float32) * jnp.asarray(dy, jnp.float32)), p
 
   (_, p), dx = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
@@ -86,20 +96,21 @@ def test_softmax_against_float64(fusion, softmax_type, dtype, tol, rel):
 def test_scaled_applies_a_given_mask():
   logits, mask, _, _ = _data()
   p = core.softmax(logits, mask, scale_factor=0.5)
-  np.testing.assert_allclose(p, _reference(logits, np.broadcast_to(mask > 0, SHAPE), None, 0.5),
-                             rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    p, _reference(logits, np.broadcast_to(mask > 0, SHAPE), None, 0.5), rtol=1e-5, atol=1e-7
+  )
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({"softmax_fusion_type": "scaled_masked"}, "needs a mask"),
-        ({"softmax_fusion_type": "causal"}, "softmax_fusion_type must be"),
-        ({"softmax_type": "sparsemax"}, "softmax_type must be one of"),
-        ({"softmax_type": "learnable"}, "softmax_offset"),
-        ({"softmax_offset": jnp.zeros((1, 3, 1, 1))}, "softmax_offset"),
-        ({"mask": jnp.ones((3, 8, 8))}, "mask of shape"),
-    ],
+  "kwargs, match",
+  [
+    ({"softmax_fusion_type": "scaled_masked"}, "needs a mask"),
+    ({"softmax_fusion_type": "causal"}, "softmax_fusion_type must be"),
+    ({"softmax_type": "sparsemax"}, "softmax_type must be one of"),
+    ({"softmax_type": "learnable"}, "softmax_offset"),
+    ({"softmax_offset": jnp.zeros((1, 3, 1, 1))}, "softmax_offset"),
+    ({"mask": jnp.ones((3, 8, 8))}, "mask of shape"),
+  ],
 )
 def test_softmax_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):

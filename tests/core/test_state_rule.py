@@ -24,6 +24,7 @@ def _probe(amax, shape, seed=0):
 def _single_use_state(x, w, dy, state):
   def loss(x, w, state):
     return jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, state=state) * dy)
+
   return jax.grad(loss, argnums=2)(x, w, state)
 
 
@@ -68,8 +69,9 @@ def test_reuse_where_one_use_keeps_its_scale():
 
   def loss(w, state):
     state = core.with_max_grad(state)
-    return (jnp.sum(core.dot_general(zeros, w, DN, threshold=None, recipe=RECIPE, state=state))
-            + jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, state=state)))
+    return jnp.sum(
+      core.dot_general(zeros, w, DN, threshold=None, recipe=RECIPE, state=state)
+    ) + jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, state=state))
 
   for order in (False, True):
     fn = (lambda w, s: loss(w, s)) if not order else jax.jit(loss)
@@ -79,10 +81,14 @@ def test_reuse_where_one_use_keeps_its_scale():
 
   # Both uses keep the scale (all-zero x twice): the old scale comes back, positive.
   state = dict(state, x_scale=jnp.float32([5.0]))
+
   def loss_zero(w, state):
     state = core.with_max_grad(state)
-    return sum(jnp.sum(core.dot_general(zeros, w, DN, threshold=None, recipe=RECIPE, state=state))
-               for _ in range(2))
+    return sum(
+      jnp.sum(core.dot_general(zeros, w, DN, threshold=None, recipe=RECIPE, state=state))
+      for _ in range(2)
+    )
+
   new = jax.grad(loss_zero, argnums=1)(w, state)
   np.testing.assert_array_equal(new["x_scale"], [5.0])
 
@@ -92,9 +98,11 @@ def test_with_max_grad_on_unused_state_gives_zero_gradient():
 
   def loss(w, state):
     state = core.with_max_grad(state)
-    used = core.dot_general(_probe(1.0, (16, 32)), w, DN, threshold=None, recipe=RECIPE,
-                            state=state["a"])
+    used = core.dot_general(
+      _probe(1.0, (16, 32)), w, DN, threshold=None, recipe=RECIPE, state=state["a"]
+    )
     return jnp.sum(used)
+
   states = {"a": state, "b": dict(state, x_scale=jnp.float32([3.0]))}
   new = jax.grad(loss, argnums=1)(_probe(1.0, (32, 16)), states)
   jax.tree_util.tree_map(lambda g: np.testing.assert_array_equal(g, np.zeros_like(g)), new["b"])
@@ -111,10 +119,12 @@ def test_scan_over_stacked_per_layer_state():
     def body(h, layer):
       w, s = layer
       return core.dot_general(h, w, DN, threshold=None, recipe=RECIPE, state=s), None
+
     h, _ = jax.lax.scan(body, x, (ws, states))
     return jnp.sum(h)
 
   new = jax.jit(jax.grad(loss, argnums=1))(ws, states)
+
   # Reference: the same layers unrolled in Python.
   def loss_unrolled(ws, states):
     h = x
@@ -122,6 +132,7 @@ def test_scan_over_stacked_per_layer_state():
       s = jax.tree_util.tree_map(lambda a, i=i: a[i], states)
       h = core.dot_general(h, ws[i], DN, threshold=None, recipe=RECIPE, state=s)
     return jnp.sum(h)
+
   ref = jax.grad(loss_unrolled, argnums=1)(ws, states)
   for k in ref:
     np.testing.assert_allclose(new[k], ref[k], rtol=1e-6, err_msg=k)
@@ -136,9 +147,12 @@ def test_scan_with_broadcast_state_and_microbatches_take_max():
 
   def loss(w, state):
     state = core.with_max_grad(state)
+
     def body(total, x):
-      return total + jnp.sum(core.dot_general(x, w, DN, threshold=None, recipe=RECIPE,
-                                              state=state)), None
+      return total + jnp.sum(
+        core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, state=state)
+      ), None
+
     return jax.lax.scan(body, 0.0, xs)[0]
 
   new = jax.jit(jax.grad(loss, argnums=1))(w, state)
@@ -158,6 +172,7 @@ def test_remat_gives_same_grads_and_state():
   def make_loss(fn):
     def loss(x, w, state):
       return jnp.sum(fn(x, w, core.with_max_grad(state)) ** 2)
+
     return loss
 
   plain = jax.jit(jax.grad(make_loss(block), argnums=(0, 1, 2)))(x, w, state)
@@ -175,8 +190,10 @@ def test_remat_policy_saves_the_quantized_operands():
     return jnp.sum(jnp.sin(core.dot_general(x, w, DN, threshold=None, recipe=recipe)))
 
   def saved(policy):
-    return [(str(aval.dtype), aval.shape) for aval, _ in
-            saved_residuals(jax.checkpoint(f, policy=policy), x, w)]
+    return [
+      (str(aval.dtype), aval.shape)
+      for aval, _ in saved_residuals(jax.checkpoint(f, policy=policy), x, w)
+    ]
 
   # The FP8 data is saved as its uint8 bit pattern (see core/_gemm.py: _name_fp8).
   kept = saved(core.save_quantized_operands)
@@ -192,8 +209,9 @@ def test_forward_only_leaves_state_alone_and_unused_gemm_keeps_state():
   x, w = _probe(3.0, (16, 32)), _probe(1.0, (32, 16))
   before = jax.tree_util.tree_map(np.asarray, state)
   for _ in range(3):
-    jax.jit(lambda x, w, s: core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, state=s))(x,
-        w, state)
+    jax.jit(lambda x, w, s: core.dot_general(x, w, DN, threshold=None, recipe=RECIPE, state=s))(
+      x, w, state
+    )
   jax.tree_util.tree_map(np.testing.assert_array_equal, state, before)
 
   def loss(w, states):

@@ -39,11 +39,13 @@ def test_vmap_with_an_all_zero_example_takes_the_other_examples_scale():
   x = np.stack([np.zeros((4, 16), np.float32), np.full((4, 16), 3.0, np.float32)])
   w = np.full((16, 16), 0.5, np.float32)
   for max_grad in (False, True):
+
     def loss(state, max_grad=max_grad):
       if max_grad:
         state = core.with_max_grad(state)
       f = lambda xi: core.dot_general(xi, w, DN, threshold=None, recipe=RECIPE, state=state)
       return jnp.sum(jax.vmap(f)(x))
+
     grads = jax.grad(loss)(core.init_state(RECIPE))
     np.testing.assert_array_equal(grads["x_amax_history"], [0.0, 3.0])
     assert_scales_equal(grads["x_scale"], [np.float32(448.0) / np.float32(3.0)])

@@ -24,7 +24,7 @@ BACKEND = jax.default_backend()
 HERE = dataclasses.replace(core.DEFAULT_SIZE_THRESHOLD, platforms=(BACKEND,))
 # The default rule, applied only on a platform the tests do not run on.
 ELSEWHERE = dataclasses.replace(
-    core.DEFAULT_SIZE_THRESHOLD, platforms=("tpu" if BACKEND != "tpu" else "cpu",)
+  core.DEFAULT_SIZE_THRESHOLD, platforms=("tpu" if BACKEND != "tpu" else "cpu",)
 )
 # The default threshold as the package ships it (the suite's conftest extends it to CPU).
 SHIPPED = dataclasses.replace(core.DEFAULT_SIZE_THRESHOLD, platforms=conftest.GPU_PLATFORMS)
@@ -44,17 +44,18 @@ def _data(*shapes, dtype=jnp.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize(
-    "recipe, preferred",
-    [(DELAYED, None), (ta.Float8CurrentScaling(), jnp.float32)],
-    ids=["delayed", "current-preferred_f32"],
+  "recipe, preferred",
+  [(DELAYED, None), (ta.Float8CurrentScaling(), jnp.float32)],
+  ids=["delayed", "current-preferred_f32"],
 )
 def test_below_threshold_is_exactly_lax_dot_general(recipe, preferred):
   x, w, dy = _data((16, 32), (32, 48), (16, 48))
   state = core.init_state(recipe)
 
   def ours(x, w, state):
-    return core.dot_general(x, w, DN, preferred_element_type=preferred, recipe=recipe,
-                            state=state or None, threshold=HERE)
+    return core.dot_general(
+      x, w, DN, preferred_element_type=preferred, recipe=recipe, state=state or None, threshold=HERE
+    )
 
   def ref(x, w, state):
     del state
@@ -76,8 +77,9 @@ def test_below_threshold_is_exactly_lax_dot_general(recipe, preferred):
   loss = lambda x, w, s: jnp.sum(ours(x, w, s).astype(jnp.float32))
   assert inspect.count_fp8_dot_generals(jax.grad(loss, argnums=(0, 1)), x, w, state) == (0, 3)
   # threshold=None quantizes the same GEMM.
-  forced = lambda x, w, s: jnp.sum(core.dot_general(x, w, DN, recipe=recipe, state=s or None,
-                                                    threshold=None).astype(jnp.float32))
+  forced = lambda x, w, s: jnp.sum(
+    core.dot_general(x, w, DN, recipe=recipe, state=s or None, threshold=None).astype(jnp.float32)
+  )
   assert inspect.count_fp8_dot_generals(jax.grad(forced, argnums=(0, 1)), x, w, state) == (3, 3)
 
 
@@ -87,23 +89,35 @@ def test_warning_names_the_gemm_the_rule_and_the_way_out():
     core.dot_general(x, w, DN, recipe=ta.Float8CurrentScaling(), threshold=HERE)
   assert len(record) == 1 and issubclass(core.HighPrecisionGemmWarning, UserWarning)
   message = str(record[0].message)
-  for part in ("M=16, K=32, N=48", "high precision (bfloat16)", "Float8CurrentScaling",
-               f"M*K*N >= 68719476736 = 4096**3 and min(M, K, N) >= 2048, on {BACKEND}",
-               "threshold=None"):
+  for part in (
+    "M=16, K=32, N=48",
+    "high precision (bfloat16)",
+    "Float8CurrentScaling",
+    f"M*K*N >= 68719476736 = 4096**3 and min(M, K, N) >= 2048, on {BACKEND}",
+    "threshold=None",
+  ):
     assert part in message, (part, message)
   assert record[0].filename == __file__  # points at the caller
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     for threshold in (None, ELSEWHERE):
-      jax.eval_shape(lambda x, w, t=threshold: core.dot_general(
-          x, w, DN, recipe=ta.Float8CurrentScaling(), threshold=t), x, w)
+      jax.eval_shape(
+        lambda x, w, t=threshold: core.dot_general(
+          x, w, DN, recipe=ta.Float8CurrentScaling(), threshold=t
+        ),
+        x,
+        w,
+      )
 
 
 @pytest.mark.parametrize("max_grad", [False, True], ids=["plain", "with_max_grad"])
 def test_delayed_state_unchanged_over_three_steps(max_grad):
   x, w, dy = _data((16, 32), (32, 16), (16, 16))
-  state = dict(core.init_state(DELAYED), x_scale=jnp.float32([3.0]),
-               x_amax_history=jnp.float32([1.0, 2.0, 0.0, 5.0]))
+  state = dict(
+    core.init_state(DELAYED),
+    x_scale=jnp.float32([3.0]),
+    x_amax_history=jnp.float32([1.0, 2.0, 0.0, 5.0]),
+  )
   before = jax.tree.map(np.asarray, state)
 
   @jax.jit
@@ -113,6 +127,7 @@ def test_delayed_state_unchanged_over_three_steps(max_grad):
         state = core.with_max_grad(state)
       y = core.dot_general(x, w, DN, recipe=DELAYED, state=state, threshold=HERE)
       return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
     return jax.grad(loss, argnums=(0, 1))(w, state)
 
   for _ in range(3):
@@ -129,8 +144,10 @@ def test_high_precision_use_leaves_max_combination_to_the_fp8_use():
 
   def loss(w, state, uses):
     state = core.with_max_grad(state)
-    return sum(jnp.sum(core.dot_general(x * scale, w, DN, recipe=DELAYED, state=state,
-                                        threshold=threshold)) for scale, threshold in uses)
+    return sum(
+      jnp.sum(core.dot_general(x * scale, w, DN, recipe=DELAYED, state=state, threshold=threshold))
+      for scale, threshold in uses
+    )
 
   # A large high-precision use (its amax would win) next to an FP8 use: the FP8 use alone counts.
   grad = jax.jit(jax.grad(loss, argnums=1), static_argnums=2)
@@ -161,10 +178,13 @@ def test_vmap_and_remat_keep_the_state():
 
 
 @pytest.mark.parametrize(
-    "recipe, rng",
-    [(ta.MXFP8BlockScaling(), None), (ta.Float8BlockScaling(), None),
-     (ta.NVFP4BlockScaling(), jax.random.key(0))],
-    ids=["mxfp8", "float8_block", "nvfp4_with_rng"],
+  "recipe, rng",
+  [
+    (ta.MXFP8BlockScaling(), None),
+    (ta.Float8BlockScaling(), None),
+    (ta.NVFP4BlockScaling(), jax.random.key(0)),
+  ],
+  ids=["mxfp8", "float8_block", "nvfp4_with_rng"],
 )
 def test_block_recipes_below_threshold(recipe, rng):
   x, w = _data((128, 128), (128, 256))  # shapes every block recipe can tile
@@ -174,39 +194,46 @@ def test_block_recipes_below_threshold(recipe, rng):
   for a, b in zip(got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   with pytest.raises(ValueError, match="does not use one"):  # still validated
-    core.dot_general(x, w, DN, recipe=ta.MXFP8BlockScaling(), rng=jax.random.key(0),
-                     threshold=HERE)
+    core.dot_general(x, w, DN, recipe=ta.MXFP8BlockScaling(), rng=jax.random.key(0), threshold=HERE)
 
 
 MKN_CASES = [
-    # lhs shape, rhs shape, dimension numbers, (M, K, N)
-    ((16, 32), (32, 48), DN, (16, 32, 48)),
-    ((4, 16, 32), (32, 48), (((2,), (0,)), ((), ())), (64, 32, 48)),
-    ((2, 16, 32), (2, 32, 8), (((2,), (1,)), ((0,), (0,))), (32, 32, 8)),  # batch dims
-    ((16, 2, 32, 4), (4, 32, 16), (((2, 3), (1, 0)), ((), ())), (32, 128, 16)),  # two contracting
-    ((16, 3, 32), (32, 3, 16), (((2,), (0,)), ((1,), (1,))), (48, 32, 16)),
+  # lhs shape, rhs shape, dimension numbers, (M, K, N)
+  ((16, 32), (32, 48), DN, (16, 32, 48)),
+  ((4, 16, 32), (32, 48), (((2,), (0,)), ((), ())), (64, 32, 48)),
+  ((2, 16, 32), (2, 32, 8), (((2,), (1,)), ((0,), (0,))), (32, 32, 8)),  # batch dims
+  ((16, 2, 32, 4), (4, 32, 16), (((2, 3), (1, 0)), ((), ())), (32, 128, 16)),  # two contracting
+  ((16, 3, 32), (32, 3, 16), (((2,), (0,)), ((1,), (1,))), (48, 32, 16)),
 ]
 
 
 @pytest.mark.parametrize("lhs, rhs, dn, mkn", MKN_CASES)
 def test_runs_in_fp8_counts_m_k_n(lhs, rhs, dn, mkn):
   m, k, n = mkn
-  at = lambda **kw: core.SizeThreshold(**{"min_mkn": 1, "min_dim": 1, "platforms": (BACKEND,),
-                                          **kw})
+  at = lambda **kw: core.SizeThreshold(
+    **{"min_mkn": 1, "min_dim": 1, "platforms": (BACKEND,), **kw}
+  )
   assert core.runs_in_fp8(lhs, rhs, dn, at(min_mkn=m * k * n))
   assert not core.runs_in_fp8(lhs, rhs, dn, at(min_mkn=m * k * n + 1))
   assert core.runs_in_fp8(lhs, rhs, dn, at(min_dim=min(m, k, n)))
   assert not core.runs_in_fp8(lhs, rhs, dn, at(min_dim=min(m, k, n) + 1))
   assert core.runs_in_fp8(lhs, rhs, dn, at(min_mkn=m * k * n + 1), backend=ELSEWHERE.platforms[0])
   assert core.runs_in_fp8(lhs, rhs, dn, at(min_mkn=m * k * n + 1)) == (
-      core.runs_in_fp8(jnp.zeros(lhs), jnp.zeros(rhs), dn, at(min_mkn=m * k * n + 1)))
+    core.runs_in_fp8(jnp.zeros(lhs), jnp.zeros(rhs), dn, at(min_mkn=m * k * n + 1))
+  )
 
 
 def test_default_rule_on_gpu_and_not_on_cpu():
   assert SHIPPED.platforms == ("gpu",)
   fp8 = lambda m, k, n, **kw: core.runs_in_fp8((m, k), (k, n), DN, **{"threshold": SHIPPED, **kw})
-  for shape in [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 1024), (4096, 4096, 2048),
-                (1024, 8192, 8192), (8192, 2048, 2048)]:
+  for shape in [
+    (1024, 1024, 1024),
+    (2048, 2048, 2048),
+    (4096, 4096, 1024),
+    (4096, 4096, 2048),
+    (1024, 8192, 8192),
+    (8192, 2048, 2048),
+  ]:
     assert not fp8(*shape, backend="gpu"), shape
     assert fp8(*shape, backend="cpu") and fp8(*shape, backend="gpu", threshold=None), shape
   for shape in [(4096, 4096, 4096), (2048, 8192, 8192), (8192, 4096, 14336), (16384,) * 3]:
@@ -226,17 +253,23 @@ def test_default_threshold_applies_where_the_backend_is_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"min_mkn": 0, "min_dim": 1}, ValueError, "SizeThreshold.min_mkn must be >= 1, got 0"),
-        ({"min_mkn": 1, "min_dim": -2}, ValueError, "SizeThreshold.min_dim must be >= 1"),
-        ({"min_mkn": 1.5, "min_dim": 1}, TypeError, "SizeThreshold.min_mkn must be an int"),
-        ({"min_mkn": 1, "min_dim": True}, TypeError, "SizeThreshold.min_dim must be an int"),
-        ({"min_mkn": 1, "min_dim": 1, "platforms": "gpu"}, TypeError,
-         r"SizeThreshold.platforms must be a tuple of platform names such as \('gpu',\)"),
-        ({"min_mkn": 1, "min_dim": 1, "platforms": ("cuda",)}, ValueError,
-         r"SizeThreshold.platforms: unknown platform\(s\) \['cuda'\]"),
-    ],
+  "kwargs, error, match",
+  [
+    ({"min_mkn": 0, "min_dim": 1}, ValueError, "SizeThreshold.min_mkn must be >= 1, got 0"),
+    ({"min_mkn": 1, "min_dim": -2}, ValueError, "SizeThreshold.min_dim must be >= 1"),
+    ({"min_mkn": 1.5, "min_dim": 1}, TypeError, "SizeThreshold.min_mkn must be an int"),
+    ({"min_mkn": 1, "min_dim": True}, TypeError, "SizeThreshold.min_dim must be an int"),
+    (
+      {"min_mkn": 1, "min_dim": 1, "platforms": "gpu"},
+      TypeError,
+      r"SizeThreshold.platforms must be a tuple of platform names such as \('gpu',\)",
+    ),
+    (
+      {"min_mkn": 1, "min_dim": 1, "platforms": ("cuda",)},
+      ValueError,
+      r"SizeThreshold.platforms: unknown platform\(s\) \['cuda'\]",
+    ),
+  ],
 )
 def test_invalid_thresholds_are_refused(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -248,10 +281,13 @@ def test_threshold_is_hashable_and_checked_by_dot_general():
   assert t.platforms == ("cpu", "gpu") and type(t.min_mkn) is int
   assert hash(t) == hash(core.SizeThreshold(8, 2, ("cpu", "gpu")))
   x, w = _data((16, 32), (32, 16))
-  f = jax.jit(lambda x, w, state, threshold: core.dot_general(
-      x, w, DN, recipe=DELAYED, state=state, threshold=threshold), static_argnums=3)
-  np.testing.assert_array_equal(f(x, w, core.init_state(DELAYED), HERE),
-                                lax.dot_general(x, w, DN))
+  f = jax.jit(
+    lambda x, w, state, threshold: core.dot_general(
+      x, w, DN, recipe=DELAYED, state=state, threshold=threshold
+    ),
+    static_argnums=3,
+  )
+  np.testing.assert_array_equal(f(x, w, core.init_state(DELAYED), HERE), lax.dot_general(x, w, DN))
   for bad in (4096**3, "default"):
     with pytest.raises(TypeError, match="threshold must be a te_adapters.core.SizeThreshold"):
       core.dot_general(x, w, DN, recipe=ta.Float8CurrentScaling(), threshold=bad)
@@ -286,21 +322,33 @@ def test_spmd_keywords_below_threshold():
   xs, ws, dys = put(x, P("fsdp")), put(w, P("fsdp", None)), put(dy, P("fsdp"))
 
   def body(x, w, state, dy):
-    y = core.dot_general(x, w, dn, recipe=DELAYED, state=state, threshold=HERE,
-                         kernel_all_gather=P("fsdp", None), amax_axes="fsdp")
+    y = core.dot_general(
+      x,
+      w,
+      dn,
+      recipe=DELAYED,
+      state=state,
+      threshold=HERE,
+      kernel_all_gather=P("fsdp", None),
+      amax_axes="fsdp",
+    )
     return lax.psum(jnp.sum(y * dy), "fsdp")
 
-  mapped = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P("fsdp", None), P(), P("fsdp")),
-                         out_specs=P())
+  mapped = jax.shard_map(
+    body, mesh=mesh, in_specs=(P("fsdp"), P("fsdp", None), P(), P("fsdp")), out_specs=P()
+  )
   check(lambda x, w, s: mapped(x, w, s, dys), xs, ws)
   # Row-parallel TP with Explicit axes: out_sharding names the sum over the contracting dim.
   mesh = _mesh((("dp", 2), ("tp", 2)))
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   xs, ws = put(x, P("dp", None, "tp")), put(w, P("tp", None))
   with jax.set_mesh(mesh):
-    loss = lambda x, w, s: jnp.sum(core.dot_general(
+    loss = lambda x, w, s: jnp.sum(
+      core.dot_general(
         x, w, dn, recipe=DELAYED, state=s, threshold=HERE, out_sharding=P("dp", None, None)
-    ) * put(dy, P("dp")))
+      )
+      * put(dy, P("dp"))
+    )
     check(loss, xs, ws)
 
 
@@ -314,24 +362,30 @@ def _error_of(f, *args):
 
 
 BAD_INPUTS = [
-    # recipe, lhs shape, rhs shape, differentiate, extra keywords, what the message names
-    (ta.Float8BlockScaling(), (128, 64), (64, 128), False, {}, "K .* is 64"),
-    (ta.Float8BlockScaling(), (8, 128), (128, 128), True, {}, "M .* is 8"),
-    (ta.MXFP8BlockScaling(), (32, 48), (48, 32), False, {}, "K .* is 48"),
-    (ta.MXFP8BlockScaling(), (32, 32), (32, 7), True, {}, "N .* is 7"),
-    (ta.NVFP4BlockScaling(), (16, 16), (16, 16), True, {}, "pass rng="),
-    (ta.NVFP4BlockScaling(), (24, 16), (16, 16), True, {"rng": jax.random.key(0)}, "M .* is 24"),
-    (ta.MXFP8BlockScaling(), (32, 32), (32, 32), False, {"rng": jax.random.key(0)},
-     "does not use one"),
-    (DELAYED, (16, 32), (32, 16), False, {"state": {"x_scale": jnp.ones(1)}}, "state"),
-    (ta.Float8CurrentScaling(), (16, 32), (32, 16), False, {"dtype": jnp.int32}, "float"),
-    ("fp8", (16, 32), (32, 16), False, {}, "recipe"),
+  # recipe, lhs shape, rhs shape, differentiate, extra keywords, what the message names
+  (ta.Float8BlockScaling(), (128, 64), (64, 128), False, {}, "K .* is 64"),
+  (ta.Float8BlockScaling(), (8, 128), (128, 128), True, {}, "M .* is 8"),
+  (ta.MXFP8BlockScaling(), (32, 48), (48, 32), False, {}, "K .* is 48"),
+  (ta.MXFP8BlockScaling(), (32, 32), (32, 7), True, {}, "N .* is 7"),
+  (ta.NVFP4BlockScaling(), (16, 16), (16, 16), True, {}, "pass rng="),
+  (ta.NVFP4BlockScaling(), (24, 16), (16, 16), True, {"rng": jax.random.key(0)}, "M .* is 24"),
+  (
+    ta.MXFP8BlockScaling(),
+    (32, 32),
+    (32, 32),
+    False,
+    {"rng": jax.random.key(0)},
+    "does not use one",
+  ),
+  (DELAYED, (16, 32), (32, 16), False, {"state": {"x_scale": jnp.ones(1)}}, "state"),
+  (ta.Float8CurrentScaling(), (16, 32), (32, 16), False, {"dtype": jnp.int32}, "float"),
+  ("fp8", (16, 32), (32, 16), False, {}, "recipe"),
 ]
 
 
 @pytest.mark.parametrize("recipe, lhs, rhs, differentiate, extra, match", BAD_INPUTS)
 def test_bad_input_gets_the_same_error_below_and_above_the_threshold(
-    recipe, lhs, rhs, differentiate, extra, match
+  recipe, lhs, rhs, differentiate, extra, match
 ):
   extra = dict(extra)
   dtype = extra.pop("dtype", jnp.float32)

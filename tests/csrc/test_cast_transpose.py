@@ -38,8 +38,9 @@ def _nasty(shape, dtype, seed):
 
 
 def _both(x, scale, q_dtype, **kw):
-  f = lambda be: jax.jit(
-      lambda x, s: formats.cast_transpose(x, s, q_dtype, backend=be, **kw))(x, scale)
+  f = lambda be: jax.jit(lambda x, s: formats.cast_transpose(x, s, q_dtype, backend=be, **kw))(
+    x, scale
+  )
   return f("ffi"), f("jax")
 
 
@@ -147,7 +148,8 @@ def test_vmap_matches_per_example_calls():
           np.testing.assert_array_equal(_bits(g), _bits(w))
   got = jax.vmap(lambda v: formats.amax(v, backend="ffi"))(x)
   np.testing.assert_array_equal(
-      _bits(got), _bits(jax.vmap(lambda v: formats.amax(v, backend="jax"))(x)))
+    _bits(got), _bits(jax.vmap(lambda v: formats.amax(v, backend="jax"))(x))
+  )
 
 
 @needs_ext
@@ -162,17 +164,18 @@ def test_per_batch_scales_bit_identical_to_jax(dtype, q_dtype, shape):
     x[1] = np.where(np.abs(x[1]) < np.inf, x[1], 0.0)  # finite: its own amax, not inf
     x[2, 3, 4] = np.nan
   scales = jnp.asarray(np.geomspace(0.01, 40.0, shape[0]), jnp.float32)
-  f = lambda be: jax.jit(lambda x, s: formats.cast_transpose_per_batch(
-    x, s, q_dtype, with_amax=True, backend=be))(x, scales)
+  f = lambda be: jax.jit(
+    lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True, backend=be)
+  )(x, scales)
   (q, q_t, a), (rq, rq_t, ra) = f("ffi"), f("jax")
   assert q.shape == x.shape and q_t.shape == np.swapaxes(x, 1, 2).shape and a.shape == shape[:1]
   for got, want in ((q, rq), (q_t, rq_t), (a, ra)):
     np.testing.assert_array_equal(_bits(got), _bits(want))
   for b in range(shape[0]):
-    one = formats.cast_transpose(x[b], scales[b:b + 1], q_dtype, with_amax=True, backend="jax")
+    one = formats.cast_transpose(x[b], scales[b : b + 1], q_dtype, with_amax=True, backend="jax")
     np.testing.assert_array_equal(_bits(q[b]), _bits(one[0]))
     np.testing.assert_array_equal(_bits(q_t[b]), _bits(one[1]))
-    np.testing.assert_array_equal(_bits(a[b:b + 1]), _bits(one[2]))
+    np.testing.assert_array_equal(_bits(a[b : b + 1]), _bits(one[2]))
   if shape[0] > 2:
     assert np.isposinf(a[0]) and np.isfinite(a[1]) and np.isposinf(a[2])  # inf, finite, NaN
     assert float(a[1]) == float(np.max(np.abs(np.asarray(x[1], np.float32))))
@@ -201,7 +204,12 @@ def _dense_step(recipe, backend, monkeypatch):
   def loss_fn(w, state, x):
     state = ta.core.with_max_grad(state)
     y = ta.core.dot_general(
-      x, w.astype(x.dtype), (((2,), (0,)), ((), ())), threshold=None, recipe=recipe, state=state,
+      x,
+      w.astype(x.dtype),
+      (((2,), (0,)), ((), ())),
+      threshold=None,
+      recipe=recipe,
+      state=state,
       config=ta.GemmConfig(backend=backend),
     )
     return jnp.sum(y.astype(jnp.float32) ** 2) / y.size
@@ -281,8 +289,9 @@ def test_backend_choice():
 def test_config_is_checked():
   x = jnp.ones((16, 32))
   with pytest.raises(TypeError, match="config must be a GemmConfig"):
-    ta.core.dot_general(x, x.T, (((1,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling(),
-                        config={"backend": "jax"})
+    ta.core.dot_general(
+      x, x.T, (((1,), (0,)), ((), ())), recipe=ta.Float8CurrentScaling(), config={"backend": "jax"}
+    )
   with pytest.raises(ValueError, match="GemmConfig.fp8_gemm must be"):
     ta.GemmConfig(fp8_gemm="cublas")
 

@@ -74,10 +74,12 @@ def test_cuda_per_batch_scales_bit_identical(dtype, q_dtype, shape):
   x[0, 1, 2], x[2, 3, 4] = np.inf, np.nan
   x = jnp.asarray(x.astype(dtype))
   scales = jnp.asarray(np.geomspace(1e-3, 30.0, shape[0]), jnp.float32)
-  f = jax.jit(lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
-                                                       backend="ffi"))
-  g = jax.jit(lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True,
-                                                       backend="jax"))
+  f = jax.jit(
+    lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True, backend="ffi")
+  )
+  g = jax.jit(
+    lambda x, s: formats.cast_transpose_per_batch(x, s, q_dtype, with_amax=True, backend="jax")
+  )
   assert "te_adapters_cast_transpose" in f.lower(x, scales).as_text()
   (q, q_t, a), (rq, rq_t, ra) = f(x, scales), g(x, scales)
   for got, want in ((q, rq), (q_t, rq_t), (a, ra)):
@@ -98,8 +100,14 @@ def test_cuda_dense_grad_identical(recipe):
 
     def loss(w, state):
       y = ta.core.dot_general(
-        x, w, (((2,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST, recipe=recipe,
-        state=state, threshold=None, config=ta.GemmConfig(backend=be),
+        x,
+        w,
+        (((2,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        recipe=recipe,
+        state=state,
+        threshold=None,
+        config=ta.GemmConfig(backend=be),
       )
       return jnp.sum(y.astype(jnp.float32) ** 2)
 
@@ -119,5 +127,6 @@ def test_cuda_dense_grad_identical(recipe):
   # accumulation of DEFAULT, two algorithms' losses differed by 0.4%).
   np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-4)
   assert _rel(np.asarray(g1, np.float32), np.asarray(g2, np.float64)) < 3e-4
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=3e-4),
-               s1, s2)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=3e-4), s1, s2
+  )

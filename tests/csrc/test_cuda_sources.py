@@ -13,12 +13,16 @@ import pytest
 
 CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
 # Empty where the tests run from a copy without the sources (the pure-JAX install test's).
-SOURCES = sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cc")) \
-    if CSRC.is_dir() else []
+SOURCES = (
+  sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cc"))
+  if CSRC.is_dir()
+  else []
+)
 # A function declared __device__ (or __global__) but not __host__: the name before its "(" (and
 # before the template arguments of a specialization).
 _DEVICE_DECL = re.compile(
-    r"\b__(device|global)__\b(?P<rest>[^;{]*?)\b(?P<name>\w+)\s*(<[^;{()]*>)?\s*\(")
+  r"\b__(device|global)__\b(?P<rest>[^;{]*?)\b(?P<name>\w+)\s*(<[^;{()]*>)?\s*\("
+)
 
 
 def _strip_comments(text: str) -> str:
@@ -33,12 +37,12 @@ def _split(text: str):
     if m.start() < pos:
       continue  # inside a body already cut
     line_start = text.rfind("\n", 0, m.start()) + 1
-    if "__host__" in text[line_start:m.end()]:
+    if "__host__" in text[line_start : m.end()]:
       continue
     if m.group(1) == "device":
       names.add(m.group("name"))
     end = _end_of_definition(text, m.end())
-    host.append(text[pos:m.start()])
+    host.append(text[pos : m.start()])
     pos = end
   host.append(text[pos:])
   return names, "".join(host)
@@ -64,8 +68,12 @@ def device_only_calls_from_host(texts: dict[str, str]) -> list[str]:
   for f, t in stripped.items():
     names, host[f] = _split(t)
     device_only |= names
-  return sorted(f"{f}: {name}" for f, h in host.items() for name in device_only
-                if re.search(rf"(?<![\w.])(?<!->){re.escape(name)}\s*(<[^;()]*>)?\s*\(", h))
+  return sorted(
+    f"{f}: {name}"
+    for f, h in host.items()
+    for name in device_only
+    if re.search(rf"(?<![\w.])(?<!->){re.escape(name)}\s*(<[^;()]*>)?\s*\(", h)
+  )
 
 
 def test_the_check_finds_a_device_only_call_in_a_handler():

@@ -225,8 +225,9 @@ def test_install_without_extension(tmp_path):
   # After the install: the caller's own PYTHONPATH entries (packages installed beside the
   # interpreter's, such as dm-haiku on a machine that carries it), less the checkout itself.
   inherited = [
-      p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-      if p and not Path(p).resolve().is_relative_to(ROOT.resolve())
+    p
+    for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if p and not Path(p).resolve().is_relative_to(ROOT.resolve())
   ]
   path = os.pathsep.join([str(hooks), str(off), *inherited])
   env = _env(PYTHONPATH=path, TE_ADAPTERS_INSTALL_PROBE=str(probe), **{NESTED_ENV: "1"})

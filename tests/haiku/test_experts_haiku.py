@@ -50,8 +50,9 @@ def test_params_state_and_a_training_step(rel):
   np.testing.assert_allclose(s["x_amax_history"][:, 1], group_amax(x) * 2, rtol=1e-6)
   np.testing.assert_allclose(s["x_amax_history"][:, 2], group_amax(x), rtol=1e-6)
   np.testing.assert_allclose(s["grad_amax_history"][:, 2], group_amax(dy), rtol=1e-6)
-  np.testing.assert_allclose(s["x_scale"][[0, 2, 3], 0], 448 / group_amax(x * 3)[[0, 2, 3]],
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    s["x_scale"][[0, 2, 3], 0], 448 / group_amax(x * 3)[[0, 2, 3]], rtol=1e-6
+  )
   np.testing.assert_array_equal(g_params["grouped_linear"]["w"][1], 0.0)  # the empty expert
   w = np.asarray(params["grouped_linear"]["w"], np.float64)
   ref = np.zeros((M, N))

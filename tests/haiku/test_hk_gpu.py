@@ -13,7 +13,6 @@ from te_adapters import haiku as ta_hk
 pytestmark = pytest.mark.gpu
 
 
-
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU with FP8 GEMMs")
 @pytest.mark.parametrize("remat_policy", [None, core.save_quantized_operands])
 @pytest.mark.parametrize("recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()])

@@ -15,10 +15,10 @@ from te_adapters.core import init_state
 from tests.conftest import FP8_GEMM_RTOL
 
 _CONFIGS = [
-    {},
-    {"with_bias": False},
-    {"w_init": hk.initializers.VarianceScaling(2.0), "b_init": jnp.ones},
-    {"name": "proj"},
+  {},
+  {"with_bias": False},
+  {"w_init": hk.initializers.VarianceScaling(2.0), "b_init": jnp.ones},
+  {"name": "proj"},
 ]
 
 
@@ -50,8 +50,9 @@ def test_recipe_none_is_hk_linear():
   cases = []
   for shape, dtype in (((5, 48), jnp.float32), ((2, 3, 48), jnp.bfloat16), ((48,), jnp.float32)):
     params = {"linear": {"w": rng.normal(size=(48, 24)), "b": rng.normal(size=(24,))}}
-    cases.append(jax.tree.map(lambda a, dtype=dtype: jnp.asarray(a, dtype),
-                              (params, rng.normal(size=shape))))
+    cases.append(
+      jax.tree.map(lambda a, dtype=dtype: jnp.asarray(a, dtype), (params, rng.normal(size=shape)))
+    )
   ref = hk.transform(lambda x: hk.Linear(24)(x))
   new = hk.transform(lambda x: ta_hk.Linear(24, recipe=None)(x))
 
@@ -67,16 +68,16 @@ def test_recipe_none_is_hk_linear():
   results = outputs_and_grads(cases)
   for (y_ref, g_ref), (y_new, g_new) in zip(results[::2], results[1::2], strict=True):
     assert y_new.dtype == y_ref.dtype and y_new.shape == y_ref.shape
-    for a, b in zip(jax.tree.leaves((y_new, g_new)), jax.tree.leaves((y_ref, g_ref)),
-                    strict=True):
+    for a, b in zip(jax.tree.leaves((y_new, g_new)), jax.tree.leaves((y_ref, g_ref)), strict=True):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_current_scaling_numerics_against_float64(rel):
   rng = np.random.default_rng(3)
   x, w, g = (rng.normal(size=s).astype(np.float32) for s in ((64, 128), (128, 64), (64, 64)))
-  f = hk.transform(lambda x: ta_hk.Linear(64, with_bias=False, threshold=None,
-                                          recipe=ta.Float8CurrentScaling())(x))
+  f = hk.transform(
+    lambda x: ta_hk.Linear(64, with_bias=False, threshold=None, recipe=ta.Float8CurrentScaling())(x)
+  )
   params = {"linear": {"w": w}}
 
   @jax.jit
@@ -124,8 +125,9 @@ def _fake_quant(x, scale):
 def test_delayed_scaling_history_through_steps():
   length, steps = 3, 4
   r = ta.DelayedScaling(amax_history_len=length)
-  f = hk.transform_with_state(lambda x: ta_hk.Linear(32, with_bias=False, threshold=None,
-                                                     recipe=r)(x))
+  f = hk.transform_with_state(
+    lambda x: ta_hk.Linear(32, with_bias=False, threshold=None, recipe=r)(x)
+  )
   rng = np.random.default_rng(4)
   base, gbase = _unit_max(rng, (16, 32)), _unit_max(rng, (16, 32))
   # Not powers of two apart, so quantizing with a stale scale gives other values than the current.
@@ -143,9 +145,9 @@ def test_delayed_scaling_history_through_steps():
   gs = [gbase * a for a in g_amax]
   k = np.max(np.abs(w))
   expect = {
-      "x": _expected_delayed([np.max(np.abs(v)) for v in xs], length, 448.0),
-      "kernel": _expected_delayed([k] * steps, length, 448.0),
-      "grad": _expected_delayed([np.max(np.abs(v)) for v in gs], length, 57344.0),
+    "x": _expected_delayed([np.max(np.abs(v)) for v in xs], length, 448.0),
+    "kernel": _expected_delayed([k] * steps, length, 448.0),
+    "grad": _expected_delayed([np.max(np.abs(v)) for v in gs], length, 57344.0),
   }
   for t in range(steps):
     old = state["linear"]
@@ -233,10 +235,13 @@ def test_errors_name_the_problem():
     init(lambda: ta_hk.Linear(16, threshold=None, recipe=ta.DelayedScaling()), x)
   # State made for another recipe (history length 4; the module wants 8).
   f8 = hk.transform_with_state(
-      lambda x: ta_hk.Linear(16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=8))(x))
-  params, state = init(lambda: ta_hk.Linear(16, threshold=None,
-                                            recipe=ta.DelayedScaling(amax_history_len=4)),
-                       x, with_state=True)
+    lambda x: ta_hk.Linear(16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=8))(x)
+  )
+  params, state = init(
+    lambda: ta_hk.Linear(16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4)),
+    x,
+    with_state=True,
+  )
   with pytest.raises(ValueError, match=r"x_amax_history.*\(4,\).*needs \(8,\)"):
     jax.eval_shape(f8.apply, params, state, None, x)
 
@@ -258,7 +263,8 @@ def test_threshold_is_passed_to_the_core():
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
   forced = hk.transform_with_state(lambda x: ta_hk.Linear(16, recipe=recipe, threshold=None)(x))
   assert ta.inspect.count_fp8_dot_generals(
-      lambda p, s, x: forced.apply(p, s, None, x), params, state, x) == (1, 1)
+    lambda p, s, x: forced.apply(p, s, None, x), params, state, x
+  ) == (1, 1)
   assert ta_hk.quantize(recipe).threshold == ta.core.DEFAULT_SIZE_THRESHOLD
   with pytest.raises(TypeError, match="threshold must be"):
     ta_hk.quantize(recipe, threshold=1)

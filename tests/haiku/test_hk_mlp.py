@@ -13,8 +13,11 @@ from te_adapters import core
 from te_adapters import haiku as ta_hk
 from tests import mlp_reference as ref
 
-RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4),
-           "block": ta.Float8BlockScaling()}
+RECIPES = {
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(amax_history_len=4),
+  "block": ta.Float8BlockScaling(),
+}
 NAME = "layer_norm_mlp"
 
 
@@ -31,8 +34,14 @@ def test_te_parameters_and_gemm_state():
   x, _ = ref.inputs()
   params, state = _model(RECIPES["delayed"]).init(jax.random.key(0), x)
   shapes = jax.tree.map(jnp.shape, params[NAME])
-  assert shapes == {"scale": (128,), "ln_bias": (128,), "wi_kernel": (128, 2, 128),
-                    "wo_kernel": (128, 128), "wi_bias": (2, 128), "wo_bias": (128,)}
+  assert shapes == {
+    "scale": (128,),
+    "ln_bias": (128,),
+    "wi_kernel": (128, 2, 128),
+    "wo_kernel": (128, 128),
+    "wi_bias": (2, 128),
+    "wo_bias": (128,),
+  }
   assert set(state) == {f"{NAME}/gemm_0", f"{NAME}/gemm_1"}
   recipe_state, other = ta_hk.split_state(state)
   assert recipe_state == state and not other  # TE's names, one GEMM per module
@@ -67,11 +76,11 @@ def test_ordinary_loop_against_float64(name, rel):
   assert errs["out"] > 0.005 and errs["wi_kernel"] > 0.005, errs
   if name == "delayed":
     a = float(jnp.max(jnp.abs(core.layernorm(x, params["scale"], params["ln_bias"]))))
-    np.testing.assert_allclose(state[f"{NAME}/gemm_0"]["x_amax_history"], [0, a, a, a],
-                               rtol=1e-6)
+    np.testing.assert_allclose(state[f"{NAME}/gemm_0"]["x_amax_history"], [0, a, a, a], rtol=1e-6)
     g = float(jnp.max(jnp.abs(dy)))
-    np.testing.assert_allclose(state[f"{NAME}/gemm_1"]["grad_amax_history"], [0, g, g, g],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      state[f"{NAME}/gemm_1"]["grad_amax_history"], [0, g, g, g], rtol=1e-6
+    )
     np.testing.assert_allclose(state[f"{NAME}/gemm_1"]["grad_scale"], [57344 / g], rtol=1e-6)
 
 
@@ -88,8 +97,7 @@ def test_layer_stack_with_remat_over_two_blocks_matches_unrolled():
   x, dy = ref.inputs()
   params, state = model.init(jax.random.key(0), x)
   (pname,) = params
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), ref.block_params(1),
-                         ref.block_params(2))
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), ref.block_params(1), ref.block_params(2))
   assert jax.tree.map(jnp.shape, params[pname]) == jax.tree.map(jnp.shape, stacked)
   params = {pname: stacked}
   snames = sorted(state)  # .../gemm_0, .../gemm_1
@@ -99,6 +107,7 @@ def test_layer_stack_with_remat_over_two_blocks_matches_unrolled():
     def loss(params, state):
       out, _ = model.apply(params, state, None, x)
       return jnp.sum(out * dy), out
+
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, state)
 
   states = ref.gemm_states(recipe, n=2)
@@ -107,35 +116,42 @@ def test_layer_stack_with_remat_over_two_blocks_matches_unrolled():
     want_out, want_grads, states = ref.unrolled(x, stacked, states, dy, recipe)
     np.testing.assert_allclose(out, want_out, rtol=ref.CROSS_RTOL, atol=ref.CROSS_RTOL)
     for k in stacked:
-      np.testing.assert_allclose(grads[pname][k], want_grads[k], rtol=10 * ref.CROSS_RTOL,
-                                 atol=10 * ref.CROSS_RTOL)
+      np.testing.assert_allclose(
+        grads[pname][k], want_grads[k], rtol=10 * ref.CROSS_RTOL, atol=10 * ref.CROSS_RTOL
+      )
     for i, sname in enumerate(snames):
-      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
-                   dict(state[sname]), dict(states[i]))
+      jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
+        dict(state[sname]),
+        dict(states[i]),
+      )
   history = np.asarray(state[snames[0]]["x_amax_history"])
   assert history.shape == (2, 4) and history[0, -1] != history[1, -1]
 
 
 def test_dropout_draws_from_the_apply_rng():
   x, _ = ref.inputs()
-  f = hk.transform(lambda x, det: _block(None, intermediate_dropout_rate=0.5)(
-      x, deterministic=det)[0])
+  f = hk.transform(
+    lambda x, det: _block(None, intermediate_dropout_rate=0.5)(x, deterministic=det)[0]
+  )
   params = f.init(jax.random.key(0), x, True)
   a, b = (f.apply(params, jax.random.key(k), x, False) for k in (1, 2))
   c = f.apply(params, None, x, True)
   assert not np.allclose(a, b) and not np.allclose(a, c)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"activations": ("gelu", "geglu")}, "unknown activation 'geglu'"),
     ({"layernorm_type": "batchnorm"}, "layernorm_type must be one of"),
     ({"recipe": RECIPES["current"]}, "wi_kernel .* multiples of 16, got N=72"),
     ({"axis": 0}, r"LayerNormMLP: axis must be -1 .*, got 0"),
     ({"axis": (-2, -1)}, r"LayerNormMLP: axis must be -1 .*, got \(-2, -1\)"),
-])
+  ],
+)
 def test_bad_input_is_a_clear_error(kwargs, match):
   x, _ = ref.inputs()
   kw = {"activations": ref.GATED, **kwargs}
   with pytest.raises(ValueError, match=match):
-    hk.transform_with_state(lambda x: ta_hk.LayerNormMLP(36, **kw)(x)).init(
-        jax.random.key(0), x)
+    hk.transform_with_state(lambda x: ta_hk.LayerNormMLP(36, **kw)(x)).init(jax.random.key(0), x)

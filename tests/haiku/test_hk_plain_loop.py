@@ -19,8 +19,9 @@ RECIPE = ta.DelayedScaling(amax_history_len=pl.HISTORY)
 
 
 def _twice(x1, x2):
-  layer = ta_hk.Linear(32, with_bias=False, recipe=RECIPE, threshold=None,
-                       w_init=lambda s, d: jnp.asarray(pl.W0, d))
+  layer = ta_hk.Linear(
+    32, with_bias=False, recipe=RECIPE, threshold=None, w_init=lambda s, d: jnp.asarray(pl.W0, d)
+  )
   return jnp.sum(layer(x1) * pl.DY1) + jnp.sum(layer(x2) * pl.DY2)
 
 

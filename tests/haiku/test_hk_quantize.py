@@ -46,12 +46,16 @@ def test_mlp_is_quantized_without_edits(rel):
   @jax.jit
   def run(key, x):
     p_plain, p_quant = plain.init(key, x), quantized.init(key, x)
-    outputs = [plain.apply(p_plain, None, x), quantized.apply(p_plain, None, x),
-               reference(p_plain, x)]
+    outputs = [
+      plain.apply(p_plain, None, x),
+      quantized.apply(p_plain, None, x),
+      reference(p_plain, x),
+    ]
     return p_plain, p_quant, outputs
 
-  with pytest.warns(ta.SkippedLayersWarning,
-                    match="mlp/~/linear_2: GEMM size K=32, N=10 is not a multiple of 16"):
+  with pytest.warns(
+    ta.SkippedLayersWarning, match="mlp/~/linear_2: GEMM size K=32, N=10 is not a multiple of 16"
+  ):
     p_plain, p_quant, (y_plain, y_quant, y_ref) = run(jax.random.key(0, impl="rbg"), x)
 
   # Parameters: same names, shapes, initial values.
@@ -67,7 +71,8 @@ def test_delayed_scaling_state_under_the_linear_names():
   x = np.random.default_rng(1).normal(size=(8, 16)).astype(np.float32)
   r = ta.DelayedScaling(amax_history_len=4)
   model = hk.transform_with_state(
-      ta_hk.quantize(r, threshold=None)(lambda x: hk.nets.MLP([32, 32, 10], w_init=_np_init(1))(x)))
+    ta_hk.quantize(r, threshold=None)(lambda x: hk.nets.MLP([32, 32, 10], w_init=_np_init(1))(x))
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the 10-wide layer's warning is tested above
     params, state = jax.jit(model.init)(None, x)
@@ -81,8 +86,9 @@ def test_delayed_scaling_state_under_the_linear_names():
   assert set(state) == {"mlp/~/linear_0", "mlp/~/linear_1"}
   assert all(set(v) == ta_hk.RECIPE_STATE_NAMES for v in state.values())
   assert jax.tree.structure(grads) == jax.tree.structure(params)
-  np.testing.assert_allclose(new_state["mlp/~/linear_0"]["x_amax_history"],
-                             [0, 0, 0, np.max(np.abs(x))], rtol=1e-6)
+  np.testing.assert_allclose(
+    new_state["mlp/~/linear_0"]["x_amax_history"], [0, 0, 0, np.max(np.abs(x))], rtol=1e-6
+  )
   assert float(new_state["mlp/~/linear_1"]["grad_amax_history"][-1]) > 0
 
 
@@ -91,8 +97,9 @@ def test_attention_projections_filter_nesting_and_own_linear():
 
   def forward(x):
     h = hk.MultiHeadAttention(2, 16, w_init=_np_init(2))(x, x, x)
-    with ta_hk.quantize(None,
-                        threshold=None):  # an inner scope wins: this layer stays in high precision
+    with ta_hk.quantize(
+      None, threshold=None
+    ):  # an inner scope wins: this layer stays in high precision
       h = hk.Linear(32, w_init=_np_init(3), name="kept")(h)
     h = ta_hk.Linear(32, w_init=_np_init(4), recipe=None, name="own")(h)  # a te_adapters layer
     return hk.Linear(16, w_init=_np_init(5), name="head")(h)

@@ -62,9 +62,9 @@ def test_apply_without_rng_is_a_clear_error():
   x, _ = _batch()
   params = model.init(jax.random.key(1), x)
   message = (
-      "linear: NVFP4BlockScaling rounds the gradient stochastically and draws a key per call "
-      "with hk.next_rng_key(), but apply was given rng=None: pass a PRNG key to apply (a fresh "
-      "one per step), or use disable_stochastic_rounding=True"
+    "linear: NVFP4BlockScaling rounds the gradient stochastically and draws a key per call "
+    "with hk.next_rng_key(), but apply was given rng=None: pass a PRNG key to apply (a fresh "
+    "one per step), or use disable_stochastic_rounding=True"
   )
   with pytest.raises(ValueError, match=re.escape(message)):
     jax.grad(lambda p: jnp.sum(model.apply(p, None, x)))(params)
@@ -72,7 +72,7 @@ def test_apply_without_rng_is_a_clear_error():
 
 def test_recipe_without_stochastic_rounding_needs_no_rng():
   model = hk.without_apply_rng(
-      hk.transform(_forward(ta.NVFP4BlockScaling(disable_stochastic_rounding=True)))
+    hk.transform(_forward(ta.NVFP4BlockScaling(disable_stochastic_rounding=True)))
   )
   x, _ = _batch()
   params = model.init(jax.random.key(1), x)

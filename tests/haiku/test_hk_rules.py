@@ -18,9 +18,9 @@ from tests.models import token_batch, transformer_haiku
 DELAYED = ta.DelayedScaling(amax_history_len=4)
 CURRENT = ta.Float8CurrentScaling()
 RULES = [
-    (r"transformer/multi_head_attention(_\d+)?/.*", None),
-    ("transformer/linear", DELAYED),
-    (r"transformer/linear_\d+", CURRENT),
+  (r"transformer/multi_head_attention(_\d+)?/.*", None),
+  ("transformer/linear", DELAYED),
+  (r"transformer/linear_\d+", CURRENT),
 ]
 
 
@@ -31,15 +31,22 @@ def test_transformer_converted_by_rules_trains_in_the_plain_loop():
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.SkippedLayersWarning)  # nothing a rule asked for is skipped
     params, state = jax.jit(f.init)(jax.random.key(0), tokens)
-  mlp = ["transformer/linear", "transformer/linear_1", "transformer/linear_2",
-         "transformer/linear_3"]
+  mlp = [
+    "transformer/linear",
+    "transformer/linear_1",
+    "transformer/linear_2",
+    "transformer/linear_3",
+  ]
   assert q.report.quantized == mlp
   assert q.report.recipes == {mlp[0]: DELAYED, **dict.fromkeys(mlp[1:], CURRENT)}
   rule = r"rule 0 ('transformer/multi_head_attention(_\d+)?/.*') keeps it in high precision"
   assert q.report.high_precision == {
-      **{f"transformer/multi_head_attention{i}/{n}": rule for i in ("", "_1")
-         for n in ("query", "key", "value", "linear")},
-      "language_model/linear": "no rule selects it",
+    **{
+      f"transformer/multi_head_attention{i}/{n}": rule
+      for i in ("", "_1")
+      for n in ("query", "key", "value", "linear")
+    },
+    "language_model/linear": "no rule selects it",
   }
   assert q.report.skipped == {}
   assert set(state) == {"transformer/linear"}  # the delayed layer's state, no other
@@ -72,8 +79,9 @@ def test_transformer_converted_by_rules_trains_in_the_plain_loop():
 
 
 def test_rules_match_haikus_own_names_tilde_scopes_included():
-  q = ta_hk.quantize(rules=[("mlp/~/linear_0", DELAYED), (r"mlp/~/linear_\d", CURRENT)],
-                     threshold=None)
+  q = ta_hk.quantize(
+    rules=[("mlp/~/linear_0", DELAYED), (r"mlp/~/linear_\d", CURRENT)], threshold=None
+  )
   f = hk.transform_with_state(q(lambda x: hk.nets.MLP([32, 32, 16])(x)))
   _, state = jax.eval_shape(f.init, jax.random.key(0), jnp.ones((4, 16)))
   assert q.report.quantized == ["mlp/~/linear_0", "mlp/~/linear_1", "mlp/~/linear_2"]
@@ -127,11 +135,16 @@ def test_layers_with_a_recipe_already_are_an_error_naming_them():
     return hk.Linear(32, name="plain")(x)
 
   x = jnp.ones((4, 32))
-  with pytest.raises(ValueError, match=(
+  with pytest.raises(
+    ValueError,
+    match=(
       r"te_adapters.haiku.quantize: these layers are quantized already, by an earlier conversion"
-      r" or a recipe of their own: own\. Convert each layer once")):
-    jax.eval_shape(hk.transform(ta_hk.quantize(CURRENT, threshold=None)(forward)).init,
-                   jax.random.key(0), x)
+      r" or a recipe of their own: own\. Convert each layer once"
+    ),
+  ):
+    jax.eval_shape(
+      hk.transform(ta_hk.quantize(CURRENT, threshold=None)(forward)).init, jax.random.key(0), x
+    )
   q = ta_hk.quantize(rules=[("plain", CURRENT)], threshold=None)
   jax.eval_shape(hk.transform(q(forward)).init, jax.random.key(0), x)
   assert q.report.quantized == ["plain"]

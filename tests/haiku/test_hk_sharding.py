@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices 
 
 def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device():
   model = hk.transform_with_state(
-      lambda x: ta_hk.Linear(32, threshold=None, recipe=spmd_checks.RECIPE, amax_axes="dp")(x)
+    lambda x: ta_hk.Linear(32, threshold=None, recipe=spmd_checks.RECIPE, amax_axes="dp")(x)
   )
   x, dy = spmd_checks.exact_data((32, 64), 0), spmd_checks.exact_data((32, 32), 1)
   params, state = model.init(jax.random.key(0), x)
@@ -27,20 +27,22 @@ def test_linear_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device()
 
   # The gradient with respect to the recipe state is the new state.
   steps = spmd_checks.compare_with_one_device(
-      loss, (params, state), lambda v, g: (v[0], g[1]), x, dy
+    loss, (params, state), lambda v, g: (v[0], g[1]), x, dy
   )
   _, (_, new_state) = steps[-1]
   assert float(new_state["linear"]["x_amax_history"][-1]) == 7.0  # the global amax
 
 
 def _linear(x, **kw):
-  return hk.transform(lambda x: ta_hk.Linear(16, threshold=None, **kw)(x)).init(jax.random.key(0),
-                                                                                x)
+  return hk.transform(lambda x: ta_hk.Linear(16, threshold=None, **kw)(x)).init(
+    jax.random.key(0), x
+  )
 
 
 def _quantize(x, **kw):
   forward = ta_hk.quantize(ta.Float8CurrentScaling(), threshold=None, **kw)(
-      lambda x: hk.Linear(16)(x))
+    lambda x: hk.Linear(16)(x)
+  )
   return hk.transform(forward).init(jax.random.key(0), x)
 
 

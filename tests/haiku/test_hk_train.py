@@ -43,9 +43,9 @@ def _sum_loss(model):
 def test_split_and_merge_state():
   recipe_entries = core.init_state(DELAYED)
   state = {
-      "mlp/~/linear_0": dict(recipe_entries),
-      "batch_norm/~/mean_ema": {"counter": jnp.zeros((), jnp.int32), "hidden": jnp.zeros(3)},
-      "mixed": {**recipe_entries, "steps": jnp.zeros(())},
+    "mlp/~/linear_0": dict(recipe_entries),
+    "batch_norm/~/mean_ema": {"counter": jnp.zeros((), jnp.int32), "hidden": jnp.zeros(3)},
+    "mixed": {**recipe_entries, "steps": jnp.zeros(())},
   }
   recipe, other = ta_hk.split_state(state)
   assert set(recipe) == {"mlp/~/linear_0", "mixed"}
@@ -72,7 +72,8 @@ def test_batch_norm_state_updates_beside_recipe_state():
   ref = hk.transform_with_state(reference)
   xs = [_normal(i, (8, 32), scale=1.0 + i) + i for i in range(3)]
   (params, state), (_, ref_state) = jax.jit(lambda x: (model.init(None, x), ref.init(None, x)))(
-      xs[0])
+    xs[0]
+  )
 
   def loss_fn(params, state, x):
     (y, h), state = model.apply(params, state, None, x)
@@ -101,8 +102,10 @@ def test_batch_norm_state_updates_beside_recipe_state():
 
 def test_unused_layer_keeps_its_state_and_errors():
   def forward(x):
-    return (ta_hk.Linear(16, w_init=_np_init(1), threshold=None, recipe=DELAYED, name="used")(x),
-            ta_hk.Linear(16, w_init=_np_init(2), threshold=None, recipe=DELAYED, name="unused")(x))
+    return (
+      ta_hk.Linear(16, w_init=_np_init(1), threshold=None, recipe=DELAYED, name="used")(x),
+      ta_hk.Linear(16, w_init=_np_init(2), threshold=None, recipe=DELAYED, name="unused")(x),
+    )
 
   model = hk.transform_with_state(forward)
   x = _normal(0, (4, 16))
@@ -123,15 +126,17 @@ def test_unused_layer_keeps_its_state_and_errors():
   with pytest.raises(ValueError, match="'used' keeps recipe state .*has none for it"):
     jax.eval_shape(ta_hk.value_grad_and_state(loss_fn), params, {}, x)
   with pytest.raises(TypeError, match=r"\(loss, new_state\)"):
-    jax.eval_shape(ta_hk.value_grad_and_state(lambda p, s, x: loss_fn(p, s, x)[0]),
-                   params, state, x)
+    jax.eval_shape(
+      ta_hk.value_grad_and_state(lambda p, s, x: loss_fn(p, s, x)[0]), params, state, x
+    )
   with pytest.raises(TypeError, match=r"\(loss, \(aux, new_state\)\)"):
     jax.eval_shape(ta_hk.value_grad_and_state(loss_fn, has_aux=True), params, state, x)
 
 
 def _block(x, name=None):
-  return jax.nn.gelu(ta_hk.Linear(32, w_init=_np_init(4), threshold=None, recipe=DELAYED,
-                                  name=name)(x))
+  return jax.nn.gelu(
+    ta_hk.Linear(32, w_init=_np_init(4), threshold=None, recipe=DELAYED, name=name)(x)
+  )
 
 
 def test_layer_stack_and_remat_match_unrolled_layers():
@@ -139,13 +144,15 @@ def test_layer_stack_and_remat_match_unrolled_layers():
   x = _normal(1, (8, 32))
 
   def stacked(remat=None, **kwargs):
-    return hk.transform_with_state(lambda x: hk.layer_stack(layers)(
-        remat(_block, **kwargs) if remat else _block)(x))
+    return hk.transform_with_state(
+      lambda x: hk.layer_stack(layers)(remat(_block, **kwargs) if remat else _block)(x)
+    )
 
   remat = stacked(hk.remat)
   remat_saving_fp8 = stacked(hk.remat, policy=core.save_quantized_operands)
   unrolled = hk.transform_with_state(
-      lambda x: functools.reduce(lambda h, i: _block(h, f"l{i}"), range(layers), x))
+    lambda x: functools.reduce(lambda h, i: _block(h, f"l{i}"), range(layers), x)
+  )
   params, state = jax.jit(stacked().init)(None, x)
   (name,) = params
   assert state[name]["x_amax_history"].shape == (layers, 4)  # per-layer state
@@ -160,10 +167,12 @@ def test_layer_stack_and_remat_match_unrolled_layers():
 
   @jax.jit
   def run_all(params, state, x):
-    out = [ta_hk.value_grad_and_state(_sum_loss(m))(params, state, x)
-           for m in (remat, remat_saving_fp8)]
+    out = [
+      ta_hk.value_grad_and_state(_sum_loss(m))(params, state, x) for m in (remat, remat_saving_fp8)
+    ]
     loss, _, grads, new = ta_hk.value_grad_and_state(_sum_loss(unrolled))(
-        unstack(params), unstack(state), x)
+      unstack(params), unstack(state), x
+    )
     return out, (loss, None, restack(grads), restack(new))
 
   for _ in range(2):  # the second step quantizes with the scales the first one stored
@@ -199,8 +208,7 @@ def test_vmap_state_equals_unbatched_layer():
     rtol = FP8_GEMM_RTOL if jax.default_backend() == "cpu" else 1e-2
     _assert_trees_close(got, ref, rtol=rtol, atol=rtol)
     # The amax of the whole batch, not a sum over the examples.
-    np.testing.assert_allclose(got[3]["linear"]["x_amax_history"][-1], np.max(np.abs(x)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(got[3]["linear"]["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
     state = got[3]
 
 
@@ -209,13 +217,15 @@ def test_apply_without_the_recipe_state_is_an_error_naming_the_module():
   step would quantize with them unnoticed; Linen's apply raises for a missing collection too."""
   x = jnp.ones((8, 32))
   model = hk.transform_with_state(
-      lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)(x))
+    lambda x: ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)(x)
+  )
   params, state = model.init(jax.random.key(0), x)
   assert model.apply(params, state, None, x)[0].shape == (8, 16)
   with pytest.raises(ValueError, match=r"'linear' keeps recipe state .*pass the state that init"):
     model.apply(params, {}, None, x)
   # A stateless recipe needs none.
   current = hk.transform_with_state(
-      lambda x: ta_hk.Linear(16, recipe=ta.Float8CurrentScaling(), threshold=None)(x))
+    lambda x: ta_hk.Linear(16, recipe=ta.Float8CurrentScaling(), threshold=None)(x)
+  )
   params, _ = current.init(jax.random.key(0), x)
   assert current.apply(params, {}, None, x)[0].shape == (8, 16)

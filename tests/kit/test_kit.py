@@ -62,10 +62,15 @@ def test_gemm_options_are_frozen_and_hashable():
 
 def test_gemm_options_keywords_are_what_the_core_takes():
   config = core.GemmConfig(backend="jax")
-  options = kit.GemmOptions(threshold=None, amax_axes="dp", kernel_all_gather=("fsdp",),
-                            config=config)
-  assert options.keywords() == {"threshold": None, "amax_axes": "dp",
-                                "kernel_all_gather": ("fsdp",), "config": config}
+  options = kit.GemmOptions(
+    threshold=None, amax_axes="dp", kernel_all_gather=("fsdp",), config=config
+  )
+  assert options.keywords() == {
+    "threshold": None,
+    "amax_axes": "dp",
+    "kernel_all_gather": ("fsdp",),
+    "config": config,
+  }
   dot_general = inspect.signature(core.dot_general).parameters
   assert set(options.keywords()) <= set(dot_general)
   fused = kit.GemmOptions(threshold=None, config=config).keywords(spmd=False)
@@ -84,7 +89,11 @@ def test_option_attributes_read_the_options():
   config = core.GemmConfig(backend="jax")
   layer = Layer(threshold=None, amax_axes="dp", kernel_all_gather=("fsdp",), config=config)
   assert (layer.threshold, layer.amax_axes, layer.kernel_all_gather, layer.config) == (
-      None, "dp", ("fsdp",), config)
+    None,
+    "dp",
+    ("fsdp",),
+    config,
+  )
   assert Layer().threshold is core.DEFAULT_THRESHOLD and Layer().config == core.GemmConfig()
   with pytest.raises(AttributeError):
     layer.threshold = core.DEFAULT_THRESHOLD  # one place holds the options: read-only
@@ -111,7 +120,8 @@ class _Draws:
 
 
 @pytest.mark.parametrize(
-    "recipe", [None, CURRENT, DELAYED, ta.NVFP4BlockScaling(disable_stochastic_rounding=True)])
+  "recipe", [None, CURRENT, DELAYED, ta.NVFP4BlockScaling(disable_stochastic_rounding=True)]
+)
 def test_a_recipe_that_does_not_round_stochastically_draws_nothing(recipe):
   draw = _Draws(jax.random.key(0))
   assert kit.rounding_key(recipe, draw, "how, ") is None
@@ -127,13 +137,16 @@ def test_a_recipe_that_rounds_stochastically_draws_one_key_per_call():
 
 def test_no_key_to_draw_is_an_error_with_the_way_out():
   with pytest.raises(ValueError) as info:
-    kit.rounding_key(NVFP4, lambda: None, " and needs a key from the stream 'x': pass one, ",
-                     where="layer: ")
+    kit.rounding_key(
+      NVFP4, lambda: None, " and needs a key from the stream 'x': pass one, ", where="layer: "
+    )
   assert str(info.value) == (
-      "layer: NVFP4BlockScaling rounds the gradient stochastically and needs a key from the "
-      "stream 'x': pass one, or use disable_stochastic_rounding=True")
+    "layer: NVFP4BlockScaling rounds the gradient stochastically and needs a key from the "
+    "stream 'x': pass one, or use disable_stochastic_rounding=True"
+  )
   assert str(info.value) == kit.missing_key_message(
-      NVFP4, " and needs a key from the stream 'x': pass one, ", "layer: ")
+    NVFP4, " and needs a key from the stream 'x': pass one, ", "layer: "
+  )
   assert kit.SR_RNG == "sr_rng"  # TE's stream name
 
 
@@ -189,17 +202,31 @@ def test_without_the_norm_the_layer_is_a_dense_gemm():
   # recipe=None: a float32 GEMM, kept float32 on GPUs too (their default is TF32's products).
   with jax.default_matmul_precision("float32"):
     z, ln_out = kit.layernorm_dense_general(
-        X, None, None, KERNEL, BIAS, enable_layernorm=False, depth_scaling=4.0, recipe=None)
+      X, None, None, KERNEL, BIAS, enable_layernorm=False, depth_scaling=4.0, recipe=None
+    )
   assert z.shape == (8, 2, 16) and z.dtype == X.dtype
   assert _rel(z, ref / 4.0) < 1e-6
   assert ln_out is X  # the GEMM's input, returned as TE's ln_out
   z, ln_out = kit.layernorm_dense_general(
-      X, None, None, KERNEL, enable_layernorm=False, return_layernorm_output=False,
-      recipe=CURRENT, threshold=None)
+    X,
+    None,
+    None,
+    KERNEL,
+    enable_layernorm=False,
+    return_layernorm_output=False,
+    recipe=CURRENT,
+    threshold=None,
+  )
   assert ln_out is None
   assert _rel(z, ref - np.float64(BIAS)) < 0.08  # FP8 (current scaling) against float64
-  quantized = core.dot_general(X, KERNEL, (((1,), (0,)), ((), ())), recipe=CURRENT,
-                               threshold=None, preferred_element_type=X.dtype)
+  quantized = core.dot_general(
+    X,
+    KERNEL,
+    (((1,), (0,)), ((), ())),
+    recipe=CURRENT,
+    threshold=None,
+    preferred_element_type=X.dtype,
+  )
   np.testing.assert_array_equal(z, quantized)
 
 
@@ -208,13 +235,22 @@ def test_with_the_norm_the_layer_is_the_cores_layernorm_dense():
   ref = np.einsum("mk,kbn->mbn", normed, np.float64(KERNEL)) + np.float64(BIAS)
   with jax.default_matmul_precision("float32"):  # as above: float32 products on GPUs too
     z, ln_out = kit.layernorm_dense_general(
-        X, GAMMA, BETA, KERNEL, BIAS, depth_scaling=2.0, recipe=None)
+      X, GAMMA, BETA, KERNEL, BIAS, depth_scaling=2.0, recipe=None
+    )
   assert _rel(z, ref / 2.0) < 1e-5 and _rel(ln_out, normed) < 1e-5
   z, ln_out = kit.layernorm_dense_general(
-      X, GAMMA, BETA, KERNEL, recipe=DELAYED, state=core.init_state(DELAYED), threshold=None,
-      return_layernorm_output=False)
+    X,
+    GAMMA,
+    BETA,
+    KERNEL,
+    recipe=DELAYED,
+    state=core.init_state(DELAYED),
+    threshold=None,
+    return_layernorm_output=False,
+  )
   core_z, _ = core.layernorm_dense(
-      X, GAMMA, BETA, KERNEL, recipe=DELAYED, state=core.init_state(DELAYED), threshold=None)
+    X, GAMMA, BETA, KERNEL, recipe=DELAYED, state=core.init_state(DELAYED), threshold=None
+  )
   assert ln_out is None
   np.testing.assert_array_equal(z, core_z)
 
@@ -226,10 +262,14 @@ def test_each_constraint_applies_where_te_applies_it():
     def constraint(x):
       seen.append((name, x.shape))
       return x
+
     return constraint
 
-  common = dict(layernorm_input_constraint=tag("layernorm_input"),
-                dot_input_constraint=tag("dot_input"), recipe=None)
+  common = dict(
+    layernorm_input_constraint=tag("layernorm_input"),
+    dot_input_constraint=tag("dot_input"),
+    recipe=None,
+  )
   kit.layernorm_dense_general(X, GAMMA, BETA, KERNEL, **common)
   assert [name for name, _ in seen] == ["layernorm_input", "dot_input"]
   seen.clear()
@@ -263,8 +303,7 @@ def test_add_lora_watches_the_base_gemms_state():
 
   def loss(a, state, threshold):
     y = jnp.zeros((8, 48))
-    return kit.add_lora(y, X, a, b, state=state, kernel_shape=(32, 48),
-                        threshold=threshold).sum()
+    return kit.add_lora(y, X, a, b, state=state, kernel_shape=(32, 48), threshold=threshold).sum()
 
   # The factor is differentiated and the state is not, with the base GEMM in FP8: told so.
   with pytest.warns(core.FrozenStateWarning):
@@ -322,11 +361,13 @@ def test_the_kit_imports_no_framework_and_only_the_cores_public_names():
         assert name.split(".")[0] not in ("flax", "haiku"), f"{path.name} imports {name}"
         if name.startswith("te_adapters."):
           assert name == "te_adapters.core" or name.startswith("te_adapters._kit"), (
-              f"{path.name} imports {name}")
+            f"{path.name} imports {name}"
+          )
 
 
 def test_importing_the_kit_loads_no_framework():
-  code = ("import sys, te_adapters._kit; "
-          "print(sorted(m for m in ('flax', 'haiku') if m in sys.modules))")
+  code = (
+    "import sys, te_adapters._kit; print(sorted(m for m in ('flax', 'haiku') if m in sys.modules))"
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"

@@ -65,8 +65,9 @@ def test_delayed_state_lives_in_overwrite_with_gradient_and_updates(rel):
   # Histories after 3 steps with L=3: [0, amax(step 1), amax(step 2)] per group.
   np.testing.assert_allclose(state["x_amax_history"][:, 2], group_amax(x), rtol=1e-6)
   np.testing.assert_allclose(state["grad_amax_history"][:, 2], group_amax(dy), rtol=1e-6)
-  np.testing.assert_allclose(state["kernel_amax_history"][:, 2], np.abs(w).max(axis=(1, 2)),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    state["kernel_amax_history"][:, 2], np.abs(w).max(axis=(1, 2)), rtol=1e-6
+  )
   window = np.max([group_amax(data(i)[0]) for i in range(3)], axis=0)  # L=3: all three steps
   want = np.where(window > 0, 448.0 / np.where(window > 0, window, 1), 1.0)
   np.testing.assert_allclose(state["x_scale"][:, 0], want, rtol=1e-6)
@@ -132,6 +133,6 @@ def test_mxfp8_trains_with_no_state_and_the_core_numerics():
   np.testing.assert_array_equal(grads["params"]["kernel"][1], 0.0)  # the empty expert
   np.testing.assert_array_equal(y[56:], 0.0)
   want = jax.jit(core.ragged_dot, static_argnames="recipe")(
-      jnp.asarray(x), kernel, jnp.asarray(SIZES), recipe=recipe
+    jnp.asarray(x), kernel, jnp.asarray(SIZES), recipe=recipe
   )
   np.testing.assert_array_equal(y, want)

@@ -15,8 +15,11 @@ from te_adapters.linen import LayerNormMLP
 from tests import mlp_reference as ref
 
 OWG = ta_linen.OVERWRITE_WITH_GRADIENT
-RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4),
-           "block": ta.Float8BlockScaling()}
+RECIPES = {
+  "current": ta.Float8CurrentScaling(),
+  "delayed": ta.DelayedScaling(amax_history_len=4),
+  "block": ta.Float8BlockScaling(),
+}
 
 
 # Seed 002's usage example, unchanged but for the import of LayerNormMLP (above).
@@ -28,8 +31,8 @@ class MyTransformerBlock(nn.Module):
   def __call__(self, x):
     # Fused LayerNorm + MLP with FP8 quantization
     x = LayerNormMLP(
-        intermediate_dim=self.mlp_dim,
-        activations=("gelu",),
+      intermediate_dim=self.mlp_dim,
+      activations=("gelu",),
     )(x)
     return x
 
@@ -43,14 +46,24 @@ def test_seed_002_usage_example_runs():
   out, ln_out = output  # TE's return: (out, ln_out), ln_out by default
   assert out.shape == ln_out.shape == (2, 8, 512)
   shapes = jax.tree.map(jnp.shape, params["params"]["LayerNormMLP_0"])
-  assert shapes == {"scale": (512,), "ln_bias": (512,), "wi_kernel": (512, 1, 2048),
-                    "wo_kernel": (2048, 512)}
+  assert shapes == {
+    "scale": (512,),
+    "ln_bias": (512,),
+    "wi_kernel": (512, 1, 2048),
+    "wo_kernel": (2048, 512),
+  }
   assert bool(jnp.all(jnp.isfinite(out)))
 
 
 def _layer(recipe, **kw):
-  kw = {"intermediate_dim": ref.F, "activations": ref.GATED, "use_bias": True,
-        "intermediate_dropout_rate": 0.0, "return_layernorm_output": False, **kw}
+  kw = {
+    "intermediate_dim": ref.F,
+    "activations": ref.GATED,
+    "use_bias": True,
+    "intermediate_dropout_rate": 0.0,
+    "return_layernorm_output": False,
+    **kw,
+  }
   return LayerNormMLP(recipe=recipe, threshold=None, **kw)
 
 
@@ -59,8 +72,14 @@ def test_te_parameters_and_state_postfixes():
   x, _ = ref.inputs()
   variables = layer.init(jax.random.key(0), x)
   shapes = jax.tree.map(jnp.shape, variables["params"])
-  assert shapes == {"scale": (128,), "ln_bias": (128,), "wi_kernel": (128, 2, 128),
-                    "wo_kernel": (128, 128), "wi_bias": (2, 128), "wo_bias": (128,)}
+  assert shapes == {
+    "scale": (128,),
+    "ln_bias": (128,),
+    "wi_kernel": (128, 2, 128),
+    "wo_kernel": (128, 128),
+    "wi_bias": (2, 128),
+    "wo_bias": (128,),
+  }
   expected = ref.postfixed(ref.gemm_states(RECIPES["delayed"]))
   assert jax.tree.map(jnp.shape, variables[OWG]) == jax.tree.map(jnp.shape, expected)
   assert len(expected) == 12 and "x_0_scale" in expected and "grad_1_amax_history" in expected
@@ -80,6 +99,7 @@ def _loop(recipe, x, dy, params, steps, lr=0.0):
     def loss(variables):
       out, _ = layer.apply(variables, x)
       return jnp.sum(out * dy), out
+
     (_, out), grads = jax.value_and_grad(loss, has_aux=True)(variables)
     new = {"params": jax.tree.map(lambda p, g: p - lr * g, variables["params"], grads["params"])}
     if OWG in grads:
@@ -125,13 +145,13 @@ class _Block(nn.Module):
 def test_nn_scan_with_remat_over_two_blocks_matches_unrolled():
   recipe = RECIPES["delayed"]
   block = nn.remat(_Block, policy=core.save_quantized_operands)
-  model = nn.scan(block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True},
-                  length=2)(recipe)
+  model = nn.scan(
+    block, variable_axes={"params": 0, OWG: 0}, split_rngs={"params": True}, length=2
+  )(recipe)
   x, dy = ref.inputs()
   variables = model.init(jax.random.key(0), x, None)
   (scope,) = variables["params"]
-  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), ref.block_params(1),
-                         ref.block_params(2))
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), ref.block_params(1), ref.block_params(2))
   assert jax.tree.map(jnp.shape, variables["params"][scope]) == jax.tree.map(jnp.shape, stacked)
   states = ref.gemm_states(recipe, n=2)
   variables = {"params": {scope: stacked}, OWG: {scope: ref.postfixed(states)}}
@@ -141,6 +161,7 @@ def test_nn_scan_with_remat_over_two_blocks_matches_unrolled():
     def loss(v):
       h, _ = model.apply(v, x, None)
       return jnp.sum(h * dy), h
+
     return jax.value_and_grad(loss, has_aux=True)(variables)
 
   for _ in range(2):  # the second step quantizes with the scales the first one stored
@@ -148,10 +169,14 @@ def test_nn_scan_with_remat_over_two_blocks_matches_unrolled():
     want_out, want_grads, states = ref.unrolled(x, stacked, states, dy, recipe)
     np.testing.assert_allclose(out, want_out, rtol=ref.CROSS_RTOL, atol=ref.CROSS_RTOL)
     for k in stacked:
-      np.testing.assert_allclose(grads["params"][scope][k], want_grads[k], rtol=10 * ref.CROSS_RTOL,
-                                 atol=10 * ref.CROSS_RTOL)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
-                 grads[OWG][scope], ref.postfixed(states))
+      np.testing.assert_allclose(
+        grads["params"][scope][k], want_grads[k], rtol=10 * ref.CROSS_RTOL, atol=10 * ref.CROSS_RTOL
+      )
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=ref.STATE_RTOL),
+      grads[OWG][scope],
+      ref.postfixed(states),
+    )
     variables = {"params": variables["params"], OWG: grads[OWG]}
   history = np.asarray(variables[OWG][scope]["x_0_amax_history"])
   assert history.shape == (2, 4) and history[0, -1] != history[1, -1]  # per-block state
@@ -169,12 +194,15 @@ def test_dropout_uses_the_dropout_stream():
     layer.apply(variables, x)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"activations": ("gelu", "geglu")}, "unknown activation 'geglu'"),
     ({"axis": -2}, "axis must be -1"),
     ({"enable_low_rank_adaptation": True}, "low-rank adaptation is not supported"),
     ({"intermediate_dim": 36}, "wi_kernel .* multiples of 16, got N=72"),
-])
+  ],
+)
 def test_bad_input_is_a_clear_error(kwargs, match):
   x, _ = ref.inputs()
   with pytest.raises(ValueError, match=match):
@@ -183,17 +211,28 @@ def test_bad_input_is_a_clear_error(kwargs, match):
 
 def test_te_sharding_fields_annotate_the_parameters():
   x, _ = ref.inputs()
-  axes = dict(scale_axes=("embed",), ln_bias_axes=("embed",),
-              kernel_axes_1=("embed", "act", "mlp"), kernel_axes_2=("mlp", "embed"),
-              bias_axes_1=("act", "mlp"), bias_axes_2=("embed",),
-              layernorm_input_axes=("batch", "length", "embed"),
-              dot_1_input_axes=("batch", "length", "embed"),
-              dot_2_input_axes=("batch", "length", "mlp"))
+  axes = dict(
+    scale_axes=("embed",),
+    ln_bias_axes=("embed",),
+    kernel_axes_1=("embed", "act", "mlp"),
+    kernel_axes_2=("mlp", "embed"),
+    bias_axes_1=("act", "mlp"),
+    bias_axes_2=("embed",),
+    layernorm_input_axes=("batch", "length", "embed"),
+    dot_1_input_axes=("batch", "length", "embed"),
+    dot_2_input_axes=("batch", "length", "mlp"),
+  )
   layer = _layer(None, **axes)
   variables = layer.init(jax.random.key(0), x)
   names = {k: v.names for k, v in variables["params"].items()}
-  assert names == {"scale": ("embed",), "ln_bias": ("embed",), "wi_kernel": ("embed", "act", "mlp"),
-                   "wo_kernel": ("mlp", "embed"), "wi_bias": ("act", "mlp"), "wo_bias": ("embed",)}
+  assert names == {
+    "scale": ("embed",),
+    "ln_bias": ("embed",),
+    "wi_kernel": ("embed", "act", "mlp"),
+    "wo_kernel": ("mlp", "embed"),
+    "wi_bias": ("act", "mlp"),
+    "wo_bias": ("embed",),
+  }
   plain = _layer(None)
   out, _ = layer.apply(variables, x)
   want, _ = plain.apply(nn.meta.unbox(variables), x)

@@ -17,21 +17,30 @@ DELAYED = ta.DelayedScaling(amax_history_len=4)
 RECIPES = [DELAYED, ta.Float8BlockScaling()]
 
 
-@pytest.mark.parametrize("layernorm_type, zero_centered_gamma, names",
-                         [("layernorm", False, ["ln_bias", "scale"]),
-                          ("rmsnorm", True, ["scale"])])
+@pytest.mark.parametrize(
+  "layernorm_type, zero_centered_gamma, names",
+  [("layernorm", False, ["ln_bias", "scale"]), ("rmsnorm", True, ["scale"])],
+)
 def test_layer_norm_params_and_values(layernorm_type, zero_centered_gamma, names):
   x, g, b, _ = _inputs()
-  layer = ta_linen.LayerNorm(layernorm_type=layernorm_type,
-                             zero_centered_gamma=zero_centered_gamma, epsilon=1e-5)
+  layer = ta_linen.LayerNorm(
+    layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma, epsilon=1e-5
+  )
   variables = layer.init(jax.random.key(0), x)
   assert sorted(variables["params"]) == names
   init = 0.0 if zero_centered_gamma else 1.0
   np.testing.assert_array_equal(variables["params"]["scale"], np.full(128, init, np.float32))
   params = {"scale": g} | ({"ln_bias": b} if "ln_bias" in names else {})
   y = layer.apply({"params": params}, x)
-  ref, _ = _reference(x, g, b if "ln_bias" in names else jnp.zeros_like(b), x, layernorm_type,
-                      zero_centered_gamma, 1e-5)
+  ref, _ = _reference(
+    x,
+    g,
+    b if "ln_bias" in names else jnp.zeros_like(b),
+    x,
+    layernorm_type,
+    zero_centered_gamma,
+    1e-5,
+  )
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -57,8 +66,9 @@ def test_layer_norm_dense_general_te_parameters():
 def _loop(recipe, x, dz, params, steps, lr=0.0, **fields):
   """An ordinary Linen loop: grads of the whole variable dict, params by SGD, the state
   collection replaced by its gradient."""
-  layer = ta_linen.LayerNormDenseGeneral(256, recipe=recipe, threshold=None,
-                                         return_layernorm_output=False, **fields)
+  layer = ta_linen.LayerNormDenseGeneral(
+    256, recipe=recipe, threshold=None, return_layernorm_output=False, **fields
+  )
   variables = layer.init(jax.random.key(0), x)
   variables = {**variables, "params": params}
 
@@ -68,9 +78,13 @@ def _loop(recipe, x, dz, params, steps, lr=0.0, **fields):
       z, ln_out = layer.apply(variables, x)
       assert ln_out is None
       return jnp.sum(z.astype(jnp.float32) * dz), z
+
     (_, z), grads = jax.value_and_grad(loss, has_aux=True)(variables)
-    new = {"params": jax.tree_util.tree_map(lambda p, g: p - lr * g, variables["params"],
-                                            grads["params"])}
+    new = {
+      "params": jax.tree_util.tree_map(
+        lambda p, g: p - lr * g, variables["params"], grads["params"]
+      )
+    }
     if OVERWRITE_WITH_GRADIENT in grads:
       new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
     return new, z, grads["params"]
@@ -90,8 +104,12 @@ def test_layer_norm_dense_general_against_float64(recipe, rel):
   _, z, grads, _ = _loop(recipe, x, dz, params, steps=3)
   ref, (dx, dg, db, dw) = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w, dz=dz)
   del dx
-  errs = {"z": rel(z, ref), "dgamma": rel(grads["scale"], dg), "dbeta": rel(grads["ln_bias"], db),
-          "dkernel": rel(grads["kernel"], dw)}
+  errs = {
+    "z": rel(z, ref),
+    "dgamma": rel(grads["scale"], dg),
+    "dbeta": rel(grads["ln_bias"], db),
+    "dkernel": rel(grads["kernel"], dw),
+  }
   assert errs["z"] < 0.05 and max(errs.values()) < 0.08, errs
   assert errs["z"] > 0.005 and errs["dkernel"] > 0.005, errs  # FP8, not float32
 
@@ -106,12 +124,17 @@ def test_layer_norm_dense_general_with_bias_against_float64(recipe, rel):
   _, z, grads, _ = _loop(recipe, x, dz, params, steps=3, use_bias=True)
   ref, (_, dg, db, dw) = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w, dz=dz)
   ref = ref + np.asarray(c, np.float64)
-  errs = {"z": rel(z, ref), "dgamma": rel(grads["scale"], dg), "dbeta": rel(grads["ln_bias"], db),
-          "dkernel": rel(grads["kernel"], dw)}
+  errs = {
+    "z": rel(z, ref),
+    "dgamma": rel(grads["scale"], dg),
+    "dbeta": rel(grads["ln_bias"], db),
+    "dkernel": rel(grads["kernel"], dw),
+  }
   assert errs["z"] < 0.05 and max(errs.values()) < 0.08, errs
   assert rel(grads["bias"], np.sum(np.asarray(dz, np.float64), axis=(0, 1))) < 1e-6
-  layer = ta_linen.LayerNormDenseGeneral(256, recipe=recipe, threshold=None, use_bias=True,
-                                         return_layernorm_output=False)
+  layer = ta_linen.LayerNormDenseGeneral(
+    256, recipe=recipe, threshold=None, use_bias=True, return_layernorm_output=False
+  )
   variables = layer.init(jax.random.key(0), x)
   text = str(jax.make_jaxpr(lambda v: layer.apply(v, x)[0])(variables))
   # Fused: the norm runs inside the quantized GEMM rule, not as its own custom VJP.
@@ -126,8 +149,10 @@ def test_delayed_state_follows_training():
   w, dz = _data([(128, 256), (4, 32, 256)], seed=1)
   params = {"scale": g, "ln_bias": b, "kernel": w}
   final, _, _, history = _loop(DELAYED, x, dz, params, steps=3, lr=1e-3)
-  amaxes = [float(jnp.max(jnp.abs(core.layernorm(x, v["params"]["scale"],
-                                                  v["params"]["ln_bias"])))) for v in history]
+  amaxes = [
+    float(jnp.max(jnp.abs(core.layernorm(x, v["params"]["scale"], v["params"]["ln_bias"]))))
+    for v in history
+  ]
   assert len(set(amaxes)) == 3  # the parameters moved, and the amax with them
   state = final[OVERWRITE_WITH_GRADIENT]
   np.testing.assert_allclose(state["x_amax_history"], [0.0, *amaxes], rtol=1e-6)
@@ -138,8 +163,9 @@ def test_delayed_state_follows_training():
 def test_return_layernorm_output_and_bias_and_depth_scaling():
   x, g, b, _ = _inputs()
   x = x.astype(jnp.bfloat16)
-  layer = ta_linen.LayerNormDenseGeneral(64, use_bias=True, depth_scaling=2.0, recipe=None,
-                                         bias_init=jax.nn.initializers.ones)
+  layer = ta_linen.LayerNormDenseGeneral(
+    64, use_bias=True, depth_scaling=2.0, recipe=None, bias_init=jax.nn.initializers.ones
+  )
   variables = layer.init(jax.random.key(0), x)
   z, ln_out = layer.apply(variables, x)
   p = variables["params"]
@@ -160,11 +186,14 @@ def test_enable_layernorm_false_is_a_quantized_dense(rel):
   assert 0.005 < rel(z, ref) < 0.05 and ln_out is x
 
 
-@pytest.mark.parametrize("fields, match", [
+@pytest.mark.parametrize(
+  "fields, match",
+  [
     ({"axis": 0}, "axis must be -1"),
     ({"layernorm_type": "groupnorm"}, "layernorm_type must be one of"),
     ({"features": 24}, "multiples of 16"),
-])
+  ],
+)
 def test_layer_norm_dense_general_bad_input(fields, match):
   layer = ta_linen.LayerNormDenseGeneral(**({"features": 32} | fields))
   with pytest.raises(ValueError, match=match):
@@ -174,11 +203,10 @@ def test_layer_norm_dense_general_bad_input(fields, match):
 def test_softmax_module_is_the_core_softmax():
   x = jax.random.normal(jax.random.key(0), (2, 3, 8, 8), jnp.bfloat16)
   mask = jnp.triu(jnp.ones((8, 8), jnp.uint8), 1)[None, None]
-  sm = ta_linen.Softmax(scale_factor=0.25,
-                        softmax_fusion_type=core.SoftmaxFusionType.SCALED_MASKED)
+  sm = ta_linen.Softmax(scale_factor=0.25, softmax_fusion_type=core.SoftmaxFusionType.SCALED_MASKED)
   np.testing.assert_array_equal(
-      sm.apply({}, x, mask),
-      core.softmax(x, mask, scale_factor=0.25, softmax_fusion_type="scaled_masked"),
+    sm.apply({}, x, mask),
+    core.softmax(x, mask, scale_factor=0.25, softmax_fusion_type="scaled_masked"),
   )
   causal = ta_linen.Softmax(scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked")
   np.testing.assert_array_equal(causal.apply({}, x), sm.apply({}, x, mask))
@@ -189,17 +217,27 @@ def test_te_axes_fields_annotate_the_parameters():
   # and the output is the same as without them.
   import flax.linen as nn
 
-  fields = {"scale_axes": ("embed",), "ln_bias_axes": ("embed",), "kernel_axes": ("embed", "mlp"),
-            "bias_axes": ("mlp",), "layernorm_input_axes": ("batch", "length", "embed"),
-            "dot_input_axes": ("batch", "length", "embed"), "transpose_batch_sequence": False}
+  fields = {
+    "scale_axes": ("embed",),
+    "ln_bias_axes": ("embed",),
+    "kernel_axes": ("embed", "mlp"),
+    "bias_axes": ("mlp",),
+    "layernorm_input_axes": ("batch", "length", "embed"),
+    "dot_input_axes": ("batch", "length", "embed"),
+    "transpose_batch_sequence": False,
+  }
   x = _inputs()[0]
   plain = ta_linen.LayerNormDenseGeneral(64, use_bias=True, recipe=None)
   named = ta_linen.LayerNormDenseGeneral(64, use_bias=True, recipe=None, **fields)
   variables = named.init(jax.random.key(0), x)
   specs = nn.get_partition_spec(variables)["params"]
   P = jax.sharding.PartitionSpec
-  assert specs == {"scale": P("embed"), "ln_bias": P("embed"), "kernel": P("embed", "mlp"),
-                   "bias": P("mlp")}
+  assert specs == {
+    "scale": P("embed"),
+    "ln_bias": P("embed"),
+    "kernel": P("embed", "mlp"),
+    "bias": P("mlp"),
+  }
   unboxed = nn.unbox(variables)
   z, ln_out = named.apply(variables, x)
   z_plain, ln_plain = plain.apply(unboxed, x)
@@ -207,12 +245,15 @@ def test_te_axes_fields_annotate_the_parameters():
   np.testing.assert_array_equal(ln_out, ln_plain)
   norm = ta_linen.LayerNorm(scale_axes=("embed",), bias_axes=("embed",))
   assert nn.get_partition_spec(norm.init(jax.random.key(0), x))["params"] == {
-      "scale": P("embed"), "ln_bias": P("embed")}
+    "scale": P("embed"),
+    "ln_bias": P("embed"),
+  }
 
 
 @pytest.mark.skipif(
-    jax.device_count() < 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts")
+  jax.device_count() < 8,
+  reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
+)
 def test_dot_input_axes_constrain_the_norm_output_on_a_mesh():
   import flax.linen as nn
 
@@ -238,8 +279,7 @@ def test_stochastic_rounding_draws_from_sr_rng():
     return jnp.sum(layer.apply(variables, x, **kwargs)[0].astype(jnp.float32))
 
   # Traced, not compiled (NVFP4 compiles slowly on CPU): the key is drawn where it is given.
-  grads = jax.eval_shape(lambda v: jax.grad(loss)(v, rngs={"sr_rng": jax.random.key(1)}),
-                         variables)
+  grads = jax.eval_shape(lambda v: jax.grad(loss)(v, rngs={"sr_rng": jax.random.key(1)}), variables)
   assert grads["params"]["kernel"].shape == (64, 64)
   with pytest.raises(ValueError, match="sr_rng"):
     jax.eval_shape(jax.grad(loss), variables)

@@ -23,8 +23,12 @@ OWG = ta_linen.OVERWRITE_WITH_GRADIENT
 class Twice(nn.Module):
   @nn.compact
   def __call__(self, x1, x2):
-    layer = nn.Dense(32, use_bias=False, kernel_init=lambda *_: jnp.asarray(pl.W0),
-                     dot_general_cls=ta_linen.make_dot_general_cls(RECIPE, threshold=None))
+    layer = nn.Dense(
+      32,
+      use_bias=False,
+      kernel_init=lambda *_: jnp.asarray(pl.W0),
+      dot_general_cls=ta_linen.make_dot_general_cls(RECIPE, threshold=None),
+    )
     return jnp.sum(layer(x1) * pl.DY1) + jnp.sum(layer(x2) * pl.DY2)
 
 
@@ -42,18 +46,15 @@ def test_plain_grad_loop_combines_reuse_by_max():
     kernels.append(np.asarray(params["Dense_0"]["kernel"], np.float64))
     g_params, state = step(params, state)  # the plain loop: the gradient is the new state
     params = jax.tree.map(lambda p, g: p - pl.LR * g, params, g_params)
-  pl.assert_state(state["Dense_0"]["DelayedScalingDotGeneral_0"],
-                  pl.reference_states(kernels)[-1])
+  pl.assert_state(state["Dense_0"]["DelayedScalingDotGeneral_0"], pl.reference_states(kernels)[-1])
 
 
 def test_params_only_grad_warns_and_train_state_does_not():
   model = Twice()
   variables = model.init(jax.random.key(0), pl.X1, pl.X2)
   with pytest.warns(core.FrozenStateWarning, match="TrainState.value_and_grad"):
-    jax.grad(lambda p: model.apply({**variables, "params": p}, pl.X1, pl.X2))(
-        variables["params"])
-  state = ta_linen.TrainState.create(apply_fn=model.apply, variables=variables,
-                                     tx=optax.sgd(pl.LR))
+    jax.grad(lambda p: model.apply({**variables, "params": p}, pl.X1, pl.X2))(variables["params"])
+  state = ta_linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=optax.sgd(pl.LR))
   with warnings.catch_warnings():
     warnings.simplefilter("error", core.FrozenStateWarning)
     state.value_and_grad(lambda v: model.apply(v, pl.X1, pl.X2))
@@ -113,7 +114,9 @@ def test_quantize_converts_an_existing_model_and_reports_what_it_could_not():
   report, _ = _train(plain=True, steps=0)
   attn = "MultiHeadDotProductAttention_0"
   assert report.quantized == [f"{attn}/{n}" for n in ("query", "key", "value", "out")] + [
-      "Dense_0", "Dense_1"]
+    "Dense_0",
+    "Dense_1",
+  ]
   assert "K=32, N=10" in report.skipped["Dense_2"]
   assert "Embed.attend" in report.skipped["Embed_0"]
   assert "skipped 2" in str(report)

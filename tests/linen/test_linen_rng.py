@@ -36,8 +36,12 @@ class _Model(nn.Module):
   @nn.compact
   def __call__(self, x):
     # Two layers under nn.scan and nn.remat; sr_rng is split per layer like params.
-    stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0},
-                    split_rngs={"params": True, "sr_rng": True}, length=2)
+    stack = nn.scan(
+      nn.remat(_Block),
+      variable_axes={"params": 0},
+      split_rngs={"params": True, "sr_rng": True},
+      length=2,
+    )
     h, _ = stack(self.recipe)(x, None)
     cls = ta_linen.make_dot_general_cls(self.recipe, threshold=None)
     return nn.Dense(32, dot_general=cls())(h)
@@ -55,9 +59,9 @@ def test_nvfp4_draws_its_keys_from_sr_rng():
 
   @jax.jit
   def step(params, opt_state, key):
-    loss, grads = jax.value_and_grad(
-        lambda p: _loss(model, p, x, target, rngs={"sr_rng": key})
-    )(params)
+    loss, grads = jax.value_and_grad(lambda p: _loss(model, p, x, target, rngs={"sr_rng": key}))(
+      params
+    )
     updates, opt_state = tx.update(grads, opt_state)
     return optax.apply_updates(params, updates), opt_state, loss, grads
 
@@ -69,8 +73,10 @@ def test_nvfp4_draws_its_keys_from_sr_rng():
   assert np.all(np.isfinite(losses)), losses
   grads = [step(params, opt_state, jax.random.key(k))[3] for k in (1, 1, 2)]
   # The kernels' gradients (the biases' do not go through a quantized GEMM).
-  leaves = [[v for path, v in jax.tree_util.tree_leaves_with_path(g) if "kernel" in str(path)]
-            for g in grads]
+  leaves = [
+    [v for path, v in jax.tree_util.tree_leaves_with_path(g) if "kernel" in str(path)]
+    for g in grads
+  ]
   for a, b in zip(leaves[0], leaves[1], strict=True):  # same key, same rounding
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # Another key rounds the gradient differently (every layer: scanned and plain).
@@ -83,17 +89,18 @@ def test_missing_sr_rng_is_an_error_naming_the_stream():
   x, _ = _batch()
   params = model.init(jax.random.key(1), x)  # init falls back to the params stream, as in Flax
   message = (
-      "NVFP4BlockScaling rounds the gradient stochastically and draws a key per call from the "
-      "Linen RNG stream 'sr_rng': pass rngs={'sr_rng': key} to apply (a fresh key per step), or "
-      "use disable_stochastic_rounding=True"
+    "NVFP4BlockScaling rounds the gradient stochastically and draws a key per call from the "
+    "Linen RNG stream 'sr_rng': pass rngs={'sr_rng': key} to apply (a fresh key per step), or "
+    "use disable_stochastic_rounding=True"
   )
   with pytest.raises(ValueError, match=re.escape(message)):
     jax.grad(lambda p: jnp.sum(model.apply(p, x)))(params)
 
 
 def test_recipe_without_stochastic_rounding_draws_no_key():
-  model = ta_linen.Dense(32, threshold=None,
-                         recipe=ta.NVFP4BlockScaling(disable_stochastic_rounding=True))
+  model = ta_linen.Dense(
+    32, threshold=None, recipe=ta.NVFP4BlockScaling(disable_stochastic_rounding=True)
+  )
   x, _ = _batch()
   params = model.init(jax.random.key(1), x)
   grad = jax.jit(jax.grad(lambda p, **kw: jnp.sum(model.apply(p, x, **kw) ** 2)))
@@ -101,6 +108,6 @@ def test_recipe_without_stochastic_rounding_draws_no_key():
   g = grad(params)
   assert np.all(np.isfinite(np.asarray(g["params"]["kernel"])))
   np.testing.assert_array_equal(
-      np.asarray(grad(params, rngs={"sr_rng": jax.random.key(3)})["params"]["kernel"]),
-      np.asarray(g["params"]["kernel"]),
+    np.asarray(grad(params, rngs={"sr_rng": jax.random.key(3)})["params"]["kernel"]),
+    np.asarray(g["params"]["kernel"]),
   )

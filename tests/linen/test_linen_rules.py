@@ -20,9 +20,9 @@ DELAYED = ta.DelayedScaling(amax_history_len=4)
 CURRENT = ta.Float8CurrentScaling()
 BLOCK = r"decoder/encoderdecoderblock_\d+"
 RULES = [
-    (rf"{BLOCK}/SelfAttention_0/.*", None),
-    ("decoder/encoderdecoderblock_0/MlpBlock_0/Dense_0", DELAYED),
-    (rf"{BLOCK}/MlpBlock_0/Dense_\d", CURRENT),
+  (rf"{BLOCK}/SelfAttention_0/.*", None),
+  ("decoder/encoderdecoderblock_0/MlpBlock_0/Dense_0", DELAYED),
+  (rf"{BLOCK}/MlpBlock_0/Dense_\d", CURRENT),
 ]
 
 
@@ -34,13 +34,18 @@ def test_lm1b_converted_by_rules_trains_in_the_plain_loop():
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.SkippedLayersWarning)  # nothing a rule asked for is skipped
     variables = jax.jit(q(model.init))(jax.random.key(0), tokens)
-  mlp = [f"decoder/encoderdecoderblock_{i}/MlpBlock_0/Dense_{j}" for i in range(2)
-         for j in range(2)]
+  mlp = [
+    f"decoder/encoderdecoderblock_{i}/MlpBlock_0/Dense_{j}" for i in range(2) for j in range(2)
+  ]
   assert q.report.quantized == mlp
   assert q.report.recipes[mlp[0]] == DELAYED and q.report.recipes[mlp[1]] == CURRENT
-  attention = {f"decoder/encoderdecoderblock_{i}/SelfAttention_0/{n}": (
-      r"rule 0 ('decoder/encoderdecoderblock_\d+/SelfAttention_0/.*') keeps it in high precision")
-      for i in range(2) for n in ("query", "key", "value", "out")}
+  attention = {
+    f"decoder/encoderdecoderblock_{i}/SelfAttention_0/{n}": (
+      r"rule 0 ('decoder/encoderdecoderblock_\d+/SelfAttention_0/.*') keeps it in high precision"
+    )
+    for i in range(2)
+    for n in ("query", "key", "value", "out")
+  }
   assert q.report.high_precision == {**attention, "decoder/logitdense": "no rule selects it"}
   assert q.report.skipped == {}
 
@@ -61,24 +66,32 @@ def test_lm1b_converted_by_rules_trains_in_the_plain_loop():
   @jax.jit
   def step(params, recipe_state, opt_state, tokens):
     loss, (grads, recipe_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-        params, recipe_state, tokens)
+      params, recipe_state, tokens
+    )
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), recipe_state, opt_state, loss
 
   losses = []
   for s in range(50):
     params, recipe_state, opt_state, loss = step(
-        params, recipe_state, opt_state, token_batch(s, 4, 16, config.vocab_size))
+      params, recipe_state, opt_state, token_batch(s, 4, 16, config.vocab_size)
+    )
     losses.append(float(loss))
   assert np.mean(losses[-5:]) < 0.7 * losses[0], losses
   state = recipe_state["decoder"]["encoderdecoderblock_0"]["MlpBlock_0"]["Dense_0"][
-      "DelayedScalingDotGeneral_0"]
+    "DelayedScalingDotGeneral_0"
+  ]
   assert np.count_nonzero(np.asarray(state["x_amax_history"])) >= 3
   assert float(state["x_scale"][0]) != 1.0
   assert float(state["grad_amax_history"][-1]) > 0
   # Current scaling keeps no state: the delayed layer's is the only one.
-  assert jax.tree.map(np.shape, recipe_state) == {"decoder": {"encoderdecoderblock_0": {
-      "MlpBlock_0": {"Dense_0": {"DelayedScalingDotGeneral_0": jax.tree.map(np.shape, state)}}}}}
+  assert jax.tree.map(np.shape, recipe_state) == {
+    "decoder": {
+      "encoderdecoderblock_0": {
+        "MlpBlock_0": {"Dense_0": {"DelayedScalingDotGeneral_0": jax.tree.map(np.shape, state)}}
+      }
+    }
+  }
 
 
 def test_the_tied_embedding_a_rule_asks_for_is_skipped_with_one_warning_at_the_callers_line():
@@ -91,9 +104,10 @@ def test_the_tied_embedding_a_rule_asks_for_is_skipped_with_one_warning_at_the_c
   [warning] = [w for w in record if issubclass(w.category, ta.SkippedLayersWarning)]
   assert warning.filename == __file__
   assert str(warning.message).startswith(
-      "te_adapters.linen.quantize: 1 layer(s) that a rule gave a recipe stay in high precision:"
-      "\n  decoder/Embed_0: nn.Embed.attend (a tied output projection) computes its GEMM outside"
-      " any dot_general slot")
+    "te_adapters.linen.quantize: 1 layer(s) that a rule gave a recipe stay in high precision:"
+    "\n  decoder/Embed_0: nn.Embed.attend (a tied output projection) computes its GEMM outside"
+    " any dot_general slot"
+  )
   assert "stays in high precision" not in str(warning.message)
 
 
@@ -135,10 +149,12 @@ def test_the_deprecated_filter_warns_at_the_callers_line_and_still_works():
     q = ta_linen.quantize(CURRENT, filter=lambda path: "MlpBlock" in path, threshold=None)
   assert rec[0].filename == __file__
   config = lm1b_linen.TransformerConfig(num_layers=1)
-  jax.eval_shape(q(lm1b_linen.TransformerLM(config).init), jax.random.key(0),
-                 token_batch(0, 2, 16, 64))
-  assert q.report.quantized == [f"decoder/encoderdecoderblock_0/MlpBlock_0/Dense_{j}"
-                                for j in range(2)]
+  jax.eval_shape(
+    q(lm1b_linen.TransformerLM(config).init), jax.random.key(0), token_batch(0, 2, 16, 64)
+  )
+  assert q.report.quantized == [
+    f"decoder/encoderdecoderblock_0/MlpBlock_0/Dense_{j}" for j in range(2)
+  ]
   assert q.report.high_precision["decoder/logitdense"] == "no rule selects it"
   with pytest.raises(TypeError, match="filter must be callable"):
     ta_linen.quantize(CURRENT, filter="MlpBlock")
@@ -149,14 +165,19 @@ def test_layers_with_a_recipe_already_are_an_error_naming_them():
     @nn.compact
     def __call__(self, x):
       x = ta_linen.Dense(32, recipe=CURRENT, threshold=None, name="own")(x)
-      x = nn.Dense(32, dot_general_cls=ta_linen.make_dot_general_cls(CURRENT, threshold=None),
-                   name="slot")(x)
+      x = nn.Dense(
+        32, dot_general_cls=ta_linen.make_dot_general_cls(CURRENT, threshold=None), name="slot"
+      )(x)
       return nn.Dense(32, name="plain")(x)
 
   x = jnp.ones((4, 32))
-  with pytest.raises(ValueError, match=(
+  with pytest.raises(
+    ValueError,
+    match=(
       r"te_adapters.linen.quantize: these layers are quantized already, by an earlier conversion"
-      r" or a recipe of their own: own, slot\. Convert each layer once")):
+      r" or a recipe of their own: own, slot\. Convert each layer once"
+    ),
+  ):
     ta_linen.quantize(DELAYED, threshold=None)(Model().init)(jax.random.key(0), x)
   # Rules that leave them out convert the rest; the others keep their own recipe.
   q = ta_linen.quantize(rules=[("plain", DELAYED)], threshold=None)

@@ -59,8 +59,9 @@ def test_trains_in_a_plain_grad_loop_like_the_explicit_core_call():
 
   @jax.jit
   def core_step(state, w, x, dy):
-    loss = lambda s, w: jnp.sum(core.dot_general(x, w, DIMS, recipe=recipe, state=s,
-                                                 threshold=None) * dy)
+    loss = lambda s, w: jnp.sum(
+      core.dot_general(x, w, DIMS, recipe=recipe, state=s, threshold=None) * dy
+    )
     new_state, g_w = jax.grad(loss, argnums=(0, 1))(state, w)
     return new_state, w - 0.1 * g_w
 
@@ -79,8 +80,9 @@ def test_trains_in_a_plain_grad_loop_like_the_explicit_core_call():
 
 
 def test_quantizes_in_fp8_against_float64(rel):
-  Matmul = ta_linen.wrap_function_in_te_state_module(_matmul, ta.Float8CurrentScaling(),
-                                                     threshold=None)
+  Matmul = ta_linen.wrap_function_in_te_state_module(
+    _matmul, ta.Float8CurrentScaling(), threshold=None
+  )
   x, w, dy = _data(1, 64, 128, 64)
   variables = Matmul().init(jax.random.PRNGKey(0), x, w)
   assert variables == {}  # current scaling keeps no state
@@ -104,9 +106,15 @@ def test_no_recipe_is_high_precision_without_state():
 
 def test_postfixes_give_layernorm_mlps_names_and_results():
   recipe = ta.DelayedScaling(amax_history_len=8)
-  mlp = ta_linen.LayerNormMLP(intermediate_dim=64, activations=("gelu",), use_bias=True,
-                              intermediate_dropout_rate=0.0, return_layernorm_output=False,
-                              recipe=recipe, threshold=None)
+  mlp = ta_linen.LayerNormMLP(
+    intermediate_dim=64,
+    activations=("gelu",),
+    use_bias=True,
+    intermediate_dropout_rate=0.0,
+    return_layernorm_output=False,
+    recipe=recipe,
+    threshold=None,
+  )
   x = jax.random.normal(jax.random.PRNGKey(3), (2, 16, 32))
   ref_vars = mlp.init(jax.random.PRNGKey(0), x, deterministic=True)
   p = ref_vars["params"]
@@ -114,9 +122,18 @@ def test_postfixes_give_layernorm_mlps_names_and_results():
   def block(quantization, x, p):
     q0, q1 = quantization("_0"), quantization("_1")
     return core.layernorm_mlp(
-        x, p["scale"], p["ln_bias"], p["wi_kernel"], p["wo_kernel"], p["wi_bias"], p["wo_bias"],
-        activations=("gelu",), recipe=q0["recipe"], states=(q0["state"], q1["state"]),
-        threshold=q0["threshold"])
+      x,
+      p["scale"],
+      p["ln_bias"],
+      p["wi_kernel"],
+      p["wo_kernel"],
+      p["wi_bias"],
+      p["wo_bias"],
+      activations=("gelu",),
+      recipe=q0["recipe"],
+      states=(q0["state"], q1["state"]),
+      threshold=q0["threshold"],
+    )
 
   Block = ta_linen.wrap_function_in_te_state_module(block, recipe, threshold=None)
   variables = Block().init(jax.random.PRNGKey(0), x, p)
@@ -127,7 +144,8 @@ def test_postfixes_give_layernorm_mlps_names_and_results():
     return jax.jit(jax.grad(lambda v: jnp.sum(apply(v) * dy)))
 
   got = grads(lambda v: Block().apply({OWG: v[OWG]}, x, v["params"])[0])(
-      {OWG: variables[OWG], "params": p})
+    {OWG: variables[OWG], "params": p}
+  )
   want = grads(lambda v: mlp.apply(v, x, deterministic=True)[0])(ref_vars)
   for name in ref_vars[OWG]:
     _assert_same(got[OWG][name], want[OWG][name], name)
@@ -163,7 +181,8 @@ def test_bad_use_is_a_clear_error():
 
   def twice(quantization, x, w):
     return core.dot_general(x, w, DIMS, **quantization()) + core.dot_general(
-        x, w, DIMS, **quantization())
+      x, w, DIMS, **quantization()
+    )
 
   Twice = ta_linen.wrap_function_in_te_state_module(twice, ta.DelayedScaling(), threshold=None)
   with pytest.raises(ValueError, match="postfix '' was already declared in this call"):

@@ -27,8 +27,8 @@ from te_adapters import linen as ta_linen
 from tests import spmd_checks
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 4,
-    reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
+  jax.device_count() < 4,
+  reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts",
 )
 
 OWG = ta_linen.OVERWRITE_WITH_GRADIENT
@@ -48,8 +48,10 @@ def _model(recipe, features=FEATURES):
   # Float32 sums of the partial products over a split K (dW over dp), so that on a GPU dW keeps
   # one device's bound (spmd_checks); the default bf16 sums: tests/core/test_sharding_gpu.py.
   config = ta.core.GemmConfig(partial_sums="float32")
-  return FlaxDenseBlock(features=features, dot_general_cls=ta_linen.make_dot_general_cls(recipe,
-      threshold=None, config=config))
+  return FlaxDenseBlock(
+    features=features,
+    dot_general_cls=ta_linen.make_dot_general_cls(recipe, threshold=None, config=config),
+  )
 
 
 def _loss(model, variables, x, dy):
@@ -104,8 +106,8 @@ def test_seed_000_dp_tp_under_jit_matches_single_device(recipe, rel):
   x, dy = _data()
   kernel = variables["params"]["Dense_0"]["kernel"]
   sharded = {
-      **variables,
-      "params": {"Dense_0": {"kernel": jax.device_put(kernel, NamedSharding(mesh, P(None, "tp")))}},
+    **variables,
+    "params": {"Dense_0": {"kernel": jax.device_put(kernel, NamedSharding(mesh, P(None, "tp")))}},
   }
   if OWG in variables:
     sharded[OWG] = jax.device_put(variables[OWG], NamedSharding(mesh, P()))
@@ -139,8 +141,10 @@ def test_seed_000_dp_tp_inside_shard_map_matches_single_device(rel):
 
   var_specs = {"params": {"Dense_0": {"kernel": P(None, "tp")}}, OWG: P()}
   mapped = jax.shard_map(
-      body, mesh=mesh, in_specs=(var_specs, P("dp"), P("dp", None, "tp")),
-      out_specs=(P(), P("dp", None, "tp")),
+    body,
+    mesh=mesh,
+    in_specs=(var_specs, P("dp"), P("dp", None, "tp")),
+    out_specs=(P(), P("dp", None, "tp")),
   )
   grad_fn = jax.value_and_grad(mapped, argnums=(0, 1), has_aux=True)
   step = jax.jit(lambda v, x, dy: (lambda out: (out[0][1], out[1]))(grad_fn(v, x, dy)))
@@ -160,7 +164,7 @@ def test_dense_with_amax_axes_inside_shard_map_is_bit_identical_to_one_device():
     return jnp.sum(y * dy), y
 
   steps = spmd_checks.compare_with_one_device(
-      loss, variables, lambda v, g: {**v, OWG: g[OWG]}, x, dy
+    loss, variables, lambda v, g: {**v, OWG: g[OWG]}, x, dy
   )
   _, grads = steps[-1]
   (state,) = grads[OWG].values()
@@ -182,10 +186,12 @@ def test_dense_with_kernel_all_gather_gathers_fp8_bytes(rel):
   ref = jax.jit(functools.partial(grads, one_device))(variables, x, dy)
   with jax.set_mesh(mesh):
     kernel = variables["params"]["kernel"]
-    placed = {"params": {
+    placed = {
+      "params": {
         "kernel": jax.device_put(kernel, NamedSharding(mesh, P("fsdp", None))),
         "bias": jax.device_put(variables["params"]["bias"], NamedSharding(mesh, P())),
-    }}
+      }
+    }
     args = (placed, jax.device_put(x, NamedSharding(mesh, P("fsdp"))), dy)
     compiled, gathers = spmd_checks.fsdp_gathers(functools.partial(grads, model), args)
     got = compiled(*args)
@@ -207,7 +213,7 @@ def _dot_general_cls(x, **kw):
 
 
 @pytest.mark.parametrize(
-    "apply", [_dense_general, _dot_general_cls], ids=lambda f: f.__name__.strip("_")
+  "apply", [_dense_general, _dot_general_cls], ids=lambda f: f.__name__.strip("_")
 )
 def test_spmd_keywords_reach_the_core(apply):
   spmd_checks.assert_spmd_keywords_reach_the_core(apply)
@@ -245,7 +251,8 @@ def test_fused_qkv_dense_general_with_heads_sharded_matches_one_device():
   with jax.set_mesh(mesh):
     heads = P(None, None, "tp", None)
     sharded = jax.tree.map(
-        lambda v: jax.device_put(v, NamedSharding(mesh, heads if v.ndim == 4 else P())), variables)
+      lambda v: jax.device_put(v, NamedSharding(mesh, heads if v.ndim == 4 else P())), variables
+    )
     got = jax.jit(step)(sharded)
   assert got[0][1].sharding.spec == P(None, None, None, "tp", None)
   spmd_checks.assert_trees_match_one_device(got, want)

@@ -48,7 +48,6 @@ class Einsum(nnx.Einsum):
 
 
 class RMSNorm(nnx.Module):
-
   def __init__(self, dim: int, *, rngs: nnx.Rngs):
     del rngs
     self.scale = nnx.Param(jnp.zeros((dim,)))
@@ -69,10 +68,10 @@ def apply_rope(x, positions, max_wavelength: int = 10_000):
 
 
 class Embedder(nnx.Module):
-
   def __init__(self, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
     self.input_embedding = nnx.Param(
-        nnx.initializers.normal()(rngs.params(), (vocab_size, embed_dim)))
+      nnx.initializers.normal()(rngs.params(), (vocab_size, embed_dim))
+    )
 
   def encode(self, x):
     x = self.input_embedding[...][(x,)]
@@ -83,17 +82,15 @@ class Embedder(nnx.Module):
 
 
 class Attention(nnx.Module):
-
-  def __init__(self, num_heads: int, num_kv_heads: int, features: int, head_dim: int, *,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, num_heads: int, num_kv_heads: int, features: int, head_dim: int, *, rngs: nnx.Rngs
+  ):
     self.attn_vec_einsum = Einsum("BTNH,NHD->BTD", (num_heads, head_dim, features), rngs=rngs)
     if num_heads == num_kv_heads:
-      self.qkv_einsum = Einsum(
-          "BTD,SNDH->SBTNH", (3, num_heads, features, head_dim), rngs=rngs)
+      self.qkv_einsum = Einsum("BTD,SNDH->SBTNH", (3, num_heads, features, head_dim), rngs=rngs)
     else:
       self.q_einsum = Einsum("BTD,NDH->BTNH", (num_heads, features, head_dim), rngs=rngs)
-      self.kv_einsum = Einsum(
-          "BSD,CKDH->CBSKH", (2, num_kv_heads, features, head_dim), rngs=rngs)
+      self.kv_einsum = Einsum("BSD,CKDH->CBSKH", (2, num_kv_heads, features, head_dim), rngs=rngs)
     self.head_dim = head_dim
     self.num_heads = num_heads
 
@@ -116,7 +113,6 @@ class Attention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-
   def __init__(self, features: int, hidden_dim: int, *, rngs: nnx.Rngs):
     init = nnx.initializers.normal()
     self.gate_proj = nnx.Linear(features, hidden_dim, use_bias=False, kernel_init=init, rngs=rngs)
@@ -128,11 +124,11 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-
   def __init__(self, config: GemmaConfig, *, rngs: nnx.Rngs):
     self.pre_attention_norm = RMSNorm(config.embed_dim, rngs=rngs)
-    self.attn = Attention(config.num_heads, config.num_kv_heads, config.embed_dim,
-                          config.head_dim, rngs=rngs)
+    self.attn = Attention(
+      config.num_heads, config.num_kv_heads, config.embed_dim, config.head_dim, rngs=rngs
+    )
     self.pre_ffw_norm = RMSNorm(config.embed_dim, rngs=rngs)
     self.mlp = FeedForward(config.embed_dim, config.hidden_dim, rngs=rngs)
 

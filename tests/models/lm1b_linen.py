@@ -72,26 +72,28 @@ class MlpBlock(nn.Module):
   def __call__(self, inputs):
     config = self.config
     x = nn.Dense(
-        config.mlp_dim, dtype=config.dtype,
-        kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "mlp")),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ("mlp",)),
+      config.mlp_dim,
+      dtype=config.dtype,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "mlp")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("mlp",)),
     )(inputs)
     x = nn.relu(x)
     x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
     output = nn.Dense(
-        inputs.shape[-1], dtype=config.dtype,
-        kernel_init=nn.with_logical_partitioning(config.kernel_init, ("mlp", "embed")),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
+      inputs.shape[-1],
+      dtype=config.dtype,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("mlp", "embed")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
     )(x)
     return nn.Dropout(rate=config.dropout_rate)(output, deterministic=config.deterministic)
 
 
 def _layer_norm(config: TransformerConfig, **kwargs) -> nn.LayerNorm:
   return nn.LayerNorm(
-      dtype=config.dtype,
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
-      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-      **kwargs,
+    dtype=config.dtype,
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+    scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+    **kwargs,
   )
 
 
@@ -103,11 +105,15 @@ class EncoderDecoder1DBlock(nn.Module):
     config = self.config
     x = _layer_norm(config)(inputs)
     x = nn.SelfAttention(
-        num_heads=config.num_heads, dtype=config.dtype, qkv_features=config.qkv_dim,
-        kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "kv")),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
-        use_bias=False, broadcast_dropout=False, dropout_rate=config.attention_dropout_rate,
-        deterministic=config.deterministic,
+      num_heads=config.num_heads,
+      dtype=config.dtype,
+      qkv_features=config.qkv_dim,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "kv")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("embed",)),
+      use_bias=False,
+      broadcast_dropout=False,
+      dropout_rate=config.attention_dropout_rate,
+      deterministic=config.deterministic,
     )(x, mask=decoder_mask)
     x = nn.Dropout(rate=config.dropout_rate)(x, deterministic=config.deterministic)
     x = x + inputs
@@ -122,9 +128,11 @@ class Decoder(nn.Module):
   def __call__(self, inputs, decoder_mask=None):
     config = self.config
     output_embed = nn.Embed(
-        num_embeddings=config.output_vocab_size, features=config.emb_dim,
-        embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=1.0), ("vocab", "embed")),
+      num_embeddings=config.output_vocab_size,
+      features=config.emb_dim,
+      embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=1.0), ("vocab", "embed")
+      ),
     )
     y = output_embed(shift_right(inputs.astype("int32")))
     y = AddPositionEmbs(config=config, name="posembed_output")(y)
@@ -132,15 +140,17 @@ class Decoder(nn.Module):
     y = y.astype(config.dtype)
     for lyr in range(config.num_layers):
       y = EncoderDecoder1DBlock(config=config, name=f"encoderdecoderblock_{lyr}")(
-          y, decoder_mask=decoder_mask)
+        y, decoder_mask=decoder_mask
+      )
     y = _layer_norm(config, name="encoderdecoder_norm")(y)
     if config.logits_via_embedding:
       return output_embed.attend(y.astype(jnp.float32)) / jnp.sqrt(y.shape[-1])
     return nn.Dense(
-        config.output_vocab_size, dtype=config.dtype,
-        kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "vocab")),
-        bias_init=nn.with_logical_partitioning(config.bias_init, ("vocab",)),
-        name="logitdense",
+      config.output_vocab_size,
+      dtype=config.dtype,
+      kernel_init=nn.with_logical_partitioning(config.kernel_init, ("embed", "vocab")),
+      bias_init=nn.with_logical_partitioning(config.bias_init, ("vocab",)),
+      name="logitdense",
     )(y)
 
 
@@ -153,8 +163,8 @@ class TransformerLM(nn.Module):
   def __call__(self, inputs):
     config = self.config
     decoder_mask = nn.combine_masks(
-        nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
-        nn.make_causal_mask(inputs, dtype=config.dtype),
+      nn.make_attention_mask(inputs > 0, inputs > 0, dtype=config.dtype),
+      nn.make_causal_mask(inputs, dtype=config.dtype),
     )
     logits = Decoder(config=config, name="decoder")(inputs, decoder_mask=decoder_mask)
     return logits.astype(config.dtype)

@@ -42,18 +42,20 @@ class Transformer(hk.Module):
     h = embeddings
     for _ in range(self.num_layers):
       attn_block = hk.MultiHeadAttention(
-          num_heads=self.num_heads, key_size=self.attn_size, model_size=model_size,
-          w_init=initializer)
+        num_heads=self.num_heads, key_size=self.attn_size, model_size=model_size, w_init=initializer
+      )
       h_norm = _layer_norm(h)
       h_attn = attn_block(h_norm, h_norm, h_norm, mask=causal_mask)
       if dropout_rate:
         h_attn = hk.dropout(hk.next_rng_key(), dropout_rate, h_attn)
       h = h + h_attn
-      dense_block = hk.Sequential([
+      dense_block = hk.Sequential(
+        [
           hk.Linear(self.widening_factor * model_size, w_init=initializer),
           jax.nn.gelu,
           hk.Linear(model_size, w_init=initializer),
-      ])
+        ]
+      )
       h_dense = dense_block(_layer_norm(h))
       if dropout_rate:
         h_dense = hk.dropout(hk.next_rng_key(), dropout_rate, h_dense)
@@ -75,7 +77,8 @@ class LanguageModel(hk.Module):
     embed_init = hk.initializers.TruncatedNormal(stddev=0.02)
     token_embedding_map = hk.Embed(self.vocab_size, embed_dim=self.model_size, w_init=embed_init)
     positional_embeddings = hk.get_parameter(
-        "positional_embeddings", [seq_len, self.model_size], init=embed_init)
+      "positional_embeddings", [seq_len, self.model_size], init=embed_init
+    )
     embeddings = token_embedding_map(tokens) + positional_embeddings
     embeddings = self.transformer(embeddings, input_mask, is_training=is_training)
     return hk.Linear(self.vocab_size)(embeddings)

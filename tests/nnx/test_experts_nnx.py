@@ -136,8 +136,7 @@ def test_unsupported_block_recipes_fail_at_construction():
 
 
 def test_nnx_params_only_loop_warns_that_the_state_is_frozen():
-  model = GroupedLinear(8, 64, 96, recipe=ta.DelayedScaling(amax_history_len=4),
-                        rngs=nnx.Rngs(0))
+  model = GroupedLinear(8, 64, 96, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0))
   x = jnp.ones((256, 64), jnp.bfloat16)
   with pytest.warns(core.FrozenStateWarning, match="te_adapters.nnx.value_and_grad"):
     nnx.value_and_grad(lambda m: jnp.sum(m(x, jnp.full((8,), 32, jnp.int32))))(model)

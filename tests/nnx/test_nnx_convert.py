@@ -17,8 +17,9 @@ class _Model(nnx.Module):
     self.mix = nnx.LinearGeneral(32, (2, 16), rngs=rngs)
     self.proj = nnx.Einsum("bhd,hdk->bk", (2, 16, 32), (32,), rngs=rngs)
     self.small = nnx.Linear(32, 10, rngs=rngs)  # N=10: stays unquantized
-    self.custom = nnx.Linear(10, 16, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
-                             rngs=rngs)
+    self.custom = nnx.Linear(
+      10, 16, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k), rngs=rngs
+    )
 
   def __call__(self, x):
     h = self.proj(self.mix(jnp.tanh(self.up(x))))
@@ -87,8 +88,10 @@ def test_quantize_model_filter_and_stacked_layers():
   model = nnx.Dict(stack=make(nnx.Rngs(0)), other=nnx.Linear(32, 16, rngs=nnx.Rngs(1)))
   with pytest.warns(DeprecationWarning, match="filter= is deprecated.*rules=") as record:
     report = ta_nnx.quantize_model(
-        model, ta.DelayedScaling(amax_history_len=4), filter=nnx.PathContains("stack"),
-        threshold=None,
+      model,
+      ta.DelayedScaling(amax_history_len=4),
+      filter=nnx.PathContains("stack"),
+      threshold=None,
     )
   assert record[0].filename == __file__  # the caller's line
   assert report.quantized == ["stack"]
@@ -128,8 +131,9 @@ def test_report_names_the_layers_the_threshold_keeps_in_high_precision():
   big = ta.core.SizeThreshold(min_mkn=1, min_dim=64, platforms=(jax.default_backend(),))
 
   def model():
-    return nnx.Sequential(nnx.Linear(32, 128, rngs=nnx.Rngs(0)),
-                          nnx.Linear(128, 64, rngs=nnx.Rngs(1)))
+    return nnx.Sequential(
+      nnx.Linear(32, 128, rngs=nnx.Rngs(0)), nnx.Linear(128, 64, rngs=nnx.Rngs(1))
+    )
 
   report = ta_nnx.quantize_model(model(), ta.Float8CurrentScaling())
   assert report.quantized == ["layers/0", "layers/1"]

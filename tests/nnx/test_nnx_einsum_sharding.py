@@ -41,14 +41,22 @@ class Attention(nnx.Module):
       base = nnx.initializers.lecun_normal()
       return nnx.with_partitioning(base, kernel_spec) if sharded else base
 
-    self.qkv_einsum = nnx.Einsum("BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), bias_shape=None,
-                                 kernel_init=init(), rngs=rngs)
-    self.kv_einsum = nnx.Einsum("BTD,CKDH->CBTKH", (2, KV_HEADS, DIM, HEAD_DIM), bias_shape=None,
-                                kernel_init=init(), rngs=rngs)
+    self.qkv_einsum = nnx.Einsum(
+      "BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), bias_shape=None, kernel_init=init(), rngs=rngs
+    )
+    self.kv_einsum = nnx.Einsum(
+      "BTD,CKDH->CBTKH",
+      (2, KV_HEADS, DIM, HEAD_DIM),
+      bias_shape=None,
+      kernel_init=init(),
+      rngs=rngs,
+    )
 
   def __call__(self, x, out_sharding=None):
-    return (self.qkv_einsum(x, out_sharding=out_sharding),
-            self.kv_einsum(x, out_sharding=out_sharding))
+    return (
+      self.qkv_einsum(x, out_sharding=out_sharding),
+      self.kv_einsum(x, out_sharding=out_sharding),
+    )
 
 
 def _model(mesh=None, kernel_spec=KERNEL_SPEC, exact=True, **convert):
@@ -58,8 +66,9 @@ def _model(mesh=None, kernel_spec=KERNEL_SPEC, exact=True, **convert):
   if exact:
     for seed, layer in enumerate((model.qkv_einsum, model.kv_einsum)):
       value = layer.kernel[...]
-      layer.kernel.set_value(jax.device_put(
-          spmd_checks.exact_data(value.shape, 10 + seed), value.sharding))
+      layer.kernel.set_value(
+        jax.device_put(spmd_checks.exact_data(value.shape, 10 + seed), value.sharding)
+      )
   report = ta_nnx.quantize_model(model, RECIPE, threshold=None, **convert)
   assert report.quantized == ["kv_einsum", "qkv_einsum"]
   return model
@@ -67,8 +76,10 @@ def _model(mesh=None, kernel_spec=KERNEL_SPEC, exact=True, **convert):
 
 def _data():
   x = spmd_checks.exact_data((BATCH, SEQ, DIM), 0)
-  dys = (spmd_checks.exact_data((3, BATCH, SEQ, HEADS, HEAD_DIM), 1),
-         spmd_checks.exact_data((2, BATCH, SEQ, KV_HEADS, HEAD_DIM), 2))
+  dys = (
+    spmd_checks.exact_data((3, BATCH, SEQ, HEADS, HEAD_DIM), 1),
+    spmd_checks.exact_data((2, BATCH, SEQ, KV_HEADS, HEAD_DIM), 2),
+  )
   return x, dys
 
 
@@ -185,8 +196,9 @@ def test_gemma_einsums_train_under_their_annotations_like_one_device():
 
 
 def _four_device_mesh():
-  return jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:4])
+  return jax.make_mesh(
+    (2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4]
+  )
 
 
 def test_two_sharded_dims_of_one_group_are_gathered_with_a_warning_naming_the_layer():
@@ -200,8 +212,10 @@ def test_two_sharded_dims_of_one_group_are_gathered_with_a_warning_naming_the_la
     with pytest.warns(core.ShardingFallbackWarning) as record:
       got = _steps(model, x, dys)
   messages = [str(w.message) for w in record]
-  for layer in ("Einsum 'BTD,SNDH->SBTNH' at 'qkv_einsum'", "Einsum 'BTD,CKDH->CBTKH' at "
-                "'kv_einsum'"):
+  for layer in (
+    "Einsum 'BTD,SNDH->SBTNH' at 'qkv_einsum'",
+    "Einsum 'BTD,CKDH->CBTKH' at 'kv_einsum'",
+  ):
     hits = [m for m in messages if m.startswith(layer)]
     assert hits, (layer, messages)
     assert "all-gathered over dims [3]" in hits[0] and "2x each device's share" in hits[0]
@@ -215,10 +229,11 @@ def test_out_sharding_over_two_dims_of_one_group_warns_naming_the_layer():
   with jax.set_mesh(mesh):
     model = _model(mesh)
     out = P(None, None, None, "model", "data")
-    with pytest.warns(core.ShardingFallbackWarning,
-                      match=r"^Einsum 'BTD,SNDH->SBTNH' at 'qkv_einsum': out_sharding"):
+    with pytest.warns(
+      core.ShardingFallbackWarning, match=r"^Einsum 'BTD,SNDH->SBTNH' at 'qkv_einsum': out_sharding"
+    ):
       got = _steps(model, x, dys, out)
-  for (y, _) in got:
+  for y, _ in got:
     assert [a.sharding.spec for a in y] == [out] * 2
   spmd_checks.assert_trees_match_one_device(got, want)
 
@@ -228,19 +243,29 @@ def test_fsdp_gather_over_two_dims_of_one_group_is_refused_naming_the_layer_and_
   x, _ = _data()
   with jax.set_mesh(mesh):
     model = _model(mesh, kernel_all_gather=P(None, "model", None, "data"))
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+      ValueError,
+      match=(
         r"Einsum 'BTD,(SNDH->SBTNH' at 'qkv|CKDH->CBTKH' at 'kv)_einsum': kernel_all_gather "
         r"shards dimensions .*Shard one of these dimensions only, or leave this layer "
-        r"unquantized \(an adapter's conversion: its filter\)")):
+        r"unquantized \(an adapter's conversion: its filter\)"
+      ),
+    ):
       nnx.jit(lambda m, x: m(x))(model, x)
 
 
 def test_a_quantized_einsum_built_directly_takes_its_kernel_annotation():
   with jax.set_mesh(_mesh(AxisType.Auto)):
-    layer = ta_nnx.Einsum("BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), None, recipe=RECIPE,
-                          kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
-                                                            KERNEL_SPEC), rngs=nnx.Rngs(0))
+    layer = ta_nnx.Einsum(
+      "BTD,SNDH->SBTNH",
+      (3, HEADS, DIM, HEAD_DIM),
+      None,
+      recipe=RECIPE,
+      kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), KERNEL_SPEC),
+      rngs=nnx.Rngs(0),
+    )
   assert layer.einsum_op.kernel_sharding == KERNEL_SPEC
-  plain = ta_nnx.Einsum("BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), None, recipe=RECIPE,
-                        rngs=nnx.Rngs(0))
+  plain = ta_nnx.Einsum(
+    "BTD,SNDH->SBTNH", (3, HEADS, DIM, HEAD_DIM), None, recipe=RECIPE, rngs=nnx.Rngs(0)
+  )
   assert plain.einsum_op.kernel_sharding is None

@@ -13,14 +13,16 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
 @pytest.mark.parametrize(
-    "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=16)],
-    ids=["current", "delayed"],
+  "recipe",
+  [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=16)],
+  ids=["current", "delayed"],
 )
 def test_training_step_runs_fp8_gemms(recipe, remat):
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
-  model = ta_nnx.Linear(256, 512, recipe=recipe, threshold=None, dtype=jnp.bfloat16,
-                        rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(
+    256, 512, recipe=recipe, threshold=None, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+  )
   x = jnp.ones((64, 256), jnp.bfloat16)
 
   def loss(m, x):

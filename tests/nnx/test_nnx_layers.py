@@ -16,9 +16,9 @@ CURRENT = ta.Float8CurrentScaling()
 DELAYED = ta.DelayedScaling(amax_history_len=4)
 
 PAIRS = [
-    (ta_nnx.Linear, nnx.Linear),
-    (ta_nnx.LinearGeneral, nnx.LinearGeneral),
-    (ta_nnx.Einsum, nnx.Einsum),
+  (ta_nnx.Linear, nnx.Linear),
+  (ta_nnx.LinearGeneral, nnx.LinearGeneral),
+  (ta_nnx.Einsum, nnx.Einsum),
 ]
 
 
@@ -51,18 +51,18 @@ def _assert_trees_equal(a, b):
 
 def _builders():
   return [
-      (
-          lambda cls, **kw: cls(32, 48, rngs=nnx.Rngs(3), **kw),
-          (2, 5, 32),
-      ),
-      (
-          lambda cls, **kw: cls((2, 16), (3, 16), axis=(-2, -1), rngs=nnx.Rngs(3), **kw),
-          (4, 2, 16),
-      ),
-      (
-          lambda cls, **kw: cls("btd,dhk->bthk", (32, 2, 16), (2, 16), rngs=nnx.Rngs(3), **kw),
-          (2, 3, 32),
-      ),
+    (
+      lambda cls, **kw: cls(32, 48, rngs=nnx.Rngs(3), **kw),
+      (2, 5, 32),
+    ),
+    (
+      lambda cls, **kw: cls((2, 16), (3, 16), axis=(-2, -1), rngs=nnx.Rngs(3), **kw),
+      (4, 2, 16),
+    ),
+    (
+      lambda cls, **kw: cls("btd,dhk->bthk", (32, 2, 16), (2, 16), rngs=nnx.Rngs(3), **kw),
+      (2, 3, 32),
+    ),
   ]
 
 
@@ -132,30 +132,39 @@ def _reference_grads(x, w, g, contract):
 
 # (layer builder, input shape, equation of the same product on the kernel)
 NUMERICS_CASES = {
-    "Linear": (lambda r: ta_nnx.Linear(64, 48, use_bias=False, threshold=None, recipe=r,
-                                       rngs=nnx.Rngs(0)),
-               (4, 16, 64), "btk,kn->btn"),
-    "LinearGeneral": (
-        lambda r: ta_nnx.LinearGeneral((4, 16), 32, axis=(-2, -1), use_bias=False, threshold=None,
-                                       recipe=r,
-                                       rngs=nnx.Rngs(0)),
-        (32, 4, 16), "bij,ijn->bn"),
-    # jnp.einsum hands this layer's kernel to its dot_general first.
-    "Einsum-kernel-first": (
-        lambda r: ta_nnx.Einsum("nta,hab->nthb", (2, 64, 32), threshold=None, recipe=r,
-                                rngs=nnx.Rngs(0)),
-        (4, 8, 64), "nta,hab->nthb"),
-    "Einsum-input-first": (
-        lambda r: ta_nnx.Einsum("ij,jk->ik", (64, 32), threshold=None, recipe=r, rngs=nnx.Rngs(0)),
-        (64, 64), "ij,jk->ik"),
+  "Linear": (
+    lambda r: ta_nnx.Linear(64, 48, use_bias=False, threshold=None, recipe=r, rngs=nnx.Rngs(0)),
+    (4, 16, 64),
+    "btk,kn->btn",
+  ),
+  "LinearGeneral": (
+    lambda r: ta_nnx.LinearGeneral(
+      (4, 16), 32, axis=(-2, -1), use_bias=False, threshold=None, recipe=r, rngs=nnx.Rngs(0)
+    ),
+    (32, 4, 16),
+    "bij,ijn->bn",
+  ),
+  # jnp.einsum hands this layer's kernel to its dot_general first.
+  "Einsum-kernel-first": (
+    lambda r: ta_nnx.Einsum(
+      "nta,hab->nthb", (2, 64, 32), threshold=None, recipe=r, rngs=nnx.Rngs(0)
+    ),
+    (4, 8, 64),
+    "nta,hab->nthb",
+  ),
+  "Einsum-input-first": (
+    lambda r: ta_nnx.Einsum("ij,jk->ik", (64, 32), threshold=None, recipe=r, rngs=nnx.Rngs(0)),
+    (64, 64),
+    "ij,jk->ik",
+  ),
 }
 
 
 @pytest.mark.parametrize(
-    "case, recipe",
-    [(case, CURRENT) for case in NUMERICS_CASES]
-    + [("Linear", DELAYED), ("Einsum-kernel-first", DELAYED)],
-    ids=lambda v: v if isinstance(v, str) else type(v).__name__,
+  "case, recipe",
+  [(case, CURRENT) for case in NUMERICS_CASES]
+  + [("Linear", DELAYED), ("Einsum-kernel-first", DELAYED)],
+  ids=lambda v: v if isinstance(v, str) else type(v).__name__,
 )
 def test_fp8_numerics_against_float64(case, recipe, rel):
   build, x_shape, contract = NUMERICS_CASES[case]
@@ -190,7 +199,7 @@ def test_fp8_numerics_against_float64(case, recipe, rel):
     op_grads = next(iter(nnx.to_pure_dict(state_grads).values()))["state"]
     np.testing.assert_allclose(op_grads["x_amax_history"][-1], np.max(np.abs(x)), rtol=1e-6)
     np.testing.assert_allclose(
-        op_grads["kernel_amax_history"][-1], np.max(np.abs(kernel)), rtol=1e-6
+      op_grads["kernel_amax_history"][-1], np.max(np.abs(kernel)), rtol=1e-6
     )
     np.testing.assert_allclose(op_grads["grad_amax_history"][-1], np.max(np.abs(g)), rtol=1e-6)
 
@@ -242,11 +251,13 @@ def test_threshold_is_passed_to_the_core():
   forced = ta_nnx.Linear(32, 48, recipe=DELAYED, threshold=None, rngs=nnx.Rngs(0))
   assert ta.inspect.count_fp8_dot_generals(lambda x: forced(x), _normal(0, (4, 32))) == (1, 1)
   assert ta_nnx.Linear(32, 48, rngs=nnx.Rngs(0)).dot_general.threshold == (
-      ta.core.DEFAULT_SIZE_THRESHOLD)
+    ta.core.DEFAULT_SIZE_THRESHOLD
+  )
   with pytest.raises(TypeError, match="threshold must be"):
     ta_nnx.DotGeneral(DELAYED, threshold="small")
-  model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
-                         nnx.Einsum("bd,dk->bk", (64, 16), rngs=nnx.Rngs(0)))
+  model = nnx.Sequential(
+    nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.Einsum("bd,dk->bk", (64, 16), rngs=nnx.Rngs(0))
+  )
   ta_nnx.quantize_model(model, DELAYED, threshold=below)
   assert model.layers[0].dot_general.threshold == model.layers[1].einsum_op.threshold == below
   model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)))

@@ -24,16 +24,29 @@ DIFF = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
 def test_layer_norm(layernorm_type, zero_centered_gamma):
   # The output and the gradients of x, gamma and beta (nnx.grad) against float64.
   x, g, b, dy = _inputs()
-  norm = ta_nnx.LayerNorm(128, layernorm_type=layernorm_type, epsilon=1e-5,
-                          zero_centered_gamma=zero_centered_gamma, rngs=nnx.Rngs(0))
+  norm = ta_nnx.LayerNorm(
+    128,
+    layernorm_type=layernorm_type,
+    epsilon=1e-5,
+    zero_centered_gamma=zero_centered_gamma,
+    rngs=nnx.Rngs(0),
+  )
   params = nnx.state(norm, nnx.Param)
   assert sorted(nnx.to_pure_dict(params)) == (
-      ["ln_bias", "scale"] if layernorm_type == "layernorm" else ["scale"])
+    ["ln_bias", "scale"] if layernorm_type == "layernorm" else ["scale"]
+  )
   norm.scale.set_value(g)
   if norm.ln_bias is not None:
     norm.ln_bias.set_value(b)
-  ref, (dx, dg, db) = _reference(x, g, b if norm.ln_bias is not None else jnp.zeros_like(b), dy,
-                                 layernorm_type, zero_centered_gamma, 1e-5)
+  ref, (dx, dg, db) = _reference(
+    x,
+    g,
+    b if norm.ln_bias is not None else jnp.zeros_like(b),
+    dy,
+    layernorm_type,
+    zero_centered_gamma,
+    1e-5,
+  )
   np.testing.assert_allclose(norm(x), ref, rtol=1e-5, atol=1e-5)
   grads, gx = nnx.grad(lambda m, x: jnp.sum(m(x) * dy), argnums=(0, 1))(norm, x)
   np.testing.assert_allclose(gx, dx, rtol=1e-4, atol=1e-4)
@@ -43,8 +56,15 @@ def test_layer_norm(layernorm_type, zero_centered_gamma):
 
 
 def _model(recipe, params=None, **kwargs):
-  layer = ta_nnx.LayerNormDenseGeneral(128, 256, recipe=recipe, threshold=None,
-                                       return_layernorm_output=False, rngs=nnx.Rngs(0), **kwargs)
+  layer = ta_nnx.LayerNormDenseGeneral(
+    128,
+    256,
+    recipe=recipe,
+    threshold=None,
+    return_layernorm_output=False,
+    rngs=nnx.Rngs(0),
+    **kwargs,
+  )
   for name, value in (params or {}).items():
     getattr(layer, name).set_value(value)
   return layer
@@ -82,8 +102,12 @@ def test_layer_norm_dense_general_against_float64(recipe, rel):
   layer = _model(recipe, {"scale": g, "ln_bias": b, "kernel": w})
   z, grads, _, _ = _loop(layer, x, dz, steps=3)
   ref, (_, dg, db, dw) = _reference(x, g, b, None, "layernorm", False, 1e-6, kernel=w, dz=dz)
-  errs = {"z": rel(z, ref), "dgamma": rel(grads["scale"], dg), "dbeta": rel(grads["ln_bias"], db),
-          "dkernel": rel(grads["kernel"], dw)}
+  errs = {
+    "z": rel(z, ref),
+    "dgamma": rel(grads["scale"], dg),
+    "dbeta": rel(grads["ln_bias"], db),
+    "dkernel": rel(grads["kernel"], dw),
+  }
   assert errs["z"] < 0.05 and max(errs.values()) < 0.08, errs
   assert errs["z"] > 0.005 and errs["dkernel"] > 0.005, errs
 
@@ -103,8 +127,7 @@ def test_delayed_state_follows_training():
 
 
 def test_te_shapes_return_and_bias():
-  layer = ta_nnx.LayerNormDenseGeneral(32, (2, 16), use_bias=True, threshold=None,
-                                       rngs=nnx.Rngs(0))
+  layer = ta_nnx.LayerNormDenseGeneral(32, (2, 16), use_bias=True, threshold=None, rngs=nnx.Rngs(0))
   shapes = jax.tree_util.tree_map(jnp.shape, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
   assert shapes == {"scale": (32,), "ln_bias": (32,), "kernel": (32, 2, 16), "bias": (2, 16)}
   x = jnp.ones((4, 32), jnp.bfloat16)
@@ -113,22 +136,25 @@ def test_te_shapes_return_and_bias():
   np.testing.assert_array_equal(ln_out, core.layernorm(x, layer.scale[...], layer.ln_bias[...]))
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"axis": 0}, "axis must be -1"),
     ({"layernorm_type": "groupnorm"}, "layernorm_type must be one of"),
     ({"features": 24}, "multiples of 16"),
-])
+  ],
+)
 def test_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    ta_nnx.LayerNormDenseGeneral(**({"in_features": 32, "features": 32} | kwargs),
-                                 rngs=nnx.Rngs(0))
+    ta_nnx.LayerNormDenseGeneral(**({"in_features": 32, "features": 32} | kwargs), rngs=nnx.Rngs(0))
 
 
 def test_softmax():
   x = jax.random.normal(jax.random.key(0), (2, 3, 8, 8))
   sm = ta_nnx.Softmax(scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked")
   np.testing.assert_array_equal(
-      sm(x), core.softmax(x, scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked"))
+    sm(x), core.softmax(x, scale_factor=0.25, softmax_fusion_type="scaled_upper_triang_masked")
+  )
   # A padding mask (1 = masked out, TE's convention) and a bias, with the masked kind.
   mask = jnp.asarray(np.random.default_rng(0).integers(0, 2, (2, 1, 8, 8)), jnp.uint8)
   mask = mask.at[..., 0].set(0)  # every row keeps a position

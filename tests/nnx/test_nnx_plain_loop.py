@@ -37,8 +37,7 @@ def _plain_step(model, optimizer, loss):
 @pytest.mark.parametrize("build", ["linear", "quantize_model"])
 def test_plain_nnx_loop_combines_reuse_by_max(build):
   if build == "linear":
-    model = ta_nnx.Linear(32, 32, recipe=RECIPE, threshold=None, use_bias=False,
-                          rngs=nnx.Rngs(0))
+    model = ta_nnx.Linear(32, 32, recipe=RECIPE, threshold=None, use_bias=False, rngs=nnx.Rngs(0))
   else:
     model = nnx.Linear(32, 32, use_bias=False, rngs=nnx.Rngs(0))
     ta_nnx.quantize_model(model, RECIPE, threshold=None)
@@ -88,10 +87,12 @@ class Block(nnx.Module):
     init = nnx.initializers.lecun_normal()
     if sharded:  # the heads over "model", as Gemma's ShardingConfig.fsdp_tp_sharding()
       init = nnx.with_partitioning(init, ("model", None, None))
-    self.q = nnx.Einsum("BTD,NDH->BTNH", (heads, dim, head_dim), bias_shape=None, rngs=rngs,
-                        kernel_init=init)
-    self.o = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, dim), bias_shape=None, rngs=rngs,
-                        kernel_init=init)
+    self.q = nnx.Einsum(
+      "BTD,NDH->BTNH", (heads, dim, head_dim), bias_shape=None, rngs=rngs, kernel_init=init
+    )
+    self.o = nnx.Einsum(
+      "BTNH,NHD->BTD", (heads, head_dim, dim), bias_shape=None, rngs=rngs, kernel_init=init
+    )
 
   def __call__(self, x, mesh):
     heads = NamedSharding(mesh, P("data", None, "model", None)) if mesh else None

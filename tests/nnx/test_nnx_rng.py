@@ -37,7 +37,7 @@ def test_linear_draws_a_fresh_key_per_call_from_its_stream():
   layer = ta_nnx.Linear(32, 32, threshold=None, recipe=NVFP4, rngs=nnx.Rngs(0))
   # The stream is forked after the parameters are drawn: they are nnx.Linear's.
   np.testing.assert_array_equal(
-      np.asarray(layer.kernel[...]), np.asarray(nnx.Linear(32, 32, rngs=nnx.Rngs(0)).kernel[...])
+    np.asarray(layer.kernel[...]), np.asarray(nnx.Linear(32, 32, rngs=nnx.Rngs(0)).kernel[...])
   )
   optimizer = nnx.Optimizer(layer, optax.sgd(1e-2), wrt=nnx.Param)
 
@@ -67,12 +67,13 @@ def test_linear_draws_a_fresh_key_per_call_from_its_stream():
 
 def test_missing_stream_is_an_error_naming_it():
   x, target = _batch()
-  layer = ta_nnx.Linear(32, 32, threshold=None, recipe=NVFP4,
-                        rngs=nnx.Rngs(params=0))  # no sr_rng, no default
+  layer = ta_nnx.Linear(
+    32, 32, threshold=None, recipe=NVFP4, rngs=nnx.Rngs(params=0)
+  )  # no sr_rng, no default
   message = (
-      "NVFP4BlockScaling rounds the gradient stochastically and needs a key per call from the "
-      "'sr_rng' stream: build the layer with rngs=nnx.Rngs(sr_rng=...) (a 'default' stream "
-      "works too), or call it with rngs=...; or use disable_stochastic_rounding=True"
+    "NVFP4BlockScaling rounds the gradient stochastically and needs a key per call from the "
+    "'sr_rng' stream: build the layer with rngs=nnx.Rngs(sr_rng=...) (a 'default' stream "
+    "works too), or call it with rngs=...; or use disable_stochastic_rounding=True"
   )
   with pytest.raises(ValueError, match=re.escape(message)):
     _kernel_grad(layer, x, target)
@@ -98,9 +99,9 @@ def test_quantize_model_gives_each_layer_a_stream():
 
   model = nnx.Dict(stack=make(nnx.Rngs(0)), head=nnx.Linear(32, 32, rngs=nnx.Rngs(1)))
   message = (
-      "quantize_model: NVFP4BlockScaling rounds the gradient stochastically, so every converted "
-      "layer needs a key stream: pass rngs=nnx.Rngs(sr_rng=seed) (an Rngs with a 'sr_rng' or "
-      "'default' stream), or use disable_stochastic_rounding=True"
+    "quantize_model: NVFP4BlockScaling rounds the gradient stochastically, so every converted "
+    "layer needs a key stream: pass rngs=nnx.Rngs(sr_rng=seed) (an Rngs with a 'sr_rng' or "
+    "'default' stream), or use disable_stochastic_rounding=True"
   )
   with pytest.raises(ValueError, match=re.escape(message)):
     ta_nnx.quantize_model(model, NVFP4, threshold=None)

@@ -18,9 +18,9 @@ from tests.models import gemma_nnx, token_batch
 DELAYED = ta.DelayedScaling(amax_history_len=4)
 CURRENT = ta.Float8CurrentScaling()
 RULES = [
-    (r"layers/\d+/attn/.*", None),
-    ("layers/0/mlp/gate_proj", DELAYED),
-    (r"layers/\d+/mlp/.*", CURRENT),
+  (r"layers/\d+/attn/.*", None),
+  ("layers/0/mlp/gate_proj", DELAYED),
+  (r"layers/\d+/mlp/.*", CURRENT),
 ]
 # NNX's plain loop: differentiate the parameters and the recipe state together.
 DIFF = nnx.DiffState(0, nnx.Any(nnx.Param, ta_nnx.RecipeState))
@@ -32,20 +32,26 @@ def test_gemma_converted_by_rules_trains_in_the_plain_loop(num_kv_heads):
   model = gemma_nnx.Transformer(config, rngs=nnx.Rngs(0))
   report = ta_nnx.quantize_model(model, rules=RULES, threshold=None)
   mlp = [f"layers/{i}/mlp/{n}" for i in range(2) for n in ("down_proj", "gate_proj", "up_proj")]
-  attn = ["attn_vec_einsum", "qkv_einsum"] if num_kv_heads == 2 else [
-      "attn_vec_einsum", "kv_einsum", "q_einsum"]
+  attn = (
+    ["attn_vec_einsum", "qkv_einsum"]
+    if num_kv_heads == 2
+    else ["attn_vec_einsum", "kv_einsum", "q_einsum"]
+  )
   assert report.quantized == mlp
   assert report.recipes["layers/0/mlp/gate_proj"] == DELAYED
   assert report.recipes["layers/1/mlp/gate_proj"] == CURRENT
   assert report.high_precision == {
-      f"layers/{i}/attn/{n}": r"rule 0 ('layers/\d+/attn/.*') keeps it in high precision"
-      for i in range(2) for n in attn}
+    f"layers/{i}/attn/{n}": r"rule 0 ('layers/\d+/attn/.*') keeps it in high precision"
+    for i in range(2)
+    for n in attn
+  }
   assert report.skipped == {}
 
   tokens = token_batch(0, 4, 17, config.num_embed)
   # FP8 in the forward pass for the six MLP layers, and for nothing else (attention, logits).
   fp8, total = ta.inspect.count_fp8_dot_generals(
-      lambda t: gemma_nnx.next_token_loss(model, t), tokens)
+    lambda t: gemma_nnx.next_token_loss(model, t), tokens
+  )
   assert fp8 == 6 and total > fp8
 
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
@@ -60,8 +66,9 @@ def test_gemma_converted_by_rules_trains_in_the_plain_loop(num_kv_heads):
 
   if num_kv_heads != 2:
     return  # the same loop as above; the conversion and its FP8 are what differ
-  losses = [float(step(model, optimizer, token_batch(s, 4, 17, config.num_embed)))
-            for s in range(50)]
+  losses = [
+    float(step(model, optimizer, token_batch(s, 4, 17, config.num_embed))) for s in range(50)
+  ]
   assert np.mean(losses[-5:]) < 0.7 * losses[0], losses
   state = model.layers[0].mlp.gate_proj.dot_general.state
   history = np.asarray(state.x_amax_history[...])
@@ -110,9 +117,13 @@ def test_converting_again_is_an_error_naming_the_layers():
   report = ta_nnx.quantize_model(model, rules=[(r".*/attn/.*", DELAYED)], threshold=None)
   assert len(report.quantized) == 4 and report.high_precision == {}
   before = nnx.to_pure_dict(nnx.state(model))
-  with pytest.raises(ValueError, match=(
+  with pytest.raises(
+    ValueError,
+    match=(
       r"quantize_model: these layers are quantized already, .*: layers/0/attn/attn_vec_einsum, "
-      r"layers/0/attn/qkv_einsum, layers/0/mlp/down_proj, .*layers/1/mlp/up_proj\. Convert")):
+      r"layers/0/attn/qkv_einsum, layers/0/mlp/down_proj, .*layers/1/mlp/up_proj\. Convert"
+    ),
+  ):
     ta_nnx.quantize_model(model, rules=[(r"layers/.*", CURRENT)], threshold=None)
   # The refused call changed nothing.
   after = nnx.to_pure_dict(nnx.state(model))

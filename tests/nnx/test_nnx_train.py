@@ -73,17 +73,19 @@ def test_delayed_scaling_history_over_optimizer_steps():
   x = _normal(7, (8, 32), 0.5)
   s_x, s_k = state["x_scale"][0], state["kernel_scale"][0]
   q = lambda v, s: np.asarray(
-      jnp.clip(v * s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), np.float32
+    jnp.clip(v * s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), np.float32
   )
   expected = (q(x, s_x) @ q(model.kernel[...], s_k)) / (s_x * s_k) + np.asarray(model.bias[...])
-  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(model, x), expected, rtol=FP8_GEMM_RTOL,
-                             atol=FP8_GEMM_RTOL / 10)
+  np.testing.assert_allclose(
+    nnx.jit(lambda m, x: m(x))(model, x), expected, rtol=FP8_GEMM_RTOL, atol=FP8_GEMM_RTOL / 10
+  )
   assert s_x != E4M3_MAX / 0.5  # current scaling would have used this one
 
 
 def test_layer_called_twice_takes_the_max_not_the_sum():
-  model = ta_nnx.Linear(32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4),
-                        rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(
+    32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0)
+  )
   xa, xb = _normal(0, (8, 32), 2.0), _normal(1, (8, 32), 3.0)
   ca, cb = _normal(2, (8, 16), 5.0), _normal(3, (8, 16), 7.0)
 
@@ -107,8 +109,9 @@ def test_layer_called_twice_takes_the_max_not_the_sum():
 
 
 def test_evaluation_and_optimizer_leave_state_alone():
-  model = ta_nnx.Linear(32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4),
-                        rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(
+    32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0)
+  )
   optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   x, c = _normal(0, (8, 32), 2.0), _normal(1, (8, 16))
   _train_step(model, optimizer, x, c)
@@ -153,7 +156,7 @@ def test_layer_outside_the_loss_keeps_its_state():
 class _Block(nnx.Module):
   def __init__(self, rngs):
     self.linear = ta_nnx.Linear(
-        32, 32, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=rngs
+      32, 32, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=rngs
     )
 
   def __call__(self, x):
@@ -190,9 +193,9 @@ def test_scan_over_stacked_layers_matches_unrolled_loop():
   g_s, g_u = nnx.to_pure_dict(g_s), nnx.to_pure_dict(g_u)
   for i in range(3):
     jax.tree.map(
-        lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-7),
-        (s_s, g_s),
-        (s_u[i], g_u[i]),
+      lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=1e-5, atol=1e-7),
+      (s_s, g_s),
+      (s_u[i], g_u[i]),
     )
   # Each layer recorded its own input's amax: the first one saw x.
   history = s_s["linear"]["dot_general"]["state"]["x_amax_history"]
@@ -204,8 +207,9 @@ def test_scan_over_stacked_layers_matches_unrolled_loop():
 
 
 def test_scan_with_broadcast_layer_takes_the_max():
-  model = ta_nnx.Linear(32, 32, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4),
-                        rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(
+    32, 32, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0)
+  )
   xs = jnp.stack([_normal(i, (8, 32), a) for i, a in enumerate((2.0, 5.0, 3.0))])
 
   def loss(m, xs):
@@ -222,8 +226,9 @@ def test_scan_with_broadcast_layer_takes_the_max():
 
 
 def test_remat_gives_the_same_grads_and_state():
-  model = ta_nnx.Linear(32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4),
-                        rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(
+    32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0)
+  )
   x, c = _normal(0, (8, 32), 2.0), _normal(1, (8, 16))
 
   def plain(m, x, c):
@@ -238,9 +243,9 @@ def test_remat_gives_the_same_grads_and_state():
   np.testing.assert_allclose(out_plain[0], out_remat[0], rtol=1e-6)
   for a, b in zip(out_plain[1], out_remat[1], strict=True):
     jax.tree.map(
-        lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-6),
-        nnx.to_pure_dict(a),
-        nnx.to_pure_dict(b),
+      lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-6),
+      nnx.to_pure_dict(a),
+      nnx.to_pure_dict(b),
     )
 
 
@@ -270,8 +275,9 @@ def test_vmap_over_stacked_models_keeps_per_model_state():
 
 
 def _state_leaf(tree, name):
-  (leaf,) = [v for p, v in jax.tree_util.tree_leaves_with_path(tree)
-             if name in jax.tree_util.keystr(p)]
+  (leaf,) = [
+    v for p, v in jax.tree_util.tree_leaves_with_path(tree) if name in jax.tree_util.keystr(p)
+  ]
   return np.asarray(leaf)
 
 
@@ -291,7 +297,8 @@ def test_vmap_with_broadcast_layer():
   _, whole = nnx.jit(ta_nnx.grad(lambda m, xs: jnp.sum(m(xs.reshape(16, 32)))))(model, xs)
   jax.tree.map(np.testing.assert_array_equal, state_grads, whole)
   np.testing.assert_array_equal(
-      _state_leaf(state_grads, "x_amax_history")[-1], np.abs(np.asarray(xs)).max())
+    _state_leaf(state_grads, "x_amax_history")[-1], np.abs(np.asarray(xs)).max()
+  )
 
 
 def test_split_merge_and_plain_dict_round_trip():
@@ -328,14 +335,16 @@ def test_split_merge_and_plain_dict_round_trip():
   got = nnx.to_pure_dict(nnx.merge_state(params, recipe_state))
   # The same float32 arithmetic in two programs, its sums in XLA's order of each.
   jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max()),
-      got, expected,
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max()),
+    got,
+    expected,
   )
 
 
 def test_update_recipe_state_refuses_mismatched_grads():
-  model = ta_nnx.Linear(32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4),
-                        rngs=nnx.Rngs(0))
+  model = ta_nnx.Linear(
+    32, 16, threshold=None, recipe=ta.DelayedScaling(amax_history_len=4), rngs=nnx.Rngs(0)
+  )
   x, c = _normal(0, (8, 32)), _normal(1, (8, 16))
   _, (grads, state_grads) = nnx.jit(ta_nnx.value_and_grad(_product_loss))(model, x, c)
   with pytest.raises(ValueError, match="do not match the recipe state"):

@@ -159,9 +159,7 @@ def is_block_mode(mode: str) -> bool:
 
 def _amax_reducer(x, role, plan):
   """For NVFP4 inside shard_map: the global amax of ``x``'s tensor from its shard's."""
-  return functools.partial(
-      core_sharding.global_amax, x=x, role=role, plan=plan, state_varying=None
-  )
+  return functools.partial(core_sharding.global_amax, x=x, role=role, plan=plan, state_varying=None)
 
 
 _CAST_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -188,12 +186,15 @@ def _cast_both(x3, spec, spec_t, backend: str):
   if not kernels.single_device(x3):
     return None
   q, s, q_t, s_t, amax = kernels.block_cast_call(
-    x3, spec.q_dtype, rowwise=True, colwise=True, tile=tile, power_2=spec.power_2)
+    x3, spec.q_dtype, rowwise=True, colwise=True, tile=tile, power_2=spec.power_2
+  )
   if tile:
     s_t = jnp.swapaxes(s, -1, -2)
   dq = np.dtype(x3.dtype)
-  return (ScaledTensor(q, s, amax, scaling_mode="float8_block", dq_dtype=dq),
-          ScaledTensor(q_t, s_t, amax, scaling_mode="float8_block", dq_dtype=dq))
+  return (
+    ScaledTensor(q, s, amax, scaling_mode="float8_block", dq_dtype=dq),
+    ScaledTensor(q_t, s_t, amax, scaling_mode="float8_block", dq_dtype=dq),
+  )
 
 
 _WHAT = {"x": "lhs (x)", "kernel": "rhs (kernel)", "grad": "output gradient"}
@@ -221,8 +222,9 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
   if req.producer is not None:
     if req.producer.value is None:
       raise NotImplementedError(
-          f"{type(req.recipe).__name__}: block scales need the operand's values; this producer "
-          "gives only a per-tensor cast")
+        f"{type(req.recipe).__name__}: block scales need the operand's values; this producer "
+        "gives only a per-tensor cast"
+      )
     req = dataclasses.replace(req, x=req.producer.value(), producer=None)
   if req.x.ndim == 2:
     q = _quantize(block, dataclasses.replace(req, x=req.x[None]))
@@ -248,7 +250,8 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
       cols = transpose_tiles(rows)
     else:
       cols = quantize_trailing(
-          jnp.swapaxes(x, -1, -2), spec_t, req.key, stream=1, what=what, reduce_amax=reduce)
+        jnp.swapaxes(x, -1, -2), spec_t, req.key, stream=1, what=what, reduce_amax=reduce
+      )
   # A NaN or inf in x (a non-finite global amax) makes the GEMM's output NaN
   # (GemmConfig.non_finite).
   rows, cols = (flag_non_finite(t, req.config.non_finite) for t in (rows, cols))
@@ -259,8 +262,17 @@ def _gemm(block, a, b, out_dtype, which, recipe, config, precision=None, out_sha
   """The block GEMM, in ``out_dtype``; blocks promote per block, ``precision`` is unused. 2-D
   copies (the fused paths') give a 2-D product."""
   if a.data.ndim == 2:
-    out = _gemm(block, _with_batch(a), _with_batch(b), out_dtype, which, recipe, config,
-                precision, out_sharding)
+    out = _gemm(
+      block,
+      _with_batch(a),
+      _with_batch(b),
+      out_dtype,
+      which,
+      recipe,
+      config,
+      precision,
+      out_sharding,
+    )
     return out[0]
   del which, recipe, precision
   return block.gemm(a, b, out_dtype, out_sharding, config.block_gemm).astype(out_dtype)
@@ -336,17 +348,17 @@ def block_format(block: BlockFormat, grouped: GroupedFormat | None = None) -> Qu
   """The ``QuantizationFormat`` of a block-scaled recipe from its block functions (stateless);
   ``grouped``: its grouped GEMM (``_grouped_block.grouped_format(block)``), or None: none."""
   return QuantizationFormat(
-      recipe_type=block.recipe_type,
-      scaling_modes=block.scaling_modes,
-      init_state=lambda recipe: EmptyState(),
-      state_shapes=lambda recipe: {},
-      quantize=functools.partial(_quantize, block),
-      gemm=functools.partial(_gemm, block),
-      next_state=_stateless_next,
-      dequantize=block.dequantize,
-      check=functools.partial(_check, block),
-      per_tensor=False,
-      block=block,
-      grouped=grouped,
-      takes_producer=True,
+    recipe_type=block.recipe_type,
+    scaling_modes=block.scaling_modes,
+    init_state=lambda recipe: EmptyState(),
+    state_shapes=lambda recipe: {},
+    quantize=functools.partial(_quantize, block),
+    gemm=functools.partial(_gemm, block),
+    next_state=_stateless_next,
+    dequantize=block.dequantize,
+    check=functools.partial(_check, block),
+    per_tensor=False,
+    block=block,
+    grouped=grouped,
+    takes_producer=True,
   )

@@ -27,12 +27,12 @@ from te_adapters.core.formats import _scaled_tensor, _scaling
 from te_adapters.core.kernels import ffi_available
 
 __all__ = [
-    "FFI_INPUT_DTYPES",
-    "amax",
-    "backend",
-    "cast_transpose",
-    "cast_transpose_per_batch",
-    "ffi_available",
+  "FFI_INPUT_DTYPES",
+  "amax",
+  "backend",
+  "cast_transpose",
+  "cast_transpose_per_batch",
+  "ffi_available",
 ]
 
 FFI_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -132,8 +132,7 @@ def cast_transpose(
   if not (rowwise or colwise or with_amax):
     return None, None, None
   if _use_ffi(x, backend):
-    fn = kernels.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax,
-                                     amax_over_mesh)
+    fn = kernels.cast_transpose_call(x.ndim, q_dtype, rowwise, colwise, with_amax, amax_over_mesh)
     q, q_t, a = fn(x, scale.reshape(1))
   else:
     fold = with_amax and amax_over_mesh
@@ -144,7 +143,11 @@ def cast_transpose(
 
 
 def cast_transpose_per_batch(
-  x: jax.Array, scales: jax.Array, q_dtype, *, with_amax: bool = False,
+  x: jax.Array,
+  scales: jax.Array,
+  q_dtype,
+  *,
+  with_amax: bool = False,
   backend: str | None = None,
 ):
   """FP8 copies of each ``x[b]`` of ``x`` (B, R, C), as is and transposed, with its own scale.
@@ -181,8 +184,9 @@ def cast_transpose_per_batch(
   if x.ndim != 3:
     raise ValueError(f"cast_transpose_per_batch needs a (B, R, C) array, got shape {x.shape}")
   if scales.shape != x.shape[:1]:
-    raise ValueError(f"scales must have shape ({x.shape[0]},), one per batch index, got "
-                     f"{scales.shape}")
+    raise ValueError(
+      f"scales must have shape ({x.shape[0]},), one per batch index, got {scales.shape}"
+    )
   if x.size and _use_ffi(x, backend) and kernels.single_device(x):
     q, q_t, a = kernels.cast_transpose_per_batch_call(q_dtype, with_amax)(x, scales)
     return q, q_t, (a if with_amax else None)

@@ -126,7 +126,13 @@ def _cublas_gemm(a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out
 
 
 def gemm(
-  a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block, out_dtype=jnp.float32,
+  a_data,
+  a_scale_inv,
+  a_block,
+  b_data,
+  b_scale_inv,
+  b_block,
+  out_dtype=jnp.float32,
   choice: str = "auto",
 ) -> jax.Array:
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` from block-scaled FP8 operands, float32 sums.
@@ -146,7 +152,14 @@ def gemm(
     refusal = _cublas_refusal(a_data, a_block, b_data, b_block)
     if refusal is None:
       return kernels.block_scaled_gemm(  # per shard in a sharded program
-        _cublas_gemm, _xla_gemm, a_data, a_scale_inv, a_block, b_data, b_scale_inv, b_block,
+        _cublas_gemm,
+        _xla_gemm,
+        a_data,
+        a_scale_inv,
+        a_block,
+        b_data,
+        b_scale_inv,
+        b_block,
         out_dtype,
       )
     if choice == "native":

@@ -36,8 +36,14 @@ import numpy as np
 from te_adapters.core import recipes, sharding
 
 __all__ = [
-    "BlockFormat", "GroupedFormat", "GroupedRequest", "OperandSpec", "Producer",
-    "QuantizationFormat", "Quantized", "QuantizeRequest",
+  "BlockFormat",
+  "GroupedFormat",
+  "GroupedRequest",
+  "OperandSpec",
+  "Producer",
+  "QuantizationFormat",
+  "Quantized",
+  "QuantizeRequest",
 ]
 
 

@@ -65,11 +65,13 @@ def _check(block: BlockFormat, recipe, k: int, n: int, backward: bool) -> None:
         shape = "x".join(map(str, spec.block_shape))
         raise NotImplementedError(
           f"{name}: ragged_dot cannot quantize {role} in {shape} tiles, which would cross "
-          "groups (its blocks run along one row, or along one group's rows)")
+          "groups (its blocks run along one row, or along one group's rows)"
+        )
       if spec.rht or spec.stochastic:
         raise NotImplementedError(
           f"{name}: ragged_dot does not implement the random Hadamard transform or stochastic "
-          f"rounding of {role}")
+          f"rounding of {role}"
+        )
   w_spec = block.operand_spec(recipe, "kernel", False)
   size = w_spec.block_size
   tiled = len(w_spec.block_shape) == 2
@@ -158,9 +160,9 @@ def grouped_format(block: BlockFormat) -> GroupedFormat:
   """The ``GroupedFormat`` of a block format whose blocks are 1-D along each GEMM's contracting
   dim (MXFP8)."""
   return GroupedFormat(
-      check=functools.partial(_check, block),
-      route=_route,
-      quantize=functools.partial(_quantize, block),
-      gemm=functools.partial(_gemm, block),
-      next_state=_stateless_next,
+    check=functools.partial(_check, block),
+    route=_route,
+    quantize=functools.partial(_quantize, block),
+    gemm=functools.partial(_gemm, block),
+    next_state=_stateless_next,
   )

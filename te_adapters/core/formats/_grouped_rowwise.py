@@ -73,8 +73,13 @@ def _group_columns(x, ids, num_groups, q_dtype, margin, non_finite="propagate") 
   data = jnp.clip(x.astype(jnp.float32) * per_row, -limit, limit).astype(q_dtype)
   data = _in_groups(data, ids, num_groups)
   sinv = non_finite_scale_inv(sinv, amax, non_finite)
-  return ScaledTensor(data, sinv, jnp.max(amax, initial=0.0).reshape(1),
-                      scaling_mode=ROWWISE, dq_dtype=np.dtype(x.dtype))
+  return ScaledTensor(
+    data,
+    sinv,
+    jnp.max(amax, initial=0.0).reshape(1),
+    scaling_mode=ROWWISE,
+    dq_dtype=np.dtype(x.dtype),
+  )
 
 
 def _quantize(req: GroupedRequest) -> Quantized:
@@ -97,16 +102,22 @@ def _quantize(req: GroupedRequest) -> Quantized:
     rows = quantize_rows(_in_groups(x, ids, num_groups), q_dtype, recipe.margin, non_finite)
   if req.cols:
     if recipe.weight_grad_high_precision:
-      cols = ScaledTensor(_in_groups(x, ids, num_groups), jnp.ones((1,), jnp.float32), None,
-                          scaling_mode=HIGH_PRECISION, dq_dtype=np.dtype(x.dtype))
+      cols = ScaledTensor(
+        _in_groups(x, ids, num_groups),
+        jnp.ones((1,), jnp.float32),
+        None,
+        scaling_mode=HIGH_PRECISION,
+        dq_dtype=np.dtype(x.dtype),
+      )
     else:
       cols = _group_columns(x, ids, num_groups, q_dtype, recipe.margin, non_finite)
   return Quantized(rows, cols, None)
 
 
 def _ragged(a, b, group_sizes, dims, precision):
-  return lax.ragged_dot_general(a, b, group_sizes, dims, precision=precision,
-                                preferred_element_type=jnp.float32)
+  return lax.ragged_dot_general(
+    a, b, group_sizes, dims, precision=precision, preferred_element_type=jnp.float32
+  )
 
 
 def _gemm(a, b, group_sizes, out_dtype, which, recipe, precision=None, route=None):
@@ -117,8 +128,9 @@ def _gemm(a, b, group_sizes, out_dtype, which, recipe, precision=None, route=Non
   if which == "wgrad":
     if a.scaling_mode == HIGH_PRECISION:
       dtype = jnp.promote_types(a.data.dtype, b.data.dtype)
-      out = _ragged(a.data.astype(dtype), b.data.astype(dtype), group_sizes,
-                    PER_GROUP_WGRAD_DIMS, precision)
+      out = _ragged(
+        a.data.astype(dtype), b.data.astype(dtype), group_sizes, PER_GROUP_WGRAD_DIMS, precision
+      )
       return out.astype(out_dtype)
     out = _ragged(a.data, b.data, group_sizes, PER_GROUP_WGRAD_DIMS, precision)  # (G, K, N)
     return (out * a.scale_inv[:, :, None] * b.scale_inv[:, None, :]).astype(out_dtype)
@@ -136,9 +148,9 @@ def _stateless_next(recipe, state, roles):
 
 
 GROUPED = GroupedFormat(
-    check=_check,
-    route=_route,
-    quantize=_quantize,
-    gemm=_gemm,
-    next_state=_stateless_next,
+  check=_check,
+  route=_route,
+  quantize=_quantize,
+  gemm=_gemm,
+  next_state=_stateless_next,
 )

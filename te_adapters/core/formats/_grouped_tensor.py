@@ -61,9 +61,9 @@ NATIVE, XLA = "native", "xla"
 
 # Row i of lhs (or of the output gradient) times kernel group(i), the kernels as stored (G, K, N).
 _FWD_DIMS = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (1,)), ((), ())),
-    lhs_ragged_dimensions=(0,),
-    rhs_group_dimensions=(0,),
+  dot_dimension_numbers=(((1,), (1,)), ((), ())),
+  lhs_ragged_dimensions=(0,),
+  rhs_group_dimensions=(0,),
 )
 
 # cuBLAS FP8 GEMMs need the contracting and output feature sizes to be multiples of 16.
@@ -75,8 +75,8 @@ def _check(recipe, k: int, n: int, backward: bool) -> None:
   bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % _FP8_ALIGNMENT]
   if bad:
     raise ValueError(
-        f"FP8 grouped GEMMs need K and N to be multiples of {_FP8_ALIGNMENT}; got "
-        f"{', '.join(bad)}. Pad the features, or pass recipe=None for a high-precision GEMM."
+      f"FP8 grouped GEMMs need K and N to be multiples of {_FP8_ALIGNMENT}; got "
+      f"{', '.join(bad)}. Pad the features, or pass recipe=None for a high-precision GEMM."
     )
 
 
@@ -118,14 +118,15 @@ def _role_scales(scaling: TensorScaling, amax, role, q_dtype, recipe, state):
   Each group is one GEMM of the scaling, its state slice g.
   """
   next_scale = functools.partial(
-      scaling.next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
+    scaling.next_scale, recipe, role=role, fp8_max=_scaling.fp8_max(q_dtype)
   )
   scale, new = jax.vmap(lambda a, s: next_scale(a, s))(amax[:, None], state)
   return scale[:, 0], new
 
 
-def _quantize_rows(scaling, x, ids, num_groups, role, q_dtype, recipe, state, granularity,
-                   non_finite="propagate"):
+def _quantize_rows(
+  scaling, x, ids, num_groups, role, q_dtype, recipe, state, granularity, non_finite="propagate"
+):
   """Quantizes [M, F] rows with their group's scale; rows past the groups become 0. A group
   whose amax is not finite gets a NaN inverse scale unless ``non_finite="saturate"``."""
   amax = _group_amax(x, ids, num_groups)
@@ -139,8 +140,9 @@ def _quantize_rows(scaling, x, ids, num_groups, role, q_dtype, recipe, state, gr
   return data, non_finite_scale_inv(_scaling.scale_inverse(scale), amax, non_finite), new
 
 
-def _quantize_experts(scaling, w, role, q_dtype, recipe, state, granularity, native,
-                      non_finite="propagate"):
+def _quantize_experts(
+  scaling, w, role, q_dtype, recipe, state, granularity, native, non_finite="propagate"
+):
   """Quantizes the kernels [G, K, N], each with its expert's scale.
 
   Returns ``(data, data_t, 1/scale [G], the role's new state)``. ``native`` (the native grouped
@@ -154,7 +156,8 @@ def _quantize_experts(scaling, w, role, q_dtype, recipe, state, granularity, nat
   one_pass = native and stored is not None
   if one_pass:
     data, data_t, amax = _cast_transpose.cast_transpose_per_batch(
-        w, stored.reshape(w.shape[0]), q_dtype, with_amax=True)
+      w, stored.reshape(w.shape[0]), q_dtype, with_amax=True
+    )
   else:
     amax = _scaling.leading_amax(w)
   if granularity == "tensor":
@@ -163,7 +166,8 @@ def _quantize_experts(scaling, w, role, q_dtype, recipe, state, granularity, nat
   if not one_pass:
     # Off the native path the pure-JAX cast, whose transposed copy XLA drops unused.
     data, data_t, _ = _cast_transpose.cast_transpose_per_batch(
-        w, scale, q_dtype, backend=None if native else "jax")
+      w, scale, q_dtype, backend=None if native else "jax"
+    )
   sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), amax, non_finite)
   return data, (data_t if native else None), sinv, new
 
@@ -178,15 +182,16 @@ def _quantize(scaling: TensorScaling, req: GroupedRequest) -> Quantized:
   if role == "kernel":
     native = req.route == NATIVE
     data, data_t, sinv, new = _quantize_experts(
-        scaling, x, role, q_dtype, recipe, req.state, req.granularity, native, req.non_finite)
+      scaling, x, role, q_dtype, recipe, req.state, req.granularity, native, req.non_finite
+    )
     along_n = _tensor(data, sinv, dq)
     along_k = _tensor(data_t, sinv, dq) if native else along_n
     return Quantized(along_k if req.rows else None, along_n if req.cols else None, new)
   num_groups = req.group_sizes.shape[0]
   ids = row_groups(req.group_sizes, x.shape[0])
   data, sinv, new = _quantize_rows(
-      scaling, x, ids, num_groups, role, q_dtype, recipe, req.state, req.granularity,
-      req.non_finite)
+    scaling, x, ids, num_groups, role, q_dtype, recipe, req.state, req.granularity, req.non_finite
+  )
   t = _tensor(data, sinv, dq)
   return Quantized(t if req.rows else None, t if req.cols else None, new)
 
@@ -205,8 +210,12 @@ def _gemm(a, b, group_sizes, out_dtype, which, recipe, precision=None, route=XLA
       return kernels.wgrad_gemm(a.data, b.data, sizes, alpha, out_dtype, fast)
     return kernels.rows_gemm(a.data, b.data, sizes, alpha, out_dtype, fast)
   out = lax.ragged_dot_general(
-      a.data, b.data, group_sizes, _DIMS[which], precision=precision,
-      preferred_element_type=jnp.float32,
+    a.data,
+    b.data,
+    group_sizes,
+    _DIMS[which],
+    precision=precision,
+    preferred_element_type=jnp.float32,
   )
   if which == "wgrad":
     return (out * alpha[:, None, None]).astype(out_dtype)
@@ -222,9 +231,9 @@ def _next_state(scaling: TensorScaling, recipe, state, roles):
 def grouped_format(scaling: TensorScaling) -> GroupedFormat:
   """The ``GroupedFormat`` of a per-tensor format whose scales follow ``scaling``."""
   return GroupedFormat(
-      check=_check,
-      route=_route,
-      quantize=functools.partial(_quantize, scaling),
-      gemm=_gemm,
-      next_state=functools.partial(_next_state, scaling),
+    check=_check,
+    route=_route,
+    quantize=functools.partial(_quantize, scaling),
+    gemm=_gemm,
+    next_state=functools.partial(_next_state, scaling),
   )

@@ -22,16 +22,17 @@ from te_adapters.core.recipes import check_recipe
 
 __all__ = ["ScaledTensor", "quantize", "dequantize"]
 
+
 def quantize(
-    x: jax.Array,
-    q_dtype: DTypeLike | None = None,
-    *,
-    scale: jax.Array | None = None,
-    recipe: recipes.Recipe | None = None,
-    role: str = "x",
-    axis: int | tuple[int, int] | None = None,
-    rng: jax.Array | None = None,
-    rht: bool = False,
+  x: jax.Array,
+  q_dtype: DTypeLike | None = None,
+  *,
+  scale: jax.Array | None = None,
+  recipe: recipes.Recipe | None = None,
+  role: str = "x",
+  axis: int | tuple[int, int] | None = None,
+  rng: jax.Array | None = None,
+  rht: bool = False,
 ) -> ScaledTensor:
   """Quantizes ``x`` with one scale for the whole tensor, or per block under a block recipe.
 
@@ -79,8 +80,8 @@ def quantize(
     expected = recipe.bwd_dtype if role == "grad" else recipe.fwd_dtype
     if q_dtype is not None and np.dtype(q_dtype) != expected:
       raise ValueError(
-          f"q_dtype {np.dtype(q_dtype)} does not match {type(recipe).__name__}'s dtype "
-          f"{expected} for role {role!r}; leave q_dtype=None"
+        f"q_dtype {np.dtype(q_dtype)} does not match {type(recipe).__name__}'s dtype "
+        f"{expected} for role {role!r}; leave q_dtype=None"
       )
     fmt = _registry.format_of(recipe)
     if not fmt.per_tensor and not recipe.block_scaled:
@@ -89,14 +90,14 @@ def quantize(
     if recipe.block_scaled:
       if scale is not None:
         raise ValueError(
-            f"{type(recipe).__name__} computes its block scales from x; do not pass scale"
+          f"{type(recipe).__name__} computes its block scales from x; do not pass scale"
         )
       return _quantize_blocks(x, recipe, role, axis, rng, rht)
     if fmt.state_shapes(recipe) and scale is None:
       # A scaling that keeps state quantizes with the scale it stored (delayed scaling).
       raise ValueError(
-          f"{type(recipe).__name__} quantizes with its stored scale: pass "
-          "scale=state.role('<role>').scale (state['<role>_scale'])"
+        f"{type(recipe).__name__} quantizes with its stored scale: pass "
+        "scale=state.role('<role>').scale (state['<role>_scale'])"
       )
     q_dtype = expected
   if q_dtype is None:
@@ -117,11 +118,11 @@ def quantize(
     scale = scale.reshape(1)
   data = cast_with_scale(x, scale, q_dtype)
   return ScaledTensor(
-      data=data,
-      scale_inv=_scaling.scale_inverse(scale),
-      amax=a,
-      scaling_mode="tensor",
-      dq_dtype=np.dtype(x.dtype),
+    data=data,
+    scale_inv=_scaling.scale_inverse(scale),
+    amax=a,
+    scaling_mode="tensor",
+    dq_dtype=np.dtype(x.dtype),
   )
 
 
@@ -144,7 +145,8 @@ def _quantize_own(x, recipe, fmt, role, scale, axis, rng, rht) -> ScaledTensor:
   saturate = recipes.GemmConfig(non_finite="saturate")
   t = fmt.quantize(QuantizeRequest(moved, role, recipe, config=saturate, cols=False)).rows
   return dataclasses.replace(
-      t, data=jnp.moveaxis(t.data, -1, axis), scale_inv=jnp.moveaxis(t.scale_inv, -1, axis))
+    t, data=jnp.moveaxis(t.data, -1, axis), scale_inv=jnp.moveaxis(t.scale_inv, -1, axis)
+  )
 
 
 def _quantize_blocks(x, recipe, role, axis, rng, rht) -> ScaledTensor:
@@ -152,8 +154,8 @@ def _quantize_blocks(x, recipe, role, axis, rng, rht) -> ScaledTensor:
   name = type(recipe).__name__
   if rht and not spec.rht:
     raise ValueError(
-        f"rht=True: {name} applies the random Hadamard transform only to x and grad, and only "
-        f"without disable_rht (role={role!r})"
+      f"rht=True: {name} applies the random Hadamard transform only to x and grad, and only "
+      f"without disable_rht (role={role!r})"
     )
   rng = recipes.check_rng(recipe, rng) if rng is not None else None
   if spec.stochastic and rng is None:
@@ -166,8 +168,8 @@ def _quantize_blocks(x, recipe, role, axis, rng, rht) -> ScaledTensor:
   axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
   if len(axes) != n:
     raise ValueError(
-        f"{name} quantizes role {role!r} in {'x'.join(map(str, spec.block_shape))} blocks, "
-        f"which need {n} axis/axes, got axis={axis!r}"
+      f"{name} quantizes role {role!r} in {'x'.join(map(str, spec.block_shape))} blocks, "
+      f"which need {n} axis/axes, got axis={axis!r}"
     )
   axes = tuple(int(a) % x.ndim if -x.ndim <= a < x.ndim else None for a in axes)
   if None in axes or len(set(axes)) != n:
@@ -175,17 +177,17 @@ def _quantize_blocks(x, recipe, role, axis, rng, rht) -> ScaledTensor:
   for a, b in zip(axes, spec.block_shape, strict=True):
     if x.shape[a] % b:
       raise ValueError(
-          f"{name}: axis {a} of x (shape {x.shape}) has size {x.shape[a]}, which is not a "
-          f"multiple of the block size {b}"
+        f"{name}: axis {a} of x (shape {x.shape}) has size {x.shape[a]}, which is not a "
+        f"multiple of the block size {b}"
       )
   moved = jnp.moveaxis(x, axes, tuple(range(x.ndim - n, x.ndim)))
   t = _block_scaled.quantize_trailing(moved, spec, rng, what=f"x of shape {x.shape}")
   back = tuple(range(x.ndim - n, x.ndim))
   return dataclasses.replace(
-      t,
-      data=jnp.moveaxis(t.data, back, axes),
-      scale_inv=jnp.moveaxis(t.scale_inv, back, axes),
-      dq_dtype=np.dtype(x.dtype),
+    t,
+    data=jnp.moveaxis(t.data, back, axes),
+    scale_inv=jnp.moveaxis(t.scale_inv, back, axes),
+    dq_dtype=np.dtype(x.dtype),
   )
 
 

@@ -15,14 +15,14 @@ from typing import Any
 import jax
 
 from te_adapters.core.formats import (
-    _block_scaled,
-    _float8_block,
-    _grouped_block,
-    _grouped_rowwise,
-    _mxfp8,
-    _nvfp4,
-    _rowwise,
-    _tensor_format,
+  _block_scaled,
+  _float8_block,
+  _grouped_block,
+  _grouped_rowwise,
+  _mxfp8,
+  _nvfp4,
+  _rowwise,
+  _tensor_format,
 )
 from te_adapters.core.formats._format import QuantizationFormat
 from te_adapters.core.formats._tensor_scaling import CURRENT, DELAYED
@@ -32,18 +32,26 @@ from te_adapters.core.state import DelayedScalingState, EmptyState, check_leaves
 State = DelayedScalingState | EmptyState
 
 __all__ = [
-    "check_state", "format_of", "format_of_mode", "formats", "init_state", "register_format",
-    "state_names", "typed_state", "unregister_format",
+  "check_state",
+  "format_of",
+  "format_of_mode",
+  "formats",
+  "init_state",
+  "register_format",
+  "state_names",
+  "typed_state",
+  "unregister_format",
 ]
 
 _FORMATS: list[QuantizationFormat] = [
-    _tensor_format.tensor_format(DelayedScaling, DELAYED),
-    _tensor_format.tensor_format(Float8CurrentScaling, CURRENT),
-    _block_scaled.block_format(_mxfp8.FORMAT, _grouped_block.grouped_format(_mxfp8.FORMAT)),
-    _block_scaled.block_format(_nvfp4.FORMAT),
-    _block_scaled.block_format(
-        _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT)),
-    _rowwise.FORMAT._replace(grouped=_grouped_rowwise.GROUPED),
+  _tensor_format.tensor_format(DelayedScaling, DELAYED),
+  _tensor_format.tensor_format(Float8CurrentScaling, CURRENT),
+  _block_scaled.block_format(_mxfp8.FORMAT, _grouped_block.grouped_format(_mxfp8.FORMAT)),
+  _block_scaled.block_format(_nvfp4.FORMAT),
+  _block_scaled.block_format(
+    _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT)
+  ),
+  _rowwise.FORMAT._replace(grouped=_grouped_rowwise.GROUPED),
 ]
 _PACKAGE_FORMATS = len(_FORMATS)
 
@@ -78,9 +86,9 @@ def format_of(recipe: Recipe) -> QuantizationFormat:
       return fmt
   names = ", ".join(f.recipe_type.__name__ for f in _FORMATS)
   raise TypeError(
-      f"no quantization format is registered for {type(recipe).__module__}."
-      f"{type(recipe).__name__}; registered recipes: {names} "
-      "(te_adapters.core.register_format adds one)"
+    f"no quantization format is registered for {type(recipe).__module__}."
+    f"{type(recipe).__name__}; registered recipes: {names} "
+    "(te_adapters.core.register_format adds one)"
   )
 
 
@@ -183,15 +191,15 @@ def typed_state(recipe: Recipe, state: Mapping[str, Any]) -> State:
     return state
   if not isinstance(state, Mapping):
     raise TypeError(
-        f"state must be a mapping of {type(recipe).__name__}'s state names or its typed state, "
-        f"got {type(state).__name__}"
+      f"state must be a mapping of {type(recipe).__name__}'s state names or its typed state, "
+      f"got {type(state).__name__}"
     )
   missing = [n for n in names if n not in state]
   extra = sorted(str(k) for k in state if k not in names)
   if missing or extra:
     raise ValueError(
-        f"state does not match {recipe!r}: missing {missing}, unexpected {extra}; the state of "
-        f"{type(recipe).__name__} has the entries {list(names)}"
+      f"state does not match {recipe!r}: missing {missing}, unexpected {extra}; the state of "
+      f"{type(recipe).__name__} has the entries {list(names)}"
     )
   return treedef.unflatten([state[n] for n in names])
 
@@ -208,18 +216,20 @@ def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
   if state is None:
     if expected:
       raise ValueError(
-          f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
+        f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
       )
     return typed_state(recipe, {})
   warn_dict_state(
-      state, "te_adapters.core.init_state(recipe), or te_adapters.core.typed_state(recipe, "
-      "saved) for a saved dict")
+    state,
+    "te_adapters.core.init_state(recipe), or te_adapters.core.typed_state(recipe, "
+    "saved) for a saved dict",
+  )
   check_leaves(
-      state,
-      expected,
-      mismatch=f"state does not match {recipe!r}",
-      bad_shape=lambda name, got, shape: (
-          f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
-      ),
+    state,
+    expected,
+    mismatch=f"state does not match {recipe!r}",
+    bad_shape=lambda name, got, shape: (
+      f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
+    ),
   )
   return typed_state(recipe, state)

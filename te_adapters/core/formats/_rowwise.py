@@ -57,8 +57,7 @@ from te_adapters.core.formats._tensor_format import (
 from te_adapters.core.recipes import Float8RowwiseScaling
 from te_adapters.core.state import EmptyState
 
-__all__ = ["FORMAT", "HIGH_PRECISION", "ROWWISE", "power_of_two_scale", "quantize_rows",
-           "row_amax"]
+__all__ = ["FORMAT", "HIGH_PRECISION", "ROWWISE", "power_of_two_scale", "quantize_rows", "row_amax"]
 
 ROWWISE = "rowwise"
 HIGH_PRECISION = "high_precision"
@@ -123,8 +122,8 @@ def _high_precision(x) -> ScaledTensor:
   """``x`` unquantized, as the weight-gradient GEMM's operand under
   ``weight_grad_high_precision``."""
   return ScaledTensor(
-      x, jnp.ones((1,), jnp.float32), None, scaling_mode=HIGH_PRECISION,
-      dq_dtype=np.dtype(x.dtype))
+    x, jnp.ones((1,), jnp.float32), None, scaling_mode=HIGH_PRECISION, dq_dtype=np.dtype(x.dtype)
+  )
 
 
 def _q_dtype(recipe, role):
@@ -135,8 +134,8 @@ def _check_plan(recipe, role, plan):
   axes = plan.role_amax_axes(role)
   if axes:
     raise ValueError(
-        f"{type(recipe).__name__}: amax_axes={axes!r} for {role!r} is not supported; rowwise "
-        "scales are per row of the shard each device holds (leave amax_axes=None)"
+      f"{type(recipe).__name__}: amax_axes={axes!r} for {role!r} is not supported; rowwise "
+      "scales are per row of the shard each device holds (leave amax_axes=None)"
     )
 
 
@@ -147,8 +146,9 @@ def _quantize(req: QuantizeRequest) -> Quantized:
     # the row amaxes and the casts.
     if req.producer.value is None:
       raise NotImplementedError(
-          f"{type(recipe).__name__}: rowwise scales need the operand's values; this producer "
-          "gives only a per-tensor cast")
+        f"{type(recipe).__name__}: rowwise scales need the operand's values; this producer "
+        "gives only a per-tensor cast"
+      )
     x = req.producer.value()
   _check_plan(recipe, role, req.plan)
   q_dtype = _q_dtype(recipe, role)
@@ -184,12 +184,18 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
   if HIGH_PRECISION in (a.scaling_mode, b.scaling_mode):
     if not (a.scaling_mode == b.scaling_mode == HIGH_PRECISION and which == "wgrad"):
       raise ValueError(
-          f"a {which} GEMM of {a.scaling_mode} and {b.scaling_mode} operands: only the wgrad "
-          "GEMM takes high-precision operands")
+        f"a {which} GEMM of {a.scaling_mode} and {b.scaling_mode} operands: only the wgrad "
+        "GEMM takes high-precision operands"
+      )
     dtype = jnp.promote_types(a.data.dtype, b.data.dtype)
     out = lax.dot_general(
-        a.data.astype(dtype), b.data.astype(dtype), dims, precision=precision,
-        preferred_element_type=jnp.float32, out_sharding=out_sharding)
+      a.data.astype(dtype),
+      b.data.astype(dtype),
+      dims,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+      out_sharding=out_sharding,
+    )
     return out.astype(out_dtype)
   out = None
   if config is None or config.fp8_gemm != "xla":
@@ -203,8 +209,13 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
   if out is None:
     out = lax.dot_general(
-        a.data, b.data, dims, precision=precision, preferred_element_type=jnp.float32,
-        out_sharding=out_sharding)
+      a.data,
+      b.data,
+      dims,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+      out_sharding=out_sharding,
+    )
   # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor.
   scales = a.scale_inv * jnp.swapaxes(b.scale_inv, -1, -2)
   return (out * scales).astype(out_dtype)
@@ -228,15 +239,15 @@ def _next_state(recipe, state, roles):
 
 
 FORMAT = QuantizationFormat(
-    recipe_type=Float8RowwiseScaling,
-    scaling_modes=(ROWWISE, HIGH_PRECISION),
-    init_state=lambda recipe: EmptyState(),
-    state_shapes=lambda recipe: {},
-    quantize=_quantize,
-    gemm=_gemm,
-    next_state=_next_state,
-    dequantize=_dequantize,
-    check=_check,
-    per_tensor=False,
-    takes_producer=True,
+  recipe_type=Float8RowwiseScaling,
+  scaling_modes=(ROWWISE, HIGH_PRECISION),
+  init_state=lambda recipe: EmptyState(),
+  state_shapes=lambda recipe: {},
+  quantize=_quantize,
+  gemm=_gemm,
+  next_state=_next_state,
+  dequantize=_dequantize,
+  check=_check,
+  per_tensor=False,
+  takes_producer=True,
 )

@@ -12,12 +12,12 @@ import numpy as np
 from te_adapters.core.formats import _scaling
 
 __all__ = [
-    "ScaledTensor",
-    "cast_with_scale",
-    "check_float_operand",
-    "check_fp8_dtype",
-    "flag_non_finite",
-    "non_finite_scale_inv",
+  "ScaledTensor",
+  "cast_with_scale",
+  "check_float_operand",
+  "check_fp8_dtype",
+  "flag_non_finite",
+  "non_finite_scale_inv",
 ]
 
 _FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))

@@ -7,8 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-__all__ = ["fp8_max", "tensor_amax", "leading_amax", "compute_scale", "delayed_update",
-           "scale_inverse"]
+__all__ = [
+  "fp8_max",
+  "tensor_amax",
+  "leading_amax",
+  "compute_scale",
+  "delayed_update",
+  "scale_inverse",
+]
 
 
 def fp8_max(dtype: DTypeLike) -> float:
@@ -42,7 +48,7 @@ def leading_amax(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def compute_scale(
-    amax_value: jnp.ndarray, max_value: float, old_scale: ArrayLike, margin: float = 0.0
+  amax_value: jnp.ndarray, max_value: float, old_scale: ArrayLike, margin: float = 0.0
 ) -> jnp.ndarray:
   """``max_value / amax / 2**margin``, or ``old_scale`` where amax is <= 0 or not finite."""
   amax_value = jnp.asarray(amax_value, jnp.float32)
@@ -52,12 +58,12 @@ def compute_scale(
 
 
 def delayed_update(
-    amax_value: jnp.ndarray,
-    scale: jnp.ndarray,
-    amax_history: jnp.ndarray,
-    max_value: float,
-    margin: float,
-    algo: str,
+  amax_value: jnp.ndarray,
+  scale: jnp.ndarray,
+  amax_history: jnp.ndarray,
+  max_value: float,
+  margin: float,
+  algo: str,
 ) -> tuple[jax.Array, jax.Array]:
   """One delayed-scaling step of TE for one tensor role.
 
@@ -69,7 +75,8 @@ def delayed_update(
     ``(new_scale, new_history)``, float32 of shapes (1,) and (L,).
   """
   new_scale, new_history, _ = delayed_update_and_flag(
-      amax_value, scale, amax_history, max_value, margin, algo)
+    amax_value, scale, amax_history, max_value, margin, algo
+  )
   return new_scale, new_history
 
 

@@ -22,9 +22,9 @@ from te_adapters.core import state as core_state
 from te_adapters.core.formats import _block, _cast_transpose, _grouped_tensor, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import (
-    ScaledTensor,
-    cast_with_scale,
-    non_finite_scale_inv,
+  ScaledTensor,
+  cast_with_scale,
+  non_finite_scale_inv,
 )
 from te_adapters.core.formats._tensor_scaling import TensorScaling
 
@@ -52,8 +52,12 @@ def cast_both(x, scale, q_dtype, config, with_amax=False):
   """FP8 copies of ``x`` and of ``x`` with its last two dims swapped (and the amax of ``x``), in
   one pass over ``x``: the FFI kernel or XLA's fusion, per ``config.backend``."""
   return _cast_transpose.cast_transpose(
-      x, scale, q_dtype, with_amax=with_amax, backend=config.backend,
-      amax_over_mesh=config.fold_amax,
+    x,
+    scale,
+    q_dtype,
+    with_amax=with_amax,
+    backend=config.backend,
+    amax_over_mesh=config.fold_amax,
   )
 
 
@@ -74,6 +78,7 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
     sinv = non_finite_scale_inv(_scaling.scale_inverse(scale), whole, req.config.non_finite)
     return Quantized(tensor(data, sinv, a, dq), None, new)
   if req.producer is None:
+
     def cast(scale, with_amax):
       return cast_both(x, scale, q_dtype, req.config, with_amax)
 
@@ -89,8 +94,11 @@ def _quantize(scaling: TensorScaling, req: QuantizeRequest) -> Quantized:
   else:
     # Current scaling: an amax pass, then the cast. XLA's reduce ran as fast as the FFI amax
     # kernel and can fuse into the op that produces x.
-    a = (_cast_transpose.amax(x, backend="jax", over_mesh=req.config.fold_amax)
-         if amax is None else amax())
+    a = (
+      _cast_transpose.amax(x, backend="jax", over_mesh=req.config.fold_amax)
+      if amax is None
+      else amax()
+    )
     scale, new, whole = _role_scale(scaling, x, role, q_dtype, recipe, state, plan, a)
     q, q_t, _ = cast(scale, False)
   # A NaN or inf in x (a non-finite amax, from the pass that already ran) makes the GEMM's
@@ -107,8 +115,9 @@ def _gemm_precision(precision, which: str, recipe):
   # XLA runs an FP8 cuBLASLt GEMM with fast accumulation when its precision is DEFAULT, and
   # promotes the sums to float32 with HIGHEST: the recipe's MMParams choose, per GEMM; without a
   # split accumulator the caller's precision decides.
-  params = getattr(recipe, {"fwd": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad",
-                            "wgrad": "fp8_gemm_wgrad"}[which])
+  params = getattr(
+    recipe, {"fwd": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad", "wgrad": "fp8_gemm_wgrad"}[which]
+  )
   return lax.Precision.HIGHEST if params.use_split_accumulator else precision
 
 
@@ -144,11 +153,16 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None, c
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
   # Per shard in a sharded program (_partition.py).
   y = kernels.tensor_scaled_gemm(
-      kernels.gemm_call, a.reshape(*batch, m, k), b.reshape(*batch, n, k),
-      sinv_a.reshape(1).astype(jnp.float32), sinv_b.reshape(1).astype(jnp.float32),
-      out_dtype, fast, sum_dtype,
-      sm_margin=None if config is None else config.comm_sm_margin,
-      sum_chunks=1 if config is None else config.sum_chunks,
+    kernels.gemm_call,
+    a.reshape(*batch, m, k),
+    b.reshape(*batch, n, k),
+    sinv_a.reshape(1).astype(jnp.float32),
+    sinv_b.reshape(1).astype(jnp.float32),
+    out_dtype,
+    fast,
+    sum_dtype,
+    sm_margin=None if config is None else config.comm_sm_margin,
+    sum_chunks=1 if config is None else config.sum_chunks,
   )
   return y.reshape(*lead, m, n) if lead else y
 
@@ -171,17 +185,21 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       # the output dtype (for wgrad too: the kernel's dtype as the caller passes it) or in
       # float32 (GemmConfig.partial_sums).
       sum_dtype = out_dtype if config.partial_sums == "output" else jnp.float32
-      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype,
-                            config).astype(
-          out_dtype)
+      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype, config).astype(
+        out_dtype
+      )
     if config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
   scale_inv = (sinv_a * sinv_b).reshape(())
   if which == "wgrad":
     # float32 sums rescaled, one rounding to the output dtype.
     out = lax.dot_general(
-        a, b, dims, precision=precision, preferred_element_type=jnp.float32,
-        out_sharding=out_sharding,
+      a,
+      b,
+      dims,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+      out_sharding=out_sharding,
     )
     return (out * scale_inv).astype(out_dtype)
   # The forward and dgrad GEMMs emit the output dtype, rescaled in float32. The barrier keeps
@@ -189,8 +207,12 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
   # others (its "excess precision"), so results would depend on how a program is fused or
   # sharded.
   out = lax.dot_general(
-      a, b, dims, precision=precision, preferred_element_type=out_dtype,
-      out_sharding=out_sharding,
+    a,
+    b,
+    dims,
+    precision=precision,
+    preferred_element_type=out_dtype,
+    out_sharding=out_sharding,
   )
   out = _block.keep_narrow(out) if np.dtype(out_dtype).itemsize < 4 else out
   return (out.astype(jnp.float32) * scale_inv).astype(out_dtype)
@@ -210,8 +232,11 @@ def _rescale(recipe, role, history, old_history, old_scale):
   """The scale TE's rule gives after ``old_history`` -> ``history`` (for ``_batching``)."""
   limit = _scaling.fp8_max(_q_dtype(recipe, role))
   current = history[-1:]  # the step's amax sits at the end after the roll
-  window = current if recipe.amax_compute_algo == "most_recent" else jnp.maximum(
-      current, jnp.max(old_history[1:], initial=0.0, keepdims=True)[:1])
+  window = (
+    current
+    if recipe.amax_compute_algo == "most_recent"
+    else jnp.maximum(current, jnp.max(old_history[1:], initial=0.0, keepdims=True)[:1])
+  )
   updated = (window > 0) & jnp.isfinite(window)
   return _scaling.compute_scale(window, limit, old_scale, recipe.margin), updated
 
@@ -228,17 +253,17 @@ def tensor_format(recipe_type: type, scaling: TensorScaling) -> QuantizationForm
   """The ``QuantizationFormat`` of a per-tensor recipe whose scales follow ``scaling`` (its grouped
   GEMM applies ``scaling`` per group: ``_grouped_tensor``)."""
   return QuantizationFormat(
-      recipe_type=recipe_type,
-      scaling_modes=("tensor",),
-      init_state=scaling.init_state,
-      state_shapes=scaling.state_shapes,
-      quantize=functools.partial(_quantize, scaling),
-      gemm=_gemm,
-      next_state=functools.partial(_next_state, scaling),
-      dequantize=_dequantize,
-      check=_check,
-      per_tensor=True,
-      scaling=scaling,
-      grouped=_grouped_tensor.grouped_format(scaling),
-      takes_producer=True,
+    recipe_type=recipe_type,
+    scaling_modes=("tensor",),
+    init_state=scaling.init_state,
+    state_shapes=scaling.state_shapes,
+    quantize=functools.partial(_quantize, scaling),
+    gemm=_gemm,
+    next_state=functools.partial(_next_state, scaling),
+    dequantize=_dequantize,
+    check=_check,
+    per_tensor=True,
+    scaling=scaling,
+    grouped=_grouped_tensor.grouped_format(scaling),
+    takes_producer=True,
   )

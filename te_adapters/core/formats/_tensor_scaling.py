@@ -58,13 +58,15 @@ def _delayed_shapes(recipe) -> dict[str, tuple[int, ...]]:
 
 def _delayed_init(recipe) -> DelayedScalingState:
   """Scales 1 and empty amax histories (TE's initial values)."""
-  return DelayedScalingState.from_roles({
+  return DelayedScalingState.from_roles(
+    {
       role: RoleState(
-          scale=jnp.ones((1,), jnp.float32),
-          amax_history=jnp.zeros((recipe.amax_history_len,), jnp.float32),
+        scale=jnp.ones((1,), jnp.float32),
+        amax_history=jnp.zeros((recipe.amax_history_len,), jnp.float32),
       )
       for role in ROLES
-  })
+    }
+  )
 
 
 def _delayed_stored_scale(state, role):
@@ -82,11 +84,11 @@ def _delayed_next(recipe, amax, state, role, fp8_max):
   scale = core_state.to_float32(own.scale)
   history = core_state.to_float32(own.amax_history)
   new_scale, new_history, updated = _scaling.delayed_update_and_flag(
-      amax, scale, history, fp8_max, recipe.margin, recipe.amax_compute_algo
+    amax, scale, history, fp8_max, recipe.margin, recipe.amax_compute_algo
   )
   new = RoleState(
-      scale=core_state.encode_scale(new_scale, updated, scale, own.scale),
-      amax_history=core_state.cast_like(new_history, own.amax_history),
+    scale=core_state.encode_scale(new_scale, updated, scale, own.scale),
+    amax_history=core_state.cast_like(new_history, own.amax_history),
   )
   return scale, new
 
@@ -101,18 +103,18 @@ def _current_next(recipe, amax, state, role, fp8_max):
 
 
 DELAYED = TensorScaling(
-    init_state=_delayed_init,
-    state_shapes=_delayed_shapes,
-    stored_scale=_delayed_stored_scale,
-    state_varying=_delayed_varying,
-    next_scale=_delayed_next,
-    next_state=_delayed_next_state,
+  init_state=_delayed_init,
+  state_shapes=_delayed_shapes,
+  stored_scale=_delayed_stored_scale,
+  state_varying=_delayed_varying,
+  next_scale=_delayed_next,
+  next_state=_delayed_next_state,
 )
 CURRENT = TensorScaling(
-    init_state=lambda recipe: EmptyState(),
-    state_shapes=lambda recipe: {},
-    stored_scale=lambda state, role: None,
-    state_varying=lambda state, role: None,
-    next_scale=_current_next,
-    next_state=lambda state, roles: EmptyState(),
+  init_state=lambda recipe: EmptyState(),
+  state_shapes=lambda recipe: {},
+  stored_scale=lambda state, role: None,
+  state_varying=lambda state, role: None,
+  next_scale=_current_next,
+  next_state=lambda state, roles: EmptyState(),
 )

@@ -32,24 +32,30 @@ from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_
 from te_adapters.core.recipes import check_recipe, check_rng
 
 __all__ = [
-    "KERNEL_ACTIVATIONS",
-    "FusedPathFallbackWarning",
-    "act_amax",
-    "act_cast",
-    "activation_f32",
-    "applies",
-    "dact_amax",
-    "dact_cast",
-    "dact_f32",
-    "dbias_cast",
-    "format_fuses",
-    "fused_mlp",
-    "norm_cast",
+  "KERNEL_ACTIVATIONS",
+  "FusedPathFallbackWarning",
+  "act_amax",
+  "act_cast",
+  "activation_f32",
+  "applies",
+  "dact_amax",
+  "dact_cast",
+  "dact_f32",
+  "dbias_cast",
+  "format_fuses",
+  "fused_mlp",
+  "norm_cast",
 ]
 
 # The activations the CUDA kernels compute (one, or a gated pair), by their id there.
 KERNEL_ACTIVATIONS = {
-    "linear": 0, "gelu": 1, "relu": 2, "silu": 3, "swish": 3, "quick_gelu": 4, "squared_relu": 5,
+  "linear": 0,
+  "gelu": 1,
+  "relu": 2,
+  "silu": 3,
+  "swish": 3,
+  "quick_gelu": 4,
+  "squared_relu": 5,
 }
 
 
@@ -69,10 +75,12 @@ def format_fuses(recipe, gemm_shapes, rngs) -> bool:
   fmt = formats.format_of(recipe)
   if not fmt.takes_producer:
     warnings.warn(
-        f"{type(recipe).__name__}: its quantization format takes no producer "
-        "(QuantizationFormat.takes_producer), so the norm and MLP run composed: the norm's and "
-        "the activation's outputs are written in the activations' dtype before their casts",
-        FusedPathFallbackWarning, stacklevel=4)
+      f"{type(recipe).__name__}: its quantization format takes no producer "
+      "(QuantizationFormat.takes_producer), so the norm and MLP run composed: the norm's and "
+      "the activation's outputs are written in the activations' dtype before their casts",
+      FusedPathFallbackWarning,
+      stacklevel=4,
+    )
     return False
   given = [r is not None for r in rngs]
   if not (all(given) if recipe.uses_rng else not any(given)):
@@ -98,7 +106,8 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
   if dropout_active:
     return False
   if (constrained or sharding.manual_axes()) and not formats.format_of(
-      check_recipe(recipe)).per_tensor:
+    check_recipe(recipe)
+  ).per_tensor:
     return False
   if not format_fuses(recipe, gemm_shapes, rngs):
     return False
@@ -126,9 +135,26 @@ def on_rows(constraint, lead):
   return constrained
 
 
-def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, ln_scale=None,
-              ln_bias=None, ffn1_ckpt_name="ffn1", wo_bias=None, rngs=None, layer=None,
-              framework=None, act_constraint=None):
+def fused_mlp(
+  y,
+  wi,
+  wi_bias,
+  wo,
+  states,
+  names,
+  *,
+  recipe,
+  config,
+  norm=None,
+  ln_scale=None,
+  ln_bias=None,
+  ffn1_ckpt_name="ffn1",
+  wo_bias=None,
+  rngs=None,
+  layer=None,
+  framework=None,
+  act_constraint=None,
+):
   """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs quantized by the
   recipe's format (one that takes producers: ``format_fuses``).
 
@@ -165,16 +191,20 @@ def fused_mlp(y, wi, wi_bias, wo, states, names, *, recipe, config, norm=None, l
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   dtype = np.dtype(y.dtype)
   stages = (
-      gemm.Stage(dtype, kernel_kn=True, name=ffn1_ckpt_name,
-                  activation=ActivationProducer(tuple(names), act_constraint)),
-      gemm.Stage(dtype, kernel_kn=True,
-                  bias_grad=None if wo_bias is None else BiasGradProducer()),
+    gemm.Stage(
+      dtype,
+      kernel_kn=True,
+      name=ffn1_ckpt_name,
+      activation=ActivationProducer(tuple(names), act_constraint),
+    ),
+    gemm.Stage(dtype, kernel_kn=True, bias_grad=None if wo_bias is None else BiasGradProducer()),
   )
   lhs = None if norm is None else NormProducer(norm)
   inputs = (y,) if norm is None else (y, ln_scale, ln_bias)
   chain = gemm.Chain(recipe, PLAN, config, None, stages, lhs)
-  return gemm.quantized_gemms(inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1),
-                               stage_keys(recipe, rngs), chain)
+  return gemm.quantized_gemms(
+    inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1), stage_keys(recipe, rngs), chain
+  )
 
 
 def stage_keys(recipe, rngs):
@@ -273,8 +303,9 @@ def dbias_cast(g, q_dtype, scale, with_amax, config):
   sums (the output bias's gradient): the activation-gradient kernel with a linear activation,
   which then reads ``g`` alone, where it runs; the ordinary cast and XLA's sum otherwise."""
   if _kernels_run(g, config, kernels.DACT_CAST_TARGET):
-    q, q_t, a, db = kernels.dact_cast_call(g, g, None, scale, q_dtype,
-                                           (KERNEL_ACTIVATIONS["linear"],), with_amax)
+    q, q_t, a, db = kernels.dact_cast_call(
+      g, g, None, scale, q_dtype, (KERNEL_ACTIVATIONS["linear"],), with_amax
+    )
     return q, q_t, (a if with_amax else None), db
   q, q_t, a = formats.cast_both(g, scale, q_dtype, config, with_amax)
   return q, q_t, a, jnp.sum(g.astype(jnp.float32), axis=0)
@@ -297,8 +328,9 @@ def dact_amax(dz, h, b, names, config):
   return formats.tensor_amax(dact_f32(dz, h, b, names))
 
 
-def norm_cast(x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale,
-               with_amax, config):
+def norm_cast(
+  x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, scale, with_amax, config
+):
   """The norm's FP8 output in both orientations (and its amax): (M, K), (K, M), (1,)."""
   if _kernels_run(x, config, kernels.NORM_CAST_TARGET):
     gamma = norm_gamma(ln_scale, zero_centered_gamma)
@@ -327,9 +359,10 @@ class NormProducer:
     args = (y, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma)
     q_dtype, config = request.recipe.fwd_dtype, request.config
     producer = Producer(
-        cast=lambda scale, with_amax: norm_cast(*args, q_dtype, scale, with_amax, config),
-        amax=lambda: formats.tensor_amax(normalized(*args)),
-        value=lambda: normalized(*args))
+      cast=lambda scale, with_amax: norm_cast(*args, q_dtype, scale, with_amax, config),
+      amax=lambda: formats.tensor_amax(normalized(*args)),
+      value=lambda: normalized(*args),
+    )
     q = fmt.quantize(dataclasses.replace(request, producer=producer))
     return q, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
 
@@ -354,8 +387,11 @@ class ActivationProducer:
       q, q_t, a = act_cast(h, b, self.names, q_dtype, scale, with_amax, config)
       return (q if self.constraint is None else self.constraint(q)), q_t, a
 
-    producer = Producer(cast, amax=lambda: act_amax(h, b, self.names, config),
-                        value=lambda: activation_f32(h, b, self.names))
+    producer = Producer(
+      cast,
+      amax=lambda: act_amax(h, b, self.names, config),
+      value=lambda: activation_f32(h, b, self.names),
+    )
     return fmt.quantize(dataclasses.replace(request, producer=producer))
 
   def quantize_grad(self, fmt, request, dz, h, b):

@@ -51,7 +51,7 @@ def dropout(x, rate: float, rng, *, broadcast_dims=(), deterministic: bool = Fal
     return jnp.zeros_like(x)
   if rng is None:
     raise ValueError(
-        f"dropout with rate {rate} needs a PRNG key (dropout_rng=...), or deterministic=True"
+      f"dropout with rate {rate} needs a PRNG key (dropout_rng=...), or deterministic=True"
     )
   keep = 1.0 - rate
   shape = list(x.shape)
@@ -69,35 +69,35 @@ def _pair(value, what):
 
 
 def layernorm_mlp(
-    x,
-    scale,
-    ln_bias,
-    wi_kernel,
-    wo_kernel,
-    wi_bias=None,
-    wo_bias=None,
-    *,
-    activations=("gelu",),
-    layernorm_type: str = "layernorm",
-    zero_centered_gamma: bool = False,
-    epsilon: float = 1e-6,
-    enable_layernorm: bool = True,
-    dropout_rate: float = 0.0,
-    dropout_rng=None,
-    dropout_broadcast_dims=(),
-    deterministic: bool = False,
-    recipe,
-    states=None,
-    rngs=None,
-    threshold=DEFAULT_SIZE_THRESHOLD,
-    config=None,
-    return_layernorm_output: bool = False,
-    ffn1_ckpt_name: str = "ffn1",
-    ffn2_ckpt_name: str = "ffn2",
-    dot_1_input_constraint=None,
-    dot_2_input_constraint=None,
-    layer: str | None = None,
-    framework: str | None = None,
+  x,
+  scale,
+  ln_bias,
+  wi_kernel,
+  wo_kernel,
+  wi_bias=None,
+  wo_bias=None,
+  *,
+  activations=("gelu",),
+  layernorm_type: str = "layernorm",
+  zero_centered_gamma: bool = False,
+  epsilon: float = 1e-6,
+  enable_layernorm: bool = True,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  dropout_broadcast_dims=(),
+  deterministic: bool = False,
+  recipe,
+  states=None,
+  rngs=None,
+  threshold=DEFAULT_SIZE_THRESHOLD,
+  config=None,
+  return_layernorm_output: bool = False,
+  ffn1_ckpt_name: str = "ffn1",
+  ffn2_ckpt_name: str = "ffn2",
+  dot_1_input_constraint=None,
+  dot_2_input_constraint=None,
+  layer: str | None = None,
+  framework: str | None = None,
 ):
   """LayerNorm, then the MLP of two quantized GEMMs around an activation (TE's ``layernorm_mlp``).
 
@@ -156,17 +156,18 @@ def layernorm_mlp(
   k = x.shape[-1]
   if wi_kernel.ndim != 3 or wi_kernel.shape[:2] != (k, n_act):
     raise ValueError(
-        f"layernorm_mlp: wi_kernel must have shape (K={k}, n_act={n_act}, F) for x of shape "
-        f"{x.shape} and activations {names}, got {wi_kernel.shape}"
+      f"layernorm_mlp: wi_kernel must have shape (K={k}, n_act={n_act}, F) for x of shape "
+      f"{x.shape} and activations {names}, got {wi_kernel.shape}"
     )
   f = wi_kernel.shape[2]
   if wo_kernel.shape != (f, k):
     raise ValueError(
-        f"layernorm_mlp: wo_kernel must have shape (F={f}, K={k}), got {wo_kernel.shape}"
+      f"layernorm_mlp: wo_kernel must have shape (F={f}, K={k}), got {wo_kernel.shape}"
     )
   if wi_bias is not None and jnp.shape(wi_bias) != (n_act, f):
-    raise ValueError(f"layernorm_mlp: wi_bias must have shape ({n_act}, {f}), got "
-                     f"{jnp.shape(wi_bias)}")
+    raise ValueError(
+      f"layernorm_mlp: wi_bias must have shape ({n_act}, {f}), got {jnp.shape(wi_bias)}"
+    )
   if wo_bias is not None and jnp.shape(wo_bias) != (k,):
     raise ValueError(f"layernorm_mlp: wo_bias must have shape ({k},), got {jnp.shape(wo_bias)}")
   state_0, state_1 = _pair(states, "states")
@@ -179,59 +180,114 @@ def layernorm_mlp(
   threshold = check_threshold(threshold)
   m = math.prod(x.shape[:-1])
   fused = _fused_mlp.applies(
-      recipe, config, gemm_shapes=((m, k, n_act * f), (m, f, k)), threshold=threshold,
-      # An out-of-range rate takes the composed path, whose dropout raises the error.
-      dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
-      constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
-      rngs=(rng_0, rng_1))
+    recipe,
+    config,
+    gemm_shapes=((m, k, n_act * f), (m, f, k)),
+    threshold=threshold,
+    # An out-of-range rate takes the composed path, whose dropout raises the error.
+    dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
+    constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
+    rngs=(rng_0, rng_1),
+  )
   # On the fused path the constraints apply to the same layouts: GEMM 1's on the norm's input
   # (the norm is per row, so its output takes the input's layout), GEMM 2's on the activation's
   # FP8 copy that GEMM 2 reads.
   act_constraint = None
   if fused and dot_2_input_constraint is not None:
     act_constraint = _fused_mlp.on_rows(dot_2_input_constraint, x.shape[:-1])
-  if (fused and enable_layernorm and not return_layernorm_output
-      and _fused_mlp.norm_fuses(x, config)):
+  if (
+    fused and enable_layernorm and not return_layernorm_output and _fused_mlp.norm_fuses(x, config)
+  ):
     # The norm inside the fused path: its output is cast to FP8 as it is computed.
     check_norm_args(x, scale, ln_bias, layernorm_type)
     if dot_1_input_constraint is not None:
       x = dot_1_input_constraint(x)
     out = _fused_mlp.fused_mlp(
-        x.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
-        config=config, norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
-        ln_scale=jnp.asarray(scale), ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
-        ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
-        rngs=(rng_0, rng_1), layer=layer, framework=framework,
-        act_constraint=act_constraint).reshape(x.shape)
+      x.reshape(m, k),
+      wi_kernel,
+      wi_bias,
+      wo_kernel,
+      (state_0, state_1),
+      names,
+      recipe=recipe,
+      config=config,
+      norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
+      ln_scale=jnp.asarray(scale),
+      ln_bias=None if ln_bias is None else jnp.asarray(ln_bias),
+      ffn1_ckpt_name=ffn1_ckpt_name,
+      wo_bias=_as_array(wo_bias),
+      rngs=(rng_0, rng_1),
+      layer=layer,
+      framework=framework,
+      act_constraint=act_constraint,
+    ).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
-    y = layernorm(x, scale, ln_bias, layernorm_type=layernorm_type,
-                  zero_centered_gamma=zero_centered_gamma, epsilon=epsilon)
+    y = layernorm(
+      x,
+      scale,
+      ln_bias,
+      layernorm_type=layernorm_type,
+      zero_centered_gamma=zero_centered_gamma,
+      epsilon=epsilon,
+    )
   else:
     y = x
   if dot_1_input_constraint is not None:
     y = dot_1_input_constraint(y)
   if fused:
     out = _fused_mlp.fused_mlp(
-        y.reshape(m, k), wi_kernel, wi_bias, wo_kernel, (state_0, state_1), names, recipe=recipe,
-        config=config, ffn1_ckpt_name=ffn1_ckpt_name, wo_bias=_as_array(wo_bias),
-        rngs=(rng_0, rng_1), layer=layer, framework=framework,
-        act_constraint=act_constraint).reshape(x.shape)
+      y.reshape(m, k),
+      wi_kernel,
+      wi_bias,
+      wo_kernel,
+      (state_0, state_1),
+      names,
+      recipe=recipe,
+      config=config,
+      ffn1_ckpt_name=ffn1_ckpt_name,
+      wo_bias=_as_array(wo_bias),
+      rngs=(rng_0, rng_1),
+      layer=layer,
+      framework=framework,
+      act_constraint=act_constraint,
+    ).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
-  h = dot_general(y, wi_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
-                  state=state_0, rng=rng_0, threshold=threshold, config=config, layer=layer,
-                  framework=framework)
+  h = dot_general(
+    y,
+    wi_kernel,
+    dims,
+    preferred_element_type=x.dtype,
+    recipe=recipe,
+    state=state_0,
+    rng=rng_0,
+    threshold=threshold,
+    config=config,
+    layer=layer,
+    framework=framework,
+  )
   if wi_bias is not None:
     h = h + jnp.asarray(wi_bias).astype(h.dtype)
   h = checkpoint_name(h, ffn1_ckpt_name)
   z = activation(h, names)
-  z = dropout(z, dropout_rate, dropout_rng, broadcast_dims=dropout_broadcast_dims,
-              deterministic=deterministic)
+  z = dropout(
+    z, dropout_rate, dropout_rng, broadcast_dims=dropout_broadcast_dims, deterministic=deterministic
+  )
   if dot_2_input_constraint is not None:
     z = dot_2_input_constraint(z)
-  out = dot_general(z, wo_kernel, dims, preferred_element_type=x.dtype, recipe=recipe,
-                    state=state_1, rng=rng_1, threshold=threshold, config=config, layer=layer,
-                    framework=framework)
+  out = dot_general(
+    z,
+    wo_kernel,
+    dims,
+    preferred_element_type=x.dtype,
+    recipe=recipe,
+    state=state_1,
+    rng=rng_1,
+    threshold=threshold,
+    config=config,
+    layer=layer,
+    framework=framework,
+  )
   return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
 
 

@@ -47,26 +47,26 @@ def _dense_dims(x_ndim, kernel_ndim, axis, kernel_axes):
 
 
 def layernorm_dense(
-    x,
-    scale,
-    bias,
-    kernel,
-    *,
-    layernorm_type: str = "layernorm",
-    zero_centered_gamma: bool = False,
-    epsilon: float = 1e-6,
-    axis=-1,
-    kernel_axes=None,
-    recipe,
-    state=None,
-    rng=None,
-    threshold=DEFAULT_SIZE_THRESHOLD,
-    config=None,
-    return_layernorm_output: bool = False,
-    dot_input_constraint=None,
-    dense_bias=None,
-    layer: str | None = None,
-    framework: str | None = None,
+  x,
+  scale,
+  bias,
+  kernel,
+  *,
+  layernorm_type: str = "layernorm",
+  zero_centered_gamma: bool = False,
+  epsilon: float = 1e-6,
+  axis=-1,
+  kernel_axes=None,
+  recipe,
+  state=None,
+  rng=None,
+  threshold=DEFAULT_SIZE_THRESHOLD,
+  config=None,
+  return_layernorm_output: bool = False,
+  dot_input_constraint=None,
+  dense_bias=None,
+  layer: str | None = None,
+  framework: str | None = None,
 ):
   """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
 
@@ -122,13 +122,13 @@ def layernorm_dense(
   kernel_axes = tuple(kernel_axes) if isinstance(kernel_axes, (tuple, list)) else (kernel_axes,)
   if len(kernel_axes) != 1:
     raise ValueError(
-        f"layernorm_dense: the kernel contracts one axis with x's last axis, got kernel_axes="
-        f"{kernel_axes}"
+      f"layernorm_dense: the kernel contracts one axis with x's last axis, got kernel_axes="
+      f"{kernel_axes}"
     )
   if kernel.ndim < 1 or kernel.shape[kernel_axes[0]] != x.shape[-1]:
     raise ValueError(
-        f"layernorm_dense: kernel of shape {tuple(kernel.shape)} does not contract x of shape "
-        f"{tuple(x.shape)}: its axis {kernel_axes[0]} must have size {x.shape[-1]}"
+      f"layernorm_dense: kernel of shape {tuple(kernel.shape)} does not contract x of shape "
+      f"{tuple(x.shape)}: its axis {kernel_axes[0]} must have size {x.shape[-1]}"
     )
   config = check_config(config)
   threshold = check_threshold(threshold)
@@ -140,50 +140,85 @@ def layernorm_dense(
     dense_bias = jnp.asarray(dense_bias)
     if dense_bias.shape != features:
       raise ValueError(
-          f"layernorm_dense: dense_bias must have the kernel's feature shape {features}, got "
-          f"{dense_bias.shape}"
+        f"layernorm_dense: dense_bias must have the kernel's feature shape {features}, got "
+        f"{dense_bias.shape}"
       )
-  if (not return_layernorm_output and gemm_dims_refusal(k, n) is None
-      and _fused_mlp.applies(recipe, config, gemm_shapes=((m, k, n),), threshold=threshold,
-                             dropout_active=False, constrained=dot_input_constraint is not None,
-                             rngs=(rng,))
-      and _fused_mlp.norm_fuses(x, config)):
+  if (
+    not return_layernorm_output
+    and gemm_dims_refusal(k, n) is None
+    and _fused_mlp.applies(
+      recipe,
+      config,
+      gemm_shapes=((m, k, n),),
+      threshold=threshold,
+      dropout_active=False,
+      constrained=dot_input_constraint is not None,
+      rngs=(rng,),
+    )
+    and _fused_mlp.norm_fuses(x, config)
+  ):
     check_norm_args(x, scale, bias, layernorm_type)
     if dot_input_constraint is not None:
       x = dot_input_constraint(x)  # the norm is per row: its output takes the input's layout
-    z = _fused(x.reshape(m, k), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
-               kernel_k.reshape(k, n), None if dense_bias is None else dense_bias.reshape(n),
-               state, recipe=recipe, config=config,
-               norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)), rng=rng,
-               layer=layer, framework=framework)
+    z = _fused(
+      x.reshape(m, k),
+      jnp.asarray(scale),
+      None if bias is None else jnp.asarray(bias),
+      kernel_k.reshape(k, n),
+      None if dense_bias is None else dense_bias.reshape(n),
+      state,
+      recipe=recipe,
+      config=config,
+      norm=(layernorm_type, bool(zero_centered_gamma), float(epsilon)),
+      rng=rng,
+      layer=layer,
+      framework=framework,
+    )
     return z.reshape(*x.shape[:-1], *features), None
   y = layernorm(
-      x, scale, bias, layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma,
-      epsilon=epsilon,
+    x,
+    scale,
+    bias,
+    layernorm_type=layernorm_type,
+    zero_centered_gamma=zero_centered_gamma,
+    epsilon=epsilon,
   )
   if dot_input_constraint is not None:
     y = dot_input_constraint(y)
   dims = _dense_dims(x.ndim, kernel.ndim, (x.ndim - 1,), kernel_axes)
   z = dot_general(
-      y, kernel, dims, preferred_element_type=x.dtype, recipe=recipe, state=state, rng=rng,
-      threshold=threshold, config=config, layer=layer, framework=framework,
+    y,
+    kernel,
+    dims,
+    preferred_element_type=x.dtype,
+    recipe=recipe,
+    state=state,
+    rng=rng,
+    threshold=threshold,
+    config=config,
+    layer=layer,
+    framework=framework,
   )
   if dense_bias is not None:
     z = z + dense_bias.astype(z.dtype)
   return z, (y if return_layernorm_output else None)
 
 
-def _fused(x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None, layer=None,
-           framework=None):
+def _fused(
+  x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None, layer=None, framework=None
+):
   """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
   VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
   recipe = check_recipe(recipe)
   x, w, state = _fused_mlp.gemm_state(recipe, x, w, state, layer=layer, framework=framework)
   if ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
-  stage = gemm.Stage(np.dtype(x.dtype), kernel_kn=True,
-                      bias_grad=None if b is None else _fused_mlp.BiasGradProducer())
-  chain = gemm.Chain(recipe, _fused_mlp.PLAN, config, None, (stage,),
-                      _fused_mlp.NormProducer(norm))
-  return gemm.quantized_gemms((x, ln_scale, ln_bias), (w,), (b,), (state,),
-                              _fused_mlp.stage_keys(recipe, (rng,)), chain)
+  stage = gemm.Stage(
+    np.dtype(x.dtype),
+    kernel_kn=True,
+    bias_grad=None if b is None else _fused_mlp.BiasGradProducer(),
+  )
+  chain = gemm.Chain(recipe, _fused_mlp.PLAN, config, None, (stage,), _fused_mlp.NormProducer(norm))
+  return gemm.quantized_gemms(
+    (x, ln_scale, ln_bias), (w,), (b,), (state,), _fused_mlp.stage_keys(recipe, (rng,)), chain
+  )

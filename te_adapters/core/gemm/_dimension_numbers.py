@@ -16,8 +16,8 @@ def normalize(dimension_numbers, lhs_shape, rhs_shape):
     lc, rc, lb, rb = (tuple(int(d) for d in dims) for dims in (lc, rc, lb, rb))
   except (TypeError, ValueError) as e:
     raise TypeError(
-        "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
-        f"got {dimension_numbers!r}"
+      "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
+      f"got {dimension_numbers!r}"
     ) from e
   for name, dims, shape in (("lhs", lc + lb, lhs_shape), ("rhs", rc + rb, rhs_shape)):
     bad = [d for d in dims if not 0 <= d < len(shape)]
@@ -34,7 +34,7 @@ def normalize(dimension_numbers, lhs_shape, rhs_shape):
     rs = tuple(rhs_shape[d] for d in rd)
     if ls != rs:
       raise ValueError(
-          f"{kind} dimension sizes differ: lhs {ls} (dims {ld}) vs rhs {rs} (dims {rd})"
+        f"{kind} dimension sizes differ: lhs {ls} (dims {ld}) vs rhs {rs} (dims {rd})"
       )
   return (lc, rc), (lb, rb)
 

@@ -28,27 +28,30 @@ __all__ = ["FRAMEWORKS", "FrozenStateWarning", "check_framework", "watch_lora_st
 
 # How to differentiate the state too (its gradient is the new state), per framework.
 REMEDIES = {
-    "linen": (
-        "te_adapters.linen.TrainState.value_and_grad (or jax.grad over the params and the "
-        "'_overwrite_with_gradient' collection, then put the new collection in the variables)"
-    ),
-    "nnx": (
-        "te_adapters.nnx.value_and_grad (or nnx.grad with argnums=nnx.DiffState(0, "
-        "nnx.Any(nnx.Param, te_adapters.nnx.RecipeState)), then "
-        "te_adapters.nnx.update_recipe_state)"
-    ),
-    "haiku": (
-        "te_adapters.haiku.value_grad_and_state (or jax.grad over params and state, the state's "
-        "gradient being the new state)"
-    ),
-    None: "jax.grad with respect to the state too (its gradient is the new state)",
+  "linen": (
+    "te_adapters.linen.TrainState.value_and_grad (or jax.grad over the params and the "
+    "'_overwrite_with_gradient' collection, then put the new collection in the variables)"
+  ),
+  "nnx": (
+    "te_adapters.nnx.value_and_grad (or nnx.grad with argnums=nnx.DiffState(0, "
+    "nnx.Any(nnx.Param, te_adapters.nnx.RecipeState)), then "
+    "te_adapters.nnx.update_recipe_state)"
+  ),
+  "haiku": (
+    "te_adapters.haiku.value_grad_and_state (or jax.grad over params and state, the state's "
+    "gradient being the new state)"
+  ),
+  None: "jax.grad with respect to the state too (its gradient is the new state)",
 }
 FRAMEWORKS = ("linen", "nnx", "haiku")
 _NAMES = {"linen": "Flax Linen", "nnx": "Flax NNX", "haiku": "Haiku", None: "plain JAX"}
 
 # Every framework's remedy, for callers that do not say which framework they are.
-HOW_TO_FIX = "Differentiate the state too: " + "; ".join(
-    f"{_NAMES[framework]} {remedy}" for framework, remedy in REMEDIES.items()) + "."
+HOW_TO_FIX = (
+  "Differentiate the state too: "
+  + "; ".join(f"{_NAMES[framework]} {remedy}" for framework, remedy in REMEDIES.items())
+  + "."
+)
 
 
 class FrozenStateWarning(UserWarning):
@@ -76,16 +79,16 @@ def _message(kind: str, lhs, rhs, layer: str | None, framework: str | None) -> s
   if kind == "lora":
     where = f" of {layer}" if layer else ""
     return (
-        f"te_adapters: the low-rank adaptation factors {tuple(lhs.shape)} and "
-        f"{tuple(rhs.shape)}{where} are differentiated while the DelayedScaling state of their "
-        "layer's base GEMM is not, so its amax histories and scales never update (the scales "
-        f"stay as initialised). {_remedy(framework)}"
+      f"te_adapters: the low-rank adaptation factors {tuple(lhs.shape)} and "
+      f"{tuple(rhs.shape)}{where} are differentiated while the DelayedScaling state of their "
+      "layer's base GEMM is not, so its amax histories and scales never update (the scales "
+      f"stay as initialised). {_remedy(framework)}"
     )
   where = f"{layer} ({_describe(lhs, rhs)})" if layer else f"the GEMM {_describe(lhs, rhs)}"
   return (
-      f"te_adapters: the DelayedScaling state of {where} is not differentiated while its "
-      "operands are, so its amax histories and scales never update (the scales stay as "
-      f"initialised). {_remedy(framework)}"
+    f"te_adapters: the DelayedScaling state of {where} is not differentiated while its "
+    "operands are, so its amax histories and scales never update (the scales stay as "
+    f"initialised). {_remedy(framework)}"
   )
 
 
@@ -107,7 +110,7 @@ def _watch_fwd(lhs, rhs, state, layer, framework):
   if operands and leaves and not all(v.perturbed for v in leaves):
     _warn(_message("gemm", lhs.value, rhs.value, layer, framework))
   values = jax.tree_util.tree_map(
-      lambda v: v.value, (lhs, rhs, state), is_leaf=lambda v: hasattr(v, "perturbed")
+    lambda v: v.value, (lhs, rhs, state), is_leaf=lambda v: hasattr(v, "perturbed")
   )
   return values, None
 
@@ -115,9 +118,9 @@ def _watch_fwd(lhs, rhs, state, layer, framework):
 def _watch_bwd(layer, framework, _, cts):
   del layer, framework
   return jax.tree_util.tree_map(
-      lambda c: None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c,
-      cts,
-      is_leaf=lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero),
+    lambda c: None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c,
+    cts,
+    is_leaf=lambda c: isinstance(c, jax.custom_derivatives.SymbolicZero),
   )
 
 
@@ -150,17 +153,25 @@ def _watch_factors_jvp(layer, framework, primals, tangents):
   leaves = jax.tree_util.tree_leaves(t_state, is_leaf=zero)
   if (not zero(t_lhs) or not zero(t_rhs)) and leaves and any(zero(t) for t in leaves):
     _warn(_message("lora", lhs, rhs, layer, framework))
-  tangents = tuple(jnp.zeros_like(p) if zero(t) else t
-                   for p, t in ((lhs, t_lhs), (rhs, t_rhs)))
+  tangents = tuple(jnp.zeros_like(p) if zero(t) else t for p, t in ((lhs, t_lhs), (rhs, t_rhs)))
   return (lhs, rhs), tangents
 
 
 _watch_factors.defjvp(_watch_factors_jvp, symbolic_zeros=True)
 
 
-def watch_lora_state(lora_a, lora_b, state, *, x_shape, kernel_shape, axis=-1,
-                     threshold=_threshold.DEFAULT_SIZE_THRESHOLD, layer: str | None = None,
-                     framework: str | None = None):
+def watch_lora_state(
+  lora_a,
+  lora_b,
+  state,
+  *,
+  x_shape,
+  kernel_shape,
+  axis=-1,
+  threshold=_threshold.DEFAULT_SIZE_THRESHOLD,
+  layer: str | None = None,
+  framework: str | None = None,
+):
   """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when a LoRA factor is differentiated and some leaf of ``state`` is not, where the base GEMM
   runs in FP8.

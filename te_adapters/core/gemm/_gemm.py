@@ -55,24 +55,24 @@ __all__ = ["Chain", "Stage", "checked_state", "dot_general", "quantized_gemms"]
 
 
 def dot_general(
-    lhs: ArrayLike,
-    rhs: ArrayLike,
-    dimension_numbers: lax.DotDimensionNumbers,
-    precision: lax.PrecisionLike = None,
-    preferred_element_type: DTypeLike | None = None,
-    *,
-    recipe: Recipe | None,
-    state: State | Mapping[str, ArrayLike] | None = None,
-    rng: jax.Array | None = None,
-    out_sharding: NamedSharding | PartitionSpec | None = None,
-    amax_axes: AmaxAxes | None = None,
-    kernel_all_gather: PartitionSpec | NamedSharding | None = None,
-    threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
-    config: GemmConfig | None = None,
-    layer: str | None = None,
-    kernel_sharding: PartitionSpec | None = None,
-    framework: str | None = None,
-    sequence_parallel: tuple[str, str] | None = None,
+  lhs: ArrayLike,
+  rhs: ArrayLike,
+  dimension_numbers: lax.DotDimensionNumbers,
+  precision: lax.PrecisionLike = None,
+  preferred_element_type: DTypeLike | None = None,
+  *,
+  recipe: Recipe | None,
+  state: State | Mapping[str, ArrayLike] | None = None,
+  rng: jax.Array | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
+  amax_axes: AmaxAxes | None = None,
+  kernel_all_gather: PartitionSpec | NamedSharding | None = None,
+  threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
+  config: GemmConfig | None = None,
+  layer: str | None = None,
+  kernel_sharding: PartitionSpec | None = None,
+  framework: str | None = None,
+  sequence_parallel: tuple[str, str] | None = None,
 ) -> jax.Array:
   """``jax.lax.dot_general`` with FP8 (or FP4) operands, per ``recipe``.
 
@@ -185,12 +185,21 @@ def dot_general(
     # and output (autodiff makes the gradients').
     plan = sharding.make_plan(sequence_parallel=sequence_parallel, rhs_ndim=rhs.ndim)
     y = lax.dot_general(
-        _sequence_gather(lhs, plan, 0), rhs, dn, precision, preferred_element_type,
-        out_sharding=out_sharding,
+      _sequence_gather(lhs, plan, 0),
+      rhs,
+      dn,
+      precision,
+      preferred_element_type,
+      out_sharding=out_sharding,
     )
     return _sequence_scatter(y, plan, 0)
-  plan = sharding.make_plan(amax_axes, kernel_all_gather, out_sharding, rhs_ndim=rhs.ndim,
-                            sequence_parallel=sequence_parallel)
+  plan = sharding.make_plan(
+    amax_axes,
+    kernel_all_gather,
+    out_sharding,
+    rhs_ndim=rhs.ndim,
+    sequence_parallel=sequence_parallel,
+  )
   recipe = check_recipe(recipe)
   fmt = formats.format_of(recipe)
   if fmt.per_tensor:
@@ -205,15 +214,15 @@ def dot_general(
   state = checked_state(recipe, state)
   rng = recipes.check_rng(recipe, rng)
   out = jax.eval_shape(
-      functools.partial(
-          lax.dot_general,
-          dimension_numbers=dn,
-          precision=precision,
-          preferred_element_type=preferred_element_type,
-          out_sharding=out_sharding,
-      ),
-      lhs,
-      gemm_rhs,
+    functools.partial(
+      lax.dot_general,
+      dimension_numbers=dn,
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding,
+    ),
+    lhs,
+    gemm_rhs,
   )
   # What the format cannot take is refused before the size decides the precision, so bad input
   # gets the same error at every size (the backward's checks under differentiation).
@@ -234,19 +243,21 @@ def dot_general(
   if layer is None:
     layer = f"the GEMM {jnp.shape(lhs)} . {jnp.shape(rhs)} (dimension_numbers {dn})"
   return _contracting_last(
-      lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
-      kernel_sharding)
+    lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer, kernel_sharding
+  )
 
 
 def _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs):
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
   if not fmt.per_tensor:
     raise ValueError(
-        f"sequence_parallel takes per-tensor recipes (DelayedScaling, Float8CurrentScaling), "
-        f"got {type(recipe).__name__}")
+      f"sequence_parallel takes per-tensor recipes (DelayedScaling, Float8CurrentScaling), "
+      f"got {type(recipe).__name__}"
+    )
   if dn[1][0]:
-    raise ValueError("sequence_parallel takes a GEMM without batch dims (its input's rows are "
-                     "the sequence)")
+    raise ValueError(
+      "sequence_parallel takes a GEMM without batch dims (its input's rows are the sequence)"
+    )
   if len(dn[0][0]) == lhs.ndim:
     raise ValueError("sequence_parallel needs an input with rows (a free dim)")
 
@@ -347,9 +358,7 @@ def checked_state(recipe, state):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _checked_under_grad(
-    lhs, rhs, dn, rhs_shape, recipe, no_rng
-) -> tuple[jax.Array, jax.Array]:
+def _checked_under_grad(lhs, rhs, dn, rhs_shape, recipe, no_rng) -> tuple[jax.Array, jax.Array]:
   """``(lhs, rhs)``; under differentiation, first the checks of the format's backward GEMMs
   (blocks that must tile M and N, a missing PRNG key), so the same input gets the same error at
   every size, the GEMMs below the size threshold included."""
@@ -382,7 +391,7 @@ def _high_precision_dot_general(lhs, rhs, state, dn, precision, preferred_elemen
   # autodiff) in high precision; under jit the gather is a sharding constraint.
   rhs = sharding.gather_kernel(rhs, plan)
   y = lax.dot_general(
-      lhs, rhs, dn, precision, preferred_element_type, out_sharding=plan.out_sharding
+    lhs, rhs, dn, precision, preferred_element_type, out_sharding=plan.out_sharding
   )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   return _keep_state(y, state) if state else y
@@ -419,7 +428,6 @@ def _unchanged(leaf):
 
 
 _keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
-
 
 
 # For tests and tools: roles in the order the state lists them.
@@ -574,13 +582,14 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
     current = sharding.explicit_sharding(operand)
     count = _shard_count(current.mesh, specs[i], dims)
     warnings.warn(
-        f"{layer}: the {name} {tuple(operand.shape)} {operand.dtype} is sharded as "
-        f"{current.spec} and the GEMM flattens its dims {list(dims)} with another sharded dim "
-        f"into one, which can keep only one dim's shards; it is all-gathered over dims "
-        f"{list(dims)} before the GEMM on every call ({count}x each device's share of the "
-        f"{name}, and of its part of the GEMM). Shard only one dim of each group (batch, free, "
-        "contracting dims) to avoid it.",
-        ShardingFallbackWarning, stacklevel=caller_stacklevel(),
+      f"{layer}: the {name} {tuple(operand.shape)} {operand.dtype} is sharded as "
+      f"{current.spec} and the GEMM flattens its dims {list(dims)} with another sharded dim "
+      f"into one, which can keep only one dim's shards; it is all-gathered over dims "
+      f"{list(dims)} before the GEMM on every call ({count}x each device's share of the "
+      f"{name}, and of its part of the GEMM). Shard only one dim of each group (batch, free, "
+      "contracting dims) to avoid it.",
+      ShardingFallbackWarning,
+      stacklevel=caller_stacklevel(),
     )
     operands[i] = jax.sharding.reshard(operand, current.update(spec=_without(specs[i], dims)))
   restore = None
@@ -589,12 +598,13 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
     mesh = out.mesh if isinstance(out, NamedSharding) else sharding.abstract_mesh()
     count = _shard_count(mesh, out_entries, unserved_out)
     warnings.warn(
-        f"{layer}: out_sharding {out_entries} shards dims {list(unserved_out)} of the output "
-        f"{layout.out_shape} beside another dim that the GEMM writes into the same flattened "
-        f"dim; the GEMM computes its output sharded as {tuple(reduced)} ({count}x each "
-        "device's share) and then keeps each device's share. Shard only one dim of each group "
-        "to avoid it.",
-        ShardingFallbackWarning, stacklevel=caller_stacklevel(),
+      f"{layer}: out_sharding {out_entries} shards dims {list(unserved_out)} of the output "
+      f"{layout.out_shape} beside another dim that the GEMM writes into the same flattened "
+      f"dim; the GEMM computes its output sharded as {tuple(reduced)} ({count}x each "
+      "device's share) and then keeps each device's share. Shard only one dim of each group "
+      "to avoid it.",
+      ShardingFallbackWarning,
+      stacklevel=caller_stacklevel(),
     )
     restore = out
     reduced = out.update(spec=reduced) if isinstance(out, NamedSharding) else reduced
@@ -603,8 +613,19 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
 
 
 def _contracting_last(
-    lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer,
-    kernel_sharding=None,
+  lhs,
+  rhs,
+  state,
+  rng,
+  dn,
+  precision,
+  out,
+  recipe,
+  plan,
+  config,
+  fmt,
+  layer,
+  kernel_sharding=None,
 ):
   dn = sorted_contracting(dn)
   layout, lhs, rhs, plan, restore = _served(lhs, rhs, dn, plan, layer, kernel_sharding)
@@ -621,15 +642,17 @@ def _contracting_last(
       if restore is not None:
         entries = _without(entries, [layout.out_order.index(d) for d in layout.unserved[2]])
       out3 = sharding.reshaped_sharding(
-          out3.update(spec=PartitionSpec(*entries)), layout.split_out_shape,
-          (layout.b, layout.m, layout.n))
+        out3.update(spec=PartitionSpec(*entries)),
+        layout.split_out_shape,
+        (layout.b, layout.m, layout.n),
+      )
     plan = dataclasses.replace(plan, out_sharding=out3)
   # A kernel stored contracting-first (a Dense kernel (K, N)) goes in as it is: the cast writes
   # both orientations anyway, so a transpose here would be a pass for nothing (1 GB of float32
   # read and written for seed 000's kernel).
   identity = tuple(range(rhs.ndim))
   kernel_kn = (
-      plan.kernel_all_gather is None and layout.rhs_perm != identity and layout.rhs_stored_kn
+    plan.kernel_all_gather is None and layout.rhs_perm != identity and layout.rhs_stored_kn
   )
   # Under Explicit mesh axes the reshapes name their output sharding (a clear error where a
   # merge would split a sharded dimension's shards).
@@ -659,9 +682,6 @@ def _contracting_last(
 
 def _swap_last(a):
   return jnp.swapaxes(a, -1, -2)
-
-
-
 
 
 def _request(x, role, chain, state, **kw):
@@ -715,8 +735,14 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
     x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X) if backward else None
     if plan.sequence is None:
       y = fmt.gemm(
-          qx.rows, w_fwd, stage.out_dtype, "fwd", chain.recipe, chain.config, chain.precision,
-          plan.out_sharding,
+        qx.rows,
+        w_fwd,
+        stage.out_dtype,
+        "fwd",
+        chain.recipe,
+        chain.config,
+        chain.precision,
+        plan.out_sharding,
       )
     else:
       gather = plan.sequence[0] == "all_gather"
@@ -769,7 +795,8 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     dx_sharding = sharding.transposed_out_sharding(x_wgrad.data, swap)
     w3_layout = w_dgrad if shard is None else shard
     dw_sharding = sharding.transposed_out_sharding(
-        w3_layout.data, swap if shard is not None else None)
+      w3_layout.data, swap if shard is not None else None
+    )
     # Inside shard_map a cotangent is summed over the mesh axes its primal is replicated on:
     # block formats sum the input gradient in float32, and every format the weight gradient.
     dx_dtype = x_proto.dtype
@@ -777,8 +804,16 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
       dx_dtype = np.dtype(np.float32)
     g_cols, seq = qg.cols, chain.plan.sequence
     if seq is None:
-      dx = fmt.gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain.recipe, chain.config,
-                    chain.precision, dx_sharding)
+      dx = fmt.gemm(
+        qg.rows,
+        w_dgrad,
+        dx_dtype,
+        "dgrad",
+        chain.recipe,
+        chain.config,
+        chain.precision,
+        dx_sharding,
+      )
     else:
       # The output gradient's FP8 rows gathered (row-parallel), or the input gradient's partial
       # sums scattered back onto the input's rows (column-parallel).
@@ -787,8 +822,9 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
         g_cols = _gathered_rows(g_cols, seq[1], -1)
       dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
     dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
-    dw = fmt.gemm(x_wgrad, g_cols, dw_dtype, "wgrad", chain.recipe, chain.config,
-                  chain.precision, dw_sharding)
+    dw = fmt.gemm(
+      x_wgrad, g_cols, dw_dtype, "wgrad", chain.recipe, chain.config, chain.precision, dw_sharding
+    )
     if not stage.kernel_kn:
       dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
     dw = sharding.scatter_kernel_grad(dw, None if shard is None else shard.data, chain.plan)
@@ -798,8 +834,9 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     new_states[i] = _match_state(new_state, witness[2])
   d_inputs = (dz,) if chain.lhs is None else tuple(chain.lhs.backward(lhs_residuals, dz))
   # Inside shard_map a norm's gamma and beta are summed over the shards' rows too.
-  d_inputs = tuple(sharding.match_cotangent(d, w)
-                   for d, w in zip(d_inputs, inputs_witness, strict=True))
+  d_inputs = tuple(
+    sharding.match_cotangent(d, w) for d, w in zip(d_inputs, inputs_witness, strict=True)
+  )
   return d_inputs, tuple(d_kernels), tuple(d_biases), tuple(new_states), None
 
 

@@ -23,17 +23,17 @@ if TYPE_CHECKING:
 
 __all__ = [
   "check_last_axis",
-    "DEFAULT_RECIPE",
-    "DEFAULT_THRESHOLD",
-    "GEMM_DIM_MULTIPLE",
-    "QuantizeReport",
-    "check_gemm_dims",
-    "check_input_dtype",
-    "check_kernel_gemm_dims",
-    "einsum_gemm_dims",
-    "gemm_dims_refusal",
-    "input_dtype_refusal",
-    "kernel_gemm_dims",
+  "DEFAULT_RECIPE",
+  "DEFAULT_THRESHOLD",
+  "GEMM_DIM_MULTIPLE",
+  "QuantizeReport",
+  "check_gemm_dims",
+  "check_input_dtype",
+  "check_kernel_gemm_dims",
+  "einsum_gemm_dims",
+  "gemm_dims_refusal",
+  "input_dtype_refusal",
+  "kernel_gemm_dims",
 ]
 
 # The recipe of a quantized layer built without ``recipe=`` (NNX ``Linear``, Linen ``Dense``,
@@ -73,9 +73,9 @@ def check_gemm_dims(k: int, n: int, what: str) -> None:
     return
   bad = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % GEMM_DIM_MULTIPLE]
   raise ValueError(
-      f"{what}: FP8 GEMMs need the contracting size K and the output-feature size N to be "
-      f"multiples of {GEMM_DIM_MULTIPLE}, got {', '.join(bad)}; keep this layer unquantized "
-      "(recipe=None)"
+    f"{what}: FP8 GEMMs need the contracting size K and the output-feature size N to be "
+    f"multiples of {GEMM_DIM_MULTIPLE}, got {', '.join(bad)}; keep this layer unquantized "
+    "(recipe=None)"
   )
 
 
@@ -110,14 +110,12 @@ def check_input_dtype(recipe: Recipe | None, dtype: DTypeLike, what: str) -> Non
   if recipe is None or (why := input_dtype_refusal(dtype)) is None:
     return
   raise TypeError(
-      f"{what}: a quantized layer needs real floating-point inputs ({why}); cast the "
-      "inputs, or keep this layer unquantized (recipe=None)"
+    f"{what}: a quantized layer needs real floating-point inputs ({why}); cast the "
+    "inputs, or keep this layer unquantized (recipe=None)"
   )
 
 
-def check_last_axis(
-    axis: int | Iterable[int], ndim: int | None, what: str, te_layer: str
-) -> None:
+def check_last_axis(axis: int | Iterable[int], ndim: int | None, what: str, te_layer: str) -> None:
   """Raises a ValueError unless ``axis`` names the last axis: TE's norm-then-GEMM layers
   (``te_layer``) normalize and contract it alone. ``axis`` is an int or a sequence of ints;
   with the input's rank ``ndim`` it may be ``ndim - 1``, without it (a layer checking its
@@ -138,13 +136,13 @@ def check_last_axis(
     ok = ndim >= 1 and tuple(a % ndim for a in axes) == (ndim - 1,)
   if not ok:
     raise ValueError(
-        f"{what}: axis must be -1 (the normalized last axis, as TE's {te_layer} requires), "
-        f"got {axis!r}"
+      f"{what}: axis must be -1 (the normalized last axis, as TE's {te_layer} requires), "
+      f"got {axis!r}"
     )
 
 
 def kernel_gemm_dims(
-    kernel_shape: Sequence[int], dimension_numbers: lax.DotDimensionNumbers
+  kernel_shape: Sequence[int], dimension_numbers: lax.DotDimensionNumbers
 ) -> tuple[int, int]:
   """``(K, N)`` of a ``dot_general(x, kernel, dimension_numbers)``: the product of the kernel's
   contracting sizes and of its free (neither contracting nor batch) sizes.
@@ -160,10 +158,10 @@ def kernel_gemm_dims(
 
 
 def check_kernel_gemm_dims(
-    recipe: Recipe | None,
-    kernel_shape: Sequence[int],
-    dimension_numbers: lax.DotDimensionNumbers,
-    what: str,
+  recipe: Recipe | None,
+  kernel_shape: Sequence[int],
+  dimension_numbers: lax.DotDimensionNumbers,
+  what: str,
 ) -> None:
   """``check_gemm_dims`` on a GEMM given by its kernel's shape, when ``recipe`` is not None."""
   if recipe is not None:
@@ -189,7 +187,7 @@ def einsum_gemm_dims(einsum_str: str, kernel_shape: Sequence[int]) -> tuple[int,
   if len(set(k_labels)) != len(k_labels) or len(set(in_labels)) != len(in_labels):
     return None
   if any(c not in k_labels and c not in out_labels for c in in_labels) or any(
-      c not in in_labels and c not in out_labels for c in k_labels
+    c not in in_labels and c not in out_labels for c in k_labels
   ):
     return None
   sizes = dict(zip(k_labels, kernel_shape, strict=True))

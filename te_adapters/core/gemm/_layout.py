@@ -80,11 +80,15 @@ class GemmLayout:
         unserved[2].append(out_dim)
 
     batch = order(
-        list(range(len(lb))), lambda i: lb[i] in s_lhs or rb[i] in s_rhs or i in s_out,
-        lambda i: unserve_pair(lb[i], rb[i], i))
+      list(range(len(lb))),
+      lambda i: lb[i] in s_lhs or rb[i] in s_rhs or i in s_out,
+      lambda i: unserve_pair(lb[i], rb[i], i),
+    )
     contracting = order(
-        sorted(range(len(lc)), key=lambda i: lc[i]), lambda i: lc[i] in s_lhs or rc[i] in s_rhs,
-        lambda i: unserve_pair(lc[i], rc[i]))
+      sorted(range(len(lc)), key=lambda i: lc[i]),
+      lambda i: lc[i] in s_lhs or rc[i] in s_rhs,
+      lambda i: unserve_pair(lc[i], rc[i]),
+    )
 
     def free(side, dims, own, which):
       def unserve(d):
@@ -102,13 +106,14 @@ class GemmLayout:
     self.dn = ((lc, rc), (lb, rb))
     self.unserved = tuple(tuple(sorted(set(u))) for u in unserved)
     self.out_order = tuple(
-        [batch[i] for i in range(len(batch))]
-        + [out_of[("l", d)] for d in self.lhs_free]
-        + [out_of[("r", d)] for d in self.rhs_free]
+      [batch[i] for i in range(len(batch))]
+      + [out_of[("l", d)] for d in self.lhs_free]
+      + [out_of[("r", d)] for d in self.rhs_free]
     )
     identity = tuple(range(len(self.out_order)))
-    self.out_perm = None if self.out_order == identity else tuple(
-        int(i) for i in np.argsort(self.out_order))
+    self.out_perm = (
+      None if self.out_order == identity else tuple(int(i) for i in np.argsort(self.out_order))
+    )
     self.lhs_perm = (*lb, *self.lhs_free, *lc)
     self.rhs_perm = (*rb, *self.rhs_free, *rc)
     size = lambda shape, dims: math.prod(shape[d] for d in dims)  # noqa: E731
@@ -122,12 +127,13 @@ class GemmLayout:
     self.out3_shape = self.lead + (self.m, self.n)
     batch_shape = tuple(lhs_shape[d] for d in lb)
     self.split_out_shape = (
-        batch_shape
-        + tuple(lhs_shape[d] for d in self.lhs_free)
-        + tuple(rhs_shape[d] for d in self.rhs_free)
+      batch_shape
+      + tuple(lhs_shape[d] for d in self.lhs_free)
+      + tuple(rhs_shape[d] for d in self.rhs_free)
     )
     self.out_shape = tuple(
-        self.split_out_shape[self.out_order.index(i)] for i in range(len(self.out_order)))
+      self.split_out_shape[self.out_order.index(i)] for i in range(len(self.out_order))
+    )
     self.rhs_stored_kn = (*rb, *rc, *self.rhs_free) == tuple(range(len(rhs_shape)))
 
   def in_gemm_order(self, entries):

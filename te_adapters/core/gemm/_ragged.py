@@ -88,8 +88,7 @@ def check_ragged_recipe(recipe):
   recipe = check_recipe(recipe)
   if formats.format_of(recipe).grouped is None:
     raise NotImplementedError(
-        f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support "
-        f"{_supported()}"
+      f"ragged_dot does not implement {type(recipe).__name__}; grouped GEMMs support {_supported()}"
     )
   return recipe
 
@@ -114,8 +113,8 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
   if state is None:
     if expected:
       raise ValueError(
-          f"{type(recipe).__name__} keeps state: pass "
-          f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
+        f"{type(recipe).__name__} keeps state: pass "
+        f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
       )
     return formats.typed_state(recipe, {})
 
@@ -124,34 +123,35 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
     if got in ((1,), (recipe.amax_history_len,)):
       hint = " (this is one GEMM's state; use init_ragged_state(recipe, num_groups))"
     return (
-        f"state[{name!r}] has shape {got} but {num_groups} groups under {recipe!r} need "
-        f"{shape}{hint}"
+      f"state[{name!r}] has shape {got} but {num_groups} groups under {recipe!r} need {shape}{hint}"
     )
 
   core_state.warn_dict_state(
-      state, f"te_adapters.core.init_ragged_state(recipe, {num_groups}), or "
-      "te_adapters.core.typed_state(recipe, saved) for a saved dict")
+    state,
+    f"te_adapters.core.init_ragged_state(recipe, {num_groups}), or "
+    "te_adapters.core.typed_state(recipe, saved) for a saved dict",
+  )
   core_state.check_leaves(
-      state,
-      expected,
-      mismatch=f"state does not match {recipe!r} for a grouped GEMM",
-      bad_shape=bad_shape,
+    state,
+    expected,
+    mismatch=f"state does not match {recipe!r} for a grouped GEMM",
+    bad_shape=bad_shape,
   )
   return formats.typed_state(recipe, state)
 
 
 def ragged_dot(
-    lhs,
-    rhs,
-    group_sizes,
-    precision=None,
-    preferred_element_type=None,
-    group_offset=None,
-    out_sharding=None,
-    *,
-    recipe,
-    state=None,
-    config=None,
+  lhs,
+  rhs,
+  group_sizes,
+  precision=None,
+  preferred_element_type=None,
+  group_offset=None,
+  out_sharding=None,
+  *,
+  recipe,
+  state=None,
+  config=None,
 ):
   """``jax.lax.ragged_dot`` with FP8 operands, per ``recipe``: the grouped GEMM of an MoE layer.
 
@@ -229,8 +229,8 @@ def ragged_dot(
     raise ValueError(f"rhs must be 3-D [G, K, N], got shape {rhs.shape}")
   if lhs.shape[1] != rhs.shape[1]:
     raise ValueError(
-        f"contracting sizes differ: lhs {lhs.shape} has K={lhs.shape[1]}, rhs {rhs.shape} has "
-        f"K={rhs.shape[1]}"
+      f"contracting sizes differ: lhs {lhs.shape} has K={lhs.shape[1]}, rhs {rhs.shape} has "
+      f"K={rhs.shape[1]}"
     )
   group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
   config = check_config(config)
@@ -239,11 +239,14 @@ def ragged_dot(
   # The dtype lax.ragged_dot gives (its rule is dot_general's), from shapes without shardings:
   # ragged_dot_general has no sharding inference on Explicit mesh axes.
   out_dtype = jax.eval_shape(
-      functools.partial(
-          lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), precision=precision,
-          preferred_element_type=preferred_element_type,
-      ),
-      jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype),
+    functools.partial(
+      lax.dot_general,
+      dimension_numbers=(((1,), (0,)), ((), ())),
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+    ),
+    jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+    jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype),
   ).dtype
   if recipe is None:
     if state:
@@ -251,8 +254,9 @@ def ragged_dot(
     if out_sharding is None and kernels.bf16_refusal(lhs, rhs, out_dtype) is None:
       # Hopper with the grouped GEMM built: bfloat16 in and out, float32 sums, as XLA's.
       return kernels.bf16_ragged_dot(lhs, rhs, group_sizes)
-    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
-                          out_sharding=out_sharding)
+    return lax.ragged_dot(
+      lhs, rhs, group_sizes, precision, preferred_element_type, out_sharding=out_sharding
+    )
   recipe = check_ragged_recipe(recipe)
   grouped = formats.format_of(recipe).grouped
   grouped.check(recipe, lhs.shape[1], rhs.shape[2], False)
@@ -264,8 +268,9 @@ def ragged_dot(
   # Which GEMMs run is the format's choice (the native grouped GEMM where it runs), made here,
   # where the operands' placement is the caller's.
   route = grouped.route(lhs, rhs, recipe, (out_dtype, *operand_dtypes))
-  spec = Grouped(recipe, precision, np.dtype(out_dtype), operand_dtypes, route,
-                 non_finite=config.non_finite)
+  spec = Grouped(
+    recipe, precision, np.dtype(out_dtype), operand_dtypes, route, non_finite=config.non_finite
+  )
 
   def call(lhs, rhs, group_sizes, state):
     return _grouped_gemms(lhs, rhs, group_sizes, state, spec)
@@ -286,10 +291,14 @@ def _explicit_out_sharding(lhs, rhs, out_sharding):
   specs = []
   for a in (lhs, rhs):
     sharding = getattr(jax.typeof(a), "sharding", None)
-    explicit = (isinstance(sharding, NamedSharding) and not sharding.mesh.empty
-                and any(t == AxisType.Explicit for t in sharding.mesh.axis_types))
-    specs.append(tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
-                 if explicit else None)
+    explicit = (
+      isinstance(sharding, NamedSharding)
+      and not sharding.mesh.empty
+      and any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
+    )
+    specs.append(
+      tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec)) if explicit else None
+    )
   if specs == [None, None]:
     return None
   if out_sharding is not None:
@@ -308,8 +317,8 @@ def _check_group_sizes(group_sizes, num_groups: int) -> jax.Array:
   group_sizes = jnp.asarray(group_sizes)
   if group_sizes.shape != (num_groups,):
     raise ValueError(
-        f"group_sizes must have shape ({num_groups},), one size per group of rhs, got "
-        f"{group_sizes.shape}"
+      f"group_sizes must have shape ({num_groups},), one size per group of rhs, got "
+      f"{group_sizes.shape}"
     )
   return group_sizes.astype(jnp.int32)
 
@@ -357,8 +366,16 @@ def grouped_gemms(lhs, rhs, group_sizes, state, spec: Grouped):
 
 def _request(x, role, spec: Grouped, group_sizes, state, **kw):
   return GroupedRequest(
-      x, role, spec.recipe, group_sizes, state, route=spec.route, granularity=spec.granularity,
-      non_finite=spec.non_finite, **kw)
+    x,
+    role,
+    spec.recipe,
+    group_sizes,
+    state,
+    route=spec.route,
+    granularity=spec.granularity,
+    non_finite=spec.non_finite,
+    **kw,
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -382,8 +399,8 @@ def _grouped_forward(lhs, rhs, group_sizes, state, spec: Grouped, backward: bool
     x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X)
     w_dgrad = _remat.name_quantized(qw.cols, _remat.QUANTIZED_KERNEL)
   y = grouped.gemm(
-      qx.rows, qw.rows, group_sizes, spec.out_dtype, "fwd", spec.recipe, spec.precision,
-      spec.route)
+    qx.rows, qw.rows, group_sizes, spec.out_dtype, "fwd", spec.recipe, spec.precision, spec.route
+  )
   y = checkpoint_name(y, _remat.GEMM_OUTPUT)
   new_fwd = {"x": qx.state, "kernel": qw.state}
   return y, (x_wgrad, w_dgrad, group_sizes, new_fwd, state)
@@ -396,9 +413,11 @@ def _grouped_bwd(spec: Grouped, residuals, g):
   qg = grouped.quantize(_request(g, "grad", spec, group_sizes, state))
   new_state = grouped.next_state(spec.recipe, state, {**new_fwd, "grad": qg.state})
   dx = grouped.gemm(
-      qg.rows, w_dgrad, group_sizes, lhs_dtype, "dgrad", spec.recipe, spec.precision, spec.route)
+    qg.rows, w_dgrad, group_sizes, lhs_dtype, "dgrad", spec.recipe, spec.precision, spec.route
+  )
   dw = grouped.gemm(
-      x_wgrad, qg.cols, group_sizes, rhs_dtype, "wgrad", spec.recipe, spec.precision, spec.route)
+    x_wgrad, qg.cols, group_sizes, rhs_dtype, "wgrad", spec.recipe, spec.precision, spec.route
+  )
   return dx, dw, None, new_state
 
 

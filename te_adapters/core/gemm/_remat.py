@@ -13,15 +13,15 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 __all__ = [
-    "name_quantized",
-    "QUANTIZED_X",
-    "QUANTIZED_KERNEL",
-    "GEMM_OUTPUT",
-    "CHECKPOINT_NAMES",
-    "save_quantized_operands",
-    "save_quantized_gemms",
-    "checkpoint_dots_and_quantized_gemms",
-    "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
+  "name_quantized",
+  "QUANTIZED_X",
+  "QUANTIZED_KERNEL",
+  "GEMM_OUTPUT",
+  "CHECKPOINT_NAMES",
+  "save_quantized_operands",
+  "save_quantized_gemms",
+  "checkpoint_dots_and_quantized_gemms",
+  "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
 ]
 
 QUANTIZED_X = "te_adapters.quantized_x"
@@ -37,10 +37,10 @@ save_quantized_operands = _policies.save_only_these_names(QUANTIZED_X, QUANTIZED
 save_quantized_gemms = _policies.save_only_these_names(*CHECKPOINT_NAMES)
 # The quantized-GEMM counterparts of JAX's dot policies.
 checkpoint_dots_and_quantized_gemms = _policies.save_from_both_policies(
-    _policies.checkpoint_dots, save_quantized_gemms
+  _policies.checkpoint_dots, save_quantized_gemms
 )
 checkpoint_dots_with_no_batch_dims_and_quantized_gemms = _policies.save_from_both_policies(
-    _policies.dots_with_no_batch_dims_saveable, save_quantized_gemms
+  _policies.dots_with_no_batch_dims_saveable, save_quantized_gemms
 )
 
 

@@ -20,13 +20,13 @@ from te_adapters.core.gemm._layout import GemmLayout
 from te_adapters.core.state import caller_stacklevel
 
 __all__ = [
-    "DEFAULT_SIZE_THRESHOLD",
-    "HighPrecisionGemmWarning",
-    "SizeThreshold",
-    "check_threshold",
-    "gemm_mkn",
-    "high_precision_reason",
-    "runs_in_fp8",
+  "DEFAULT_SIZE_THRESHOLD",
+  "HighPrecisionGemmWarning",
+  "SizeThreshold",
+  "check_threshold",
+  "gemm_mkn",
+  "high_precision_reason",
+  "runs_in_fp8",
 ]
 
 # The platform names ``jax.default_backend()`` gives.
@@ -71,13 +71,13 @@ class SizeThreshold:
     platforms = self.platforms
     if isinstance(platforms, str) or not isinstance(platforms, Sequence):
       raise TypeError(
-          f"SizeThreshold.platforms must be a tuple of platform names such as ('gpu',), got "
-          f"{platforms!r}"
+        f"SizeThreshold.platforms must be a tuple of platform names such as ('gpu',), got "
+        f"{platforms!r}"
       )
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown:
       raise ValueError(
-          f"SizeThreshold.platforms: unknown platform(s) {unknown}; known: {list(PLATFORMS)}"
+        f"SizeThreshold.platforms: unknown platform(s) {unknown}; known: {list(PLATFORMS)}"
       )
     object.__setattr__(self, "platforms", tuple(platforms))
 
@@ -96,8 +96,8 @@ class SizeThreshold:
     root = round(self.min_mkn ** (1 / 3))
     cube = f" = {root}**3" if root**3 == self.min_mkn else ""
     return (
-        f"FP8 only where M*K*N >= {self.min_mkn}{cube} and min(M, K, N) >= {self.min_dim}, "
-        f"on {', '.join(self.platforms) or 'no platform'}"
+      f"FP8 only where M*K*N >= {self.min_mkn}{cube} and min(M, K, N) >= {self.min_dim}, "
+      f"on {', '.join(self.platforms) or 'no platform'}"
     )
 
 
@@ -111,8 +111,7 @@ def check_threshold(threshold: object) -> SizeThreshold | None:
   """Returns ``threshold`` if it is a ``SizeThreshold`` or ``None``, else raises a TypeError."""
   if threshold is not None and not isinstance(threshold, SizeThreshold):
     raise TypeError(
-        "threshold must be a te_adapters.core.SizeThreshold or None (always FP8), got "
-        f"{threshold!r}"
+      f"threshold must be a te_adapters.core.SizeThreshold or None (always FP8), got {threshold!r}"
     )
   return threshold
 
@@ -126,11 +125,11 @@ def gemm_mkn(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
 
 
 def runs_in_fp8(
-    lhs_shape: Sequence[int],
-    rhs_shape: Sequence[int],
-    dimension_numbers: jax.lax.DotDimensionNumbers,
-    threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
-    backend: str | None = None,
+  lhs_shape: Sequence[int],
+  rhs_shape: Sequence[int],
+  dimension_numbers: jax.lax.DotDimensionNumbers,
+  threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
+  backend: str | None = None,
 ) -> bool:
   """Whether ``dot_general`` with these shapes runs in FP8 (True) or stays in high precision.
 
@@ -159,11 +158,11 @@ def runs_in_fp8(
 
 
 def high_precision_reason(
-    threshold: SizeThreshold | None,
-    k: int,
-    n: int,
-    m: int | None = None,
-    backend: str | None = None,
+  threshold: SizeThreshold | None,
+  k: int,
+  n: int,
+  m: int | None = None,
+  backend: str | None = None,
 ) -> str | None:
   """Why a GEMM with a (K, N) kernel stays in high precision under ``threshold``, or None.
 
@@ -191,8 +190,9 @@ def high_precision_reason(
   return f"M={m}, K={k}, N={n}: below the size threshold ({threshold.rule()})"
 
 
-def keeps_high_precision(threshold, m, k, n, recipe, dtype, stacklevel: int | None = None,
-                         layer: str | None = None) -> bool:
+def keeps_high_precision(
+  threshold, m, k, n, recipe, dtype, stacklevel: int | None = None, layer: str | None = None
+) -> bool:
   """True (after a ``HighPrecisionGemmWarning``) if ``threshold`` keeps this GEMM unquantized.
 
   The warning names ``layer`` where given, and points ``stacklevel`` frames up, by default at
@@ -202,11 +202,11 @@ def keeps_high_precision(threshold, m, k, n, recipe, dtype, stacklevel: int | No
     return False
   what = f"{layer}: a GEMM" if layer else "a GEMM"
   warnings.warn(
-      f"te_adapters: {what} with M={m}, K={k}, N={n} runs in high precision ({dtype}), not with "
-      f"{type(recipe).__name__}: it is below the size threshold ({threshold.rule()}), under "
-      "which FP8 is slower than high precision. Pass threshold=None to quantize it anyway, or a "
-      "te_adapters.core.SizeThreshold to change the rule.",
-      HighPrecisionGemmWarning,
-      stacklevel=caller_stacklevel() if stacklevel is None else stacklevel + 1,
+    f"te_adapters: {what} with M={m}, K={k}, N={n} runs in high precision ({dtype}), not with "
+    f"{type(recipe).__name__}: it is below the size threshold ({threshold.rule()}), under "
+    "which FP8 is slower than high precision. Pass threshold=None to quantize it anyway, or a "
+    "te_adapters.core.SizeThreshold to change the rule.",
+    HighPrecisionGemmWarning,
+    stacklevel=caller_stacklevel() if stacklevel is None else stacklevel + 1,
   )
   return True

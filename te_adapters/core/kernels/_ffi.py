@@ -220,6 +220,7 @@ def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax, amax_over_me
   for is an empty array), batched under ``vmap`` without looping where it can. In a sharded
   program the amax is reduced over every mesh axis with ``amax_over_mesh``
   (``_partition.cast_transpose``)."""
+
   def call(x, scale):
     t_shape = x.shape[:-2] + (x.shape[-1], x.shape[-2]) if x.ndim >= 2 else (0,)
     outs = (
@@ -353,7 +354,8 @@ def act_cast_call(h, bias, scale, q_dtype, acts, with_amax):
     jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
   )
   return jax.ffi.ffi_call(ACT_CAST_TARGET, outs, vmap_method="sequential")(
-    h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
+    h, bias, scale.reshape(1).astype(jnp.float32), **attrs
+  )
 
 
 def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
@@ -371,7 +373,8 @@ def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
     jax.ShapeDtypeStruct((tiles * n,), jnp.float32),  # per-tile column sums (workspace)
   )
   q, q_t, a, dbias, _ = jax.ffi.ffi_call(DACT_CAST_TARGET, outs, vmap_method="sequential")(
-    dz, h, bias, scale.reshape(1).astype(jnp.float32), **attrs)
+    dz, h, bias, scale.reshape(1).astype(jnp.float32), **attrs
+  )
   return q, q_t, a, dbias
 
 
@@ -386,8 +389,14 @@ def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):
   beta = jnp.zeros((0,), f32) if beta is None else beta.astype(f32)
   # Per shard in a sharded program (the partitioning rule of _partition.py).
   cast = _partition.norm_cast(_norm_cast_kernel(q_dtype, has_beta, with_amax), has_beta, with_amax)
-  return cast(x, mean.reshape(m).astype(f32), rsigma.reshape(m).astype(f32), gamma.astype(f32),
-              beta, scale.reshape(1).astype(f32))
+  return cast(
+    x,
+    mean.reshape(m).astype(f32),
+    rsigma.reshape(m).astype(f32),
+    gamma.astype(f32),
+    beta,
+    scale.reshape(1).astype(f32),
+  )
 
 
 @functools.cache
@@ -404,13 +413,15 @@ def _norm_cast_kernel(q_dtype, has_beta, with_amax):
       jax.ShapeDtypeStruct((1,), f32) if with_amax else _empty(f32),
     )
     return jax.ffi.ffi_call(NORM_CAST_TARGET, outs, vmap_method="sequential")(
-      x, mean, rsigma, gamma, beta, scale, has_beta=has_beta, compute_amax=with_amax)
+      x, mean, rsigma, gamma, beta, scale, has_beta=has_beta, compute_amax=with_amax
+    )
 
   return call
 
 
-def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False,
-              sm_margin=0):
+def gemm_call(
+  a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False, sm_margin=0
+):
   """The cuBLASLt FP8 GEMM (``csrc/block_gemm_cuda.cc``): ``a (.., M, K)`` times ``b (.., N, K)``
   into ``(.., M, N)`` of ``out_dtype``, with no or one leading batch dim. ``sm_margin`` > 0:
   cuBLASLt targets the device's SM count less that many (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``),
@@ -425,8 +436,13 @@ def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accu
     jax.ShapeDtypeStruct((_GEMM_WORKSPACE_BYTES,), jnp.uint8),
   )
   y, _ = jax.ffi.ffi_call(GEMM_TARGET, outs, vmap_method="sequential")(
-    a, b, a_scales, b_scales,
-    lhs_mode=np.int32(lhs_mode), rhs_mode=np.int32(rhs_mode), fast_accum=np.int32(fast_accum),
+    a,
+    b,
+    a_scales,
+    b_scales,
+    lhs_mode=np.int32(lhs_mode),
+    rhs_mode=np.int32(rhs_mode),
+    fast_accum=np.int32(fast_accum),
     sm_margin=np.int32(sm_margin),
   )
   return y
@@ -437,8 +453,9 @@ def registered(target: str, platform: str = "gpu") -> bool:
   return ffi_available(platform) and target in _registrations(platform)
 
 
-def grouped_gemm_call(a, b, group_sizes, alpha, out_shape, out_dtype, workspace_bytes, *, mode,
-                      fast_accum, config):
+def grouped_gemm_call(
+  a, b, group_sizes, alpha, out_shape, out_dtype, workspace_bytes, *, mode, fast_accum, config
+):
   """The grouped FP8 GEMM (``csrc/grouped_gemm_cuda.cu``), ``mode`` 0 (rows) or 1 (wgrad); see
   ``_grouped_kernel`` for the operand layouts."""
   outs = (
@@ -446,8 +463,13 @@ def grouped_gemm_call(a, b, group_sizes, alpha, out_shape, out_dtype, workspace_
     jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
   )
   y, _ = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, outs, vmap_method="sequential")(
-    a, b, group_sizes.astype(jnp.int32), alpha.astype(jnp.float32),
-    mode=np.int32(mode), fast_accum=np.int32(fast_accum), config=np.int32(config),
+    a,
+    b,
+    group_sizes.astype(jnp.int32),
+    alpha.astype(jnp.float32),
+    mode=np.int32(mode),
+    fast_accum=np.int32(fast_accum),
+    config=np.int32(config),
   )
   return y
 

@@ -30,8 +30,17 @@ import numpy as np
 
 from te_adapters.core.kernels import _ffi
 
-__all__ = ["available", "bf16_ragged_dot", "bf16_refusal", "clamped_sizes", "fast_accumulation",
-           "padded_columns", "refusal", "rows_gemm", "wgrad_gemm"]
+__all__ = [
+  "available",
+  "bf16_ragged_dot",
+  "bf16_refusal",
+  "clamped_sizes",
+  "fast_accumulation",
+  "padded_columns",
+  "refusal",
+  "rows_gemm",
+  "wgrad_gemm",
+]
 
 _ROWS, _WGRAD = 0, 1
 # CUTLASS's workspace (one set of TMA descriptors per multiprocessor) plus the per-group
@@ -59,8 +68,11 @@ def _fast(precision) -> bool:
 def fast_accumulation(precision, gemm: str, recipe) -> bool:
   """Fast FP8 sums for ``gemm`` (``fwd``, ``dgrad``, ``wgrad``), by the rule of ``dot_general``:
   the recipe's ``MMParams.use_split_accumulator`` promotes the sums, else ``precision`` decides."""
-  params = getattr(recipe, {"fwd": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad",
-                            "wgrad": "fp8_gemm_wgrad"}[gemm], None)
+  params = getattr(
+    recipe,
+    {"fwd": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad", "wgrad": "fp8_gemm_wgrad"}[gemm],
+    None,
+  )
   if params is not None and params.use_split_accumulator:
     return False
   return _fast(precision)
@@ -83,9 +95,11 @@ def refusal(lhs, rhs, recipe, out_dtypes) -> str | None:
   """
   if not available():
     return "the grouped GEMM is not built here or the devices are not Hopper GPUs"
-  pairs = {(np.dtype(recipe.fwd_dtype), np.dtype(recipe.fwd_dtype)),
-           (np.dtype(recipe.bwd_dtype), np.dtype(recipe.fwd_dtype)),
-           (np.dtype(recipe.fwd_dtype), np.dtype(recipe.bwd_dtype))}
+  pairs = {
+    (np.dtype(recipe.fwd_dtype), np.dtype(recipe.fwd_dtype)),
+    (np.dtype(recipe.bwd_dtype), np.dtype(recipe.fwd_dtype)),
+    (np.dtype(recipe.fwd_dtype), np.dtype(recipe.bwd_dtype)),
+  }
   if any(a not in _FP8 or b not in _FP8 or (a, b) == (_FP8[1], _FP8[1]) for a, b in pairs):
     return "it multiplies float8_e4m3fn by float8_e4m3fn or float8_e5m2 only"
   bad = [str(np.dtype(d)) for d in out_dtypes if np.dtype(d) not in _OUT]
@@ -121,8 +135,16 @@ def rows_gemm(a, b, group_sizes, alpha, out_dtype, fast: bool, config: int = DEF
   ``a`` (M, K) and ``b`` (G, N, K) FP8, ``alpha`` (G,) float32; returns (M, N) ``out_dtype``.
   """
   return _ffi.grouped_gemm_call(
-    a, b, group_sizes, alpha, (a.shape[0], b.shape[1]), out_dtype, _workspace(b.shape[0]),
-    mode=_ROWS, fast_accum=fast, config=config,
+    a,
+    b,
+    group_sizes,
+    alpha,
+    (a.shape[0], b.shape[1]),
+    out_dtype,
+    _workspace(b.shape[0]),
+    mode=_ROWS,
+    fast_accum=fast,
+    config=config,
   )
 
 
@@ -174,8 +196,16 @@ def wgrad_gemm(x, dy, group_sizes, alpha, out_dtype, fast: bool, config: int = D
   a = padded_columns(x, group_sizes)
   b = padded_columns(dy, group_sizes)
   return _ffi.grouped_gemm_call(
-    a, b, group_sizes, alpha, (groups, x.shape[1], dy.shape[1]), out_dtype, _workspace(groups),
-    mode=_WGRAD, fast_accum=fast, config=config,
+    a,
+    b,
+    group_sizes,
+    alpha,
+    (groups, x.shape[1], dy.shape[1]),
+    out_dtype,
+    _workspace(groups),
+    mode=_WGRAD,
+    fast_accum=fast,
+    config=config,
   )
 
 

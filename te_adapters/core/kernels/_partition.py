@@ -155,8 +155,9 @@ def _explicit_spec(x, ndim):
   return _spec(sharding, ndim) if isinstance(sharding, NamedSharding) else ((),) * ndim
 
 
-def _shardable(split: Callable, call: Callable, ndims: tuple[int, ...], sharding_rule: str,
-               single: bool = False):
+def _shardable(
+  split: Callable, call: Callable, ndims: tuple[int, ...], sharding_rule: str, single: bool = False
+):
   """``call`` run per shard in a multi-device ``jit``, as ``split`` says.
 
   ``split(mesh, specs) -> (arg_specs, out_specs, per_shard)``: from the operands' specs (per dim,
@@ -237,8 +238,9 @@ def _amax_axes(mesh, spec, over_mesh: bool) -> tuple[str, ...]:
 
 
 @functools.cache
-def cast_transpose(call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool,
-                   over_mesh: bool = False):
+def cast_transpose(
+  call: Callable, ndim: int, rowwise: bool, colwise: bool, with_amax: bool, over_mesh: bool = False
+):
   """``call(x, scale) -> (q, q_t, amax)`` (unrequested outputs of shape (0,)) made shardable.
 
   ``x`` has ``ndim`` dims; ``q`` is shaped like it, ``q_t`` with its last two dims swapped, and
@@ -327,8 +329,18 @@ def gemm(
     return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
   sum_dtype = np.dtype(np.float32 if sum_dtype is None else sum_dtype)
-  run = _gemm_rule(name, kernel, fallback, np.dtype(out_dtype), block_scales, refusal, shapes,
-                   sum_dtype, summed_kernel or kernel, sum_chunks)
+  run = _gemm_rule(
+    name,
+    kernel,
+    fallback,
+    np.dtype(out_dtype),
+    block_scales,
+    refusal,
+    shapes,
+    sum_dtype,
+    summed_kernel or kernel,
+    sum_chunks,
+  )
   return run(a, b, a_scale, b_scale)
 
 
@@ -372,8 +384,18 @@ def sum_chunk_rows(rows: int, chunks: int) -> int:
   return rows // chunks
 
 
-def _gemm_rule(name, kernel, fallback, out_dtype, block_scales, refusal, shapes, sum_dtype,
-               summed_kernel, sum_chunks):
+def _gemm_rule(
+  name,
+  kernel,
+  fallback,
+  out_dtype,
+  block_scales,
+  refusal,
+  shapes,
+  sum_dtype,
+  summed_kernel,
+  sum_chunks,
+):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
 
@@ -450,8 +472,18 @@ def _call_with_dtype(kernel, out_dtype, a, b, a_scale, b_scale):
 # --------------------------------------------------------------------------- the extension's GEMMs
 
 
-def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_accum: bool,
-                       sum_dtype=None, sm_margin: int | None = None, sum_chunks: int = 1):
+def tensor_scaled_gemm(
+  call: Callable,
+  a,
+  b,
+  a_scale,
+  b_scale,
+  out_dtype,
+  fast_accum: bool,
+  sum_dtype=None,
+  sm_margin: int | None = None,
+  sum_chunks: int = 1,
+):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
   ``sum_dtype``, ``sum_chunks``: as for ``gemm``. ``sm_margin``: on the shards whose partial
@@ -460,21 +492,43 @@ def tensor_scaled_gemm(call: Callable, a, b, a_scale, b_scale, out_dtype, fast_a
   summed = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
   fallback = functools.partial(tensor_fallback, fast_accum)
   return gemm(
-    "the per-tensor FP8 GEMM", kernel, fallback, a, b, a_scale, b_scale, out_dtype,
-    refusal=_tensor_refusal, sum_dtype=sum_dtype, summed_kernel=summed, sum_chunks=sum_chunks,
+    "the per-tensor FP8 GEMM",
+    kernel,
+    fallback,
+    a,
+    b,
+    a_scale,
+    b_scale,
+    out_dtype,
+    refusal=_tensor_refusal,
+    sum_dtype=sum_dtype,
+    summed_kernel=summed,
+    sum_chunks=sum_chunks,
   )
 
 
 def _tensor_kernel(call, fast_accum, sm_margin, a, b, a_scale, b_scale, dtype):
-  return call(a, b, a_scale, b_scale, dtype, lhs_mode=0, rhs_mode=0, fast_accum=fast_accum,
-              sm_margin=sm_margin)
+  return call(
+    a,
+    b,
+    a_scale,
+    b_scale,
+    dtype,
+    lhs_mode=0,
+    rhs_mode=0,
+    fast_accum=fast_accum,
+    sm_margin=sm_margin,
+  )
 
 
 def tensor_fallback(fast_accum, a, b, a_scale, b_scale, dtype):
   batch = tuple(range(a.ndim - 2))
   precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
   y = lax.dot_general(
-    a, b, (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)), precision=precision,
+    a,
+    b,
+    (((a.ndim - 1,), (b.ndim - 1,)), (batch, batch)),
+    precision=precision,
     preferred_element_type=jnp.float32,
   )
   return (y * (a_scale * b_scale).reshape(())).astype(dtype)
@@ -501,8 +555,16 @@ def block_scaled_gemm(
   xla = functools.partial(_block_fallback, fallback, a_block, b_block)
   dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
   return gemm(
-    "the block-scaled FP8 GEMM", kernel, xla, a, b, a_scale_inv, b_scale_inv, dtype,
-    block_scales=True, refusal=_block_refusal,
+    "the block-scaled FP8 GEMM",
+    kernel,
+    xla,
+    a,
+    b,
+    a_scale_inv,
+    b_scale_inv,
+    dtype,
+    block_scales=True,
+    refusal=_block_refusal,
   )
 
 

@@ -29,13 +29,13 @@ def _squared_relu(x):
 
 # TE's names. "gelu" is the tanh approximation, as in TE.
 ACTIVATIONS: dict[str, Callable] = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "quick_gelu": _quick_gelu,
-    "squared_relu": _squared_relu,
-    "linear": lambda x: x,
+  "gelu": functools.partial(jax.nn.gelu, approximate=True),
+  "relu": jax.nn.relu,
+  "silu": jax.nn.silu,
+  "swish": jax.nn.silu,
+  "quick_gelu": _quick_gelu,
+  "squared_relu": _squared_relu,
+  "linear": lambda x: x,
 }
 
 
@@ -59,15 +59,15 @@ def normalize_activations(activations: Activation | Sequence[Activation]) -> tup
     activations = (activations,)
   if not isinstance(activations, Sequence) or not activations:
     raise ValueError(
-        f"activations must be a non-empty sequence of names such as ('gelu',) or "
-        f"('silu', 'linear'), got {activations!r}"
+      f"activations must be a non-empty sequence of names such as ('gelu',) or "
+      f"('silu', 'linear'), got {activations!r}"
     )
   names: list[Activation] = []
   for act in activations:
     if isinstance(act, str):
       if act.lower() not in ACTIVATIONS:
         raise ValueError(
-            f"unknown activation {act!r}; known: {', '.join(sorted(ACTIVATIONS))} (or a callable)"
+          f"unknown activation {act!r}; known: {', '.join(sorted(ACTIVATIONS))} (or a callable)"
         )
       names.append(act.lower())
     elif callable(act):
@@ -111,7 +111,7 @@ _activation.defvjp(_activation_fwd, _activation_bwd)
 
 
 def activation(
-    h: jax.Array, activations: Activation | Sequence[Activation] = ("gelu",)
+  h: jax.Array, activations: Activation | Sequence[Activation] = ("gelu",)
 ) -> jax.Array:
   """The MLP activation (or gated product) of ``h``, TE's ``activation(x, activation_type)``.
 
@@ -138,7 +138,7 @@ def activation(
     raise TypeError(f"activation needs a floating-point input, got {h.dtype}")
   if h.ndim < 2 or h.shape[-2] != len(names):
     raise ValueError(
-        f"activation: the input needs shape (..., n_act={len(names)}, F) for activations "
-        f"{names}, got {h.shape}"
+      f"activation: the input needs shape (..., n_act={len(names)}, F) for activations "
+      f"{names}, got {h.shape}"
     )
   return _activation(h, names)

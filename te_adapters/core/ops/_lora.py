@@ -23,10 +23,10 @@ def _as_tuple(value) -> tuple[int, ...]:
 
 
 def check_lora_rank(
-    rank: int,
-    in_shape: int | Sequence[int],
-    features: int | Sequence[int],
-    what: str = "low-rank adaptation",
+  rank: int,
+  in_shape: int | Sequence[int],
+  features: int | Sequence[int],
+  what: str = "low-rank adaptation",
 ) -> None:
   """A ValueError naming ``what`` unless ``1 <= rank <= min(K, N)``.
 
@@ -38,13 +38,13 @@ def check_lora_rank(
   k, n = math.prod(in_shape), features[-1]
   if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= min(k, n):
     raise ValueError(
-        f"{what}: low_rank_adaptation_dim must be an int from 1 to min(K, N) = {min(k, n)} "
-        f"(K={k} contracted, N={n} output features), got {rank!r}"
+      f"{what}: low_rank_adaptation_dim must be an int from 1 to min(K, N) = {min(k, n)} "
+      f"(K={k} contracted, N={n} output features), got {rank!r}"
     )
 
 
 def lora_shapes(
-    in_shape: int | Sequence[int], features: int | Sequence[int], rank: int
+  in_shape: int | Sequence[int], features: int | Sequence[int], rank: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """TE's shapes of ``lora_a_kernel`` and ``lora_b_kernel``.
 
@@ -61,12 +61,12 @@ def lora_shapes(
 
 
 def low_rank_adaptation(
-    x: jax.Array,
-    lora_a: jax.Array,
-    lora_b: jax.Array,
-    *,
-    axis: int | Sequence[int] = -1,
-    alpha: float | None = None,
+  x: jax.Array,
+  lora_a: jax.Array,
+  lora_b: jax.Array,
+  *,
+  axis: int | Sequence[int] = -1,
+  alpha: float | None = None,
 ) -> jax.Array:
   """The LoRA term ``(x @ lora_a @ lora_b) * scaling`` of a dense layer, in high precision.
 
@@ -95,14 +95,14 @@ def low_rank_adaptation(
   rank = lora_a.shape[-1]
   if lora_a.ndim != n_in + n_lead + 1 or lora_b.shape[-2] != rank:
     raise ValueError(
-        f"low_rank_adaptation: lora_a {lora_a.shape} and lora_b {lora_b.shape} do not match "
-        f"{n_in} contracted axes of x {x.shape} (see lora_shapes)"
+      f"low_rank_adaptation: lora_a {lora_a.shape} and lora_b {lora_b.shape} do not match "
+      f"{n_in} contracted axes of x {x.shape} (see lora_shapes)"
     )
   contracted = tuple(x.shape[a] for a in axis)
   if lora_a.shape[:n_in] != contracted or lora_a.shape[n_in:-1] != lora_b.shape[:-2]:
     raise ValueError(
-        f"low_rank_adaptation: lora_a {lora_a.shape} needs contracted sizes {contracted} and "
-        f"the leading features {lora_b.shape[:-2]} of lora_b {lora_b.shape}"
+      f"low_rank_adaptation: lora_a {lora_a.shape} needs contracted sizes {contracted} and "
+      f"the leading features {lora_b.shape[:-2]} of lora_b {lora_b.shape}"
     )
   dtype = jnp.result_type(x, lora_a, lora_b)
   x = jnp.moveaxis(x, axis, tuple(range(x.ndim - n_in, x.ndim))).astype(dtype)
@@ -111,8 +111,10 @@ def low_rank_adaptation(
   lead = "".join(next(letters) for _ in range(n_lead))
   r, out = next(letters), next(letters)
   y = jnp.einsum(
-      f"...{ins},{ins}{lead}{r},{lead}{r}{out}->...{lead}{out}",
-      x, lora_a.astype(dtype), lora_b.astype(dtype),
+    f"...{ins},{ins}{lead}{r},{lead}{r}{out}->...{lead}{out}",
+    x,
+    lora_a.astype(dtype),
+    lora_b.astype(dtype),
   )
   scaling = 1.0 if alpha is None else alpha / rank
   return y * jnp.asarray(scaling, dtype)

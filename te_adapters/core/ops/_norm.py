@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "LAYERNORM_TYPES",
-    "check_norm_args",
-    "layernorm",
-    "norm_bwd",
-    "norm_gamma",
-    "norm_stats",
-    "normalized",
+  "LAYERNORM_TYPES",
+  "check_norm_args",
+  "layernorm",
+  "norm_bwd",
+  "norm_gamma",
+  "norm_stats",
+  "normalized",
 ]
 
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
@@ -28,15 +28,14 @@ LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
 def check_norm_args(x, scale, bias, layernorm_type):
   """``layernorm``'s errors for bad arguments (an unknown type, wrong shapes or dtypes)."""
-  _check(jnp.asarray(x), jnp.asarray(scale), None if bias is None else jnp.asarray(bias),
-         layernorm_type)
+  _check(
+    jnp.asarray(x), jnp.asarray(scale), None if bias is None else jnp.asarray(bias), layernorm_type
+  )
 
 
 def _check(x, scale, bias, layernorm_type):
   if layernorm_type not in LAYERNORM_TYPES:
-    raise ValueError(
-        f"layernorm_type must be one of {LAYERNORM_TYPES}, got {layernorm_type!r}"
-    )
+    raise ValueError(f"layernorm_type must be one of {LAYERNORM_TYPES}, got {layernorm_type!r}")
   for name, a in (("x", x), ("scale", scale), ("bias", bias)):
     if a is not None and not jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating):
       raise TypeError(f"layernorm: {name} must be a floating-point array, got {a.dtype}")
@@ -45,30 +44,31 @@ def _check(x, scale, bias, layernorm_type):
   features = x.shape[-1]
   if tuple(scale.shape) != (features,):
     raise ValueError(
-        f"layernorm: scale must have shape ({features},) for x of shape {tuple(x.shape)} (the "
-        f"norm runs over the last axis), got {tuple(scale.shape)}"
+      f"layernorm: scale must have shape ({features},) for x of shape {tuple(x.shape)} (the "
+      f"norm runs over the last axis), got {tuple(scale.shape)}"
     )
   if layernorm_type == "rmsnorm":
     if bias is not None:
       raise ValueError("layernorm: rmsnorm has no bias (beta); pass bias=None")
   elif bias is None:
-    raise ValueError("layernorm: layernorm_type='layernorm' needs a bias (beta) of shape "
-                     f"({features},)")
+    raise ValueError(
+      f"layernorm: layernorm_type='layernorm' needs a bias (beta) of shape ({features},)"
+    )
   elif tuple(bias.shape) != (features,):
     raise ValueError(
-        f"layernorm: bias must have shape ({features},) for x of shape {tuple(x.shape)}, got "
-        f"{tuple(bias.shape)}"
+      f"layernorm: bias must have shape ({features},) for x of shape {tuple(x.shape)}, got "
+      f"{tuple(bias.shape)}"
     )
 
 
 def layernorm(
-    x: jax.Array,
-    scale: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    layernorm_type: str = "layernorm",
-    zero_centered_gamma: bool = False,
-    epsilon: float = 1e-6,
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array | None = None,
+  *,
+  layernorm_type: str = "layernorm",
+  zero_centered_gamma: bool = False,
+  epsilon: float = 1e-6,
 ) -> jax.Array:
   """LayerNorm or RMSNorm of ``x`` over its last axis, as TE's ``layernorm``.
 

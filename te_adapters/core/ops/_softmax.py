@@ -43,19 +43,19 @@ def _fusion_type(value) -> SoftmaxFusionType:
   if isinstance(value, str) and value in names:
     return names[value]
   raise ValueError(
-      f"softmax_fusion_type must be a SoftmaxFusionType or one of {sorted(names)}, got {value!r}"
+    f"softmax_fusion_type must be a SoftmaxFusionType or one of {sorted(names)}, got {value!r}"
   )
 
 
 def softmax(
-    logits: jax.Array,
-    mask: jax.Array | None = None,
-    bias: jax.Array | None = None,
-    softmax_offset: jax.Array | None = None,
-    *,
-    scale_factor: float = 1.0,
-    softmax_fusion_type: SoftmaxFusionType | str = SoftmaxFusionType.SCALED,
-    softmax_type: str = "vanilla",
+  logits: jax.Array,
+  mask: jax.Array | None = None,
+  bias: jax.Array | None = None,
+  softmax_offset: jax.Array | None = None,
+  *,
+  scale_factor: float = 1.0,
+  softmax_fusion_type: SoftmaxFusionType | str = SoftmaxFusionType.SCALED,
+  softmax_type: str = "vanilla",
 ) -> jax.Array:
   """``softmax((logits + bias) * scale_factor)`` over the last axis, with masked logits removed.
 
@@ -87,16 +87,16 @@ def softmax(
     raise ValueError(f"softmax_type must be one of {SOFTMAX_TYPES}, got {softmax_type!r}")
   if not jnp.issubdtype(logits.dtype, jnp.floating) or logits.ndim < 2:
     raise ValueError(
-        f"softmax: logits must be a floating-point array [..., q, k], got {logits.dtype} of "
-        f"shape {tuple(logits.shape)}"
+      f"softmax: logits must be a floating-point array [..., q, k], got {logits.dtype} of "
+      f"shape {tuple(logits.shape)}"
     )
   if fusion is SoftmaxFusionType.SCALED_MASKED and mask is None:
     raise ValueError("softmax: SoftmaxFusionType.SCALED_MASKED needs a mask")
   if (softmax_offset is None) != (softmax_type != "learnable"):
     raise ValueError(
-        "softmax: softmax_offset is the extra logit of softmax_type='learnable' and is given "
-        f"exactly then (softmax_type={softmax_type!r}, softmax_offset "
-        f"{'given' if softmax_offset is not None else 'missing'})"
+      "softmax: softmax_offset is the extra logit of softmax_type='learnable' and is given "
+      f"exactly then (softmax_type={softmax_type!r}, softmax_offset "
+      f"{'given' if softmax_offset is not None else 'missing'})"
     )
   for name, a in (("mask", mask), ("bias", bias)):
     if a is not None:
@@ -104,8 +104,8 @@ def softmax(
         np.broadcast_shapes(np.shape(a), logits.shape)
       except ValueError:
         raise ValueError(
-            f"softmax: {name} of shape {np.shape(a)} does not broadcast to the logits' shape "
-            f"{tuple(logits.shape)}"
+          f"softmax: {name} of shape {np.shape(a)} does not broadcast to the logits' shape "
+          f"{tuple(logits.shape)}"
         ) from None
   z = logits.astype(jnp.float32)
   if bias is not None:

@@ -150,9 +150,11 @@ class GemmConfig:
   def __post_init__(self):
     margin = self.comm_sm_margin
     if margin is not None and (
-        isinstance(margin, bool) or not isinstance(margin, int) or margin < 0):
+      isinstance(margin, bool) or not isinstance(margin, int) or margin < 0
+    ):
       raise ValueError(
-          f"GemmConfig.comm_sm_margin must be None or an int >= 0 (SMs), got {margin!r}")
+        f"GemmConfig.comm_sm_margin must be None or an int >= 0 (SMs), got {margin!r}"
+      )
     chunks = self.sum_chunks
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
       raise ValueError(f"GemmConfig.sum_chunks must be an int >= 1, got {chunks!r}")
@@ -160,11 +162,13 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.fold_amax must be True or False, got {self.fold_amax!r}")
     if not isinstance(self.collective_matmul, bool):
       raise ValueError(
-          f"GemmConfig.collective_matmul must be True or False, got {self.collective_matmul!r}")
+        f"GemmConfig.collective_matmul must be True or False, got {self.collective_matmul!r}"
+      )
     if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
       value = self.fuse_activation_cast
       raise ValueError(
-          f"GemmConfig.fuse_activation_cast must be True, False or None, got {value!r}")
+        f"GemmConfig.fuse_activation_cast must be True, False or None, got {value!r}"
+      )
     for name, allowed in _CHOICES.items():
       value = getattr(self, name)
       if value not in allowed:
@@ -176,9 +180,11 @@ class GemmConfig:
       if value not in allowed:
         raise ValueError(f"GemmConfig.{name} must be one of {allowed}, got {value!r}")
       warnings.warn(
-          f"GemmConfig.{name} is deprecated and has no effect ({what}); it was a measurement "
-          "choice and will be removed in the next release: leave it out",
-          DeprecationWarning, stacklevel=3)
+        f"GemmConfig.{name} is deprecated and has no effect ({what}); it was a measurement "
+        "choice and will be removed in the next release: leave it out",
+        DeprecationWarning,
+        stacklevel=3,
+      )
 
 
 def check_config(config: GemmConfig | None) -> GemmConfig:

@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "Format",
-    "MMParams",
-    "Recipe",
-    "DelayedScaling",
-    "Float8CurrentScaling",
-    "MXFP8BlockScaling",
-    "NVFP4BlockScaling",
-    "Float8BlockScaling",
-    "Float8RowwiseScaling",
+  "Format",
+  "MMParams",
+  "Recipe",
+  "DelayedScaling",
+  "Float8CurrentScaling",
+  "MXFP8BlockScaling",
+  "NVFP4BlockScaling",
+  "Float8BlockScaling",
+  "Float8RowwiseScaling",
 ]
 
 
@@ -64,8 +64,8 @@ def _check_format(name: str, value: object) -> None:
     raise TypeError(f"{name}.fp8_format must be a te_adapters.Format, got {value!r}")
   if value is Format.E5M2:
     raise ValueError(
-        f"{name}: pure E5M2 training is not supported; use Format.HYBRID (E4M3 forward, "
-        "E5M2 gradients) or Format.E4M3"
+      f"{name}: pure E5M2 training is not supported; use Format.HYBRID (E4M3 forward, "
+      "E5M2 gradients) or Format.E4M3"
     )
   if value is Format.E2M1:
     raise ValueError(f"{name}: Format.E2M1 is the FP4 format of NVFP4BlockScaling only")
@@ -115,7 +115,7 @@ def _check_mm_params(recipe) -> None:
     value = getattr(recipe, field)
     if not isinstance(value, MMParams):
       raise TypeError(
-          f"{type(recipe).__name__}.{field} must be a te_adapters.MMParams, got {value!r}"
+        f"{type(recipe).__name__}.{field} must be a te_adapters.MMParams, got {value!r}"
       )
 
 
@@ -181,19 +181,15 @@ class DelayedScaling(Recipe):
     _check_margin(name, self.margin)
     _check_format(name, self.fp8_format)
     if isinstance(self.amax_history_len, bool) or not isinstance(
-        self.amax_history_len, numbers.Integral
+      self.amax_history_len, numbers.Integral
     ):
-      raise TypeError(
-          f"{name}.amax_history_len must be an int, got {self.amax_history_len!r}"
-      )
+      raise TypeError(f"{name}.amax_history_len must be an int, got {self.amax_history_len!r}")
     if self.amax_history_len < 1:
-      raise ValueError(
-          f"{name}.amax_history_len must be >= 1, got {self.amax_history_len}"
-      )
+      raise ValueError(f"{name}.amax_history_len must be >= 1, got {self.amax_history_len}")
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(
-          f"{name}.amax_compute_algo must be 'max' or 'most_recent', got "
-          f"{self.amax_compute_algo!r} (callables are not supported)"
+        f"{name}.amax_compute_algo must be 'max' or 'most_recent', got "
+        f"{self.amax_compute_algo!r} (callables are not supported)"
       )
     _check_mm_params(self)
 
@@ -251,7 +247,7 @@ class MXFP8BlockScaling(_BlockRecipe):
     name = type(self).__name__
     if self.margin != 0:
       raise ValueError(
-          f"{name}.margin must be 0 (block scales do not use a margin), got {self.margin!r}"
+        f"{name}.margin must be 0 (block scales do not use a margin), got {self.margin!r}"
       )
     _check_format(name, self.fp8_format)
 
@@ -339,8 +335,8 @@ class Float8BlockScaling(_BlockRecipe):
     for a, b, gemm in (("x", "w", "forward"), ("grad", "w", "dgrad"), ("x", "grad", "wgrad")):
       if dims[a] == 2 and dims[b] == 2:
         raise ValueError(
-            f"{name}: {a}_block_scaling_dim and {b}_block_scaling_dim are both 2; the {gemm} "
-            "GEMM would multiply two 128x128-tiled operands, which is not supported"
+          f"{name}: {a}_block_scaling_dim and {b}_block_scaling_dim are both 2; the {gemm} "
+          "GEMM would multiply two 128x128-tiled operands, which is not supported"
         )
 
   @property
@@ -391,12 +387,12 @@ class Float8RowwiseScaling(Recipe):
 
 
 _RECIPES = (
-    DelayedScaling,
-    Float8CurrentScaling,
-    MXFP8BlockScaling,
-    NVFP4BlockScaling,
-    Float8BlockScaling,
-    Float8RowwiseScaling,
+  DelayedScaling,
+  Float8CurrentScaling,
+  MXFP8BlockScaling,
+  NVFP4BlockScaling,
+  Float8BlockScaling,
+  Float8RowwiseScaling,
 )
 
 
@@ -404,13 +400,12 @@ def check_recipe(recipe: object) -> Recipe:
   """Returns ``recipe`` if it is a supported recipe instance, else raises a TypeError."""
   if isinstance(recipe, type) and issubclass(recipe, Recipe):
     raise TypeError(
-        f"recipe must be a recipe instance, got the class {recipe.__name__}; "
-        f"write {recipe.__name__}()"
+      f"recipe must be a recipe instance, got the class {recipe.__name__}; "
+      f"write {recipe.__name__}()"
     )
   if not isinstance(recipe, Recipe):
     names = ", ".join(f"te_adapters.{r.__name__}" for r in _RECIPES)
     raise TypeError(
-        f"recipe must be one of {names}; got "
-        f"{type(recipe).__module__}.{type(recipe).__name__}"
+      f"recipe must be one of {names}; got {type(recipe).__module__}.{type(recipe).__name__}"
     )
   return recipe

@@ -29,9 +29,9 @@ def global_amax(a, x, role: str, plan: _spmd_plan.SpmdPlan, state_varying: froze
     return a  # jit or eager: the array is global and so is its amax
   if state_varying is not None and not _mesh.checks_vma():
     raise ValueError(
-        "DelayedScaling inside shard_map(check_vma=False) is not supported: shard_map would "
-        "sum the replicated state's gradient over the mesh, adding up scales and amaxes. "
-        "Use shard_map's default check_vma=True."
+      "DelayedScaling inside shard_map(check_vma=False) is not supported: shard_map would "
+      "sum the replicated state's gradient over the mesh, adding up scales and amaxes. "
+      "Use shard_map's default check_vma=True."
     )
   vma = _mesh.varying_axes(x)
   if requested is None:
@@ -47,9 +47,9 @@ def global_amax(a, x, role: str, plan: _spmd_plan.SpmdPlan, state_varying: froze
       missing = vma - axes - state_varying
       if missing:
         raise ValueError(
-            f"amax_axes for {role!r} leaves out mesh axes {sorted(missing)} that the {role} "
-            "operand varies over while its DelayedScaling state does not: devices would compute "
-            "different states. Add them to amax_axes (or leave amax_axes=None)."
+          f"amax_axes for {role!r} leaves out mesh axes {sorted(missing)} that the {role} "
+          "operand varies over while its DelayedScaling state does not: devices would compute "
+          "different states. Add them to amax_axes (or leave amax_axes=None)."
         )
   if not axes:
     return a
@@ -66,8 +66,8 @@ def check_block_scaled(recipe, plan: _spmd_plan.SpmdPlan) -> None:
   """
   if plan.kernel_all_gather is not None:
     raise NotImplementedError(
-        f"{type(recipe).__name__}: kernel_all_gather is implemented for per-tensor FP8 recipes "
-        "(DelayedScaling, Float8CurrentScaling) only"
+      f"{type(recipe).__name__}: kernel_all_gather is implemented for per-tensor FP8 recipes "
+      "(DelayedScaling, Float8CurrentScaling) only"
     )
   check_amax_axes(plan)
 

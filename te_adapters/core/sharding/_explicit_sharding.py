@@ -25,8 +25,9 @@ def explicit_sharding(x) -> NamedSharding | None:
     return None
   mesh = sharding.mesh
   explicit = {
-      n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-      if t == jax.sharding.AxisType.Explicit
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == jax.sharding.AxisType.Explicit
   }
   spec = tuple(sharding.spec) + (None,) * (len(x.shape) - len(sharding.spec))
   if not any(set(_mesh.axis_tuple(e, "spec entry")) & explicit for e in spec):
@@ -68,17 +69,17 @@ def reshape_spec(shape, spec, new_shape, axis_sizes: Mapping[str, int]) -> Parti
     entries = [_mesh.axis_tuple(spec[d], "spec entry") for d in group_in]
     if any(entries[1:]):
       raise ValueError(
-          f"reshaping {shape} sharded as {PartitionSpec(*spec)} to {new_shape}: dimensions "
-          f"{group_in} become {group_out}, and only the first of them may be sharded (got "
-          f"{[spec[d] for d in group_in]}); shard the operand differently"
+        f"reshaping {shape} sharded as {PartitionSpec(*spec)} to {new_shape}: dimensions "
+        f"{group_in} become {group_out}, and only the first of them may be sharded (got "
+        f"{[spec[d] for d in group_in]}); shard the operand differently"
       )
     if entries[0]:
       shards = int(np.prod([axis_sizes[a] for a in entries[0]]))
       if new_shape[group_out[0]] % shards:
         raise ValueError(
-            f"reshaping {shape} sharded as {PartitionSpec(*spec)} to {new_shape}: dimension "
-            f"{group_out[0]} (size {new_shape[group_out[0]]}) cannot hold the {shards} shards "
-            f"of dimension {group_in[0]}"
+          f"reshaping {shape} sharded as {PartitionSpec(*spec)} to {new_shape}: dimension "
+          f"{group_out[0]} (size {new_shape[group_out[0]]}) cannot hold the {shards} shards "
+          f"of dimension {group_in[0]}"
         )
       out[group_out[0]] = _mesh.spec_entry(entries[0])
   return PartitionSpec(*out)

@@ -34,19 +34,19 @@ def _gather_mode(plan: _spmd_plan.SpmdPlan, kernel) -> str:
     return "manual"
   if axes & manual:
     raise ValueError(
-        f"kernel_all_gather mixes manual axes {sorted(axes & manual)} with axes "
-        f"{sorted(axes - manual)} that are not manual here"
+      f"kernel_all_gather mixes manual axes {sorted(axes & manual)} with axes "
+      f"{sorted(axes - manual)} that are not manual here"
     )
   mesh = plan.kernel_mesh or _mesh.abstract_mesh() or _operand_mesh(kernel)
   if mesh is None:
     raise ValueError(
-        "kernel_all_gather needs a mesh: call under jax.set_mesh(mesh), pass a NamedSharding, "
-        "or call inside shard_map"
+      "kernel_all_gather needs a mesh: call under jax.set_mesh(mesh), pass a NamedSharding, "
+      "or call inside shard_map"
     )
   unknown = sorted(axes - set(mesh.axis_names))
   if unknown:
     raise ValueError(
-        f"kernel_all_gather names mesh axes {unknown} that the mesh {tuple(mesh.axis_names)} lacks"
+      f"kernel_all_gather names mesh axes {unknown} that the mesh {tuple(mesh.axis_names)} lacks"
     )
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
   if all(types[a] == jax.sharding.AxisType.Explicit for a in axes):
@@ -65,7 +65,7 @@ def _shard_spec(plan: _spmd_plan.SpmdPlan) -> PartitionSpec:
 
 def _gathered_spec(plan: _spmd_plan.SpmdPlan) -> PartitionSpec:
   return PartitionSpec(
-      *[None if dim else PartitionSpec.UNCONSTRAINED for dim in _gather_axes(plan)]
+    *[None if dim else PartitionSpec.UNCONSTRAINED for dim in _gather_axes(plan)]
   )
 
 
@@ -77,8 +77,8 @@ def _explicit_spec_without(q, plan: _spmd_plan.SpmdPlan) -> PartitionSpec:
     have = _mesh.axis_tuple(entry, "spec entry")
     if gather and not set(gather) <= set(have):
       raise ValueError(
-          f"kernel_all_gather gathers kernel dim {d} over {gather}, but the kernel's sharding "
-          f"on that dim is {entry!r}"
+        f"kernel_all_gather gathers kernel dim {d} over {gather}, but the kernel's sharding "
+        f"on that dim is {entry!r}"
       )
     rest = tuple(a for a in have if a not in gather)
     out.append(rest[0] if len(rest) == 1 else (rest or None))
@@ -92,8 +92,8 @@ def _check_manual_gather(kernel, plan: _spmd_plan.SpmdPlan) -> None:
   for d, axes in enumerate(_gather_axes(plan)):
     if axes and not set(axes) <= vma:
       raise ValueError(
-          f"kernel_all_gather gathers kernel dim {d} over {axes}, but inside this shard_map "
-          f"the kernel varies only over {sorted(vma)}: is it sharded that way (in_specs)?"
+        f"kernel_all_gather gathers kernel dim {d} over {axes}, but inside this shard_map "
+        f"the kernel varies only over {sorted(vma)}: is it sharded that way (in_specs)?"
       )
 
 
@@ -105,8 +105,8 @@ def gathered_kernel_type(kernel, plan: _spmd_plan.SpmdPlan):
   mesh = _mesh.abstract_mesh()
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
   shape = tuple(
-      n * int(np.prod([sizes[a] for a in axes]))
-      for n, axes in zip(kernel.shape, plan.kernel_all_gather, strict=True)
+    n * int(np.prod([sizes[a] for a in axes]))
+    for n, axes in zip(kernel.shape, plan.kernel_all_gather, strict=True)
   )
   return jax.ShapeDtypeStruct(shape, kernel.dtype)
 
@@ -140,7 +140,7 @@ def scatter_kernel_grad(dw, shard, plan: _spmd_plan.SpmdPlan):
     for d, axes in reversed(list(enumerate(plan.kernel_all_gather))):
       if axes:
         dw = lax.psum_scatter(
-            dw, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True
+          dw, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True
         )
     return dw
   if mode == "explicit":

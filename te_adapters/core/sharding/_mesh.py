@@ -7,14 +7,14 @@ from collections.abc import Sequence
 import jax
 
 __all__ = [
-    "abstract_mesh",
-    "manual_axes",
-    "checks_vma",
-    "varying_axes",
-    "in_mesh_order",
-    "check_axis_names",
-    "axis_tuple",
-    "spec_entry",
+  "abstract_mesh",
+  "manual_axes",
+  "checks_vma",
+  "varying_axes",
+  "in_mesh_order",
+  "check_axis_names",
+  "axis_tuple",
+  "spec_entry",
 ]
 
 
@@ -59,7 +59,7 @@ def check_axis_names(axes: Sequence[str], what: str) -> None:
   unknown = [a for a in axes if a not in mesh.axis_names]
   if unknown:
     raise ValueError(
-        f"{what} names mesh axes {unknown} that the current mesh {tuple(mesh.axis_names)} lacks"
+      f"{what} names mesh axes {unknown} that the current mesh {tuple(mesh.axis_names)} lacks"
     )
 
 

@@ -52,8 +52,8 @@ def _normalize_amax_axes(amax_axes) -> tuple[tuple[str, ...] | None, ...]:
     if unknown:
       raise ValueError(f"amax_axes keys must be among {ROLES}, got {unknown}")
     return tuple(
-        None if amax_axes.get(r) is None else _mesh.axis_tuple(amax_axes[r], f"amax_axes[{r!r}]")
-        for r in ROLES
+      None if amax_axes.get(r) is None else _mesh.axis_tuple(amax_axes[r], f"amax_axes[{r!r}]")
+      for r in ROLES
     )
   axes = _mesh.axis_tuple(amax_axes, "amax_axes")
   return (axes, axes, axes)
@@ -67,13 +67,13 @@ def _normalize_kernel_all_gather(spec, rhs_ndim: int):
     mesh, spec = spec.mesh, spec.spec
   if not isinstance(spec, (PartitionSpec, tuple, list)):
     raise TypeError(
-        "kernel_all_gather must be a PartitionSpec (or NamedSharding) naming, per kernel "
-        f"dimension, the mesh axes the kernel is sharded over; got {spec!r}"
+      "kernel_all_gather must be a PartitionSpec (or NamedSharding) naming, per kernel "
+      f"dimension, the mesh axes the kernel is sharded over; got {spec!r}"
     )
   entries = tuple(spec)
   if len(entries) > rhs_ndim:
     raise ValueError(
-        f"kernel_all_gather {spec} has {len(entries)} entries but the kernel has {rhs_ndim} dims"
+      f"kernel_all_gather {spec} has {len(entries)} entries but the kernel has {rhs_ndim} dims"
     )
   entries = entries + (None,) * (rhs_ndim - len(entries))
   dims = tuple(_mesh.axis_tuple(e, "kernel_all_gather entries") for e in entries)
@@ -87,10 +87,10 @@ def _merged(entries, what: str, dims, layer: str):
   entries = [_mesh.axis_tuple(e, what) for e in entries]
   if any(entries[1:]):
     raise ValueError(
-        f"{layer}: {what} shards dimensions {list(dims)} ({entries}), which the GEMM flattens "
-        "into one dimension; a flattened dimension keeps whole shards only when one of them, "
-        "ordered first, is sharded. Shard one of these dimensions only, or leave this layer "
-        "unquantized (an adapter's conversion: its filter)"
+      f"{layer}: {what} shards dimensions {list(dims)} ({entries}), which the GEMM flattens "
+      "into one dimension; a flattened dimension keeps whole shards only when one of them, "
+      "ordered first, is sharded. Shard one of these dimensions only, or leave this layer "
+      "unquantized (an adapter's conversion: its filter)"
     )
   return entries[0] if entries else ()
 
@@ -109,8 +109,8 @@ def plan_for_tn_layout(plan: SpmdPlan, layout, layer: str = "the GEMM") -> SpmdP
   gather = plan.kernel_all_gather
   if gather is not None:
     gather = tuple(
-        _merged([gather[d] for d in group], "kernel_all_gather", group, layer)
-        for group in lead + [rf, rc]
+      _merged([gather[d] for d in group], "kernel_all_gather", group, layer)
+      for group in lead + [rf, rc]
     )
   out = plan.out_sharding
   if out is not None:
@@ -120,9 +120,10 @@ def plan_for_tn_layout(plan: SpmdPlan, layout, layer: str = "the GEMM") -> SpmdP
     starts = np.cumsum([0] + sizes)
     groups = [list(range(starts[i], starts[i + 1])) for i in range(3)]
     merged = [
-        _mesh.spec_entry(_merged(
-            [entries[d] for d in g], "out_sharding", [layout.out_order[d] for d in g], layer))
-        for g in (groups if lb else groups[1:])
+      _mesh.spec_entry(
+        _merged([entries[d] for d in g], "out_sharding", [layout.out_order[d] for d in g], layer)
+      )
+      for g in (groups if lb else groups[1:])
     ]
     spec = PartitionSpec(*merged)
     out = out.update(spec=spec) if isinstance(out, NamedSharding) else spec
@@ -135,32 +136,42 @@ SEQUENCE_MODES = ("all_gather", "reduce_scatter")
 def _normalize_sequence(sequence_parallel, kernel_all_gather):
   if sequence_parallel is None:
     return None
-  if (not isinstance(sequence_parallel, (tuple, list)) or len(sequence_parallel) != 2
-      or sequence_parallel[0] not in SEQUENCE_MODES or not isinstance(sequence_parallel[1], str)):
+  if (
+    not isinstance(sequence_parallel, (tuple, list))
+    or len(sequence_parallel) != 2
+    or sequence_parallel[0] not in SEQUENCE_MODES
+    or not isinstance(sequence_parallel[1], str)
+  ):
     raise ValueError(
-        "sequence_parallel must be (mode, axis) with mode 'all_gather' (column-parallel: the "
-        "input's rows gathered) or 'reduce_scatter' (row-parallel: the output's rows scattered) "
-        f"and axis a mesh axis name, got {sequence_parallel!r}"
+      "sequence_parallel must be (mode, axis) with mode 'all_gather' (column-parallel: the "
+      "input's rows gathered) or 'reduce_scatter' (row-parallel: the output's rows scattered) "
+      f"and axis a mesh axis name, got {sequence_parallel!r}"
     )
   mode, axis = sequence_parallel
   if axis not in _mesh.manual_axes():
     raise ValueError(
-        f"sequence_parallel over {axis!r} runs inside shard_map with {axis!r} among its manual "
-        f"axes (here: {sorted(_mesh.manual_axes())})"
+      f"sequence_parallel over {axis!r} runs inside shard_map with {axis!r} among its manual "
+      f"axes (here: {sorted(_mesh.manual_axes())})"
     )
   if kernel_all_gather is not None:
     raise ValueError("sequence_parallel and kernel_all_gather cannot be combined in one GEMM")
   return (mode, axis)
 
 
-def make_plan(amax_axes=None, kernel_all_gather=None, out_sharding=None, *, rhs_ndim: int,
-              sequence_parallel=None):
+def make_plan(
+  amax_axes=None,
+  kernel_all_gather=None,
+  out_sharding=None,
+  *,
+  rhs_ndim: int,
+  sequence_parallel=None,
+):
   """Validates the SPMD keywords of ``dot_general`` into a hashable ``SpmdPlan``."""
   dims, mesh = _normalize_kernel_all_gather(kernel_all_gather, rhs_ndim)
   return SpmdPlan(
-      amax_axes=_normalize_amax_axes(amax_axes),
-      kernel_all_gather=dims,
-      kernel_mesh=mesh,
-      out_sharding=out_sharding,
-      sequence=_normalize_sequence(sequence_parallel, kernel_all_gather),
+    amax_axes=_normalize_amax_axes(amax_axes),
+    kernel_all_gather=dims,
+    kernel_mesh=mesh,
+    out_sharding=out_sharding,
+    sequence=_normalize_sequence(sequence_parallel, kernel_all_gather),
   )

@@ -25,14 +25,14 @@ from jax._src import core as jax_core
 from jax._src import dtypes as jax_dtypes
 
 __all__ = [
-    "MAX_F32",
-    "SCALE_F32",
-    "cast_like",
-    "encode_scale",
-    "to_accumulating",
-    "to_accumulating_shared",
-    "to_float32",
-    "is_accumulating",
+  "MAX_F32",
+  "SCALE_F32",
+  "cast_like",
+  "encode_scale",
+  "to_accumulating",
+  "to_accumulating_shared",
+  "to_float32",
+  "is_accumulating",
 ]
 
 
@@ -81,9 +81,7 @@ class _AccumulatingRules:
     from jax._src.interpreters import pxla
 
     physical = jax_core.physical_aval(aval)
-    handler = pxla.global_result_handlers[jax_core.ShapedArray](
-        physical, out_sharding, committed
-    )
+    handler = pxla.global_result_handlers[jax_core.ShapedArray](physical, out_sharding, committed)
     return lambda buffers: earray.EArray(aval, handler(buffers))
 
 

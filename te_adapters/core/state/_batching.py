@@ -36,8 +36,8 @@ def _reduce_roles(new_state, old_state, rescale: Rescale, batched):
     old_scale = _accumulate.to_float32(old.scale)
     scale, updated = rescale(role, history, old_history, old_scale)
     roles[role] = RoleState(
-        scale=_accumulate.encode_scale(scale, updated, old_scale, new.scale),
-        amax_history=_accumulate.cast_like(history, new.amax_history),
+      scale=_accumulate.encode_scale(scale, updated, old_scale, new.scale),
+      amax_history=_accumulate.cast_like(history, new.amax_history),
     )
     roles_batched[role] = RoleState(False, False)
   return new_state.with_roles(roles), batched.with_roles(roles_batched)

@@ -21,14 +21,19 @@ from typing import Any
 import jax
 
 __all__ = [
-    "ROLES", "RoleState", "DelayedScalingState", "EmptyState", "is_state_mapping", "leaf_kind",
+  "ROLES",
+  "RoleState",
+  "DelayedScalingState",
+  "EmptyState",
+  "is_state_mapping",
+  "leaf_kind",
 ]
 
 ROLES = ("x", "kernel", "grad")
 
 # The field of each (role, kind) pair, in TE's spelling and order.
 _FIELDS = tuple(
-    (role, kind, f"{role}_{kind}") for role in ROLES for kind in ("scale", "amax_history")
+  (role, kind, f"{role}_{kind}") for role in ROLES for kind in ("scale", "amax_history")
 )
 NAMES: tuple[str, ...] = tuple(name for _, _, name in _FIELDS)
 _SORTED = tuple(sorted(NAMES))
@@ -108,9 +113,9 @@ class DelayedScalingState(Mapping):
     extra = sorted(str(k) for k in state if k not in NAMES)
     if missing or extra:
       raise ValueError(
-          f"a DelayedScaling state needs exactly the entries {list(NAMES)}: missing {missing}, "
-          f"unexpected {extra}; start from te_adapters.core.init_state(recipe) (or "
-          f"init_ragged_state) and copy the saved entries of those names into it"
+        f"a DelayedScaling state needs exactly the entries {list(NAMES)}: missing {missing}, "
+        f"unexpected {extra}; start from te_adapters.core.init_state(recipe) (or "
+        f"init_ragged_state) and copy the saved entries of those names into it"
       )
     return cls(**{n: state[n] for n in NAMES})
 

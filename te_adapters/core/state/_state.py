@@ -27,7 +27,11 @@ from te_adapters.core.state._recipe_state import (
 )
 
 __all__ = [
-    "check_leaves", "shared_max_grad", "updated_state", "warn_dict_state", "with_max_grad",
+  "check_leaves",
+  "shared_max_grad",
+  "updated_state",
+  "warn_dict_state",
+  "with_max_grad",
 ]
 
 State = DelayedScalingState | EmptyState
@@ -43,7 +47,7 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
   """
   if not isinstance(state, Mapping):
     raise TypeError(
-        f"state must be a DelayedScalingState or a dict of arrays, got {type(state).__name__}"
+      f"state must be a DelayedScalingState or a dict of arrays, got {type(state).__name__}"
     )
   missing = sorted(set(expected) - set(state))
   extra = sorted(set(state) - set(expected))
@@ -61,9 +65,18 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
 
 # Where a warning's caller is looked for: frames of these packages are passed over. Named, not
 # imported: the core imports no framework.
-_INTERNAL_PACKAGES = frozenset({
-    "te_adapters", "jax", "jaxlib", "flax", "haiku", "optax", "contextlib", "functools",
-})
+_INTERNAL_PACKAGES = frozenset(
+  {
+    "te_adapters",
+    "jax",
+    "jaxlib",
+    "flax",
+    "haiku",
+    "optax",
+    "contextlib",
+    "functools",
+  }
+)
 
 
 def caller_stacklevel() -> int:
@@ -80,7 +93,7 @@ def caller_stacklevel() -> int:
   frame: FrameType | None = sys._getframe(1)
   level = 1
   while frame is not None and (
-      frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES
+    frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES
   ):
     frame, level = frame.f_back, level + 1
   return level
@@ -93,10 +106,10 @@ def warn_dict_state(state, fix: str) -> None:
   if isinstance(state, Mapping) and not isinstance(state, (DelayedScalingState, EmptyState)):
     if len(state):
       warnings.warn(
-          "recipe state as a dict of TE's names is deprecated and will be refused in the next "
-          f"release; pass the typed state: {fix}",
-          DeprecationWarning,
-          stacklevel=caller_stacklevel(),
+        "recipe state as a dict of TE's names is deprecated and will be refused in the next "
+        f"release; pass the typed state: {fix}",
+        DeprecationWarning,
+        stacklevel=caller_stacklevel(),
       )
 
 
@@ -157,10 +170,12 @@ def shared_max_grad(state: DelayedScalingState) -> DelayedScalingState:
   """One GEMM's state, marked as by ``with_max_grad`` once per traced leaf (see
   ``_accumulate.to_accumulating_shared``): every use of one state in a trace gets the same marked
   arrays, so a plain ``jax.grad`` combines the uses by max."""
-  return DelayedScalingState(**{
+  return DelayedScalingState(
+    **{
       name: _accumulate.to_accumulating_shared(state[name], leaf_kind(name) or "max")
       for name in state
-  })
+    }
+  )
 
 
 def updated_state(old_state: T, state_grads: T) -> T:
@@ -198,8 +213,7 @@ def updated_state(old_state: T, state_grads: T) -> T:
       new_typed = DelayedScalingState.from_mapping(new)
       used = jnp.all(jnp.stack([jnp.all(s != 0) for s in new_typed.scales()]))
       merged = {
-          name: jnp.where(used, new_typed[name], old[name]).astype(old[name].dtype)
-          for name in old
+        name: jnp.where(used, new_typed[name], old[name]).astype(old[name].dtype) for name in old
       }
       return DelayedScalingState(**merged) if isinstance(old, DelayedScalingState) else merged
     if isinstance(old, Mapping):
