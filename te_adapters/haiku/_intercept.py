@@ -74,7 +74,7 @@ class quantize(kit.GemmOptionAttributes, kit.InterceptScope):  # lower case: use
     >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
     >>> from te_adapters import haiku as ta_hk
     >>> q = ta_hk.quantize(rules=[(r"mlp/~/linear_0", ta.Float8CurrentScaling()),
-    ...                           (r".*", None)])
+    ...                           (r".*", None)], threshold=None)
     >>> f = hk.transform(q(lambda x: hk.nets.MLP([32, 16])(x)))
     >>> params = f.init(jax.random.key(0), jnp.ones((4, 16)))
     >>> q.report.quantized, q.report.high_precision

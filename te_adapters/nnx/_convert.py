@@ -127,7 +127,7 @@ def quantize_model(
     >>> model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)),
     ...                        nnx.Linear(64, 16, rngs=nnx.Rngs(1)))
     >>> report = ta_nnx.quantize_model(model, rules=[("layers/0", ta.DelayedScaling()),
-    ...                                              ("layers/.*", None)])
+    ...                                              ("layers/.*", None)], threshold=None)
     >>> report.quantized, report.high_precision
     (['layers/0'], {'layers/1': "rule 1 ('layers/.*') keeps it in high precision"})
   """

@@ -24,6 +24,15 @@ pytestmark = [
   pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU"),
 ]
 
+# On a host with several GPUs the activation, its-gradient and per-batch casts (no partitioning rule
+# yet) give way to their pure-JAX casts in every compiled program, one-device programs included
+# (seen on two H100s); on one GPU they run.
+_NO_RULE_ON_MULTI_GPU_HOST = pytest.mark.xfail(
+  jax.default_backend() == "gpu" and jax.device_count() > 1,
+  reason="this kernel has no partitioning rule: not used on a host with several GPUs",
+  strict=False,
+)
+
 KERNEL = core.GemmConfig(backend="ffi", fuse_activation_cast=True)
 JAX = core.GemmConfig(backend="jax", fuse_activation_cast=True)
 # At most this fraction of FP8 codes differs from pure JAX's (each by one step). A value within
@@ -121,6 +130,7 @@ def test_activation_gradient_cast_matches_pure_jax(activations, shape):
   np.testing.assert_allclose(db, rdb, atol=atol)
 
 
+@_NO_RULE_ON_MULTI_GPU_HOST
 @pytest.mark.parametrize("shape", [(512, 256), (200, 96)], ids=["full-tiles", "partial-tiles"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_output_gradient_cast_with_its_bias_gradient(shape, dtype):
@@ -211,6 +221,7 @@ def test_activation_casts_of_nan_and_inf_are_pure_jaxs(activations):
   np.testing.assert_array_equal(da, rda)
 
 
+@_NO_RULE_ON_MULTI_GPU_HOST
 @pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
 @pytest.mark.parametrize("shape", [(256, 128), (200, 96)], ids=["full-tiles", "partial-tiles"])
 def test_current_scalings_amax_pass_is_the_casts_amax(activations, shape):
@@ -235,6 +246,7 @@ def test_current_scalings_amax_pass_is_the_casts_amax(activations, shape):
   np.testing.assert_allclose(d_amax, d_formula, rtol=1e-5)
 
 
+@_NO_RULE_ON_MULTI_GPU_HOST
 @pytest.mark.parametrize(
   "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()], ids=["current", "delayed"]
 )
@@ -290,6 +302,7 @@ def test_layernorm_mlp_runs_the_kernels_with_pure_jaxs_results(recipe):
       np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+@_NO_RULE_ON_MULTI_GPU_HOST
 @pytest.mark.parametrize(
   "recipe", [ta.Float8CurrentScaling(), ta.DelayedScaling()], ids=["current", "delayed"]
 )

@@ -53,9 +53,11 @@ def test_each_group_is_dot_general_on_its_rows_alone(name, rel):
       np.testing.assert_array_equal(dw[i], 0.0)  # the empty group's expert
       continue
     want = _alone(x[s:e], w[i], dy[s:e], recipe)
-    # The same FP8 values and factors; the sums in another order.
+    # The same FP8 values and factors; the sums in another order. On a GPU the grouped and the
+    # dense GEMM are different kernels (5.9e-5 seen on an H100).
+    bound = 1e-6 if jax.default_backend() == "cpu" else 2e-4
     for got, ref in zip((y[s:e], dx[s:e], dw[i]), want, strict=True):
-      assert rel(got, ref) < 1e-6, (i, rel(got, ref))
+      assert rel(got, ref) < bound, (i, rel(got, ref))
   np.testing.assert_array_equal(y[used:], 0.0)
   np.testing.assert_array_equal(dx[used:], 0.0)
   # Against the exact product: FP8's error (E5M2 gradients), not O(1) and not none; the weight
