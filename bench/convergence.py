@@ -122,9 +122,9 @@ def is_heldout(relative_path: str) -> bool:
   return zlib.crc32(relative_path.encode()) % 20 == 0
 
 
-@functools.cache
-def stdlib_corpus() -> Corpus:
-  """The bytes of the standard library's ``.py`` files (installed packages left out)."""
+def stdlib_files() -> tuple[pathlib.Path, list[str]]:
+  """The standard library's directory and its ``.py`` files (installed packages left out),
+  relative to it, sorted."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   files = sorted(
     p.relative_to(root).as_posix()
@@ -133,6 +133,13 @@ def stdlib_corpus() -> Corpus:
   )
   if not files:
     raise RuntimeError(f"no .py files under the standard library's directory {root}")
+  return root, files
+
+
+@functools.cache
+def stdlib_corpus() -> Corpus:
+  """The bytes of the standard library's ``.py`` files (installed packages left out)."""
+  root, files = stdlib_files()
   parts = {False: [], True: []}
   for name in files:
     parts[is_heldout(name)].append((root / name).read_bytes())

@@ -19,40 +19,22 @@ import hashlib
 import json
 import pathlib
 import sys
-import sysconfig
 import time
-import zlib
 
 import numpy as np
+
+from bench import convergence
+from bench.convergence import is_heldout, stdlib_files
 
 END_OF_TEXT = "<|endoftext|>"
 
 
-def is_heldout(relative_path: str) -> bool:
-  """One file in 20, by a hash of its path (as ``bench/convergence.py`` splits the same files)."""
-  return zlib.crc32(relative_path.encode()) % 20 == 0
-
-
-def stdlib_files() -> tuple[pathlib.Path, list[str]]:
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  files = sorted(
-    p.relative_to(root).as_posix()
-    for p in root.rglob("*.py")
-    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
-  )
-  if not files:
-    raise RuntimeError(f"no .py files under the standard library's directory {root}")
-  return root, files
-
-
 @functools.cache
 def byte_tokens() -> tuple[np.ndarray, np.ndarray]:
-  """(train, heldout): the files' bytes as token ids 0-255 (the CPU configuration's text)."""
-  root, files = stdlib_files()
-  parts = {False: [], True: []}
-  for name in files:
-    parts[is_heldout(name)].append((root / name).read_bytes())
-  return tuple(np.frombuffer(b"".join(parts[h]), np.uint8).astype(np.uint16) for h in (False, True))
+  """(train, heldout): the files' bytes as token ids 0-255 (the CPU configuration's text), split
+  as ``bench/convergence.py`` splits the same files."""
+  corpus = convergence.stdlib_corpus()
+  return corpus.train.astype(np.uint16), corpus.heldout.astype(np.uint16)
 
 
 def load_tokens(directory) -> tuple[np.ndarray, np.ndarray, dict]:

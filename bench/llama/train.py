@@ -61,7 +61,8 @@ import numpy as np
 import optax
 
 import te_adapters as ta
-from te_adapters import core, inspect
+from bench.convergence import count_gemms, cross_entropy
+from te_adapters import core
 
 from . import data as data_lib
 from . import model as model_lib
@@ -101,12 +102,6 @@ def optimizer(cfg: model_lib.Config) -> optax.GradientTransformation:
   return optax.chain(
     optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1)
   )
-
-
-def cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  return optax.softmax_cross_entropy_with_integer_labels(
-    logits.astype(jnp.float32), tokens[:, 1:]
-  ).mean()
 
 
 @dataclasses.dataclass
@@ -379,14 +374,6 @@ def profile(step_fn, carry, batches, hlo_text: str, steps: int = 3):
 
 # ----------------------------------------------------------------------------------------------
 # A variant
-
-
-def count_gemms(step, carry, sample, compiled_text: str) -> dict:
-  if jax.default_backend() == "gpu":
-    fp8, other = inspect.count_fp8_gemms(compiled_text)
-    return dict(fp8_gemms=fp8, gemms=fp8 + other, gemm_count_source="compiled HLO")
-  fp8, total = inspect.count_fp8_dot_generals(step, carry, sample)
-  return dict(fp8_gemms=fp8, gemms=total, gemm_count_source="jaxpr")
 
 
 def run_variant(
