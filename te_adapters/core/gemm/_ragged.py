@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +44,19 @@ from te_adapters.core import formats, kernels
 from te_adapters.core import state as core_state
 from te_adapters.core.formats import GroupedRequest
 from te_adapters.core.gemm import _frozen, _remat
-from te_adapters.core.recipes import check_config, check_recipe
+from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
 from te_adapters.core.state import DelayedScalingState
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike, DTypeLike
+
+  from te_adapters.core.recipes import Recipe
+  from te_adapters.core.state import State
 
 __all__ = ["Grouped", "check_ragged_state", "grouped_gemms", "init_ragged_state", "ragged_dot"]
 
 
-def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
+def init_ragged_state(recipe: Recipe, num_groups: int) -> DelayedScalingState | dict:
   """The initial state of one grouped GEMM (``ragged_dot``) with ``num_groups`` groups.
 
   For ``DelayedScaling``: a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` float32
@@ -141,18 +147,20 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
 
 
 def ragged_dot(
-  lhs,
-  rhs,
-  group_sizes,
-  precision=None,
-  preferred_element_type=None,
-  group_offset=None,
-  out_sharding=None,
+  lhs: ArrayLike,
+  rhs: ArrayLike,
+  group_sizes: ArrayLike,
+  precision: lax.PrecisionLike = None,
+  preferred_element_type: DTypeLike | None = None,
+  group_offset: jax.Array | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
   *,
-  recipe,
-  state=None,
-  config=None,
-):
+  recipe: Recipe | None,
+  state: State | Mapping[str, ArrayLike] | None = None,
+  config: GemmConfig | None = None,
+  layer: str | None = None,
+  framework: str | None = None,
+) -> jax.Array:
   """``jax.lax.ragged_dot`` with FP8 operands, per ``recipe``: the grouped GEMM of an MoE layer.
 
   Has ``jax.lax.ragged_dot``'s signature plus keywords, so
@@ -206,6 +214,10 @@ def ragged_dot(
     config: a ``GemmConfig``; the grouped GEMM takes its ``non_finite`` (a group whose rows, or
       an expert whose kernel, hold a NaN or an infinity gives NaN rows by default). ``None``:
       ``GemmConfig()``.
+    layer: what warnings about this GEMM call it (an adapter passes the layer's path in its
+      model where it knows it); ``None``: the grouped GEMM by its operands' shapes.
+    framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
+      remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
 
   Returns:
     [M, N], with the dtype ``jax.lax.ragged_dot`` gives. Under differentiation, the gradient with
@@ -234,6 +246,7 @@ def ragged_dot(
     )
   group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
   config = check_config(config)
+  framework = _frozen.check_framework(framework)
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported; pass group_offset=None")
   # The dtype lax.ragged_dot gives (its rule is dot_general's), from shapes without shardings:
@@ -259,11 +272,12 @@ def ragged_dot(
     )
   recipe = check_ragged_recipe(recipe)
   grouped = formats.format_of(recipe).grouped
+  assert grouped is not None  # check_ragged_recipe refuses formats without one
   grouped.check(recipe, lhs.shape[1], rhs.shape[2], False)
   state = check_ragged_state(recipe, state, rhs.shape[0])
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
-    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # Which GEMMs run is the format's choice (the native grouped GEMM where it runs), made here,
   # where the operands' placement is the caller's.
