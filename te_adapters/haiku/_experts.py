@@ -85,5 +85,12 @@ class GroupedLinear(hk.Module):
     w = hk.get_parameter("w", shape, inputs.dtype, init=w_init)
     state = kit.recipe_state(self.recipe, state_variable, self.num_groups)
     return core.ragged_dot(
-      inputs, w, group_sizes, precision=precision, recipe=self.recipe, state=state
+      inputs,
+      w,
+      group_sizes,
+      precision=precision,
+      recipe=self.recipe,
+      state=state,
+      layer=f"layer {self.module_name!r}",
+      framework="haiku",
     )

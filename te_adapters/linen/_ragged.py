@@ -9,7 +9,7 @@ from flax import linen as nn
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, gemm_state
+from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, gemm_state, layer_label
 
 __all__ = ["make_ragged_dot_cls", "OVERWRITE_WITH_GRADIENT"]
 
@@ -73,6 +73,8 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
         group_offset,
         recipe=recipe,
         state=state,
+        layer=layer_label(self),
+        framework="linen",
       )
 
   RaggedDot.recipe = recipe  # type: ignore[attr-defined]  # an attribute of the made class

@@ -114,4 +114,7 @@ class GroupedLinear(nnx.Module):
       preferred_element_type=self.preferred_element_type,
       recipe=self.recipe,
       state=state,
+      # An NNX module does not know its path in the model: the core adds the shapes.
+      layer=f"{type(self).__name__} layer",
+      framework="nnx",
     )
