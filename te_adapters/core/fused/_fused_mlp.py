@@ -221,7 +221,7 @@ def gemm_state(recipe, lhs, rhs, state, *, layer=None, framework=None):
   """One GEMM's recipe state as ``dot_general`` takes it (``gemm.checked_state``), and ``(lhs,
   rhs, state)`` watched for a state left out of differentiation (``gemm.watch_state``, which
   ``dot_general`` applies on its FP8 path: the fused paths are FP8 throughout); returns them."""
-  state = gemm.checked_state(recipe, state)
+  state = gemm.checked_state(recipe, state, layer)
   if state:
     lhs, rhs, state = gemm.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   return lhs, rhs, state

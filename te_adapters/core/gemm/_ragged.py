@@ -112,14 +112,17 @@ def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
   return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
 
-def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int):
+def check_ragged_state(
+  recipe, state: Mapping[str, Any] | None, num_groups: int, layer: str | None = None
+):
   """Validates the state of a grouped GEMM against ``recipe``; returns it typed (``typed_state``);
-  raises naming the mismatch."""
+  raises naming the mismatch, and ``layer`` where given."""
   expected = _expected_shapes(recipe, num_groups)
   if state is None:
     if expected:
+      lead = f"{layer}: " if layer else ""
       raise ValueError(
-        f"{type(recipe).__name__} keeps state: pass "
+        f"{lead}{type(recipe).__name__} keeps state: pass "
         f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
       )
     return formats.typed_state(recipe, {})
@@ -142,6 +145,7 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
     expected,
     mismatch=f"state does not match {recipe!r} for a grouped GEMM",
     bad_shape=bad_shape,
+    layer=layer,
   )
   return formats.typed_state(recipe, state)
 
@@ -214,8 +218,8 @@ def ragged_dot(
     config: a ``GemmConfig``; the grouped GEMM takes its ``non_finite`` (a group whose rows, or
       an expert whose kernel, hold a NaN or an infinity gives NaN rows by default). ``None``:
       ``GemmConfig()``.
-    layer: what warnings about this GEMM call it (an adapter passes the layer's path in its
-      model where it knows it); ``None``: the grouped GEMM by its operands' shapes.
+    layer: what warnings and errors about this GEMM call it (an adapter passes the layer's path
+      in its model where it knows it); ``None``: the grouped GEMM by its operands' shapes.
     framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
       remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
 
@@ -274,7 +278,7 @@ def ragged_dot(
   grouped = formats.format_of(recipe).grouped
   assert grouped is not None  # check_ragged_recipe refuses formats without one
   grouped.check(recipe, lhs.shape[1], rhs.shape[2], False)
-  state = check_ragged_state(recipe, state, rhs.shape[0])
+  state = check_ragged_state(recipe, state, rhs.shape[0], layer)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
     lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
