@@ -86,6 +86,24 @@ def test_linen_missing_or_mismatched_delayed_state_raises():
     Tower(ta.DelayedScaling(amax_history_len=8)).apply(variables, X)
 
 
+class _Experts(nn.Module):
+  recipe: object
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), (2, 32, 32))
+    return ta_linen.make_ragged_dot_cls(self.recipe)(name="experts")(x, w, jnp.array([2, 2]))
+
+
+def test_linen_experts_state_given_to_a_stateless_model_raises():
+  variables = _Experts(DELAYED).init(jax.random.PRNGKey(0), X)
+  with pytest.raises(ValueError, match=IGNORED) as info:
+    _Experts(CURRENT).apply(variables, X)
+  assert "experts/x_scale" in str(info.value)
+  # The way out the message names works.
+  assert _Experts(CURRENT).apply({"params": variables["params"]}, X).shape == (4, 32)
+
+
 def test_nnx_mismatched_state_raises():
   delayed = ta_nnx.Linear(32, 32, recipe=DELAYED, rngs=nnx.Rngs(0))
   current = ta_nnx.Linear(32, 32, recipe=CURRENT, rngs=nnx.Rngs(0))
@@ -154,6 +172,12 @@ def test_haiku_missing_or_mismatched_state_raises():
     return hk.transform_with_state(lambda x: ta_hk.GroupedLinear(2, 32, recipe=recipe)(x, sizes))
 
   params, state = experts(DELAYED).init(jax.random.PRNGKey(0), X)
+  # The experts layer as the dense one: no state, or state its recipe would ignore, raise.
+  with pytest.raises(ValueError, match="'grouped_linear' keeps recipe state .* has none for it"):
+    experts(DELAYED).apply(params, {}, None, X)
+  with pytest.raises(ValueError, match=IGNORED) as info:
+    experts(CURRENT).apply(params, state, None, X)
+  assert "'grouped_linear'" in str(info.value)
   with pytest.raises(
     ValueError, match=r"^layer 'grouped_linear': state\['x_amax_history'\] has shape \(2, 4\)"
   ):

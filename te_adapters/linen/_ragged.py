@@ -64,6 +64,8 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
         if getattr(rhs, "ndim", None) != 3:
           raise ValueError(f"rhs must be 3-D [G, K, N], got shape {getattr(rhs, 'shape', None)}")
         state = gemm_state(self, recipe, "", n_groups=rhs.shape[0])
+      elif recipe is not None:
+        gemm_state(self, recipe, "")  # refuses variables holding state the recipe would ignore
       return core.ragged_dot(
         lhs,
         rhs,
