@@ -454,7 +454,7 @@ def test_preferred_element_type_and_dtypes():
     (
       dict(lhs=jnp.ones((8, 24)), rhs=jnp.ones((2, 24, 40))),
       ValueError,
-      r"multiples of 16; got K=24, N=40",
+      r"ragged_dot with rhs \(2, 24, 40\): .*multiples of 16, got K=24, N=40",
     ),
   ],
 )

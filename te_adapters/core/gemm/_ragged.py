@@ -44,6 +44,7 @@ from te_adapters.core import formats, kernels
 from te_adapters.core import state as core_state
 from te_adapters.core.formats import GroupedRequest
 from te_adapters.core.gemm import _frozen, _remat
+from te_adapters.core.gemm._layer import check_gemm_dims
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
 from te_adapters.core.state import DelayedScalingState
 
@@ -194,7 +195,8 @@ def ragged_dot(
 
   Args:
     lhs: [M, K] rows of all groups, group by group (real floating point).
-    rhs: [G, K, N] one kernel per group (real floating point).
+    rhs: [G, K, N] one kernel per group (real floating point). With a recipe, K and N must be
+      multiples of 16 (the layers' size rule, ``gemm_dims_refusal``), whatever the format.
     group_sizes: [G] integers on the device, non-negative with ``sum(group_sizes) <= M``; rows
       past the sum give zero output rows (and zero gradient).
     precision: passed to the GEMMs (FP8 GEMMs accumulate in float32 whatever it says); the
@@ -275,6 +277,8 @@ def ragged_dot(
       lhs, rhs, group_sizes, precision, preferred_element_type, out_sharding=out_sharding
     )
   recipe = check_ragged_recipe(recipe)
+  # A layer's size rule (its kernels are a layer's parameters), whatever the format could tile.
+  check_gemm_dims(rhs.shape[1], rhs.shape[2], f"{layer or 'ragged_dot'} with rhs {rhs.shape}")
   grouped = formats.format_of(recipe).grouped
   assert grouped is not None  # check_ragged_recipe refuses formats without one
   grouped.check(recipe, lhs.shape[1], rhs.shape[2], False)
