@@ -30,6 +30,7 @@ from te_adapters.core import formats, gemm, kernels, sharding
 from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
 from te_adapters.core.recipes import check_recipe, check_rng
+from te_adapters.core.state import caller_stacklevel
 
 __all__ = [
   "KERNEL_ACTIVATIONS",
@@ -79,7 +80,7 @@ def format_fuses(recipe, gemm_shapes, rngs) -> bool:
       "(QuantizationFormat.takes_producer), so the norm and MLP run composed: the norm's and "
       "the activation's outputs are written in the activations' dtype before their casts",
       FusedPathFallbackWarning,
-      stacklevel=4,
+      stacklevel=caller_stacklevel(),
     )
     return False
   given = [r is not None for r in rngs]
