@@ -98,7 +98,11 @@ def _grouped_bars(ax, groups, series, ylabel):
     xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
     kept = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]
     ax.bar([x for x, _ in kept], [v for _, v in kept], width, label=name)
-  ax.set_xticks(range(len(groups)), [textwrap.fill(g, 22) for g in groups], fontsize=8)
+  ax.set_xticks(
+    range(len(groups)),
+    ["\n".join(textwrap.fill(line, 22) for line in g.split("\n")) for g in groups],
+    fontsize=8,
+  )
   ax.set_ylabel(ylabel)
   ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
@@ -148,6 +152,18 @@ def sweep(table: Table, ax):
   ax.set_xlabel("M·K·N")
   ax.set_ylabel("FP8 speed over bf16 (x)")
   ax.legend(fontsize=7, loc="lower right")
+
+
+def mesh(table: Table, ax):
+  # Two columns are named "vs bf16": the synced step's, then the pipelined one's.
+  synced, pipelined = (i for i, c in enumerate(table.header) if c == "vs bf16")
+  rows = [r for r in table.rows if r[2] == "base" and r[1] != "bf16"]
+  series = {
+    "every step synchronised": [speedup(r[synced]) for r in rows],
+    "steps back to back": [speedup(r[pipelined]) for r in rows],
+  }
+  _grouped_bars(ax, [f"{r[0]}\n{r[1]}" for r in rows], series, "FP8 speed over bf16 (x)")
+  ax.axhline(1.0, color="gray", lw=0.8)
 
 
 def grouped(table: Table, ax):
@@ -218,6 +234,13 @@ PLOTS = (
     "H100, 2026-11-25: the whole suite on the GPU",
     "x (M, K) @ w (K, N), bf16 inputs",
     sweep,
+  ),
+  Plot(
+    "mesh2x2.png",
+    "Seed 000's Dense on a 2x2 data x tensor parallel mesh",
+    "Four H100s, 2026-11-27, fourth session",
+    "`o` is new",
+    mesh,
   ),
   Plot(
     "grouped.png",

@@ -77,6 +77,14 @@ def test_grouped_plot_leaves_out_what_was_not_run():
   assert bars["ours delayed"] == [7.44, 16.49, 7.34, 17.78]
 
 
+def test_mesh_plot_shows_each_adapter_and_recipe_synced_and_pipelined():
+  table, ax = _draw("mesh2x2.png")
+  bars = {kwargs["label"]: args[1] for name, args, kwargs in ax.calls if name == "bar"}
+  assert len(bars["every step synchronised"]) == len(bars["steps back to back"]) == 6
+  assert bars["every step synchronised"][0] == 1.488  # Linen, current scaling
+  assert bars["steps back to back"][-1] == 1.562  # Haiku, delayed scaling
+
+
 def test_a_missing_table_is_an_error_naming_it():
   with pytest.raises(ValueError, match="0 sections of RESULTS.md start with 'H100, 1999'"):
     results_plots.read_table("H100, 1999", "x")
