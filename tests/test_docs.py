@@ -3,6 +3,7 @@ of a module's ``__all__`` has a docstring for autodoc to render, or the page doc
 (``.. data::``, for constants and for objects made by JAX). .ci/run builds the pages with
 warnings as errors (``python -m sphinx -W``)."""
 
+import enum
 import importlib
 import inspect
 import pathlib
@@ -63,29 +64,54 @@ def test_top_level_page_points_to_the_core_for_the_rest():
   assert all(name in page for name in rest), sorted(n for n in rest if n not in page)
 
 
-# The entry points a user starts from: each docstring has its arguments, its result and a
-# runnable example (a doctest, run by the suite's --doctest-modules).
-ENTRY_POINTS = (
-  "te_adapters.build_info",
-  "te_adapters.core.dot_general",
-  "te_adapters.core.quantize",
-  "te_adapters.core.dequantize",
-  "te_adapters.core.init_state",
-  "te_adapters.core.typed_state",
-  "te_adapters.core.updated_state",
-  "te_adapters.core.with_max_grad",
-  "te_adapters.core.format_of",
-  "te_adapters.inspect.count_fp8_dot_generals",
-  "te_adapters.inspect.count_fp8_gemms",
-)
+def _public_callables() -> dict[str, object]:
+  """Each public class and function the package defines, once, by the first name it has on the
+  pages' modules (``te_adapters.Float8CurrentScaling`` is ``te_adapters.core``'s too)."""
+  found: dict[str, object] = {}
+  seen: set[int] = set()
+  for module_name in sorted(PAGES):
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError:  # an adapter whose framework is not installed
+      continue
+    for name in module.__all__:
+      obj = getattr(module, name)
+      own = (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(
+        obj, "__module__", ""
+      ).startswith("te_adapters")
+      if own and id(obj) not in seen:
+        seen.add(id(obj))
+        found[f"{module_name}.{name}"] = obj
+  return found
 
 
-@pytest.mark.parametrize("path", ENTRY_POINTS)
-def test_entry_point_has_arguments_result_and_example(path):
-  module_name, name = path.rsplit(".", 1)
-  doc = inspect.getdoc(getattr(importlib.import_module(module_name), name))
-  has_args = (
-    "Args:" in doc
-    or not inspect.signature(getattr(importlib.import_module(module_name), name)).parameters
-  )
-  assert has_args and "Returns:" in doc and ">>> " in doc, f"{path}: {doc[:200]}"
+def _takes_arguments(obj) -> bool:
+  if inspect.isclass(obj) and issubclass(obj, (Warning, enum.Enum)):
+    return False  # a warning's message; an enum's members are its values
+  try:
+    params = inspect.signature(obj).parameters
+  except ValueError:
+    return False
+  return any(name not in ("self", "cls") for name in params)
+
+
+def test_every_public_callable_has_arguments_result_and_example():
+  """Each public function's docstring has its arguments (``Args:``), its result (``Returns:``)
+  and a runnable example (``Example:`` with ``>>>`` lines, run by the suite's
+  ``--doctest-modules``); each class its constructor's arguments (``Args:``, or ``Attributes:``
+  for a dataclass whose fields are its arguments) and an example."""
+  pytest.importorskip("jax")
+  lacking = {}
+  for path, obj in _public_callables().items():
+    doc = inspect.getdoc(obj) or ""
+    sections = re.findall(r"^(\w+):$", doc, re.M)
+    missing = []
+    if _takes_arguments(obj) and not {"Args", "Attributes"} & set(sections):
+      missing.append("Args")
+    if inspect.isfunction(obj) and "Returns" not in sections:
+      missing.append("Returns")
+    if "Example" not in sections or not re.search(r"^  >>> ", doc, re.M):
+      missing.append("Example")
+    if missing:
+      lacking[path] = missing
+  assert not lacking, "\n".join(f"{path}: no {', '.join(m)}" for path, m in sorted(lacking.items()))

@@ -188,7 +188,26 @@ class GemmConfig:
 
 
 def check_config(config: GemmConfig | None) -> GemmConfig:
-  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else."""
+  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else.
+
+  Args:
+    config: a ``GemmConfig`` or ``None``.
+
+  Returns:
+    ``config`` itself, or ``GemmConfig()`` where it is ``None``.
+
+  Raises:
+    TypeError: ``config`` is neither.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.check_config(None) == ta.GemmConfig()
+    True
+    >>> ta.core.check_config("cublaslt")
+    Traceback (most recent call last):
+      ...
+    TypeError: config must be a GemmConfig or None, got str
+  """
   if config is None:
     return GemmConfig()
   if not isinstance(config, GemmConfig):
