@@ -65,7 +65,6 @@ class Quantized(NamedTuple):
     ((2, 16), None, None)
   """
 
-
   rows: Any
   cols: Any
   state: Any
