@@ -1,10 +1,12 @@
 """The checkout's pytest configuration, above ``tests/``'s: the package's docstring examples
-(``--doctest-modules`` over ``te_adapters``) of an adapter whose framework is not installed are
-reported as skipped. Importing such a module fails by design (the adapter names the extra to
-install), so collecting its examples would otherwise be an error."""
+(``--doctest-modules`` over ``te_adapters``) that need a framework which is not installed are
+reported as skipped. Those of an adapter's modules are skipped whole: importing such a module
+fails by design (the adapter names the extra to install), so collecting its examples would
+otherwise be an error. An example elsewhere that imports Flax or Haiku is skipped alone."""
 
 import importlib.util
 import pathlib
+import re
 
 import pytest
 
@@ -45,3 +47,17 @@ def pytest_collect_file(file_path, parent):
   skipped = _NeedsFramework.from_parent(parent, path=file_path)
   skipped.framework = framework
   return [skipped]
+
+
+_IMPORTS = re.compile(r"^\s*(?:import|from)\s+(flax|haiku)\b", re.M)
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    test = getattr(item, "dtest", None)  # a docstring example
+    if test is None:
+      continue
+    source = "".join(example.source for example in test.examples)
+    for framework in sorted(set(_IMPORTS.findall(source))):
+      if importlib.util.find_spec(framework) is None:
+        item.add_marker(pytest.mark.skip(reason=f"{framework} is not installed"))

@@ -60,7 +60,24 @@ def attend_reason(owner: str, called: bool = True) -> str:
 
 class SkippedLayersWarning(UserWarning):
   """A conversion could not quantize layers that a rule gave a recipe; they run in high
-  precision. One warning per conversion lists them with the reasons (``report.skipped``)."""
+  precision. One warning per conversion lists them with the reasons (``report.skipped``).
+
+  Each adapter's conversion issues it (``te_adapters.linen.quantize``,
+  ``te_adapters.nnx.quantize_model``, ``te_adapters.haiku.quantize``); make it an error where
+  every matched layer must be quantized.
+
+  Example:
+    >>> import warnings, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> model = nnx.Sequential(nnx.Linear(32, 16, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(16, 10, rngs=nnx.Rngs(1)))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   report = ta_nnx.quantize_model(model, ta.Float8CurrentScaling())
+    >>> [w.category.__name__ for w in caught], len(report.skipped)  # N=10: not a multiple of 16
+    (['SkippedLayersWarning'], 1)
+  """
 
 
 @dataclasses.dataclass(frozen=True)
