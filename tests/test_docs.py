@@ -98,12 +98,17 @@ def _takes_arguments(obj) -> bool:
 def test_every_public_callable_has_arguments_result_and_example():
   """Each public function's docstring has its arguments (``Args:``), its result (``Returns:``)
   and a runnable example (``Example:`` with ``>>>`` lines, run by the suite's
-  ``--doctest-modules``); each class its constructor's arguments (``Args:``, or ``Attributes:``
-  for a dataclass whose fields are its arguments) and an example."""
+  ``--doctest-modules``); each class its constructor's arguments (``Args:`` in its docstring or
+  its ``__init__``'s, or ``Attributes:`` for a dataclass whose fields are its arguments) and an
+  example."""
   pytest.importorskip("jax")
   lacking = {}
   for path, obj in _public_callables().items():
     doc = inspect.getdoc(obj) or ""
+    init = vars(obj).get("__init__") if inspect.isclass(obj) else None
+    if init is not None and init.__doc__:
+      # The reference shows a class's docstring and its __init__'s together (autoclass_content).
+      doc += "\n" + inspect.getdoc(init)
     sections = re.findall(r"^(\w+):$", doc, re.M)
     missing = []
     if _takes_arguments(obj) and not {"Args", "Attributes"} & set(sections):
