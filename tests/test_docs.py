@@ -3,11 +3,13 @@ of a module's ``__all__`` has a docstring for autodoc to render, or the page doc
 (``.. data::``, for constants and for objects made by JAX). .ci/run builds the pages with
 warnings as errors (``python -m sphinx -W``)."""
 
+import ast
 import enum
 import importlib
 import inspect
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -120,3 +122,40 @@ def test_every_public_callable_has_arguments_result_and_example():
     if missing:
       lacking[path] = missing
   assert not lacking, "\n".join(f"{path}: no {', '.join(m)}" for path, m in sorted(lacking.items()))
+
+
+def _raises_itself(fn) -> bool:
+  """Whether ``fn``'s own body (not a function nested in it) has a ``raise`` statement."""
+  try:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+  except (OSError, TypeError):  # made by dataclasses or another generator: no source
+    return False
+  nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+  def walk(node):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.Raise):
+        yield child
+      if not isinstance(child, nested):
+        yield from walk(child)
+
+  return any(True for _ in walk(tree.body[0]))
+
+
+def test_every_public_callable_that_raises_says_what():
+  """A public function, or a class whose ``__init__`` or ``__post_init__`` checks its arguments,
+  that raises in its own body has a ``Raises:`` section (errors raised by the functions it calls
+  are its callees' to document)."""
+  pytest.importorskip("jax")
+  silent = []
+  for path, obj in _public_callables().items():
+    if inspect.isfunction(obj):
+      bodies = [obj]
+    else:
+      bodies = [vars(obj)[m] for m in ("__init__", "__post_init__") if m in vars(obj)]
+    docs = [inspect.getdoc(obj) or ""] + [inspect.getdoc(b) or "" for b in bodies]
+    if any(_raises_itself(b) for b in bodies) and not any(
+      re.search(r"^Raises:$", d, re.M) for d in docs
+    ):
+      silent.append(path)
+  assert not silent, f"raise without a Raises: section: {silent}"

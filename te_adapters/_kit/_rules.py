@@ -94,6 +94,10 @@ class Rule:
     threshold, amax_axes, kernel_all_gather, config: the GEMM options of those layers (as for
       ``core.dot_general``); left out, the conversion's own.
 
+  Raises:
+    ValueError: ``path`` is a string that is not a regular expression.
+    TypeError: ``path`` is neither a string nor a callable.
+
   Example:
     >>> import te_adapters as ta
     >>> rule = ta.Rule(r".*/mlp/.*", ta.Float8CurrentScaling(), threshold=None)

@@ -221,6 +221,9 @@ class LinearGeneral(nnx.LinearGeneral):
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
 
+  Raises:
+    ValueError: both ``recipe`` and ``dot_general_cls``, or LoRA with ``batch_axis``.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> from flax import nnx

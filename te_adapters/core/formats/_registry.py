@@ -255,6 +255,10 @@ def typed_state(recipe: Recipe, state: Mapping[str, Any]) -> State:
   Returns:
     The state, of ``recipe``'s state type.
 
+  Raises:
+    TypeError: ``state`` is not a mapping.
+    ValueError: its names are not the recipe's (the message lists the missing and unexpected).
+
   Example:
     >>> import numpy as np, te_adapters as ta
     >>> recipe = ta.DelayedScaling(amax_history_len=4)

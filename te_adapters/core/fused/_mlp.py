@@ -160,6 +160,11 @@ def layernorm_mlp(
   Returns:
     ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
 
+  Raises:
+    ValueError: ``x`` without a feature axis, or kernels and biases whose shapes do not match
+      ``x`` and the activations (each message gives the shape expected); and ``layernorm``'s
+      and ``dot_general``'s errors for the norm's and the GEMMs' arguments.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> x = jnp.ones((16, 32))

@@ -135,6 +135,10 @@ def activation(
   Returns:
     Shape ``(..., F)``, ``h``'s dtype, computed in float32.
 
+  Raises:
+    TypeError: ``h`` is not floating point.
+    ValueError: an unknown activation, or ``h`` without an axis of one slice per activation.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from te_adapters import core

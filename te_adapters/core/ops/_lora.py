@@ -109,6 +109,9 @@ def low_rank_adaptation(
     Shape ``(*x's other dims, *features)``, the dtype of ``x``, ``lora_a`` and ``lora_b``
     promoted together.
 
+  Raises:
+    ValueError: factors whose shapes do not match ``x``'s contracted axes or each other.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from te_adapters import core

@@ -126,6 +126,9 @@ class GemmConfig:
       E5M2) times the scale, so the output stays finite; a NaN stays NaN where the format has
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
 
+  Raises:
+    ValueError: a field outside the values it takes (the message names the field and them).
+
   Example:
     >>> import te_adapters as ta
     >>> ta.core.GemmConfig(fp8_gemm="xla").block_gemm
