@@ -159,3 +159,31 @@ def test_every_public_callable_that_raises_says_what():
     ):
       silent.append(path)
   assert not silent, f"raise without a Raises: section: {silent}"
+
+
+# Methods a pytree protocol or a generated dataclass gives, not the reference's to explain.
+PROTOCOL_METHODS = {"tree_flatten", "tree_flatten_with_keys", "tree_unflatten", "replace"}
+
+
+def test_every_public_method_has_arguments_and_result():
+  """The public methods of the public classes (``__call__`` included: the reference renders it)
+  name their arguments and their result; the class's example shows them in use."""
+  pytest.importorskip("jax")
+  lacking = {}
+  for path, cls in _public_callables().items():
+    if not inspect.isclass(cls):
+      continue
+    fields = getattr(cls, "__dataclass_fields__", {})
+    for name, member in vars(cls).items():
+      if (name.startswith("_") and name != "__call__") or name in PROTOCOL_METHODS | set(fields):
+        continue
+      fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+      if not inspect.isfunction(fn):
+        continue
+      sections = set(re.findall(r"^(\w+):$", inspect.getdoc(fn) or "", re.M))
+      params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+      missing = [s for s, needed in (("Args", bool(params)), ("Returns", True)) if needed]
+      missing = [s for s in missing if s not in sections]
+      if missing:
+        lacking[f"{path}.{name}"] = missing
+  assert not lacking, "\n".join(f"{path}: no {', '.join(m)}" for path, m in sorted(lacking.items()))

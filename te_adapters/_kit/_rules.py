@@ -136,19 +136,38 @@ class Rule:
     )
 
   def matches(self, path: str) -> bool:
-    """Whether this rule selects the layer at ``path``."""
+    """Whether this rule selects the layer at ``path``.
+
+    Args:
+      path: the layer's path in its model, as the conversion spells it (``"layers/0"``).
+
+    Returns:
+      True where the regex matches the whole path (or the function returns true).
+    """
     if isinstance(self.path, str):
       return re.fullmatch(self.path, path) is not None
     return bool(self.path(path))
 
   def describe(self) -> str:
-    """The rule's pattern as messages show it: the regex, or the function's name."""
+    """The rule's pattern as messages show it: the regex, or the function's name.
+
+    Returns:
+      The regex in quotes, or the function's qualified name.
+    """
     if isinstance(self.path, str):
       return f"'{self.path}'"
     return getattr(self.path, "__qualname__", None) or repr(self.path)
 
   def options(self, base: GemmOptions) -> GemmOptions:
-    """This rule's GEMM options, those it leaves out taken from ``base``."""
+    """This rule's GEMM options, those it leaves out taken from ``base``.
+
+    Args:
+      base: the conversion's options (its ``threshold``, ``amax_axes``, ``kernel_all_gather``
+        and ``config``).
+
+    Returns:
+      The options a layer this rule selects is built with.
+    """
     return GemmOptions(
       **{name: getattr(base if getattr(self, name) is INHERIT else self, name) for name in _OPTIONS}
     )

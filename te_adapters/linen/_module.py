@@ -183,6 +183,18 @@ class QuantizedDotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """``core.dot_general(lhs, rhs, ...)`` with this module's recipe, state and options.
+
+    Args:
+      lhs: the activation.
+      rhs: the kernel.
+      dimension_numbers: as for ``lax.dot_general``.
+      precision: as for ``lax.dot_general`` (see ``core.dot_general``).
+      preferred_element_type: the output dtype; default as ``lax.dot_general`` gives.
+
+    Returns:
+      The product, as ``lax.dot_general`` gives it.
+    """
     kit.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
     kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
     return core.dot_general(

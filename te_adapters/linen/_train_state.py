@@ -150,7 +150,20 @@ class TrainState(flax.struct.PyTreeNode):
 
   @classmethod
   def create(cls, *, apply_fn: Callable, variables: Mapping[str, Any], tx, **kwargs):
-    """Splits ``variables`` into params, recipe state and other collections."""
+    """Splits ``variables`` into params, recipe state and other collections.
+
+    Args:
+      apply_fn: the model's ``apply``.
+      variables: what ``init`` returned.
+      tx: the optax optimizer (it sees ``params`` only).
+      **kwargs: further fields of a subclass.
+
+    Returns:
+      A ``TrainState`` at step 0 with the optimizer's initial state.
+
+    Raises:
+      ValueError: ``variables`` has no ``params``.
+    """
     variables = dict(variables)
     if "params" not in variables:
       raise ValueError("variables has no 'params' collection")
@@ -180,6 +193,11 @@ class TrainState(flax.struct.PyTreeNode):
 
     Marks the recipe state for max accumulation first (see ``with_max_grad``).
 
+    Args:
+      loss_fn: ``loss_fn(variables, *args)``, calling ``apply_fn`` with ``variables``.
+      *args: its other arguments (a batch).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
     Returns:
       ``(loss, grads)`` or ``((loss, aux), grads)``; ``grads`` has ``params`` and
       ``_overwrite_with_gradient`` entries, as ``apply_gradients`` takes them.
@@ -197,7 +215,20 @@ class TrainState(flax.struct.PyTreeNode):
     return value, {"params": g_params, OVERWRITE_WITH_GRADIENT: g_state}
 
   def apply_gradients(self, *, grads: Mapping[str, Any], **kwargs) -> TrainState:
-    """One optimizer step on ``grads['params']``; recipe state from ``grads`` (see core)."""
+    """One optimizer step on ``grads['params']``; recipe state from ``grads`` (see core).
+
+    Args:
+      grads: what ``value_and_grad`` returned: ``params`` and ``_overwrite_with_gradient``
+        entries.
+      **kwargs: other fields to replace.
+
+    Returns:
+      The next ``TrainState`` (``step`` + 1, new parameters, optimizer and recipe state).
+
+    Raises:
+      ValueError: ``grads`` without ``params``, or without the recipe state's gradient where the
+        model keeps recipe state.
+    """
     if "params" not in grads:
       raise ValueError("grads has no 'params' entry; pass the gradient w.r.t. all variables")
     updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params)

@@ -115,17 +115,36 @@ class SizeThreshold:
     object.__setattr__(self, "platforms", tuple(platforms))
 
   def applies_to(self, backend: str) -> bool:
-    """Whether the threshold applies on the JAX platform ``backend`` (``"gpu"``, ...)."""
+    """Whether the threshold applies on the JAX platform ``backend`` (``"gpu"``, ...).
+
+    Args:
+      backend: a JAX platform name, as ``jax.default_backend()`` gives it.
+
+    Returns:
+      True where ``backend`` is one of ``platforms``.
+    """
     return backend in self.platforms
 
   def allows_fp8(self, m: int, k: int, n: int, backend: str) -> bool:
-    """Whether an M x K x N GEMM runs in FP8 on ``backend`` under this threshold."""
+    """Whether an M x K x N GEMM runs in FP8 on ``backend`` under this threshold.
+
+    Args:
+      m, k, n: the GEMM's sizes.
+      backend: a JAX platform name.
+
+    Returns:
+      True where the threshold does not apply on ``backend``, or the sizes reach it.
+    """
     if not self.applies_to(backend):
       return True
     return m * k * n >= self.min_mkn and min(m, k, n) >= self.min_dim
 
   def rule(self) -> str:
-    """The rule in words, as the warning states it."""
+    """The rule in words, as the warning states it.
+
+    Returns:
+      A sentence with ``min_mkn``, ``min_dim`` and the platforms.
+    """
     root = round(self.min_mkn ** (1 / 3))
     cube = f" = {root}**3" if root**3 == self.min_mkn else ""
     return (

@@ -96,12 +96,32 @@ class DelayedScalingState(Mapping):
   # --- typed access ------------------------------------------------------------------------
 
   def role(self, role: str) -> RoleState:
-    """The scale and amax history of ``role`` (``"x"``, ``"kernel"`` or ``"grad"``)."""
+    """The scale and amax history of ``role`` (``"x"``, ``"kernel"`` or ``"grad"``).
+
+    Args:
+      role: ``"x"``, ``"kernel"`` or ``"grad"``.
+
+    Returns:
+      The role's ``RoleState``.
+
+    Raises:
+      ValueError: another role.
+    """
     _check_role(role)
     return RoleState(getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax_history"))
 
   def with_roles(self, roles: Mapping[str, RoleState]) -> DelayedScalingState:
-    """A copy with the given roles' states replaced."""
+    """A copy with the given roles' states replaced.
+
+    Args:
+      roles: ``{role: RoleState}`` for some of the three roles.
+
+    Returns:
+      A new ``DelayedScalingState``; the other roles' entries are this one's.
+
+    Raises:
+      ValueError: an unknown role.
+    """
     changes = {}
     for role, value in roles.items():
       _check_role(role)
@@ -110,12 +130,26 @@ class DelayedScalingState(Mapping):
     return dataclasses.replace(self, **changes)
 
   def scales(self) -> tuple[Any, ...]:
-    """The scales of the three roles."""
+    """The scales of the three roles.
+
+    Returns:
+      ``(x_scale, kernel_scale, grad_scale)``.
+    """
     return tuple(self.role(r).scale for r in ROLES)
 
   @classmethod
   def from_roles(cls, roles: Mapping[str, RoleState]) -> DelayedScalingState:
-    """The state from all three roles' ``RoleState``."""
+    """The state from all three roles' ``RoleState``.
+
+    Args:
+      roles: ``{role: RoleState}`` for ``"x"``, ``"kernel"`` and ``"grad"``.
+
+    Returns:
+      The ``DelayedScalingState``.
+
+    Raises:
+      ValueError: a role is missing.
+    """
     missing = sorted(set(ROLES) - set(roles))
     if missing:
       raise ValueError(f"DelayedScalingState needs every role; missing {missing}")
@@ -123,7 +157,18 @@ class DelayedScalingState(Mapping):
 
   @classmethod
   def from_mapping(cls, state: Mapping[str, Any]) -> DelayedScalingState:
-    """The typed state from a mapping of TE's six names (a dict-layout state or checkpoint)."""
+    """The typed state from a mapping of TE's six names (a dict-layout state or checkpoint).
+
+    Args:
+      state: a mapping of exactly the six names, or a ``DelayedScalingState`` (returned as is).
+
+    Returns:
+      The ``DelayedScalingState``.
+
+    Raises:
+      TypeError: ``state`` is not a mapping.
+      ValueError: names missing or unexpected (the message lists them).
+    """
     if isinstance(state, cls):
       return state
     if not isinstance(state, Mapping):
