@@ -65,3 +65,21 @@ def test_mesh2x2_dry_run_matches_one_device(tmp_path):
       assert r["rel_dx"] < 1e-2 and r["rel_dw"] < 1e-4, r["what"]
       assert r["rel_state"] in (None, 0.0), r["what"]
     assert np.isfinite(r["ms_1"]) and np.isfinite(r["ms_2x2"])
+
+
+def test_mesh2x2_config_tokens_split_levers_from_compile_options():
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import mesh2x2
+  finally:
+    sys.path.remove(os.path.join(ROOT, "bench"))
+  one_shot_off = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+  assert mesh2x2.split_config("base") == ("base", {})
+  assert mesh2x2.split_config("o") == ("base", one_shot_off)
+  assert mesh2x2.split_config("m16c4fo") == ("m16c4f", one_shot_off)
+  assert mesh2x2.parse_config("m16c4fo") == {
+    "comm_sm_margin": 16,
+    "sum_chunks": 4,
+    "fold_amax": True,
+  }
+  assert mesh2x2.parse_config("o") == {}

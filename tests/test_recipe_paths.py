@@ -1,7 +1,7 @@
-"""README's "Every recipe on every path" table, checked cell by cell: the table is read from
-README.md (rows: recipes; columns: paths), and each cell's word is checked against what a
-training step of that path under that recipe traces (its GEMMs' operand dtypes, the custom VJPs
-it runs, the warning or the error it raises)."""
+"""The user guide's "Every recipe on every path" table, checked cell by cell: the table is read
+from docs/guide/recipes.md (rows: recipes; columns: paths), and each cell's word is checked
+against what a training step of that path under that recipe traces (its GEMMs' operand dtypes,
+the custom VJPs it runs, the warning or the error it raises)."""
 
 import functools
 import pathlib
@@ -22,7 +22,7 @@ from te_adapters import haiku as ta_hk
 from te_adapters import linen as ta_linen
 from te_adapters import nnx as ta_nnx
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "recipes.md"
 SECTION = "## Every recipe on every path"
 WORDS = ("native", "emulated", "fused", "composed (reported)")
 M, K, F = 128, 128, 256  # blocks of 128 tile every GEMM
@@ -31,9 +31,9 @@ _QUANTIZED = (*_FP8, "float4_e2m1fn")
 
 
 def _table():
-  """``{(recipe row, column): cell}`` from README's section."""
-  text = README.read_text()
-  assert SECTION in text, f"README.md has no section {SECTION!r}"
+  """``{(recipe row, column): cell}`` from the page's section."""
+  text = PAGE.read_text()
+  assert SECTION in text, f"{PAGE.name} has no section {SECTION!r}"
   body = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
   lines = [ln for ln in body.splitlines() if ln.startswith("|")]
   header = [c.strip() for c in lines[0].strip("|").split("|")]

@@ -61,7 +61,28 @@ KERNEL_ACTIVATIONS = {
 
 class FusedPathFallbackWarning(UserWarning):
   """``layernorm_dense`` or ``layernorm_mlp`` takes the composed path because the recipe's format
-  cannot take the fused path's producers (``QuantizationFormat.takes_producer``)."""
+  cannot take the fused path's producers (``QuantizationFormat.takes_producer``).
+
+  The result is the same function; the composed path writes the norm's (and the activation's)
+  output in the activations' dtype before quantizing it. Every format of the package takes
+  producers: the warning concerns formats registered with ``register_format``.
+
+  Example:
+    >>> import dataclasses, warnings, jax.numpy as jnp, te_adapters as ta
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Unfused(ta.Float8CurrentScaling):
+    ...   pass
+    >>> fmt = ta.core.format_of(ta.Float8CurrentScaling())
+    >>> ta.core.register_format(fmt._replace(recipe_type=Unfused, takes_producer=False))
+    >>> x, kernel = jnp.ones((16, 32)), jnp.ones((32, 16))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   y = ta.core.layernorm_dense(x, jnp.ones(32), jnp.zeros(32), kernel, recipe=Unfused(),
+    ...                               threshold=None)
+    >>> [w.category.__name__ for w in caught]
+    ['FusedPathFallbackWarning']
+    >>> ta.core.unregister_format(Unfused)
+  """
 
 
 def format_fuses(recipe, gemm_shapes, rngs) -> bool:

@@ -42,6 +42,27 @@ def dropout(x, rate: float, rng, *, broadcast_dims=(), deterministic: bool = Fal
   Keeps each element with probability ``1 - rate`` and scales it by ``1 / (1 - rate)``;
   ``broadcast_dims`` share one mask. ``rate == 0`` or ``deterministic`` returns ``x``; otherwise
   ``rng`` (a PRNG key) is required.
+
+  Args:
+    x: the array.
+    rate: the probability of dropping an element, in ``[0, 1]`` (1 drops every element).
+    rng: a PRNG key; may be None where ``rate`` is 0 or ``deterministic``.
+    broadcast_dims: the dims along which the mask is shared (as ``flax.linen.Dropout``'s).
+    deterministic: return ``x`` unchanged (evaluation).
+
+  Returns:
+    ``x`` with dropped elements zeroed and kept ones scaled by ``1 / (1 - rate)``.
+
+  Raises:
+    ValueError: ``rate`` outside ``[0, 1]``, or no key where one is needed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> y = ta.core.dropout(jnp.ones((2, 8)), 0.5, jax.random.key(0), broadcast_dims=(0,))
+    >>> sorted(set(y.ravel().tolist())), bool((y[0] == y[1]).all())  # one mask for both rows
+    ([0.0, 2.0], True)
+    >>> ta.core.dropout(jnp.ones(3), 0.5, None, deterministic=True).tolist()
+    [1.0, 1.0, 1.0]
   """
   if not 0.0 <= rate <= 1.0:
     raise ValueError(f"dropout rate must be in [0, 1], got {rate!r}")
@@ -138,6 +159,11 @@ def layernorm_mlp(
 
   Returns:
     ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
+
+  Raises:
+    ValueError: ``x`` without a feature axis, or kernels and biases whose shapes do not match
+      ``x`` and the activations (each message gives the shape expected); and ``layernorm``'s
+      and ``dot_general``'s errors for the norm's and the GEMMs' arguments.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta

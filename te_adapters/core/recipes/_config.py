@@ -126,6 +126,9 @@ class GemmConfig:
       E5M2) times the scale, so the output stays finite; a NaN stays NaN where the format has
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
 
+  Raises:
+    ValueError: a field outside the values it takes (the message names the field and them).
+
   Example:
     >>> import te_adapters as ta
     >>> ta.core.GemmConfig(fp8_gemm="xla").block_gemm
@@ -188,7 +191,26 @@ class GemmConfig:
 
 
 def check_config(config: GemmConfig | None) -> GemmConfig:
-  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else."""
+  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else.
+
+  Args:
+    config: a ``GemmConfig`` or ``None``.
+
+  Returns:
+    ``config`` itself, or ``GemmConfig()`` where it is ``None``.
+
+  Raises:
+    TypeError: ``config`` is neither.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.check_config(None) == ta.GemmConfig()
+    True
+    >>> ta.core.check_config("cublaslt")
+    Traceback (most recent call last):
+      ...
+    TypeError: config must be a GemmConfig or None, got str
+  """
   if config is None:
     return GemmConfig()
   if not isinstance(config, GemmConfig):
