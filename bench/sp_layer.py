@@ -22,8 +22,8 @@ second table lists the compiled HLO: FP8 against other GEMMs and the collectives
 With ``--profile N`` (GPUs), N steps of each sharded configuration are traced after the timing
 (``jax.profiler``, steps back to back) and the trace's kernel timestamps give, per GPU and step,
 the time in GEMM kernels, in NCCL kernels, and how much of the NCCL time ran while a GEMM kernel
-ran on the same GPU (the collectives overlapped with the GEMMs); ``--out DIR`` also keeps each
-traced configuration's GEMM and NCCL kernels (gzipped JSON).
+ran on the same GPU (the collectives overlapped with the GEMMs); ``--out DIR`` also keeps the
+traced configurations' GEMM and NCCL kernel spans (``kernels.json.gz``).
 
 Usage (two GPUs):
   python bench/sp_layer.py --devices 2 [--profile 3 --out DIR]
@@ -298,6 +298,7 @@ def profile(configs, steps, out_dir=None):
 
   import profile_mesh  # bench/, beside this script
 
+  kept = {}
   for c in configs:
     if c["plan"] == "single":
       continue
@@ -311,11 +312,11 @@ def profile(configs, steps, out_dir=None):
         f"{o['nccl_beside_gemm_ms']:.2f} ms beside a GEMM ({share:.0%}) a step",
         flush=True,
       )
-    if out_dir:
-      os.makedirs(out_dir, exist_ok=True)
-      path = os.path.join(out_dir, f"kernels_{c['plan']}_{c['variant']}.json.gz")
-      with gzip.open(path, "wt") as f:
-        json.dump(spans, f)
+    kept[f"{c['plan']} {c['variant']}"] = spans
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    with gzip.open(os.path.join(out_dir, "kernels.json.gz"), "wt") as f:
+      json.dump({"steps": steps, "configs": kept}, f)
   return configs
 
 
