@@ -138,59 +138,6 @@ def test_measurement_only_fields_are_deprecated_and_change_nothing(field, value,
     np.testing.assert_array_equal(np.asarray(got_state[name]), np.asarray(want_state[name]))
 
 
-def _gemm_output_shapes(fn, *args):
-  """The output shapes of the GEMMs (``dot_general``) of ``fn``'s jaxpr, in program order."""
-  shapes = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general":
-        shapes.append(tuple(eqn.outvars[0].aval.shape))
-      for sub in jax.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return shapes
-
-
-@pytest.mark.parametrize(
-  "recipe",
-  [ta.Float8CurrentScaling(), ta.DelayedScaling(amax_history_len=4)],
-  ids=["current", "delayed"],
-)
-def test_backward_order_issues_wgrad_first_with_the_same_values(recipe):
-  """``GemmConfig(backward_order="wgrad_first")``: the backward pass issues the weight
-  gradient's GEMM before the input gradient's (so that its sum over devices can run beside the
-  other GEMM) and computes the same values bit for bit over several steps, the state included."""
-  wgrad_first = ta.GemmConfig(backward_order="wgrad_first")
-  assert ta.GemmConfig().backward_order == "dgrad_first"
-  got, got_state, (x, w, dy) = _train(recipe, wgrad_first)
-  want, want_state, _ = _train(recipe, ta.GemmConfig())
-  for a, b in zip(got, want, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  if want_state is not None:
-    for name in want_state:
-      np.testing.assert_array_equal(np.asarray(got_state[name]), np.asarray(want_state[name]))
-  state = core.init_state(recipe) or None
-
-  def grads(config):
-    def loss(x, w, state):
-      y = core.dot_general(x, w, DN, recipe=recipe, state=state, threshold=None, config=config)
-      return jnp.vdot(y, dy)
-
-    return _gemm_output_shapes(jax.grad(loss, argnums=(0, 1, 2)), x, w, state)
-
-  # x (32, 64) . w (64, 48): forward (32, 48), dgrad (32, 64), wgrad (64, 48) (or (48, 64)).
-  # (jnp.vdot's own dot_generals are not 2-D.)
-  default = [s for s in grads(ta.GemmConfig()) if len(s) == 2]
-  swapped = [s for s in grads(wgrad_first) if len(s) == 2]
-  assert default[0] == swapped[0] == (32, 48), (default, swapped)
-  assert default[1] == (32, 64) and swapped[2] == (32, 64), (default, swapped)
-  assert sorted(default) == sorted(swapped), (default, swapped)
-  with pytest.raises(ValueError, match="GemmConfig.backward_order must be one of"):
-    ta.GemmConfig(backward_order="wgrad")
-
-
 @pytest.mark.parametrize(
   ("field", "value"),
   [

@@ -803,44 +803,28 @@ def _quantized_gemms_bwd(chain: Chain, residuals, g):
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
     g_cols, seq = qg.cols, chain.plan.sequence
-    if seq is not None and seq[0] == "reduce_scatter":
-      # Row-parallel: the output gradient's FP8 rows gathered for both GEMMs.
-      g_cols = _gathered_rows(g_cols, seq[1], -1)
-
-    # The order the two GEMMs are issued in (GemmConfig.backward_order) decides which one a sum
-    # over devices of the other can run beside.
-    order = ("dgrad", "wgrad")
-    if chain.config.backward_order == "wgrad_first":
-      order = ("wgrad", "dgrad")
-    for which in order:
-      if which == "wgrad":
-        dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
-        dw = fmt.gemm(
-          x_wgrad,
-          g_cols,
-          dw_dtype,
-          "wgrad",
-          chain.recipe,
-          chain.config,
-          chain.precision,
-          dw_sharding,
-        )
-      elif seq is None:
-        dx = fmt.gemm(
-          qg.rows,
-          w_dgrad,
-          dx_dtype,
-          "dgrad",
-          chain.recipe,
-          chain.config,
-          chain.precision,
-          dx_sharding,
-        )
-      else:
-        # The output gradient's FP8 rows gathered (row-parallel, above), or the input gradient's
-        # partial sums scattered back onto the input's rows (column-parallel).
-        gather = seq[0] == "reduce_scatter"
-        dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
+    if seq is None:
+      dx = fmt.gemm(
+        qg.rows,
+        w_dgrad,
+        dx_dtype,
+        "dgrad",
+        chain.recipe,
+        chain.config,
+        chain.precision,
+        dx_sharding,
+      )
+    else:
+      # The output gradient's FP8 rows gathered (row-parallel), or the input gradient's partial
+      # sums scattered back onto the input's rows (column-parallel).
+      gather = seq[0] == "reduce_scatter"
+      if gather:
+        g_cols = _gathered_rows(g_cols, seq[1], -1)
+      dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
+    dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
+    dw = fmt.gemm(
+      x_wgrad, g_cols, dw_dtype, "wgrad", chain.recipe, chain.config, chain.precision, dw_sharding
+    )
     if not stage.kernel_kn:
       dw = _swap_last(dw)  # (.., N, K); cancels against the caller's transpose
     dw = sharding.scatter_kernel_grad(dw, None if shard is None else shard.data, chain.plan)

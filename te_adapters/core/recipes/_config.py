@@ -14,7 +14,6 @@ _CHOICES = {
   "block_gemm": ("auto", "native", "xla"),
   "partial_sums": ("output", "float32"),
   "non_finite": ("propagate", "saturate"),
-  "backward_order": ("dgrad_first", "wgrad_first"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
 _DEPRECATED = {
@@ -127,14 +126,6 @@ class GemmConfig:
       E5M2) times the scale, so the output stays finite; a NaN stays NaN where the format has
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
 
-    backward_order: the order in which each GEMM's backward pass issues its two GEMMs, which
-      XLA's schedule of a sharded program then mostly keeps. ``"dgrad_first"`` (the default):
-      the input gradient's GEMM, then the weight gradient's, so that a sum of the input
-      gradient over devices (tensor parallelism) can run beside the weight gradient's GEMM.
-      ``"wgrad_first"``: the weight gradient's GEMM first, so that its sum over devices (the
-      all-reduce of data parallelism, FSDP's reduce-scatter) can run beside the input
-      gradient's GEMM instead of ending the step. The same values either way.
-
   Example:
     >>> import te_adapters as ta
     >>> ta.core.GemmConfig(fp8_gemm="xla").block_gemm
@@ -155,7 +146,6 @@ class GemmConfig:
   sum_chunks: int = 1
   fold_amax: bool = False
   non_finite: str = "propagate"
-  backward_order: str = "dgrad_first"
 
   def __post_init__(self):
     margin = self.comm_sm_margin
