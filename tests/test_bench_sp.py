@@ -24,6 +24,7 @@ ARGS = dict(
   iters=1,
   warmup=0,
   repeats=2,
+  margins="0",
 )
 
 
