@@ -58,11 +58,6 @@ def _parse(argv):
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--cpu-devices", type=int, default=None)
-  p.add_argument(
-    "--margins",
-    default="0",
-    help="comma-separated GemmConfig.comm_sm_margin values the sharded FP8 configs also run with",
-  )
   p.add_argument("--profile", type=int, default=0, help="trace this many steps per sharded config")
   p.add_argument("--out", default=None, help="with --profile: write the traced kernels here")
   return p.parse_args(argv)
@@ -170,9 +165,9 @@ def layer(x, p, states, *, recipe, heads, sequence, config, attention):
   return res + gemm(h, p["fc2"], states[3], "reduce_scatter") + p["fc2_b"].astype(x.dtype)
 
 
-def make_step(variant, plan, mesh, heads, attention, margin=0):
+def make_step(variant, plan, mesh, heads, attention):
   recipe = _recipe(variant)
-  config = core.GemmConfig(collective_matmul=plan == "tp_ring", comm_sm_margin=margin or None)
+  config = core.GemmConfig(collective_matmul=plan == "tp_ring")
   n = 1 if mesh is None else mesh.size
   fn = functools.partial(
     layer,
@@ -208,46 +203,41 @@ def run(args):
       mesh = jax.make_mesh((n,), ("tp",), devices=devices[:n], axis_types=(AxisType.Auto,))
     for variant in args.variants.split(","):
       recipe = _recipe(variant)
-      margins = [0]
-      if mesh is not None and recipe is not None:
-        margins = [int(m) for m in args.margins.split(",")]
-      for margin in margins:
-        name = f"{variant}+m{margin}" if margin else variant
-        states = tuple(
-          core.init_state(recipe) if recipe is not None and recipe.stateful else None
-          for _ in range(4)
-        )
-        put = functools.partial(_put, mesh, devices[0])
-        p = {k: put(v, PARAM_SPECS[k]) for k, v in params.items()}
-        call_args = (
-          put(x, P("tp")),
-          p,
-          jax.tree.map(lambda a, put=put: put(a, P()), states),
-          put(dy, P("tp")),
-        )
-        step = make_step(variant, plan, mesh, args.heads, attention, margin)
-        try:
-          if mesh is None:
+      states = tuple(
+        core.init_state(recipe) if recipe is not None and recipe.stateful else None
+        for _ in range(4)
+      )
+      put = functools.partial(_put, mesh, devices[0])
+      p = {k: put(v, PARAM_SPECS[k]) for k, v in params.items()}
+      call_args = (
+        put(x, P("tp")),
+        p,
+        jax.tree.map(lambda a, put=put: put(a, P()), states),
+        put(dy, P("tp")),
+      )
+      step = make_step(variant, plan, mesh, args.heads, attention)
+      try:
+        if mesh is None:
+          compiled = step.lower(*call_args).compile()
+        else:
+          with jax.set_mesh(mesh):
             compiled = step.lower(*call_args).compile()
-          else:
-            with jax.set_mesh(mesh):
-              compiled = step.lower(*call_args).compile()
-        except Exception as e:  # noqa: BLE001  (said, and the other configurations still run)
-          print(f"  FAILED {plan} {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-          continue
-        text = compiled.as_text()
-        configs.append(
-          dict(
-            plan=plan,
-            variant=name,
-            n=1 if mesh is None else n,
-            run=functools.partial(compiled, *call_args),
-            gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
-            collectives=_collectives(text),
-            times=[],
-          )
+      except Exception as e:  # noqa: BLE001  (said, and the other configurations still run)
+        print(f"  FAILED {plan} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        continue
+      text = compiled.as_text()
+      configs.append(
+        dict(
+          plan=plan,
+          variant=variant,
+          n=1 if mesh is None else n,
+          run=functools.partial(compiled, *call_args),
+          gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
+          collectives=_collectives(text),
+          times=[],
         )
-        print(f"  compiled {plan} {name}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
+      )
+      print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
   for c in configs:
     for _ in range(args.warmup):
       jax.block_until_ready(c["run"]())
@@ -348,17 +338,17 @@ def _collectives(text):
 def format_tables(configs):
   med = {(c["plan"], c["variant"]): float(np.median(c["times"])) for c in configs}
   lines = [
-    f"{'plan':<9}{'variant':<12}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
+    f"{'plan':<9}{'variant':<9}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
     f"{'eff':>6}  FP8/other GEMMs; collectives"
   ]
   for c in configs:
     t = med[(c["plan"], c["variant"])]
     bf16 = med.get((c["plan"], "bf16"), float("nan"))
-    single = med.get(("single", c["variant"].split("+")[0]))
+    single = med.get(("single", c["variant"]))
     eff = "" if single is None or c["plan"] == "single" else f"{single / (c['n'] * t):.2f}"
     spread = f"{min(c['times']):.2f}-{max(c['times']):.2f}"
     lines.append(
-      f"{c['plan']:<9}{c['variant']:<12}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
+      f"{c['plan']:<9}{c['variant']:<9}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
       f"{eff:>6}  {c['gemms']}; {c['collectives']}"
     )
   return "\n".join(lines)

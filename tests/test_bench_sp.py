@@ -24,7 +24,6 @@ ARGS = dict(
   iters=1,
   warmup=0,
   repeats=2,
-  margins="0",
 )
 
 

@@ -579,9 +579,9 @@ def test_gemm_rule_slices_a_replicated_operand_without_a_warning():
 def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
   """``GemmConfig(sum_chunks=2, comm_sm_margin=8)`` on DP x column-parallel TP: the shards of
   dgrad (K over tp) and wgrad (K over dp) run in two chunks of their output rows, each
-  all-reduced on its own; the forward GEMM (K whole) runs whole; the margin is passed to every
-  shard's GEMM. The result equals the unchunked program's bit for bit (each output row is the
-  same sum either way; the emulated kernel's rows do not depend on their neighbours)."""
+  all-reduced on its own, with the margin passed to the kernel; the forward GEMM (K whole) runs
+  whole with every SM. The result equals the unchunked program's bit for bit (each output row
+  is the same sum either way; the emulated kernel's rows do not depend on their neighbours)."""
   calls, margins = [], []
   monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
   monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls, margins))
@@ -596,8 +596,8 @@ def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
   # wgrad's (64, 16) in chunks of 32 rows.
   assert (((32, 16), (64, 16), bf16), 8) in by_call, by_call  # dgrad
   assert (((32, 64), (16, 64), bf16), 8) in by_call, by_call  # wgrad
-  assert (((64, 64), (16, 64), bf16), 8) in by_call, by_call  # forward: K whole
-  assert not any(c[:2] == ((64, 16), (64, 16)) for c, _ in by_call), by_call  # dgrad: chunked
+  assert (((64, 64), (16, 64), bf16), 0) in by_call, by_call  # forward: K whole, every SM
+  assert not any(m and c[0][0] == 64 for c, m in by_call), by_call  # no unchunked summed GEMM
 
   def grad_sums(hlo):
     """Elements of each array the gradient all-reduces sum (a GPU's async start lists its
@@ -721,42 +721,3 @@ def test_fsdp_weight_gradient_is_reduce_scattered_onto_the_kernels_shards(monkey
   assert not any(c.op == "all-reduce" and big(c) for c in collectives), [
     c.line[:160] for c in collectives if c.op == "all-reduce"
   ]
-
-
-def test_sm_margin_reaches_every_shards_gemm_inside_shard_map_and_none_on_one_device(monkeypatch):
-  """``GemmConfig(comm_sm_margin=8)``: inside ``shard_map`` (where XLA may run a collective
-  beside any GEMM) each of the three GEMMs gets the margin; a one-device program's GEMMs use
-  every SM (margin 0) whatever the config says, and compute the same values."""
-  calls, margins = [], []
-  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls, margins))
-  config = core.GemmConfig(backend="ffi", comm_sm_margin=8)
-  mesh = _mesh()
-  x, w, dy = _data()
-
-  def loss(x, w, dy):
-    y = core.dot_general(
-      x, w.astype(jnp.bfloat16), DN, recipe=ta.Float8CurrentScaling(), threshold=None, config=config
-    )
-    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-
-  def body(x, w, dy):
-    return lax.psum(loss(x, w, dy), ("dp", "tp"))
-
-  sharded = jax.jit(
-    jax.shard_map(
-      jax.grad(body, argnums=(0, 1)),
-      mesh=mesh,
-      in_specs=(P("dp"), P(None, "tp"), P("dp", None, "tp")),
-      out_specs=(P("dp"), P(None, "tp")),
-    )
-  )
-  got = sharded(x, w, dy)
-  assert len(margins) == 3 and set(margins) == {8}, (calls, margins)
-  calls[:], margins[:] = [], []
-  one = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, dy)
-  assert len(margins) == 3 and set(margins) == {0}, (calls, margins)
-  # The same quantized values; dx and dW sum the shards' float32 partial products in bf16 here.
-  for a, b in zip(got, one, strict=True):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)

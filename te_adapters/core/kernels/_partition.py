@@ -18,11 +18,11 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   the order of the float32 additions; in the output dtype (``GemmConfig.partial_sums="output"``),
   as XLA's program of the same dot sums, with half the bytes for bfloat16. Such a shard's GEMM
   may run in chunks of its output rows, each summed as soon as it is computed so that its sum
-  overlaps the next chunk's GEMM (``GemmConfig.sum_chunks``). Every shard's GEMM may leave SMs
-  free for the collectives beside it (``GemmConfig.comm_sm_margin``, the per-tensor GEMM's). A
-  combination the kernel cannot take shard by shard is resharded (a dim gathered), and where a
-  shard's shape is one the kernel refuses, XLA's GEMM runs on the shards instead; each is said
-  once per distinct case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
+  overlaps the next chunk's GEMM (``GemmConfig.sum_chunks``), and with SMs left free for the
+  sums (``GemmConfig.comm_sm_margin``, the per-tensor GEMM's). A combination the
+  kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
+  one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
+  case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
 
 Outside a ``jit`` over several devices (one device, or inside ``shard_map``, where every value is
 a shard) the call runs as it is; inside ``shard_map`` its outputs are typed as varying over the
@@ -319,7 +319,7 @@ def gemm(
   block_scales: bool = False,
   refusal: Callable | None = None,
   sum_dtype=None,
-  sharded_kernel: Callable | None = None,
+  summed_kernel: Callable | None = None,
   sum_chunks: int = 1,
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
@@ -336,17 +336,14 @@ def gemm(
     refusal: ``refusal(a_shape, b_shape) -> str | None``: why the kernel cannot take one shard.
     sum_dtype: where K is split over devices, the dtype of each device's partial product and of
       their sum (``None``: float32); the sum is then converted to ``out_dtype``.
-    sharded_kernel: the kernel run on the shards of a sharded program (a multi-device ``jit``,
-      or inside ``shard_map``), where collectives may run beside it (``None``: ``kernel``), e.g.
-      one that leaves SMs to them.
+    summed_kernel: the kernel run on shards whose partial products are summed over devices
+      (``None``: ``kernel``), e.g. one that leaves SMs to the sums beside it.
     sum_chunks: on those shards, the GEMM in this many chunks of ``a``'s rows (M), each summed
       over devices as soon as it is computed (per-tensor scales only; where M splits into
       chunks of a multiple of 16 rows, else one GEMM).
   """
-  sharded_kernel = sharded_kernel or kernel
   if not _partitioned_here():
-    fn = sharded_kernel if core_sharding.manual_axes() else kernel
-    return _as_varying(fn(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
+    return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
   sum_dtype = np.dtype(np.float32 if sum_dtype is None else sum_dtype)
   run = _gemm_rule(
@@ -358,7 +355,7 @@ def gemm(
     refusal,
     shapes,
     sum_dtype,
-    sharded_kernel,
+    summed_kernel or kernel,
     sum_chunks,
   )
   return run(a, b, a_scale, b_scale)
@@ -413,7 +410,7 @@ def _gemm_rule(
   refusal,
   shapes,
   sum_dtype,
-  sharded_kernel,
+  summed_kernel,
   sum_chunks,
 ):
   a_shape, b_shape, sa_shape, sb_shape = shapes
@@ -442,7 +439,7 @@ def _gemm_rule(
     local_a = tuple(n // _shards(mesh, s) for n, s in zip(a_shape, new_a, strict=True))
     local_b = tuple(n // _shards(mesh, s) for n, s in zip(b_shape, new_b, strict=True))
     why = refusal(local_a, local_b) if refusal is not None else None
-    fn = sharded_kernel
+    fn = kernel
     if why is not None:
       fn = fallback
       _warn_once(
@@ -452,6 +449,7 @@ def _gemm_rule(
         "runs on the shards instead",
       )
 
+    summed = summed_kernel if why is None else fallback
     rows = local_a[-2]
     chunk = rows if block_scales else sum_chunk_rows(rows, sum_chunks)
     if scatter and scatter_dim == ndim - 2:
@@ -459,7 +457,7 @@ def _gemm_rule(
 
     def per_shard(a, b, a_scale, b_scale):
       if scatter:
-        y = fn(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
+        y = summed(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
         y = lax.psum(y, k) if k else y
         return lax.psum_scatter(y, scatter, scatter_dimension=scatter_dim, tiled=True).astype(
           out_dtype
@@ -473,7 +471,7 @@ def _gemm_rule(
       parts = []
       for start in range(0, rows, chunk):
         part = a if chunk == rows else lax.slice_in_dim(a, start, start + chunk, axis=-2)
-        y = fn(part, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
+        y = summed(part, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
         parts.append(lax.psum(y, k))
       y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
       return y.astype(out_dtype)
@@ -534,11 +532,10 @@ def tensor_scaled_gemm(
 ):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
-  ``sum_dtype``, ``sum_chunks``: as for ``gemm``. ``sm_margin``: on every shard of a sharded
-  program, the SMs the kernel leaves to the collectives that may run beside it (``None``:
-  none)."""
+  ``sum_dtype``, ``sum_chunks``: as for ``gemm``. ``sm_margin``: on the shards whose partial
+  products are summed over devices, the SMs the kernel leaves to those sums (``None``: none)."""
   kernel = functools.partial(_tensor_kernel, call, fast_accum, 0)
-  sharded = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
+  summed = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
   fallback = functools.partial(tensor_fallback, fast_accum)
   return gemm(
     "the per-tensor FP8 GEMM",
@@ -551,7 +548,7 @@ def tensor_scaled_gemm(
     out_dtype,
     refusal=_tensor_refusal,
     sum_dtype=sum_dtype,
-    sharded_kernel=sharded,
+    summed_kernel=summed,
     sum_chunks=sum_chunks,
   )
 

@@ -96,12 +96,11 @@ class GemmConfig:
       XLA's FP8 GEMM (``fp8_gemm="xla"``, or where the extension's cannot run) is partitioned by
       XLA, which sums in the GEMM's output dtype.
     comm_sm_margin: SMs the extension's per-tensor FP8 GEMM leaves free for the communication
-      that may run beside it, on every shard of a sharded program (a multi-device ``jit``, or
-      inside ``shard_map``; one device's GEMMs use every SM): XLA schedules a collective beside
-      whichever GEMMs it does not depend on (data parallelism's weight-gradient all-reduce
-      beside the forward and dgrad GEMMs, sequence parallelism's all-gathers and
-      reduce-scatters beside the neighbouring GEMMs). cuBLASLt's persistent GEMMs otherwise hold
-      every SM, and the collective queued beside them waits for the GEMM to end. ``None`` (the
+      running beside it, in a sharded ``jit`` program, on the shards of a GEMM whose partial
+      products are summed over devices (dgrad of a column-parallel layer, wgrad under data
+      parallelism, the forward GEMM of a row-parallel one: the GEMMs that run beside the sums of
+      their own chunks and of the GEMM before them). cuBLASLt's persistent GEMMs otherwise hold
+      every SM, and the all-reduce queued beside them waits for the GEMM to end. ``None`` (the
       default): every SM. It changes which kernel cuBLASLt runs, not the quantized values; the
       sums may be added in another order.
     sum_chunks: in the same sharded GEMMs, the shard's GEMM is computed in this many chunks of
