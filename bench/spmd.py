@@ -16,9 +16,9 @@ Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
 ``current+fp8_gather`` (``kernel_all_gather``: the FP8 kernel shard is what is all-gathered).
 
 ``--configs`` names what each sharded plan also runs with, ``+`` joining parts: ``base`` (the
-defaults), ``wgrad_first`` (FP8 only: ``GemmConfig(backward_order="wgrad_first")``),
-``no_one_shot`` (XLA's option ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``: NCCL
-for every all-reduce instead of XLA's one-shot kernel). XLA options are given per compile
+defaults), ``m8``/``m16`` (FP8 only: ``GemmConfig(comm_sm_margin=8 or 16)``), ``no_one_shot``
+(XLA's option ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``: NCCL for every
+all-reduce instead of XLA's one-shot kernel). XLA options are given per compile
 (``lower(...).compile(compiler_options=...)``), so that one process times them interleaved;
 bf16 runs with each distinct set of XLA options.
 
@@ -83,7 +83,8 @@ def _parse(argv):
 # The parts of --configs: (GemmConfig fields, XLA options).
 PARTS = {
   "base": ({}, {}),
-  "wgrad_first": ({"backward_order": "wgrad_first"}, {}),
+  "m8": ({"comm_sm_margin": 8}, {}),
+  "m16": ({"comm_sm_margin": 16}, {}),
   "no_one_shot": ({}, {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}),
 }
 

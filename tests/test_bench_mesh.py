@@ -79,10 +79,10 @@ def test_spmd_configurations_pair_fp8_configs_with_bf16_options():
   args = argparse.Namespace(
     plans="single,dp,fsdp",
     variants="bf16,current,current+fp8_gather",
-    configs="base,wgrad_first,no_one_shot,wgrad_first+no_one_shot",
+    configs="base,m16,no_one_shot,m16+no_one_shot",
   )
   got = list(spmd._configurations(args))
-  fp8 = ["base", "wgrad_first", "no_one_shot", "wgrad_first+no_one_shot"]
+  fp8 = ["base", "m16", "no_one_shot", "m16+no_one_shot"]
   want = [("single", v, "base") for v in ("bf16", "current")]  # fp8_gather: FSDP only
   for plan in ("dp", "fsdp"):
     want += [(plan, "bf16", "base"), (plan, "bf16", "no_one_shot")]
@@ -90,8 +90,8 @@ def test_spmd_configurations_pair_fp8_configs_with_bf16_options():
     if plan == "fsdp":
       want += [(plan, "current+fp8_gather", c) for c in fp8]
   assert got == want
-  fields, options = spmd.config_parts("wgrad_first+no_one_shot")
-  assert fields == {"backward_order": "wgrad_first"}
+  fields, options = spmd.config_parts("m16+no_one_shot")
+  assert fields == {"comm_sm_margin": 16}
   assert options == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
   with pytest.raises(SystemExit, match="unknown 'fast'"):
     spmd.config_parts("base+fast")
