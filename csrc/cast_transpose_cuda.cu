@@ -282,7 +282,7 @@ ffi::Error AmaxImpl(cudaStream_t stream, ffi::AnyBuffer x,
   return cuda_error("te_adapters amax kernel");
 }
 
-// --- Rowwise scaling: the amaxes of both orientations in one read, then the cast ------------------
+// --- Rowwise scaling: the amaxes of both orientations in one read, then the cast ---------------
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kAmaxRows = 256;  // rows per block of the row/column amax pass

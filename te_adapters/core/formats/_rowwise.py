@@ -25,10 +25,11 @@ cuBLASLt FP8 GEMM with unit scales, where it runs; elsewhere, or with
 result and float32 otherwise, is multiplied by the outer product of the two scale-inverse vectors
 (``(..., M, 1) * (..., 1, N)``) in float32 and cast to the output dtype. The factors are powers of
 two, so a bfloat16 sum times them is the float32 sum times them rounded once to bfloat16 (for
-results in bfloat16's normal range), and the pass fuses into the output's consumers. cuBLASLt's outer-vector scale mode, which applies the two
-vectors in the GEMM's epilogue, was measured and not kept: seed 000's Dense step took 28.0 ms with
-it on an H100 against 25.9 ms with XLA's FP8 dot and a float32 pass in the same run
-(``bench/RESULTS.md``, 2026-11-27).
+results in bfloat16's normal range), and the pass fuses into the output's consumers: seed 000's
+Dense step ran 1.60-1.62x bf16 on an H100, 5-7% behind current scaling (``bench/RESULTS.md``,
+2026-11-27, fourth session). cuBLASLt's outer-vector scale mode, which applies the two vectors in
+the GEMM's epilogue, was measured and not kept: that step took 28.0 ms with it against 25.9 ms
+with XLA's FP8 dot and a float32 pass in the same run (third session).
 
 With ``weight_grad_high_precision`` (torchao's ``rowwise_with_gw_hp``) the ``cols`` copies of x
 and of the gradient, which only the weight-gradient GEMM reads, are the swapped high-precision
