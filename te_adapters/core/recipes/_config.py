@@ -65,10 +65,10 @@ class GemmConfig:
       that also casts the norm's output straight to GEMM 1's FP8 operand unless it is returned
       (``True``): per-tensor recipes through their cast kernels, block and rowwise recipes by
       quantizing the float32 values in their blocks or rows. ``False`` composes the norm, the
-      activation and two ``dot_general`` calls. ``None`` (the default): fused for every recipe; the
-      faster path for the per-tensor recipes on an H100, while for ``Float8BlockScaling`` the
-      composed path was 6% faster there (``bench/RESULTS.md``), since its fused casts read the
-      float32 values from memory. With activations narrower than float32 the two differ by the
+      activation and two ``dot_general`` calls. ``None`` (the default): the faster path measured
+      on an H100 (``bench/RESULTS.md``): fused for every recipe but ``Float8BlockScaling``, whose
+      ``layernorm_mlp`` composes (6% faster there: its fused casts read the float32 values from
+      memory); ``True`` fuses it too. With activations narrower than float32 the two differ by the
       rounding of the norm's output, the activation and its gradient to that dtype, which only the
       composed path does. The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's
       output is cast straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the
