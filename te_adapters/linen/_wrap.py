@@ -62,6 +62,9 @@ def wrap_function_in_te_state_module(
   Returns:
     A subclass of ``nn.Module`` taking no required constructor arguments.
 
+  Raises:
+    TypeError: ``f`` is not callable.
+
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
     >>> from te_adapters import core, linen as ta_linen

@@ -1,4 +1,4 @@
-"""The size rule and its one documented difference (README, "One size rule").
+"""The size rule and its one documented difference (docs/guide/adapters.md, "One size rule").
 
 A quantized *layer* (and a conversion) refuses a GEMM whose contracting size K or output size N
 is not a multiple of 16 (``core.gemm_dims_refusal``, as TE asserts), when it is built; so do the

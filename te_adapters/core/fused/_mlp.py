@@ -59,6 +59,27 @@ def dropout(
   Keeps each element with probability ``1 - rate`` and scales it by ``1 / (1 - rate)``;
   ``broadcast_dims`` share one mask. ``rate == 0`` or ``deterministic`` returns ``x``; otherwise
   ``rng`` (a PRNG key) is required.
+
+  Args:
+    x: the array.
+    rate: the probability of dropping an element, in ``[0, 1]`` (1 drops every element).
+    rng: a PRNG key; may be None where ``rate`` is 0 or ``deterministic``.
+    broadcast_dims: the dims along which the mask is shared (as ``flax.linen.Dropout``'s).
+    deterministic: return ``x`` unchanged (evaluation).
+
+  Returns:
+    ``x`` with dropped elements zeroed and kept ones scaled by ``1 / (1 - rate)``.
+
+  Raises:
+    ValueError: ``rate`` outside ``[0, 1]``, or no key where one is needed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> y = ta.core.dropout(jnp.ones((2, 8)), 0.5, jax.random.key(0), broadcast_dims=(0,))
+    >>> sorted(set(y.ravel().tolist())), bool((y[0] == y[1]).all())  # one mask for both rows
+    ([0.0, 2.0], True)
+    >>> ta.core.dropout(jnp.ones(3), 0.5, None, deterministic=True).tolist()
+    [1.0, 1.0, 1.0]
   """
   if not 0.0 <= rate <= 1.0:
     raise ValueError(f"dropout rate must be in [0, 1], got {rate!r}")
@@ -135,7 +156,8 @@ def layernorm_mlp(
       for a stateless recipe. The gradient with respect to them is the next step's states.
     rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
     threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
-      (default None: as True) takes the fused path where it applies: a recipe whose format
+      (default None: as True, but under ``Float8BlockScaling`` as False, the faster path on an
+      H100) takes the fused path where it applies: a recipe whose format
       takes producers (every recipe of the package; its blocks must tile both GEMMs, and a
       recipe that rounds stochastically needs both ``rngs``), both GEMMs in FP8 under
       ``threshold``, no dropout (rate 0 or ``deterministic``); with input constraints and inside
@@ -155,6 +177,11 @@ def layernorm_mlp(
 
   Returns:
     ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
+
+  Raises:
+    ValueError: ``x`` without a feature axis, or kernels and biases whose shapes do not match
+      ``x`` and the activations (each message gives the shape expected); and ``layernorm``'s
+      and ``dot_general``'s errors for the norm's and the GEMMs' arguments.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -200,7 +227,7 @@ def layernorm_mlp(
   config = check_config(config)
   threshold = check_threshold(threshold)
   m = math.prod(x.shape[:-1])
-  fused = _fused_mlp.applies(
+  fused = not _fused_mlp.mlp_composes_by_default(recipe, config) and _fused_mlp.applies(
     recipe,
     config,
     gemm_shapes=((m, k, n_act * f), (m, f, k)),

@@ -117,6 +117,11 @@ def layernorm_dense(
     ``(z, ln_out)``: the GEMM's output ``(..., *features)`` in ``x``'s dtype (as TE's), and the
     norm's output (in ``x``'s dtype) or ``None``.
 
+  Raises:
+    ValueError: a kernel that does not contract ``x``'s last axis alone (or of another size), a
+      ``dense_bias`` of another shape than the kernel's features; and ``layernorm``'s and
+      ``dot_general``'s errors for the norm's and the GEMM's arguments.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))

@@ -159,6 +159,14 @@ def dot_general(
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
     gradient with respect to ``state`` is the state for the next step.
 
+  Raises:
+    TypeError: operands that are not real floating point, or a ``recipe``, ``threshold`` or
+      ``config`` of another type (a recipe class rather than an instance, say).
+    ValueError: ``state``, ``rng``, ``amax_axes`` or ``kernel_all_gather`` without a recipe; a
+      state that does not match the recipe (missing for ``DelayedScaling``, another history
+      length); an ``rng`` the recipe does not use, or none where it rounds stochastically;
+      sizes the recipe's blocks do not tile.
+
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
     >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))

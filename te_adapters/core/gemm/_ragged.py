@@ -229,6 +229,11 @@ def ragged_dot(
     [M, N], with the dtype ``jax.lax.ragged_dot`` gives. Under differentiation, the gradient with
     respect to ``state`` is the state for the next step.
 
+  Raises:
+    ValueError: ``lhs`` not 2-D, ``rhs`` not 3-D, different contracting sizes, a ``state``
+      without a recipe or one that does not match it.
+    NotImplementedError: a ``group_offset``.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> x, w = jnp.ones((32, 16)), jnp.ones((2, 16, 16))

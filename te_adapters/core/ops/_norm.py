@@ -89,6 +89,14 @@ def layernorm(
     zero_centered_gamma: use ``1 + scale`` as the factor.
     epsilon: added to the variance (mean square for rmsnorm).
 
+  Returns:
+    The normalized ``x``, of its shape and dtype.
+
+  Raises:
+    ValueError: an unknown ``layernorm_type``, a ``scale`` or ``bias`` of another shape than
+      ``(x.shape[-1],)``, a bias for rmsnorm or none for layernorm, or a scalar ``x``.
+    TypeError: an operand that is not floating point.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> y = ta.core.layernorm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2), epsilon=0.0)

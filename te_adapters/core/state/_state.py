@@ -86,6 +86,9 @@ def caller_stacklevel() -> int:
   the first frame outside te_adapters, JAX and the frameworks (through any ``jit``, ``grad``,
   ``model.apply`` or ``hk.transform`` in between).
 
+  Returns:
+    The ``stacklevel`` to pass to ``warnings.warn`` from the calling function.
+
   Example:
     >>> import warnings
     >>> from te_adapters import core
