@@ -288,14 +288,17 @@ def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
   return format_of(recipe).state_shapes(recipe)
 
 
-def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
+def check_state(recipe: Recipe, state: Mapping[str, Any] | None, layer: str | None = None) -> State:
   """Validates ``state`` against ``recipe``; returns it typed (``typed_state``). The core's
   functions call it once, where a call enters the core. A dict of TE's names (the spelling before
-  the typed state) is accepted with a ``DeprecationWarning``. Raises naming the mismatch.
+  the typed state) is accepted with a ``DeprecationWarning``. Raises naming the mismatch, and
+  ``layer`` where given.
 
   Args:
     recipe: the recipe the state belongs to.
     state: one GEMM's state (typed, or a dict of TE's names), or None for a stateless recipe.
+    layer: what the GEMM's messages call its layer (``dot_general``'s ``layer``), which then
+      starts every error message; None: the messages name no layer.
 
   Returns:
     The state, of ``recipe``'s state type (an ``EmptyState`` for None).
@@ -318,8 +321,9 @@ def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
   expected = _expected_shapes(recipe)
   if state is None:
     if expected:
+      lead = f"{layer}: " if layer else ""
       raise ValueError(
-        f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
+        f"{lead}{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
       )
     return typed_state(recipe, {})
   warn_dict_state(
@@ -334,5 +338,6 @@ def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
     bad_shape=lambda name, got, shape: (
       f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
     ),
+    layer=layer,
   )
   return typed_state(recipe, state)

@@ -30,6 +30,7 @@ from te_adapters.core import formats, gemm, kernels, sharding
 from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
 from te_adapters.core.recipes import Float8BlockScaling, check_recipe, check_rng
+from te_adapters.core.state import caller_stacklevel
 
 __all__ = [
   "KERNEL_ACTIVATIONS",
@@ -101,7 +102,7 @@ def format_fuses(recipe, gemm_shapes, rngs) -> bool:
       "(QuantizationFormat.takes_producer), so the norm and MLP run composed: the norm's and "
       "the activation's outputs are written in the activations' dtype before their casts",
       FusedPathFallbackWarning,
-      stacklevel=4,
+      stacklevel=caller_stacklevel(),
     )
     return False
   given = [r is not None for r in rngs]
@@ -251,7 +252,7 @@ def gemm_state(recipe, lhs, rhs, state, *, layer=None, framework=None):
   """One GEMM's recipe state as ``dot_general`` takes it (``gemm.checked_state``), and ``(lhs,
   rhs, state)`` watched for a state left out of differentiation (``gemm.watch_state``, which
   ``dot_general`` applies on its FP8 path: the fused paths are FP8 throughout); returns them."""
-  state = gemm.checked_state(recipe, state)
+  state = gemm.checked_state(recipe, state, layer)
   if state:
     lhs, rhs, state = gemm.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   return lhs, rhs, state

@@ -17,6 +17,8 @@ the activation-sized buffers the compiled forward writes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +33,27 @@ from te_adapters.core.gemm import (
   dot_general,
 )
 from te_adapters.core.ops import activation, check_norm_args, layernorm, normalize_activations
-from te_adapters.core.recipes import check_config
+from te_adapters.core.recipes import GemmConfig, check_config
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike
+
+  from te_adapters.core.gemm import SizeThreshold
+  from te_adapters.core.ops import Activation
+  from te_adapters.core.recipes import Recipe
+  from te_adapters.core.state import State
 
 __all__ = ["dropout", "layernorm_mlp"]
 
 
-def dropout(x, rate: float, rng, *, broadcast_dims=(), deterministic: bool = False):
+def dropout(
+  x: jax.Array,
+  rate: float,
+  rng: jax.Array | None,
+  *,
+  broadcast_dims: Sequence[int] = (),
+  deterministic: bool = False,
+) -> jax.Array:
   """Inverted dropout of ``x``, as ``flax.linen.Dropout`` computes it (same mask for a key).
 
   Keeps each element with probability ``1 - rate`` and scales it by ``1 / (1 - rate)``;
@@ -90,36 +107,36 @@ def _pair(value, what):
 
 
 def layernorm_mlp(
-  x,
-  scale,
-  ln_bias,
-  wi_kernel,
-  wo_kernel,
-  wi_bias=None,
-  wo_bias=None,
+  x: ArrayLike,
+  scale: ArrayLike | None,
+  ln_bias: ArrayLike | None,
+  wi_kernel: ArrayLike,
+  wo_kernel: ArrayLike,
+  wi_bias: ArrayLike | None = None,
+  wo_bias: ArrayLike | None = None,
   *,
-  activations=("gelu",),
+  activations: Activation | Sequence[Activation] = ("gelu",),
   layernorm_type: str = "layernorm",
   zero_centered_gamma: bool = False,
   epsilon: float = 1e-6,
   enable_layernorm: bool = True,
   dropout_rate: float = 0.0,
-  dropout_rng=None,
-  dropout_broadcast_dims=(),
+  dropout_rng: jax.Array | None = None,
+  dropout_broadcast_dims: Sequence[int] = (),
   deterministic: bool = False,
-  recipe,
-  states=None,
-  rngs=None,
-  threshold=DEFAULT_SIZE_THRESHOLD,
-  config=None,
+  recipe: Recipe | None,
+  states: Sequence[State | Mapping[str, ArrayLike] | None] | None = None,
+  rngs: Sequence[jax.Array | None] | None = None,
+  threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
+  config: GemmConfig | None = None,
   return_layernorm_output: bool = False,
   ffn1_ckpt_name: str = "ffn1",
   ffn2_ckpt_name: str = "ffn2",
-  dot_1_input_constraint=None,
-  dot_2_input_constraint=None,
+  dot_1_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
+  dot_2_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
   layer: str | None = None,
   framework: str | None = None,
-):
+) -> tuple[jax.Array, jax.Array | None]:
   """LayerNorm, then the MLP of two quantized GEMMs around an activation (TE's ``layernorm_mlp``).
 
   Args:
@@ -197,6 +214,10 @@ def layernorm_mlp(
     )
   if wo_bias is not None and jnp.shape(wo_bias) != (k,):
     raise ValueError(f"layernorm_mlp: wo_bias must have shape ({k},), got {jnp.shape(wo_bias)}")
+  if enable_layernorm and scale is None:
+    raise ValueError(
+      "layernorm_mlp: scale is None: pass the norm's gamma, or enable_layernorm=False"
+    )
   state_0, state_1 = _pair(states, "states")
   rng_0, rng_1 = _pair(rngs, "rngs")
   dims = (((x.ndim - 1,), (0,)), ((), ()))  # x's last axis with the kernel's first
@@ -250,6 +271,7 @@ def layernorm_mlp(
     ).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
+    assert scale is not None  # refused above
     y = layernorm(
       x,
       scale,

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from te_adapters.core.gemm import _threshold
 from te_adapters.core.state import caller_stacklevel
+
+if TYPE_CHECKING:
+  from te_adapters.core.gemm._threshold import SizeThreshold
+  from te_adapters.core.state import State
+
+_State = TypeVar("_State")
 
 __all__ = ["FRAMEWORKS", "FrozenStateWarning", "check_framework", "watch_lora_state", "watch_state"]
 
@@ -151,7 +159,14 @@ def _watch_bwd(layer, framework, _, cts):
 _watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 
 
-def watch_state(lhs, rhs, state, *, layer: str | None = None, framework: str | None = None):
+def watch_state(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  state: _State,
+  *,
+  layer: str | None = None,
+  framework: str | None = None,
+) -> tuple[jax.Array, jax.Array, _State]:
   """``(lhs, rhs, state)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when ``lhs`` or ``rhs`` is differentiated and some leaf of ``state`` is not.
 
@@ -185,17 +200,17 @@ _watch_factors.defjvp(_watch_factors_jvp, symbolic_zeros=True)
 
 
 def watch_lora_state(
-  lora_a,
-  lora_b,
-  state,
+  lora_a: jax.Array,
+  lora_b: jax.Array,
+  state: State | Mapping[str, Any] | None,
   *,
-  x_shape,
-  kernel_shape,
-  axis=-1,
-  threshold=_threshold.DEFAULT_SIZE_THRESHOLD,
+  x_shape: Sequence[int],
+  kernel_shape: Sequence[int],
+  axis: int | Sequence[int] = -1,
+  threshold: SizeThreshold | None = _threshold.DEFAULT_SIZE_THRESHOLD,
   layer: str | None = None,
   framework: str | None = None,
-):
+) -> tuple[jax.Array, jax.Array]:
   """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when a LoRA factor is differentiated and some leaf of ``state`` is not, where the base GEMM
   runs in FP8.

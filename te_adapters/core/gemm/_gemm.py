@@ -219,7 +219,7 @@ def dot_general(
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
-  state = checked_state(recipe, state)
+  state = checked_state(recipe, state, layer)
   rng = recipes.check_rng(recipe, rng)
   out = jax.eval_shape(
     functools.partial(
@@ -356,12 +356,13 @@ def _ring_scatter_gemm(a, gemm, sum_dtype, axis):
   return acc
 
 
-def checked_state(recipe, state):
-  """One GEMM's recipe state, checked and typed where a call enters the core (``check_state``),
+def checked_state(recipe, state, layer: str | None = None):
+  """One GEMM's recipe state, checked and typed where a call enters the core (``check_state``,
+  its errors naming ``layer`` where given),
   and marked so that every use of one traced state gets the same max-marked arrays: a plain
   ``jax.grad`` then combines several uses by max, never by sum (see ``core.with_max_grad``).
   ``dot_general`` and the fused paths take their state through it."""
-  state = check_state(recipe, state)
+  state = check_state(recipe, state, layer)
   return shared_max_grad(state) if state else state
 
 

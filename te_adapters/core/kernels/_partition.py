@@ -118,7 +118,7 @@ def _spec(sharding, ndim: int) -> tuple[tuple[str, ...], ...]:
   if not isinstance(sharding, NamedSharding):
     return ((),) * ndim
   entries = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-  out = []
+  out: list[tuple[str, ...]] = []
   for e in entries:
     if e is None or e is PartitionSpec.UNCONSTRAINED:
       out.append(())
