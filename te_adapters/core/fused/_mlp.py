@@ -45,6 +45,7 @@ if TYPE_CHECKING:
   from te_adapters.core.gemm import SizeThreshold
   from te_adapters.core.ops import Activation
   from te_adapters.core.recipes import Recipe
+  from te_adapters.core.sharding import SpmdPlan
   from te_adapters.core.state import State
 
 __all__ = ["dropout", "layernorm_mlp"]
@@ -210,7 +211,7 @@ def layernorm_mlp(
   if x.ndim < 1:
     raise ValueError("layernorm_mlp: x must have a feature axis")
   k = x.shape[-1]
-  plans = (None, None)
+  plans: tuple[SpmdPlan | None, ...] = (None, None)
   if kernel_all_gather is not None:  # dot_general's checks and errors, for each kernel
     plans = tuple(
       checked_plan(recipe, w.ndim, kernel_all_gather=kernel_all_gather)
