@@ -33,10 +33,10 @@ ACTS = ("silu", "linear")
 KERNELS = ("kernel", "wi_kernel", "wo_kernel")
 
 
-def _module(framework, block, gather):
+def _module(framework, block, gather, recipe=RECIPE):
   """``(apply(params, x) -> out, params)`` of the module built with ``kernel_all_gather``."""
   x = jnp.ones((B, S, K))
-  kw = dict(recipe=RECIPE, threshold=None, return_layernorm_output=False)
+  kw = dict(recipe=recipe, threshold=None, return_layernorm_output=False)
   if gather is not None:
     kw["kernel_all_gather"] = gather
   if framework == "linen":
@@ -137,4 +137,8 @@ def test_fused_module_with_a_bad_spec_raises_dot_generals_error(framework, block
     jax.eval_shape(apply, params, x)
   with pytest.raises(ValueError, match="kernel_all_gather needs a mesh"):
     apply, params = _module(framework, block, P("fsdp"))
+    jax.eval_shape(apply, params, x)
+  # As the adapters' Dense and Linear layers refuse it: an FP8 gather without a recipe.
+  with pytest.raises(ValueError, match=r"(?i)layer_?norm.*: amax_axes and kernel_all_gather need"):
+    apply, params = _module(framework, block, P("fsdp"), recipe=None)
     jax.eval_shape(apply, params, x)
