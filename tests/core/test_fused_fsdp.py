@@ -35,8 +35,8 @@ RECIPES = fused.RECIPES
 FSDP = P("fsdp")
 
 
-def _mesh():
-  return jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+def _mesh(axis_type=AxisType.Auto):
+  return jax.make_mesh((2,), ("fsdp",), axis_types=(axis_type,), devices=jax.devices()[:2])
 
 
 def _sharded(mesh, p, x, dy):
@@ -53,14 +53,20 @@ def _u8_gathers(step, *args):
 
 
 @pytest.mark.parametrize("block", ["mlp", "dense"])
-@pytest.mark.parametrize("name", RECIPES)
-def test_fused_path_gathers_fp8_kernels_under_jit_and_matches_one_device(name, block):
+@pytest.mark.parametrize(
+  "name, axis_type",
+  [(name, AxisType.Auto) for name in RECIPES] + [("current", AxisType.Explicit)],
+  ids=lambda v: getattr(v, "name", v),
+)
+def test_fused_path_gathers_fp8_kernels_under_jit_and_matches_one_device(name, axis_type, block):
+  """Under ``jit``, the mesh's axes Auto (the gather a pair of sharding constraints) or
+  Explicit (the kernel's type carries its sharding; the gather a reshard)."""
   recipe, fn = RECIPES[name], {"mlp": fused._mlp, "dense": fused._dense}[block]
   x, dy_mlp, dy_dense = fused._data()
   dy = dy_mlp if block == "mlp" else dy_dense
   p, states = fused._params(), fused._states(recipe, 2 if block == "mlp" else 1)
   loss = functools.partial(fused._loss, fn, recipe, {"kernel_all_gather": FSDP})
-  mesh = _mesh()
+  mesh = _mesh(axis_type)
   with jax.set_mesh(mesh):
     ps, xs, dys = _sharded(mesh, p, x, dy)
     with warnings.catch_warnings():
