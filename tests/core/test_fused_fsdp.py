@@ -10,7 +10,8 @@ and reduce-scattered: float32 reassociation, bounded as ``test_fused_sharding`` 
 1e-6 for float32, 1e-3 for bfloat16 arrays, where a last-bit float32 difference tips a rounding
 now and then; a missing or doubled sum over the devices is off by a factor of 2). Recipe state
 to 2 float32 ulps (the norm's amax comes from each program's own fusion). A bad spec raises
-``dot_general``'s error.
+``dot_general``'s error, and where the fused path does not apply the composed path hands the
+spec to ``dot_general``.
 """
 
 import functools
@@ -189,3 +190,39 @@ def test_bad_kernel_all_gather_raises_dot_generals_error(block, kwargs, error, m
       ),
       x,
     )
+
+
+def test_composed_path_passes_the_gather_to_dot_general():
+  """Where the fused path does not apply (the norm's output asked for), ``dot_general`` takes
+  ``kernel_all_gather``: the same FP8 gather, the same results as one device's composed path."""
+  recipe = RECIPES["current"]
+  x, _, dy = fused._data()
+  p = fused._params()
+
+  def step(x, kernel, **kw):
+    def dense(x, kernel):
+      z, ln = core.layernorm_dense(
+        x,
+        p["scale"],
+        p["ln_bias"],
+        kernel,
+        recipe=recipe,
+        threshold=None,
+        return_layernorm_output=True,
+        **kw,
+      )
+      return z, ln
+
+    (z, ln), vjp = jax.vjp(dense, x, kernel)
+    return z, ln, vjp((dy.astype(z.dtype), jnp.zeros_like(ln)))
+
+  want = jax.jit(step)(x, p["kernel"])
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    gathered = functools.partial(step, kernel_all_gather=FSDP)
+    ks = jax.device_put(p["kernel"], NamedSharding(mesh, FSDP))
+    xs = jax.device_put(x, NamedSharding(mesh, FSDP))
+    assert _u8_gathers(gathered, xs, ks) == [("u8", K * F)]
+    got = jax.jit(gathered)(xs, ks)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    spmd_checks.assert_close_to_one_device(a, b, cpu_rel=1e-6 if a.dtype == jnp.float32 else 1e-3)
