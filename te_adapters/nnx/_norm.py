@@ -190,6 +190,7 @@ class LayerNormDenseGeneral(nnx.Module):
     self.dot_general = nnx.data(None)
     if recipe is not None:
       self.dot_general = DotGeneral(recipe, threshold=threshold, config=config, rngs=rngs)
+      self.dot_general.set_owner(self, self.kernel.shape)
     self.threshold = threshold
     self.config = config
 
