@@ -84,10 +84,12 @@ class GroupedLinear(HoldsRecipeState, nnx.Module):
     self.state_names: tuple[str, ...] = ()
     # Only where the recipe keeps state (HoldsRecipeState: else `state` reads as EmptyState, or
     # None without a recipe).
-    if recipe is not None and core.state_names(recipe):
+    if recipe is not None:
+      # Also refuses a recipe the grouped GEMM does not implement, at construction.
       initial = core.init_ragged_state(recipe, num_groups)
-      self.state = hold_state(initial)
-      self.state_names = tuple(initial)
+      if initial:
+        self.state = hold_state(initial)
+        self.state_names = tuple(initial)
     self.num_groups = num_groups
     self.in_features = in_features
     self.out_features = out_features
