@@ -257,7 +257,9 @@ def test_nnx_stateful_state_given_to_a_stateless_layer_raises(name):
   # The way out the message names works: the parameters load, the layer runs stateless.
   nnx.update(current, nnx.state(delayed, nnx.Not(ta_nnx.RecipeState)))
   for a, b in zip(
-    jax.tree.leaves(nnx.state(current)), jax.tree.leaves(nnx.state(delayed, nnx.Param))
+    jax.tree.leaves(nnx.state(current)),
+    jax.tree.leaves(nnx.state(delayed, nnx.Param)),
+    strict=True,
   ):
     np.testing.assert_array_equal(a, b)
   assert call(current).shape == (4, 32)

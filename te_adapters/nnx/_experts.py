@@ -99,7 +99,7 @@ class GroupedLinear(HoldsRecipeState, nnx.Module):
     self.preferred_element_type = preferred_element_type
     self.recipe = recipe
 
-  def state_owner(self) -> str:
+  def _state_owner(self) -> str:
     """The layer's class and shape, as the refusal of another recipe's state names it."""
     return f"{type(self).__name__}({self.num_groups}, {self.in_features}, {self.out_features})"
 

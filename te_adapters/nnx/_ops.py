@@ -153,14 +153,14 @@ class _RecipeOp(HoldsRecipeState, kit.GemmOptionAttributes, nnx.Module):
     self.layer_path: str | None = None
     self.kernel_sharding = None
     # The layer that holds the op, (class name, its kernel and shape), where it says
-    # (``set_owner``): how errors about the op's state name it, NNX modules knowing no path.
+    # (``_set_owner``): how errors about the op's state name it, NNX modules knowing no path.
     self.owner: tuple[str, str] | None = None
 
-  def set_owner(self, layer, kernel_shape: tuple[int, ...], kernel: str = "kernel") -> None:
+  def _set_owner(self, layer, kernel_shape: tuple[int, ...], kernel: str = "kernel") -> None:
     """Records the layer that holds this op (its class) and its kernel (name and shape)."""
     self.owner = (type(layer).__name__, f"{kernel} {tuple(kernel_shape)}")
 
-  def state_owner(self) -> str:
+  def _state_owner(self) -> str:
     """The holding layer's class, path (where a conversion gave it) and kernel shape."""
     if self.owner is None:
       what, shapes = f"{type(self).__name__} op", ""

@@ -52,7 +52,7 @@ class HoldsRecipeState:
   Where it keeps none (a stateless recipe, or no recipe), ``state`` is no attribute of the graph
   and reads as the recipe's empty state (``EmptyState``, None without a recipe). A state that
   holds recipe entries for such a module, another recipe's model's given to ``nnx.update``,
-  then reaches ``_graph_node_set_key``, which refuses it naming the layer (``state_owner``),
+  then reaches ``_graph_node_set_key``, which refuses it naming the layer (``_state_owner``),
   instead of Flax's "cannot set key on immutable node".
   """
 
@@ -66,13 +66,13 @@ class HoldsRecipeState:
         return None if self.recipe is None else core.typed_state(self.recipe, {})
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-  def state_owner(self) -> str:
+  def _state_owner(self) -> str:
     """How the refusal names the layer: its class and shapes (its path where known)."""
     return f"{type(self).__name__} layer"
 
   def _graph_node_set_key(self, key, value) -> None:
     if key == "state" and "state" not in vars(self) and "recipe" in vars(self):
-      raise ValueError(foreign_state_message(self.state_owner(), self.recipe, value))
+      raise ValueError(foreign_state_message(self._state_owner(), self.recipe, value))
     super()._graph_node_set_key(key, value)  # type: ignore[misc]
 
 
