@@ -187,10 +187,16 @@ def test_norm_cast_matches_pure_jax(norm, shape):
   np.testing.assert_allclose(a, ra, rtol=1e-6)
 
 
-@pytest.mark.parametrize("activations", [("gelu",), ("silu", "linear")], ids="-".join)
+@pytest.mark.parametrize(
+  "activations",
+  [("gelu",), ("silu", "linear"), ("relu",), ("squared_relu", "linear")],
+  ids="-".join,
+)
 def test_activation_casts_of_nan_and_inf_are_pure_jaxs(activations):
   # The tails of the kernels' sigmoid (2**x overflowing to inf, its reciprocal 0), a NaN's code
-  # and the amax it turns into: as in pure JAX, in the forward and the gradient's cast.
+  # and the amax it turns into: as in pure JAX, in the forward and the gradient's cast. relu of
+  # a NaN is NaN, as jax.nn.relu's (the kernels once gave 0, which dropped the NaN that
+  # GemmConfig.non_finite="propagate" sends from GEMM 1 through the activation).
   m, f = 128, 64
   h, bias = _h_and_bias(m, f, len(activations), jnp.bfloat16)
   special = [np.nan, np.inf, -np.inf, 1e4, -1e4, 60.0, -60.0]
