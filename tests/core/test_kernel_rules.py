@@ -200,6 +200,33 @@ def test_activation_rules_give_one_devices_results(where, n_act, has_bias):
       assert out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), 2)
 
 
+@pytest.mark.skipif(not kernels.ffi_available("cpu"), reason="extension not built")
+def test_casts_without_an_amax_under_jit():
+  """Current scaling's casts (its amax comes from a pass before): the amax output is the (0,)
+  placeholder, the codes as one device's (the per-batch cast's kernel; the activation cast's
+  stand-in)."""
+  names = NAMES[2]
+  h, _, bias, scale = _act_operands(2, True)
+
+  def act(h, bias, scale):
+    q, q_t, _ = _act_stand_in(names, h, bias, scale)
+    return q, q_t, jnp.zeros((0,), jnp.float32)
+
+  x = (spmd_checks.random((4, 32, 48), 3) * 3).astype(jnp.bfloat16)
+  scales = jnp.asarray([0.5, 2.0, 8.0, 32.0], jnp.float32)
+
+  def run(h, x):
+    per_batch = formats.cast_transpose_per_batch(x, scales, jnp.float8_e5m2, backend="ffi")
+    return kernels.act_cast(act, 2, True, False)(h, bias, scale), per_batch
+
+  mesh = _mesh(P("a"))
+  rows = NamedSharding(mesh, P("a"))
+  (q, q_t, a), (p, p_t, none) = jax.jit(run)(jax.device_put(h, rows), jax.device_put(x, rows))
+  (rq, rq_t, _), (rp, rp_t, _) = run(h, x)
+  _assert_equal((q, q_t, p, p_t), (rq, rq_t, rp, rp_t))
+  assert a.shape == (0,) and none is None
+
+
 def test_activation_gradient_rule_inside_shard_map_keeps_each_shards_sums():
   """Inside shard_map the kernel runs on the shard as it is: its own amax and column sums (the
   format and the GEMM rule reduce them, as for the pure-JAX casts there)."""
