@@ -12,7 +12,7 @@ differs from it only by the conversion, and the conversion is what a user with a
 Every projection GEMM (QKV, attention output, MLP in and out) is converted; the byte head is
 filtered out (N = 256 is far below the size threshold) and attention's batched score and value
 GEMMs are ``jax.nn.dot_product_attention``'s: both stay in bf16. Each adapter's training step is
-its ordinary one as the README gives it (recipe state fed back every step).
+its ordinary one as the user guide gives it (recipe state fed back every step).
 
 ``--size gpu`` (d_model 2048, 4 layers, 16 sequences of 1024 bytes) gives every projection GEMM
 an M*K*N of at least 4096**3 with every dim >= 2048, so all of them run in FP8 under the default
@@ -430,7 +430,7 @@ def nnx_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Train
   def loss_fn(model, tokens):
     return cross_entropy(model(tokens[:, :-1]), tokens)
 
-  def train_step(model, opt, tokens):  # the README's NNX loop
+  def train_step(model, opt, tokens):  # the user guide's NNX loop
     loss, (grads, state_grads) = ta_nnx.value_and_grad(loss_fn)(model, tokens)
     opt.update(model, grads)
     ta_nnx.update_recipe_state(model, state_grads)
@@ -473,7 +473,7 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
     logits, state = model.apply(compute, state, None, tokens[:, :-1])
     return cross_entropy(logits, tokens), state
 
-  def step(carry, tokens):  # the README's Haiku loop
+  def step(carry, tokens):  # the user guide's Haiku loop
     params, state, opt_state = carry
     loss, _, grads, state = ta_hk.value_grad_and_state(loss_fn)(params, state, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)

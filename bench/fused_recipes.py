@@ -5,10 +5,10 @@
 
 For each recipe, times one jitted training step of the block (the output and the gradients of
 x, both kernels, both biases, the norm's parameters and the states: ``jax.value_and_grad``) on x
-(M, K) bfloat16 with float32 parameters, on the fused path (the default ``GemmConfig``: the
-norm's and the activation's float32 outputs quantized as they are computed) and on the composed
-one (``GemmConfig(fuse_activation_cast=False)``), and fused with XLA's casts only
-(``GemmConfig(backend="jax")``), interleaved, the median of ``--repeats`` runs
+(M, K) bfloat16 with float32 parameters, on the default ``GemmConfig``'s path, on the fused path
+(``GemmConfig(fuse_activation_cast=True)``: the norm's and the activation's float32 outputs
+quantized as they are computed) and on the composed one (``fuse_activation_cast=False``), and
+fused with XLA's casts only (``backend="jax"``), interleaved, the median of ``--repeats`` runs
 of ``--steps`` steps. Prints the FP8 GEMMs of each compiled step (``te_adapters.inspect``) and
 whether the step took the fused path (one run of the quantized GEMM rule).
 """
@@ -38,9 +38,10 @@ RECIPES = {
   "delayed": ta.DelayedScaling(),
 }
 PATHS = {
-  "fused": core.GemmConfig(),
+  "default": core.GemmConfig(),
+  "fused": core.GemmConfig(fuse_activation_cast=True),
   # The fused path with every cast XLA's fusion (no extension cast kernel reads a written value).
-  "fused, jax casts": core.GemmConfig(backend="jax"),
+  "fused, jax casts": core.GemmConfig(fuse_activation_cast=True, backend="jax"),
   "composed": core.GemmConfig(fuse_activation_cast=False),
 }
 

@@ -24,8 +24,12 @@ the median over repeats of each. Scaling efficiency is strong scaling, t(1 devic
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
 package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
-``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. The one-device program
-takes the default config (the levers act only on sharded programs).
+``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. A last token ``o``
+compiles the mesh program with XLA's one-shot all-reduce kernel off (the compile option
+``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``, given to this program's compile
+only, so programs with and without it are timed in one process); configs with ``o`` also compile
+a bf16 mesh program with it (``o``), so that FP8 is compared with bf16 under the same XLA options.
+The one-device program takes the default config (the levers act only on sharded programs).
 
 Checks: y, dx and dW of the mesh run against the one-device run of the same framework and
 variant (normwise relative error, flagged above 1e-2), and the new recipe state (DelayedScaling),
@@ -109,17 +113,31 @@ TE_REFERENCE = "TE (GB200s, published): 5.52 ms bf16, 3.71 ms MXFP8"
 
 
 LEVERS: dict = {}  # the GemmConfig levers of the model being built (parse_config's)
+# XLA compile options of the ``o`` token (see the module docstring).
+XLA_OPTIONS = {"o": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}}
+
+
+def split_config(token: str) -> tuple[str, dict]:
+  """``m16o`` -> (``m16``, the ``o`` compile options); ``o`` -> (``base``, them)."""
+  options: dict = {}
+  for letter, opts in XLA_OPTIONS.items():
+    if token.endswith(letter) and token != "base":
+      token, options = token[: -len(letter)] or "base", dict(opts)
+  return token, options
 
 
 def parse_config(token: str) -> dict:
   """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True}."""
   import re
 
+  token = split_config(token)[0]
   if token == "base":
     return {}
   m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?", token)
   if not m or not token:
-    raise SystemExit(f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order")
+    raise SystemExit(
+      f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order (then o)"
+    )
   out = {}
   if m.group(1):
     out["comm_sm_margin"] = int(m.group(1))
@@ -366,7 +384,7 @@ def format_collectives(rows):
   return "\n".join(lines)
 
 
-def prepare(model: Model, x, dy, mesh, args):
+def prepare(model: Model, x, dy, mesh, args, compiler_options=None):
   """Compiles the step on ``mesh`` (None: the first device alone) and runs it to CHECK_STEP and
   through ``args.warmup`` more steps.
 
@@ -387,7 +405,7 @@ def prepare(model: Model, x, dy, mesh, args):
     state = jax.tree.map(lambda a: put(a, P()), model.state)
     xs, dys = put(x, X_SPEC), put(dy, DY_SPEC)
     step = make_step(model, mesh, donate_state=stateful)
-    compiled = step.lower(params, state, xs, dys).compile()
+    compiled = step.lower(params, state, xs, dys).compile(compiler_options=compiler_options)
   current = [state]
 
   def step_once():
@@ -473,10 +491,15 @@ def run(args, log=print):
       model = BUILDERS[framework](variant, h, f, x_init)
       one_step, one_out, _ = prepare(model, x, dy, None, args)
       programs[(framework, variant, "1")] = one_step
-      for config in ["base"] if variant == "bf16" else configs:
+      if variant == "bf16":  # no GemmConfig levers; each set of XLA options once
+        mesh_configs = list(dict.fromkeys("o" if split_config(c)[1] else "base" for c in configs))
+      else:
+        mesh_configs = configs
+      for config in mesh_configs:
         LEVERS = parse_config(config)
         model = BUILDERS[framework](variant, h, f, x_init)
-        mesh_step, mesh_out, text = prepare(model, x, dy, mesh, args)
+        options = split_config(config)[1] or None
+        mesh_step, mesh_out, text = prepare(model, x, dy, mesh, args, options)
         programs[(framework, variant, config)] = mesh_step
         errs = compare(mesh_out, one_out)
         del mesh_out
@@ -491,6 +514,7 @@ def run(args, log=print):
             variant=variant,
             config=config,
             levers=dict(LEVERS),
+            compiler_options=split_config(config)[1],
             rel_y=errs["y"],
             rel_dx=errs["dx"],
             rel_dw=errs["dw"],
@@ -541,7 +565,9 @@ def gemm_targets(text):
 
 
 def format_table(rows):
-  bf16 = {r["framework"]: r for r in rows if r["variant"] == "bf16"}
+  # each FP8 row against the bf16 row of its framework compiled with the same XLA options
+  opts = lambda r: tuple(sorted(r.get("compiler_options", {}).items()))
+  bf16 = {(r["framework"], opts(r)): r for r in rows if r["variant"] == "bf16"}
   head = (
     f"{'framework':<8}{'variant':<9}{'config':<8}{'1 dev':>8}{'2x2':>8}{'eff':>6}"
     f"{'vs bf16':>8}{'1 pipe':>8}{'2x2 pipe':>9}{'eff':>6}{'vs bf16':>8}"
@@ -550,7 +576,7 @@ def format_table(rows):
   lines = [head, "-" * len(head)]
   fmt_err = lambda v: f"{'-':>9}" if v is None else f"{v:>9.1e}"
   for r in rows:
-    ref = bf16.get(r["framework"])
+    ref = bf16.get((r["framework"], opts(r)))
     vs = f"{ref['ms_2x2'] / r['ms_2x2']:>7.3f}x" if ref else f"{'-':>8}"
     vsp = f"{ref['ms_2x2_pipelined'] / r['ms_2x2_pipelined']:>7.3f}x" if ref else f"{'-':>8}"
     coll = ", ".join(f"{op} x{k}" for op, k in sorted(r["collectives"].items())) or "none"

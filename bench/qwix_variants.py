@@ -33,9 +33,12 @@ _FWD_ONLY = "qwix fp8 (fwd GEMM only)"
 _FWD_BWD = "qwix fp8 (fwd+dgrad+wgrad GEMMs)"
 
 
-def _rule(qwix, bwd_qtype):
+def qt_rule(qwix, bwd_qtype, module_path: str = ".*"):
+  """Qwix's per-tensor FP8 rule for the ``dot_general`` of the modules ``module_path`` matches
+  (``re.fullmatch`` on Qwix's ``/``-joined module path): e4m3 operands forward, and with
+  ``bwd_qtype`` the incoming gradient quantized to it backward."""
   return qwix.QtRule(
-    module_path=".*",
+    module_path=module_path,
     op_names=("dot_general",),
     weight_qtype=jnp.float8_e4m3fn,
     act_qtype=jnp.float8_e4m3fn,
@@ -55,6 +58,6 @@ def qwix_variants(make_model) -> list[tuple[str, object]]:
     return []
   out = []
   for name, bwd_qtype in ((_FWD_ONLY, None), (_FWD_BWD, jnp.float8_e5m2)):
-    provider = qwix.QtProvider([_rule(qwix, bwd_qtype)])
+    provider = qwix.QtProvider([qt_rule(qwix, bwd_qtype)])
     out.append((name, qwix.quantize_model(make_model(lambda: None), provider)))
   return out

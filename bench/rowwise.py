@@ -4,12 +4,14 @@ The model and step are ``python -m bench``'s seed 000 Dense through Linen (``ben
 training step (forward, dx, dW) of ``nn.Dense`` with the recipe's ``dot_general``, bfloat16
 activations and a float32 kernel, on the trained recipe state. Rowwise runs as the library runs
 it (on Hopper the extension's cuBLASLt GEMM with unit scales, the row and column factors
-multiplied into its float32 output in a pass after it), with its weight gradient in high
-precision, and with ``GemmConfig(fp8_gemm="xla")`` (XLA's FP8 dot in place of the extension's,
-the same pass after it). The variants are timed in
+multiplied into its bfloat16 output in a pass after it, the operands cast by the extension's two
+CUDA passes), with its weight gradient in high precision, with ``GemmConfig(fp8_gemm="xla")``
+(XLA's FP8 dot in place of the extension's, the same pass after it) and with
+``GemmConfig(backend="jax")`` (the casts in XLA's fusions). The variants are timed in
 turns, one repeat of ``--steps`` steps each, for ``--repeats`` rounds; the table gives the median
 (and spread) per variant, its speed against bf16 and against current scaling, and the compiled
-program's FP8 GEMMs / other GEMMs.
+program's FP8 GEMMs / other GEMMs. ``--casts`` also times the quantization alone (both copies of
+seed 000's x, kernel and gradient) with the extension's passes and with XLA's fusions.
 
 Usage (on the GPU, the extension built):
   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.rowwise --repeats 5
@@ -43,13 +45,12 @@ def variants(full_size: bool):
   ]
   make = speed._make_dense(features)
   models = speed._linen_variants(make, recipes, False)
-  xla = core.GemmConfig(fp8_gemm="xla")
-  models.append(
-    (
-      "linen rowwise, XLA's FP8 dot",
-      make(ta_linen.make_dot_general_cls(ta.Float8RowwiseScaling(), threshold=None, config=xla)),
-    )
-  )
+  for label, config in (
+    ("linen rowwise, XLA's FP8 dot", core.GemmConfig(fp8_gemm="xla")),
+    ("linen rowwise, XLA's casts", core.GemmConfig(backend="jax")),
+  ):
+    cls = ta_linen.make_dot_general_cls(ta.Float8RowwiseScaling(), threshold=None, config=config)
+    models.append((label, make(cls)))
   out = []
   for name, model in models:
     step = speed._speedometer(model.apply)
@@ -58,13 +59,45 @@ def variants(full_size: bool):
   return out
 
 
+def time_casts(full_size: bool, repeats: int, steps: int):
+  """ms per quantization of both copies of each operand, the extension's passes vs XLA's."""
+  t, h, f = (16384, 8192, 32768) if full_size else (128, 256, 512)
+  recipe = ta.Float8RowwiseScaling()
+  fmt = core.format_of(recipe)
+  operands = [("x", (t, h), "x"), ("kernel^T", (f, h), "kernel"), ("dy", (t, f), "grad")]
+  print(f"{'rowwise cast (both copies)':30} {'extension ms':>12} {'XLA ms':>8}")
+  for name, shape, role in operands:
+    x = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.bfloat16)
+    ms = []
+    for backend in ("auto", "jax"):
+      config = core.GemmConfig(backend=backend)
+      fn = jax.jit(
+        lambda x, role=role, config=config: fmt.quantize(
+          core.QuantizeRequest(x, role, recipe, config=config)
+        )
+      )
+      jax.block_until_ready(fn(x))
+      runs = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+          out = fn(x)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - start) / steps * 1e3)
+      ms.append(float(np.median(runs)))
+    print(f"{name + ' ' + str(shape):30} {ms[0]:12.3f} {ms[1]:8.3f}")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--small", action="store_true", help="small sizes (a dry run off the GPU)")
   p.add_argument("--json", default=None)
+  p.add_argument("--casts", action="store_true", help="also time the casts alone")
   args = p.parse_args(argv)
+  if args.casts:
+    time_casts(not args.small, args.repeats, args.steps)
   rows = []
   runs = variants(not args.small)
   for name, step, call in runs:

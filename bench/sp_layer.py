@@ -19,8 +19,14 @@ one trial of each configuration in turn (interleaved), each trial the mean of ``
 synchronised steps after ``--warmup``; the median over rounds is reported with the spread. The
 second table lists the compiled HLO: FP8 against other GEMMs and the collectives.
 
+With ``--profile N`` (GPUs), N steps of each sharded configuration are traced after the timing
+(``jax.profiler``, steps back to back) and the trace's kernel timestamps give, per GPU and step,
+the time in GEMM kernels, in NCCL kernels, and how much of the NCCL time ran while a GEMM kernel
+ran on the same GPU (the collectives overlapped with the GEMMs); ``--out DIR`` also keeps the
+traced configurations' GEMM and NCCL kernel spans (``kernels.json.gz``).
+
 Usage (two GPUs):
-  python bench/sp_layer.py --devices 2
+  python bench/sp_layer.py --devices 2 [--profile 3 --out DIR]
 CPU dry run:
   python bench/sp_layer.py --cpu-devices 2 --devices 2 --batch 2 --seq 64 --hidden 128 \\
       --ffn 256 --heads 4 --iters 1 --warmup 0 --repeats 1
@@ -52,6 +58,8 @@ def _parse(argv):
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--cpu-devices", type=int, default=None)
+  p.add_argument("--profile", type=int, default=0, help="trace this many steps per sharded config")
+  p.add_argument("--out", default=None, help="with --profile: write the traced kernels here")
   return p.parse_args(argv)
 
 
@@ -208,11 +216,15 @@ def run(args):
         put(dy, P("tp")),
       )
       step = make_step(variant, plan, mesh, args.heads, attention)
-      if mesh is None:
-        compiled = step.lower(*call_args).compile()
-      else:
-        with jax.set_mesh(mesh):
+      try:
+        if mesh is None:
           compiled = step.lower(*call_args).compile()
+        else:
+          with jax.set_mesh(mesh):
+            compiled = step.lower(*call_args).compile()
+      except Exception as e:  # noqa: BLE001  (said, and the other configurations still run)
+        print(f"  FAILED {plan} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        continue
       text = compiled.as_text()
       configs.append(
         dict(
@@ -242,6 +254,69 @@ def run(args):
       + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
       flush=True,
     )
+  return configs
+
+
+def _kernel_spans(events):
+  """``{GPU: {"gemm": [(start, end)], "nccl": [...]}}`` (us) of a trace's GPU kernels."""
+  import profile_mesh  # bench/, beside this script
+
+  out = {}
+  for dev, evs in profile_mesh.gpu_events(events).items():
+    kinds = {"gemm": [], "nccl": []}
+    for start, end, name, _, _ in evs:
+      kind = profile_mesh._kind(name)
+      if kind in ("gemm", "collective"):
+        kinds["gemm" if kind == "gemm" else "nccl"].append((start, end))
+    out[dev] = kinds
+  return out
+
+
+def overlap(spans, steps):
+  """Per GPU and step (ms): GEMM kernels, NCCL kernels, and NCCL time while a GEMM kernel ran
+  on the same GPU (the measure of the intersection of the two unions)."""
+  import profile_mesh  # bench/, beside this script
+
+  union = profile_mesh._union
+  out = {}
+  for dev, k in spans.items():
+    gemm, nccl = union(k["gemm"]), union(k["nccl"])
+    both = gemm + nccl - union(k["gemm"] + k["nccl"])
+    out[dev] = dict(
+      gemm_ms=gemm / steps / 1e3,
+      nccl_ms=nccl / steps / 1e3,
+      nccl_beside_gemm_ms=both / steps / 1e3,
+      nccl_kernels=len(k["nccl"]) / steps,
+    )
+  return out
+
+
+def profile(configs, steps, out_dir=None):
+  """Traces ``steps`` steps of every sharded configuration; each config gets ``overlap``."""
+  import gzip
+  import json
+
+  import profile_mesh  # bench/, beside this script
+
+  kept = {}
+  for c in configs:
+    if c["plan"] == "single":
+      continue
+    spans = _kernel_spans(profile_mesh.trace(c["run"], steps))
+    c["overlap"] = overlap(spans, steps)
+    for dev, o in sorted(c["overlap"].items()):
+      share = o["nccl_beside_gemm_ms"] / o["nccl_ms"] if o["nccl_ms"] else float("nan")
+      print(
+        f"  profile {c['plan']} {c['variant']} {dev}: GEMMs {o['gemm_ms']:.2f} ms, NCCL "
+        f"{o['nccl_ms']:.2f} ms ({o['nccl_kernels']:.0f} kernels), of which "
+        f"{o['nccl_beside_gemm_ms']:.2f} ms beside a GEMM ({share:.0%}) a step",
+        flush=True,
+      )
+    kept[f"{c['plan']} {c['variant']}"] = spans
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    with gzip.open(os.path.join(out_dir, "kernels.json.gz"), "wt") as f:
+      json.dump({"steps": steps, "configs": kept}, f)
   return configs
 
 
@@ -290,7 +365,10 @@ def main():
     f"x ({args.seq}, {args.batch}, {args.hidden}) bf16, ffn {args.ffn}, {args.heads} heads; "
     f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} steps\n"
   )
-  print(format_tables(run(args)))
+  configs = run(args)
+  print(format_tables(configs))
+  if args.profile:
+    profile(configs, args.profile, args.out)
 
 
 if __name__ == "__main__":

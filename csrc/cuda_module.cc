@@ -18,6 +18,8 @@ namespace nb = nanobind;
 namespace te_adapters {
 extern "C" XLA_FFI_Error* CastTransposeCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* RowColAmaxCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* RowwiseCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BlockCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ActCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* DactCastCuda(XLA_FFI_CallFrame* call_frame);
@@ -39,6 +41,10 @@ NB_MODULE(_csrc_cuda, m) {
     d["te_adapters_cast_transpose"] =
         nb::capsule(reinterpret_cast<void*>(te_adapters::CastTransposeCuda));
     d["te_adapters_amax"] = nb::capsule(reinterpret_cast<void*>(te_adapters::AmaxCuda));
+    d["te_adapters_row_col_amax"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::RowColAmaxCuda));
+    d["te_adapters_rowwise_cast"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::RowwiseCastCuda));
     d["te_adapters_block_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockCastCuda));
     d["te_adapters_act_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::ActCastCuda));
     d["te_adapters_dact_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::DactCastCuda));

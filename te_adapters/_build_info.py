@@ -42,6 +42,14 @@ class BuildInfo:
       newer), ``"emulated"`` elsewhere: XLA computes the same FP8 arithmetic in higher precision,
       so results match but nothing is faster.
     notes: why a part that is installed does not run here, one sentence each.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> info = ta.build_info()
+    >>> str(info).splitlines()[0] == f"te_adapters {info.version}, jax {info.jax_version}"
+    True
+    >>> info.gpu_kernels_run <= info.cuda_kernels  # kernels run only where installed
+    True
   """
 
   version: str

@@ -55,7 +55,25 @@ def _is_gemm(eqn) -> bool:
 
 def dot_general_operand_dtypes(fn: Callable, *args, **kwargs) -> list[tuple[str, str]]:
   """The operand dtypes of every GEMM in ``fn``'s jaxpr (sub-jaxprs included): each
-  ``dot_general``, and each call of the extension's cuBLASLt FP8 GEMM (used on Hopper GPUs)."""
+  ``dot_general``, and each call of the extension's cuBLASLt FP8 GEMM (used on Hopper GPUs).
+
+  Args:
+    fn: the function to trace.
+    *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A list of ``(lhs dtype, rhs dtype)`` names, one per GEMM, in the jaxpr's order.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> f = lambda x, w: ta.dot_general(x, w, (((1,), (0,)), ((), ())),
+    ...                                 recipe=ta.Float8CurrentScaling(), threshold=None)
+    >>> ta.inspect.dot_general_operand_dtypes(f, jnp.ones((16, 32)), jnp.ones((32, 16)))
+    [('float8_e4m3fn', 'float8_e4m3fn')]
+    >>> ta.inspect.dot_general_operand_dtypes(jnp.dot, jnp.ones((2, 2)), jnp.ones((2, 2)))
+    [('float32', 'float32')]
+  """
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
   out: list[tuple[str, str]] = []
   for eqn in _walk(closed.jaxpr):
@@ -91,7 +109,22 @@ def count_fp8_dot_generals(fn: Callable, *args, **kwargs) -> tuple[int, int]:
 
 def count_fp8_cublas_gemms(hlo_text: str) -> int:
   """Number of cuBLASLt FP8 GEMM custom calls in compiled GPU HLO text: XLA's, and the
-  extension's (whose operands are always FP8)."""
+  extension's (whose operands are always FP8).
+
+  Args:
+    hlo_text: compiled HLO, ``jax.jit(f).lower(*args).compile().as_text()``.
+
+  Returns:
+    The number of such calls (0 on CPU, which has none).
+
+  Example:
+    >>> import te_adapters as ta
+    >>> hlo = (
+    ...   '%gemm = (f32[16,16]{1,0}, s8[0]{0}) custom-call(%x, %w), '
+    ...   'custom_call_target="__cublas$lt$matmul$f8"')
+    >>> ta.inspect.count_fp8_cublas_gemms(hlo)
+    1
+  """
   xla = re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', hlo_text)
   return len(xla) + hlo_text.count(f'custom_call_target="{_FFI_GEMM_TARGET}"')
 
@@ -105,6 +138,23 @@ def hlo_dot_operand_types(hlo_text: str) -> list[tuple[str, str]]:
 
   On GPU, dots that XLA did not turn into cuBLAS calls remain as ``dot`` instructions inside
   (Triton) GEMM fusions; their operand types show whether they run in FP8.
+
+  Args:
+    hlo_text: compiled HLO text.
+
+  Returns:
+    A list of ``(lhs type, rhs type)`` in HLO's spelling (``"f8e4m3fn"``, ``"bf16"``), one per
+    ``dot``; ``"?"`` for an operand defined outside the text.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> hlo = "\\n".join([
+    ...   "%x = f8e4m3fn[16,32]{1,0} parameter(0)",
+    ...   "%w = f8e4m3fn[16,32]{1,0} parameter(1)",
+    ...   "ROOT %y = f32[16,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}",
+    ... ])
+    >>> ta.inspect.hlo_dot_operand_types(hlo)
+    [('f8e4m3fn', 'f8e4m3fn')]
   """
   types = {}
   for line in hlo_text.splitlines():
@@ -154,6 +204,13 @@ class Collective(NamedTuple):
     arrays: ``(dtype, shape)`` of each array in the op's result type; for a ``-start`` op the
       operand's arrays come first.
     line: the HLO instruction.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> hlo = "%ag = f32[8,16]{1,0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}"
+    >>> (c,) = ta.inspect.hlo_collectives(hlo)
+    >>> c.op, c.arrays
+    ('all-gather', (('f32', (8, 16)),))
   """
 
   op: str
@@ -172,6 +229,12 @@ _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 def hlo_collectives(hlo_text: str) -> list[Collective]:
   """The collectives of compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``).
+
+  Args:
+    hlo_text: compiled HLO text.
+
+  Returns:
+    A list of ``Collective``, in the text's order.
 
   Example:
     >>> import jax, te_adapters as ta

@@ -13,14 +13,7 @@ import te_adapters
 from te_adapters import core
 
 # {name in te_adapters.core: why it is not annotated yet}
-NOT_YET = {
-  "layernorm_dense": "the fused norm-and-GEMM path, being reworked; annotated with it",
-  "layernorm_mlp": "the fused MLP path, being reworked; annotated with it",
-  "dropout": "the fused MLP path's dropout, being reworked; annotated with it",
-  "ragged_dot": "the grouped GEMM, being reworked; annotated with it",
-  "init_ragged_state": "the grouped GEMM's state, being reworked; annotated with it",
-  "watch_lora_state": "the frozen-state check, being reworked; annotated with it",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _public_callables():

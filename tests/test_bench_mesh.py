@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,3 +66,50 @@ def test_mesh2x2_dry_run_matches_one_device(tmp_path):
       assert r["rel_dx"] < 1e-2 and r["rel_dw"] < 1e-4, r["what"]
       assert r["rel_state"] in (None, 0.0), r["what"]
     assert np.isfinite(r["ms_1"]) and np.isfinite(r["ms_2x2"])
+
+
+def test_mesh2x2_config_tokens_split_levers_from_compile_options():
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import mesh2x2
+  finally:
+    sys.path.remove(os.path.join(ROOT, "bench"))
+  one_shot_off = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+  assert mesh2x2.split_config("base") == ("base", {})
+  assert mesh2x2.split_config("o") == ("base", one_shot_off)
+  assert mesh2x2.split_config("m16c4fo") == ("m16c4f", one_shot_off)
+  assert mesh2x2.parse_config("m16c4fo") == {
+    "comm_sm_margin": 16,
+    "sum_chunks": 4,
+    "fold_amax": True,
+  }
+  assert mesh2x2.parse_config("o") == {}
+
+
+def test_spmd_configurations_pair_fp8_configs_with_bf16_options():
+  """bench/spmd.py --configs: one device runs the defaults; each sharded plan runs FP8 with
+  every config and bf16 once per distinct set of XLA options (a GemmConfig part is FP8's only);
+  the XLA options and GemmConfig fields of a config are its parts'."""
+  import argparse
+
+  from bench import spmd
+
+  args = argparse.Namespace(
+    plans="single,dp,fsdp",
+    variants="bf16,current,current+fp8_gather",
+    configs="base,m16,no_one_shot,m16+no_one_shot",
+  )
+  got = list(spmd._configurations(args))
+  fp8 = ["base", "m16", "no_one_shot", "m16+no_one_shot"]
+  want = [("single", v, "base") for v in ("bf16", "current")]  # fp8_gather: FSDP only
+  for plan in ("dp", "fsdp"):
+    want += [(plan, "bf16", "base"), (plan, "bf16", "no_one_shot")]
+    want += [(plan, "current", c) for c in fp8]
+    if plan == "fsdp":
+      want += [(plan, "current+fp8_gather", c) for c in fp8]
+  assert got == want
+  fields, options = spmd.config_parts("m16+no_one_shot")
+  assert fields == {"comm_sm_margin": 16}
+  assert options == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+  with pytest.raises(SystemExit, match="unknown 'fast'"):
+    spmd.config_parts("base+fast")

@@ -64,3 +64,24 @@ def test_sequence_parallel_layer_matches_one_device(plan, variant):
     a, w = np.asarray(a, np.float64), np.asarray(w, np.float64)
     rel = np.linalg.norm(a - w) / np.linalg.norm(w)
     assert rel < (y_bound if i == 0 else grad_bound), (i, rel)
+
+
+def test_overlap_measures_nccl_time_beside_gemms():
+  """``sp_layer.overlap`` from kernel spans (us) of two traced steps: GPU 0's NCCL kernels run
+  0-10 (beside the GEMM 5-20 for 5 us) and 30-40 (alone); GPU 1's two NCCL kernels lie inside
+  its GEMMs. Per step: GEMM time, NCCL time and the NCCL time beside a GEMM."""
+  spans = {
+    "gpu0": {"gemm": [(5.0, 20.0), (18.0, 25.0)], "nccl": [(0.0, 10.0), (30.0, 40.0)]},
+    "gpu1": {"gemm": [(0.0, 100.0)], "nccl": [(10.0, 20.0), (15.0, 30.0)]},
+  }
+  got = sp_layer.overlap(spans, steps=2)
+  ms = lambda us: us / 2 / 1e3  # noqa: E731
+  np.testing.assert_allclose(
+    [got["gpu0"][k] for k in ("gemm_ms", "nccl_ms", "nccl_beside_gemm_ms")],
+    [ms(20.0), ms(20.0), ms(5.0)],
+  )
+  np.testing.assert_allclose(
+    [got["gpu1"][k] for k in ("gemm_ms", "nccl_ms", "nccl_beside_gemm_ms")],
+    [ms(100.0), ms(20.0), ms(20.0)],
+  )
+  assert got["gpu0"]["nccl_kernels"] == 1.0

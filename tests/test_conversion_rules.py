@@ -225,23 +225,24 @@ def test_each_rule_gives_its_own_gemm_options_to_its_layers():
   assert "1 of the quantized run in high precision" in str(report)
 
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide"
 
 
-def _readme_block(marker: str) -> str:
-  blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if marker in b]
-  assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks hold {marker!r}"
+def _guide_block(page: str, marker: str) -> str:
+  text = (GUIDE / page).read_text()
+  blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b]
+  assert len(blocks) == 1, f"{page}: {len(blocks)} python blocks hold {marker!r}"
   return blocks[0]
 
 
-def test_the_readmes_rules_examples_run_as_written_and_report_alike(capsys):
+def test_the_guides_rules_examples_run_as_written_and_report_alike(capsys):
   printed = {}
   for adapter, marker in (
     ("linen", "ta_linen.quantize(rules="),
     ("nnx", "ta_nnx.quantize_model(Block("),
     ("haiku", "ta_hk.quantize(rules="),
   ):
-    exec(_readme_block(marker), {})  # self-contained: nothing defined for it
+    exec(_guide_block(f"{adapter}.md", marker), {})  # self-contained: nothing defined for it
     printed[adapter] = capsys.readouterr().out.splitlines()
     assert printed[adapter][0] == "quantized 2 layer(s), kept 4 in high precision, skipped 0"
   # Linen and NNX name the layers alike (NNX lists them in attribute order).

@@ -3,10 +3,13 @@ of a module's ``__all__`` has a docstring for autodoc to render, or the page doc
 (``.. data::``, for constants and for objects made by JAX). .ci/run builds the pages with
 warnings as errors (``python -m sphinx -W``)."""
 
+import ast
+import enum
 import importlib
 import inspect
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -63,29 +66,124 @@ def test_top_level_page_points_to_the_core_for_the_rest():
   assert all(name in page for name in rest), sorted(n for n in rest if n not in page)
 
 
-# The entry points a user starts from: each docstring has its arguments, its result and a
-# runnable example (a doctest, run by the suite's --doctest-modules).
-ENTRY_POINTS = (
-  "te_adapters.build_info",
-  "te_adapters.core.dot_general",
-  "te_adapters.core.quantize",
-  "te_adapters.core.dequantize",
-  "te_adapters.core.init_state",
-  "te_adapters.core.typed_state",
-  "te_adapters.core.updated_state",
-  "te_adapters.core.with_max_grad",
-  "te_adapters.core.format_of",
-  "te_adapters.inspect.count_fp8_dot_generals",
-  "te_adapters.inspect.count_fp8_gemms",
-)
+def _public_callables() -> dict[str, object]:
+  """Each public class and function the package defines, once, by the first name it has on the
+  pages' modules (``te_adapters.Float8CurrentScaling`` is ``te_adapters.core``'s too)."""
+  found: dict[str, object] = {}
+  seen: set[int] = set()
+  for module_name in sorted(PAGES):
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError:  # an adapter whose framework is not installed
+      continue
+    for name in module.__all__:
+      obj = getattr(module, name)
+      own = (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(
+        obj, "__module__", ""
+      ).startswith("te_adapters")
+      if own and id(obj) not in seen:
+        seen.add(id(obj))
+        found[f"{module_name}.{name}"] = obj
+  return found
 
 
-@pytest.mark.parametrize("path", ENTRY_POINTS)
-def test_entry_point_has_arguments_result_and_example(path):
-  module_name, name = path.rsplit(".", 1)
-  doc = inspect.getdoc(getattr(importlib.import_module(module_name), name))
-  has_args = (
-    "Args:" in doc
-    or not inspect.signature(getattr(importlib.import_module(module_name), name)).parameters
-  )
-  assert has_args and "Returns:" in doc and ">>> " in doc, f"{path}: {doc[:200]}"
+def _takes_arguments(obj) -> bool:
+  if inspect.isclass(obj) and issubclass(obj, (Warning, enum.Enum)):
+    return False  # a warning's message; an enum's members are its values
+  try:
+    params = inspect.signature(obj).parameters
+  except ValueError:
+    return False
+  return any(name not in ("self", "cls") for name in params)
+
+
+def test_every_public_callable_has_arguments_result_and_example():
+  """Each public function's docstring has its arguments (``Args:``), its result (``Returns:``)
+  and a runnable example (``Example:`` with ``>>>`` lines, run by the suite's
+  ``--doctest-modules``); each class its constructor's arguments (``Args:`` in its docstring or
+  its ``__init__``'s, or ``Attributes:`` for a dataclass whose fields are its arguments) and an
+  example."""
+  pytest.importorskip("jax")
+  lacking = {}
+  for path, obj in _public_callables().items():
+    doc = inspect.getdoc(obj) or ""
+    init = vars(obj).get("__init__") if inspect.isclass(obj) else None
+    if init is not None and init.__doc__:
+      # The reference shows a class's docstring and its __init__'s together (autoclass_content).
+      doc += "\n" + inspect.getdoc(init)
+    sections = re.findall(r"^(\w+):$", doc, re.M)
+    missing = []
+    if _takes_arguments(obj) and not {"Args", "Attributes"} & set(sections):
+      missing.append("Args")
+    if inspect.isfunction(obj) and "Returns" not in sections:
+      missing.append("Returns")
+    if "Example" not in sections or not re.search(r"^  >>> ", doc, re.M):
+      missing.append("Example")
+    if missing:
+      lacking[path] = missing
+  assert not lacking, "\n".join(f"{path}: no {', '.join(m)}" for path, m in sorted(lacking.items()))
+
+
+def _raises_itself(fn) -> bool:
+  """Whether ``fn``'s own body (not a function nested in it) has a ``raise`` statement."""
+  try:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+  except (OSError, TypeError):  # made by dataclasses or another generator: no source
+    return False
+  nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+  def walk(node):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.Raise):
+        yield child
+      if not isinstance(child, nested):
+        yield from walk(child)
+
+  return any(True for _ in walk(tree.body[0]))
+
+
+def test_every_public_callable_that_raises_says_what():
+  """A public function, or a class whose ``__init__`` or ``__post_init__`` checks its arguments,
+  that raises in its own body has a ``Raises:`` section (errors raised by the functions it calls
+  are its callees' to document)."""
+  pytest.importorskip("jax")
+  silent = []
+  for path, obj in _public_callables().items():
+    if inspect.isfunction(obj):
+      bodies = [obj]
+    else:
+      bodies = [vars(obj)[m] for m in ("__init__", "__post_init__") if m in vars(obj)]
+    docs = [inspect.getdoc(obj) or ""] + [inspect.getdoc(b) or "" for b in bodies]
+    if any(_raises_itself(b) for b in bodies) and not any(
+      re.search(r"^Raises:$", d, re.M) for d in docs
+    ):
+      silent.append(path)
+  assert not silent, f"raise without a Raises: section: {silent}"
+
+
+# Methods a pytree protocol or a generated dataclass gives, not the reference's to explain.
+PROTOCOL_METHODS = {"tree_flatten", "tree_flatten_with_keys", "tree_unflatten", "replace"}
+
+
+def test_every_public_method_has_arguments_and_result():
+  """The public methods of the public classes (``__call__`` included: the reference renders it)
+  name their arguments and their result; the class's example shows them in use."""
+  pytest.importorskip("jax")
+  lacking = {}
+  for path, cls in _public_callables().items():
+    if not inspect.isclass(cls):
+      continue
+    fields = getattr(cls, "__dataclass_fields__", {})
+    for name, member in vars(cls).items():
+      if (name.startswith("_") and name != "__call__") or name in PROTOCOL_METHODS | set(fields):
+        continue
+      fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+      if not inspect.isfunction(fn):
+        continue
+      sections = set(re.findall(r"^(\w+):$", inspect.getdoc(fn) or "", re.M))
+      params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
+      missing = [s for s, needed in (("Args", bool(params)), ("Returns", True)) if needed]
+      missing = [s for s in missing if s not in sections]
+      if missing:
+        lacking[f"{path}.{name}"] = missing
+  assert not lacking, "\n".join(f"{path}: no {', '.join(m)}" for path, m in sorted(lacking.items()))

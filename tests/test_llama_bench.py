@@ -52,6 +52,17 @@ def test_converted_model_gemms_are_fp8(variant, remat, tokens):
   assert trainer.quantized == (3 if variant.startswith("nnx-modules") else 4)
 
 
+def test_qwix_variant_quantizes_every_projection_but_the_head(tokens):
+  pytest.importorskip("qwix")
+  sample = jnp.asarray(train.batch(tokens, CFG, 0, 0))
+  trainer = train.make_trainer(CFG, "linen-qwix", 0, sample)
+  pairs = inspect.dot_general_operand_dtypes(trainer.step, trainer.carry, sample)
+  # Qwix's forward GEMMs e4m3 x e4m3, its gradients' e5m2 x e4m3: the four projections' three
+  # GEMMs each, as in our conversions; the head stays bf16.
+  assert sum(set(p) <= FP8 for p in pairs) == 12, pairs
+  assert ("float8_e5m2", "float8_e4m3fn") in pairs
+
+
 def test_fp8_training_lowers_the_loss_as_bf16_does(tokens):
   cfg = dataclasses.replace(CFG, layers=1)
   runs = {
@@ -64,3 +75,61 @@ def test_fp8_training_lowers_the_loss_as_bf16_does(tokens):
   assert bf16[0] > 6.0 and bf16[-1] < bf16[0] - 1.0, bf16
   # Same parameters and batches: FP8's losses follow bf16's within 1%, at every step.
   np.testing.assert_allclose(fp8, bf16, rtol=1e-2)
+
+
+def _eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(item, "jaxpr", item)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _eqns(sub)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
+def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens):
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  cfg = dataclasses.replace(CFG, layers=1, batch=2 * CFG.batch)
+  mesh = train.fsdp_mesh(2)
+  with jax.set_mesh(mesh):
+    sample = jnp.asarray(train.batch(tokens, cfg, 0, 0))
+    trainer = train.make_trainer(cfg, "nnx-current", 0, sample, gather=P(train.FSDP, None))
+    carry = jax.device_put(trainer.carry, train.fsdp_shardings(trainer.carry, mesh))
+    sample = jax.device_put(sample, NamedSharding(mesh, P(train.FSDP)))
+    specs = {
+      jax.tree_util.keystr(path): leaf.sharding.spec
+      for path, leaf in jax.tree_util.tree_leaves_with_path(carry)
+    }
+    # The scanned stack's kernels on their input dim, the embedding on its rows, AdamW's moments
+    # like their parameters; the norms' scales and the counters replicated.
+    model = "[0]['blocks']['{}']['kernel'].value"
+    for name in ("qkv", "out", "gate_up", "down"):
+      assert specs[model.format(name)] == P(None, train.FSDP), name
+    assert specs["[0]['embed']['embedding'].value"] == P(train.FSDP)
+    assert specs["[0]['head']['kernel'].value"] == P(train.FSDP)
+    moments = [k for k in specs if k.endswith("['blocks']['qkv']['kernel'].value") and "[1]" in k]
+    assert len(moments) == 2 and all(specs[k] == P(None, train.FSDP) for k in moments), moments
+    assert specs["[0]['blocks']['attn_norm']['scale'].value"] == P()
+    assert train.sharded_fraction(carry) > 0.95
+    # The GEMMs of the one-device model, FP8 alike: the four projections' forward and gradients.
+    pairs = inspect.dot_general_operand_dtypes(trainer.step, carry, sample)
+    assert sum(set(p) <= FP8 for p in pairs) == 12, pairs
+    # Each projection's kernel shard is quantized, and its FP8 bytes gathered over the mesh: a
+    # uint8 sharding constraint from the shard to the whole kernel, one per projection.
+    jaxpr = jax.make_jaxpr(trainer.step)(carry, sample).jaxpr
+    gathers = [
+      e
+      for e in _eqns(jaxpr)
+      if e.primitive.name == "sharding_constraint"
+      and e.invars[0].aval.dtype == jnp.uint8
+      and train.FSDP not in jax.tree.leaves(tuple(e.params["sharding"].spec))
+    ]
+    shapes = sorted(tuple(e.invars[0].aval.shape) for e in gathers)
+    d, f = cfg.d_model, cfg.ffn
+    # The kernels as the GEMM takes them, (N, K).
+    assert shapes == sorted(
+      [(cfg.qkv_features, d), (d, cfg.heads * cfg.head_dim), (2 * f, d), (d, f)]
+    )

@@ -1,11 +1,11 @@
-"""Every Python block of README.md (and of the user guide, ``docs/**/*.md``) runs as written.
+"""Every Python block of README.md and of the user guide (``docs/**/*.md``) runs as written.
 
-Each block is executed on its own, in a fresh namespace, exactly as the README shows it (the
+Each block is executed on its own, in a fresh namespace, exactly as the page shows it (the
 multi-host script through the launcher it names, in two processes), and then checked: the
 documented calls exist, take the documented arguments and return the documented structures, and
 the values they promise (a trained LoRA factor, a frozen kernel, a restored checkpoint, the
-global amax on every process) are there. A block that no check claims fails the suite, so a new
-block cannot go untested.
+global amax on every process, an expert's own amax) are there. A block that no check claims
+fails the suite, so a new block on any page cannot go untested.
 
 The blocks run with the shipped size threshold (it applies on GPUs only), as a user's program
 does, not with the suite's (``tests/conftest.py`` makes it apply on CPU too).
@@ -44,11 +44,16 @@ def python_blocks(page: pathlib.Path = README) -> list[tuple[int, str]]:
   ]
 
 
-def guide_blocks() -> list[tuple[str, str]]:
-  """``(page:line, code)`` of every python block of the user-guide pages, ``docs/**/*.md``."""
+def pages() -> list[pathlib.Path]:
+  """README.md and the documentation's Markdown pages (the user guide), ``docs/**/*.md``."""
+  return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def all_blocks() -> list[tuple[str, str]]:
+  """``(page:line, code)`` of every python block of README.md and the guide."""
   return [
     (f"{page.relative_to(ROOT)}:{line}", code)
-    for page in sorted((ROOT / "docs").rglob("*.md"))
+    for page in pages()
     for line, code in python_blocks(page)
   ]
 
@@ -205,6 +210,82 @@ def check_fsdp(ns):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def _relative_error(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _quantized_output(got, want, fp8=True):
+  """An FP8 output: close to the float64 one, and not equal to it (the operands were rounded);
+  with ``fp8=False`` (the size threshold kept the GEMMs in high precision), close."""
+  err = _relative_error(got, want)
+  assert (1e-4 < err < 0.1) if fp8 else (err < 1e-2), err
+
+
+def _quick_start_fp8() -> bool:
+  """Whether the quick starts' first GEMM, (32, 64) x (64, 256), runs in FP8 here."""
+  return _fp8_here(jnp.ones((32, 64)), jnp.ones((64, 256)))
+
+
+def check_quick_plain(ns):
+  x, w, dims, recipe = ns["x"], ns["w"], ns["dims"], ns["recipe"]
+  _quantized_output(ns["y"], np.asarray(x, np.float64) @ np.asarray(w, np.float64), _fp8_here(x, w))
+  fp8, gemms = ta.inspect.count_fp8_dot_generals(
+    lambda x, w: core.dot_general(x, w, dims, recipe=recipe), x, w
+  )
+  assert (fp8, gemms) == ((1, 1) if _fp8_here(x, w) else (0, 1))
+  want = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+  assert ns["g_w"].shape == w.shape and _relative_error(ns["g_w"], want) < 0.1
+
+
+def _mlp64(x, up_w, up_b, down_w, down_b):
+  """The quick starts' two-layer MLP in float64."""
+  f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  return np.maximum(f(x) @ f(up_w) + f(up_b), 0) @ f(down_w) + f(down_b)
+
+
+def check_quick_linen(ns):
+  report, p = ns["q"].report, ns["variables"]["params"]
+  assert sorted(report.quantized) == ["Dense_0", "Dense_1"] and not report.skipped, report
+  want = _mlp64(ns["x"], *(p[d][k] for d in ("Dense_0", "Dense_1") for k in ("kernel", "bias")))
+  _quantized_output(ns["y"], want, _quick_start_fp8())
+
+
+def check_quick_nnx(ns):
+  report, model = ns["report"], ns["model"]
+  assert sorted(report.quantized) == ["down", "up"] and not report.skipped, report
+  layers = (model.up, model.down)
+  want = _mlp64(jnp.ones((32, 64)), *(v[...] for m in layers for v in (m.kernel, m.bias)))
+  _quantized_output(ns["y"], want, _quick_start_fp8())
+
+
+def check_quick_haiku(ns):
+  report, p = ns["q"].report, ns["params"]
+  assert sorted(report.quantized) == ["linear", "linear_1"] and not report.skipped, report
+  want = _mlp64(ns["x"], *(p[m][k] for m in ("linear", "linear_1") for k in ("w", "b")))
+  _quantized_output(ns["y"], want, _quick_start_fp8())
+
+
+def check_ragged(ns):
+  x, sizes, state, g_w = ns["x"], np.asarray(ns["group_sizes"]), ns["state"], ns["g_w"]
+  ends = np.cumsum(sizes)
+  own = [
+    np.abs(np.asarray(x)[e - n : e]).max() if n else 0.0 for n, e in zip(sizes, ends, strict=True)
+  ]
+  # Each expert's newest x amax is its own tokens' (0 for the expert that got none).
+  np.testing.assert_allclose(np.asarray(state["x_amax_history"])[:, -1], own, rtol=1e-6)
+  assert g_w.shape == (4, 32, 48) and not np.asarray(g_w[1]).any()  # no tokens, no gradient
+  assert np.asarray(g_w[0]).any() and np.isfinite(float(ns["loss"]))
+
+
+def check_grouped_layer(ns):
+  x, sizes = np.asarray(ns["x"], np.float64), np.asarray(ns["group_sizes"])
+  kernel = np.asarray(ns["experts"].kernel[...], np.float64)
+  expert = np.repeat(np.arange(len(sizes)), sizes)
+  want = np.einsum("mk,mkn->mn", x, kernel[expert])
+  _quantized_output(ns["y"], want)
+
+
 def check_formats(ns):
   x, w = ns["x"], ns["w"]
   recipe = ns["PowerOfTwoScaling"]()
@@ -215,6 +296,12 @@ def check_formats(ns):
 
 
 CHECKS = {
+  "g_w = jax.grad(lambda w: jnp.mean(ta.core.dot_general(": check_quick_plain,
+  "class LinenMLP(nn.Module)": check_quick_linen,
+  "class NnxMLP(nnx.Module)": check_quick_nnx,
+  "def haiku_mlp(x)": check_quick_haiku,
+  "ta.core.init_ragged_state(recipe, 4)": check_ragged,
+  "ta_nnx.GroupedLinear(4, 32, 48": check_grouped_layer,
   "state = ta.core.with_max_grad(state)": check_plain_jax,
   "ocp.StandardCheckpointer()": check_orbax,
   "ta_linen.TrainState.create": check_linen,
@@ -237,49 +324,45 @@ CHECKS = {
 
 def _claim(code: str) -> str:
   markers = [m for m in CHECKS if m in code]
-  assert len(markers) == 1, f"a README block is claimed by {markers or 'no check'}:\n{code}"
+  assert len(markers) == 1, f"a block is claimed by {markers or 'no check'}:\n{code}"
   return markers[0]
 
 
 def test_every_block_is_claimed_by_one_check():
-  claimed = [_claim(code) for _, code in python_blocks()]
+  claimed = [_claim(code) for _, code in all_blocks()]
   assert sorted(claimed) == sorted(CHECKS), "a check lost its block"
 
 
-@pytest.mark.parametrize(
-  "line, code",
-  [b for b in python_blocks() if "# train_multihost.py" not in b[1]],
-  ids=lambda v: f"line{v}" if isinstance(v, int) else "",
-)
-def test_block_runs_as_written(line, code):
+_BLOCKS = [b for b in all_blocks() if "# train_multihost.py" not in b[1]]
+
+
+@pytest.mark.parametrize("where, code", _BLOCKS, ids=[where for where, _ in _BLOCKS])
+def test_block_runs_as_written(where, code):
   marker = _claim(code)
   if marker == 'kernel_all_gather=P("fsdp", None)' and jax.device_count() < 4:
     pytest.skip("needs 4 devices")
-  ns = {"__name__": f"readme_line_{line}"}
+  ns = {"__name__": "docs_block"}
   try:
-    exec(compile(code, f"README.md:{line}", "exec"), ns)
+    exec(compile(code, where, "exec"), ns)
     CHECKS[marker](ns)
   finally:
     if "PowerOfTwoScaling" in ns:
       core.unregister_format(ns["PowerOfTwoScaling"])
 
 
-@pytest.mark.parametrize("where, code", guide_blocks(), ids=lambda v: v if ":" in v else "")
-def test_guide_block_runs_as_written(where, code):
-  """The user guide's blocks, each on its own in a fresh namespace, as the README's."""
-  exec(compile(code, where, "exec"), {"__name__": "guide_block"})
-
-
 def test_multihost_block_runs_in_two_processes(tmp_path):
-  """The multi-host script, saved as the README names it and run through the launcher it shows:
-  both processes print the same loss and the amax of the whole batch, not of their own rows."""
-  (code,) = [c for _, c in python_blocks() if "# train_multihost.py" in c]
+  """The multi-host script, saved as its page names it and run through the launcher the page
+  shows: both processes print the same loss and the amax of the whole batch, not of their own
+  rows."""
+  ((page, code),) = [
+    (p, c) for p in pages() for _, c in python_blocks(p) if "# train_multihost.py" in c
+  ]
   script = tmp_path / "train_multihost.py"
   script.write_text(code)
   shell = re.search(
-    r"```sh\n(python -m bench\.multiprocess [^\n]*train_multihost\.py)\n```", README.read_text()
+    r"```sh\n(python -m bench\.multiprocess [^\n]*train_multihost\.py)\n```", page.read_text()
   )
-  assert shell, "the README's command for the script"
+  assert shell, f"{page.name}: the command for the script"
   args = shell.group(1).split()[1:]
   args[-1] = str(script)
   env = dict(

@@ -1,7 +1,7 @@
-"""README's "Every recipe on every path" table, checked cell by cell: the table is read from
-README.md (rows: recipes; columns: paths), and each cell's word is checked against what a
-training step of that path under that recipe traces (its GEMMs' operand dtypes, the custom VJPs
-it runs, the warning or the error it raises)."""
+"""The user guide's "Every recipe on every path" table, checked cell by cell: the table is read
+from docs/guide/recipes.md (rows: recipes; columns: paths), and each cell's word is checked
+against what a training step of that path under that recipe traces (its GEMMs' operand dtypes,
+the custom VJPs it runs, the warning or the error it raises)."""
 
 import functools
 import pathlib
@@ -22,18 +22,18 @@ from te_adapters import haiku as ta_hk
 from te_adapters import linen as ta_linen
 from te_adapters import nnx as ta_nnx
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "recipes.md"
 SECTION = "## Every recipe on every path"
-WORDS = ("native", "emulated", "fused", "composed (reported)")
+WORDS = ("native", "emulated", "fused", "composed (default)", "composed (reported)")
 M, K, F = 128, 128, 256  # blocks of 128 tile every GEMM
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _QUANTIZED = (*_FP8, "float4_e2m1fn")
 
 
 def _table():
-  """``{(recipe row, column): cell}`` from README's section."""
-  text = README.read_text()
-  assert SECTION in text, f"README.md has no section {SECTION!r}"
+  """``{(recipe row, column): cell}`` from the page's section."""
+  text = PAGE.read_text()
+  assert SECTION in text, f"{PAGE.name} has no section {SECTION!r}"
   body = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
   lines = [ln for ln in body.splitlines() if ln.startswith("|")]
   header = [c.strip() for c in lines[0].strip("|").split("|")]
@@ -138,6 +138,12 @@ def _check_fused(word, step, recipe, where):
   composed = "name=_activation" in text or "name=_norm" in text
   if word == "fused":
     assert rules == 1 and not composed, (where, rules, composed)
+  elif word == "composed (default)":
+    # Composed by default, where that path was the faster; asked for, the fused path runs.
+    assert composed, where
+    assert step in (_layernorm_mlp, _linen, _nnx, _haiku), where
+    fused = str(_traced(functools.partial(_layernorm_mlp, config=FUSED), recipe, grad=False))
+    assert fused.count("name=_quantized_gemms") == 1 and "name=_activation" not in fused, where
   else:
     assert word == "composed (reported)", (where, word)
     assert composed, where
@@ -171,7 +177,10 @@ def _layernorm_dense(recipe, d):
   return loss, (d["x"], d["w"], state)
 
 
-def _layernorm_mlp(recipe, d):
+FUSED = core.GemmConfig(fuse_activation_cast=True)
+
+
+def _layernorm_mlp(recipe, d, config=None):
   states = (core.init_state(recipe), core.init_state(recipe)) if core.init_state(recipe) else None
 
   def loss(x, wi, wo, states):
@@ -185,6 +194,7 @@ def _layernorm_mlp(recipe, d):
       states=states,
       rngs=_keys(recipe, 2),
       threshold=None,
+      config=config,
     )
     return jnp.sum(out.astype(jnp.float32))
 
@@ -301,7 +311,7 @@ def test_cell(row, column):
 
 @functools.cache
 def _fused_gemm_dtypes(row):
-  return _gemm_dtypes(_traced(_layernorm_mlp, _recipe(row), grad=True))
+  return _gemm_dtypes(_traced(functools.partial(_layernorm_mlp, config=FUSED), _recipe(row), True))
 
 
 @pytest.mark.parametrize("row", sorted({r for r, _ in CELLS}), ids=lambda v: re.sub(r"\W+", "", v))

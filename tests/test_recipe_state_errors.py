@@ -79,8 +79,29 @@ def test_linen_missing_or_mismatched_delayed_state_raises():
   variables = Tower(DELAYED).init(jax.random.PRNGKey(0), X)
   with pytest.raises(Exception, match="_overwrite_with_gradient"):
     Tower(DELAYED).apply({"params": variables["params"]}, X)
-  with pytest.raises(ValueError, match=r"x_amax_history'\] has shape \(4,\)"):
+  # The error names the layer (the first to run).
+  with pytest.raises(
+    ValueError, match=r"^layer 'proj': state\['x_amax_history'\] has shape \(4,\)"
+  ):
     Tower(ta.DelayedScaling(amax_history_len=8)).apply(variables, X)
+
+
+class _Experts(nn.Module):
+  recipe: object
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), (2, 32, 32))
+    return ta_linen.make_ragged_dot_cls(self.recipe)(name="experts")(x, w, jnp.array([2, 2]))
+
+
+def test_linen_experts_state_given_to_a_stateless_model_raises():
+  variables = _Experts(DELAYED).init(jax.random.PRNGKey(0), X)
+  with pytest.raises(ValueError, match=IGNORED) as info:
+    _Experts(CURRENT).apply(variables, X)
+  assert "experts/x_scale" in str(info.value)
+  # The way out the message names works.
+  assert _Experts(CURRENT).apply({"params": variables["params"]}, X).shape == (4, 32)
 
 
 def test_nnx_mismatched_state_raises():
@@ -92,6 +113,39 @@ def test_nnx_mismatched_state_raises():
   nnx.update(other, nnx.state(delayed))  # NNX replaces the arrays; the layer's check refuses them
   with pytest.raises(ValueError, match=r"has shape \(4,\)"):
     other(X)
+
+
+class _Blocks(nnx.Module):
+  def __init__(self, rngs):
+    self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(2)])
+    self.experts = ta_nnx.GroupedLinear(2, 32, 32, recipe=DELAYED, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.experts(x, jnp.array([2, 2], jnp.int32))
+
+
+def test_nnx_mismatched_state_errors_name_the_layer():
+  model = _Blocks(nnx.Rngs(0))
+  ta_nnx.quantize_model(model, DELAYED, threshold=None)
+  longer = _Blocks(nnx.Rngs(0))
+  longer.experts = ta_nnx.GroupedLinear(
+    2, 32, 32, recipe=ta.DelayedScaling(amax_history_len=8), rngs=nnx.Rngs(0)
+  )
+  ta_nnx.quantize_model(longer, ta.DelayedScaling(amax_history_len=8), threshold=None)
+  nnx.update(model, nnx.state(longer, ta_nnx.RecipeState))  # a checkpoint's, say
+  # A converted layer by its path; an experts layer (no path in NNX) by its class.
+  with pytest.raises(
+    ValueError, match=r"^DotGeneral layer at 'blocks/0': state\['x_amax_history'\] has shape \(8,\)"
+  ):
+    model(X)
+  model = _Blocks(nnx.Rngs(0))
+  nnx.update(model.experts, nnx.state(longer.experts, ta_nnx.RecipeState))
+  with pytest.raises(
+    ValueError, match=r"^GroupedLinear layer: state\['x_amax_history'\] has shape \(2, 8\)"
+  ):
+    model(X)
 
 
 def test_haiku_missing_or_mismatched_state_raises():
@@ -109,6 +163,25 @@ def test_haiku_missing_or_mismatched_state_raises():
     model(DELAYED).apply(params, {}, None, X)
   _, fresh = model(CURRENT).init(jax.random.PRNGKey(0), X)
   assert model(CURRENT).apply(params, fresh, None, X)[0].shape == (4, 32)
+  # State of another history length: the error names the layer.
+  with pytest.raises(ValueError, match=r"^layer 'linear': state\['x_amax_history'\] has shape"):
+    model(ta.DelayedScaling(amax_history_len=8)).apply(params, state, None, X)
+
+  def experts(recipe):
+    sizes = jnp.array([2, 2], jnp.int32)
+    return hk.transform_with_state(lambda x: ta_hk.GroupedLinear(2, 32, recipe=recipe)(x, sizes))
+
+  params, state = experts(DELAYED).init(jax.random.PRNGKey(0), X)
+  # The experts layer as the dense one: no state, or state its recipe would ignore, raise.
+  with pytest.raises(ValueError, match="'grouped_linear' keeps recipe state .* has none for it"):
+    experts(DELAYED).apply(params, {}, None, X)
+  with pytest.raises(ValueError, match=IGNORED) as info:
+    experts(CURRENT).apply(params, state, None, X)
+  assert "'grouped_linear'" in str(info.value)
+  with pytest.raises(
+    ValueError, match=r"^layer 'grouped_linear': state\['x_amax_history'\] has shape \(2, 4\)"
+  ):
+    experts(ta.DelayedScaling(amax_history_len=8)).apply(params, state, None, X)
 
 
 @pytest.mark.parametrize(

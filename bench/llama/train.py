@@ -22,12 +22,27 @@ recomputes only elementwise work). The variants differ only by the conversion:
 * ``nnx-modules-<recipe>``: the blocks written with the library's ``LayerNormDenseGeneral``,
   ``Linear`` and ``LayerNormMLP`` built with the recipe (``bf16``: recipe None);
 * ``linen-flax-fp8``: Flax's own ``nn.Fp8DirectDotGeneralOp`` as every projection's
-  ``dot_general_cls``, its ``_overwrite_with_gradient`` state replaced by its gradient each step.
+  ``dot_general_cls``, its ``_overwrite_with_gradient`` state replaced by its gradient each step;
+* ``linen-qwix``: the plain Linen model rewritten by Qwix's quantized training
+  (``qwix.quantize_model`` with a ``QtProvider``): every projection's ``dot_general`` (not the
+  head's) with per-tensor e4m3 operands forward and e5m2 gradients backward (Qwix's dynamic
+  absmax scales, the rule of ``bench/qwix_variants.py``).
 
 Recipes: ``current`` (Float8CurrentScaling), ``delayed`` (DelayedScaling, TE's defaults),
 ``block`` (Float8BlockScaling). The output head stays in bf16 in every variant (a rule keeps it
 in high precision in the conversions, no ``dot_general_cls``), as FP8 recipes usually keep it;
 attention's batched GEMMs are cuDNN's bf16 flash attention on GPU.
+
+FSDP (``--fsdp N``): a one-axis mesh ``fsdp`` over the first N devices; the batch is N times the
+configuration's (each device keeps the one-device batch), the projections' kernels and the
+embedding table (and AdamW's moments of them) are sharded over ``fsdp`` along their input
+dimension, everything else is replicated, and the step is jitted with those shardings in and
+out. The converted layers get ``kernel_all_gather=P("fsdp", None)``: each kernel shard is
+quantized and its FP8 bytes all-gathered, the kernel gradient reduce-scattered back
+(``--no-fp8-gather``: XLA gathers the unquantized kernel). The bf16 model, Flax's op, Qwix and
+the library's fused modules (whose fused functions take no ``kernel_all_gather``) are
+partitioned by XLA from the same shardings. ``--reference FILE`` (the one-device records of the
+same variants) adds the scaling efficiency: tokens/s over N times the one-device tokens/s.
 
 Timing: after ``--warmup`` steps (the recipe state then is a trained one), ``--windows`` windows
 of ``--window-steps`` steps each, each ended by waiting for its last loss; tokens/s is the median
@@ -42,6 +57,7 @@ and idle time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import glob
@@ -59,6 +75,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import te_adapters as ta
 from bench.convergence import count_gemms, cross_entropy
@@ -74,19 +92,25 @@ RECIPES = {
   "block": ta.Float8BlockScaling,
 }
 OVERWRITE = "_overwrite_with_gradient"
+FSDP = "fsdp"
+# FSDP shards these parameters (and their optimizer moments) along their input dim: the
+# projections' kernels (Flax's, the library's fused modules', Haiku's ``w``) and the embedding.
+FSDP_SHARDED = ("kernel", "wi_kernel", "wo_kernel", "w", "embedding", "embeddings")
 
 
 def variant_names() -> list[str]:
-  out = ["nnx-bf16", "linen-bf16", "haiku-bf16", "nnx-modules-bf16", "linen-flax-fp8"]
+  out = ["nnx-bf16", "linen-bf16", "haiku-bf16", "nnx-modules-bf16", "linen-flax-fp8", "linen-qwix"]
   for r in RECIPES:
     out += [f"nnx-{r}", f"linen-{r}", f"haiku-{r}", f"nnx-modules-{r}"]
   return out
 
 
 def parse_variant(name: str) -> tuple[str, str]:
-  """(family, recipe name): family in nnx, linen, nnx-modules, linen-flax."""
+  """(family, recipe name): family in nnx, linen, haiku, nnx-modules, linen-flax, linen-qwix."""
   if name == "linen-flax-fp8":
     return "linen-flax", "flax-fp8"
+  if name == "linen-qwix":
+    return "linen-qwix", "qwix-fp8"
   for family in ("nnx-modules", "nnx", "linen", "haiku"):
     prefix = family + "-"
     if name.startswith(prefix) and (
@@ -115,7 +139,15 @@ def _threshold(cfg):
   return None if cfg.fp8_everywhere else core.DEFAULT_SIZE_THRESHOLD
 
 
-def nnx_trainer(cfg, family, recipe, seed, tx, config=None) -> Trainer:
+def _rules(recipe, gather, *high_precision):
+  """A conversion's rules: the head (and the ``high_precision`` paths) in high precision, every
+  other layer with ``recipe``; under FSDP (``gather``, the kernel's sharding inside the scanned
+  layer) its kernel is all-gathered in FP8."""
+  rest = (".*", recipe) if gather is None else ta.Rule(".*", recipe, kernel_all_gather=gather)
+  return [(model_lib.is_head, None), *[(path, None) for path in high_precision], rest]
+
+
+def nnx_trainer(cfg, family, recipe, seed, tx, config=None, gather=None) -> Trainer:
   from flax import nnx
 
   from te_adapters import nnx as ta_nnx
@@ -132,7 +164,7 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None) -> Trainer:
       report = ta_nnx.quantize_model(
         # The embedding is a lookup: its attend (a tied head) is never called.
         model,
-        rules=[(model_lib.is_head, None), ("embed", None), (".*", recipe)],
+        rules=_rules(recipe, gather, "embed"),
         threshold=_threshold(cfg),
         config=config,
       )
@@ -158,7 +190,24 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None) -> Trainer:
   return Trainer(carry, step, quantized)
 
 
-def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer:
+def _plain_linen_trainer(model, params, tx, extra=None) -> Trainer:
+  """A Linen model trained with ``jax.value_and_grad`` over its params; ``extra``: Flax's FP8
+  op's ``_overwrite_with_gradient`` collection, whose gradient is its next value (Flax's rule)."""
+
+  def loss_fn(params, extra, tokens):
+    variables = {"params": params} if extra is None else {"params": params, OVERWRITE: extra}
+    return cross_entropy(model.apply(variables, tokens[:, :-1]), tokens)
+
+  def step(carry, tokens):
+    params, extra, opt_state = carry
+    loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, extra, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), extra_grads, opt_state), loss
+
+  return Trainer((params, extra, tx.init(params)), step, 0)
+
+
+def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None, gather=None) -> Trainer:
   from flax import linen as nn
 
   from te_adapters import linen as ta_linen
@@ -166,26 +215,22 @@ def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer
   if family == "linen-flax":
     model = model_lib.linen_model(cfg, dot_general_cls=nn.Fp8DirectDotGeneralOp)
     variables = jax.jit(model.init)(jax.random.key(seed), sample[:, :-1])
-    params, fp8_state = variables["params"], variables[OVERWRITE]
+    return _plain_linen_trainer(model, variables["params"], tx, variables[OVERWRITE])
+  if family == "linen-qwix":
+    import qwix
 
-    def loss_fn(params, fp8_state, tokens):
-      logits = model.apply({"params": params, OVERWRITE: fp8_state}, tokens[:, :-1])
-      return cross_entropy(logits, tokens)
+    from bench.qwix_variants import qt_rule
 
-    def step(carry, tokens):  # Flax's rule: the state's gradient is its next value
-      params, fp8_state, opt_state = carry
-      loss, (grads, fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-        params, fp8_state, tokens
-      )
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), fp8_state, opt_state), loss
-
-    return Trainer((params, fp8_state, tx.init(params)), step, 0)
+    # Every projection but the head (Qwix's module path of the head is "head").
+    rule = qt_rule(qwix, jnp.float8_e5m2, module_path=r"(?!head$).*")
+    model = qwix.quantize_model(model_lib.linen_model(cfg), qwix.QtProvider([rule]))
+    variables = jax.jit(model.init)(jax.random.key(seed), sample[:, :-1])
+    if set(variables) != {"params"}:
+      raise ValueError(f"Qwix added variable collections {sorted(set(variables) - {'params'})}")
+    return _plain_linen_trainer(model, variables["params"], tx)
 
   model = model_lib.linen_model(cfg)
-  q = ta_linen.quantize(
-    rules=[(model_lib.is_head, None), (".*", recipe)], threshold=_threshold(cfg), config=config
-  )
+  q = ta_linen.quantize(rules=_rules(recipe, gather), threshold=_threshold(cfg), config=config)
   variables = jax.jit(q(model.init))(jax.random.key(seed), sample[:, :-1])
   state = ta_linen.TrainState.create(apply_fn=q(model.apply), variables=variables, tx=tx)
 
@@ -199,14 +244,12 @@ def linen_trainer(cfg, family, recipe, seed, tx, sample, config=None) -> Trainer
   return Trainer(state, step, len(q.report.quantized) if recipe is not None else 0)
 
 
-def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
+def haiku_trainer(cfg, recipe, seed, tx, sample, config=None, gather=None) -> Trainer:
   import haiku as hk
 
   from te_adapters import haiku as ta_hk
 
-  q = ta_hk.quantize(
-    rules=[(model_lib.is_head, None), (".*", recipe)], threshold=_threshold(cfg), config=config
-  )
+  q = ta_hk.quantize(rules=_rules(recipe, gather), threshold=_threshold(cfg), config=config)
   init = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.float32)))
   model = hk.transform_with_state(q(lambda t: model_lib.haiku_forward(t, cfg, jnp.bfloat16)))
   params, state = jax.jit(init.init)(jax.random.key(seed), sample[:, :-1])
@@ -230,15 +273,81 @@ def haiku_trainer(cfg, recipe, seed, tx, sample, config=None) -> Trainer:
   return Trainer((params, state, tx.init(params)), step, quantized)
 
 
-def make_trainer(cfg, variant: str, seed: int, sample, config=None) -> Trainer:
+def make_trainer(cfg, variant: str, seed: int, sample, config=None, gather=None) -> Trainer:
+  """The variant's model, optimizer state and step; ``gather``: FSDP's ``kernel_all_gather``
+  for the converted layers (None: no FP8 gather)."""
   family, recipe_name = parse_variant(variant)
   recipe = RECIPES[recipe_name]() if recipe_name in RECIPES else None
+  gather = gather if recipe is not None and family in ("nnx", "linen", "haiku") else None
   tx = optimizer(cfg)
   if family in ("nnx", "nnx-modules"):
-    return nnx_trainer(cfg, family, recipe, seed, tx, config)
+    return nnx_trainer(cfg, family, recipe, seed, tx, config, gather)
   if family == "haiku":
-    return haiku_trainer(cfg, recipe, seed, tx, sample, config)
-  return linen_trainer(cfg, family, recipe, seed, tx, sample, config)
+    return haiku_trainer(cfg, recipe, seed, tx, sample, config, gather)
+  return linen_trainer(cfg, family, recipe, seed, tx, sample, config, gather)
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP
+
+
+def fsdp_mesh(devices: int) -> jax.sharding.Mesh:
+  """A one-axis mesh ``fsdp`` over the first ``devices`` devices, Auto axis (XLA partitions)."""
+  if devices > jax.device_count():
+    raise ValueError(f"--fsdp {devices}: only {jax.device_count()} devices here")
+  return jax.make_mesh(
+    (devices,), (FSDP,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:devices]
+  )
+
+
+def _key_name(key) -> str | None:
+  for attr in ("key", "name"):
+    name = getattr(key, attr, None)
+    if isinstance(name, str):
+      return name
+  return None
+
+
+def fsdp_spec(path, leaf, size: int) -> P:
+  """The FSDP sharding of one leaf of a trainer's carry: a projection's kernel or the embedding
+  (or an optimizer moment of one) along its input dim, the dim after the layer axis of the scanned
+  stack; replicated otherwise (norms' scales, recipe state, counters)."""
+  names = [n for n in map(_key_name, path) if n is not None and n != "value"]
+  shape = getattr(leaf, "shape", ())
+  if not names or names[-1] not in FSDP_SHARDED or len(shape) < 2:
+    return P()
+  dim = 1 if any(n == "blocks" or n.startswith("blocks/") for n in names) else 0
+  if shape[dim] % size:
+    return P()
+  return P(*([None] * dim), FSDP)
+
+
+def fsdp_shardings(carry, mesh):
+  """The carry's shardings under FSDP (``fsdp_spec`` of each leaf)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, leaf: NamedSharding(mesh, fsdp_spec(path, leaf, mesh.size)), carry
+  )
+
+
+def sharded_fraction(carry) -> float:
+  """The fraction of the carry's bytes held in shards (leaves not fully replicated)."""
+  total = sharded = 0
+  for leaf in jax.tree.leaves(carry):
+    n = leaf.size * leaf.dtype.itemsize
+    total += n
+    sharded += 0 if leaf.sharding.is_fully_replicated else n
+  return sharded / max(total, 1)
+
+
+def all_gathers(hlo_text: str) -> dict[str, int]:
+  """The all-gathers of compiled HLO by element type (``u8``: FP8 bytes), each counted once
+  where it appears in the program (a scanned layer's once, not once per layer)."""
+  out: dict[str, int] = {}
+  for c in ta.inspect.hlo_collectives(hlo_text):
+    if c.op == "all-gather":
+      dtype = c.arrays[-1][0]
+      out[dtype] = out.get(dtype, 0) + 1
+  return dict(sorted(out.items()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,29 +498,86 @@ def run_variant(
   peak_tflops: float = H100_BF16_PEAK_TFLOPS,
   config=None,
   hlo_dir=None,
+  mesh=None,
+  fp8_gather: bool = True,
 ) -> dict:
-  """Builds, compiles and times one variant; returns its record (``losses``: every step's)."""
+  """Builds, compiles and times one variant; returns its record (``losses``: every step's).
+
+  ``mesh``: FSDP over its ``fsdp`` axis (``cfg.batch`` is then the global batch), with the
+  converted layers' kernels all-gathered in FP8 unless ``fp8_gather`` is False."""
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    return _run_variant(
+      cfg,
+      variant,
+      train,
+      seed=seed,
+      warmup=warmup,
+      windows=windows,
+      window_steps=window_steps,
+      do_profile=do_profile,
+      peak_tflops=peak_tflops,
+      config=config,
+      hlo_dir=hlo_dir,
+      mesh=mesh,
+      fp8_gather=fp8_gather,
+    )
+
+
+def _run_variant(
+  cfg,
+  variant,
+  train,
+  *,
+  seed,
+  warmup,
+  windows,
+  window_steps,
+  do_profile,
+  peak_tflops,
+  config,
+  hlo_dir,
+  mesh,
+  fp8_gather,
+) -> dict:
   t0 = time.perf_counter()
   total_steps = warmup + windows * window_steps
   batches = [jnp.asarray(batch(train, cfg, seed, s)) for s in range(total_steps)]
+  gather = P(FSDP, None) if mesh is not None and fp8_gather else None
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    trainer = make_trainer(cfg, variant, seed, batches[0], config)
+    trainer = make_trainer(cfg, variant, seed, batches[0], config, gather)
+    carry = trainer.carry
+    jit_kwargs = {}
+    if mesh is not None:
+      shardings = fsdp_shardings(carry, mesh)
+      data = NamedSharding(mesh, P(FSDP))
+      carry = jax.device_put(carry, shardings)
+      batches = [jax.device_put(b, data) for b in batches]
+      jit_kwargs = dict(
+        in_shardings=(shardings, data), out_shardings=(shardings, NamedSharding(mesh, P()))
+      )
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    lowered = jax.jit(trainer.step, donate_argnums=0).lower(trainer.carry, batches[0])
+    lowered = jax.jit(trainer.step, donate_argnums=0, **jit_kwargs).lower(carry, batches[0])
     step_fn = lowered.compile()
     compile_s = time.perf_counter() - t1
   high_precision = sorted(
     {str(w.message)[:200] for w in caught if issubclass(w.category, core.HighPrecisionGemmWarning)}
   )
-  text = step_fn.as_text() if jax.default_backend() == "gpu" else ""
-  gemms = count_gemms(trainer.step, trainer.carry, batches[0], text)
+  text = step_fn.as_text() if jax.default_backend() == "gpu" or mesh is not None else ""
+  gemms = count_gemms(trainer.step, carry, batches[0], text)
   if hlo_dir:
     pathlib.Path(hlo_dir).mkdir(parents=True, exist_ok=True)
     (pathlib.Path(hlo_dir) / f"{variant}.hlo.txt").write_text(text)
   quantized = trainer.quantized
-  carry = trainer.carry
+  fsdp = {}
+  if mesh is not None:
+    fsdp = dict(
+      fsdp_devices=mesh.size,
+      fp8_gather=gather is not None,
+      sharded_fraction=sharded_fraction(carry),
+      all_gathers=all_gathers(text),
+    )
   del trainer
   losses = []
   for s in range(warmup):
@@ -431,6 +597,7 @@ def run_variant(
   tps = sorted(tokens / s for s in window_s)
   median = float(np.median(tps))
   flops = cfg.flops_per_step()
+  devices = mesh.size if mesh is not None else 1
   family, recipe_name = parse_variant(variant)
   record = dict(
     variant=variant,
@@ -441,7 +608,7 @@ def run_variant(
     tokens_per_s_min=tps[0],
     tokens_per_s_max=tps[-1],
     step_ms=1e3 * cfg.tokens_per_step / median,
-    mfu=median / cfg.tokens_per_step * flops / (peak_tflops * 1e12),
+    mfu=median / cfg.tokens_per_step * flops / (devices * peak_tflops * 1e12),
     model_tflop_per_step=flops / 1e12,
     windows=windows,
     window_steps=window_steps,
@@ -449,6 +616,7 @@ def run_variant(
     **gemms,
     fp8=recipe_name != "bf16" and gemms["fp8_gemms"] > 0,
     quantized_layers=quantized,
+    **fsdp,
     high_precision=high_precision,
     first_loss=losses[0],
     last_loss=losses[-1],
@@ -497,12 +665,36 @@ def main(argv=None) -> list[dict]:
     default=None,
     help="seconds: start no variant after this much time has passed",
   )
+  p.add_argument(
+    "--fsdp",
+    type=int,
+    default=0,
+    help="FSDP over this many devices (the batch scaled by it); 0: one device, no mesh",
+  )
+  p.add_argument(
+    "--no-fp8-gather",
+    action="store_true",
+    help="FSDP: no kernel_all_gather (XLA gathers the unquantized kernels)",
+  )
+  p.add_argument(
+    "--reference",
+    default=None,
+    help="FSDP: the one-device records (--out of a run without --fsdp) for scaling efficiency",
+  )
   p.add_argument("--hlo-dir", default=None)
   p.add_argument("--out", default=None, help="append the JSON records to this file")
   args = p.parse_args(argv)
   cfg = model_lib.CONFIGS[args.config]
   remat = cfg.remat if args.remat is None else (None if args.remat == "none" else args.remat)
   cfg = dataclasses.replace(cfg, scan=not args.no_scan, remat=remat)
+  mesh = None
+  if args.fsdp:
+    mesh = fsdp_mesh(args.fsdp)
+    cfg = dataclasses.replace(cfg, batch=cfg.batch * args.fsdp)
+  reference = {}
+  if args.reference:
+    with open(args.reference) as f:
+      reference = {r["variant"]: r for r in map(json.loads, f) if "tokens_per_s" in r}
   variants = args.variants.split(",")
   for v in variants:
     parse_variant(v)
@@ -518,6 +710,8 @@ def main(argv=None) -> list[dict]:
     jax=jax.__version__,
     backend=jax.default_backend(),
     device=str(jax.devices()[0].device_kind),
+    devices=jax.device_count(),
+    fsdp=args.fsdp,
   )
   print(json.dumps(header), flush=True)
   start = time.monotonic()
@@ -537,7 +731,13 @@ def main(argv=None) -> list[dict]:
         window_steps=args.window_steps,
         do_profile=v in args.profile.split(","),
         hlo_dir=args.hlo_dir,
+        mesh=mesh,
+        fp8_gather=not args.no_fp8_gather,
       )
+      one = reference.get(v)
+      if mesh is not None and one is not None:
+        record["one_device_tokens_per_s"] = one["tokens_per_s"]
+        record["scaling_efficiency"] = record["tokens_per_s"] / (mesh.size * one["tokens_per_s"])
     except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the others
       record = dict(variant=v, error=f"{type(e).__name__}: {str(e)[:2000]}")
     records.append(record)
@@ -565,6 +765,8 @@ def print_table(records) -> None:
       f"{r['variant']:22s} {r['tokens_per_s']:9.0f} {ratio:7.3f} {r['mfu']:6.3f} "
       f"{r['step_ms']:8.1f} {r['fp8_gemms']:>6d}/{r['gemms']:<6d} {r['compile_s']:9.1f} "
       f"{r['first_loss']:7.3f}->{r['last_loss']:.3f}"
+      + (f"  efficiency {r['scaling_efficiency']:.3f}" if "scaling_efficiency" in r else "")
+      + (f"  all-gathers {r['all_gathers']}" if "all_gathers" in r else "")
     )
   for r in records:
     if "profile" in r:

@@ -60,7 +60,24 @@ def attend_reason(owner: str, called: bool = True) -> str:
 
 class SkippedLayersWarning(UserWarning):
   """A conversion could not quantize layers that a rule gave a recipe; they run in high
-  precision. One warning per conversion lists them with the reasons (``report.skipped``)."""
+  precision. One warning per conversion lists them with the reasons (``report.skipped``).
+
+  Each adapter's conversion issues it (``te_adapters.linen.quantize``,
+  ``te_adapters.nnx.quantize_model``, ``te_adapters.haiku.quantize``); make it an error where
+  every matched layer must be quantized.
+
+  Example:
+    >>> import warnings, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> model = nnx.Sequential(nnx.Linear(32, 16, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(16, 10, rngs=nnx.Rngs(1)))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   report = ta_nnx.quantize_model(model, ta.Float8CurrentScaling())
+    >>> [w.category.__name__ for w in caught], len(report.skipped)  # N=10: not a multiple of 16
+    (['SkippedLayersWarning'], 1)
+  """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +93,10 @@ class Rule:
     recipe: the recipe of the layers it matches, or ``None`` to keep them in high precision.
     threshold, amax_axes, kernel_all_gather, config: the GEMM options of those layers (as for
       ``core.dot_general``); left out, the conversion's own.
+
+  Raises:
+    ValueError: ``path`` is a string that is not a regular expression.
+    TypeError: ``path`` is neither a string nor a callable.
 
   Example:
     >>> import te_adapters as ta
@@ -115,19 +136,38 @@ class Rule:
     )
 
   def matches(self, path: str) -> bool:
-    """Whether this rule selects the layer at ``path``."""
+    """Whether this rule selects the layer at ``path``.
+
+    Args:
+      path: the layer's path in its model, as the conversion spells it (``"layers/0"``).
+
+    Returns:
+      True where the regex matches the whole path (or the function returns true).
+    """
     if isinstance(self.path, str):
       return re.fullmatch(self.path, path) is not None
     return bool(self.path(path))
 
   def describe(self) -> str:
-    """The rule's pattern as messages show it: the regex, or the function's name."""
+    """The rule's pattern as messages show it: the regex, or the function's name.
+
+    Returns:
+      The regex in quotes, or the function's qualified name.
+    """
     if isinstance(self.path, str):
       return f"'{self.path}'"
     return getattr(self.path, "__qualname__", None) or repr(self.path)
 
   def options(self, base: GemmOptions) -> GemmOptions:
-    """This rule's GEMM options, those it leaves out taken from ``base``."""
+    """This rule's GEMM options, those it leaves out taken from ``base``.
+
+    Args:
+      base: the conversion's options (its ``threshold``, ``amax_axes``, ``kernel_all_gather``
+        and ``config``).
+
+    Returns:
+      The options a layer this rule selects is built with.
+    """
     return GemmOptions(
       **{name: getattr(base if getattr(self, name) is INHERIT else self, name) for name in _OPTIONS}
     )

@@ -9,7 +9,7 @@ import numpy as np
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.haiku._linear import state_variable
+from te_adapters.haiku._linear import recipe_state
 
 __all__ = ["GroupedLinear"]
 
@@ -83,7 +83,14 @@ class GroupedLinear(hk.Module):
       w_init = hk.initializers.TruncatedNormal(stddev=1.0 / np.sqrt(input_size))
     shape = [self.num_groups, input_size, self.output_size]
     w = hk.get_parameter("w", shape, inputs.dtype, init=w_init)
-    state = kit.recipe_state(self.recipe, state_variable, self.num_groups)
+    state = recipe_state(self, self.recipe, self.num_groups)
     return core.ragged_dot(
-      inputs, w, group_sizes, precision=precision, recipe=self.recipe, state=state
+      inputs,
+      w,
+      group_sizes,
+      precision=precision,
+      recipe=self.recipe,
+      state=state,
+      layer=f"layer {self.module_name!r}",
+      framework="haiku",
     )

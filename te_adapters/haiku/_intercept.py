@@ -99,10 +99,12 @@ class quantize(kit.GemmOptionAttributes, kit.InterceptScope):  # lower case: use
 
   @property
   def report(self) -> QuantizeReport:
+    """The conversion's ``QuantizeReport``, filled in as the model is traced in the scope."""
     return self._conversion.report
 
   @property
   def rules(self) -> tuple[kit.Rule, ...]:
+    """The conversion's rules, as ``Rule`` objects."""
     return self._conversion.rules
 
   def _interceptor(self):

@@ -116,14 +116,15 @@ def refuse_ignored_state(recipe) -> None:
   )
 
 
-def recipe_state(module: hk.Module, recipe) -> dict | None:
+def recipe_state(module: hk.Module, recipe, n_groups: int | None = None) -> dict | None:
   """The recipe state of the module's GEMM from ``hk.get_state`` (TE's names), or None where the
-  recipe keeps none.
+  recipe keeps none (a grouped GEMM's of ``n_groups`` groups with ``n_groups``).
 
   Must run inside the module's method. Refuses state cast away from float32 (an
-  ``hk.mixed_precision`` policy) and state shared by the iterations of an ``hk.scan``.
+  ``hk.mixed_precision`` policy), state shared by the iterations of an ``hk.scan``, and state
+  that a stateless recipe would ignore.
   """
-  state = kit.recipe_state(recipe, state_variable)
+  state = kit.recipe_state(recipe, state_variable, n_groups)
   if state is None:
     if recipe is not None:
       refuse_ignored_state(recipe)

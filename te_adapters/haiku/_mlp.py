@@ -115,7 +115,16 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
     self.options = kit.GemmOptions(threshold, config=config)
 
   def __call__(self, inputs, *, deterministic: bool = False):
-    """``(out, ln_out or None)``; ``deterministic=True`` turns dropout off."""
+    """Norm, first GEMM, activation, dropout, second GEMM: TE's ``LayerNormMLP``.
+
+    Args:
+      inputs: a floating-point array ``[..., K]``; the parameters get size K.
+      deterministic: turn dropout off (evaluation).
+
+    Returns:
+      ``(out, ln_out)``: ``out`` of ``inputs``'s shape; ``ln_out`` the norm's output, or None unless
+      ``return_layernorm_output``.
+    """
     n_act, f, k = len(self.activations), self.intermediate_dim, inputs.shape[-1]
     dims = (((0,), (0,)), ((), ()))
     kit.check_kernel_gemm_dims(self.recipe, (k, n_act, f), dims, f"{self.module_name} wi_kernel")

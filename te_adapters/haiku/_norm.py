@@ -78,6 +78,14 @@ class LayerNorm(hk.Module):
     self.param_dtype = param_dtype
 
   def __call__(self, x):
+    """Normalizes ``x`` over its last axis.
+
+    Args:
+      x: a floating-point array ``[..., K]``; the parameters get size K.
+
+    Returns:
+      The normalized array, of ``x``'s shape and dtype.
+    """
     scale, bias = _norm_params(self, x.shape[-1])
     return core.layernorm(
       x,
@@ -171,6 +179,15 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
     self.options = kit.GemmOptions(threshold, config=config)
 
   def __call__(self, inputs):
+    """The norm of ``inputs`` over its last axis, then the quantized GEMM with the kernel.
+
+    Args:
+      inputs: a floating-point array ``[..., K]``; the parameters get size K.
+
+    Returns:
+      ``(z, ln_out)``: ``z`` of shape ``[..., *features]``; ``ln_out`` the norm's output, or None
+      unless ``return_layernorm_output``.
+    """
     k = inputs.shape[-1]
     kernel_shape = (k, *self.features)
     kit.check_kernel_gemm_dims(
@@ -239,6 +256,17 @@ class Softmax(hk.Module):
     self.softmax_type = softmax_type
 
   def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
+    """``core.softmax`` of ``inputs`` with the layer's scale factor, fusion type and softmax type.
+
+    Args:
+      inputs: the attention scores, ``[..., q, k]``.
+      mask: nonzero where a score is masked out, broadcastable to ``inputs``; or None.
+      bias: added to the scores before the scaling, broadcastable to ``inputs``; or None.
+      softmax_offset: the extra logit of each row for ``softmax_type="learnable"``, else None.
+
+    Returns:
+      The probabilities, of ``inputs``'s shape and dtype.
+    """
     return core.softmax(
       inputs,
       mask,

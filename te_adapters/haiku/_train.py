@@ -36,6 +36,21 @@ def split_state(state: State) -> tuple[dict, dict]:
 
   Returns:
     Two dicts of the same form; modules with no entry of a kind are left out of that dict.
+
+  Raises:
+    TypeError: ``state`` (or a module's entry) is not a mapping.
+    ValueError: a module holds some of the recipe names but not all.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import haiku as ta_hk
+    >>> def f(x):
+    ...   x = ta_hk.Linear(16, recipe=ta.DelayedScaling(amax_history_len=4))(x)
+    ...   return hk.BatchNorm(True, True, 0.9)(x, is_training=True)
+    >>> _, state = hk.transform_with_state(f).init(jax.random.key(0), jnp.ones((4, 32)))
+    >>> recipe_state, other_state = ta_hk.split_state(state)
+    >>> list(recipe_state), sorted(other_state)[0]
+    (['linear'], 'batch_norm/~/mean_ema')
   """
   if not isinstance(state, Mapping):
     raise TypeError(f"state must be a Haiku state mapping, got {type(state).__name__}")
@@ -61,7 +76,23 @@ def split_state(state: State) -> tuple[dict, dict]:
 
 
 def merge_state(recipe_state: State, other_state: State) -> dict:
-  """The inverse of ``split_state``: one Haiku state holding both parts."""
+  """The inverse of ``split_state``: one Haiku state holding both parts.
+
+  Args:
+    recipe_state: the recipe state, ``{module_name: {state_name: array}}``.
+    other_state: the other state, of the same form.
+
+  Returns:
+    One Haiku state with both parts' entries (new dicts; the arguments are not changed).
+
+  Raises:
+    ValueError: a module's entry is in both parts.
+
+  Example:
+    >>> from te_adapters import haiku as ta_hk
+    >>> ta_hk.merge_state({"linear": {"x_scale": 1.0}}, {"linear": {"count": 0}, "bn": {}})
+    {'linear': {'count': 0, 'x_scale': 1.0}, 'bn': {}}
+  """
   merged = {name: dict(entries) for name, entries in other_state.items()}
   for module_name, entries in recipe_state.items():
     target = merged.setdefault(module_name, {})
@@ -157,6 +188,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
 
   ``loss_fn`` is as for ``value_grad_and_state``: ``loss_fn(params, state, *args, **kwargs)``
   returns ``(loss, new_state)``, or ``(loss, (aux, new_state))`` with ``has_aux``.
+
+  Args:
+    loss_fn: the loss, as described above.
+    has_aux: whether ``loss_fn`` returns auxiliary data.
 
   Returns:
     ``step(params, state, *args, **kwargs) -> (value, (param_grads, new_state))``: ``value`` is

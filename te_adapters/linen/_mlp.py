@@ -105,6 +105,16 @@ class LayerNormMLP(nn.Module):
 
   @nn.compact
   def __call__(self, inputs, deterministic: bool = False):
+    """Norm, first GEMM, activation, dropout, second GEMM: TE's ``LayerNormMLP``.
+
+    Args:
+      inputs: a floating-point array ``[..., K]``; the parameters get size K.
+      deterministic: turn dropout off (evaluation).
+
+    Returns:
+      ``(out, ln_out)``: ``out`` of ``inputs``'s shape; ``ln_out`` the norm's output, or None unless
+      ``return_layernorm_output``.
+    """
     what = self.name or "LayerNormMLP"
     kit.check_last_axis(self.axis, inputs.ndim, what, "LayerNormMLP")
     if self.enable_low_rank_adaptation:

@@ -148,6 +148,21 @@ class QuantizedDotGeneral(nn.Module):
   variable names (``x_scale``, ``x_amax_history``, ...). Use ``make_dot_general_cls(recipe)``.
   Under a recipe that rounds stochastically (``recipe.uses_rng``), each call draws a key from
   the RNG stream ``"sr_rng"``: pass ``rngs={"sr_rng": key}`` to ``apply``.
+
+  Args:
+    recipe: the GEMM's recipe (``make_dot_general_cls`` fills it in).
+    threshold, amax_axes, kernel_all_gather, config: passed to ``core.dot_general`` (as for
+      ``make_dot_general_cls``).
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import linen as ta_linen
+    >>> cls = ta_linen.make_dot_general_cls(ta.DelayedScaling(amax_history_len=4))
+    >>> issubclass(cls, ta_linen.QuantizedDotGeneral), cls.__name__
+    (True, 'DelayedScalingDotGeneral')
+    >>> variables = nn.Dense(16, dot_general=cls()).init(jax.random.key(0), jnp.ones((8, 32)))
+    >>> variables["_overwrite_with_gradient"]["dot_general"]["x_amax_history"].shape
+    (4,)
   """
 
   recipe: Any = None
@@ -168,6 +183,18 @@ class QuantizedDotGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """``core.dot_general(lhs, rhs, ...)`` with this module's recipe, state and options.
+
+    Args:
+      lhs: the activation.
+      rhs: the kernel.
+      dimension_numbers: as for ``lax.dot_general``.
+      precision: as for ``lax.dot_general`` (see ``core.dot_general``).
+      preferred_element_type: the output dtype; default as ``lax.dot_general`` gives.
+
+    Returns:
+      The product, as ``lax.dot_general`` gives it.
+    """
     kit.check_input_dtype(self.recipe, lhs.dtype, _layer_name(self))
     kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, _layer_name(self))
     return core.dot_general(
@@ -215,6 +242,20 @@ def make_dot_general_cls(
 
   Returns:
     A subclass of ``nn.Module`` taking no required constructor arguments.
+
+  Raises:
+    TypeError: ``recipe`` is not a recipe instance.
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import linen as ta_linen
+    >>> cls = ta_linen.make_dot_general_cls(ta.Float8CurrentScaling(), threshold=None)
+    >>> layer = nn.Dense(16, dot_general_cls=cls)
+    >>> x = jnp.ones((8, 32))
+    >>> variables = layer.init(jax.random.key(0), x)
+    >>> fp8, gemms = ta.inspect.count_fp8_dot_generals(lambda x: layer.apply(variables, x), x)
+    >>> fp8, gemms
+    (1, 1)
   """
   recipe = core.check_recipe(recipe)
   options = kit.GemmOptions(threshold, amax_axes, kernel_all_gather, config)
@@ -255,6 +296,19 @@ class Dense(nn.Dense):
   ``threshold`` (GEMMs below it stay in high precision), ``amax_axes``, ``kernel_all_gather`` and
   ``config`` go to ``core.dot_general``; a recipe that rounds stochastically draws keys from the
   RNG stream ``"sr_rng"``.
+
+  Args:
+    features: the number of output features; ``nn.Dense``'s other fields (``use_bias``,
+      ``dtype``, ``param_dtype``, ``precision``, ``kernel_init``, ``bias_init``) keep their
+      meaning and defaults.
+    recipe: a te_adapters recipe (default ``Float8CurrentScaling()``); None: ``nn.Dense``.
+    threshold: passed to ``core.dot_general``: GEMMs below this ``SizeThreshold`` stay in high
+      precision (default ``core.DEFAULT_THRESHOLD``); None quantizes every GEMM.
+    amax_axes: passed to ``core.dot_general`` (inside ``shard_map``: the mesh axes each amax is
+      max-reduced over).
+    kernel_all_gather: passed to ``core.dot_general`` (FSDP: the kernel's sharding, gathered as
+      FP8).
+    config: passed to ``core.dot_general``: a ``core.GemmConfig``, or None for the default.
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -297,6 +351,18 @@ class DenseGeneral(nn.DenseGeneral):
   (``nn.with_logical_constraint``) before the GEMM. ``transpose_batch_sequence`` is accepted and
   has no effect, as in TE's ``DenseGeneral``. ``dtype`` keeps Flax's meaning (the computation's
   dtype; ``param_dtype`` is the parameters'), where TE's ``dtype`` is the parameters' dtype.
+
+  Args:
+    features: the output features (an int or a tuple); ``nn.DenseGeneral``'s other fields
+      (``axis``, ``batch_dims``, ``use_bias``, ``dtype``, ``param_dtype``, ``kernel_init``,
+      ``bias_init``, ``precision``) keep their meaning and defaults.
+    recipe, threshold, amax_axes, kernel_all_gather, config: as for ``Dense``.
+    enable_low_rank_adaptation: add TE's LoRA term (default False).
+    low_rank_adaptation_dim: its rank ``r`` (default 32).
+    low_rank_adaptation_alpha: the term is scaled by ``alpha / r``; None (default) scales by 1.
+    kernel_axes, bias_axes: the logical axis names of ``kernel`` and ``bias`` (default none).
+    input_axes: the logical axes the input is constrained to (default none).
+    transpose_batch_sequence: accepted for TE's signature; no effect.
 
   Example:
     >>> import jax, jax.numpy as jnp

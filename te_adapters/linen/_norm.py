@@ -87,6 +87,14 @@ class LayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
+    """Normalizes ``x`` over its last axis.
+
+    Args:
+      x: a floating-point array ``[..., K]``; the parameters get size K.
+
+    Returns:
+      The normalized array, of ``x``'s shape and dtype.
+    """
     scale, bias = _norm_params(self, x.shape[-1], self.bias_init, self.bias_axes)
     return core.layernorm(
       x,
@@ -168,6 +176,15 @@ class LayerNormDenseGeneral(nn.Module):
 
   @nn.compact
   def __call__(self, inputs):
+    """The norm of ``inputs`` over its last axis, then the quantized GEMM with the kernel.
+
+    Args:
+      inputs: a floating-point array ``[..., K]``; the parameters get size K.
+
+    Returns:
+      ``(z, ln_out)``: ``z`` of shape ``[..., *features]``; ``ln_out`` the norm's output, or None
+      unless ``return_layernorm_output``.
+    """
     kit.check_last_axis(self.axis, inputs.ndim, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
     features = tuple(self.features) if isinstance(self.features, Iterable) else (self.features,)
     k = inputs.shape[-1]
@@ -237,6 +254,17 @@ class Softmax(nn.Module):
   softmax_type: str = "vanilla"
 
   def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
+    """``core.softmax`` of ``inputs`` with the layer's scale factor, fusion type and softmax type.
+
+    Args:
+      inputs: the attention scores, ``[..., q, k]``.
+      mask: nonzero where a score is masked out, broadcastable to ``inputs``; or None.
+      bias: added to the scores before the scaling, broadcastable to ``inputs``; or None.
+      softmax_offset: the extra logit of each row for ``softmax_type="learnable"``, else None.
+
+    Returns:
+      The probabilities, of ``inputs``'s shape and dtype.
+    """
     return core.softmax(
       inputs,
       mask,

@@ -9,7 +9,7 @@ from flax import linen as nn
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, gemm_state
+from te_adapters.linen._module import OVERWRITE_WITH_GRADIENT, gemm_state, layer_label
 
 __all__ = ["make_ragged_dot_cls", "OVERWRITE_WITH_GRADIENT"]
 
@@ -64,6 +64,8 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
         if getattr(rhs, "ndim", None) != 3:
           raise ValueError(f"rhs must be 3-D [G, K, N], got shape {getattr(rhs, 'shape', None)}")
         state = gemm_state(self, recipe, "", n_groups=rhs.shape[0])
+      elif recipe is not None:
+        gemm_state(self, recipe, "")  # refuses variables holding state the recipe would ignore
       return core.ragged_dot(
         lhs,
         rhs,
@@ -73,6 +75,8 @@ def make_ragged_dot_cls(recipe: core.Recipe | None) -> type[nn.Module]:
         group_offset,
         recipe=recipe,
         state=state,
+        layer=layer_label(self),
+        framework="linen",
       )
 
   RaggedDot.recipe = recipe  # type: ignore[attr-defined]  # an attribute of the made class

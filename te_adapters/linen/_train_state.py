@@ -21,6 +21,27 @@ def with_max_grad(variables: Mapping[str, Any]) -> dict[str, Any]:
   Call it inside the loss, before ``apply``, when a layer may run more than once per step (a
   shared layer, ``nn.scan`` with broadcast state, micro-batches): the uses then combine like one
   use that saw the largest amax. ``TrainState.value_and_grad`` does it for you.
+
+  Args:
+    variables: the model's variables, as ``apply`` takes them.
+
+  Returns:
+    A new dict of the same collections, the recipe state's values unchanged (and marked).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> from te_adapters import linen as ta_linen
+    >>> model = ta_linen.Dense(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)
+    >>> variables = model.init(jax.random.key(0), jnp.ones((8, 32)))
+    >>> def loss(variables):  # one layer used twice in a step
+    ...   variables = ta_linen.with_max_grad(variables)
+    ...   return (model.apply(variables, jnp.full((8, 32), 1.0)).sum()
+    ...           + model.apply(variables, jnp.full((8, 32), 3.0)).sum())
+    >>> grads = jax.grad(loss)(variables)
+    >>> new = ta.core.updated_state(variables["_overwrite_with_gradient"],
+    ...                             grads["_overwrite_with_gradient"])
+    >>> float(new["DelayedScalingDotGeneral_0"]["x_amax_history"][-1])  # the larger use's
+    3.0
   """
   variables = dict(variables)
   if OVERWRITE_WITH_GRADIENT in variables:
@@ -37,6 +58,10 @@ def value_and_grad(loss_fn: Callable, *, has_aux: bool = False) -> Callable:
   calling ``apply`` with ``variables``. The recipe state (the ``_overwrite_with_gradient``
   collection) is marked for max accumulation (see ``with_max_grad``) and differentiated with
   the parameters; its gradient, through ``core.updated_state``, is the new recipe state.
+
+  Args:
+    loss_fn: the loss, as described above.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
   Returns:
     ``step(variables, *args, **kwargs) -> (value, (param_grads, recipe_state))``: ``value`` as
@@ -85,10 +110,34 @@ class TrainState(flax.struct.PyTreeNode):
   collection) is replaced by its gradient; other collections (``batch_stats``, ...) are kept in
   ``collections`` and updated by the caller.
 
+  Build it with ``TrainState.create``; its fields:
+
+  Args:
+    step: the number of ``apply_gradients`` calls so far.
+    apply_fn: the model's ``apply``.
+    params: the ``params`` collection.
+    recipe_state: the ``_overwrite_with_gradient`` collection (``{}`` without one).
+    collections: the other collections.
+    tx: the optax optimizer.
+    opt_state: its state.
+
+  Raises:
+    ValueError: (``create``) variables without ``params``; (``apply_gradients``) grads without
+      ``params``, or without the recipe state's gradient where the model keeps recipe state.
+
   Example:
-    state = TrainState.create(apply_fn=model.apply, variables=variables, tx=optax.adam(1e-3))
-    loss, grads = state.value_and_grad(loss_fn, batch)   # loss_fn(variables, batch)
-    state = state.apply_gradients(grads=grads)
+    >>> import jax, jax.numpy as jnp, optax, te_adapters as ta
+    >>> from te_adapters import linen as ta_linen
+    >>> model = ta_linen.Dense(16, recipe=ta.DelayedScaling(amax_history_len=4), threshold=None)
+    >>> x = jnp.ones((8, 32))
+    >>> state = ta_linen.TrainState.create(apply_fn=model.apply,
+    ...                                    variables=model.init(jax.random.key(0), x),
+    ...                                    tx=optax.sgd(0.1))
+    >>> loss_fn = lambda variables, x: jnp.mean(state.apply_fn(variables, x) ** 2)
+    >>> loss, grads = state.value_and_grad(loss_fn, x)
+    >>> state = state.apply_gradients(grads=grads)
+    >>> state.step, state.recipe_state["DelayedScalingDotGeneral_0"]["x_amax_history"].tolist()
+    (1, [0.0, 0.0, 0.0, 1.0])
   """
 
   step: int
@@ -101,7 +150,20 @@ class TrainState(flax.struct.PyTreeNode):
 
   @classmethod
   def create(cls, *, apply_fn: Callable, variables: Mapping[str, Any], tx, **kwargs):
-    """Splits ``variables`` into params, recipe state and other collections."""
+    """Splits ``variables`` into params, recipe state and other collections.
+
+    Args:
+      apply_fn: the model's ``apply``.
+      variables: what ``init`` returned.
+      tx: the optax optimizer (it sees ``params`` only).
+      **kwargs: further fields of a subclass.
+
+    Returns:
+      A ``TrainState`` at step 0 with the optimizer's initial state.
+
+    Raises:
+      ValueError: ``variables`` has no ``params``.
+    """
     variables = dict(variables)
     if "params" not in variables:
       raise ValueError("variables has no 'params' collection")
@@ -131,6 +193,11 @@ class TrainState(flax.struct.PyTreeNode):
 
     Marks the recipe state for max accumulation first (see ``with_max_grad``).
 
+    Args:
+      loss_fn: ``loss_fn(variables, *args)``, calling ``apply_fn`` with ``variables``.
+      *args: its other arguments (a batch).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
     Returns:
       ``(loss, grads)`` or ``((loss, aux), grads)``; ``grads`` has ``params`` and
       ``_overwrite_with_gradient`` entries, as ``apply_gradients`` takes them.
@@ -148,7 +215,20 @@ class TrainState(flax.struct.PyTreeNode):
     return value, {"params": g_params, OVERWRITE_WITH_GRADIENT: g_state}
 
   def apply_gradients(self, *, grads: Mapping[str, Any], **kwargs) -> TrainState:
-    """One optimizer step on ``grads['params']``; recipe state from ``grads`` (see core)."""
+    """One optimizer step on ``grads['params']``; recipe state from ``grads`` (see core).
+
+    Args:
+      grads: what ``value_and_grad`` returned: ``params`` and ``_overwrite_with_gradient``
+        entries.
+      **kwargs: other fields to replace.
+
+    Returns:
+      The next ``TrainState`` (``step`` + 1, new parameters, optimizer and recipe state).
+
+    Raises:
+      ValueError: ``grads`` without ``params``, or without the recipe state's gradient where the
+        model keeps recipe state.
+    """
     if "params" not in grads:
       raise ValueError("grads has no 'params' entry; pass the gradient w.r.t. all variables")
     updates, opt_state = self.tx.update(grads["params"], self.opt_state, self.params)

@@ -10,7 +10,7 @@ import flax.linen as nn
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.linen._module import gemm_state, rounding_key
+from te_adapters.linen._module import gemm_state, layer_label, rounding_key
 
 __all__ = ["wrap_function_in_te_state_module"]
 
@@ -37,6 +37,8 @@ def wrap_function_in_te_state_module(
     stochastically), ``threshold`` and ``config``;
   - with ``n_groups=G``, ``core.ragged_dot(lhs, rhs, group_sizes, **quantization(n_groups=G))``
     takes ``recipe`` and a grouped GEMM's ``state``;
+  - both also take ``layer`` (the wrapper's path, with ``postfix``) and ``framework``
+    (``"linen"``), so warnings name the GEMM and give Linen's remedy;
   - ``core.layernorm_mlp`` takes one state per GEMM: with ``q0, q1 = quantization("_0"),
     quantization("_1")`` pass ``recipe=q0["recipe"], states=(q0["state"], q1["state"])``, the
     names TE's ``LayerNormMLP`` uses.
@@ -59,6 +61,9 @@ def wrap_function_in_te_state_module(
 
   Returns:
     A subclass of ``nn.Module`` taking no required constructor arguments.
+
+  Raises:
+    TypeError: ``f`` is not callable.
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -101,13 +106,19 @@ def wrap_function_in_te_state_module(
           )
         declared.add(postfix)
         state = gemm_state(self, recipe, postfix, n_groups)
+        # How the core's warnings name this GEMM: the wrapper's path, and the GEMM's postfix.
+        layer = layer_label(self)
+        if layer is not None and postfix:
+          layer = f"{layer}, GEMM {postfix!r}"
+        named = {"layer": layer, "framework": "linen"}
         if n_groups is not None:
-          return {"recipe": recipe, "state": state}
+          return {"recipe": recipe, "state": state, **named}
         return {
           "recipe": recipe,
           "state": state,
           "rng": rounding_key(self, recipe),
           **options.keywords(spmd=False),
+          **named,
         }
 
       return f(quantization, *args, **kwargs)

@@ -120,6 +120,10 @@ def quantize_model(
     the quantized layers and their recipes, the layers kept in high precision (by a rule, or the
     size threshold on this backend) and the skipped ones, with reasons.
 
+  Raises:
+    ValueError: a rule's recipe rounds stochastically and no ``rngs`` stream gives keys; and
+      the errors of ``te_adapters.Rule`` for malformed rules.
+
   Example:
     >>> import te_adapters as ta
     >>> from flax import nnx

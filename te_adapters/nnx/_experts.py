@@ -74,6 +74,9 @@ class GroupedLinear(nnx.Module):
     kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
     recipe = kit.check_recipe_or_none(recipe)
+    if recipe is not None:
+      what = f"GroupedLinear({num_groups}, {in_features}, {out_features})"
+      kit.check_gemm_dims(in_features, out_features, what)
     self.kernel = nnx.Param(
       kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype),
       **kernel_metadata,
@@ -114,4 +117,7 @@ class GroupedLinear(nnx.Module):
       preferred_element_type=self.preferred_element_type,
       recipe=self.recipe,
       state=state,
+      # An NNX module does not know its path in the model: the core adds the shapes.
+      layer=f"{type(self).__name__} layer",
+      framework="nnx",
     )

@@ -194,7 +194,17 @@ class Linear(nnx.Linear):
   __init__.__signature__ = kit.signature_with_keywords(nnx.Linear.__init__, __init__)  # type: ignore[attr-defined]
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
-    """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
+    """As ``nnx.Linear.__call__``; ``rngs`` overrides the layer's rounding stream for this call.
+
+    Args:
+      inputs: a floating-point array ``[..., in_features]``.
+      out_sharding: as for ``nnx.Linear``.
+      rngs: an ``nnx.Rngs``, ``nnx.RngStream`` or key for this call's stochastic rounding, in
+        place of the layer's own stream; None: the layer's.
+
+    Returns:
+      ``[..., out_features]``: the quantized GEMM plus the bias, and the LoRA term where enabled.
+    """
     with call_rngs(rngs):
       y = super().__call__(inputs, out_sharding=out_sharding)
     return _lora_term(self, inputs, y, -1)
@@ -220,6 +230,9 @@ class LinearGeneral(nnx.LinearGeneral):
       ``lora_b_kernel`` ``(*out_features[:-1], r, out_features[-1])`` (TE's shapes).
     **others: as for ``flax.nnx.LinearGeneral``. ``dot_general`` and ``dot_general_cls`` cannot be
       combined with a recipe.
+
+  Raises:
+    ValueError: both ``recipe`` and ``dot_general_cls``, or LoRA with ``batch_axis``.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -281,7 +294,18 @@ class LinearGeneral(nnx.LinearGeneral):
   __init__.__signature__ = kit.signature_with_keywords(nnx.LinearGeneral.__init__, __init__)  # type: ignore[attr-defined]
 
   def __call__(self, inputs, out_sharding=None, *, rngs=None):
-    """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call."""
+    """As ``nnx.LinearGeneral.__call__``; ``rngs`` overrides the rounding stream for this call.
+
+    Args:
+      inputs: the input, contracted over the layer's ``axis``.
+      out_sharding: as for ``nnx.LinearGeneral``.
+      rngs: an ``nnx.Rngs``, ``nnx.RngStream`` or key for this call's stochastic rounding, in
+        place of the layer's own stream; None: the layer's.
+
+    Returns:
+      The quantized GEMM plus the bias, and the LoRA term where enabled, as
+      ``nnx.LinearGeneral`` shapes it.
+    """
     with call_rngs(rngs):
       y = super().__call__(inputs, out_sharding=out_sharding)
     return _lora_term(self, inputs, y, self.axis)
@@ -349,6 +373,17 @@ class Einsum(nnx.Einsum):
   __init__.__signature__ = kit.signature_with_keywords(nnx.Einsum.__init__, __init__)  # type: ignore[attr-defined]
 
   def __call__(self, inputs, einsum_str=None, out_sharding=None, *, rngs=None):
-    """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call."""
+    """As ``nnx.Einsum.__call__``; ``rngs`` overrides the layer's rounding stream for this call.
+
+    Args:
+      inputs: the input.
+      einsum_str: the equation; None: the layer's.
+      out_sharding: as for ``nnx.Einsum``.
+      rngs: an ``nnx.Rngs``, ``nnx.RngStream`` or key for this call's stochastic rounding, in
+        place of the layer's own stream; None: the layer's.
+
+    Returns:
+      The result of the equation (plus the bias, as ``nnx.Einsum`` adds it).
+    """
     with call_rngs(rngs):
       return super().__call__(inputs, einsum_str, out_sharding=out_sharding)

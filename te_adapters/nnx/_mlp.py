@@ -129,7 +129,17 @@ class LayerNormMLP(nnx.Module):
       self.dropout_rngs = rngs["dropout"].fork()
 
   def __call__(self, inputs, *, deterministic: bool | None = None):
-    """``(out, ln_out or None)``; ``deterministic`` overrides the layer's for this call."""
+    """Norm, first GEMM, activation, dropout, second GEMM: TE's ``LayerNormMLP``.
+
+    Args:
+      inputs: a floating-point array ``[..., K]``, K the layer's ``in_features``.
+      deterministic: turn dropout off (True) or on (False) for this call; None: the
+        layer's ``deterministic``.
+
+    Returns:
+      ``(out, ln_out)``: ``out`` of ``inputs``'s shape; ``ln_out`` the norm's output, or None unless
+      ``return_layernorm_output``.
+    """
     deterministic = self.deterministic if deterministic is None else deterministic
     if self.recipe is None:
       gemm = {"recipe": None, "threshold": self.threshold, "config": self.config}

@@ -90,6 +90,14 @@ class LayerNorm(nnx.Module):
     _norm_params(self, num_features, scale_init, bias_init, param_dtype, rngs)
 
   def __call__(self, x):
+    """Normalizes ``x`` over its last axis.
+
+    Args:
+      x: a floating-point array ``[..., K]``, K the layer's ``num_features``.
+
+    Returns:
+      The normalized array, of ``x``'s shape and dtype.
+    """
     return _norm(self, x)
 
 
@@ -186,7 +194,17 @@ class LayerNormDenseGeneral(nnx.Module):
     self.config = config
 
   def __call__(self, inputs, *, rngs=None):
-    """``(z, ln_out or None)``; ``rngs`` overrides the rounding stream for this call."""
+    """The norm of ``inputs`` over its last axis, then the quantized GEMM with the kernel.
+
+    Args:
+      inputs: a floating-point array ``[..., K]``, K the layer's ``in_features``.
+      rngs: an ``nnx.Rngs``, ``nnx.RngStream`` or key for this call's stochastic rounding, in
+        place of the layer's own stream; None: the layer's.
+
+    Returns:
+      ``(z, ln_out)``: ``z`` of shape ``[..., *features]``; ``ln_out`` the norm's output, or None
+      unless ``return_layernorm_output``.
+    """
     if self.dot_general is None:
       gemm = {"recipe": None, "threshold": self.threshold, "config": self.config}
     else:
@@ -238,6 +256,17 @@ class Softmax(nnx.Module):
     self.softmax_type = softmax_type
 
   def __call__(self, inputs, mask=None, bias=None, softmax_offset=None):
+    """``core.softmax`` of ``inputs`` with the layer's scale factor, fusion type and softmax type.
+
+    Args:
+      inputs: the attention scores, ``[..., q, k]``.
+      mask: nonzero where a score is masked out, broadcastable to ``inputs``; or None.
+      bias: added to the scores before the scaling, broadcastable to ``inputs``; or None.
+      softmax_offset: the extra logit of each row for ``softmax_type="learnable"``, else None.
+
+    Returns:
+      The probabilities, of ``inputs``'s shape and dtype.
+    """
     return core.softmax(
       inputs,
       mask,

@@ -264,7 +264,21 @@ class DotGeneral(_RecipeOp):
     rngs=None,
   ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, ...)`` with FP8 operands; ``out_sharding`` as for it (with
-    Explicit mesh axes, e.g. row-parallel layers whose contracting dimension is sharded)."""
+    Explicit mesh axes, e.g. row-parallel layers whose contracting dimension is sharded).
+
+    Args:
+      lhs: the activation.
+      rhs: the kernel.
+      dimension_numbers: as for ``lax.dot_general``.
+      precision: as for ``lax.dot_general`` (see ``core.dot_general``).
+      preferred_element_type: the output dtype; default as ``lax.dot_general`` gives.
+      out_sharding: as for ``lax.dot_general``.
+      rngs: an ``nnx.Rngs``, ``nnx.RngStream`` or key for this call's stochastic rounding, in
+        place of the layer's own stream; None: the layer's.
+
+    Returns:
+      The product, as ``lax.dot_general`` gives it.
+    """
     return self._dot(
       lhs, rhs, dimension_numbers, precision, preferred_element_type, rngs, out_sharding
     )
@@ -339,7 +353,21 @@ class EinsumOp(_RecipeOp):
     rngs=None,
   ) -> jax.Array:
     """``jnp.einsum(einsum_str, inputs, kernel, ...)`` with one FP8 GEMM; ``out_sharding`` as
-    for ``jnp.einsum`` (a model's own sharding annotations)."""
+    for ``jnp.einsum`` (a model's own sharding annotations).
+
+    Args:
+      einsum_str: the equation, input first and kernel second (one GEMM of the two).
+      inputs: the input.
+      kernel: the kernel.
+      precision: as for ``jnp.einsum``.
+      preferred_element_type: the output dtype; default as ``jnp.einsum`` gives.
+      out_sharding: as for ``jnp.einsum``.
+      rngs: an ``nnx.Rngs``, ``nnx.RngStream`` or key for this call's stochastic rounding, in
+        place of the layer's own stream; None: the layer's.
+
+    Returns:
+      The result of the equation.
+    """
     inputs, kernel = jnp.asarray(inputs), jnp.asarray(kernel)
     in_labels, k_labels, out_labels = _einsum_labels(einsum_str, inputs, kernel)
     _check_einsum(einsum_str, in_labels, k_labels, out_labels, inputs, kernel)

@@ -165,16 +165,53 @@ def grad(
 ) -> tp.Callable[..., tp.Any]:
   """``nnx.grad`` that also returns the new recipe state; see ``value_and_grad``.
 
+  Args:
+    f: the loss function, as for ``nnx.grad``.
+    argnums: the argument index, or indices, to differentiate (as ints).
+    has_aux: whether ``f`` returns ``(loss, aux)``.
+    wrt: filter of the variables to return gradients for (default ``nnx.Param``).
+    **kwargs: passed to ``nnx.grad``.
+
   Returns:
     A function returning ``(grads, state_grads)`` (``((grads, state_grads), aux)`` with
     ``has_aux``).
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> model = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4),
+    ...                       threshold=None, rngs=nnx.Rngs(0))
+    >>> grads, state_grads = ta_nnx.grad(lambda m, x: jnp.mean(m(x) ** 2))(model, jnp.ones((4, 32)))
+    >>> sorted(nnx.to_pure_dict(grads))
+    ['bias', 'kernel']
+    >>> ta_nnx.update_recipe_state(model, state_grads)
+    >>> model.dot_general.state.x_amax_history[...].tolist()
+    [0.0, 0.0, 0.0, 1.0]
   """
   return _grad_general(f, argnums, has_aux, wrt, return_value=False, **kwargs)
 
 
 def recipe_state(model) -> nnx.State:
   """The ``RecipeState`` variables of ``model``, as an ``nnx.State`` (``nnx.state(model,
-  RecipeState)``); ``nnx.to_pure_dict`` of it is a plain dict for a checkpointer."""
+  RecipeState)``); ``nnx.to_pure_dict`` of it is a plain dict for a checkpointer.
+
+  Args:
+    model: an NNX module (or graph).
+
+  Returns:
+    An ``nnx.State`` of its ``RecipeState`` variables (empty for a model without any).
+
+  Example:
+    >>> import te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> model = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4),
+    ...                       rngs=nnx.Rngs(0))
+    >>> saved = nnx.to_pure_dict(ta_nnx.recipe_state(model))  # a plain dict of arrays
+    >>> list(saved), sorted(saved["dot_general"]["state"])[-2:]
+    (['dot_general'], ['x_amax_history', 'x_scale'])
+  """
   return nnx.state(model, RecipeState)
 
 
@@ -187,6 +224,15 @@ def upgrade_state_dict(saved: Mapping) -> dict:
   This moves every such group of TE's names under ``state`` and leaves everything else, so
   ``nnx.replace_by_pure_dict(nnx.state(model), upgrade_state_dict(old))`` loads an old checkpoint.
   A checkpoint in today's layout comes back unchanged.
+
+  Args:
+    saved: the checkpoint, a nested dict of arrays (``nnx.to_pure_dict``'s form).
+
+  Returns:
+    A new nested dict in today's layout.
+
+  Raises:
+    TypeError: ``saved`` is not a mapping.
 
   Example:
     >>> import numpy as np, te_adapters as ta
@@ -251,8 +297,23 @@ def update_recipe_state(model, state_grads) -> None:
     state_grads: the ``state_grads`` from ``value_and_grad`` / ``grad`` (an ``nnx.State``, or
       ``nnx.to_pure_dict`` of it); ``None`` or an empty state when the model has no recipe state.
 
+  Returns:
+    None; ``model``'s ``RecipeState`` variables hold the new state.
+
+  Raises:
+    TypeError: ``state_grads`` is neither an ``nnx.State`` nor a mapping.
+
   Example:
-    See ``value_and_grad``.
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> model = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4),
+    ...                       threshold=None, rngs=nnx.Rngs(0))
+    >>> step = ta_nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))
+    >>> loss, (grads, state_grads) = step(model, jnp.full((4, 32), 2.0))
+    >>> ta_nnx.update_recipe_state(model, state_grads)
+    >>> model.dot_general.state.x_scale[...].tolist()  # E4M3's 448 / amax 2
+    [224.0]
   """
   current = nnx.state(model, RecipeState)
   old = nnx.to_pure_dict(current)

@@ -17,6 +17,21 @@ class RecipeState(nnx.Variable):
 
   A separate ``nnx.Variable`` type, so ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never updates
   it; its new value comes from the gradient with respect to it (see ``te_adapters.core``).
+
+  Args:
+    value: the entry's array (a float32 scale or amax history), as for ``nnx.Variable``.
+    **metadata: as for ``nnx.Variable``.
+
+  Example:
+    >>> import jax, te_adapters as ta
+    >>> from flax import nnx
+    >>> from te_adapters import nnx as ta_nnx
+    >>> layer = ta_nnx.Linear(32, 16, recipe=ta.DelayedScaling(amax_history_len=4),
+    ...                       rngs=nnx.Rngs(0))
+    >>> type(layer.dot_general.state.x_scale).__name__
+    'RecipeState'
+    >>> sorted(nnx.to_pure_dict(nnx.state(layer, nnx.Param)))  # not among the parameters
+    ['bias', 'kernel']
   """
 
 

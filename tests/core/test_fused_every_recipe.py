@@ -219,8 +219,11 @@ def test_a_format_without_producers_composes_with_a_warning():
     x, p, _ = _data(ACTS)
     with pytest.warns(core.FusedPathFallbackWarning, match="takes no producer"):
       assert not _takes_fused(x, p, ACTS, recipe, FUSED, threshold=None)
-    with pytest.warns(core.FusedPathFallbackWarning, match="takes no producer"):
+    with pytest.warns(core.FusedPathFallbackWarning, match="takes no producer") as record:
       ours = _block(x, p, None, ACTS, recipe, FUSED, threshold=None)
+    # At the line calling the core (the helper's, in its test file), not inside the package.
+    (warning,) = [w for w in record if w.category is core.FusedPathFallbackWarning]
+    assert warning.filename == _block.__code__.co_filename
     want = _block(
       x,
       p,
@@ -231,5 +234,13 @@ def test_a_format_without_producers_composes_with_a_warning():
       threshold=None,
     )
     np.testing.assert_array_equal(ours, want)
+    # Through a layer: at the line that runs the model, not inside the adapter.
+    from te_adapters import linen as ta_linen
+
+    layer = ta_linen.LayerNormMLP(64, recipe=recipe, threshold=None, intermediate_dropout_rate=0.0)
+    with pytest.warns(core.FusedPathFallbackWarning) as record:
+      layer.init(jax.random.key(0), x, deterministic=True)
+    (warning,) = [w for w in record if w.category is core.FusedPathFallbackWarning]
+    assert warning.filename == __file__
   finally:
     core.unregister_format(_NoProducerScaling)

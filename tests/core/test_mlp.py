@@ -248,6 +248,10 @@ def test_bad_input_is_a_clear_error():
     core.layernorm_mlp(*args, activations=("gelu",), recipe=RECIPES["current"])
   with pytest.raises(ValueError, match=r"wo_kernel must have shape \(F=128, K=128\)"):
     core.layernorm_mlp(*args[:4], p["wo_kernel"][:64], activations=GATED, recipe=None)
+  # The norm without its gamma, on the fused path and the composed one.
+  for recipe in (RECIPES["current"], None):
+    with pytest.raises(ValueError, match="scale is None: pass the norm's gamma"):
+      core.layernorm_mlp(x, None, *args[2:], activations=GATED, recipe=recipe)
   small = (
     jnp.ones((4, 40)),
     jnp.ones(40),

@@ -670,3 +670,54 @@ def test_fold_amax_reduces_every_amax_over_the_mesh_in_one_all_reduce(recipe):
     assert len(folded) == 1 and len(folded[0].arrays) == 3, lines(folded)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["cast_then_gather", "kernel_all_gather"])
+def test_fsdp_weight_gradient_is_reduce_scattered_onto_the_kernels_shards(monkeypatch, gather):
+  """FSDP with the GEMM kernel emulated: the kernel sharded over dp on its input dim and its
+  gradient kept so (as an optimizer holding sharded parameters needs it). wgrad contracts the
+  dp-sharded rows, and the output's users want it sharded over dp on the kernel's dim: the rule
+  reduce-scatters the partial products onto that dim (each device receives its half) instead of
+  all-reducing the whole gradient and slicing it after, and the result is one device's bit for
+  bit (float32 partial sums: each element is the same two partials summed either way)."""
+  calls = []
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
+  plan = PLANS[3]
+  assert plan.name == "fsdp"
+  mesh = _mesh()
+  kw = {"kernel_all_gather": NamedSharding(mesh, plan.w)} if gather else {}
+
+  def loss(x, w, state, dy, factor):
+    y = core.dot_general(
+      x * factor.astype(x.dtype),
+      w.astype(jnp.bfloat16),
+      DN,
+      recipe=DELAYED,
+      state=state,
+      threshold=None,
+      config=FFI,
+      **kw,
+    )
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+  def step(x, w, state, dy, factor):
+    (_, y), (dx, dw, new) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+      x, w, state, dy, factor
+    )
+    return y, (dx, lax.with_sharding_constraint(dw, NamedSharding(mesh, plan.w)), new)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ta.core.ShardingFallbackWarning)
+    got, text = _sharded(DELAYED, plan, step=jax.jit(step))
+  _assert_equal_to_one_device(got, _one_device(DELAYED), plan)
+  # wgrad's shards: x^T (64, 64) . dy^T (32, 64)^T over the rows' halves, float32 partials.
+  assert ((64, 64), (32, 64), np.dtype(jnp.float32)) in calls, calls
+  big = lambda c: [s for _, s in c.arrays if int(np.prod(s)) >= 256]  # noqa: E731
+  collectives = list(inspect.hlo_collectives(text))
+  scatters = [c for c in collectives if c.op == "reduce-scatter"]
+  # dW (64, 32) float32, scattered over dp onto (32, 32) per device.
+  assert any((32, 32) in big(c) for c in scatters), [c.line[:160] for c in collectives]
+  assert not any(c.op == "all-reduce" and big(c) for c in collectives), [
+    c.line[:160] for c in collectives if c.op == "all-reduce"
+  ]

@@ -454,7 +454,7 @@ def test_preferred_element_type_and_dtypes():
     (
       dict(lhs=jnp.ones((8, 24)), rhs=jnp.ones((2, 24, 40))),
       ValueError,
-      r"multiples of 16; got K=24, N=40",
+      r"ragged_dot with rhs \(2, 24, 40\): .*multiples of 16, got K=24, N=40",
     ),
   ],
 )
@@ -528,3 +528,29 @@ def test_state_left_out_of_the_gradient_warns_instead_of_freezing_silently():
     new = jax.grad(loss, argnums=2)(x, w, state)
     _, (_, _, new) = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, state)
   assert float(new["x_amax_history"].max()) == 1.0  # the state's gradient is its next value
+
+
+def test_frozen_state_warning_names_the_layer_and_gives_its_frameworks_remedy():
+  recipe = RECIPES["delayed"]
+  x, w = jnp.ones((64, 32)), jnp.ones((2, 32, 32))
+  gs = jnp.array([40, 24], jnp.int32)
+  state = core.init_ragged_state(recipe, 2)
+
+  def loss(x, w, **names):
+    return jnp.sum(core.ragged_dot(x, w, gs, recipe=recipe, state=state, **names))
+
+  with pytest.warns(core.FrozenStateWarning) as record:
+    jax.grad(functools.partial(loss, layer="layer 'moe/experts'", framework="haiku"))(x, w)
+  (warning,) = [w for w in record if issubclass(w.category, core.FrozenStateWarning)]
+  message = str(warning.message)
+  assert warning.filename == __file__
+  assert "layer 'moe/experts' (x (64, 32) float32 . kernel (2, 32, 32) float32)" in message
+  assert "te_adapters.haiku.value_grad_and_state" in message
+  assert "nnx" not in message and "Linen" not in message
+  with pytest.warns(core.FrozenStateWarning) as record:
+    jax.grad(loss)(x, w)  # plain JAX: the shapes, and every framework's remedy
+  message = str(record[0].message)
+  assert "the GEMM x (64, 32) float32 . kernel (2, 32, 32) float32" in message
+  assert "Flax NNX" in message and "Haiku" in message and "plain JAX" in message
+  with pytest.raises(ValueError, match="framework must be one of"):
+    core.ragged_dot(x, w, gs, recipe=recipe, state=state, framework="torch")

@@ -249,9 +249,12 @@ def test_shape_and_recipe_errors_are_clear():
   with pytest.raises(ValueError, match=k_error + r"; the forward GEMM"):
     jax.eval_shape(fwd, f32(32, 48), f32(2, 48, 32))
   # Inference needs only K; training also blocks along N (dgrad). M is free (groups are padded).
-  assert jax.eval_shape(fwd, f32(40, 32), f32(2, 32, 40)).shape == (40, 40)
-  with pytest.raises(ValueError, match=r"the output size N \(rhs dim 2\) is 40.*dgrad"):
-    jax.eval_shape(grad, f32(40, 32), f32(2, 32, 40))
+  assert jax.eval_shape(fwd, f32(40, 32), f32(2, 32, 48)).shape == (40, 48)
+  with pytest.raises(ValueError, match=r"the output size N \(rhs dim 2\) is 48.*dgrad"):
+    jax.eval_shape(grad, f32(40, 32), f32(2, 32, 48))
+  # Below the blocks, the layers' size rule (tests/core/test_size_rule.py).
+  with pytest.raises(ValueError, match=r"multiples of 16, got N=40"):
+    jax.eval_shape(fwd, f32(40, 32), f32(2, 32, 40))
   assert jax.eval_shape(grad, f32(40, 32), f32(2, 32, 32))[1].shape == (2, 32, 32)
   supported = (
     r"support DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "

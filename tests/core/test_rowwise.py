@@ -535,8 +535,9 @@ def test_conversions_take_it():
 )
 def test_gpu_runs_cublaslt_fp8_gemms(recipe, fp8_gemms):
   """On Hopper each FP8 GEMM is a cuBLASLt FP8 GEMM (the extension's, with unit scales; the row
-  and column factors multiply its float32 output), and the results match the float64 reference
-  to the FP8 GEMM's sums and bfloat16's rounding."""
+  and column factors multiply its bfloat16 output, exactly, being powers of two), the operands are
+  cast by the extension's two CUDA passes, and the results match the float64 reference to the FP8
+  GEMM's sums and bfloat16's rounding."""
   m, k, n = 256, 512, 384
   x = _data((m, k), 150).astype(jnp.bfloat16)
   w = _data((k, n), 151, 0.05).astype(jnp.bfloat16)
@@ -544,6 +545,7 @@ def test_gpu_runs_cublaslt_fp8_gemms(recipe, fp8_gemms):
   step = _grads(recipe)
   hlo = step.lower(x, w, dy).compile().as_text()
   assert inspect.count_fp8_cublas_gemms(hlo) == fp8_gemms
+  assert "te_adapters_row_col_amax" in hlo and "te_adapters_rowwise_cast" in hlo
   got = step(x, w, dy)
   want = reference(*(np.asarray(a.astype(jnp.float32)) for a in (x, w, dy)), recipe)
   for name, a, b in zip(("y", "dx", "dW"), got, want, strict=True):
@@ -575,6 +577,41 @@ def test_gpu_quantization_is_the_cpus_bit_for_bit():
           )
           np.testing.assert_array_equal(
             np.asarray(g.scale_inv).view(np.uint32), np.asarray(c.scale_inv).view(np.uint32)
+          )
+
+
+@gpu_only
+@pytest.mark.parametrize("shape", [(128, 256), (2, 130, 72), (3, 37, 53)], ids=str)
+@pytest.mark.parametrize(
+  "dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["float32", "bfloat16", "float16"]
+)
+def test_gpu_kernels_quantize_as_the_pure_jax_path(shape, dtype):
+  """The extension's passes (the amaxes of every row and column in one read, then the cast into
+  both orientations, each row of a copy with its scale) give the pure-JAX path's codes and scales
+  bit for bit: aligned and ragged shapes (the kernels' vector and scalar paths), batch dims, a
+  NaN, an infinity and a zero row, one orientation or both."""
+  x = _data(shape, 180) * jnp.exp(3 * _data((*shape[:-1], 1), 181))
+  x = x.at[..., 1, 2].set(jnp.nan).at[..., 3, 0].set(-jnp.inf).at[..., 5, :].set(0.0)
+  x = x.astype(dtype)
+  fmt = core.format_of(ROWWISE)
+  for role in ("x", "grad"):
+    for rows, cols in ((True, True), (True, False), (False, True)):
+
+      def quantize(x, backend, role=role, rows=rows, cols=cols):
+        config = ta.GemmConfig(backend=backend)
+        q = fmt.quantize(
+          core.QuantizeRequest(x, role, ROWWISE, config=config, rows=rows, cols=cols)
+        )
+        return [(t.data, t.scale_inv, t.amax) for t in (q.rows, q.cols) if t is not None]
+
+      ours = jax.jit(lambda x: quantize(x, "auto"))  # noqa: B023
+      assert "te_adapters_rowwise_cast" in ours.lower(x).compile().as_text()
+      got, want = ours(x), jax.jit(lambda x: quantize(x, "jax"))(x)  # noqa: B023
+      assert len(got) == len(want) == rows + cols
+      for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+          np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=(role, rows, cols)
           )
 
 

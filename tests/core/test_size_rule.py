@@ -1,4 +1,4 @@
-"""The size rule and its one documented difference (README, "One size rule").
+"""The size rule and its one documented difference (docs/guide/adapters.md, "One size rule").
 
 A quantized *layer* (and a conversion) refuses a GEMM whose contracting size K or output size N
 is not a multiple of 16 (``core.gemm_dims_refusal``, as TE asserts), when it is built; so do the
@@ -73,6 +73,53 @@ def test_every_layer_refuses_them_with_one_message():
   model = hk.transform(lambda x: ta_hk.Linear(40, recipe=ta.Float8CurrentScaling())(x))
   with pytest.raises(ValueError, match=message):
     model.init(jax.random.PRNGKey(0), jnp.ones((2, 50)))
+
+
+def test_every_experts_layer_refuses_them_naming_the_layer():
+  from flax import linen as nn
+  from flax import nnx
+
+  from te_adapters import linen as ta_linen
+  from te_adapters import nnx as ta_nnx
+
+  recipe, x, gs = ta.Float8CurrentScaling(), jnp.ones((4, 50)), jnp.array([2, 2], jnp.int32)
+  rule = r"FP8 GEMMs need the contracting size K and the output-feature size N to be multiples"
+  with pytest.raises(ValueError, match=rf"^GroupedLinear\(2, 50, 40\): {rule}"):
+    ta_nnx.GroupedLinear(2, 50, 40, recipe=recipe, rngs=nnx.Rngs(0))
+
+  class Experts(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("kernel", nn.initializers.zeros_init(), (2, 50, 40))
+      return ta_linen.make_ragged_dot_cls(recipe)(name="experts")(x, w, gs)
+
+  with pytest.raises(ValueError, match=rf"^layer 'experts' with rhs \(2, 50, 40\): {rule}"):
+    Experts().init(jax.random.PRNGKey(0), x)
+  hk = pytest.importorskip("haiku")
+  from te_adapters import haiku as ta_hk
+
+  model = hk.transform_with_state(lambda x: ta_hk.GroupedLinear(2, 40, recipe=recipe)(x, gs))
+  with pytest.raises(ValueError, match=rf"^layer 'grouped_linear' with rhs \(2, 50, 40\): {rule}"):
+    model.init(jax.random.PRNGKey(0), x)
+
+
+GROUPED = [
+  ta.DelayedScaling(),
+  ta.Float8CurrentScaling(),
+  ta.MXFP8BlockScaling(),
+  ta.Float8RowwiseScaling(),
+]
+
+
+@pytest.mark.parametrize("recipe", GROUPED, ids=[type(r).__name__ for r in GROUPED])
+def test_ragged_dot_applies_the_layer_rule_under_every_recipe(recipe):
+  # MXFP8's and the rowwise format's grouped GEMMs could run N=40 forward; the layer rule
+  # refuses it all the same, naming the layer where the caller says which.
+  state = core.init_ragged_state(recipe, 2) or None
+  x, w, gs = jnp.ones((32, 64)), jnp.ones((2, 64, 40)), jnp.array([16, 16], jnp.int32)
+  with pytest.raises(ValueError, match=r"^layer 'moe/experts' with rhs \(2, 64, 40\): .*got N=40"):
+    core.ragged_dot(x, w, gs, recipe=recipe, state=state, layer="layer 'moe/experts'")
+  assert core.ragged_dot(x, w, gs, recipe=None).shape == (32, 40)  # high precision: any size
 
 
 def test_core_functions_over_layer_parameters_apply_the_layer_rule():

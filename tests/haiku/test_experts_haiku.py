@@ -1,5 +1,7 @@
 """Haiku GroupedLinear: hk.get_state recipe state, a training step, reuse within a step."""
 
+import warnings
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -130,3 +132,32 @@ def test_mxfp8_trains_with_no_state_and_the_core_numerics():
   np.testing.assert_array_equal(y[56:], 0.0)
   want = jax.jit(core.ragged_dot, static_argnames="recipe")(x, w, SIZES, recipe=recipe)
   np.testing.assert_array_equal(y, want)
+
+
+class _Experts(hk.Module):
+  def __call__(self, x):
+    for i in range(2):
+      x = GroupedLinear(G, K, recipe=RECIPE, name=f"experts_{i}")(x, SIZES)  # the user's line
+    return x
+
+
+def test_frozen_state_warning_names_each_layer_and_points_at_the_users_line():
+  f = hk.transform_with_state(lambda x: _Experts(name="moe")(x))
+  x = jnp.ones((M, K))
+  params, state = jax.eval_shape(f.init, jax.random.key(0), x)
+
+  def loss(params, state):
+    return jnp.sum(f.apply(params, state, None, x)[0])
+
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("default")
+    # The parameters alone: the state cannot update. Traced twice: one warning per layer.
+    for _ in range(2):
+      jax.eval_shape(jax.grad(lambda p, s: loss(p, s)), params, state)
+  frozen = [w for w in record if issubclass(w.category, core.FrozenStateWarning)]
+  assert [w.filename for w in frozen] == [__file__] * 2  # two layers of one shape
+  for i, w in enumerate(frozen):
+    message = str(w.message)
+    assert f"layer 'moe/experts_{i}' (x (64, 32) float32 . kernel (4, 32, 32) float32)" in message
+    assert "te_adapters.haiku.value_grad_and_state" in message
+    assert "nnx" not in message and "Linen" not in message  # Haiku's remedy only

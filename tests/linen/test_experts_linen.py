@@ -1,5 +1,7 @@
 """Linen make_ragged_dot_cls: state in _overwrite_with_gradient, numerics, drop-in for lax."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,41 @@ def test_mxfp8_trains_with_no_state_and_the_core_numerics():
     jnp.asarray(x), kernel, jnp.asarray(SIZES), recipe=recipe
   )
   np.testing.assert_array_equal(y, want)
+
+
+class _TwoExperts(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    recipe = ta.DelayedScaling(amax_history_len=3)
+    for i in range(2):
+      w = self.param(f"kernel_{i}", nn.initializers.lecun_normal(batch_axis=(0,)), (G, K, K))
+      x = make_ragged_dot_cls(recipe)(name=f"experts_{i}")(x, w, SIZES)  # the user's line
+    return x
+
+
+class _Model(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return _TwoExperts(name="moe")(x)
+
+
+def test_frozen_state_warning_names_each_layer_and_points_at_the_users_line():
+  model, x = _Model(), jnp.ones((M, K))
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def loss(params, recipe_state):
+    return jnp.sum(model.apply({"params": params, OVERWRITE_WITH_GRADIENT: recipe_state}, x))
+
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("default")
+    # The parameters alone: the state cannot update. Traced twice: one warning per layer.
+    for _ in range(2):
+      grad = jax.grad(lambda p, s: loss(p, s))
+      jax.eval_shape(grad, variables["params"], variables[OVERWRITE_WITH_GRADIENT])
+  frozen = [w for w in record if issubclass(w.category, core.FrozenStateWarning)]
+  assert [w.filename for w in frozen] == [__file__] * 2  # two layers of one shape
+  for i, w in enumerate(frozen):
+    message = str(w.message)
+    assert f"layer 'moe/experts_{i}' (x (64, 32) float32 . kernel (4, 32, 32) float32)" in message
+    assert "te_adapters.linen.TrainState.value_and_grad" in message
+    assert "nnx" not in message and "haiku" not in message  # Linen's remedy only

@@ -1,10 +1,13 @@
 """``te_adapters.linen.wrap_function_in_te_state_module``: a function calling the core, given
 recipe state by a Linen module (TE's function of that name)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import te_adapters as ta
 from te_adapters import core
@@ -194,3 +197,40 @@ def test_bad_use_is_a_clear_error():
   Zero = ta_linen.wrap_function_in_te_state_module(zero_groups, ta.DelayedScaling())
   with pytest.raises(ValueError, match="n_groups must be a positive int"):
     Zero().init(jax.random.PRNGKey(0), x, w)
+
+
+def _ffn(quantization, x, w_experts, w_out, group_sizes):
+  y = core.ragged_dot(x, w_experts, group_sizes, **quantization("_0", n_groups=2))
+  return core.dot_general(y, w_out, DIMS, **quantization("_1"))
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, w_experts, w_out, group_sizes):
+    recipe = ta.DelayedScaling(amax_history_len=4)
+    ffn = ta_linen.wrap_function_in_te_state_module(_ffn, recipe, threshold=None)
+    return ffn(name="ffn")(x, w_experts, w_out, group_sizes)  # the user's line
+
+
+def test_frozen_state_warning_names_the_wrapper_and_its_gemms():
+  args = (jnp.ones((32, 64)), jnp.ones((2, 64, 32)), jnp.ones((32, 16)), jnp.array([16, 16]))
+  variables = jax.eval_shape(_Block().init, jax.random.PRNGKey(0), *args)
+
+  def loss(w_experts, w_out, variables):
+    return jnp.sum(_Block().apply(variables, args[0], w_experts, w_out, args[3]))
+
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    # The weights alone: the state cannot update.
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1)), args[1], args[2], variables)
+  frozen = [w for w in record if issubclass(w.category, core.FrozenStateWarning)]
+  assert [w.filename for w in frozen] == [__file__] * 2
+  wanted = [
+    "layer 'ffn', GEMM '_0' (x (32, 64) float32 . kernel (2, 64, 32) float32)",
+    "layer 'ffn', GEMM '_1' (x (32, 32) float32 . kernel (32, 16) float32)",
+  ]
+  for w, want in zip(frozen, wanted, strict=True):
+    message = str(w.message)
+    assert want in message
+    assert "te_adapters.linen.TrainState.value_and_grad" in message
+    assert "nnx" not in message and "haiku" not in message  # Linen's remedy only

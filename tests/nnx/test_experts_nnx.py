@@ -1,5 +1,7 @@
 """NNX GroupedLinear: parameters and RecipeState, a training step, numerics."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +142,35 @@ def test_nnx_params_only_loop_warns_that_the_state_is_frozen():
   x = jnp.ones((256, 64), jnp.bfloat16)
   with pytest.warns(core.FrozenStateWarning, match="te_adapters.nnx.value_and_grad"):
     nnx.value_and_grad(lambda m: jnp.sum(m(x, jnp.full((8,), 32, jnp.int32))))(model)
+
+
+class _TwoExperts(nnx.Module):
+  def __init__(self, rngs):
+    recipe = ta.DelayedScaling(amax_history_len=4)
+    self.up = GroupedLinear(G, K, 2 * K, recipe=recipe, rngs=rngs)
+    self.down = GroupedLinear(G, 2 * K, N, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(self.up(x, SIZES), SIZES)  # the user's line
+
+
+def test_frozen_state_warning_names_each_layer_and_points_at_the_users_line():
+  model = _TwoExperts(nnx.Rngs(0))
+  x = jnp.ones((M, K))
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("default")
+    # wrt=nnx.Param only: the state cannot update. Traced twice: one warning per layer.
+    for _ in range(2):
+      nnx.eval_shape(nnx.value_and_grad(lambda m, x: jnp.sum(m(x))), model, x)
+  frozen = [w for w in record if issubclass(w.category, core.FrozenStateWarning)]
+  assert [w.filename for w in frozen] == [__file__] * 2
+  # An NNX layer does not know its path in the model: the layer's class and shapes name it.
+  shapes = [
+    "x (64, 32) float32 . kernel (4, 32, 64) float32",
+    "x (64, 64) float32 . kernel (4, 64, 16)",
+  ]
+  for w, shape in zip(frozen, shapes, strict=True):
+    message = str(w.message)
+    assert f"the DelayedScaling state of GroupedLinear layer ({shape}" in message
+    assert "te_adapters.nnx.value_and_grad" in message
+    assert "Linen" not in message and "haiku" not in message  # NNX's remedy only

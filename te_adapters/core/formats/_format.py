@@ -48,8 +48,22 @@ __all__ = [
 
 
 class Quantized(NamedTuple):
-  """The copies of one operand that ``Format.quantize`` made (None where not asked for), and
-  the operand's role state for the next step (None for stateless formats)."""
+  """The copies of one operand that ``QuantizationFormat.quantize`` made (None where not asked
+  for), and the operand's role state for the next step (None for stateless formats).
+
+  Args:
+    rows: the ``ScaledTensor`` quantized along the GEMM's contracting dimension, or None.
+    cols: the ``ScaledTensor`` of the swapped operand (for the backward GEMMs), or None.
+    state: the role's next state (a ``RoleState`` for delayed scaling), or None.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.Float8CurrentScaling()
+    >>> request = ta.core.QuantizeRequest(jnp.ones((2, 16)), "x", recipe, cols=False)
+    >>> q = ta.core.format_of(recipe).quantize(request)
+    >>> q.rows.shape, q.cols, q.state
+    ((2, 16), None, None)
+  """
 
   rows: Any
   cols: Any
@@ -71,6 +85,23 @@ class Producer(NamedTuple):
       rounded to the activations' dtype), for formats whose scales depend on more than one amax
       (blocks, rows): they quantize it as they would an operand, and XLA fuses its formula into
       their amaxes and casts. None: such a format cannot take this producer.
+
+  Example:
+    The operand ``2 * x``, computed inside its own cast:
+
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> x = jnp.array([[1.0, -3.0]])
+    >>> def cast(scale, with_amax):
+    ...   y = 2 * x
+    ...   q = (y * scale).astype(jnp.float8_e4m3fn)
+    ...   return q, q.T, jnp.abs(y).max().reshape(1) if with_amax else None
+    >>> producer = ta.core.Producer(cast, amax=lambda: jnp.abs(2 * x).max().reshape(1),
+    ...                             value=lambda: 2 * x)
+    >>> recipe = ta.Float8CurrentScaling()
+    >>> request = ta.core.QuantizeRequest(x, "x", recipe, producer=producer)
+    >>> q = ta.core.format_of(recipe).quantize(request)
+    >>> [round(v, 3) for v in ta.dequantize(q.rows)[0].tolist()]  # 2 * x, through E4M3
+    [1.929, -6.0]
   """
 
   cast: Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]]
@@ -93,6 +124,21 @@ class QuantizeRequest:
     cols: whether the copy of the swapped operand is needed.
     key: PRNG key for stochastic rounding (formats that use one), else None.
     producer: a ``Producer`` that casts the operand in the pass that makes it, or None.
+
+  Raises:
+    ValueError: ``role`` is not one of the three.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=4)
+    >>> state = ta.core.init_state(recipe)
+    >>> x = jnp.array([[1.0, -2.0], [0.5, 4.0]])  # (P, C): contracting dimension last
+    >>> request = ta.core.QuantizeRequest(x, "x", recipe, state=state)
+    >>> q = ta.core.format_of(recipe).quantize(request)
+    >>> q.rows.shape, q.cols.shape  # the copy along C and the swapped copy (C, P)
+    ((2, 2), (2, 2))
+    >>> q.state.amax_history.tolist(), q.state.scale.tolist()  # x's next state
+    ([0.0, 0.0, 0.0, 4.0], [112.0])
   """
 
   x: Any
@@ -219,6 +265,24 @@ class QuantizationFormat(NamedTuple):
     takes_producer: whether ``quantize`` takes a ``Producer`` (``QuantizeRequest.producer``):
       the fused norm and MLP paths of ``layernorm_dense`` and ``layernorm_mlp``. False: those
       take the composed path for this format, with a ``FusedPathFallbackWarning``.
+
+  Example:
+    A new recipe class served by an existing format under its own name (``register_format``
+    makes ``dot_general`` take it):
+
+    >>> import dataclasses, jax.numpy as jnp, te_adapters as ta
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MyScaling(ta.Float8CurrentScaling):
+    ...   pass
+    >>> fmt = ta.core.format_of(ta.Float8CurrentScaling())._replace(recipe_type=MyScaling)
+    >>> fmt.per_tensor, fmt.scaling_modes, fmt.state_shapes(MyScaling())
+    (True, ('tensor',), {})
+    >>> ta.core.register_format(fmt)
+    >>> y = ta.core.dot_general(jnp.ones((2, 16)), jnp.ones((16, 16)), (((1,), (0,)), ((), ())),
+    ...                         recipe=MyScaling(), threshold=None)
+    >>> round(float(y[0, 0]), 4)
+    16.0
+    >>> ta.core.unregister_format(MyScaling)
   """
 
   recipe_type: type

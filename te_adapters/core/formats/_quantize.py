@@ -62,6 +62,13 @@ def quantize(
   Returns:
     A ``ScaledTensor`` with data in ``x``'s layout. Per-tensor: ``scale_inv = 1 / scale``.
 
+  Raises:
+    TypeError: ``x`` is not floating point.
+    ValueError: an unknown ``role``; a ``q_dtype`` other than FP8, missing without a recipe or
+      unlike the recipe's; a ``scale`` given to a block recipe or missing for delayed scaling;
+      ``axis``, ``rng`` or ``rht`` where the recipe does not use them; a ``scale`` of more than
+      one element.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> t = ta.core.quantize(jnp.array([1.0, -2.0, 4.0]), jnp.float8_e4m3fn)

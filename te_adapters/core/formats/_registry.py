@@ -101,7 +101,38 @@ def format_of_mode(scaling_mode: str) -> QuantizationFormat:
 
 
 def register_format(fmt: QuantizationFormat) -> None:
-  """Registers ``fmt`` for its ``recipe_type`` (a ``Recipe`` subclass not registered yet)."""
+  """Registers ``fmt`` for its ``recipe_type`` (a ``Recipe`` subclass not registered yet).
+
+  From then on ``format_of`` gives ``fmt`` for that class (and its subclasses without a format
+  of their own), so ``dot_general``, ``layernorm_dense``, ``layernorm_mlp`` and ``ragged_dot``
+  take the recipe as far as the format serves them.
+
+  Args:
+    fmt: the ``QuantizationFormat``.
+
+  Returns:
+    None.
+
+  Raises:
+    TypeError: ``fmt`` is not a ``QuantizationFormat``, or its ``recipe_type`` not a ``Recipe``
+      subclass.
+    ValueError: a format for that class is registered already.
+
+  Example:
+    >>> import dataclasses, te_adapters as ta
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MyScaling(ta.Float8CurrentScaling):
+    ...   pass
+    >>> fmt = ta.core.format_of(ta.Float8CurrentScaling())._replace(recipe_type=MyScaling)
+    >>> ta.core.register_format(fmt)
+    >>> ta.core.format_of(MyScaling()) is fmt
+    True
+    >>> ta.core.register_format(fmt)
+    Traceback (most recent call last):
+      ...
+    ValueError: a format for MyScaling is already registered
+    >>> ta.core.unregister_format(MyScaling)
+  """
   if not isinstance(fmt, QuantizationFormat):
     raise TypeError(f"register takes a QuantizationFormat, got {type(fmt).__name__}")
   if not (isinstance(fmt.recipe_type, type) and issubclass(fmt.recipe_type, Recipe)):
@@ -114,7 +145,33 @@ def register_format(fmt: QuantizationFormat) -> None:
 
 
 def unregister_format(recipe_type: type) -> None:
-  """Removes the format registered for ``recipe_type`` (not one of the package's own)."""
+  """Removes the format registered for ``recipe_type`` (not one of the package's own).
+
+  Args:
+    recipe_type: the recipe class given to ``register_format``.
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: no format was registered by ``register_format`` for that class (the package's
+      own formats cannot be removed).
+
+  Example:
+    >>> import dataclasses, te_adapters as ta
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MyScaling(ta.Float8CurrentScaling):
+    ...   pass
+    >>> fmt = ta.core.format_of(ta.Float8CurrentScaling())._replace(recipe_type=MyScaling)
+    >>> ta.core.register_format(fmt)
+    >>> ta.core.unregister_format(MyScaling)
+    >>> ta.core.format_of(MyScaling()) is fmt  # back to its base class's format
+    False
+    >>> ta.core.unregister_format(ta.DelayedScaling)
+    Traceback (most recent call last):
+      ...
+    ValueError: no format registered by register_format() for <class '...DelayedScaling'>
+  """
   for fmt in _FORMATS[_PACKAGE_FORMATS:]:
     if fmt.recipe_type is recipe_type:
       _FORMATS.remove(fmt)
@@ -128,7 +185,26 @@ def unregister_format(recipe_type: type) -> None:
 
 
 def state_names(recipe: Recipe) -> tuple[str, ...]:
-  """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes)."""
+  """The variable names of ``recipe``'s state, in TE's spelling (empty for stateless recipes).
+
+  Args:
+    recipe: a recipe instance.
+
+  Returns:
+    A tuple of names, in the order of the format's ``state_shapes``.
+
+  Raises:
+    TypeError: no registered format takes ``recipe``.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.state_names(ta.DelayedScaling())[:2]
+    ('x_scale', 'x_amax_history')
+    >>> len(ta.core.state_names(ta.DelayedScaling()))  # the same two for kernel and grad
+    6
+    >>> ta.core.state_names(ta.MXFP8BlockScaling())
+    ()
+  """
   return tuple(format_of(recipe).state_shapes(recipe))
 
 
@@ -179,6 +255,10 @@ def typed_state(recipe: Recipe, state: Mapping[str, Any]) -> State:
   Returns:
     The state, of ``recipe``'s state type.
 
+  Raises:
+    TypeError: ``state`` is not a mapping.
+    ValueError: its names are not the recipe's (the message lists the missing and unexpected).
+
   Example:
     >>> import numpy as np, te_adapters as ta
     >>> recipe = ta.DelayedScaling(amax_history_len=4)
@@ -208,15 +288,42 @@ def _expected_shapes(recipe) -> dict[str, tuple[int, ...]]:
   return format_of(recipe).state_shapes(recipe)
 
 
-def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
+def check_state(recipe: Recipe, state: Mapping[str, Any] | None, layer: str | None = None) -> State:
   """Validates ``state`` against ``recipe``; returns it typed (``typed_state``). The core's
   functions call it once, where a call enters the core. A dict of TE's names (the spelling before
-  the typed state) is accepted with a ``DeprecationWarning``. Raises naming the mismatch."""
+  the typed state) is accepted with a ``DeprecationWarning``. Raises naming the mismatch, and
+  ``layer`` where given.
+
+  Args:
+    recipe: the recipe the state belongs to.
+    state: one GEMM's state (typed, or a dict of TE's names), or None for a stateless recipe.
+    layer: what the GEMM's messages call its layer (``dot_general``'s ``layer``), which then
+      starts every error message; None: the messages name no layer.
+
+  Returns:
+    The state, of ``recipe``'s state type (an ``EmptyState`` for None).
+
+  Raises:
+    ValueError: None for a stateful recipe, missing or unexpected entries, or an entry of the
+      wrong shape.
+    TypeError: ``state`` is not a mapping.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=4)
+    >>> ta.core.check_state(recipe, ta.core.init_state(recipe))["x_scale"].shape
+    (1,)
+    >>> ta.core.check_state(recipe, ta.core.init_state(ta.DelayedScaling(amax_history_len=8)))
+    Traceback (most recent call last):
+      ...
+    ValueError: state['x_amax_history'] has shape (8,) but DelayedScaling(...) needs (4,)
+  """
   expected = _expected_shapes(recipe)
   if state is None:
     if expected:
+      lead = f"{layer}: " if layer else ""
       raise ValueError(
-        f"{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
+        f"{lead}{type(recipe).__name__} keeps state: pass state=te_adapters.core.init_state(recipe)"
       )
     return typed_state(recipe, {})
   warn_dict_state(
@@ -231,5 +338,6 @@ def check_state(recipe: Recipe, state: Mapping[str, Any] | None) -> State:
     bad_shape=lambda name, got, shape: (
       f"state[{name!r}] has shape {got} but {recipe!r} needs {shape}"
     ),
+    layer=layer,
   )
   return typed_state(recipe, state)

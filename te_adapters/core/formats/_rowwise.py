@@ -14,14 +14,22 @@ the same on CPU and GPU (float32 subnormal inputs aside, which XLA:CPU flushes t
 ``ScaledTensor`` keeps ``scale_inv = 1 / scale`` of shape ``(..., P, 1)`` (scaling mode
 ``"rowwise"``), so ``data * scale_inv`` broadcasts to the values.
 
-The GEMM ``(..., M, K) x (..., N, K)`` is an FP8 GEMM of the data with float32 output (on Hopper
-the extension's cuBLASLt FP8 GEMM with unit scales, where it runs; elsewhere, or with
-``GemmConfig(fp8_gemm="xla")``, XLA's FP8 ``dot_general``), whose output is multiplied by the
-outer product of the two scale-inverse vectors (``(..., M, 1) * (..., 1, N)``) in float32 and
-cast to the output dtype once. cuBLASLt's outer-vector scale mode, which applies the two vectors
-in the GEMM's epilogue and writes bfloat16 itself, was measured and not kept: seed 000's Dense
-step took 28.0 ms with it on an H100 against 25.9 ms with XLA's FP8 dot and this pass in the
-same run (``bench/RESULTS.md``, 2026-11-27).
+On a GPU with the extension built, an operand's two copies take two passes over it: one reads
+it for the amaxes of its rows and of its columns, one casts it into both orientations with those
+scales (``quantize_both``; the pure-JAX path's codes and scales bit for bit, where XLA's fusions
+read the operand once per amax and once per copy).
+
+The GEMM ``(..., M, K) x (..., N, K)`` is an FP8 GEMM of the data (on Hopper the extension's
+cuBLASLt FP8 GEMM with unit scales, where it runs; elsewhere, or with
+``GemmConfig(fp8_gemm="xla")``, XLA's FP8 ``dot_general``) whose output, bfloat16 for a bfloat16
+result and float32 otherwise, is multiplied by the outer product of the two scale-inverse vectors
+(``(..., M, 1) * (..., 1, N)``) in float32 and cast to the output dtype. The factors are powers of
+two, so a bfloat16 sum times them is the float32 sum times them rounded once to bfloat16 (for
+results in bfloat16's normal range), and the pass fuses into the output's consumers: seed 000's
+Dense step ran 1.60-1.62x bf16 on an H100, 5-7% behind current scaling (``bench/RESULTS.md``,
+2026-11-27, fourth session). cuBLASLt's outer-vector scale mode, which applies the two vectors in
+the GEMM's epilogue, was measured and not kept: that step took 28.0 ms with it against 25.9 ms
+with XLA's FP8 dot and a float32 pass in the same run (third session).
 
 With ``weight_grad_high_precision`` (torchao's ``rowwise_with_gw_hp``) the ``cols`` copies of x
 and of the gradient, which only the weight-gradient GEMM reads, are the swapped high-precision
@@ -46,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_adapters.core.formats import _block, _scaling
+from te_adapters.core import kernels
+from te_adapters.core.formats import _block, _cast_transpose, _scaling
 from te_adapters.core.formats._format import QuantizationFormat, Quantized, QuantizeRequest
 from te_adapters.core.formats._scaled_tensor import ScaledTensor, non_finite_scale_inv
 from te_adapters.core.formats._tensor_format import (
@@ -57,7 +66,15 @@ from te_adapters.core.formats._tensor_format import (
 from te_adapters.core.recipes import Float8RowwiseScaling
 from te_adapters.core.state import EmptyState
 
-__all__ = ["FORMAT", "HIGH_PRECISION", "ROWWISE", "power_of_two_scale", "quantize_rows", "row_amax"]
+__all__ = [
+  "FORMAT",
+  "HIGH_PRECISION",
+  "ROWWISE",
+  "power_of_two_scale",
+  "quantize_both",
+  "quantize_rows",
+  "row_amax",
+]
 
 ROWWISE = "rowwise"
 HIGH_PRECISION = "high_precision"
@@ -110,12 +127,86 @@ def quantize_rows(x, q_dtype, margin: float = 0.0, non_finite: str = "propagate"
     # Keep a narrow input's rounding (see _tensor_format: XLA may fuse the convert that made x).
     x = _block.keep_narrow(x)
   a = row_amax(x)
+  return _scaled(_cast_rows(x, a, q_dtype, margin), a, q_dtype, margin, non_finite, dq)
+
+
+def _cast_rows(x, a, q_dtype, margin):
+  """``cast(clip(x * scale, ±fp8_max))`` with each row's scale from its amax ``a (..., P, 1)``."""
   limit = _scaling.fp8_max(q_dtype)
-  scale, sinv = power_of_two_scale(a, limit / 2.0**margin)
-  data = jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(q_dtype)
+  scale, _ = power_of_two_scale(a, limit / 2.0**margin)
+  return jnp.clip(x.astype(jnp.float32) * scale, -limit, limit).astype(q_dtype)
+
+
+def _scaled(data, a, q_dtype, margin, non_finite, dq) -> ScaledTensor:
+  """The ``ScaledTensor`` of rows ``data`` cast with the scales of their amaxes ``a``."""
+  _, sinv = power_of_two_scale(a, _scaling.fp8_max(q_dtype) / 2.0**margin)
   sinv = non_finite_scale_inv(sinv, a, non_finite)
   amax = jnp.max(a, initial=0.0).reshape(1)
   return ScaledTensor(data, sinv, amax, scaling_mode=ROWWISE, dq_dtype=dq)
+
+
+def _kernels_apply(x, backend) -> bool:
+  """Whether the extension's CUDA passes may quantize ``x``: ``backend`` (``GemmConfig.backend``)
+  lets them, they are built and registered, and ``x`` is on one device (they have no partitioning
+  rule)."""
+  return (
+    x.ndim >= 2
+    and x.size > 0
+    and np.dtype(x.dtype) in _cast_transpose.FFI_INPUT_DTYPES
+    and _cast_transpose.backend(requested=backend) == "ffi"
+    and kernels.registered(kernels.ROWWISE_CAST_TARGET)
+    and kernels.registered(kernels.ROW_COL_AMAX_TARGET)
+    and kernels.single_device(x)
+  )
+
+
+def quantize_both(x, q_dtype, margin: float, non_finite: str, rows: bool, cols: bool, backend=None):
+  """``(quantize_rows(x) if rows, quantize_rows(swapaxes(x, -1, -2)) if cols)``.
+
+  On a GPU with the extension built, two passes over ``x``: one that reads it for the amaxes of
+  its rows and of its columns, and one that casts it into both orientations, each row of a copy
+  with its own scale (``csrc/cast_transpose_cuda.cu``); XLA's fusions would read ``x`` once for
+  each amax and once for each copy. The scales come from the same ``power_of_two_scale`` and the
+  cast is the same ``cast(clip(x * scale))``, so the codes and scales are those of the pure-JAX
+  path bit for bit; a program compiled for another platform takes that path.
+  """
+  if not (rows or cols):
+    return None, None
+  dq = np.dtype(x.dtype)
+  if not _kernels_apply(x, backend):
+    swapped = jnp.swapaxes(x, -1, -2) if cols else None
+    return (
+      quantize_rows(x, q_dtype, margin, non_finite) if rows else None,
+      quantize_rows(swapped, q_dtype, margin, non_finite) if cols else None,
+    )
+  limit = _scaling.fp8_max(q_dtype) / 2.0**margin
+
+  def on_cuda(x):
+    a_rows, a_cols = kernels.row_col_amax_call(x, rows=rows, cols=cols)
+    scale_rows = power_of_two_scale(a_rows, limit)[0] if rows else a_rows
+    scale_cols = power_of_two_scale(a_cols, limit)[0] if cols else a_cols
+    q, q_t = kernels.rowwise_cast_call(
+      x, scale_rows, scale_cols, q_dtype, rowwise=rows, colwise=cols
+    )
+    return (q, a_rows[..., None], q_t, a_cols[..., None])
+
+  def elsewhere(x):
+    narrow = _block.keep_narrow(x) if dq.itemsize < 4 else x
+    outs = [jnp.zeros((0,), q_dtype), jnp.zeros((0, 1), jnp.float32)] * 2
+    if rows:
+      a = row_amax(narrow)
+      outs[0:2] = [_cast_rows(narrow, a, q_dtype, margin), a]
+    if cols:
+      swapped = jnp.swapaxes(narrow, -1, -2)
+      a = row_amax(swapped)
+      outs[2:4] = [_cast_rows(swapped, a, q_dtype, margin), a]
+    return tuple(outs)
+
+  q, a_rows, q_t, a_cols = lax.platform_dependent(x, cuda=on_cuda, default=elsewhere)
+  return (
+    _scaled(q, a_rows, q_dtype, margin, non_finite, dq) if rows else None,
+    _scaled(q_t, a_cols, q_dtype, margin, non_finite, dq) if cols else None,
+  )
 
 
 def _high_precision(x) -> ScaledTensor:
@@ -152,15 +243,21 @@ def _quantize(req: QuantizeRequest) -> Quantized:
     x = req.producer.value()
   _check_plan(recipe, role, req.plan)
   q_dtype = _q_dtype(recipe, role)
-  non_finite = req.config.non_finite
-  rows = quantize_rows(x, q_dtype, recipe.margin, non_finite) if req.rows else None
-  cols = None
-  if req.cols:
-    swapped = jnp.swapaxes(x, -1, -2)
-    if recipe.weight_grad_high_precision and role != "kernel":
-      cols = _high_precision(swapped)  # x's and the gradient's cols feed only wgrad
-    else:
-      cols = quantize_rows(swapped, q_dtype, recipe.margin, non_finite)
+  # x's and the gradient's cols feed only wgrad, which may take them unquantized.
+  high_precision_cols = req.cols and recipe.weight_grad_high_precision and role != "kernel"
+  # The fused paths' values are a formula XLA fuses into the amaxes and casts: no kernel there.
+  backend = req.config.backend if req.producer is None else "jax"
+  rows, cols = quantize_both(
+    x,
+    q_dtype,
+    recipe.margin,
+    req.config.non_finite,
+    req.rows,
+    req.cols and not high_precision_cols,
+    backend,
+  )
+  if high_precision_cols:
+    cols = _high_precision(jnp.swapaxes(x, -1, -2))
   return Quantized(rows, cols, None)
 
 
@@ -197,14 +294,18 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       out_sharding=out_sharding,
     )
     return out.astype(out_dtype)
+  # The GEMM's own output dtype: bfloat16 for a bfloat16 output, float32 otherwise. The factors
+  # are powers of two, so a bfloat16 sum times them is the float32 sum times them rounded once
+  # (bfloat16 has float32's exponent range; float16's would overflow on the unscaled sums).
+  gemm_dtype = jnp.bfloat16 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else jnp.float32
   out = None
   if config is None or config.fp8_gemm != "xla":
-    # On Hopper, the extension's cuBLASLt FP8 GEMM with unit scales, float32 out (and float32
-    # sums over devices); XLA's FP8 dot where it cannot run (or with fp8_gemm="xla").
-    refusal = _cublas_refusal(a.data, b.data, jnp.float32, out_sharding)
+    # On Hopper, the extension's cuBLASLt FP8 GEMM with unit scales (float32 sums over
+    # devices); XLA's FP8 dot where it cannot run (or with fp8_gemm="xla").
+    refusal = _cublas_refusal(a.data, b.data, gemm_dtype, out_sharding)
     if refusal is None:
       one = jnp.ones((1,), jnp.float32)
-      out = _cublas_tn_dot(a.data, b.data, one, one, jnp.float32, precision, jnp.float32)
+      out = _cublas_tn_dot(a.data, b.data, one, one, gemm_dtype, precision, jnp.float32)
     elif config is not None and config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
   if out is None:
@@ -213,12 +314,15 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       b.data,
       dims,
       precision=precision,
-      preferred_element_type=jnp.float32,
+      preferred_element_type=gemm_dtype,
       out_sharding=out_sharding,
     )
-  # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor.
+    # Keep the GEMM's rounding, which XLA would drop in some fusions (as _tensor_format's).
+    out = _block.keep_narrow(out) if gemm_dtype != jnp.float32 else out
+  # (..., M, 1) * (..., 1, N): each output element times its row's and its column's factor, a
+  # pass that XLA fuses into the output's consumers.
   scales = a.scale_inv * jnp.swapaxes(b.scale_inv, -1, -2)
-  return (out * scales).astype(out_dtype)
+  return (out.astype(jnp.float32) * scales).astype(out_dtype)
 
 
 def _dequantize(t, dtype):

@@ -40,6 +40,16 @@ class ScaledTensor:
     scaling_mode: ``"tensor"``, ``"mxfp8"``, ``"nvfp4"``, ``"nvfp4_rht"`` (NVFP4 after the random
       Hadamard transform along the blocked axis) or ``"float8_block"`` (static).
     dq_dtype: dtype of the high-precision input (static), the default of ``dequantize``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> t = ta.quantize(jnp.array([0.5, -1.0, 2.0], jnp.bfloat16), jnp.float8_e4m3fn)
+    >>> t.data.dtype, t.scale_inv.shape, t.scaling_mode, t.dq_dtype
+    (dtype(float8_e4m3fn), (1,), 'tensor', dtype(bfloat16))
+    >>> ta.dequantize(t).tolist()
+    [0.5, -1.0, 2.0]
+    >>> len(jax.tree.leaves(t))  # a pytree: data, scale_inv and amax pass through jit
+    3
   """
 
   data: jax.Array

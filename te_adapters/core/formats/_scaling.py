@@ -20,6 +20,12 @@ __all__ = [
 def fp8_max(dtype: DTypeLike) -> float:
   """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
 
+  Args:
+    dtype: a floating-point dtype (FP8, FP4 or wider).
+
+  Returns:
+    Its largest finite value, as a Python float.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> ta.core.fp8_max(jnp.float8_e4m3fn), ta.core.fp8_max(jnp.float8_e5m2)
@@ -50,7 +56,26 @@ def leading_amax(x: jnp.ndarray) -> jnp.ndarray:
 def compute_scale(
   amax_value: jnp.ndarray, max_value: float, old_scale: ArrayLike, margin: float = 0.0
 ) -> jnp.ndarray:
-  """``max_value / amax / 2**margin``, or ``old_scale`` where amax is <= 0 or not finite."""
+  """``max_value / amax / 2**margin``, or ``old_scale`` where amax is <= 0 or not finite.
+
+  TE's scale rule: the scale maps the amax onto the format's largest value, with ``margin``
+  powers of two of headroom.
+
+  Args:
+    amax_value: the amax (float32, any shape).
+    max_value: the largest value of the target dtype (``fp8_max``).
+    old_scale: the scale to keep where the amax is zero, negative or not finite.
+    margin: powers of two of headroom (default 0).
+
+  Returns:
+    float32 scales of ``amax_value``'s shape.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> amax = jnp.array([2.0, 0.0, jnp.inf])
+    >>> ta.core.compute_scale(amax, 448.0, old_scale=3.0, margin=1).tolist()
+    [112.0, 3.0, 3.0]
+  """
   amax_value = jnp.asarray(amax_value, jnp.float32)
   new = (jnp.float32(max_value) / amax_value) / jnp.float32(2.0**margin)
   ok = (amax_value > 0) & jnp.isfinite(amax_value)
@@ -71,8 +96,24 @@ def delayed_update(
   from the window's max (``"max"``) or from slot 0 (``"most_recent"``); then the history rolls by
   one (slot 0 moves to the end) and slot 0 is cleared.
 
+  Args:
+    amax_value: this step's amax, float32 (1,).
+    scale: the current scale, float32 (1,): kept where the window's amax is zero or not finite.
+    amax_history: the history, float32 (L,).
+    max_value: the largest value of the target dtype (``fp8_max``).
+    margin: powers of two of headroom.
+    algo: ``"max"`` or ``"most_recent"`` (``DelayedScaling.amax_compute_algo``).
+
   Returns:
     ``(new_scale, new_history)``, float32 of shapes (1,) and (L,).
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> history = jnp.array([0.0, 8.0, 1.0])
+    >>> scale, history = ta.core.delayed_update(
+    ...     jnp.array([2.0]), jnp.ones(1), history, 448.0, 0.0, "max")
+    >>> scale.tolist(), history.tolist()  # the window [2, 8, 1]'s max is 8; then it rolls
+    ([56.0], [0.0, 1.0, 2.0])
   """
   new_scale, new_history, _ = delayed_update_and_flag(
     amax_value, scale, amax_history, max_value, margin, algo

@@ -251,7 +251,27 @@ def _check(recipe, layout, backward, lhs=None, rhs=None):
 
 def tensor_format(recipe_type: type, scaling: TensorScaling) -> QuantizationFormat:
   """The ``QuantizationFormat`` of a per-tensor recipe whose scales follow ``scaling`` (its grouped
-  GEMM applies ``scaling`` per group: ``_grouped_tensor``)."""
+  GEMM applies ``scaling`` per group: ``_grouped_tensor``).
+
+  Args:
+    recipe_type: the recipe class the format serves (a ``Recipe`` subclass).
+    scaling: the ``TensorScaling`` that gives its state and scales.
+
+  Returns:
+    A ``QuantizationFormat`` with one scale per tensor, for ``register_format``.
+
+  Example:
+    Delayed scaling's state and scale rule under a recipe class of one's own:
+
+    >>> import dataclasses, te_adapters as ta
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MyDelayedScaling(ta.DelayedScaling):
+    ...   pass
+    >>> delayed = ta.core.format_of(ta.DelayedScaling()).scaling
+    >>> fmt = ta.core.tensor_format(MyDelayedScaling, delayed)
+    >>> fmt.per_tensor, fmt.state_shapes(MyDelayedScaling(amax_history_len=2))["x_amax_history"]
+    (True, (2,))
+  """
   return QuantizationFormat(
     recipe_type=recipe_type,
     scaling_modes=("tensor",),

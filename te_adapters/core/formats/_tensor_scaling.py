@@ -38,6 +38,23 @@ class TensorScaling(NamedTuple):
       scale ``role``'s operand is cast with, and the role's state for the next step.
     next_state: ``(state, {role: RoleState or None}) -> state``: the GEMM's next state from the
       roles' new states.
+
+  Example:
+    Current scaling with one bit of headroom, as the format of a new recipe class:
+
+    >>> import dataclasses, jax.numpy as jnp, te_adapters as ta
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class HeadroomScaling(ta.Float8CurrentScaling):
+    ...   pass
+    >>> def next_scale(recipe, amax, state, role, fp8_max):
+    ...   return ta.core.compute_scale(amax, fp8_max / 2, 1.0), None
+    >>> current = ta.core.format_of(ta.Float8CurrentScaling()).scaling
+    >>> scaling = current._replace(next_scale=next_scale)
+    >>> ta.core.register_format(ta.core.tensor_format(HeadroomScaling, scaling))
+    >>> request = ta.core.QuantizeRequest(jnp.array([[1.0, 2.0]]), "x", HeadroomScaling())
+    >>> ta.core.format_of(HeadroomScaling()).quantize(request).rows.data.tolist()  # max 224
+    [[112.0, 224.0]]
+    >>> ta.core.unregister_format(HeadroomScaling)
   """
 
   init_state: Callable[..., DelayedScalingState | EmptyState | dict]

@@ -17,6 +17,8 @@ the activation-sized buffers the compiled forward writes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +33,53 @@ from te_adapters.core.gemm import (
   dot_general,
 )
 from te_adapters.core.ops import activation, check_norm_args, layernorm, normalize_activations
-from te_adapters.core.recipes import check_config
+from te_adapters.core.recipes import GemmConfig, check_config
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike
+
+  from te_adapters.core.gemm import SizeThreshold
+  from te_adapters.core.ops import Activation
+  from te_adapters.core.recipes import Recipe
+  from te_adapters.core.state import State
 
 __all__ = ["dropout", "layernorm_mlp"]
 
 
-def dropout(x, rate: float, rng, *, broadcast_dims=(), deterministic: bool = False):
+def dropout(
+  x: jax.Array,
+  rate: float,
+  rng: jax.Array | None,
+  *,
+  broadcast_dims: Sequence[int] = (),
+  deterministic: bool = False,
+) -> jax.Array:
   """Inverted dropout of ``x``, as ``flax.linen.Dropout`` computes it (same mask for a key).
 
   Keeps each element with probability ``1 - rate`` and scales it by ``1 / (1 - rate)``;
   ``broadcast_dims`` share one mask. ``rate == 0`` or ``deterministic`` returns ``x``; otherwise
   ``rng`` (a PRNG key) is required.
+
+  Args:
+    x: the array.
+    rate: the probability of dropping an element, in ``[0, 1]`` (1 drops every element).
+    rng: a PRNG key; may be None where ``rate`` is 0 or ``deterministic``.
+    broadcast_dims: the dims along which the mask is shared (as ``flax.linen.Dropout``'s).
+    deterministic: return ``x`` unchanged (evaluation).
+
+  Returns:
+    ``x`` with dropped elements zeroed and kept ones scaled by ``1 / (1 - rate)``.
+
+  Raises:
+    ValueError: ``rate`` outside ``[0, 1]``, or no key where one is needed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> y = ta.core.dropout(jnp.ones((2, 8)), 0.5, jax.random.key(0), broadcast_dims=(0,))
+    >>> sorted(set(y.ravel().tolist())), bool((y[0] == y[1]).all())  # one mask for both rows
+    ([0.0, 2.0], True)
+    >>> ta.core.dropout(jnp.ones(3), 0.5, None, deterministic=True).tolist()
+    [1.0, 1.0, 1.0]
   """
   if not 0.0 <= rate <= 1.0:
     raise ValueError(f"dropout rate must be in [0, 1], got {rate!r}")
@@ -69,36 +107,36 @@ def _pair(value, what):
 
 
 def layernorm_mlp(
-  x,
-  scale,
-  ln_bias,
-  wi_kernel,
-  wo_kernel,
-  wi_bias=None,
-  wo_bias=None,
+  x: ArrayLike,
+  scale: ArrayLike | None,
+  ln_bias: ArrayLike | None,
+  wi_kernel: ArrayLike,
+  wo_kernel: ArrayLike,
+  wi_bias: ArrayLike | None = None,
+  wo_bias: ArrayLike | None = None,
   *,
-  activations=("gelu",),
+  activations: Activation | Sequence[Activation] = ("gelu",),
   layernorm_type: str = "layernorm",
   zero_centered_gamma: bool = False,
   epsilon: float = 1e-6,
   enable_layernorm: bool = True,
   dropout_rate: float = 0.0,
-  dropout_rng=None,
-  dropout_broadcast_dims=(),
+  dropout_rng: jax.Array | None = None,
+  dropout_broadcast_dims: Sequence[int] = (),
   deterministic: bool = False,
-  recipe,
-  states=None,
-  rngs=None,
-  threshold=DEFAULT_SIZE_THRESHOLD,
-  config=None,
+  recipe: Recipe | None,
+  states: Sequence[State | Mapping[str, ArrayLike] | None] | None = None,
+  rngs: Sequence[jax.Array | None] | None = None,
+  threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
+  config: GemmConfig | None = None,
   return_layernorm_output: bool = False,
   ffn1_ckpt_name: str = "ffn1",
   ffn2_ckpt_name: str = "ffn2",
-  dot_1_input_constraint=None,
-  dot_2_input_constraint=None,
+  dot_1_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
+  dot_2_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
   layer: str | None = None,
   framework: str | None = None,
-):
+) -> tuple[jax.Array, jax.Array | None]:
   """LayerNorm, then the MLP of two quantized GEMMs around an activation (TE's ``layernorm_mlp``).
 
   Args:
@@ -118,7 +156,8 @@ def layernorm_mlp(
       for a stateless recipe. The gradient with respect to them is the next step's states.
     rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
     threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
-      (default None: as True) takes the fused path where it applies: a recipe whose format
+      (default None: as True, but under ``Float8BlockScaling`` as False, the faster path on an
+      H100) takes the fused path where it applies: a recipe whose format
       takes producers (every recipe of the package; its blocks must tile both GEMMs, and a
       recipe that rounds stochastically needs both ``rngs``), both GEMMs in FP8 under
       ``threshold``, no dropout (rate 0 or ``deterministic``); with input constraints and inside
@@ -138,6 +177,11 @@ def layernorm_mlp(
 
   Returns:
     ``(out, ln_out)``: ``out`` of ``x``'s shape and dtype, and the norm's output or None.
+
+  Raises:
+    ValueError: ``x`` without a feature axis, or kernels and biases whose shapes do not match
+      ``x`` and the activations (each message gives the shape expected); and ``layernorm``'s
+      and ``dot_general``'s errors for the norm's and the GEMMs' arguments.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -170,6 +214,10 @@ def layernorm_mlp(
     )
   if wo_bias is not None and jnp.shape(wo_bias) != (k,):
     raise ValueError(f"layernorm_mlp: wo_bias must have shape ({k},), got {jnp.shape(wo_bias)}")
+  if enable_layernorm and scale is None:
+    raise ValueError(
+      "layernorm_mlp: scale is None: pass the norm's gamma, or enable_layernorm=False"
+    )
   state_0, state_1 = _pair(states, "states")
   rng_0, rng_1 = _pair(rngs, "rngs")
   dims = (((x.ndim - 1,), (0,)), ((), ()))  # x's last axis with the kernel's first
@@ -179,7 +227,7 @@ def layernorm_mlp(
   config = check_config(config)
   threshold = check_threshold(threshold)
   m = math.prod(x.shape[:-1])
-  fused = _fused_mlp.applies(
+  fused = not _fused_mlp.mlp_composes_by_default(recipe, config) and _fused_mlp.applies(
     recipe,
     config,
     gemm_shapes=((m, k, n_act * f), (m, f, k)),
@@ -223,6 +271,7 @@ def layernorm_mlp(
     ).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
+    assert scale is not None  # refused above
     y = layernorm(
       x,
       scale,

@@ -19,7 +19,10 @@ whose layout the per-row norm keeps).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,7 +36,14 @@ from te_adapters.core.gemm import (
   gemm_dims_refusal,
 )
 from te_adapters.core.ops import check_norm_args, layernorm
-from te_adapters.core.recipes import check_config, check_recipe
+from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike
+
+  from te_adapters.core.gemm import SizeThreshold
+  from te_adapters.core.recipes import Recipe
+  from te_adapters.core.state import State
 
 __all__ = ["layernorm_dense"]
 
@@ -47,27 +57,27 @@ def _dense_dims(x_ndim, kernel_ndim, axis, kernel_axes):
 
 
 def layernorm_dense(
-  x,
-  scale,
-  bias,
-  kernel,
+  x: ArrayLike,
+  scale: ArrayLike,
+  bias: ArrayLike | None,
+  kernel: ArrayLike,
   *,
   layernorm_type: str = "layernorm",
   zero_centered_gamma: bool = False,
   epsilon: float = 1e-6,
-  axis=-1,
-  kernel_axes=None,
-  recipe,
-  state=None,
-  rng=None,
-  threshold=DEFAULT_SIZE_THRESHOLD,
-  config=None,
+  axis: int | Sequence[int] = -1,
+  kernel_axes: int | Sequence[int] | None = None,
+  recipe: Recipe | None,
+  state: State | Mapping[str, ArrayLike] | None = None,
+  rng: jax.Array | None = None,
+  threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
+  config: GemmConfig | None = None,
   return_layernorm_output: bool = False,
-  dot_input_constraint=None,
-  dense_bias=None,
+  dot_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
+  dense_bias: ArrayLike | None = None,
   layer: str | None = None,
   framework: str | None = None,
-):
+) -> tuple[jax.Array, jax.Array | None]:
   """The norm of ``x`` (``layernorm``), then its quantized GEMM with ``kernel``.
 
   The GEMM keeps ``core.dot_general``'s contract (recipes, state rule, size threshold and
@@ -107,6 +117,11 @@ def layernorm_dense(
     ``(z, ln_out)``: the GEMM's output ``(..., *features)`` in ``x``'s dtype (as TE's), and the
     norm's output (in ``x``'s dtype) or ``None``.
 
+  Raises:
+    ValueError: a kernel that does not contract ``x``'s last axis alone (or of another size), a
+      ``dense_bias`` of another shape than the kernel's features; and ``layernorm``'s and
+      ``dot_general``'s errors for the norm's and the GEMM's arguments.
+
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
     >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
@@ -119,7 +134,9 @@ def layernorm_dense(
   check_last_axis(axis, x.ndim, "layernorm_dense", "LayerNormDenseGeneral")
   if kernel_axes is None:
     kernel_axes = (0,)
-  kernel_axes = tuple(kernel_axes) if isinstance(kernel_axes, (tuple, list)) else (kernel_axes,)
+  kernel_axes = (
+    tuple(kernel_axes) if isinstance(kernel_axes, (tuple, list)) else (cast(int, kernel_axes),)
+  )
   if len(kernel_axes) != 1:
     raise ValueError(
       f"layernorm_dense: the kernel contracts one axis with x's last axis, got kernel_axes="

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 from te_adapters.core.gemm import _threshold
 from te_adapters.core.state import caller_stacklevel
+
+if TYPE_CHECKING:
+  from te_adapters.core.gemm._threshold import SizeThreshold
+  from te_adapters.core.state import State
+
+_State = TypeVar("_State")
 
 __all__ = ["FRAMEWORKS", "FrozenStateWarning", "check_framework", "watch_lora_state", "watch_state"]
 
@@ -55,7 +63,31 @@ HOW_TO_FIX = (
 
 
 class FrozenStateWarning(UserWarning):
-  """A DelayedScaling GEMM is differentiated without its state: the state will not update."""
+  """A DelayedScaling GEMM is differentiated without its state: the state will not update.
+
+  Issued at trace time, once per GEMM, when its operands are differentiated and its state is
+  not (a loop that takes the gradient of the parameters only): the amax histories would stay
+  zero and the scales at 1 for the whole run. The message names the layer and gives the remedy
+  of its framework.
+
+  Example:
+    >>> import warnings, jax, jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=4)
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> def loss(w, state):
+    ...   return ta.core.dot_general(jnp.ones((16, 32)), w, dn, recipe=recipe, state=state,
+    ...                              threshold=None).sum()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   grad_w = jax.grad(loss)(jnp.ones((32, 16)), ta.core.init_state(recipe))
+    >>> [w.category.__name__ for w in caught]
+    ['FrozenStateWarning']
+    >>> with warnings.catch_warnings(record=True) as caught:  # the remedy: the state's gradient
+    ...   warnings.simplefilter("always")
+    ...   grads = jax.grad(loss, argnums=(0, 1))(jnp.ones((32, 16)), ta.core.init_state(recipe))
+    >>> caught
+    []
+  """
 
 
 def check_framework(framework: str | None) -> str | None:
@@ -127,7 +159,14 @@ def _watch_bwd(layer, framework, _, cts):
 _watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 
 
-def watch_state(lhs, rhs, state, *, layer: str | None = None, framework: str | None = None):
+def watch_state(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  state: _State,
+  *,
+  layer: str | None = None,
+  framework: str | None = None,
+) -> tuple[jax.Array, jax.Array, _State]:
   """``(lhs, rhs, state)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when ``lhs`` or ``rhs`` is differentiated and some leaf of ``state`` is not.
 
@@ -161,17 +200,17 @@ _watch_factors.defjvp(_watch_factors_jvp, symbolic_zeros=True)
 
 
 def watch_lora_state(
-  lora_a,
-  lora_b,
-  state,
+  lora_a: jax.Array,
+  lora_b: jax.Array,
+  state: State | Mapping[str, Any] | None,
   *,
-  x_shape,
-  kernel_shape,
-  axis=-1,
-  threshold=_threshold.DEFAULT_SIZE_THRESHOLD,
+  x_shape: Sequence[int],
+  kernel_shape: Sequence[int],
+  axis: int | Sequence[int] = -1,
+  threshold: SizeThreshold | None = _threshold.DEFAULT_SIZE_THRESHOLD,
   layer: str | None = None,
   framework: str | None = None,
-):
+) -> tuple[jax.Array, jax.Array]:
   """``(lora_a, lora_b)`` unchanged; under differentiation, warns with ``FrozenStateWarning``
   when a LoRA factor is differentiated and some leaf of ``state`` is not, where the base GEMM
   runs in FP8.
@@ -184,10 +223,28 @@ def watch_lora_state(
       kernel's leading axes (as ``low_rank_adaptation``), under ``dot_general``'s ``threshold``.
       Below the threshold it runs in high precision and its state does not move, so nothing is
       frozen.
-    layer, framework: as for ``watch_state``.
+    layer, framework: what the warning calls the layer (its path in its model, or None) and
+      whose remedy it gives (``"linen"``, ``"nnx"``, ``"haiku"``; None: every framework's).
 
   A custom JVP: forward-mode differentiation through the factors works, and warns in the same
   case.
+
+  Returns:
+    ``(lora_a, lora_b)``, their values unchanged.
+
+  Example:
+    >>> import warnings, jax, jax.numpy as jnp, te_adapters as ta
+    >>> state = ta.core.init_state(ta.DelayedScaling(amax_history_len=4))
+    >>> x = jnp.ones((16, 32))
+    >>> def loss(a, b):
+    ...   a, b = ta.core.watch_lora_state(a, b, state, x_shape=x.shape, kernel_shape=(32, 16),
+    ...                                   threshold=None, layer="dense")
+    ...   return (x @ a @ b).sum()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   grads = jax.grad(loss, argnums=(0, 1))(jnp.ones((32, 4)), jnp.zeros((4, 16)))
+    >>> [w.category.__name__ for w in caught]
+    ['FrozenStateWarning']
   """
   if not state:
     return lora_a, lora_b

@@ -159,6 +159,14 @@ def dot_general(
     The product, with the dtype and shape ``lax.dot_general`` gives. Under differentiation, the
     gradient with respect to ``state`` is the state for the next step.
 
+  Raises:
+    TypeError: operands that are not real floating point, or a ``recipe``, ``threshold`` or
+      ``config`` of another type (a recipe class rather than an instance, say).
+    ValueError: ``state``, ``rng``, ``amax_axes`` or ``kernel_all_gather`` without a recipe; a
+      state that does not match the recipe (missing for ``DelayedScaling``, another history
+      length); an ``rng`` the recipe does not use, or none where it rounds stochastically;
+      sizes the recipe's blocks do not tile.
+
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
     >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
@@ -211,7 +219,7 @@ def dot_general(
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
   gemm_rhs = sharding.gathered_kernel_type(rhs, plan)
   dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, gemm_rhs.shape)
-  state = checked_state(recipe, state)
+  state = checked_state(recipe, state, layer)
   rng = recipes.check_rng(recipe, rng)
   out = jax.eval_shape(
     functools.partial(
@@ -348,12 +356,13 @@ def _ring_scatter_gemm(a, gemm, sum_dtype, axis):
   return acc
 
 
-def checked_state(recipe, state):
-  """One GEMM's recipe state, checked and typed where a call enters the core (``check_state``),
+def checked_state(recipe, state, layer: str | None = None):
+  """One GEMM's recipe state, checked and typed where a call enters the core (``check_state``,
+  its errors naming ``layer`` where given),
   and marked so that every use of one traced state gets the same max-marked arrays: a plain
   ``jax.grad`` then combines several uses by max, never by sum (see ``core.with_max_grad``).
   ``dot_general`` and the fused paths take their state through it."""
-  state = check_state(recipe, state)
+  state = check_state(recipe, state, layer)
   return shared_max_grad(state) if state else state
 
 

@@ -51,6 +51,14 @@ GEMM_DIM_MULTIPLE = 16
 def gemm_dims_refusal(k: int, n: int) -> str | None:
   """Why a layer whose GEMM contracts ``k`` and writes ``n`` features cannot be quantized, or None.
 
+  Args:
+    k: the GEMM's contracting size K.
+    n: its output-feature size N.
+
+  Returns:
+    A sentence saying why (K or N not a multiple of ``GEMM_DIM_MULTIPLE``), or None where the
+    sizes can be quantized.
+
   Example:
     >>> from te_adapters import core
     >>> core.gemm_dims_refusal(32, 10)
@@ -68,6 +76,25 @@ def check_gemm_dims(k: int, n: int, what: str) -> None:
 
   A layer built or called with a recipe applies it (at every size: the size threshold does not
   hide it); a conversion skips such a layer and says why in its report.
+
+  Args:
+    k: the GEMM's contracting size K.
+    n: its output-feature size N.
+    what: the layer, as the error names it.
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: K or N is not a multiple of ``GEMM_DIM_MULTIPLE`` (16).
+
+  Example:
+    >>> from te_adapters import core
+    >>> core.check_gemm_dims(64, 32, "Dense_0")
+    >>> core.check_gemm_dims(64, 10, "Dense_0")
+    Traceback (most recent call last):
+      ...
+    ValueError: Dense_0: FP8 GEMMs need ... to be multiples of 16, got N=10; keep this layer ...
   """
   if gemm_dims_refusal(k, n) is None:
     return
@@ -86,6 +113,12 @@ def input_dtype_refusal(dtype: DTypeLike | None) -> str | None:
   refused. Each adapter asks this of the inputs as its framework's layer would hand them to its
   GEMM (Flax promotes them with the parameters' dtype first; Haiku creates its parameters in
   the inputs' dtype, so it asks before creating them).
+
+  Args:
+    dtype: the inputs' dtype (anything ``np.dtype`` takes).
+
+  Returns:
+    A sentence saying why, or None for real floating-point inputs.
 
   Example:
     >>> import numpy as np
@@ -106,7 +139,27 @@ def input_dtype_refusal(dtype: DTypeLike | None) -> str | None:
 
 def check_input_dtype(recipe: Recipe | None, dtype: DTypeLike, what: str) -> None:
   """Raises a TypeError naming ``what`` when ``recipe`` is not None and
-  ``input_dtype_refusal(dtype)`` refuses the inputs (a conversion skips such a layer instead)."""
+  ``input_dtype_refusal(dtype)`` refuses the inputs (a conversion skips such a layer instead).
+
+  Args:
+    recipe: the layer's recipe; None (an unquantized layer) takes any inputs.
+    dtype: the inputs' dtype.
+    what: the layer, as the error names it.
+
+  Returns:
+    None.
+
+  Raises:
+    TypeError: a recipe and inputs that are not real floating point.
+
+  Example:
+    >>> import numpy as np, te_adapters as ta
+    >>> ta.core.check_input_dtype(None, np.int32, "Embed_0")  # unquantized: any dtype
+    >>> ta.core.check_input_dtype(ta.Float8CurrentScaling(), np.int32, "Dense_0")
+    Traceback (most recent call last):
+      ...
+    TypeError: Dense_0: a quantized layer needs real floating-point inputs (input dtype int32 ...
+  """
   if recipe is None or (why := input_dtype_refusal(dtype)) is None:
     return
   raise TypeError(
@@ -120,6 +173,18 @@ def check_last_axis(axis: int | Iterable[int], ndim: int | None, what: str, te_l
   (``te_layer``) normalize and contract it alone. ``axis`` is an int or a sequence of ints;
   with the input's rank ``ndim`` it may be ``ndim - 1``, without it (a layer checking its
   arguments before any input) it must be ``-1``.
+
+  Args:
+    axis: the layer's ``axis`` argument.
+    ndim: the input's rank, or None.
+    what: the layer, as the error names it.
+    te_layer: the TE layer whose rule this is, as the error names it.
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: ``axis`` is not the last axis alone.
 
   Example:
     >>> from te_adapters import core
@@ -147,6 +212,14 @@ def kernel_gemm_dims(
   """``(K, N)`` of a ``dot_general(x, kernel, dimension_numbers)``: the product of the kernel's
   contracting sizes and of its free (neither contracting nor batch) sizes.
 
+  Args:
+    kernel_shape: the kernel's shape.
+    dimension_numbers: the GEMM's ``lax.dot_general`` dimension numbers (the kernel is the
+      right-hand operand).
+
+  Returns:
+    ``(K, N)`` as ints.
+
   Example:
     >>> from te_adapters import core
     >>> core.kernel_gemm_dims((32, 2, 24), (((2,), (0,)), ((), ())))
@@ -163,7 +236,29 @@ def check_kernel_gemm_dims(
   dimension_numbers: lax.DotDimensionNumbers,
   what: str,
 ) -> None:
-  """``check_gemm_dims`` on a GEMM given by its kernel's shape, when ``recipe`` is not None."""
+  """``check_gemm_dims`` on a GEMM given by its kernel's shape, when ``recipe`` is not None.
+
+  Args:
+    recipe: the layer's recipe; None checks nothing.
+    kernel_shape: the kernel's shape.
+    dimension_numbers: the GEMM's ``lax.dot_general`` dimension numbers (kernel on the right).
+    what: the layer, as the error names it (with the kernel's shape added).
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: the kernel's K or N is not a multiple of ``GEMM_DIM_MULTIPLE``.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> ta.core.check_kernel_gemm_dims(ta.Float8CurrentScaling(), (64, 32), dn, "Dense_0")
+    >>> ta.core.check_kernel_gemm_dims(ta.Float8CurrentScaling(), (64, 24), dn, "Dense_0")
+    Traceback (most recent call last):
+      ...
+    ValueError: Dense_0 with kernel shape (64, 24): FP8 GEMMs need ... got N=24; ...
+  """
   if recipe is not None:
     k, n = kernel_gemm_dims(tuple(kernel_shape), dimension_numbers)
     check_gemm_dims(k, n, f"{what} with kernel shape {tuple(kernel_shape)}")
@@ -175,6 +270,20 @@ def einsum_gemm_dims(einsum_str: str, kernel_shape: Sequence[int]) -> tuple[int,
   K multiplies the kernel dims summed with the input, N the kernel dims kept in the output
   and absent from the input. ``None`` if the equation is not one GEMM of input and kernel (not
   two operands, an ellipsis in the kernel, a repeated label, a label summed over one operand).
+
+  Args:
+    einsum_str: the layer's equation, input first and kernel second (``"bsd,dhk->bshk"``).
+    kernel_shape: the kernel's shape.
+
+  Returns:
+    ``(K, N)`` as ints, or None.
+
+  Example:
+    >>> from te_adapters import core
+    >>> core.einsum_gemm_dims("bsd,dhk->bshk", (64, 4, 16))
+    (64, 64)
+    >>> core.einsum_gemm_dims("bd,dd->bd", (64, 64)) is None  # a repeated label
+    True
   """
   einsum_str = einsum_str.replace(" ", "")
   if "->" not in einsum_str or einsum_str.count(",") != 1:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +44,20 @@ from te_adapters.core import formats, kernels
 from te_adapters.core import state as core_state
 from te_adapters.core.formats import GroupedRequest
 from te_adapters.core.gemm import _frozen, _remat
-from te_adapters.core.recipes import check_config, check_recipe
+from te_adapters.core.gemm._layer import check_gemm_dims
+from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
 from te_adapters.core.state import DelayedScalingState
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike, DTypeLike
+
+  from te_adapters.core.recipes import Recipe
+  from te_adapters.core.state import State
 
 __all__ = ["Grouped", "check_ragged_state", "grouped_gemms", "init_ragged_state", "ragged_dot"]
 
 
-def init_ragged_state(recipe, num_groups: int) -> DelayedScalingState | dict:
+def init_ragged_state(recipe: Recipe, num_groups: int) -> DelayedScalingState | dict:
   """The initial state of one grouped GEMM (``ragged_dot``) with ``num_groups`` groups.
 
   For ``DelayedScaling``: a ``DelayedScalingState`` with ``{x,kernel,grad}_scale`` float32
@@ -106,14 +113,17 @@ def _expected_shapes(recipe, num_groups: int) -> dict[str, tuple[int, ...]]:
   return {name: (num_groups, *shape) for name, shape in shapes.items()}
 
 
-def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int):
+def check_ragged_state(
+  recipe, state: Mapping[str, Any] | None, num_groups: int, layer: str | None = None
+):
   """Validates the state of a grouped GEMM against ``recipe``; returns it typed (``typed_state``);
-  raises naming the mismatch."""
+  raises naming the mismatch, and ``layer`` where given."""
   expected = _expected_shapes(recipe, num_groups)
   if state is None:
     if expected:
+      lead = f"{layer}: " if layer else ""
       raise ValueError(
-        f"{type(recipe).__name__} keeps state: pass "
+        f"{lead}{type(recipe).__name__} keeps state: pass "
         f"state=te_adapters.core.init_ragged_state(recipe, {num_groups})"
       )
     return formats.typed_state(recipe, {})
@@ -136,23 +146,26 @@ def check_ragged_state(recipe, state: Mapping[str, Any] | None, num_groups: int)
     expected,
     mismatch=f"state does not match {recipe!r} for a grouped GEMM",
     bad_shape=bad_shape,
+    layer=layer,
   )
   return formats.typed_state(recipe, state)
 
 
 def ragged_dot(
-  lhs,
-  rhs,
-  group_sizes,
-  precision=None,
-  preferred_element_type=None,
-  group_offset=None,
-  out_sharding=None,
+  lhs: ArrayLike,
+  rhs: ArrayLike,
+  group_sizes: ArrayLike,
+  precision: lax.PrecisionLike = None,
+  preferred_element_type: DTypeLike | None = None,
+  group_offset: jax.Array | None = None,
+  out_sharding: NamedSharding | PartitionSpec | None = None,
   *,
-  recipe,
-  state=None,
-  config=None,
-):
+  recipe: Recipe | None,
+  state: State | Mapping[str, ArrayLike] | None = None,
+  config: GemmConfig | None = None,
+  layer: str | None = None,
+  framework: str | None = None,
+) -> jax.Array:
   """``jax.lax.ragged_dot`` with FP8 operands, per ``recipe``: the grouped GEMM of an MoE layer.
 
   Has ``jax.lax.ragged_dot``'s signature plus keywords, so
@@ -182,7 +195,8 @@ def ragged_dot(
 
   Args:
     lhs: [M, K] rows of all groups, group by group (real floating point).
-    rhs: [G, K, N] one kernel per group (real floating point).
+    rhs: [G, K, N] one kernel per group (real floating point). With a recipe, K and N must be
+      multiples of 16 (the layers' size rule, ``gemm_dims_refusal``), whatever the format.
     group_sizes: [G] integers on the device, non-negative with ``sum(group_sizes) <= M``; rows
       past the sum give zero output rows (and zero gradient).
     precision: passed to the GEMMs (FP8 GEMMs accumulate in float32 whatever it says); the
@@ -206,10 +220,19 @@ def ragged_dot(
     config: a ``GemmConfig``; the grouped GEMM takes its ``non_finite`` (a group whose rows, or
       an expert whose kernel, hold a NaN or an infinity gives NaN rows by default). ``None``:
       ``GemmConfig()``.
+    layer: what warnings and errors about this GEMM call it (an adapter passes the layer's path
+      in its model where it knows it); ``None``: the grouped GEMM by its operands' shapes.
+    framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
+      remedy a ``FrozenStateWarning`` gives; ``None`` (plain JAX): the remedies of all of them.
 
   Returns:
     [M, N], with the dtype ``jax.lax.ragged_dot`` gives. Under differentiation, the gradient with
     respect to ``state`` is the state for the next step.
+
+  Raises:
+    ValueError: ``lhs`` not 2-D, ``rhs`` not 3-D, different contracting sizes, a ``state``
+      without a recipe or one that does not match it.
+    NotImplementedError: a ``group_offset``.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta
@@ -234,6 +257,7 @@ def ragged_dot(
     )
   group_sizes = _check_group_sizes(group_sizes, rhs.shape[0])
   config = check_config(config)
+  framework = _frozen.check_framework(framework)
   if group_offset is not None:
     raise NotImplementedError("group_offset is not supported; pass group_offset=None")
   # The dtype lax.ragged_dot gives (its rule is dot_general's), from shapes without shardings:
@@ -258,12 +282,15 @@ def ragged_dot(
       lhs, rhs, group_sizes, precision, preferred_element_type, out_sharding=out_sharding
     )
   recipe = check_ragged_recipe(recipe)
+  # A layer's size rule (its kernels are a layer's parameters), whatever the format could tile.
+  check_gemm_dims(rhs.shape[1], rhs.shape[2], f"{layer or 'ragged_dot'} with rhs {rhs.shape}")
   grouped = formats.format_of(recipe).grouped
+  assert grouped is not None  # check_ragged_recipe refuses formats without one
   grouped.check(recipe, lhs.shape[1], rhs.shape[2], False)
-  state = check_ragged_state(recipe, state, rhs.shape[0])
+  state = check_ragged_state(recipe, state, rhs.shape[0], layer)
   if state:
     # Under differentiation: warns at trace time when the state would stay frozen.
-    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state)
+    lhs, rhs, state = _frozen.watch_state(lhs, rhs, state, layer=layer, framework=framework)
   operand_dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # Which GEMMs run is the format's choice (the native grouped GEMM where it runs), made here,
   # where the operands' placement is the caller's.

@@ -34,7 +34,26 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 class HighPrecisionGemmWarning(UserWarning):
-  """A quantized ``dot_general`` ran in high precision: the GEMM is below the size threshold."""
+  """A quantized ``dot_general`` ran in high precision: the GEMM is below the size threshold.
+
+  Issued once per trace of such a GEMM, naming its M, K and N, the recipe and the rule; pass
+  ``threshold=None`` to quantize it anyway. ``warnings.simplefilter("error",
+  HighPrecisionGemmWarning)`` turns it into an error (a run that must be FP8 throughout).
+
+  Example:
+    >>> import dataclasses, warnings, jax.numpy as jnp, te_adapters as ta
+    >>> everywhere = dataclasses.replace(ta.core.DEFAULT_SIZE_THRESHOLD,
+    ...                                  platforms=("cpu", "gpu", "tpu"))
+    >>> dn = (((1,), (0,)), ((), ()))
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   y = ta.core.dot_general(jnp.ones((16, 32)), jnp.ones((32, 16)), dn,
+    ...                           recipe=ta.Float8CurrentScaling(), threshold=everywhere)
+    >>> [w.category.__name__ for w in caught]
+    ['HighPrecisionGemmWarning']
+    >>> str(caught[0].message)[:64]
+    'te_adapters: a GEMM with M=16, K=32, N=16 runs in high precision'
+  """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +73,20 @@ class SizeThreshold:
     min_dim: the smallest of M, K and N that runs in FP8; a positive int.
     platforms: the JAX platforms (``"cpu"``, ``"gpu"``, ``"tpu"``) on which the threshold applies;
       elsewhere every GEMM is quantized.
+
+  Raises:
+    TypeError: a size that is not an int, or ``platforms`` given as a string.
+    ValueError: a size below 1, or an unknown platform.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> t = ta.core.SizeThreshold(min_mkn=1024**3, min_dim=512, platforms=("gpu", "cpu"))
+    >>> t.allows_fp8(1024, 1024, 1024, "cpu"), t.allows_fp8(256, 4096, 4096, "cpu")
+    (True, False)
+    >>> t.allows_fp8(16, 16, 16, "tpu")  # not one of its platforms: always FP8
+    True
+    >>> t.rule()
+    'FP8 only where M*K*N >= 1073741824 = 1024**3 and min(M, K, N) >= 512, on gpu, cpu'
   """
 
   min_mkn: int
@@ -82,17 +115,36 @@ class SizeThreshold:
     object.__setattr__(self, "platforms", tuple(platforms))
 
   def applies_to(self, backend: str) -> bool:
-    """Whether the threshold applies on the JAX platform ``backend`` (``"gpu"``, ...)."""
+    """Whether the threshold applies on the JAX platform ``backend`` (``"gpu"``, ...).
+
+    Args:
+      backend: a JAX platform name, as ``jax.default_backend()`` gives it.
+
+    Returns:
+      True where ``backend`` is one of ``platforms``.
+    """
     return backend in self.platforms
 
   def allows_fp8(self, m: int, k: int, n: int, backend: str) -> bool:
-    """Whether an M x K x N GEMM runs in FP8 on ``backend`` under this threshold."""
+    """Whether an M x K x N GEMM runs in FP8 on ``backend`` under this threshold.
+
+    Args:
+      m, k, n: the GEMM's sizes.
+      backend: a JAX platform name.
+
+    Returns:
+      True where the threshold does not apply on ``backend``, or the sizes reach it.
+    """
     if not self.applies_to(backend):
       return True
     return m * k * n >= self.min_mkn and min(m, k, n) >= self.min_dim
 
   def rule(self) -> str:
-    """The rule in words, as the warning states it."""
+    """The rule in words, as the warning states it.
+
+    Returns:
+      A sentence with ``min_mkn``, ``min_dim`` and the platforms.
+    """
     root = round(self.min_mkn ** (1 / 3))
     cube = f" = {root}**3" if root**3 == self.min_mkn else ""
     return (
@@ -108,7 +160,26 @@ DEFAULT_SIZE_THRESHOLD = SizeThreshold(min_mkn=4096**3, min_dim=2048, platforms=
 
 
 def check_threshold(threshold: object) -> SizeThreshold | None:
-  """Returns ``threshold`` if it is a ``SizeThreshold`` or ``None``, else raises a TypeError."""
+  """Returns ``threshold`` if it is a ``SizeThreshold`` or ``None``, else raises a TypeError.
+
+  Args:
+    threshold: the object to check.
+
+  Returns:
+    ``threshold`` itself.
+
+  Raises:
+    TypeError: ``threshold`` is neither.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.check_threshold(None) is None
+    True
+    >>> ta.core.check_threshold(4096)
+    Traceback (most recent call last):
+      ...
+    TypeError: threshold must be a te_adapters.core.SizeThreshold or None (always FP8), got 4096
+  """
   if threshold is not None and not isinstance(threshold, SizeThreshold):
     raise TypeError(
       f"threshold must be a te_adapters.core.SizeThreshold or None (always FP8), got {threshold!r}"
@@ -140,6 +211,12 @@ def runs_in_fp8(
     threshold: as given to ``dot_general``; ``None`` always quantizes.
     backend: the JAX platform; default ``jax.default_backend()``, which ``dot_general`` uses.
 
+  Returns:
+    True where the GEMM runs in FP8; False where it stays in high precision.
+
+  Raises:
+    TypeError: ``threshold`` is neither a ``SizeThreshold`` nor None.
+
   Example:
     >>> import te_adapters as ta
     >>> dn = (((1,), (0,)), ((), ()))
@@ -168,6 +245,20 @@ def high_precision_reason(
 
   With ``m``, for that GEMM; without, for every M (a layer whose kernel alone keeps it below the
   threshold), so that a conversion can say so before the model runs.
+
+  Args:
+    threshold: a ``SizeThreshold``, or None (always FP8).
+    k: the GEMM's contracting size K.
+    n: its output-feature size N.
+    m: its row count M, or None for every M.
+    backend: the JAX platform; default ``jax.default_backend()``.
+
+  Returns:
+    A sentence with the sizes and the rule, or None where the GEMM (some GEMM, without ``m``)
+    runs in FP8.
+
+  Raises:
+    TypeError: ``threshold`` is neither a ``SizeThreshold`` nor None.
 
   Example:
     >>> import te_adapters as ta

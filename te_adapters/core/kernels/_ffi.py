@@ -49,7 +49,11 @@ __all__ = [
   "hopper_target_available",
   "norm_cast_call",
   "padded_transpose_call",
+  "ROW_COL_AMAX_TARGET",
+  "ROWWISE_CAST_TARGET",
   "registered",
+  "row_col_amax_call",
+  "rowwise_cast_call",
   "single_device",
 ]
 
@@ -57,6 +61,10 @@ CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
 AMAX_TARGET = "te_adapters_amax"
 # Float8BlockScaling's cast: 1x128 blocks in both orientations, or 128x128 tiles, in one pass.
 BLOCK_CAST_TARGET = "te_adapters_block_cast"
+# Rowwise scaling (GPU only): the amax of every row and every column in one read, then the cast
+# into both orientations with one scale per row of each copy.
+ROW_COL_AMAX_TARGET = "te_adapters_row_col_amax"
+ROWWISE_CAST_TARGET = "te_adapters_rowwise_cast"
 # The MLP's fused activation casts (GPU only): act(h + b) to FP8, and dact to FP8 with dbias.
 ACT_CAST_TARGET = "te_adapters_act_cast"
 DACT_CAST_TARGET = "te_adapters_dact_cast"
@@ -318,6 +326,43 @@ def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, pow
   return jax.ffi.ffi_call(BLOCK_CAST_TARGET, outs, vmap_method="sequential")(
     x, rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
   )
+
+
+def row_col_amax_call(x, *, rows: bool, cols: bool):
+  """``max(|x|)`` over each row and over each column of ``x (.., P, C)``
+  (``csrc/cast_transpose_cuda.cu``, one read): float32 ``(.., P)`` and ``(.., C)``, inf where a
+  NaN or an infinity is; an output not asked for is an empty array."""
+  lead, (p, c) = x.shape[:-2], x.shape[-2:]
+  f32 = jnp.float32
+  outs = (
+    jax.ShapeDtypeStruct((*lead, p), f32) if rows else _empty(f32),
+    jax.ShapeDtypeStruct((*lead, c), f32) if cols else _empty(f32),
+  )
+  return jax.ffi.ffi_call(ROW_COL_AMAX_TARGET, outs, vmap_method="sequential")(
+    x, rows=rows, cols=cols
+  )
+
+
+def rowwise_cast_call(x, row_scale, col_scale, q_dtype, *, rowwise: bool, colwise: bool):
+  """``x (.., P, C)`` to FP8 in one read: ``q (.., P, C)`` with ``row_scale (.., P)`` (each row
+  times its scale) and ``q_t (.., C, P)``, the swapped copy, with ``col_scale (.., C)``, as
+  ``cast(clip(float32(x) * scale, ±fp8_max))``. A copy not asked for is an empty array (and its
+  scales may be)."""
+  lead, (p, c) = x.shape[:-2], x.shape[-2:]
+  f32 = jnp.float32
+  outs = (
+    jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+    jax.ShapeDtypeStruct((*lead, c, p), q_dtype) if colwise else _empty(q_dtype),
+  )
+  row_scale = row_scale.astype(f32) if rowwise else _zeros_f32()
+  col_scale = col_scale.astype(f32) if colwise else _zeros_f32()
+  return jax.ffi.ffi_call(ROWWISE_CAST_TARGET, outs, vmap_method="sequential")(
+    x, row_scale, col_scale, rowwise=rowwise, colwise=colwise
+  )
+
+
+def _zeros_f32():
+  return jnp.zeros((0,), jnp.float32)
 
 
 def _act_attrs(acts):

@@ -72,7 +72,23 @@ __all__ = [
 
 
 class ShardingFallbackWarning(UserWarning):
-  """An extension kernel inside a sharded program needed a reshard or XLA's GEMM on its shards."""
+  """An extension kernel inside a sharded program needed a reshard or XLA's GEMM on its shards.
+
+  Issued once per distinct case, naming the GEMM and the shardings: a sharding the kernel
+  cannot take shard by shard is resharded (a dim gathered), a shard shape it refuses runs as
+  XLA's GEMM, and ``dot_general`` gathers an operand whose group of dims holds more than one
+  sharded dim. The results are right either way; the warning says where communication or speed
+  is lost. Make it an error to find such layouts while tuning a sharded model.
+
+  Example:
+    >>> import warnings, jax.numpy as jnp, te_adapters as ta
+    >>> x, w, dn = jnp.ones((16, 32)), jnp.ones((32, 16)), (((1,), (0,)), ((), ()))
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    ...   y = ta.core.dot_general(x, w, dn, recipe=ta.Float8CurrentScaling(), threshold=None)
+    >>> y.shape  # unsharded: nothing to fall back from
+    (16, 16)
+  """
 
 
 _WARNED: set = set()
@@ -116,7 +132,7 @@ def _spec(sharding, ndim: int) -> tuple[tuple[str, ...], ...]:
   if not isinstance(sharding, NamedSharding):
     return ((),) * ndim
   entries = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-  out = []
+  out: list[tuple[str, ...]] = []
   for e in entries:
     if e is None or e is PartitionSpec.UNCONSTRAINED:
       out.append(())
@@ -170,7 +186,12 @@ def _explicit_spec(x, ndim):
 
 
 def _shardable(
-  split: Callable, call: Callable, ndims: tuple[int, ...], sharding_rule: str, single: bool = False
+  split: Callable,
+  call: Callable,
+  ndims: tuple[int, ...],
+  sharding_rule: str,
+  single: bool = False,
+  wants_result: bool = False,
 ):
   """``call`` run per shard in a multi-device ``jit``, as ``split`` says.
 
@@ -178,7 +199,10 @@ def _shardable(
   a tuple of mesh axes), the specs the operands are brought to, those of the outputs (a tuple of
   specs, of one spec where ``single``), and the function of one device's shards. Auto mesh axes go
   through ``custom_partitioning`` (XLA's partitioner picks the shardings); Explicit axes, whose
-  shardings the operands' types carry, through ``shard_map``.
+  shardings the operands' types carry, through ``shard_map``. With ``wants_result`` (``single``
+  only), ``split(mesh, specs, result)`` also gets the spec Shardy's propagation chose for the
+  output (what its users ask for; ``None`` where no partitioner chose one: GSPMD's inference, or
+  Explicit axes), which it may follow where it can serve it at no extra cost.
   """
 
   def out_shardings(mesh, out_specs):
@@ -192,14 +216,21 @@ def _shardable(
   def specs_of(arg_shapes):
     return tuple(_spec(a.sharding, n) for a, n in zip(arg_shapes, ndims, strict=True))
 
+  def split_for(mesh, arg_shapes, result_shape):
+    if not wants_result:
+      return split(mesh, specs_of(arg_shapes))
+    result = None
+    if result_shape is not None:
+      result = _spec(result_shape.sharding, len(result_shape.shape))
+    return split(mesh, specs_of(arg_shapes), result)
+
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    _, out_specs, _ = split(mesh, specs_of(arg_shapes))
+    _, out_specs, _ = split_for(mesh, arg_shapes, None)
     return out_shardings(mesh, out_specs)
 
   def partition(mesh, arg_shapes, result_shape):
-    del result_shape
-    arg_specs, out_specs, per_shard = split(mesh, specs_of(arg_shapes))
+    arg_specs, out_specs, per_shard = split_for(mesh, arg_shapes, result_shape)
     args = tuple(_named(mesh, s) for s in arg_specs)
     return mesh, per_shard, out_shardings(mesh, out_specs), args
 
@@ -211,7 +242,9 @@ def _shardable(
 
   def explicit(mesh, *args):
     specs = tuple(_explicit_spec(x, n) for x, n in zip(args, ndims, strict=True))
-    arg_specs, out_specs, per_shard = split(mesh, specs)
+    arg_specs, out_specs, per_shard = (
+      split(mesh, specs, None) if wants_result else split(mesh, specs)
+    )
     args = tuple(
       x if have == want else jax.sharding.reshard(x, _named(mesh, want))
       for x, have, want in zip(args, specs, arg_specs, strict=True)
@@ -441,11 +474,18 @@ def _gemm_rule(
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
 
-  def split(mesh, specs):
+  def split(mesh, specs, result=None):
     a_spec, b_spec = specs[0], specs[1]
     new_a, new_b, out, k = _gemm_plan(
       mesh, a_spec, b_spec, a_shape, b_shape, (sa_shape, sb_shape), block_scales
     )
+    # Where the output's users want it sharded over axes that K is summed over (FSDP's weight
+    # gradient, sharded like the kernel), the partial products are reduce-scattered onto that
+    # dim instead of all-reduced whole and sliced after: half the bytes on the wire.
+    scatter_dim, scatter = _scatter_plan(mesh, out, k, result, a_shape, b_shape)
+    if scatter:
+      out = out[:scatter_dim] + (scatter,) + out[scatter_dim + 1 :]
+      k = tuple(a for a in k if a not in scatter)
     # An axis added to a dim is a local slice of a replicated operand; one removed, a gather.
     if _gathers(a_spec, new_a) or _gathers(b_spec, new_b):
       _warn_once(
@@ -470,8 +510,16 @@ def _gemm_rule(
     summed = summed_kernel if why is None else fallback
     rows = local_a[-2]
     chunk = rows if block_scales else sum_chunk_rows(rows, sum_chunks)
+    if scatter and scatter_dim == ndim - 2:
+      chunk = rows  # chunks of the rows scattered one by one would interleave the shards
 
     def per_shard(a, b, a_scale, b_scale):
+      if scatter:
+        y = summed(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
+        y = lax.psum(y, k) if k else y
+        return lax.psum_scatter(y, scatter, scatter_dimension=scatter_dim, tiled=True).astype(
+          out_dtype
+        )
       if not k:
         return fn(a, b, a_scale, b_scale, out_dtype).astype(out_dtype)
       # K is split: partial products in sum_dtype (float32: rounded once, after the sum; the
@@ -500,7 +548,21 @@ def _gemm_rule(
   call = functools.partial(_call_with_dtype, kernel, out_dtype)
   ndims = (ndim, ndim, len(sa_shape), len(sb_shape))
   rule = f"{a_dims}, {b_dims}, {sa}, {sb} -> {' '.join(lead + ['m', 'n'])}"
-  return _shardable(split, call, ndims, rule, single=True)
+  return _shardable(split, call, ndims, rule, single=True, wants_result=True)
+
+
+def _scatter_plan(mesh, out, k, result, a_shape, b_shape):
+  """``(dim, axes)``: the output dim (M or N) that ``result`` shards over some of the axes ``k``
+  sums over, where the plan leaves that dim whole and the axes split it evenly; ``(None, ())``
+  where there is none (the sum is an all-reduce)."""
+  if not k or result is None or len(result) != len(out):
+    return None, ()
+  sizes = {len(out) - 2: a_shape[-2], len(out) - 1: b_shape[-2]}
+  for dim, size in sizes.items():
+    want = result[dim]
+    if want and not out[dim] and set(want) <= set(k) and size % _shards(mesh, want) == 0:
+      return dim, tuple(want)
+  return None, ()
 
 
 def _gathers(spec, new_spec) -> bool:

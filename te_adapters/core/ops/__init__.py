@@ -2,6 +2,7 @@
 
 from te_adapters.core.ops._activation import (
   ACTIVATIONS,
+  Activation,
   activation,
   activation_product,
   normalize_activations,
@@ -20,6 +21,7 @@ from te_adapters.core.ops._softmax import SOFTMAX_TYPES, SoftmaxFusionType, Soft
 
 __all__ = [
   "ACTIVATIONS",
+  "Activation",
   "LAYERNORM_TYPES",
   "SOFTMAX_TYPES",
   "SoftmaxFusionType",

@@ -50,6 +50,16 @@ def normalize_activations(activations: Activation | Sequence[Activation]) -> tup
   reversed, as TE does, so ``("linear", "gelu")`` is ``("gelu", "linear")``. An unknown name,
   an empty sequence or an entry that is neither a name nor a callable is a ValueError.
 
+  Args:
+    activations: a name (``ACTIVATIONS``'s keys, any case), a callable, or a sequence of them
+      (two for a gated MLP).
+
+  Returns:
+    A tuple of lower-case names and callables, in TE's order.
+
+  Raises:
+    ValueError: an unknown name, an empty sequence, or an entry of another kind.
+
   Example:
     >>> from te_adapters import core
     >>> core.normalize_activations(("Linear", "silu"))
@@ -124,6 +134,10 @@ def activation(
 
   Returns:
     Shape ``(..., F)``, ``h``'s dtype, computed in float32.
+
+  Raises:
+    TypeError: ``h`` is not floating point.
+    ValueError: an unknown activation, or ``h`` without an axis of one slice per activation.
 
   Example:
     >>> import jax.numpy as jnp

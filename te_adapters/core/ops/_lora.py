@@ -33,6 +33,26 @@ def check_lora_rank(
   ``K`` is the product of the contracted input sizes ``in_shape`` and ``N`` the last output
   feature (TE's LoRA factors one ``K x N`` matrix per leading feature); a larger rank adds
   parameters and no expressiveness.
+
+  Args:
+    rank: the LoRA rank (``low_rank_adaptation_dim``).
+    in_shape: the contracted input sizes (an int or a sequence).
+    features: the layer's output features (an int or a sequence; the last one is N).
+    what: the layer, as the error names it.
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: ``rank`` is not an int from 1 to ``min(K, N)``.
+
+  Example:
+    >>> from te_adapters import core
+    >>> core.check_lora_rank(8, 64, 32)
+    >>> core.check_lora_rank(64, 64, 32, "Dense_0")
+    Traceback (most recent call last):
+      ...
+    ValueError: Dense_0: low_rank_adaptation_dim must be an int from 1 to min(K, N) = 32 ...
   """
   in_shape, features = _as_tuple(in_shape), _as_tuple(features)
   k, n = math.prod(in_shape), features[-1]
@@ -50,6 +70,14 @@ def lora_shapes(
 
   ``lora_a_kernel``: ``(*in_shape, *features[:-1], rank)``; ``lora_b_kernel``:
   ``(*features[:-1], rank, features[-1])``.
+
+  Args:
+    in_shape: the contracted input sizes (an int or a sequence).
+    features: the layer's output features (an int or a sequence).
+    rank: the LoRA rank.
+
+  Returns:
+    ``(lora_a_shape, lora_b_shape)``, tuples of ints.
 
   Example:
     >>> from te_adapters import core
@@ -80,6 +108,9 @@ def low_rank_adaptation(
   Returns:
     Shape ``(*x's other dims, *features)``, the dtype of ``x``, ``lora_a`` and ``lora_b``
     promoted together.
+
+  Raises:
+    ValueError: factors whose shapes do not match ``x``'s contracted axes or each other.
 
   Example:
     >>> import jax.numpy as jnp

@@ -8,10 +8,14 @@ tensor. The norm followed by a quantized GEMM is ``_norm_dense.layernorm_dense``
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  from jax.typing import ArrayLike
 
 __all__ = [
   "LAYERNORM_TYPES",
@@ -62,9 +66,9 @@ def _check(x, scale, bias, layernorm_type):
 
 
 def layernorm(
-  x: jax.Array,
-  scale: jax.Array,
-  bias: jax.Array | None = None,
+  x: ArrayLike,
+  scale: ArrayLike,
+  bias: ArrayLike | None = None,
   *,
   layernorm_type: str = "layernorm",
   zero_centered_gamma: bool = False,
@@ -84,6 +88,14 @@ def layernorm(
     layernorm_type: ``"layernorm"`` or ``"rmsnorm"``.
     zero_centered_gamma: use ``1 + scale`` as the factor.
     epsilon: added to the variance (mean square for rmsnorm).
+
+  Returns:
+    The normalized ``x``, of its shape and dtype.
+
+  Raises:
+    ValueError: an unknown ``layernorm_type``, a ``scale`` or ``bias`` of another shape than
+      ``(x.shape[-1],)``, a bias for rmsnorm or none for layernorm, or a scalar ``x``.
+    TypeError: an operand that is not floating point.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta

@@ -20,7 +20,17 @@ class SoftmaxFusionType(enum.Enum):
 
   ``SCALED``: ``mask`` if one is given, else none. ``SCALED_MASKED``: ``mask``, which is
   required. ``SCALED_UPPER_TRIANG_MASKED``: causal, key position > query position is masked
-  (plus ``mask`` if given).
+  (plus ``mask`` if given). ``softmax`` also takes the values' names (``"scaled_masked"``).
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> mask = jnp.array([[0, 1]])  # nonzero: masked out
+    >>> p = ta.core.softmax(jnp.zeros((1, 1, 1, 2)), mask,
+    ...                     softmax_fusion_type=ta.core.SoftmaxFusionType.SCALED_MASKED)
+    >>> p.ravel().tolist()
+    [1.0, 0.0]
+    >>> ta.core.SoftmaxFusionType("scaled_masked").name
+    'SCALED_MASKED'
   """
 
   SCALED = "scaled"
@@ -73,6 +83,15 @@ def softmax(
     scale_factor: multiplies the logits.
     softmax_fusion_type: a ``SoftmaxFusionType`` (or its name): which mask applies.
     softmax_type: ``"vanilla"``, ``"off_by_one"`` or ``"learnable"`` (``SOFTMAX_TYPES``).
+
+  Returns:
+    The probabilities, of ``logits``'s shape and dtype.
+
+  Raises:
+    ValueError: an unknown ``softmax_type`` or ``softmax_fusion_type``; logits that are not
+      floating point or have fewer than 2 axes; ``SCALED_MASKED`` without a mask;
+      ``softmax_offset`` given with a type other than ``"learnable"`` (or missing with it); a
+      mask or bias that does not broadcast to the logits.
 
   Example:
     >>> import jax.numpy as jnp, te_adapters as ta

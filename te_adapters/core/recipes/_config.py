@@ -65,10 +65,10 @@ class GemmConfig:
       that also casts the norm's output straight to GEMM 1's FP8 operand unless it is returned
       (``True``): per-tensor recipes through their cast kernels, block and rowwise recipes by
       quantizing the float32 values in their blocks or rows. ``False`` composes the norm, the
-      activation and two ``dot_general`` calls. ``None`` (the default): fused for every recipe; the
-      faster path for the per-tensor recipes on an H100, while for ``Float8BlockScaling`` the
-      composed path was 6% faster there (``bench/RESULTS.md``), since its fused casts read the
-      float32 values from memory. With activations narrower than float32 the two differ by the
+      activation and two ``dot_general`` calls. ``None`` (the default): the faster path measured
+      on an H100 (``bench/RESULTS.md``): fused for every recipe but ``Float8BlockScaling``, whose
+      ``layernorm_mlp`` composes (6% faster there: its fused casts read the float32 values from
+      memory); ``True`` fuses it too. With activations narrower than float32 the two differ by the
       rounding of the norm's output, the activation and its gradient to that dtype, which only the
       composed path does. The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's
       output is cast straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the
@@ -125,6 +125,9 @@ class GemmConfig:
       casts, which clip an infinity to the format's largest value (448 for E4M3, 57344 for
       E5M2) times the scale, so the output stays finite; a NaN stays NaN where the format has
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
+
+  Raises:
+    ValueError: a field outside the values it takes (the message names the field and them).
 
   Example:
     >>> import te_adapters as ta
@@ -188,7 +191,26 @@ class GemmConfig:
 
 
 def check_config(config: GemmConfig | None) -> GemmConfig:
-  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else."""
+  """``config``, or the default ``GemmConfig()`` for ``None``; a TypeError for anything else.
+
+  Args:
+    config: a ``GemmConfig`` or ``None``.
+
+  Returns:
+    ``config`` itself, or ``GemmConfig()`` where it is ``None``.
+
+  Raises:
+    TypeError: ``config`` is neither.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.check_config(None) == ta.GemmConfig()
+    True
+    >>> ta.core.check_config("cublaslt")
+    Traceback (most recent call last):
+      ...
+    TypeError: config must be a GemmConfig or None, got str
+  """
   if config is None:
     return GemmConfig()
   if not isinstance(config, GemmConfig):

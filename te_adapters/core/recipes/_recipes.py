@@ -33,6 +33,15 @@ class Format(enum.Enum):
   forward operands (x and kernel) and ``float8_e5m2`` for the output gradient. ``E5M2`` exists for
   name compatibility with TE and is rejected by every recipe, as in TE's JAX layer. ``E2M1``
   (``float4_e2m1fn``) is the element format of ``NVFP4BlockScaling`` only.
+
+  Attributes:
+    fwd_dtype: the dtype of the forward operands (x and kernel).
+    bwd_dtype: the dtype of the output gradient.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.Format.HYBRID.fwd_dtype, ta.Format.HYBRID.bwd_dtype
+    (dtype(float8_e4m3fn), dtype(float8_e5m2))
   """
 
   E4M3 = "E4M3"
@@ -99,6 +108,15 @@ class MMParams:
     use_split_accumulator: promote the sums to float32 (``lax.Precision.HIGHEST``). ``False``:
       the ``precision`` given to ``dot_general`` decides (``DEFAULT``: fast sums). Emulated and
       CPU GEMMs sum in float32 either way.
+
+  Raises:
+    TypeError: ``use_split_accumulator`` is not a bool.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> fast = ta.MMParams(use_split_accumulator=False)
+    >>> ta.Float8CurrentScaling(fp8_gemm_dgrad=fast).fp8_gemm_dgrad.use_split_accumulator
+    False
   """
 
   use_split_accumulator: bool = True
@@ -120,7 +138,27 @@ def _check_mm_params(recipe) -> None:
 
 
 class Recipe:
-  """Base class of every recipe. A recipe is a frozen dataclass, usable as a static argument."""
+  """Base class of every recipe. A recipe is a frozen dataclass, usable as a static argument.
+
+  Not constructed itself: each recipe below is a subclass, and ``isinstance(r, Recipe)`` tells a
+  recipe from anything else.
+
+  Attributes:
+    fp8_format: the recipe's ``Format``.
+    stateful: whether the recipe keeps state between steps (amax histories and scales).
+    block_scaled: whether it scales blocks of elements instead of whole tensors.
+    uses_rng: whether ``dot_general`` needs an ``rng`` key under it.
+    fwd_dtype: the dtype the forward operands are quantized to.
+    bwd_dtype: the dtype the output gradient is quantized to.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> r = ta.NVFP4BlockScaling()
+    >>> isinstance(r, ta.Recipe), r.stateful, r.block_scaled, r.uses_rng
+    (True, False, True, True)
+    >>> {r: "hashable"}[ta.NVFP4BlockScaling()]  # equal recipes hash equal (static arguments)
+    'hashable'
+  """
 
   fp8_format: Format
 
@@ -166,6 +204,24 @@ class DelayedScaling(Recipe):
     amax_compute_algo: ``"max"`` (default) or ``"most_recent"``.
     fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: each GEMM's ``MMParams`` (TE's defaults:
       fast sums forward, float32-promoted sums in dgrad and wgrad).
+
+  Raises:
+    TypeError: a field of the wrong type (``fp8_format`` not a ``Format``, a non-integer
+      ``amax_history_len``, ``MMParams`` fields of another type).
+    ValueError: a negative or non-finite margin, ``Format.E5M2`` or ``Format.E2M1``, a history
+      shorter than 1, or another ``amax_compute_algo``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.DelayedScaling(amax_history_len=8)
+    >>> state = ta.core.init_state(recipe)
+    >>> state["x_amax_history"].shape, state["x_scale"].tolist()
+    ((8,), [1.0])
+    >>> x, w, dn = jnp.full((16, 32), 2.0), jnp.ones((32, 16)), (((1,), (0,)), ((), ()))
+    >>> gemm = lambda s: ta.core.dot_general(x, w, dn, recipe=recipe, state=s, threshold=None)
+    >>> state = ta.core.updated_state(state, jax.grad(lambda s: gemm(s).sum())(state))
+    >>> state["x_amax_history"].tolist(), state["x_scale"].tolist()  # E4M3's 448 / amax 2
+    ([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0], [224.0])
   """
 
   margin: float = 0
@@ -208,6 +264,20 @@ class Float8CurrentScaling(Recipe):
     fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
     fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: each GEMM's ``MMParams`` (TE's defaults:
       fast sums forward, float32-promoted sums in dgrad and wgrad).
+
+  Raises:
+    TypeError: ``fp8_format`` is not a ``Format``, or a GEMM's field is not an ``MMParams``.
+    ValueError: ``Format.E5M2`` or ``Format.E2M1``.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.Float8CurrentScaling(fp8_format=ta.Format.E4M3)
+    >>> ta.core.init_state(recipe)  # stateless
+    EmptyState()
+    >>> x, w = jnp.arange(32.0).reshape(2, 16), jnp.eye(16)
+    >>> y = ta.core.dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe, threshold=None)
+    >>> y.dtype, bool(jnp.abs(y - x).max() <= 31 * 2**-4)  # E4M3 rounds to 3 mantissa bits
+    (dtype('float32'), True)
   """
 
   fp8_format: Format = Format.HYBRID
@@ -238,6 +308,16 @@ class MXFP8BlockScaling(_BlockRecipe):
   Args:
     margin: kept for TE compatibility; TE ignores it, so only 0 is accepted.
     fp8_format: ``Format.E4M3`` (default; gradients in E4M3 too) or ``Format.HYBRID``.
+
+  Raises:
+    TypeError: ``fp8_format`` is not a ``Format``.
+    ValueError: a margin other than 0, ``Format.E5M2`` or ``Format.E2M1``.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> q = ta.quantize(jnp.ones((4, 64)), recipe=ta.MXFP8BlockScaling())
+    >>> q.data.dtype, q.scale_inv.shape  # one E8M0 scale per 32 elements of a row
+    (dtype(float8_e4m3fn), (4, 2))
   """
 
   margin: int = 0
@@ -268,6 +348,18 @@ class NVFP4BlockScaling(_BlockRecipe):
     disable_2d_quantization: 1x16 blocks for the kernel too.
     fp4_format: ``Format.E2M1`` (the only choice).
     fp8_format: ``Format.E4M3`` (the block-scale format; the only choice).
+
+  Raises:
+    TypeError: a ``disable_*`` field that is not a bool.
+    ValueError: another ``fp4_format`` or ``fp8_format``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> recipe = ta.NVFP4BlockScaling()
+    >>> recipe.fwd_dtype, recipe.uses_rng  # gradients round stochastically: dot_general needs rng
+    (dtype(float4_e2m1fn), True)
+    >>> ta.NVFP4BlockScaling(disable_stochastic_rounding=True).uses_rng
+    False
   """
 
   disable_rht: bool = False
@@ -314,6 +406,20 @@ class Float8BlockScaling(_BlockRecipe):
     w_block_scaling_dim: 1 or 2 (default) for the kernel.
     grad_block_scaling_dim: 1 (default) or 2 for the output gradient.
       Two operands of one GEMM may not both use 2 (TE rejects 2Dx2D GEMMs).
+
+  Raises:
+    TypeError: ``use_f32_scales`` is not a bool, or ``fp8_format`` not a ``Format``.
+    ValueError: a block dim other than 1 or 2, two 2D operands in one GEMM, ``Format.E5M2`` or
+      ``Format.E2M1``.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.Float8BlockScaling().power_2_scale
+    True
+    >>> ta.Float8BlockScaling(x_block_scaling_dim=2)
+    Traceback (most recent call last):
+      ...
+    ValueError: Float8BlockScaling: x_block_scaling_dim and w_block_scaling_dim are both 2; ...
   """
 
   use_f32_scales: bool = False
@@ -369,6 +475,18 @@ class Float8RowwiseScaling(Recipe):
       unquantized (the forward and dgrad GEMMs stay in FP8), as torchao's ``rowwise_with_gw_hp``.
     fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: each FP8 GEMM's ``MMParams`` (as for
       ``Float8CurrentScaling``: fast sums forward, float32-promoted sums in dgrad and wgrad).
+
+  Raises:
+    TypeError: a field of the wrong type (``fp8_format``, ``weight_grad_high_precision``, the
+      ``MMParams`` fields).
+    ValueError: a negative or non-finite margin, ``Format.E5M2`` or ``Format.E2M1``.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> x = jnp.array([[1.0, 2.0, 3.0], [100.0, 0.5, 0.25]])
+    >>> q = ta.quantize(x, recipe=ta.Float8RowwiseScaling())
+    >>> q.scale_inv.ravel().tolist()  # 1 / scale, one power of two per row: 3 * 128, 100 * 4
+    [0.0078125, 0.25]
   """
 
   margin: float = 0
@@ -397,7 +515,26 @@ _RECIPES = (
 
 
 def check_recipe(recipe: object) -> Recipe:
-  """Returns ``recipe`` if it is a supported recipe instance, else raises a TypeError."""
+  """Returns ``recipe`` if it is a supported recipe instance, else raises a TypeError.
+
+  Args:
+    recipe: the object to check.
+
+  Returns:
+    ``recipe`` itself.
+
+  Raises:
+    TypeError: ``recipe`` is a recipe class rather than an instance, or not a recipe at all.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> ta.core.check_recipe(ta.MXFP8BlockScaling())
+    MXFP8BlockScaling(margin=0, fp8_format=<Format.E4M3: 'E4M3'>)
+    >>> ta.core.check_recipe(ta.DelayedScaling)
+    Traceback (most recent call last):
+      ...
+    TypeError: recipe must be a recipe instance, got the class DelayedScaling; ...
+  """
   if isinstance(recipe, type) and issubclass(recipe, Recipe):
     raise TypeError(
       f"recipe must be a recipe instance, got the class {recipe.__name__}; "

@@ -44,7 +44,22 @@ _KIND = {name: ("scale" if kind == "scale" else "max") for _, kind, name in _FIE
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RoleState:
-  """One role's delayed-scaling state: the stored ``scale`` and its ``amax_history``."""
+  """One role's delayed-scaling state: the stored ``scale`` and its ``amax_history``.
+
+  A registered pytree dataclass; ``DelayedScalingState.role`` gives one, ``from_roles`` and
+  ``with_roles`` take them.
+
+  Args:
+    scale: the role's stored scale, float32 ``(..., 1)``.
+    amax_history: its amax history, float32 ``(..., L)``.
+
+  Example:
+    >>> import jax.numpy as jnp, te_adapters as ta
+    >>> state = ta.core.init_state(ta.DelayedScaling(amax_history_len=4))
+    >>> grad = ta.core.RoleState(scale=jnp.full((1,), 2.0), amax_history=jnp.zeros(4))
+    >>> state.with_roles({"grad": grad})["grad_scale"].tolist(), state["grad_scale"].tolist()
+    ([2.0], [1.0])
+  """
 
   scale: Any
   amax_history: Any
@@ -58,7 +73,11 @@ class DelayedScalingState(Mapping):
   Fields are float32 arrays: scales of shape ``(..., 1)`` (1 initially: TE's value) and amax
   histories of shape ``(..., L)`` (zeros initially). It is a pytree whose keys are the field
   names and a read-only mapping of the same names, so ``state["x_scale"]`` and ``dict(state)``
-  read it as TE names it.
+  read it as TE names it. ``init_state(recipe)`` makes one; ``typed_state`` converts a mapping.
+
+  Args:
+    x_scale, kernel_scale, grad_scale: the three roles' stored scales.
+    x_amax_history, kernel_amax_history, grad_amax_history: their amax histories.
 
   Example:
     >>> import te_adapters as ta
@@ -77,12 +96,32 @@ class DelayedScalingState(Mapping):
   # --- typed access ------------------------------------------------------------------------
 
   def role(self, role: str) -> RoleState:
-    """The scale and amax history of ``role`` (``"x"``, ``"kernel"`` or ``"grad"``)."""
+    """The scale and amax history of ``role`` (``"x"``, ``"kernel"`` or ``"grad"``).
+
+    Args:
+      role: ``"x"``, ``"kernel"`` or ``"grad"``.
+
+    Returns:
+      The role's ``RoleState``.
+
+    Raises:
+      ValueError: another role.
+    """
     _check_role(role)
     return RoleState(getattr(self, f"{role}_scale"), getattr(self, f"{role}_amax_history"))
 
   def with_roles(self, roles: Mapping[str, RoleState]) -> DelayedScalingState:
-    """A copy with the given roles' states replaced."""
+    """A copy with the given roles' states replaced.
+
+    Args:
+      roles: ``{role: RoleState}`` for some of the three roles.
+
+    Returns:
+      A new ``DelayedScalingState``; the other roles' entries are this one's.
+
+    Raises:
+      ValueError: an unknown role.
+    """
     changes = {}
     for role, value in roles.items():
       _check_role(role)
@@ -91,12 +130,26 @@ class DelayedScalingState(Mapping):
     return dataclasses.replace(self, **changes)
 
   def scales(self) -> tuple[Any, ...]:
-    """The scales of the three roles."""
+    """The scales of the three roles.
+
+    Returns:
+      ``(x_scale, kernel_scale, grad_scale)``.
+    """
     return tuple(self.role(r).scale for r in ROLES)
 
   @classmethod
   def from_roles(cls, roles: Mapping[str, RoleState]) -> DelayedScalingState:
-    """The state from all three roles' ``RoleState``."""
+    """The state from all three roles' ``RoleState``.
+
+    Args:
+      roles: ``{role: RoleState}`` for ``"x"``, ``"kernel"`` and ``"grad"``.
+
+    Returns:
+      The ``DelayedScalingState``.
+
+    Raises:
+      ValueError: a role is missing.
+    """
     missing = sorted(set(ROLES) - set(roles))
     if missing:
       raise ValueError(f"DelayedScalingState needs every role; missing {missing}")
@@ -104,7 +157,18 @@ class DelayedScalingState(Mapping):
 
   @classmethod
   def from_mapping(cls, state: Mapping[str, Any]) -> DelayedScalingState:
-    """The typed state from a mapping of TE's six names (a dict-layout state or checkpoint)."""
+    """The typed state from a mapping of TE's six names (a dict-layout state or checkpoint).
+
+    Args:
+      state: a mapping of exactly the six names, or a ``DelayedScalingState`` (returned as is).
+
+    Returns:
+      The ``DelayedScalingState``.
+
+    Raises:
+      TypeError: ``state`` is not a mapping.
+      ValueError: names missing or unexpected (the message lists them).
+    """
     if isinstance(state, cls):
       return state
     if not isinstance(state, Mapping):
@@ -200,7 +264,22 @@ def _check_role(role) -> None:
 
 def is_state_mapping(node: Any) -> bool:
   """Whether ``node`` is one GEMM's delayed-scaling state: typed, or a mapping of TE's six
-  names (a Linen collection's or Haiku module's entries, an old dict-layout checkpoint)."""
+  names (a Linen collection's or Haiku module's entries, an old dict-layout checkpoint).
+
+  Args:
+    node: any object (a node of a state tree).
+
+  Returns:
+    True for a ``DelayedScalingState`` or a mapping of exactly TE's six names.
+
+  Example:
+    >>> import te_adapters as ta
+    >>> state = ta.core.init_state(ta.DelayedScaling(amax_history_len=4))
+    >>> ta.core.is_state_mapping(state), ta.core.is_state_mapping(dict(state))
+    (True, True)
+    >>> ta.core.is_state_mapping({"layer": state})  # a tree holding one
+    False
+  """
   if isinstance(node, DelayedScalingState):
     return True
   return isinstance(node, Mapping) and len(node) == len(NAMES) and all(n in node for n in NAMES)

@@ -39,27 +39,29 @@ State = DelayedScalingState | EmptyState
 # live with the format registry (formats._registry), above this module.
 
 
-def check_leaves(state, expected, *, mismatch: str, bad_shape) -> State:
+def check_leaves(state, expected, *, mismatch: str, bad_shape, layer: str | None = None) -> State:
   """Checks a state's names, shapes (against ``expected``) and float32 leaves.
 
   ``mismatch`` starts the message for wrong names; ``bad_shape(name, got, shape)`` gives the
-  message for a wrong shape. Returns ``state`` unchanged (the format's ``typed_state`` types it).
+  message for a wrong shape; ``layer`` (where the caller knows it) starts every message. Returns
+  ``state`` unchanged (the format's ``typed_state`` types it).
   """
+  lead = f"{layer}: " if layer else ""
   if not isinstance(state, Mapping):
     raise TypeError(
-      f"state must be a DelayedScalingState or a dict of arrays, got {type(state).__name__}"
+      f"{lead}state must be a DelayedScalingState or a dict of arrays, got {type(state).__name__}"
     )
   missing = sorted(set(expected) - set(state))
   extra = sorted(set(state) - set(expected))
   if missing or extra:
-    raise ValueError(f"{mismatch}: missing {missing}, unexpected {extra}")
+    raise ValueError(f"{lead}{mismatch}: missing {missing}, unexpected {extra}")
   for name, shape in expected.items():
     leaf = state[name]
     if tuple(np.shape(leaf)) != shape:
-      raise ValueError(bad_shape(name, tuple(np.shape(leaf)), shape))
+      raise ValueError(lead + bad_shape(name, tuple(np.shape(leaf)), shape))
     dtype = getattr(leaf, "dtype", None)
     if not (_accumulate.is_accumulating(leaf) or dtype == np.float32):
-      raise TypeError(f"state[{name!r}] must be float32, got {dtype}")
+      raise TypeError(f"{lead}state[{name!r}] must be float32, got {dtype}")
   return cast(State, state)
 
 
@@ -83,6 +85,9 @@ def caller_stacklevel() -> int:
   """The ``stacklevel`` that points a warning issued by the calling function at the user's line:
   the first frame outside te_adapters, JAX and the frameworks (through any ``jit``, ``grad``,
   ``model.apply`` or ``hk.transform`` in between).
+
+  Returns:
+    The ``stacklevel`` to pass to ``warnings.warn`` from the calling function.
 
   Example:
     >>> import warnings
