@@ -87,16 +87,33 @@ def _eqns(jaxpr):
           yield from _eqns(sub)
 
 
+# The projections' kernels in the carry: the converted plain model's, and the library's modules'
+# (LayerNormDenseGeneral's QKV, Linear's output, LayerNormMLP's two kernels).
+KERNEL_PATHS = {
+  "nnx-current": ["['qkv']['kernel']", "['out']['kernel']", "['gate_up']['kernel']",
+                  "['down']['kernel']"],
+  "nnx-modules-current": ["['qkv']['kernel']", "['out']['kernel']", "['mlp']['wi_kernel']",
+                          "['mlp']['wo_kernel']"],
+}  # fmt: skip
+
+
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
-def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens):
+@pytest.mark.parametrize("variant", list(KERNEL_PATHS))
+def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens, variant):
+  import warnings
+
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from te_adapters import core
+
   cfg = dataclasses.replace(CFG, layers=1, batch=2 * CFG.batch)
   mesh = train.fsdp_mesh(2)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    # The library's modules keep their fused norm and MLP paths under FSDP.
+    warnings.simplefilter("error", core.FusedPathFallbackWarning)
     sample = jnp.asarray(train.batch(tokens, cfg, 0, 0))
-    trainer = train.make_trainer(cfg, "nnx-current", 0, sample, gather=P(train.FSDP, None))
+    trainer = train.make_trainer(cfg, variant, 0, sample, gather=P(train.FSDP, None))
     carry = jax.device_put(trainer.carry, train.fsdp_shardings(trainer.carry, mesh))
     sample = jax.device_put(sample, NamedSharding(mesh, P(train.FSDP)))
     specs = {
@@ -105,20 +122,21 @@ def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens):
     }
     # The scanned stack's kernels on their input dim, the embedding on its rows, AdamW's moments
     # like their parameters; the norms' scales and the counters replicated.
-    model = "[0]['blocks']['{}']['kernel'].value"
-    for name in ("qkv", "out", "gate_up", "down"):
-      assert specs[model.format(name)] == P(None, train.FSDP), name
+    for name in KERNEL_PATHS[variant]:
+      assert specs[f"[0]['blocks']{name}.value"] == P(None, train.FSDP), name
     assert specs["[0]['embed']['embedding'].value"] == P(train.FSDP)
     assert specs["[0]['head']['kernel'].value"] == P(train.FSDP)
     moments = [k for k in specs if k.endswith("['blocks']['qkv']['kernel'].value") and "[1]" in k]
     assert len(moments) == 2 and all(specs[k] == P(None, train.FSDP) for k in moments), moments
-    assert specs["[0]['blocks']['attn_norm']['scale'].value"] == P()
+    norm = "attn_norm" if variant == "nnx-current" else "qkv"
+    assert specs[f"[0]['blocks']['{norm}']['scale'].value"] == P()
     assert train.sharded_fraction(carry) > 0.95
     # The GEMMs of the one-device model, FP8 alike: the four projections' forward and gradients.
     pairs = inspect.dot_general_operand_dtypes(trainer.step, carry, sample)
     assert sum(set(p) <= FP8 for p in pairs) == 12, pairs
     # Each projection's kernel shard is quantized, and its FP8 bytes gathered over the mesh: a
-    # uint8 sharding constraint from the shard to the whole kernel, one per projection.
+    # uint8 sharding constraint from the shard to the whole kernel, one per projection (the
+    # modules' MLP: one per kernel).
     jaxpr = jax.make_jaxpr(trainer.step)(carry, sample).jaxpr
     gathers = [
       e

@@ -195,9 +195,11 @@ def nnx_model(
   modules: bool = False,
   threshold=None,
   gemm_config=None,
+  kernel_all_gather=None,
 ):
   """The model in plain NNX; with ``modules=True``, its blocks are the library's fused modules
-  built with ``modules_recipe`` (None: bf16), ``threshold`` and ``gemm_config``."""
+  built with ``modules_recipe`` (None: bf16), ``threshold`` and ``gemm_config``, and under
+  FSDP ``kernel_all_gather`` (each kernel's sharding inside the scanned layer, gathered in FP8)."""
   from flax import nnx
 
   from te_adapters import nnx as ta_nnx
@@ -227,6 +229,8 @@ def nnx_model(
     def __init__(self, rngs: nnx.Rngs):
       d = cfg.d_model
       gemm = dict(recipe=modules_recipe, threshold=threshold, config=gemm_config)
+      if kernel_all_gather is not None:
+        gemm["kernel_all_gather"] = kernel_all_gather
       norm = dict(layernorm_type="rmsnorm", epsilon=cfg.norm_eps, return_layernorm_output=False)
       self.qkv = ta_nnx.LayerNormDenseGeneral(
         d, cfg.qkv_features, kernel_init=init, **norm, **gemm, rngs=rngs

@@ -37,11 +37,11 @@ FSDP (``--fsdp N``): a one-axis mesh ``fsdp`` over the first N devices; the batc
 configuration's (each device keeps the one-device batch), the projections' kernels and the
 embedding table (and AdamW's moments of them) are sharded over ``fsdp`` along their input
 dimension, everything else is replicated, and the step is jitted with those shardings in and
-out. The converted layers get ``kernel_all_gather=P("fsdp", None)``: each kernel shard is
-quantized and its FP8 bytes all-gathered, the kernel gradient reduce-scattered back
-(``--no-fp8-gather``: XLA gathers the unquantized kernel). The bf16 model, Flax's op, Qwix and
-the library's fused modules (whose fused functions take no ``kernel_all_gather``) are
-partitioned by XLA from the same shardings. ``--reference FILE`` (the one-device records of the
+out. The converted layers and the library's modules (``LayerNormDenseGeneral``, ``Linear``,
+``LayerNormMLP``: both its kernels) get ``kernel_all_gather=P("fsdp", None)``: each kernel shard
+is quantized and its FP8 bytes all-gathered, the kernel gradient reduce-scattered back
+(``--no-fp8-gather``: XLA gathers the unquantized kernel). The bf16 model, Flax's op and Qwix
+are partitioned by XLA from the same shardings. ``--reference FILE`` (the one-device records of the
 same variants) adds the scaling efficiency: tokens/s over N times the one-device tokens/s.
 
 Timing: after ``--warmup`` steps (the recipe state then is a trained one), ``--windows`` windows
@@ -155,7 +155,13 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None, gather=None) -> Trai
   quantized = 0
   if family == "nnx-modules":
     model = model_lib.nnx_model(
-      cfg, seed, modules=True, modules_recipe=recipe, threshold=_threshold(cfg), gemm_config=config
+      cfg,
+      seed,
+      modules=True,
+      modules_recipe=recipe,
+      threshold=_threshold(cfg),
+      gemm_config=config,
+      kernel_all_gather=gather,
     )
     quantized = (3 if cfg.scan else 3 * cfg.layers) if recipe is not None else 0
   else:
@@ -275,10 +281,11 @@ def haiku_trainer(cfg, recipe, seed, tx, sample, config=None, gather=None) -> Tr
 
 def make_trainer(cfg, variant: str, seed: int, sample, config=None, gather=None) -> Trainer:
   """The variant's model, optimizer state and step; ``gather``: FSDP's ``kernel_all_gather``
-  for the converted layers (None: no FP8 gather)."""
+  for the converted layers and the library's modules (None: no FP8 gather)."""
   family, recipe_name = parse_variant(variant)
   recipe = RECIPES[recipe_name]() if recipe_name in RECIPES else None
-  gather = gather if recipe is not None and family in ("nnx", "linen", "haiku") else None
+  if recipe is None or family not in ("nnx", "linen", "haiku", "nnx-modules"):
+    gather = None
   tx = optimizer(cfg)
   if family in ("nnx", "nnx-modules"):
     return nnx_trainer(cfg, family, recipe, seed, tx, config, gather)

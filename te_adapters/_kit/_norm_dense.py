@@ -30,6 +30,7 @@ def layernorm_dense_general(
   rng=None,
   threshold=core.DEFAULT_THRESHOLD,
   config=None,
+  kernel_all_gather=None,
   layer: str | None = None,
   framework: str | None = None,
 ):
@@ -51,8 +52,8 @@ def layernorm_dense_general(
       ``layernorm_input_axes``); not used without the norm.
     dot_input_constraint: applied to the GEMM's input (TE's ``dot_input_axes``): the norm's
       output, or the inputs without the norm.
-    recipe, state, rng, threshold, config, layer, framework: the GEMM's, as
-      ``core.dot_general`` takes them.
+    recipe, state, rng, threshold, config, kernel_all_gather, layer, framework: the GEMM's,
+      as ``core.dot_general`` (and ``core.layernorm_dense``) take them.
 
   Returns:
     ``(z, ln_out or None)``.
@@ -72,6 +73,7 @@ def layernorm_dense_general(
     "rng": rng,
     "threshold": threshold,
     "config": config,
+    "kernel_all_gather": kernel_all_gather,
     "layer": layer,
     "framework": framework,
   }

@@ -16,9 +16,9 @@ class GemmOptions:
 
   Every adapter's quantized layer takes these four keywords and passes them, as they are, to
   ``core.dot_general`` (the fused ``core.layernorm_dense`` and ``core.layernorm_mlp`` take
-  ``threshold`` and ``config`` only). Construction checks them with the core's rules:
-  ``threshold`` is a ``core.SizeThreshold`` or ``None``, ``config`` a ``core.GemmConfig`` or
-  ``None`` (kept as the default ``GemmConfig()``).
+  ``threshold``, ``kernel_all_gather`` and ``config``). Construction checks them with the
+  core's rules: ``threshold`` is a ``core.SizeThreshold`` or ``None``, ``config`` a
+  ``core.GemmConfig`` or ``None`` (kept as the default ``GemmConfig()``).
 
   Attributes:
     threshold: GEMMs below this ``core.SizeThreshold`` stay in high precision; ``None``
@@ -35,6 +35,8 @@ class GemmOptions:
     ['amax_axes', 'config', 'kernel_all_gather', 'threshold']
     >>> options.keywords(spmd=False) == {"threshold": None, "config": core.GemmConfig()}
     True
+    >>> sorted(options.fused_keywords())
+    ['config', 'kernel_all_gather', 'threshold']
   """
 
   threshold: core.SizeThreshold | None = core.DEFAULT_THRESHOLD
@@ -48,8 +50,8 @@ class GemmOptions:
 
   def keywords(self, *, spmd: bool = True) -> dict[str, Any]:
     """The options as keyword arguments: all four for ``core.dot_general``; with
-    ``spmd=False``, ``threshold`` and ``config`` for the fused ``core.layernorm_dense`` and
-    ``core.layernorm_mlp``, which take no SPMD options (a ValueError if any is set)."""
+    ``spmd=False``, ``threshold`` and ``config`` only, for a function that takes no SPMD
+    options (a ValueError if any is set)."""
     if spmd:
       return {
         "threshold": self.threshold,
@@ -59,10 +61,26 @@ class GemmOptions:
       }
     if self.amax_axes is not None or self.kernel_all_gather is not None:
       raise ValueError(
-        "amax_axes and kernel_all_gather go to core.dot_general only; the fused core functions "
-        "take threshold and config"
+        "amax_axes and kernel_all_gather go to core.dot_general only; this function takes "
+        "threshold and config"
       )
     return {"threshold": self.threshold, "config": self.config}
+
+  def fused_keywords(self) -> dict[str, Any]:
+    """The options as keyword arguments for the fused ``core.layernorm_dense`` and
+    ``core.layernorm_mlp``: ``threshold``, ``kernel_all_gather`` and ``config`` (a ValueError
+    if ``amax_axes`` is set: inside ``shard_map`` the fused paths reduce each amax over the
+    manual axes its operand varies over, ``dot_general``'s default)."""
+    if self.amax_axes is not None:
+      raise ValueError(
+        "amax_axes goes to core.dot_general only; the fused core functions take threshold, "
+        "kernel_all_gather and config"
+      )
+    return {
+      "threshold": self.threshold,
+      "kernel_all_gather": self.kernel_all_gather,
+      "config": self.config,
+    }
 
 
 class GemmOptionAttributes:

@@ -68,6 +68,7 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
     recipe: Any = kit.DEFAULT_RECIPE,
     threshold=kit.DEFAULT_THRESHOLD,
     config=None,
+    kernel_all_gather=None,
     name: str | None = None,
   ):
     """Constructs the block.
@@ -89,6 +90,9 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
       axis: the normalized and contracted axis: -1 (TE's ``LayerNormMLP`` accepts no other).
       recipe: a te_adapters recipe for both GEMMs (default ``core.DEFAULT_RECIPE``), or None.
       threshold, config: passed to ``core.dot_general``.
+      kernel_all_gather: FSDP: the kernels' sharding, one ``PartitionSpec`` for both (e.g.
+        ``P("fsdp")``: each kernel's first dim), gathered as FP8 (``core.layernorm_mlp``);
+        needs a recipe.
       name: the module's name (default ``"layer_norm_mlp"``).
     """
     super().__init__(name=name)
@@ -112,7 +116,8 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
     self.intermediate_hidden_dropout_dims = tuple(intermediate_hidden_dropout_dims)
     self.param_dtype = param_dtype
     self.recipe = kit.check_recipe_or_none(recipe)
-    self.options = kit.GemmOptions(threshold, config=config)
+    kit.check_needs_recipe(self.recipe, self.module_name, kernel_all_gather=kernel_all_gather)
+    self.options = kit.GemmOptions(threshold, kernel_all_gather=kernel_all_gather, config=config)
 
   def __call__(self, inputs, *, deterministic: bool = False):
     """Norm, first GEMM, activation, dropout, second GEMM: TE's ``LayerNormMLP``.
@@ -170,7 +175,7 @@ class LayerNormMLP(kit.GemmOptionAttributes, hk.Module):
       recipe=self.recipe,
       states=(state_0, state_1),
       rngs=(rng_0, rng_1),
-      **self.options.keywords(spmd=False),
+      **self.options.fused_keywords(),
       return_layernorm_output=self.return_layernorm_output,
       layer=f"layer {self.module_name!r}",
       framework="haiku",

@@ -137,6 +137,7 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
     recipe: Any = kit.DEFAULT_RECIPE,
     threshold=kit.DEFAULT_THRESHOLD,
     config=None,
+    kernel_all_gather=None,
     name: str | None = None,
   ):
     """Constructs the layer.
@@ -155,6 +156,8 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
       recipe: a te_adapters recipe (default ``core.DEFAULT_RECIPE``), or ``None``; one that
         rounds stochastically draws a key with ``hk.next_rng_key()``.
       threshold, config: passed to ``core.dot_general``.
+      kernel_all_gather: FSDP: the kernel's sharding (a ``PartitionSpec`` per kernel dim, e.g.
+        ``P("fsdp", None)``), gathered as FP8 (``core.layernorm_dense``); needs a recipe.
       name: the module's name (default ``"layer_norm_dense_general"``).
     """
     super().__init__(name=name)
@@ -176,7 +179,8 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
     self.param_dtype = param_dtype
     self.depth_scaling = depth_scaling
     self.recipe = kit.check_recipe_or_none(recipe)
-    self.options = kit.GemmOptions(threshold, config=config)
+    kit.check_needs_recipe(self.recipe, self.module_name, kernel_all_gather=kernel_all_gather)
+    self.options = kit.GemmOptions(threshold, kernel_all_gather=kernel_all_gather, config=config)
 
   def __call__(self, inputs):
     """The norm of ``inputs`` over its last axis, then the quantized GEMM with the kernel.
@@ -216,7 +220,7 @@ class LayerNormDenseGeneral(kit.GemmOptionAttributes, hk.Module):
       recipe=self.recipe,
       state=state,
       rng=rng,
-      **self.options.keywords(spmd=False),
+      **self.options.fused_keywords(),
       layer=f"layer {self.module_name!r}",
       framework="haiku",
     )

@@ -56,6 +56,9 @@ class LayerNormMLP(nn.Module):
     dtype: the parameters' dtype.
     recipe: a te_adapters recipe for both GEMMs (default ``core.DEFAULT_RECIPE``), or ``None``.
     threshold, config: passed to ``core.dot_general`` for both GEMMs.
+    kernel_all_gather: FSDP: the kernels' sharding, one ``PartitionSpec`` for both (e.g.
+      ``P("fsdp")``: each kernel's first dim), gathered as FP8 (``core.layernorm_mlp``); needs
+      a recipe.
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -102,6 +105,7 @@ class LayerNormMLP(nn.Module):
   recipe: Any = kit.DEFAULT_RECIPE
   threshold: Any = kit.DEFAULT_THRESHOLD
   config: Any = None
+  kernel_all_gather: Any = None
 
   @nn.compact
   def __call__(self, inputs, deterministic: bool = False):
@@ -125,6 +129,7 @@ class LayerNormMLP(nn.Module):
     names = core.normalize_activations(self.activations)
     n_act, f, k = len(names), self.intermediate_dim, inputs.shape[-1]
     recipe = kit.check_recipe_or_none(self.recipe)
+    kit.check_needs_recipe(recipe, what, kernel_all_gather=self.kernel_all_gather)
     dims = (((0,), (0,)), ((), ()))
     kit.check_kernel_gemm_dims(recipe, (k, n_act, f), dims, f"{what} wi_kernel")
     kit.check_kernel_gemm_dims(recipe, (f, k), dims, f"{what} wo_kernel")
@@ -176,7 +181,9 @@ class LayerNormMLP(nn.Module):
       recipe=recipe,
       states=states,
       rngs=sr_rngs,
-      **kit.GemmOptions(self.threshold, config=self.config).keywords(spmd=False),
+      **kit.GemmOptions(
+        self.threshold, kernel_all_gather=self.kernel_all_gather, config=self.config
+      ).fused_keywords(),
       return_layernorm_output=self.return_layernorm_output,
       ffn1_ckpt_name=self.ffn1_ckpt_name,
       ffn2_ckpt_name=self.ffn2_ckpt_name,

@@ -138,6 +138,8 @@ class LayerNormDenseGeneral(nn.Module):
       precision. A recipe that rounds stochastically draws keys from the RNG stream
       ``"sr_rng"``.
     threshold, config: passed to ``core.dot_general``.
+    kernel_all_gather: FSDP: the kernel's sharding (a ``PartitionSpec`` per kernel dim, e.g.
+      ``P("fsdp", None)``), gathered as FP8 (``core.layernorm_dense``); needs a recipe.
 
   Example:
     >>> import jax, jax.numpy as jnp, te_adapters as ta
@@ -173,6 +175,7 @@ class LayerNormDenseGeneral(nn.Module):
   recipe: Any = kit.DEFAULT_RECIPE
   threshold: Any = kit.DEFAULT_THRESHOLD
   config: Any = None
+  kernel_all_gather: Any = None
 
   @nn.compact
   def __call__(self, inputs):
@@ -189,11 +192,13 @@ class LayerNormDenseGeneral(nn.Module):
     features = tuple(self.features) if isinstance(self.features, Iterable) else (self.features,)
     k = inputs.shape[-1]
     recipe = kit.check_recipe_or_none(self.recipe)
-    options = kit.GemmOptions(self.threshold, config=self.config)
-    kernel_shape = (k, *features)
-    kit.check_kernel_gemm_dims(
-      recipe, kernel_shape, (((0,), (0,)), ((), ())), f"{self.name or 'LayerNormDenseGeneral'}"
+    what = self.name or "LayerNormDenseGeneral"
+    kit.check_needs_recipe(recipe, what, kernel_all_gather=self.kernel_all_gather)
+    options = kit.GemmOptions(
+      self.threshold, kernel_all_gather=self.kernel_all_gather, config=self.config
     )
+    kernel_shape = (k, *features)
+    kit.check_kernel_gemm_dims(recipe, kernel_shape, (((0,), (0,)), ((), ())), what)
     kernel_init = self.kernel_init or nn.initializers.variance_scaling(
       1.0, "fan_in", "truncated_normal"
     )
@@ -224,7 +229,7 @@ class LayerNormDenseGeneral(nn.Module):
       recipe=recipe,
       state=state,
       rng=rng,
-      **options.keywords(spmd=False),
+      **options.fused_keywords(),
       layer=layer_label(self),
       framework="linen",
     )

@@ -45,6 +45,9 @@ class LayerNormMLP(nnx.Module):
     axis: the normalized and contracted axis: -1 (TE's ``LayerNormMLP`` accepts no other).
     recipe: a te_adapters recipe for both GEMMs (default ``core.DEFAULT_RECIPE``), or ``None``.
     threshold, config: passed to ``core.dot_general``.
+    kernel_all_gather: FSDP: the kernels' sharding, one ``PartitionSpec`` for both (e.g.
+      ``P("fsdp")``: each kernel's first dim), gathered as FP8 (``core.layernorm_mlp``); needs a
+      recipe.
     rngs: an ``nnx.Rngs``.
 
   Example:
@@ -82,9 +85,11 @@ class LayerNormMLP(nnx.Module):
     recipe: Any = kit.DEFAULT_RECIPE,
     threshold=kit.DEFAULT_THRESHOLD,
     config=None,
+    kernel_all_gather=None,
     rngs: nnx.Rngs,
   ):
     kit.check_last_axis(axis, None, "LayerNormMLP", "LayerNormMLP")
+    kit.check_needs_recipe(recipe, "LayerNormMLP", kernel_all_gather=kernel_all_gather)
     kit.check_layernorm_type(layernorm_type, "LayerNormMLP")
     names = core.normalize_activations(activations)
     n_act, k, f = len(names), in_features, intermediate_dim
@@ -122,8 +127,9 @@ class LayerNormMLP(nnx.Module):
     self.dot_general_0: DotGeneral | None = nnx.data(None)
     self.dot_general_1: DotGeneral | None = nnx.data(None)
     if recipe is not None:
-      self.dot_general_0 = DotGeneral(recipe, threshold=threshold, config=config, rngs=rngs)
-      self.dot_general_1 = DotGeneral(recipe, threshold=threshold, config=config, rngs=rngs)
+      gemm = dict(threshold=threshold, kernel_all_gather=kernel_all_gather, config=config)
+      self.dot_general_0 = DotGeneral(recipe, **gemm, rngs=rngs)
+      self.dot_general_1 = DotGeneral(recipe, **gemm, rngs=rngs)
     self.dropout_rngs: nnx.RngStream | None = nnx.data(None)
     if intermediate_dropout_rate > 0:
       self.dropout_rngs = rngs["dropout"].fork()
@@ -151,6 +157,7 @@ class LayerNormMLP(nnx.Module):
       gemm = {
         "recipe": args[0]["recipe"],
         "threshold": args[0]["threshold"],
+        "kernel_all_gather": args[0]["kernel_all_gather"],
         "config": args[0]["config"],
       }
       states = (args[0]["state"], args[1]["state"])

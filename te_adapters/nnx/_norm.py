@@ -124,6 +124,8 @@ class LayerNormDenseGeneral(nnx.Module):
     depth_scaling: the output is divided by it when given.
     recipe: a te_adapters recipe (default ``core.DEFAULT_RECIPE``), or ``None``.
     threshold, config: passed to ``core.dot_general``.
+    kernel_all_gather: FSDP: the kernel's sharding (a ``PartitionSpec`` per kernel dim, e.g.
+      ``P("fsdp", None)``), gathered as FP8 (``core.layernorm_dense``); needs a recipe.
     rngs: an ``nnx.Rngs``; a recipe that rounds stochastically forks its ``"sr_rng"`` (or
       ``"default"``) stream, as ``te_adapters.nnx.Linear`` does.
 
@@ -159,9 +161,11 @@ class LayerNormDenseGeneral(nnx.Module):
     recipe: Any = kit.DEFAULT_RECIPE,
     threshold=kit.DEFAULT_THRESHOLD,
     config=None,
+    kernel_all_gather=None,
     rngs: nnx.Rngs,
   ):
     kit.check_last_axis(axis, None, "LayerNormDenseGeneral", "LayerNormDenseGeneral")
+    kit.check_needs_recipe(recipe, "LayerNormDenseGeneral", kernel_all_gather=kernel_all_gather)
     kit.check_layernorm_type(layernorm_type, "LayerNormDenseGeneral")
     features = tuple(features) if isinstance(features, Iterable) else (features,)
     kernel_shape = (in_features, *features)
@@ -189,7 +193,9 @@ class LayerNormDenseGeneral(nnx.Module):
       self.bias = nnx.Param(bias_init(rngs.params(), features, param_dtype))
     self.dot_general = nnx.data(None)
     if recipe is not None:
-      self.dot_general = DotGeneral(recipe, threshold=threshold, config=config, rngs=rngs)
+      self.dot_general = DotGeneral(
+        recipe, threshold=threshold, kernel_all_gather=kernel_all_gather, config=config, rngs=rngs
+      )
     self.threshold = threshold
     self.config = config
 

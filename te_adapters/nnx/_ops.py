@@ -175,13 +175,12 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
 
   def gemm_arguments(self, rngs=None) -> dict[str, Any]:
     """This op's keywords for a core function that runs its GEMM (``core.layernorm_dense``):
-    ``recipe``, ``state``, ``rng``, ``threshold`` and ``config``."""
+    ``recipe``, ``state``, ``rng``, ``threshold``, ``kernel_all_gather`` and ``config``."""
     return {
       "recipe": self.recipe,
       "state": refuse_shared_scan_state(self, self.recipe_state()) or None,
       "rng": self._rounding_key(rngs),
-      "threshold": self.options.threshold,
-      "config": self.options.config,
+      **self.options.fused_keywords(),
     }
 
   def recipe_state(self):

@@ -79,6 +79,17 @@ def test_gemm_options_keywords_are_what_the_core_takes():
     assert set(fused) <= set(inspect.signature(f).parameters)
   with pytest.raises(ValueError, match="amax_axes and kernel_all_gather go to core.dot_general"):
     options.keywords(spmd=False)
+  # The fused functions take kernel_all_gather (FSDP) too, not amax_axes.
+  gathered = kit.GemmOptions(threshold=None, kernel_all_gather=("fsdp",), config=config)
+  assert gathered.fused_keywords() == {
+    "threshold": None,
+    "kernel_all_gather": ("fsdp",),
+    "config": config,
+  }
+  for f in (core.layernorm_dense, core.layernorm_mlp):
+    assert set(gathered.fused_keywords()) <= set(inspect.signature(f).parameters)
+  with pytest.raises(ValueError, match="amax_axes goes to core.dot_general only"):
+    options.fused_keywords()
 
 
 def test_option_attributes_read_the_options():

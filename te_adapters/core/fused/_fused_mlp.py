@@ -185,6 +185,7 @@ def fused_mlp(
   layer=None,
   framework=None,
   act_constraint=None,
+  plan=None,
 ):
   """``q(act(q(y) . q(wi) + wi_bias)) . q(wo) + wo_bias`` with both GEMMs quantized by the
   recipe's format (one that takes producers: ``format_fuses``).
@@ -207,32 +208,35 @@ def fused_mlp(
     layer, framework: how a ``FrozenStateWarning`` names the layer, and whose remedy it gives.
     act_constraint: a function applied to GEMM 2's FP8 input ``(M, F)`` (a sharding
       constraint), or None.
+    plan: FSDP: the ``SpmdPlan`` whose ``kernel_all_gather`` gathers both kernels in FP8
+      (``gemm.fsdp_gemm_layout``'s); ``wi`` is then ``(n_act * F, K)`` and ``wo``
+      ``(K_out, F)``, ``dot_general``'s layout. None: no gather.
 
   Returns:
     ``(M, K_out)`` in ``y``'s dtype. The gradients with respect to the states are their next
     values.
   """
   recipe = check_recipe(recipe)
-  k, n_act, f = wi.shape
   state_0, state_1 = states
-  wi2 = wi.reshape(k, n_act * f)
+  wi2 = wi.reshape(wi.shape[0], -1) if plan is None else wi
   y, wi2, state_0 = gemm_state(recipe, y, wi2, state_0, layer=layer, framework=framework)
   y, wo, state_1 = gemm_state(recipe, y, wo, state_1, layer=layer, framework=framework)
   if norm is not None and ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   dtype = np.dtype(y.dtype)
+  kn = plan is None  # the kernels as stored (K, N); under FSDP (N, K)
   stages = (
     gemm.Stage(
       dtype,
-      kernel_kn=True,
+      kernel_kn=kn,
       name=ffn1_ckpt_name,
       activation=ActivationProducer(tuple(names), act_constraint),
     ),
-    gemm.Stage(dtype, kernel_kn=True, bias_grad=None if wo_bias is None else BiasGradProducer()),
+    gemm.Stage(dtype, kernel_kn=kn, bias_grad=None if wo_bias is None else BiasGradProducer()),
   )
   lhs = None if norm is None else NormProducer(norm)
   inputs = (y,) if norm is None else (y, ln_scale, ln_bias)
-  chain = gemm.Chain(recipe, PLAN, config, None, stages, lhs)
+  chain = gemm.Chain(recipe, PLAN if plan is None else plan, config, None, stages, lhs)
   return gemm.quantized_gemms(
     inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1), stage_keys(recipe, rngs), chain
   )

@@ -24,13 +24,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
+from te_adapters.core import sharding
 from te_adapters.core.fused import _fused_mlp
 from te_adapters.core.gemm import (
   DEFAULT_SIZE_THRESHOLD,
   check_kernel_gemm_dims,
   check_threshold,
+  checked_plan,
   dot_general,
+  fsdp_gemm_layout,
 )
 from te_adapters.core.ops import activation, check_norm_args, layernorm, normalize_activations
 from te_adapters.core.recipes import GemmConfig, check_config
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
   from te_adapters.core.gemm import SizeThreshold
   from te_adapters.core.ops import Activation
   from te_adapters.core.recipes import Recipe
+  from te_adapters.core.sharding import SpmdPlan
   from te_adapters.core.state import State
 
 __all__ = ["dropout", "layernorm_mlp"]
@@ -134,6 +139,7 @@ def layernorm_mlp(
   ffn2_ckpt_name: str = "ffn2",
   dot_1_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
   dot_2_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
+  kernel_all_gather: PartitionSpec | NamedSharding | None = None,
   layer: str | None = None,
   framework: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -172,6 +178,13 @@ def layernorm_mlp(
     dot_1_input_constraint, dot_2_input_constraint: functions applied to each GEMM's input (the
       norm's output; the activation's, after dropout), for sharding constraints; the adapters
       pass TE's ``dot_1_input_axes`` and ``dot_2_input_axes`` this way.
+    kernel_all_gather: FSDP, as for ``dot_general``, for both kernels: a ``PartitionSpec``
+      (or ``NamedSharding``) naming, per kernel dim, the mesh axes each kernel is sharded over
+      (``P("fsdp")``: ``wi_kernel``'s K and ``wo_kernel``'s F, each kernel's first dim; a
+      shorter spec is padded with None, as ``dot_general`` pads it). Each kernel is quantized
+      shard by shard and its FP8 bytes all-gathered for its GEMM (the fused path's own), its
+      gradient reduce-scattered back; the composed path passes it to each ``dot_general``.
+      Inside ``shard_map`` the kernels are the shards.
     layer, framework: as for ``dot_general``: how warnings name the layer, and whose remedy a
       ``FrozenStateWarning`` gives.
 
@@ -198,16 +211,25 @@ def layernorm_mlp(
   if x.ndim < 1:
     raise ValueError("layernorm_mlp: x must have a feature axis")
   k = x.shape[-1]
-  if wi_kernel.ndim != 3 or wi_kernel.shape[:2] != (k, n_act):
+  plans: tuple[SpmdPlan | None, ...] = (None, None)
+  if kernel_all_gather is not None:  # dot_general's checks and errors, for each kernel
+    plans = tuple(
+      checked_plan(recipe, w.ndim, kernel_all_gather=kernel_all_gather)
+      for w in (wi_kernel, wo_kernel)
+    )
+  # The whole kernels' shapes (inside shard_map with kernel_all_gather: the gathered shards').
+  wi_shape, wo_shape = (
+    tuple(w.shape if p is None else sharding.gathered_kernel_type(w, p).shape)
+    for w, p in zip((wi_kernel, wo_kernel), plans, strict=True)
+  )
+  if len(wi_shape) != 3 or wi_shape[:2] != (k, n_act):
     raise ValueError(
       f"layernorm_mlp: wi_kernel must have shape (K={k}, n_act={n_act}, F) for x of shape "
-      f"{x.shape} and activations {names}, got {wi_kernel.shape}"
+      f"{x.shape} and activations {names}, got {wi_shape}"
     )
-  f = wi_kernel.shape[2]
-  if wo_kernel.shape != (f, k):
-    raise ValueError(
-      f"layernorm_mlp: wo_kernel must have shape (F={f}, K={k}), got {wo_kernel.shape}"
-    )
+  f = wi_shape[2]
+  if wo_shape != (f, k):
+    raise ValueError(f"layernorm_mlp: wo_kernel must have shape (F={f}, K={k}), got {wo_shape}")
   if wi_bias is not None and jnp.shape(wi_bias) != (n_act, f):
     raise ValueError(
       f"layernorm_mlp: wi_bias must have shape ({n_act}, {f}), got {jnp.shape(wi_bias)}"
@@ -221,8 +243,8 @@ def layernorm_mlp(
   state_0, state_1 = _pair(states, "states")
   rng_0, rng_1 = _pair(rngs, "rngs")
   dims = (((x.ndim - 1,), (0,)), ((), ()))  # x's last axis with the kernel's first
-  check_kernel_gemm_dims(recipe, wi_kernel.shape, dims, "layernorm_mlp's first GEMM")
-  check_kernel_gemm_dims(recipe, wo_kernel.shape, dims, "layernorm_mlp's second GEMM")
+  check_kernel_gemm_dims(recipe, wi_shape, dims, "layernorm_mlp's first GEMM")
+  check_kernel_gemm_dims(recipe, wo_shape, dims, "layernorm_mlp's second GEMM")
 
   config = check_config(config)
   threshold = check_threshold(threshold)
@@ -237,6 +259,9 @@ def layernorm_mlp(
     constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
     rngs=(rng_0, rng_1),
   )
+  kernels, chain_plan = (wi_kernel, wo_kernel), None
+  if fused and plans[0] is not None:
+    kernels, chain_plan = _fsdp_kernels(wi_kernel, wo_kernel, plans, m, layer)
   # On the fused path the constraints apply to the same layouts: GEMM 1's on the norm's input
   # (the norm is per row, so its output takes the input's layout), GEMM 2's on the activation's
   # FP8 copy that GEMM 2 reads.
@@ -252,9 +277,9 @@ def layernorm_mlp(
       x = dot_1_input_constraint(x)
     out = _fused_mlp.fused_mlp(
       x.reshape(m, k),
-      wi_kernel,
+      kernels[0],
       wi_bias,
-      wo_kernel,
+      kernels[1],
       (state_0, state_1),
       names,
       recipe=recipe,
@@ -268,6 +293,7 @@ def layernorm_mlp(
       layer=layer,
       framework=framework,
       act_constraint=act_constraint,
+      plan=chain_plan,
     ).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), None
   if enable_layernorm:
@@ -287,9 +313,9 @@ def layernorm_mlp(
   if fused:
     out = _fused_mlp.fused_mlp(
       y.reshape(m, k),
-      wi_kernel,
+      kernels[0],
       wi_bias,
-      wo_kernel,
+      kernels[1],
       (state_0, state_1),
       names,
       recipe=recipe,
@@ -300,6 +326,7 @@ def layernorm_mlp(
       layer=layer,
       framework=framework,
       act_constraint=act_constraint,
+      plan=chain_plan,
     ).reshape(x.shape)
     return _output(out, None, ffn2_ckpt_name), (y if return_layernorm_output else None)
   h = dot_general(
@@ -312,6 +339,7 @@ def layernorm_mlp(
     rng=rng_0,
     threshold=threshold,
     config=config,
+    kernel_all_gather=kernel_all_gather,
     layer=layer,
     framework=framework,
   )
@@ -334,10 +362,23 @@ def layernorm_mlp(
     rng=rng_1,
     threshold=threshold,
     config=config,
+    kernel_all_gather=kernel_all_gather,
     layer=layer,
     framework=framework,
   )
   return _output(out, wo_bias, ffn2_ckpt_name), (y if return_layernorm_output else None)
+
+
+def _fsdp_kernels(wi_kernel, wo_kernel, plans, m, layer):
+  """FSDP on the fused path: both kernels in ``dot_general``'s ``(N, K)`` layout and the
+  chain's plan (``gemm.fsdp_gemm_layout``). One spec for both kernels gathers the same GEMM dims
+  of each (its third entry, ``wi_kernel``'s F, must be None: ``wo_kernel`` has two dims), so one
+  plan serves the chain, and GEMM 1's output keeps ``(n_act, F)`` with F last, as the activation
+  reads it."""
+  wi_layout, wi3, wi_plan = fsdp_gemm_layout(wi_kernel, plans[0], m, 0, layer)
+  _, wo3, wo_plan = fsdp_gemm_layout(wo_kernel, plans[1], m, 0, layer)
+  assert wi_plan == wo_plan and tuple(wi_layout.rhs_free) == (1, 2), (wi_plan, wo_plan)
+  return (wi3, wo3), wi_plan
 
 
 def _as_array(b):

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from te_adapters.core import gemm
+from te_adapters.core import gemm, sharding
 from te_adapters.core.fused import _fused_mlp
 from te_adapters.core.gemm import (
   DEFAULT_SIZE_THRESHOLD,
@@ -75,6 +76,7 @@ def layernorm_dense(
   return_layernorm_output: bool = False,
   dot_input_constraint: Callable[[jax.Array], jax.Array] | None = None,
   dense_bias: ArrayLike | None = None,
+  kernel_all_gather: PartitionSpec | NamedSharding | None = None,
   layer: str | None = None,
   framework: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -110,6 +112,11 @@ def layernorm_dense(
     dense_bias: the GEMM's bias (TE's ``bias``; ``bias`` here is the norm's beta), shaped as the
       kernel's features, added to the output in its dtype. On the fused path its gradient is
       summed in the pass that casts the output gradient to FP8 (TE's dbias + quantize).
+    kernel_all_gather: FSDP, as for ``dot_general``: a ``PartitionSpec`` (or
+      ``NamedSharding``) naming, per dim of ``kernel``, the mesh axes it is sharded over. The
+      kernel is quantized shard by shard and its FP8 bytes all-gathered for the GEMM (the
+      fused path's own, which keeps the norm's cast), its gradient reduce-scattered back; the
+      composed path passes it to ``dot_general``. Inside ``shard_map`` ``kernel`` is the shard.
     layer, framework: as for ``dot_general``: how warnings name the layer, and whose remedy a
       ``FrozenStateWarning`` gives.
 
@@ -142,16 +149,20 @@ def layernorm_dense(
       f"layernorm_dense: the kernel contracts one axis with x's last axis, got kernel_axes="
       f"{kernel_axes}"
     )
-  if kernel.ndim < 1 or kernel.shape[kernel_axes[0]] != x.shape[-1]:
+  plan = None
+  if kernel_all_gather is not None:  # dot_general's checks and errors
+    plan = gemm.checked_plan(recipe, kernel.ndim, kernel_all_gather=kernel_all_gather)
+  # The whole kernel's shape (inside shard_map with kernel_all_gather: the gathered shard's).
+  shape = tuple(kernel.shape if plan is None else sharding.gathered_kernel_type(kernel, plan).shape)
+  if kernel.ndim < 1 or shape[kernel_axes[0]] != x.shape[-1]:
     raise ValueError(
-      f"layernorm_dense: kernel of shape {tuple(kernel.shape)} does not contract x of shape "
+      f"layernorm_dense: kernel of shape {shape} does not contract x of shape "
       f"{tuple(x.shape)}: its axis {kernel_axes[0]} must have size {x.shape[-1]}"
     )
   config = check_config(config)
   threshold = check_threshold(threshold)
   k = x.shape[-1]
-  kernel_k = jnp.moveaxis(kernel, kernel_axes[0], 0)  # (K, *features)
-  features = kernel_k.shape[1:]
+  features = tuple(n for d, n in enumerate(shape) if d != kernel_axes[0])
   m, n = math.prod(x.shape[:-1]), math.prod(features)
   if dense_bias is not None:
     dense_bias = jnp.asarray(dense_bias)
@@ -177,11 +188,20 @@ def layernorm_dense(
     check_norm_args(x, scale, bias, layernorm_type)
     if dot_input_constraint is not None:
       x = dot_input_constraint(x)  # the norm is per row: its output takes the input's layout
+    layout = None
+    if plan is None:
+      w = jnp.moveaxis(kernel, kernel_axes[0], 0).reshape(k, n)  # (K, N), as stored
+    else:
+      # FSDP: the kernel in dot_general's (N, K) layout, its gathered feature dim first.
+      layout, w, plan = gemm.fsdp_gemm_layout(kernel, plan, m, kernel_axes[0], layer)
+      if dense_bias is not None:  # its dims in the layout's order of the features
+        free = sorted(layout.rhs_free)
+        dense_bias = jnp.transpose(dense_bias, [free.index(d) for d in layout.rhs_free])
     z = _fused(
       x.reshape(m, k),
       jnp.asarray(scale),
       None if bias is None else jnp.asarray(bias),
-      kernel_k.reshape(k, n),
+      w,
       None if dense_bias is None else dense_bias.reshape(n),
       state,
       recipe=recipe,
@@ -190,7 +210,12 @@ def layernorm_dense(
       rng=rng,
       layer=layer,
       framework=framework,
+      plan=plan,
     )
+    if layout is not None:  # the features back in the kernel's order
+      z = sharding.reshape(z, layout.split_out_shape)
+      if layout.out_perm is not None:
+        z = jnp.transpose(z, layout.out_perm)
     return z.reshape(*x.shape[:-1], *features), None
   y = layernorm(
     x,
@@ -213,6 +238,7 @@ def layernorm_dense(
     rng=rng,
     threshold=threshold,
     config=config,
+    kernel_all_gather=kernel_all_gather,
     layer=layer,
     framework=framework,
   )
@@ -222,20 +248,35 @@ def layernorm_dense(
 
 
 def _fused(
-  x, ln_scale, ln_bias, w, b, state, *, recipe, config, norm, rng=None, layer=None, framework=None
+  x,
+  ln_scale,
+  ln_bias,
+  w,
+  b,
+  state,
+  *,
+  recipe,
+  config,
+  norm,
+  rng=None,
+  layer=None,
+  framework=None,
+  plan=None,
 ):
   """``q(norm(x)) . q(w) + b`` for ``x (M, K)``, ``w (K, N)``, ``b (N,)`` or None: one custom
-  VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value."""
+  VJP, ``(M, N)`` in ``x``'s dtype; the gradient with respect to ``state`` is its next value.
+  FSDP: ``plan`` (``gemm.fsdp_gemm_layout``'s), and ``w`` is ``(N, K)``, gathered in FP8."""
   recipe = check_recipe(recipe)
   x, w, state = _fused_mlp.gemm_state(recipe, x, w, state, layer=layer, framework=framework)
   if ln_bias is None:
     ln_bias = jnp.zeros((0,), ln_scale.dtype)  # rmsnorm: a placeholder, as core.layernorm's
   stage = gemm.Stage(
     np.dtype(x.dtype),
-    kernel_kn=True,
+    kernel_kn=plan is None,
     bias_grad=None if b is None else _fused_mlp.BiasGradProducer(),
   )
-  chain = gemm.Chain(recipe, _fused_mlp.PLAN, config, None, (stage,), _fused_mlp.NormProducer(norm))
+  plan = _fused_mlp.PLAN if plan is None else plan
+  chain = gemm.Chain(recipe, plan, config, None, (stage,), _fused_mlp.NormProducer(norm))
   return gemm.quantized_gemms(
     (x, ln_scale, ln_bias), (w,), (b,), (state,), _fused_mlp.stage_keys(recipe, (rng,)), chain
   )

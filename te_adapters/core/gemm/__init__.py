@@ -3,7 +3,15 @@
 
 from te_adapters.core.gemm._dimension_numbers import normalize, transpose_lhs, transpose_rhs
 from te_adapters.core.gemm._frozen import FrozenStateWarning, watch_lora_state, watch_state
-from te_adapters.core.gemm._gemm import Chain, Stage, checked_state, dot_general, quantized_gemms
+from te_adapters.core.gemm._gemm import (
+  Chain,
+  Stage,
+  checked_plan,
+  checked_state,
+  dot_general,
+  fsdp_gemm_layout,
+  quantized_gemms,
+)
 from te_adapters.core.gemm._layer import (
   DEFAULT_RECIPE,
   DEFAULT_THRESHOLD,
@@ -68,6 +76,7 @@ __all__ = [
   "check_input_dtype",
   "check_kernel_gemm_dims",
   "check_last_axis",
+  "checked_plan",
   "checked_state",
   "check_ragged_state",
   "check_threshold",
@@ -75,6 +84,7 @@ __all__ = [
   "checkpoint_dots_with_no_batch_dims_and_quantized_gemms",
   "dot_general",
   "einsum_gemm_dims",
+  "fsdp_gemm_layout",
   "gemm_dims_refusal",
   "gemm_mkn",
   "grouped_gemms",

@@ -51,7 +51,15 @@ if TYPE_CHECKING:
 # ``amax_axes``: mesh axis names, for every role or by role ("x", "kernel", "grad").
 AmaxAxes = str | Sequence[str] | Mapping[str, str | Sequence[str]]
 
-__all__ = ["Chain", "Stage", "checked_state", "dot_general", "quantized_gemms"]
+__all__ = [
+  "Chain",
+  "Stage",
+  "checked_plan",
+  "checked_state",
+  "dot_general",
+  "fsdp_gemm_layout",
+  "quantized_gemms",
+]
 
 
 def dot_general(
@@ -187,7 +195,7 @@ def dot_general(
     if rng is not None:
       raise ValueError("rng was given but recipe is None")
     if amax_axes is not None or kernel_all_gather is not None:
-      raise ValueError("amax_axes and kernel_all_gather need a recipe; recipe is None")
+      raise ValueError(_SPMD_NEEDS_RECIPE)
     dn = _dimension_numbers.normalize(dimension_numbers, lhs.shape, rhs.shape)
     # Sequence parallelism in high precision: the same collectives on the unquantized input
     # and output (autodiff makes the gradients').
@@ -201,19 +209,16 @@ def dot_general(
       out_sharding=out_sharding,
     )
     return _sequence_scatter(y, plan, 0)
-  plan = sharding.make_plan(
-    amax_axes,
-    kernel_all_gather,
-    out_sharding,
-    rhs_ndim=rhs.ndim,
+  plan = checked_plan(
+    recipe,
+    rhs.ndim,
+    amax_axes=amax_axes,
+    kernel_all_gather=kernel_all_gather,
+    out_sharding=out_sharding,
     sequence_parallel=sequence_parallel,
   )
   recipe = check_recipe(recipe)
   fmt = formats.format_of(recipe)
-  if fmt.per_tensor:
-    sharding.check_amax_axes(plan)
-  else:
-    sharding.check_block_scaled(recipe, plan)
   if plan.sequence is not None:
     _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs)
   # The kernel as the GEMM sees it: inside shard_map, kernel_all_gather gathers the shard first.
@@ -253,6 +258,67 @@ def dot_general(
   return _contracting_last(
     lhs, rhs, state, rng, dn, precision, out, recipe, plan, config, fmt, layer, kernel_sharding
   )
+
+
+_SPMD_NEEDS_RECIPE = "amax_axes and kernel_all_gather need a recipe; recipe is None"
+
+
+def checked_plan(
+  recipe,
+  rhs_ndim: int,
+  *,
+  amax_axes=None,
+  kernel_all_gather=None,
+  out_sharding=None,
+  sequence_parallel=None,
+) -> sharding.SpmdPlan:
+  """``dot_general``'s SPMD keywords for a kernel of ``rhs_ndim`` dims, checked into a
+  ``SpmdPlan`` with its errors: the fused paths take ``kernel_all_gather`` through it too.
+
+  Raises:
+    ValueError, TypeError, NotImplementedError: ``dot_general``'s (a spec that does not fit the
+      kernel, SPMD keywords without a recipe, ``kernel_all_gather`` under a block recipe).
+  """
+  if recipe is None:
+    if amax_axes is not None or kernel_all_gather is not None:
+      raise ValueError(_SPMD_NEEDS_RECIPE)
+    return sharding.make_plan(sequence_parallel=sequence_parallel, rhs_ndim=rhs_ndim)
+  plan = sharding.make_plan(
+    amax_axes,
+    kernel_all_gather,
+    out_sharding,
+    rhs_ndim=rhs_ndim,
+    sequence_parallel=sequence_parallel,
+  )
+  recipe = check_recipe(recipe)
+  if formats.format_of(recipe).per_tensor:
+    sharding.check_amax_axes(plan)
+  else:
+    sharding.check_block_scaled(recipe, plan)
+  return plan
+
+
+def fsdp_gemm_layout(kernel, plan, m: int, contracting: int, layer: str | None = None):
+  """A fused path's GEMM under FSDP (``plan.kernel_all_gather``), laid out as ``dot_general``
+  lays its own out: the GEMM of ``m`` rows with ``kernel`` contracting its dim ``contracting``.
+
+  Returns ``(layout, w3, plan)``: the ``GemmLayout`` (the gathered kernel's, its gathered free
+  dim ordered first; ``split_out_shape`` and ``out_perm`` put the output's dims back), the
+  kernel (inside ``shard_map``: this shard) transposed and reshaped to ``(N, K)``, which a
+  chain's stage takes with ``kernel_kn=False``, and ``plan`` with ``kernel_all_gather`` on those
+  two dims (``plan_for_tn_layout``: a gather no layout serves raises ``dot_general``'s error,
+  naming ``layer``).
+  """
+  full = sharding.gathered_kernel_type(kernel, plan).shape
+  assert plan.kernel_all_gather is not None
+  gathered = tuple(d for d, axes in enumerate(plan.kernel_all_gather) if axes)
+  dn = (((1,), (contracting,)), ((), ()))
+  layout = GemmLayout(dn, (m, full[contracting]), full, ((), gathered, ()))
+  if layer is None:
+    layer = f"the GEMM of {m} rows . {tuple(full)} (contracting dim {contracting})"
+  plan = sharding.plan_for_tn_layout(plan, layout, layer)
+  w3 = sharding.reshape(jnp.transpose(kernel, layout.rhs_perm), layout.kernel_shape(kernel.shape))
+  return layout, w3, plan
 
 
 def _check_sequence(plan, fmt, recipe, dimension_numbers, lhs, rhs):
