@@ -103,19 +103,24 @@ __device__ __forceinline__ float gelu_gate(float x, float x2) {
   return sigmoid(kTwoSqrt2OverPi * x * fmaf(kGeluCoeff, x2, 1.0f));
 }
 
+// relu as jax.nn.relu (XLA's maximum(x, 0)): a NaN stays NaN. A bare `x > 0 ? x : 0` turns it
+// into 0, which dropped the NaN that GemmConfig.non_finite="propagate" sends through the MLP
+// (GEMM 1's output is NaN where its operand held a NaN or an inf).
+__device__ __forceinline__ float relu(float x) { return x > 0.0f || x != x ? x : 0.0f; }
+
 // The activation, as te_adapters.core.ACTIVATIONS computes it in float32.
 __device__ __forceinline__ float act_value(int act, float x) {
   switch (act) {
     case kGelu:
       return x * gelu_gate(x, x * x);
     case kRelu:
-      return x > 0.0f ? x : 0.0f;
+      return relu(x);
     case kSilu:
       return x * sigmoid(x);
     case kQuickGelu:
       return x * sigmoid(kQuickGeluCoeff * x);
     case kSquaredRelu: {
-      const float r = x > 0.0f ? x : 0.0f;
+      const float r = relu(x);
       return mul(r, r);
     }
     default:

@@ -337,19 +337,7 @@ def test_norm_output_on_request_keeps_the_norm_outside(rel):
 
 @pytest.mark.parametrize(
   "how",
-  [
-    pytest.param(
-      "vmap",
-      # The norm's CUDA cast goes through custom_partitioning on a host with several GPUs, and
-      # custom_partitioning has no batching rule (seen on two H100s).
-      marks=pytest.mark.xfail(
-        jax.default_backend() == "gpu" and jax.device_count() > 1,
-        reason="vmap of the CUDA norm cast's partitioning rule: no batching rule",
-        strict=False,
-      ),
-    ),
-    "no-norm",
-  ],
+  ["vmap", "no-norm"],
 )
 def test_float32_fused_is_the_composed_path_under_vmap_and_without_norm(how):
   # vmap over a leading batch axis with one shared state (the new state reduced over the batch),

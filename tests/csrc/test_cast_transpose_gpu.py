@@ -14,15 +14,6 @@ pytestmark = [
   pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"),
 ]
 
-# On a host with several GPUs the activation, its-gradient and per-batch casts (no partitioning rule
-# yet) give way to their pure-JAX casts in every compiled program, one-device programs included
-# (seen on two H100s); on one GPU they run.
-_NO_RULE_ON_MULTI_GPU_HOST = pytest.mark.xfail(
-  jax.default_backend() == "gpu" and jax.device_count() > 1,
-  reason="this kernel has no partitioning rule: not used on a host with several GPUs",
-  strict=False,
-)
-
 
 def _bits(a):
   a = np.asarray(a)
@@ -66,7 +57,6 @@ def test_cuda_bit_identical(dtype, q_dtype, shape, specials):
     np.testing.assert_array_equal(_bits(formats.amax(x, backend="ffi")), _bits(ra))
 
 
-@_NO_RULE_ON_MULTI_GPU_HOST
 @pytest.mark.parametrize(
   "dtype", (jnp.bfloat16, np.float16, np.float32), ids=lambda d: np.dtype(d).name
 )

@@ -155,8 +155,8 @@ def cast_transpose_per_batch(
   The grouped GEMM's kernels (one per expert, each with its expert's scale) in one pass over
   ``x``: ``q[b] = cast(clip(float32(x[b]) * scales[b], ±fp8_max))``, ``q_t[b]`` the same of
   ``x[b].T``, and with ``with_amax`` the amax of each ``x[b]`` (inf where it holds a NaN or
-  inf, as ``amax``). The FFI kernel runs where ``cast_transpose``'s would and ``x`` is on one
-  device; the pure-JAX path, bit for bit the same, elsewhere.
+  inf, as ``amax``). The FFI kernel runs where ``cast_transpose``'s would (per shard in a
+  sharded program); the pure-JAX path, bit for bit the same, elsewhere.
 
   Args:
     x: float32, bfloat16 or float16 array of shape (B, R, C).
@@ -187,7 +187,7 @@ def cast_transpose_per_batch(
     raise ValueError(
       f"scales must have shape ({x.shape[0]},), one per batch index, got {scales.shape}"
     )
-  if x.size and _use_ffi(x, backend) and kernels.single_device(x):
+  if x.size and _use_ffi(x, backend):
     q, q_t, a = kernels.cast_transpose_per_batch_call(q_dtype, with_amax)(x, scales)
     return q, q_t, (a if with_amax else None)
   limit = _scaling.fp8_max(q_dtype)

@@ -121,8 +121,8 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
   """Whether ``layernorm_mlp`` takes the fused path: a recipe whose format fuses
   (``format_fuses``), both GEMMs in FP8 (``gemm_shapes``: their ``(M, K, N)``), no dropout, and
   ``config.fuse_activation_cast`` not ``False``. Per-tensor recipes take it sharded too (with
-  sharding constraints, inside ``shard_map``): the norm's cast has a partitioning rule, the
-  other casts run as pure JAX there (``_kernels_run``), and the GEMM rule sums each cotangent
+  sharding constraints, inside ``shard_map``): the casts' kernels have partitioning rules
+  (``_kernels_run``), and the GEMM rule sums each cotangent
   over the mesh axes its primal is replicated on. Block and rowwise recipes compose there."""
   if recipe is None or config.fuse_activation_cast is False:
     return False
@@ -288,18 +288,13 @@ def _both(v, scale, q_dtype, with_amax):
 
 def _kernels_run(x, config, target) -> bool:
   """Whether the CUDA kernel ``target`` casts ``x``: on a GPU with it built, ``config.backend``
-  not ``"jax"``, a float32/bfloat16/float16 ``x``. The norm's cast runs per shard in any
-  program (its partitioning rule); the activation kernels, which have none, on one device, not
-  inside ``shard_map`` (the pure-JAX casts elsewhere, which XLA partitions)."""
+  not ``"jax"``, a float32/bfloat16/float16 ``x``. In any program: sharded, each kernel runs per
+  shard (its partitioning rule, ``kernels._partition``), and inside ``shard_map`` on the shard."""
   if jax.default_backend() != "gpu" or not kernels.registered(target, "gpu"):
     return False
   if np.dtype(x.dtype) not in formats.FFI_INPUT_DTYPES:
     return False
-  if formats.backend(requested=config.backend) != "ffi":
-    return False
-  if target == kernels.NORM_CAST_TARGET:
-    return True
-  return kernels.single_device(x) and not sharding.manual_axes()
+  return formats.backend(requested=config.backend) == "ffi"
 
 
 def kernel_activations(h, names, config, target):

@@ -268,8 +268,9 @@ def cast_transpose_call(ndim, q_dtype, rowwise, colwise, with_amax, amax_over_me
 def cast_transpose_per_batch_call(q_dtype, with_amax):
   """The FFI cast with one scale per leading index, ``f(x (B, R, C), scales (B,)) -> (q (B, R, C),
   q_t (B, C, R), amax (B,))`` (amax empty unless ``with_amax``): the grouped GEMM's kernels, each
-  with its expert's scale, read once. No partitioning rule: for arrays on one device (the native
-  grouped GEMM's condition); looped under ``vmap``."""
+  with its expert's scale, read once. In a sharded program, per shard
+  (``_partition.cast_transpose_per_batch``: each amax of its whole ``x[b]``); looped under
+  ``vmap``."""
 
   def call(x, scales):
     b, r, c = x.shape
@@ -282,7 +283,8 @@ def cast_transpose_per_batch_call(q_dtype, with_amax):
       x, scales, rowwise=True, colwise=True, compute_amax=with_amax
     )
 
-  return call
+  # Per shard in a sharded program (the partitioning rule of _partition.py).
+  return _partition.cast_transpose_per_batch(call, with_amax)
 
 
 @functools.cache
@@ -363,64 +365,114 @@ def _zeros_f32():
   return jnp.zeros((0,), jnp.float32)
 
 
-def _act_attrs(acts, bias, with_amax=None):
+def _act_attrs(acts):
   act0, act1 = (*acts, -1) if len(acts) == 1 else acts
-  has_bias = bias is not None
-  bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32).reshape(-1)
-  attrs = dict(act0=np.int32(act0), act1=np.int32(act1), has_bias=has_bias)
-  if with_amax is not None:
-    attrs["compute_amax"] = with_amax
-  return bias, attrs
+  return dict(act0=np.int32(act0), act1=np.int32(act1))
+
+
+def _flat_bias(bias):
+  """The activation kernels' bias operand: float32 (n_act * F,), or a (0,) placeholder."""
+  return jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32).reshape(-1)
 
 
 def act_amax_call(h, bias, acts):
-  """The amax (1,) of ``act_cast_call``'s values, with no FP8 output."""
-  bias, attrs = _act_attrs(acts, bias)
-  out = jax.ShapeDtypeStruct((1,), jnp.float32)
-  return jax.ffi.ffi_call(ACT_AMAX_TARGET, out, vmap_method="sequential")(h, bias, **attrs)
+  """The amax (1,) of ``act_cast_call``'s values, with no FP8 output; in a sharded program, per
+  shard (the global amax on every device)."""
+  acts, has_bias = tuple(int(a) for a in acts), bias is not None
+  rule = _partition.act_amax(_act_amax_kernel(acts, has_bias), len(acts), has_bias)
+  return rule(h, _flat_bias(bias))
 
 
 def dact_amax_call(dz, h, bias, acts):
-  """The amax (1,) of ``dact_cast_call``'s values, with no FP8 output or bias gradient."""
-  bias, attrs = _act_attrs(acts, bias)
-  out = jax.ShapeDtypeStruct((1,), jnp.float32)
-  return jax.ffi.ffi_call(DACT_AMAX_TARGET, out, vmap_method="sequential")(dz, h, bias, **attrs)
+  """The amax (1,) of ``dact_cast_call``'s values, with no FP8 output or bias gradient; in a
+  sharded program, per shard (the global amax on every device)."""
+  acts, has_bias = tuple(int(a) for a in acts), bias is not None
+  rule = _partition.dact_amax(_dact_amax_kernel(acts, has_bias), len(acts), has_bias)
+  return rule(dz, h, _flat_bias(bias))
 
 
 def act_cast_call(h, bias, scale, q_dtype, acts, with_amax):
   """The activation cast (``csrc/act_cast_cuda.cu``): ``h`` (M, n_act*F), ``bias`` (n_act, F) or
   None, ``acts`` the activation ids (``_fused_mlp.KERNEL_ACTIVATIONS``) -> ``(q (M, F),
-  q_t (F, M), amax (1,) or empty)``."""
-  m, f = h.shape[0], h.shape[1] // len(acts)
-  bias, attrs = _act_attrs(acts, bias, with_amax)
-  outs = (
-    jax.ShapeDtypeStruct((m, f), q_dtype),
-    jax.ShapeDtypeStruct((f, m), q_dtype),
-    jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
-  )
-  return jax.ffi.ffi_call(ACT_CAST_TARGET, outs, vmap_method="sequential")(
-    h, bias, scale.reshape(1).astype(jnp.float32), **attrs
-  )
+  q_t (F, M), amax (1,) or empty)``; in a sharded program, per shard (``_partition.act_cast``:
+  the global amax on every device)."""
+  acts, has_bias = tuple(int(a) for a in acts), bias is not None
+  kernel = _act_cast_kernel(np.dtype(q_dtype), acts, has_bias, with_amax)
+  rule = _partition.act_cast(kernel, len(acts), has_bias, with_amax)
+  return rule(h, _flat_bias(bias), scale.reshape(1).astype(jnp.float32))
 
 
 def dact_cast_call(dz, h, bias, scale, q_dtype, acts, with_amax):
   """The activation's backward cast (``csrc/act_cast_cuda.cu``): ``dz`` (M, F), ``h``
   (M, n_act*F) -> ``(q (M, n_act*F), q_t (n_act*F, M), amax (1,) or empty, dbias (n_act*F,)
-  float32)``."""
-  m, n = h.shape
-  tiles = -(-m // 64)
-  bias, attrs = _act_attrs(acts, bias, with_amax)
-  outs = (
-    jax.ShapeDtypeStruct((m, n), q_dtype),
-    jax.ShapeDtypeStruct((n, m), q_dtype),
-    jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
-    jax.ShapeDtypeStruct((n,), jnp.float32),
-    jax.ShapeDtypeStruct((tiles * n,), jnp.float32),  # per-tile column sums (workspace)
-  )
-  q, q_t, a, dbias, _ = jax.ffi.ffi_call(DACT_CAST_TARGET, outs, vmap_method="sequential")(
-    dz, h, bias, scale.reshape(1).astype(jnp.float32), **attrs
-  )
-  return q, q_t, a, dbias
+  float32)``; in a sharded program, per shard (``_partition.dact_cast``: the global amax and the
+  column sums of every row on every device)."""
+  acts, has_bias = tuple(int(a) for a in acts), bias is not None
+  kernel = _dact_cast_kernel(np.dtype(q_dtype), acts, has_bias, with_amax)
+  rule = _partition.dact_cast(kernel, len(acts), has_bias, with_amax)
+  return rule(dz, h, _flat_bias(bias), scale.reshape(1).astype(jnp.float32))
+
+
+# The FFI calls of the activation kernels, one per configuration, for the shapes they are given
+# (one shard's in a sharded program).
+
+
+@functools.cache
+def _act_amax_kernel(acts, has_bias):
+  def call(h, bias):
+    out = jax.ShapeDtypeStruct((1,), jnp.float32)
+    return jax.ffi.ffi_call(ACT_AMAX_TARGET, out, vmap_method="sequential")(
+      h, bias, has_bias=has_bias, **_act_attrs(acts)
+    )
+
+  return call
+
+
+@functools.cache
+def _dact_amax_kernel(acts, has_bias):
+  def call(dz, h, bias):
+    out = jax.ShapeDtypeStruct((1,), jnp.float32)
+    return jax.ffi.ffi_call(DACT_AMAX_TARGET, out, vmap_method="sequential")(
+      dz, h, bias, has_bias=has_bias, **_act_attrs(acts)
+    )
+
+  return call
+
+
+@functools.cache
+def _act_cast_kernel(q_dtype, acts, has_bias, with_amax):
+  def call(h, bias, scale):
+    m, f = h.shape[0], h.shape[1] // len(acts)
+    outs = (
+      jax.ShapeDtypeStruct((m, f), q_dtype),
+      jax.ShapeDtypeStruct((f, m), q_dtype),
+      jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+    )
+    return jax.ffi.ffi_call(ACT_CAST_TARGET, outs, vmap_method="sequential")(
+      h, bias, scale, has_bias=has_bias, compute_amax=with_amax, **_act_attrs(acts)
+    )
+
+  return call
+
+
+@functools.cache
+def _dact_cast_kernel(q_dtype, acts, has_bias, with_amax):
+  def call(dz, h, bias, scale):
+    m, n = h.shape
+    tiles = -(-m // 64)
+    outs = (
+      jax.ShapeDtypeStruct((m, n), q_dtype),
+      jax.ShapeDtypeStruct((n, m), q_dtype),
+      jax.ShapeDtypeStruct((1,), jnp.float32) if with_amax else _empty(jnp.float32),
+      jax.ShapeDtypeStruct((n,), jnp.float32),
+      jax.ShapeDtypeStruct((tiles * n,), jnp.float32),  # per-tile column sums (workspace)
+    )
+    q, q_t, a, dbias, _ = jax.ffi.ffi_call(DACT_CAST_TARGET, outs, vmap_method="sequential")(
+      dz, h, bias, scale, has_bias=has_bias, compute_amax=with_amax, **_act_attrs(acts)
+    )
+    return q, q_t, a, dbias
+
+  return call
 
 
 def norm_cast_call(x, mean, rsigma, gamma, beta, scale, q_dtype, with_amax):

@@ -10,7 +10,12 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
 - ``cast_transpose`` and ``amax`` serve every sharding. The FP8 copy keeps the input's sharding,
   the transposed copy has it with its last two dims swapped, and each shard's amax is
   max-reduced over the mesh axes that shard the input, so every device holds the amax of the
-  whole tensor (what ``amax_axes`` does inside ``shard_map``).
+  whole tensor (what ``amax_axes`` does inside ``shard_map``). The per-batch cast keeps every
+  dim's sharding too, its scales and amaxes sharded like the batch dim.
+- The fused casts (``norm_cast``, ``act_cast``, ``dact_cast`` and the amax passes ``act_amax``,
+  ``dact_amax``) keep the rows' sharding, and the columns' where a shard of them is one of the
+  output's (the activation kernels with two activations gather them); amaxes are max-reduced and
+  the bias gradient's column sums summed over the mesh axes that shard the rows.
 - ``gemm`` runs ``a (B, M, K) . b (B, N, K)^T -> (B, M, N)``. B and M keep ``a``'s sharding, N
   keeps ``b``'s. Where a mesh axis shards K in both operands, each device multiplies its slices
   into partial products of the sum dtype it is given, which are summed (``psum``) in that dtype
@@ -23,6 +28,9 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
   one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
   case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
+
+Under ``vmap`` a rule runs as a loop of its calls over the batch (``custom_partitioning`` has no
+batching rule; the FFI calls loop under ``vmap`` on one device too).
 
 Outside a ``jit`` over several devices (one device, or inside ``shard_map``, where every value is
 a shard) the call runs as it is; inside ``shard_map`` its outputs are typed as varying over the
@@ -47,10 +55,16 @@ from te_adapters.core import sharding as core_sharding
 
 __all__ = [
   "ShardingFallbackWarning",
+  "act_amax",
+  "act_cast",
   "amax",
   "block_scaled_gemm",
   "cast_transpose",
+  "cast_transpose_per_batch",
+  "dact_amax",
+  "dact_cast",
   "gemm",
+  "norm_cast",
   "sum_chunk_rows",
   "tensor_fallback",
   "tensor_scaled_gemm",
@@ -223,8 +237,8 @@ def _shardable(
   rule.def_partition(
     partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule
   )
-  # Under jit, so that eager calls on sharded arrays are partitioned too.
-  partitioned = jax.jit(rule)
+  # Under jit, so that eager calls on sharded arrays are partitioned too; looped under vmap.
+  partitioned = _looped_under_vmap(jax.jit(rule))
 
   def explicit(mesh, *args):
     specs = tuple(_explicit_spec(x, n) for x, n in zip(args, ndims, strict=True))
@@ -253,6 +267,34 @@ def _shardable(
     return partitioned(*args)
 
   return run
+
+
+def _looped_under_vmap(fn: Callable) -> Callable:
+  """``fn`` that ``vmap`` runs as a loop of its calls, one per batch index.
+
+  ``custom_partitioning`` has no batching rule, so a vmapped rule would fail to trace; this one
+  maps ``fn`` over the batched operands with ``lax.map`` (the unbatched ones passed to every
+  call), each call partitioned as any other. The FFI calls inside loop under ``vmap`` anyway
+  (``vmap_method="sequential"``), so it costs what the unpartitioned call does on one device.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def batchable(*args):
+    return fn(*args)
+
+  @batchable.def_vmap
+  def _loop(axis_size, in_batched, *args):
+    del axis_size
+    batched = tuple(a for a, b in zip(args, in_batched, strict=True) if b)
+
+    def one(slices):
+      it = iter(slices)
+      return batchable(*(next(it) if b else a for a, b in zip(args, in_batched, strict=True)))
+
+    outs = lax.map(one, batched)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return batchable
 
 
 # --------------------------------------------------------------------------- cast and amax
@@ -679,3 +721,174 @@ def norm_cast(call: Callable, has_beta: bool, with_amax: bool):
 
   beta = "k" if has_beta else "b"
   return _shardable(split, call, (2, 1, 1, 1, 1, 1), f"m k, m, m, k, {beta}, s -> m k, k m, a")
+
+
+# --------------------------------------------------------------------------- the MLP's casts
+
+
+def _activation_columns(cols, n_act: int, name: str):
+  """The mesh axes the activation kernels keep on ``h``'s columns (n_act * F): all of them with
+  one activation; none with two, whose F-wide slices lie side by side in ``h``, so that a shard
+  of its columns would not hold the matching columns of both (gathered, said once)."""
+  if n_act == 1 or not cols:
+    return cols
+  _warn_once(
+    (name, cols),
+    f"{name}: h's columns (two activations' slices side by side) are sharded over {cols}; a "
+    "shard of them would not hold both slices of its columns, so they are all-gathered for the "
+    "extension's kernel",
+  )
+  return ()
+
+
+def _activation_rule(dz: bool, n_act: int, has_bias: bool, scale: bool, outs: str) -> str:
+  """The sharding rule of an activation kernel, operands ``([dz,] h, bias[, scale])``: h is
+  ``m n`` (n = n_act * F), dz ``m f`` (``m n`` with one activation), the bias ``n`` (a
+  placeholder of shape (0,) without one)."""
+  ops = (["m f" if n_act > 1 else "m n"] if dz else []) + ["m n", "n" if has_bias else "c"]
+  return f"{', '.join(ops + (['s'] if scale else []))} -> {outs}"
+
+
+@functools.cache
+def act_cast(call: Callable, n_act: int, has_bias: bool, with_amax: bool):
+  """``call(h, bias, scale) -> (q, q_t, amax)``, the activation of ``h`` (M, n_act * F) plus its
+  bias cast to FP8 in both orientations (``q`` (M, F), ``q_t`` (F, M)), made shardable.
+
+  Every row is computed from its own row of ``h``, so ``h``'s rows keep their sharding and so do
+  ``q``'s (``q_t``'s columns); ``h``'s columns too with one activation (``bias`` (F,) sharded like
+  them), with two they are gathered (``_activation_columns``). ``amax`` is the global max on
+  every device: each shard's max-reduced over the axes that shard ``h``.
+  """
+
+  def split(mesh, specs):
+    del mesh
+    rows, cols = specs[0]
+    cols = _activation_columns(cols, n_act, "the activation cast")
+    axes = rows + cols
+
+    def per_shard(h, bias, scale):
+      q, q_t, a = call(h, bias, scale)
+      if with_amax and axes:
+        a = lax.pmax(a, axes)
+      return q, q_t, a
+
+    args = ((rows, cols), (cols,) if has_bias else ((),), ((),))
+    return args, ((rows, cols), (cols, rows), ((),)), per_shard
+
+  f = "n" if n_act == 1 else "f"
+  rule = _activation_rule(False, n_act, has_bias, True, f"m {f}, {f} m, a")
+  return _shardable(split, call, (2, 1, 1), rule)
+
+
+@functools.cache
+def dact_cast(call: Callable, n_act: int, has_bias: bool, with_amax: bool):
+  """``call(dz, h, bias, scale) -> (q, q_t, amax, dbias)``, ``dz * act'(h + bias)`` (M, n_act * F)
+  cast to FP8 in both orientations with the bias gradient (its float32 column sums, (n_act * F,)),
+  made shardable.
+
+  Rows as in ``act_cast`` (``h``'s; ``dz`` is brought to them), columns too with one activation.
+  ``amax`` is the global max on every device, and ``dbias`` sums every row: each shard's column
+  sums are summed (``psum``, float32) over the axes that shard the rows, so it equals one
+  device's up to the order of the float32 additions.
+  """
+
+  def split(mesh, specs):
+    del mesh
+    rows, cols = specs[1]
+    rows = rows or specs[0][0]
+    cols = _activation_columns(cols, n_act, "the activation-gradient cast")
+    axes = rows + cols
+
+    def per_shard(dz, h, bias, scale):
+      q, q_t, a, dbias = call(dz, h, bias, scale)
+      if with_amax and axes:
+        a = lax.pmax(a, axes)
+      if rows:
+        dbias = lax.psum(dbias, rows)
+      return q, q_t, a, dbias
+
+    dz = (rows, cols) if n_act == 1 else (rows, ())
+    args = (dz, (rows, cols), (cols,) if has_bias else ((),), ((),))
+    return args, ((rows, cols), (cols, rows), ((),), (cols,)), per_shard
+
+  rule = _activation_rule(True, n_act, has_bias, True, "m n, n m, a, n")
+  return _shardable(split, call, (2, 2, 1, 1), rule)
+
+
+@functools.cache
+def act_amax(call: Callable, n_act: int, has_bias: bool):
+  """``call(h, bias) -> amax`` (float32 (1,)), the amax of ``act_cast``'s values, made shardable:
+  the global max on every device (operands as ``act_cast``'s)."""
+
+  def split(mesh, specs):
+    del mesh
+    rows, cols = specs[0]
+    cols = _activation_columns(cols, n_act, "the activation's amax")
+    axes = rows + cols
+
+    def per_shard(h, bias):
+      a = call(h, bias)
+      return lax.pmax(a, axes) if axes else a
+
+    return ((rows, cols), (cols,) if has_bias else ((),)), (((),),), per_shard
+
+  return _shardable(
+    split, call, (2, 1), _activation_rule(False, n_act, has_bias, False, "a"), single=True
+  )
+
+
+@functools.cache
+def dact_amax(call: Callable, n_act: int, has_bias: bool):
+  """``call(dz, h, bias) -> amax`` (float32 (1,)), the amax of ``dact_cast``'s values, made
+  shardable: the global max on every device (operands as ``dact_cast``'s)."""
+
+  def split(mesh, specs):
+    del mesh
+    rows, cols = specs[1]
+    rows = rows or specs[0][0]
+    cols = _activation_columns(cols, n_act, "the activation gradient's amax")
+    axes = rows + cols
+
+    def per_shard(dz, h, bias):
+      a = call(dz, h, bias)
+      return lax.pmax(a, axes) if axes else a
+
+    dz = (rows, cols) if n_act == 1 else (rows, ())
+    return (dz, (rows, cols), (cols,) if has_bias else ((),)), (((),),), per_shard
+
+  return _shardable(
+    split, call, (2, 2, 1), _activation_rule(True, n_act, has_bias, False, "a"), single=True
+  )
+
+
+@functools.cache
+def cast_transpose_per_batch(call: Callable, with_amax: bool):
+  """``call(x, scales) -> (q, q_t, amax)``, each ``x[b]`` of ``x`` (B, R, C) cast with its own
+  scale of ``scales`` (B,) into ``q`` (B, R, C) and ``q_t`` (B, C, R), with its own amax (B,)
+  (empty unless ``with_amax``), made shardable.
+
+  Every dim keeps its sharding (``q_t`` has R's and C's swapped); the scales and amaxes are
+  sharded like B, and each shard's amaxes are max-reduced over the axes that shard R and C, so
+  every device holds the amaxes of its whole ``x[b]``.
+  """
+
+  def split(mesh, specs):
+    del mesh
+    batch, rows, cols = specs[0]
+    axes = rows + cols
+
+    def per_shard(x, scales):
+      q, q_t, a = call(x, scales)
+      if with_amax and axes:
+        a = lax.pmax(a, axes)
+      return q, q_t, a
+
+    amaxes = (batch,) if with_amax else ((),)
+    return (
+      ((batch, rows, cols), (batch,)),
+      ((batch, rows, cols), (batch, cols, rows), amaxes),
+      per_shard,
+    )
+
+  amaxes = "b" if with_amax else "a"
+  return _shardable(split, call, (3, 1), f"b r c, b -> b r c, b c r, {amaxes}")
