@@ -430,7 +430,7 @@ def _gemm_plan(mesh, a_spec, b_spec, a_shape, b_shape, scale_shapes, block_scale
   def keep(axes, sizes):
     # Axes already used elsewhere in the output, or splitting a dim (or its blocks) unevenly,
     # are dropped: that dim is gathered.
-    out = []
+    out: list[str] = []
     for a in axes:
       if a in used or any(size % _shards(mesh, (*out, a)) for size in sizes):
         continue
