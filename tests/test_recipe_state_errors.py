@@ -4,8 +4,11 @@ keeps no state and would quantize on as if nothing were there), a ``DelayedScali
 no state, or state of another history length. And NNX layers refuse a missing ``rngs`` as
 ``nnx.Linear`` does."""
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -107,7 +110,7 @@ def test_linen_experts_state_given_to_a_stateless_model_raises():
 def test_nnx_mismatched_state_raises():
   delayed = ta_nnx.Linear(32, 32, recipe=DELAYED, rngs=nnx.Rngs(0))
   current = ta_nnx.Linear(32, 32, recipe=CURRENT, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="grad_amax_history"):
+  with pytest.raises(ValueError, match=r"^Linear layer \(kernel \(32, 32\)\): .*grad_amax_history"):
     nnx.update(current, nnx.state(delayed))
   other = ta_nnx.Linear(32, 32, recipe=ta.DelayedScaling(amax_history_len=8), rngs=nnx.Rngs(0))
   nnx.update(other, nnx.state(delayed))  # NNX replaces the arrays; the layer's check refuses them
@@ -182,6 +185,125 @@ def test_haiku_missing_or_mismatched_state_raises():
     ValueError, match=r"^layer 'grouped_linear': state\['x_amax_history'\] has shape \(2, 4\)"
   ):
     experts(ta.DelayedScaling(amax_history_len=8)).apply(params, state, None, X)
+
+
+NNX_REFUSED = (
+  r"the state given to it \(nnx.update, or a checkpoint restored into this model\) holds "
+  r"DelayedScaling's recipe state \(amax history length 4\), entries \['grad_amax_history', "
+  r"'grad_scale', 'kernel_amax_history', 'kernel_scale', 'x_amax_history', 'x_scale'\], but "
+)
+NNX_WAY_OUT = (
+  r"Build this model with that recipe to load it, or leave the recipe state out of what you "
+  r"load \(nnx.state\(other, nnx.Not\(te_adapters.nnx.RecipeState\)\)\) to go on "
+)
+
+
+class _Converted(nnx.Module):
+  """An NNX model of the user's, converted by ``quantize_model`` (its layers know their path)."""
+
+  def __init__(self, recipe, rngs):
+    self.up = nnx.Linear(32, 64, rngs=rngs)
+    self.down = nnx.Linear(64, 32, rngs=rngs)
+    ta_nnx.quantize_model(self, recipe, threshold=None)
+
+  def __call__(self, x):
+    return self.down(self.up(x))
+
+
+SIZES = jnp.array([2, 2], jnp.int32)
+NNX_MODELS = {
+  # name: (build(recipe), call(model), how the error names the layer)
+  "Linear": (
+    lambda r: ta_nnx.Linear(32, 32, recipe=r, rngs=nnx.Rngs(0)),
+    lambda m: m(X),
+    r"^Linear layer \(kernel \(32, 32\)\): ",
+  ),
+  "Einsum": (
+    lambda r: ta_nnx.Einsum("bd,df->bf", (32, 32), recipe=r, rngs=nnx.Rngs(0)),
+    lambda m: m(X),
+    r"^Einsum layer \(kernel \(32, 32\)\): ",
+  ),
+  "LayerNormMLP": (
+    lambda r: ta_nnx.LayerNormMLP(32, 64, recipe=r, rngs=nnx.Rngs(0)),
+    lambda m: m(X)[0],
+    r"^LayerNormMLP layer \(wi_kernel \(32, 1, 64\)\): ",
+  ),
+  "GroupedLinear": (
+    lambda r: ta_nnx.GroupedLinear(2, 32, 32, recipe=r, rngs=nnx.Rngs(0)),
+    lambda m: m(X, SIZES),
+    r"^GroupedLinear\(2, 32, 32\): ",
+  ),
+  "converted": (
+    lambda r: _Converted(r, nnx.Rngs(0)),
+    lambda m: m(X),
+    r"^Linear layer at 'down' \(kernel \(64, 32\)\): ",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(NNX_MODELS))
+def test_nnx_stateful_state_given_to_a_stateless_layer_raises(name):
+  """A DelayedScaling model's state given to a Float8CurrentScaling one with ``nnx.update``
+  (Flax said "Cannot set key ... on immutable node of type EmptyState"): an error at that call
+  naming the layer, the state found, the recipe that keeps none and the ways out."""
+  build, call, layer = NNX_MODELS[name]
+  delayed, current = build(DELAYED), build(CURRENT)
+  for given in (nnx.state(delayed), nnx.state(delayed, ta_nnx.RecipeState)):
+    with pytest.raises(ValueError, match=layer + NNX_REFUSED) as info:
+      nnx.update(current, given)
+    message = str(info.value)
+    assert "but its recipe Float8CurrentScaling keeps none" in message
+    assert re.search(NNX_WAY_OUT + r"with Float8CurrentScaling\.$", message)
+  # The way out the message names works: the parameters load, the layer runs stateless.
+  nnx.update(current, nnx.state(delayed, nnx.Not(ta_nnx.RecipeState)))
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(current)),
+    jax.tree.leaves(nnx.state(delayed, nnx.Param)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(a, b)
+  assert call(current).shape == (4, 32)
+
+
+def test_nnx_recipe_state_given_to_a_layer_without_recipe_raises():
+  delayed = ta_nnx.GroupedLinear(2, 32, 32, recipe=DELAYED, rngs=nnx.Rngs(0))
+  plain = ta_nnx.GroupedLinear(2, 32, 32, recipe=None, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"^GroupedLinear\(2, 32, 32\): " + NNX_REFUSED) as info:
+    nnx.update(plain, nnx.state(delayed))
+  assert "but it has no recipe (high precision), so the layer cannot take it" in str(info.value)
+  assert str(info.value).endswith("to go on without a recipe.")
+
+
+def test_nnx_checkpoint_of_another_recipe_raises_at_restore(tmp_path):
+  """A checkpoint of a DelayedScaling model (its pure dict through Orbax) restored into a
+  Float8CurrentScaling model raises at ``nnx.update``, naming the layer."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  build, _, layer = NNX_MODELS["converted"]
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "ckpt", nnx.to_pure_dict(nnx.state(build(DELAYED))))
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt")
+  nnx.update(build(DELAYED), restored)  # the model it came from takes it
+  with pytest.raises(ValueError, match=layer + NNX_REFUSED):
+    nnx.update(build(CURRENT), restored)
+
+
+@pytest.mark.parametrize("name", ["Linear", "GroupedLinear"])
+def test_nnx_stateless_checkpoint_restored_into_an_abstract_stateful_model_raises(name):
+  """A Float8CurrentScaling model's checkpoint restored into an abstract DelayedScaling model
+  (``nnx.eval_shape``, ``replace_by_pure_dict``, ``merge``: Flax's restore recipe) leaves its
+  recipe state abstract; the call says so (it failed with "'ShapeDtypeStruct' object has no
+  attribute 'at'")."""
+  build, call, _ = NNX_MODELS[name]
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: build(DELAYED)))
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(build(CURRENT))))
+  model = nnx.merge(graphdef, state)
+  with pytest.raises(
+    ValueError,
+    match=r"state\['x_scale'\] is a jax.ShapeDtypeStruct, not an array: the recipe state was "
+    r"never loaded .* Restore a checkpoint of this recipe, or start from the initial state",
+  ):
+    call(model)
 
 
 @pytest.mark.parametrize(

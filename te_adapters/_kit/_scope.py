@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from te_adapters import core
+
 
 class InterceptScope(contextlib.ContextDecorator):
   """A context manager (or decorator) that installs ``self._interceptor()`` while active.
@@ -20,6 +22,11 @@ class InterceptScope(contextlib.ContextDecorator):
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
     cls._active = threading.local()  # this kind's active scopes on each thread, innermost last
+
+  @property
+  def report(self) -> core.QuantizeReport:
+    """What entering the scope gives: the conversion's report (each subclass's own)."""
+    raise NotImplementedError
 
   def _interceptor(self) -> contextlib.AbstractContextManager:
     """The framework's interception context (``nn.intercept_methods(...)``, ...)."""

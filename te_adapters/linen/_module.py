@@ -220,7 +220,7 @@ def make_dot_general_cls(
   amax_axes=None,
   kernel_all_gather=None,
   config=None,
-) -> type[nn.Module]:
+) -> type[QuantizedDotGeneral]:
   """A Linen module class whose instances run ``dot_general`` quantized by ``recipe``.
 
   Used as in TransformerEngine's JAX tutorials:

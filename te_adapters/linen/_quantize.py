@@ -21,7 +21,7 @@ from te_adapters.linen._module import QuantizedDotGeneral, make_dot_general_cls
 __all__ = ["QuantizeReport", "quantize"]
 
 # GEMMs in Linen's own layers that have no dot_general slot to convert.
-_UNREACHABLE = {
+_UNREACHABLE: dict[tuple[type[nn.Module], str], str] = {
   (nn.Embed, "attend"): kit.attend_reason("nn.Embed"),
   (nn.Einsum, "__call__"): (
     "nn.Einsum has no dot_general slot in Flax Linen (use nn.DenseGeneral, or "

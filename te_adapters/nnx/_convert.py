@@ -196,6 +196,7 @@ def quantize_model(
     op = op_cls(choice.recipe, **choice.options.keywords())
     op.set_rngs(rngs, stack_shape)
     op.layer_path = name
+    op._set_owner(layer, kernel.shape)
     op.kernel_sharding = kernel_annotation(layer.kernel, len(stack_shape))
     for variable in jax.tree.leaves(op.state, is_leaf=lambda v: isinstance(v, nnx.Variable)):
       value = variable.get_value()

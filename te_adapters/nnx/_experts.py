@@ -13,7 +13,7 @@ from flax.nnx.nn import dtypes
 
 from te_adapters import _kit as kit
 from te_adapters import core
-from te_adapters.nnx._variables import hold_state, state_value, te_name_aliases
+from te_adapters.nnx._variables import HoldsRecipeState, hold_state, state_value, te_name_aliases
 
 __all__ = ["GroupedLinear"]
 
@@ -22,7 +22,7 @@ default_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, bat
 
 
 @te_name_aliases
-class GroupedLinear(nnx.Module):
+class GroupedLinear(HoldsRecipeState, nnx.Module):
   """The expert layer of a mixture of experts: ``y[i] = x[i] @ kernel[group(i)]``.
 
   ``x`` [M, K] holds the tokens sorted by expert, ``group_sizes`` [G] (on the device, e.g. from a
@@ -81,12 +81,15 @@ class GroupedLinear(nnx.Module):
       kernel_init(rngs.params(), (num_groups, in_features, out_features), param_dtype),
       **kernel_metadata,
     )
-    self.state_names = ()
-    self.state = nnx.data(None)
+    self.state_names: tuple[str, ...] = ()
+    # Only where the recipe keeps state (HoldsRecipeState: else `state` reads as EmptyState, or
+    # None without a recipe).
     if recipe is not None:
+      # Also refuses a recipe the grouped GEMM does not implement, at construction.
       initial = core.init_ragged_state(recipe, num_groups)
-      self.state = hold_state(initial)
-      self.state_names = tuple(initial)
+      if initial:
+        self.state = hold_state(initial)
+        self.state_names = tuple(initial)
     self.num_groups = num_groups
     self.in_features = in_features
     self.out_features = out_features
@@ -95,6 +98,10 @@ class GroupedLinear(nnx.Module):
     self.precision = precision
     self.preferred_element_type = preferred_element_type
     self.recipe = recipe
+
+  def _state_owner(self) -> str:
+    """The layer's class and shape, as the refusal of another recipe's state names it."""
+    return f"{type(self).__name__}({self.num_groups}, {self.in_features}, {self.out_features})"
 
   def __call__(self, inputs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Applies expert ``g``'s kernel to the ``group_sizes[g]`` rows of group ``g``.

@@ -47,6 +47,7 @@ def _init_parent(layer, parent, slot: str, op_cls, args, kwargs, given, recipe, 
   if isinstance(op := getattr(layer, slot), _RecipeOp):
     op.set_rngs(given["rngs"])
     op.kernel_sharding = kernel_annotation(layer.kernel, 0)
+    op._set_owner(layer, layer.kernel.shape)
 
 
 def _add_lora(layer, in_shape, features, given, what: str, enable: bool, rank: int, alpha):

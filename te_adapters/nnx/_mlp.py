@@ -130,6 +130,8 @@ class LayerNormMLP(nnx.Module):
       gemm = dict(threshold=threshold, kernel_all_gather=kernel_all_gather, config=config)
       self.dot_general_0 = DotGeneral(recipe, **gemm, rngs=rngs)
       self.dot_general_1 = DotGeneral(recipe, **gemm, rngs=rngs)
+      self.dot_general_0._set_owner(self, self.wi_kernel.shape, "wi_kernel")
+      self.dot_general_1._set_owner(self, self.wo_kernel.shape, "wo_kernel")
     self.dropout_rngs: nnx.RngStream | None = nnx.data(None)
     if intermediate_dropout_rate > 0:
       self.dropout_rngs = rngs["dropout"].fork()

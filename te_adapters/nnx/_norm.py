@@ -182,6 +182,7 @@ class LayerNormDenseGeneral(nnx.Module):
     self.return_layernorm_output = return_layernorm_output
     self.depth_scaling = depth_scaling
     self.recipe = recipe
+    self.scale = self.ln_bias = nnx.data(None)
     if enable_layernorm:
       _norm_params(self, in_features, scale_init, ln_bias_init, param_dtype, rngs)
     kernel_init = kernel_init or nnx.initializers.variance_scaling(
@@ -196,6 +197,7 @@ class LayerNormDenseGeneral(nnx.Module):
       self.dot_general = DotGeneral(
         recipe, threshold=threshold, kernel_all_gather=kernel_all_gather, config=config, rngs=rngs
       )
+      self.dot_general._set_owner(self, self.kernel.shape)
     self.threshold = threshold
     self.config = config
 
@@ -217,7 +219,7 @@ class LayerNormDenseGeneral(nnx.Module):
       gemm = self.dot_general.gemm_arguments(rngs)
     scale = ln_bias = None
     if self.enable_layernorm:
-      scale, ln_bias = self.scale[...], _value(self.ln_bias)
+      scale, ln_bias = _value(self.scale), _value(self.ln_bias)
     return kit.layernorm_dense_general(
       inputs,
       scale,

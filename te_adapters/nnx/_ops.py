@@ -24,7 +24,7 @@ from flax.core.frozen_dict import FrozenDict
 from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._scan_check import refuse_shared_scan_state
-from te_adapters.nnx._variables import hold_state, state_value, te_name_aliases
+from te_adapters.nnx._variables import HoldsRecipeState, hold_state, state_value, te_name_aliases
 
 __all__ = ["DotGeneral", "EinsumOp", "SR_RNG"]
 
@@ -118,7 +118,7 @@ def _permuted_sharding(out_sharding, perm: list[int]):
 
 
 @te_name_aliases
-class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
+class _RecipeOp(HoldsRecipeState, kit.GemmOptionAttributes, nnx.Module):
   """Holds a recipe and its GEMM's typed recipe state, ``self.state`` (``core.init_state``'s
   type, a ``RecipeState`` variable at each entry, TE's names: ``self.state.x_scale``, ...).
 
@@ -143,13 +143,30 @@ class _RecipeOp(kit.GemmOptionAttributes, nnx.Module):
     self.options = kit.GemmOptions(
       threshold, _hashable(amax_axes), _hashable(kernel_all_gather), config
     )
-    self.state = hold_state(kit.initial_state(self.recipe))
+    # Only where the recipe keeps state (HoldsRecipeState: else `state` reads as EmptyState).
+    if initial := kit.initial_state(self.recipe):
+      self.state = hold_state(initial)
     self.rngs: nnx.RngStream | None = nnx.data(None)
     self.set_rngs(rngs)
     # The layer's path in its model, where a conversion knows it (named in sharding messages),
     # and its kernel's sharding annotation (orders the GEMM's layout under Auto mesh axes).
     self.layer_path: str | None = None
     self.kernel_sharding = None
+    # The layer that holds the op, (class name, its kernel and shape), where it says
+    # (``_set_owner``): how errors about the op's state name it, NNX modules knowing no path.
+    self.owner: tuple[str, str] | None = None
+
+  def _set_owner(self, layer, kernel_shape: tuple[int, ...], kernel: str = "kernel") -> None:
+    """Records the layer that holds this op (its class) and its kernel (name and shape)."""
+    self.owner = (type(layer).__name__, f"{kernel} {tuple(kernel_shape)}")
+
+  def _state_owner(self) -> str:
+    """The holding layer's class, path (where a conversion gave it) and kernel shape."""
+    if self.owner is None:
+      what, shapes = f"{type(self).__name__} op", ""
+    else:
+      what, shapes = f"{self.owner[0]} layer", f" ({self.owner[1]})"
+    return what + ("" if self.layer_path is None else f" at {self.layer_path!r}") + shapes
 
   def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:
     """Gives the op its rounding stream from ``rngs`` (``sr_stream``), if the recipe uses one."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from te_adapters import core
 
-__all__ = ["RecipeState", "hold_state", "state_value", "te_name_aliases"]
+__all__ = ["HoldsRecipeState", "RecipeState", "hold_state", "state_value", "te_name_aliases"]
 
 
 class RecipeState(nnx.Variable):
@@ -40,6 +43,66 @@ def hold_state(state):
   with a ``RecipeState`` variable at each leaf, as a module's data attribute (``self.state``).
   The state type stays; each entry keeps TE's name in the variable's path (``state/x_scale``)."""
   return nnx.data(jax.tree.map(RecipeState, state))
+
+
+class HoldsRecipeState:
+  """Mixin (before ``nnx.Module``) of a module whose recipe state is ``self.state``
+  (``hold_state``), set in ``__init__`` only where the recipe keeps state.
+
+  Where it keeps none (a stateless recipe, or no recipe), ``state`` is no attribute of the graph
+  and reads as the recipe's empty state (``EmptyState``, None without a recipe). A state that
+  holds recipe entries for such a module, another recipe's model's given to ``nnx.update``,
+  then reaches ``_graph_node_set_key``, which refuses it naming the layer (``_state_owner``),
+  instead of Flax's "cannot set key on immutable node".
+  """
+
+  recipe: Any
+
+  if not TYPE_CHECKING:
+
+    def __getattr__(self, name):
+      # Called only for attributes not found: the state of a module whose recipe keeps none.
+      if name == "state" and "recipe" in vars(self):
+        return None if self.recipe is None else core.typed_state(self.recipe, {})
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+  def _state_owner(self) -> str:
+    """How the refusal names the layer: its class and shapes (its path where known)."""
+    return f"{type(self).__name__} layer"
+
+  def _graph_node_set_key(self, key, value) -> None:
+    if key == "state" and "state" not in vars(self) and "recipe" in vars(self):
+      raise ValueError(foreign_state_message(self._state_owner(), self.recipe, value))
+    super()._graph_node_set_key(key, value)  # type: ignore[misc]
+
+
+def foreign_state_message(layer: str, recipe, given) -> str:
+  """The error for recipe state ``given`` (``nnx.update``'s entries for one module) that
+  ``layer``, whose ``recipe`` keeps none, cannot take: which state was found and was expected,
+  and the two ways out."""
+  entries = dict(given) if isinstance(given, Mapping) else {}
+  names = sorted(map(str, entries))
+  stateful = core.DelayedScaling()
+  found = "recipe state"
+  if set(names) == set(core.state_names(stateful)):
+    history = np.shape(_raw(entries["x_amax_history"]))
+    found = f"DelayedScaling's recipe state (amax history length {history[-1] if history else '?'})"
+  if recipe is None:
+    keeps, go_on = "it has no recipe (high precision)", "without a recipe"
+  else:
+    keeps, go_on = f"its recipe {type(recipe).__name__} keeps none", f"with {type(recipe).__name__}"
+  return (
+    f"{layer}: the state given to it (nnx.update, or a checkpoint restored into this model) "
+    f"holds {found}, entries {names}, but {keeps}, so the layer cannot take it: the state "
+    "comes from a model built with another recipe. Build this model "
+    "with that recipe to load it, or leave the recipe state out of what you load "
+    f"(nnx.state(other, nnx.Not(te_adapters.nnx.RecipeState))) to go on {go_on}."
+  )
+
+
+def _raw(entry):
+  """The array of one ``nnx.update`` entry (a variable, a state leaf or an array)."""
+  return entry.get_value() if isinstance(entry, nnx.Variable) else entry
 
 
 def state_value(held):

@@ -154,7 +154,7 @@ def _quantize_experts(
   # Delayed scaling on the native path casts with the stored scales and takes the amax (an
   # expert's amax is inf where it holds a NaN or inf, as the per-tensor amax) in the same pass.
   one_pass = native and stored is not None
-  if one_pass:
+  if native and stored is not None:  # one_pass, spelled out for the type checker
     data, data_t, amax = _cast_transpose.cast_transpose_per_batch(
       w, stored.reshape(w.shape[0]), q_dtype, with_amax=True
     )

@@ -381,7 +381,7 @@ class NormProducer:
   and the row statistics, as ``core.layernorm``'s does. ``norm``: ``(layernorm_type,
   zero_centered_gamma, epsilon)``."""
 
-  norm: tuple
+  norm: tuple[str, bool, float]
 
   def quantize(self, fmt, request, y, ln_scale, ln_bias):
     layernorm_type, zero_centered_gamma, epsilon = self.norm

@@ -78,7 +78,7 @@ def dot_general(
   threshold: SizeThreshold | None = DEFAULT_SIZE_THRESHOLD,
   config: GemmConfig | None = None,
   layer: str | None = None,
-  kernel_sharding: PartitionSpec | None = None,
+  kernel_sharding: PartitionSpec | tuple[Any, ...] | None = None,
   framework: str | None = None,
   sequence_parallel: tuple[str, str] | None = None,
 ) -> jax.Array:
@@ -136,9 +136,10 @@ def dot_general(
     layer: what warnings and errors about this GEMM call it (an adapter passes the layer's path
       in its model where it knows it, or its equation); ``None``: the GEMM by its operands'
       shapes.
-    kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation) where its type does
-      not carry it: under ``jit`` on Auto mesh axes, where XLA's partitioner would otherwise
-      gather a kernel whose sharded free dim the layout flattens behind another. It only orders
+    kernel_sharding: the kernel's ``PartitionSpec`` (a model's annotation; or a tuple of its
+      entries, as the adapters pass it) where its type does not carry it: under ``jit`` on Auto
+      mesh axes, where XLA's partitioner would otherwise gather a kernel whose sharded free dim
+      the layout flattens behind another. It only orders
       the layout of the kernel's free dims (below); the contracting and batch dims keep their
       order, which the input shares; the kernel's own Explicit sharding wins over it.
     framework: the framework of the layer calling (``"linen"``, ``"nnx"``, ``"haiku"``), whose
@@ -619,10 +620,8 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
   ``ShardingFallbackWarning`` that names ``layer`` and the cost. Returns ``(layout, lhs, rhs,
   plan, out_sharding)``: ``out_sharding`` is the one to reshard the output to (None: none).
   """
-  specs = []
-  for operand in (lhs, rhs):
-    explicit = sharding.explicit_sharding(operand)
-    specs.append(None if explicit is None else tuple(explicit.spec))
+  explicits = [sharding.explicit_sharding(operand) for operand in (lhs, rhs)]
+  specs = [None if explicit is None else tuple(explicit.spec) for explicit in explicits]
   out = plan.out_sharding
   out_entries = None
   if out is not None:
@@ -651,10 +650,10 @@ def _served(lhs, rhs, dn, plan, layer, kernel_sharding=None):
     return layout, lhs, rhs, plan, None  # plan_for_tn_layout refuses it, naming the layer
   operands = [lhs, rhs]
   for i, (name, dims) in enumerate((("input", unserved_lhs), ("kernel", unserved_rhs))):
-    if not dims or specs[i] is None:
+    current = explicits[i]
+    if not dims or current is None:
       continue
     operand = operands[i]
-    current = sharding.explicit_sharding(operand)
     count = _shard_count(current.mesh, specs[i], dims)
     warnings.warn(
       f"{layer}: the {name} {tuple(operand.shape)} {operand.dtype} is sharded as "

@@ -62,7 +62,7 @@ class GemmLayout:
     out_of.update({("l", d): len(lb) + i for i, d in enumerate(lhs_free)})
     out_of.update({("r", d): len(lb) + len(lhs_free) + i for i, d in enumerate(rhs_free)})
     s_lhs, s_rhs, s_out = (set(dims) for dims in sharded)
-    unserved = ([], [], [])
+    unserved: tuple[list[int], list[int], list[int]] = ([], [], [])
 
     def order(members, is_sharded, unserve):
       """``members`` with a sharded one first (stable); the other sharded ones unserved."""

@@ -315,17 +315,17 @@ def ragged_dot(
 def _explicit_out_sharding(lhs, rhs, out_sharding):
   """The output's ``PartitionSpec`` on Explicit mesh axes (the caller's, or lhs's rows and
   rhs's columns); None when no operand lies on Explicit axes."""
-  specs = []
+  specs: list[tuple | None] = []
   for a in (lhs, rhs):
     sharding = getattr(jax.typeof(a), "sharding", None)
-    explicit = (
+    if not (
       isinstance(sharding, NamedSharding)
       and not sharding.mesh.empty
       and any(t == AxisType.Explicit for t in sharding.mesh.axis_types)
-    )
-    specs.append(
-      tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec)) if explicit else None
-    )
+    ):
+      specs.append(None)
+      continue
+    specs.append(tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec)))
   if specs == [None, None]:
     return None
   if out_sharding is not None:

@@ -57,6 +57,14 @@ def check_leaves(state, expected, *, mismatch: str, bad_shape, layer: str | None
     raise ValueError(f"{lead}{mismatch}: missing {missing}, unexpected {extra}")
   for name, shape in expected.items():
     leaf = state[name]
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      raise ValueError(
+        f"{lead}state[{name!r}] is a jax.ShapeDtypeStruct, not an array: the recipe state was "
+        "never loaded (an abstract model restored from a checkpoint that has no recipe state "
+        "for this layer, such as one made with a recipe that keeps none, keeps its abstract "
+        "entries). Restore a checkpoint of this recipe, or start from the initial state "
+        "(te_adapters.core.init_state(recipe))"
+      )
     if tuple(np.shape(leaf)) != shape:
       raise ValueError(lead + bad_shape(name, tuple(np.shape(leaf)), shape))
     dtype = getattr(leaf, "dtype", None)
