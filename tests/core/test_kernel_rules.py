@@ -1,11 +1,13 @@
-"""The partitioning rules of the per-batch cast and the MLP's activation kernels, and every rule
-under ``vmap``, on virtual CPU devices (conftest.py), against the same calls on one device.
+"""The partitioning rules of the per-batch cast, the MLP's activation kernels and the rowwise
+passes, and every rule under ``vmap``, on virtual CPU devices (conftest.py), against the same
+calls on one device.
 
 The per-batch cast is the extension's CPU kernel (the CUDA one has the same contract). The
-activation kernels are CUDA only, so their rules wrap pure-JAX stand-ins of the kernels'
-contract (as the norm cast's rule is tested in test_fused_sharding.py): what is tested here is
-what the rule adds, each shard's call and the reductions that make its results one device's;
-the GPU suite runs the kernels themselves through the rules (test_fused_mlp_gpu.py).
+activation kernels and the rowwise passes are CUDA only, so their rules wrap pure-JAX stand-ins
+of the kernels' contract (as the norm cast's rule is tested in test_fused_sharding.py): what is
+tested here is what the rule adds, each shard's call and the reductions that make its results
+one device's; the GPU suite runs the kernels themselves through the rules (test_fused_mlp_gpu.py,
+test_rowwise.py).
 """
 
 import functools
@@ -247,6 +249,96 @@ def test_activation_gradient_rule_inside_shard_map_keeps_each_shards_sums():
   assert amaxes.shape == (2,) and float(np.max(amaxes)) == float(ra[0])
   half = [dact(dz[i * 32 : (i + 1) * 32], h[i * 32 : (i + 1) * 32], bias, scale)[3] for i in (0, 1)]
   np.testing.assert_array_equal(np.asarray(sums).reshape(2, -1), np.stack(half))
+
+
+# --- the rowwise passes (CUDA only: pure-JAX stand-ins of their contract) ----------------------
+
+
+def _row_amax(x):
+  return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=-1).astype(jnp.float32)
+
+
+def _row_col_amax_stand_in(rows, cols, x):
+  """``(row_amax (.., P), col_amax (.., C))`` of this shard, inf where a NaN is."""
+  empty = jnp.zeros((0,), jnp.float32)
+  return (
+    _row_amax(x) if rows else empty,
+    _row_amax(jnp.swapaxes(x, -1, -2)) if cols else empty,
+  )
+
+
+def _power_of_two_scale(a):
+  """A power-of-two scale per amax (1 where it is zero or not finite), as the format's."""
+  usable = jnp.isfinite(a) & (a > 0)
+  return jnp.where(usable, jnp.exp2(jnp.floor(jnp.log2(448.0 / jnp.where(usable, a, 1.0)))), 1.0)
+
+
+def _rowwise_cast_stand_in(rows, cols, x, row_scale, col_scale):
+  """``(q, q_t)`` of this shard, each row of a copy times its scale."""
+
+  def cast(v, scale):
+    return jnp.clip(v.astype(jnp.float32) * scale[..., None], -448.0, 448.0).astype(E4M3)
+
+  empty = jnp.zeros((0,), E4M3)
+  return (
+    cast(x, row_scale) if rows else empty,
+    cast(jnp.swapaxes(x, -1, -2), col_scale) if cols else empty,
+  )
+
+
+E4M3 = jnp.float8_e4m3fn
+ROWWISE_SPECS = {
+  "rows": P("a", None),
+  "cols": P(None, "a"),
+  "both": P("a", "b"),
+  "batch-and-cols": P("a", None, "b"),
+}
+
+
+@pytest.mark.parametrize(
+  "rows, cols", [(True, True), (True, False), (False, True)], ids=["both", "rows", "cols"]
+)
+@pytest.mark.parametrize("where", ROWWISE_SPECS)
+def test_rowwise_rules_give_one_devices_results(where, rows, cols):
+  """The rowwise format's two passes (amaxes of every row and column, then the cast with their
+  power-of-two scales) under jit on a sharded x: the codes and amaxes of one device bit for bit,
+  each amax its whole row's or column's (a row's infinity and a column's NaN in the last shard),
+  with no gather (every output keeps x's sharding: q_t's last two swapped, the amaxes those of
+  x's rows or columns)."""
+  spec = ROWWISE_SPECS[where]
+  shape = (2, 64, 48) if len(spec) == 3 else (64, 48)
+  x = spmd_checks.random(shape, 4) * jnp.exp(3 * spmd_checks.random((*shape[:-1], 1), 5))
+  x = x.at[..., 60, 40].set(jnp.inf).at[..., 50, 47].set(jnp.nan).astype(jnp.bfloat16)
+  x = x.at[..., 7, :].set(0.0)
+  ndim = len(shape)
+  rules = (
+    kernels.row_col_amax(functools.partial(_row_col_amax_stand_in, rows, cols), ndim, rows, cols),
+    kernels.rowwise_cast(functools.partial(_rowwise_cast_stand_in, rows, cols), ndim, rows, cols),
+  )
+  stand_ins = (
+    functools.partial(_row_col_amax_stand_in, rows, cols),
+    functools.partial(_rowwise_cast_stand_in, rows, cols),
+  )
+
+  def quantize(x, amax, cast):
+    a_rows, a_cols = amax(x)
+    s_rows = _power_of_two_scale(a_rows) if rows else a_rows
+    s_cols = _power_of_two_scale(a_cols) if cols else a_cols
+    return (*cast(x, s_rows, s_cols), a_rows, a_cols)
+
+  want = jax.jit(lambda x: quantize(x, *stand_ins))(x)
+  mesh = _mesh(spec)
+  got = jax.jit(lambda x: quantize(x, *rules))(jax.device_put(x, NamedSharding(mesh, spec)))
+  _assert_equal(got, want)
+  if rows:
+    assert float(want[2][..., 60].min()) == np.inf and float(want[2][..., 7].max()) == 0.0
+  if cols:
+    assert float(want[3][..., 47].min()) == np.inf
+  lead, p, c = tuple(spec)[:-2], spec[-2], spec[-1]
+  outs = [(got[0], spec), (got[2], P(*lead, p))] if rows else []
+  outs += [(got[1], P(*lead, c, p)), (got[3], P(*lead, c))] if cols else []
+  for out, want_spec in outs:
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, want_spec), out.ndim)
 
 
 # --- vmap over the rules --------------------------------------------------------------------------

@@ -147,8 +147,8 @@ def _scaled(data, a, q_dtype, margin, non_finite, dq) -> ScaledTensor:
 
 def _kernels_apply(x, backend) -> bool:
   """Whether the extension's CUDA passes may quantize ``x``: ``backend`` (``GemmConfig.backend``)
-  lets them, they are built and registered, and ``x`` is on one device (they have no partitioning
-  rule)."""
+  lets them and they are built and registered (in a sharded program they run per shard, through
+  their partitioning rules)."""
   return (
     x.ndim >= 2
     and x.size > 0
@@ -156,7 +156,6 @@ def _kernels_apply(x, backend) -> bool:
     and _cast_transpose.backend(requested=backend) == "ffi"
     and kernels.registered(kernels.ROWWISE_CAST_TARGET)
     and kernels.registered(kernels.ROW_COL_AMAX_TARGET)
-    and kernels.single_device(x)
   )
 
 

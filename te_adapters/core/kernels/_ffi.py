@@ -331,34 +331,57 @@ def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, pow
 def row_col_amax_call(x, *, rows: bool, cols: bool):
   """``max(|x|)`` over each row and over each column of ``x (.., P, C)``
   (``csrc/cast_transpose_cuda.cu``, one read): float32 ``(.., P)`` and ``(.., C)``, inf where a
-  NaN or an infinity is; an output not asked for is an empty array."""
-  lead, (p, c) = x.shape[:-2], x.shape[-2:]
-  f32 = jnp.float32
-  outs = (
-    jax.ShapeDtypeStruct((*lead, p), f32) if rows else _empty(f32),
-    jax.ShapeDtypeStruct((*lead, c), f32) if cols else _empty(f32),
-  )
-  return jax.ffi.ffi_call(ROW_COL_AMAX_TARGET, outs, vmap_method="sequential")(
-    x, rows=rows, cols=cols
-  )
+  NaN or an infinity is; an output not asked for is an empty array. In a sharded program, per
+  shard (``_partition.row_col_amax``: each amax of its whole row or column)."""
+  rule = _partition.row_col_amax(_row_col_amax_kernel(rows, cols), x.ndim, rows, cols)
+  return rule(x)
 
 
 def rowwise_cast_call(x, row_scale, col_scale, q_dtype, *, rowwise: bool, colwise: bool):
   """``x (.., P, C)`` to FP8 in one read: ``q (.., P, C)`` with ``row_scale (.., P)`` (each row
   times its scale) and ``q_t (.., C, P)``, the swapped copy, with ``col_scale (.., C)``, as
   ``cast(clip(float32(x) * scale, ±fp8_max))``. A copy not asked for is an empty array (and its
-  scales may be)."""
-  lead, (p, c) = x.shape[:-2], x.shape[-2:]
+  scales may be). In a sharded program, per shard (``_partition.rowwise_cast``)."""
   f32 = jnp.float32
-  outs = (
-    jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
-    jax.ShapeDtypeStruct((*lead, c, p), q_dtype) if colwise else _empty(q_dtype),
-  )
   row_scale = row_scale.astype(f32) if rowwise else _zeros_f32()
   col_scale = col_scale.astype(f32) if colwise else _zeros_f32()
-  return jax.ffi.ffi_call(ROWWISE_CAST_TARGET, outs, vmap_method="sequential")(
-    x, row_scale, col_scale, rowwise=rowwise, colwise=colwise
-  )
+  kernel = _rowwise_cast_kernel(np.dtype(q_dtype), rowwise, colwise)
+  return _partition.rowwise_cast(kernel, x.ndim, rowwise, colwise)(x, row_scale, col_scale)
+
+
+# The FFI calls of the rowwise passes, one per configuration, for the shapes they are given (one
+# shard's in a sharded program).
+
+
+@functools.cache
+def _row_col_amax_kernel(rows, cols):
+  def call(x):
+    lead, (p, c) = x.shape[:-2], x.shape[-2:]
+    f32 = jnp.float32
+    outs = (
+      jax.ShapeDtypeStruct((*lead, p), f32) if rows else _empty(f32),
+      jax.ShapeDtypeStruct((*lead, c), f32) if cols else _empty(f32),
+    )
+    return jax.ffi.ffi_call(ROW_COL_AMAX_TARGET, outs, vmap_method="sequential")(
+      x, rows=rows, cols=cols
+    )
+
+  return call
+
+
+@functools.cache
+def _rowwise_cast_kernel(q_dtype, rowwise, colwise):
+  def call(x, row_scale, col_scale):
+    lead, (p, c) = x.shape[:-2], x.shape[-2:]
+    outs = (
+      jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+      jax.ShapeDtypeStruct((*lead, c, p), q_dtype) if colwise else _empty(q_dtype),
+    )
+    return jax.ffi.ffi_call(ROWWISE_CAST_TARGET, outs, vmap_method="sequential")(
+      x, row_scale, col_scale, rowwise=rowwise, colwise=colwise
+    )
+
+  return call
 
 
 def _zeros_f32():

@@ -16,6 +16,9 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   ``dact_amax``) keep the rows' sharding, and the columns' where a shard of them is one of the
   output's (the activation kernels with two activations gather them); amaxes are max-reduced and
   the bias gradient's column sums summed over the mesh axes that shard the rows.
+- The rowwise passes (``row_col_amax``, ``rowwise_cast``) keep every dim's sharding: each row's
+  amax is max-reduced over the mesh axes that shard the columns and each column's over those
+  that shard the rows; the cast with per-row and per-column scales reduces nothing.
 - ``gemm`` runs ``a (B, M, K) . b (B, N, K)^T -> (B, M, N)``. B and M keep ``a``'s sharding, N
   keeps ``b``'s. Where a mesh axis shards K in both operands, each device multiplies its slices
   into partial products of the sum dtype it is given, which are summed (``psum``) in that dtype
@@ -65,6 +68,8 @@ __all__ = [
   "dact_cast",
   "gemm",
   "norm_cast",
+  "row_col_amax",
+  "rowwise_cast",
   "sum_chunk_rows",
   "tensor_fallback",
   "tensor_scaled_gemm",
@@ -892,3 +897,68 @@ def cast_transpose_per_batch(call: Callable, with_amax: bool):
 
   amaxes = "b" if with_amax else "a"
   return _shardable(split, call, (3, 1), f"b r c, b -> b r c, b c r, {amaxes}")
+
+
+@functools.cache
+def row_col_amax(call: Callable, ndim: int, rows: bool, cols: bool):
+  """``call(x) -> (row_amax, col_amax)``, ``max(|x|)`` over each row ``(.., P)`` and over each
+  column ``(.., C)`` of ``x (.., P, C)`` (one not asked for is a (0,) placeholder), made shardable.
+
+  Every dim keeps its sharding: a row amax is sharded like ``x``'s rows and is max-reduced over
+  the axes that shard the columns (a shard holds part of each of its rows), a column amax
+  sharded like the columns is max-reduced over the axes that shard the rows.
+  """
+
+  def split(mesh, specs):
+    del mesh
+    spec = specs[0]
+    lead, p, c = spec[:-2], spec[-2], spec[-1]
+
+    def per_shard(x):
+      a_rows, a_cols = call(x)
+      if rows and c:
+        a_rows = lax.pmax(a_rows, c)  # inf (never NaN) where a NaN is: a max reduces it
+      if cols and p:
+        a_cols = lax.pmax(a_cols, p)
+      return a_rows, a_cols
+
+    outs = ((*lead, p) if rows else ((),), (*lead, c) if cols else ((),))
+    return specs, outs, per_shard
+
+  dims = _letters(ndim, "d")
+  lead = dims[:-2]
+  a_rows = " ".join([*lead, dims[-2]]) if rows else "e0"
+  a_cols = " ".join([*lead, dims[-1]]) if cols else "e1"
+  return _shardable(split, call, (ndim,), f"{' '.join(dims)} -> {a_rows}, {a_cols}")
+
+
+@functools.cache
+def rowwise_cast(call: Callable, ndim: int, rowwise: bool, colwise: bool):
+  """``call(x, row_scale, col_scale) -> (q, q_t)``, ``x (.., P, C)`` cast with one scale per row
+  (``row_scale (.., P)``) into ``q`` shaped like it and with one per column (``col_scale
+  (.., C)``) into ``q_t`` with its last two dims swapped (a copy not asked for, and its scales,
+  a (0,) placeholder), made shardable.
+
+  Nothing is reduced: each shard's codes need only the scales of its rows and columns, so the
+  scales are brought to the shardings of ``x``'s rows and columns and the copies keep ``x``'s
+  (``q_t`` with its last two swapped).
+  """
+
+  def split(mesh, specs):
+    del mesh
+    spec = specs[0]
+    lead, p, c = spec[:-2], spec[-2], spec[-1]
+    swapped = (*lead, c, p)
+    row_scale = (*lead, p) if rowwise else ((),)
+    col_scale = (*lead, c) if colwise else ((),)
+    outs = (spec if rowwise else ((),), swapped if colwise else ((),))
+    return (spec, row_scale, col_scale), outs, call
+
+  dims = _letters(ndim, "d")
+  lead, p, c = dims[:-2], dims[-2], dims[-1]
+  s_rows = " ".join([*lead, p]) if rowwise else "e0"
+  s_cols = " ".join([*lead, c]) if colwise else "e1"
+  q = " ".join(dims) if rowwise else "e2"
+  q_t = " ".join([*lead, c, p]) if colwise else "e3"
+  ndims = (ndim, ndim - 1 if rowwise else 1, ndim - 1 if colwise else 1)
+  return _shardable(split, call, ndims, f"{' '.join(dims)}, {s_rows}, {s_cols} -> {q}, {q_t}")
