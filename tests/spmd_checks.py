@@ -197,9 +197,14 @@ def compare_with_one_device(loss, params, new_params, x, dy):
 def fsdp_gathers(fn, args):
   """``(compiled fn, [(dtype, shape)] of its all-gathers)`` for ``fn`` jitted over ``args``."""
   compiled = jax.jit(fn).lower(*args).compile()
-  gathers = [
-    c.arrays[-1] for c in ta.inspect.hlo_collectives(compiled.as_text()) if c.op == "all-gather"
-  ]
+  gathers = []
+  for c in ta.inspect.hlo_collectives(compiled.as_text()):
+    if c.op != "all-gather":
+      continue
+    # Each gathered array: the results, which follow the operands in a -start op's type. XLA:GPU
+    # combines gathers into one op of several arrays (one kernel's bytes and another's).
+    start = "all-gather-start(" in c.line
+    gathers.extend(c.arrays[len(c.arrays) // 2 :] if start else c.arrays)
   return compiled, gathers
 
 

@@ -356,7 +356,9 @@ def linen_model(cfg: Config, dot_general_cls=None):
 def haiku_forward(tokens, cfg: Config, compute_dtype):
   """The model in plain Haiku. ``hk.Linear`` creates its parameters and computes in its input's
   dtype, so the projections' inputs are cast to ``compute_dtype``: float32 at init (float32
-  parameters), bf16 in training, where the caller passes the kernels cast to bf16."""
+  parameters), bf16 in training, where the caller passes the kernels cast to bf16. Their outputs
+  are cast to it too: a converted layer keeps float32 kernels (bf16 x float32 gives float32), and
+  cuDNN's attention takes no float32 operands."""
   import haiku as hk
 
   std, out_std = init_std(cfg)
@@ -364,7 +366,7 @@ def haiku_forward(tokens, cfg: Config, compute_dtype):
 
   def linear(features, name, w_init=init):
     layer = hk.Linear(features, with_bias=False, w_init=w_init, name=name)
-    return lambda h: layer(h.astype(compute_dtype))
+    return lambda h: layer(h.astype(compute_dtype)).astype(compute_dtype)
 
   def norm(name):
     layer = hk.RMSNorm(-1, eps=cfg.norm_eps, name=name)

@@ -254,14 +254,30 @@ def _shardable(
       x if have == want else jax.sharding.reshard(x, _named(mesh, want))
       for x, have, want in zip(args, specs, arg_specs, strict=True)
     )
+    # The (0,) placeholders of outputs not asked for stay out of the shard_map: XLA:GPU's
+    # compiler crashed (a segfault, two H100s) on a manual computation returning one, where the
+    # same kernel with every output asked for compiled.
+    shapes = jax.eval_shape(call, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args))
+    flat = (shapes,) if single else tuple(shapes)
+    kept = [i for i, a in enumerate(flat) if a.size]
+    specs_out = out_shardings(mesh, out_specs)
+    specs_out = (specs_out,) if single else tuple(specs_out)
+
+    def kept_outputs(*xs):
+      outs = per_shard(*xs)
+      outs = (outs,) if single else tuple(outs)
+      return tuple(outs[i] for i in kept)
+
     mapped = jax.shard_map(
-      per_shard,
+      kept_outputs,
       mesh=mesh,
       in_specs=tuple(_named(mesh, s).spec for s in arg_specs),
-      out_specs=jax.tree.map(lambda s: s.spec, out_shardings(mesh, out_specs)),
+      out_specs=tuple(specs_out[i].spec for i in kept),
       check_vma=False,
     )
-    return mapped(*args)
+    got = iter(mapped(*args))
+    outs = tuple(next(got) if a.size else jnp.zeros(a.shape, a.dtype) for a in flat)
+    return outs[0] if single else outs
 
   def run(*args):
     if not _partitioned_here():
