@@ -100,3 +100,34 @@ def test_a_layers_resharded_gemm_warns_naming_it_at_the_users_line(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
     jax.jit(lambda p, x: _LinenModel().apply(p, x) + 1)(shard(linen_params), xs)
+
+
+class _LinenGradModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return ta_linen.Dense(32, recipe=CURRENT, threshold=None, config=FFI, name="grad_proj")(x)
+
+
+def test_the_backward_gemms_warnings_name_the_layer_at_the_users_line(monkeypatch):
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_gemm)
+  mesh = jax.make_mesh((4,), ("shared",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(32, 64)), jnp.float32)
+  cols = NamedSharding(mesh, P(None, "shared"))
+  params = _LinenGradModel().init(jax.random.key(0), x)
+  loss = lambda p, x: jnp.sum(_LinenGradModel().apply(p, x) ** 2)
+  want = jax.jit(jax.grad(loss))(params, x)  # one device
+  sharded = jax.tree.map(lambda p: jax.device_put(p, cols) if p.ndim == 2 else p, params)
+  xs = jax.device_put(x, NamedSharding(mesh, P("shared")))
+  with pytest.warns(ta.core.ShardingFallbackWarning) as record:
+    got = jax.jit(jax.grad(loss))(sharded, xs)
+  said = [w for w in record if issubclass(w.category, ta.core.ShardingFallbackWarning)]
+  # The forward GEMM's and those of dgrad and wgrad: more than the forward's two cases.
+  assert len(said) > 2, [str(w.message) for w in said]
+  for warning in said:
+    assert str(warning.message).startswith("layer 'grad_proj': the per-tensor FP8 GEMM: ")
+    assert warning.filename == __file__, warning.filename
+  # One device's gradients, up to the order of the float32 sums over the rows' shards.
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    w = np.asarray(w)
+    np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-5 * np.abs(w).max())
