@@ -205,7 +205,8 @@ def fused_mlp(
     wo_bias: ``(K_out,)`` or None: GEMM 2's bias, whose gradient is summed in the pass that casts
       the output gradient to FP8 (TE's dbias + quantize).
     rngs: ``(key_0, key_1)``, each GEMM's key for stochastic rounding, or None.
-    layer, framework: how a ``FrozenStateWarning`` names the layer, and whose remedy it gives.
+    layer, framework: how a ``FrozenStateWarning`` names the layer, and whose remedy it gives
+      (``layer`` also names it in a ``ShardingFallbackWarning`` of the kernels).
     act_constraint: a function applied to GEMM 2's FP8 input ``(M, F)`` (a sharding
       constraint), or None.
     plan: FSDP: the ``SpmdPlan`` whose ``kernel_all_gather`` gathers both kernels in FP8
@@ -236,7 +237,7 @@ def fused_mlp(
   )
   lhs = None if norm is None else NormProducer(norm)
   inputs = (y,) if norm is None else (y, ln_scale, ln_bias)
-  chain = gemm.Chain(recipe, PLAN if plan is None else plan, config, None, stages, lhs)
+  chain = gemm.Chain(recipe, PLAN if plan is None else plan, config, None, stages, lhs, layer)
   return gemm.quantized_gemms(
     inputs, (wi2, wo), (wi_bias, wo_bias), (state_0, state_1), stage_keys(recipe, rngs), chain
   )

@@ -276,7 +276,7 @@ def _fused(
     bias_grad=None if b is None else _fused_mlp.BiasGradProducer(),
   )
   plan = _fused_mlp.PLAN if plan is None else plan
-  chain = gemm.Chain(recipe, plan, config, None, (stage,), _fused_mlp.NormProducer(norm))
+  chain = gemm.Chain(recipe, plan, config, None, (stage,), _fused_mlp.NormProducer(norm), layer)
   return gemm.quantized_gemms(
     (x, ln_scale, ln_bias), (w,), (b,), (state,), _fused_mlp.stage_keys(recipe, (rng,)), chain
   )

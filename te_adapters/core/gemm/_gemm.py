@@ -37,9 +37,15 @@ from te_adapters.core.formats import QuantizeRequest, check_state
 from te_adapters.core.gemm import _dimension_numbers, _frozen, _remat, _threshold
 from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
-from te_adapters.core.kernels import ShardingFallbackWarning
+from te_adapters.core.kernels import ShardingFallbackWarning, warning_site
 from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
-from te_adapters.core.state import ROLES, caller_stacklevel, is_accumulating, shared_max_grad
+from te_adapters.core.state import (
+  ROLES,
+  caller_site,
+  caller_stacklevel,
+  is_accumulating,
+  shared_max_grad,
+)
 
 if TYPE_CHECKING:
   from jax.typing import ArrayLike, DTypeLike
@@ -560,6 +566,7 @@ class Chain:
       ``x3``), or an object with ``quantize(fmt, request, *inputs) -> (Quantized, residuals)``
       and ``backward(residuals, d_operand) -> the inputs' cotangents`` (a norm, cast to FP8 in
       the pass that computes it).
+    layer: what the kernels' ``ShardingFallbackWarning`` calls the chain (None: the GEMM).
   """
 
   recipe: Any
@@ -568,6 +575,7 @@ class Chain:
   precision: Any
   stages: tuple[Stage, ...]
   lhs: Any = None
+  layer: str | None = None
 
   @property
   def format(self):
@@ -736,7 +744,7 @@ def _contracting_last(
   else:
     w3 = sharding.reshape(jnp.transpose(rhs, layout.rhs_perm), lead + local)
   stage = Stage(out_dtype=np.dtype(out.dtype), kernel_kn=kernel_kn)
-  chain = Chain(recipe, plan, config, precision, (stage,))
+  chain = Chain(recipe, plan, config, precision, (stage,), layer=layer)
   y3 = _quantized_gemms((x3,), (w3,), (None,), (state,), rng, chain)
   split = layout.split_out_shape
   if plan.sequence is not None:  # the output's leading rows: all of them, or this shard's
@@ -769,12 +777,14 @@ def _proto(a):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _quantized_gemms(inputs, kernels, biases, states, rng, chain: Chain):
   # Not differentiated (inference): only the copies the forward GEMMs take.
-  y, _ = _forward(inputs, kernels, biases, states, rng, chain, backward=False)
+  with warning_site(chain.layer, caller_site()):
+    y, _ = _forward(inputs, kernels, biases, states, rng, chain, backward=False)
   return y
 
 
 def _quantized_gemms_fwd(inputs, kernels, biases, states, rng, chain: Chain):
-  return _forward(inputs, kernels, biases, states, rng, chain, backward=True)
+  with warning_site(chain.layer, caller_site()):
+    return _forward(inputs, kernels, biases, states, rng, chain, backward=True)
 
 
 def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool):
@@ -842,6 +852,12 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
 
 
 def _quantized_gemms_bwd(chain: Chain, residuals, g):
+  # Traced where the user takes the gradient: the kernels' warnings point at that line.
+  with warning_site(chain.layer, caller_site()):
+    return _backward(chain, residuals, g)
+
+
+def _backward(chain: Chain, residuals, g):
   saved, lhs_residuals, states, rng, inputs_witness = residuals
   fmt, last = chain.format, len(chain.stages) - 1
   keys = rng if isinstance(rng, tuple) else (rng,) * (last + 1)

@@ -61,6 +61,7 @@ from te_adapters.core.kernels._partition import (
   sum_chunk_rows,
   tensor_fallback,
   tensor_scaled_gemm,
+  warning_site,
 )
 
 __all__ = [
@@ -119,5 +120,6 @@ __all__ = [
   "tensor_fallback",
   "sum_chunk_rows",
   "tensor_scaled_gemm",
+  "warning_site",
   "wgrad_gemm",
 ]

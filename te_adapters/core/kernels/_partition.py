@@ -30,7 +30,8 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   sums (``GemmConfig.comm_sm_margin``, the per-tensor GEMM's). A combination the
   kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
   one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
-  case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings.
+  case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings, and under
+  ``warning_site`` the layer too, issued at the user's line (per layer and case).
 
 Under ``vmap`` a rule runs as a loop of its calls over the batch (``custom_partitioning`` has no
 batching rule; the FFI calls loop under ``vmap`` on one device too).
@@ -42,10 +43,12 @@ mesh axes its operands vary over, which an FFI call's outputs are not by themsel
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +76,16 @@ __all__ = [
   "sum_chunk_rows",
   "tensor_fallback",
   "tensor_scaled_gemm",
+  "warning_site",
 ]
 
 
 class ShardingFallbackWarning(UserWarning):
   """An extension kernel inside a sharded program needed a reshard or XLA's GEMM on its shards.
 
-  Issued once per distinct case, naming the GEMM and the shardings: a sharding the kernel
+  Issued once per layer and distinct case, naming the layer (where a GEMM of ``core.gemm`` or
+  the fused paths traced the kernel, ``warning_site``), the GEMM and the shardings, at the
+  user's line that traced it, though XLA's partitioner decides it later: a sharding the kernel
   cannot take shard by shard is resharded (a dim gathered), a shard shape it refuses runs as
   XLA's GEMM, and ``dot_general`` gathers an operand whose group of dims holds more than one
   sharded dim. The results are right either way; the warning says where communication or speed
@@ -98,12 +104,47 @@ class ShardingFallbackWarning(UserWarning):
 
 _WARNED: set = set()
 
+# (layer, (filename, lineno, module) or None): set by ``warning_site`` while a GEMM is traced,
+# carried into the partitioning callbacks as a static argument (they run at compile time, with
+# none of the user's frames on the stack), and read there by ``_warn_once``.
+_Site = tuple[str | None, tuple[str, int, str] | None]
+_TRACED_SITE: contextvars.ContextVar[_Site | None] = contextvars.ContextVar("site", default=None)
+_SPLIT_SITE: contextvars.ContextVar[_Site | None] = contextvars.ContextVar("split", default=None)
+
+
+@contextlib.contextmanager
+def warning_site(layer: str | None, line: tuple[str, int, str] | None) -> Iterator[None]:
+  """The layer and the user's line ``(filename, lineno, module)`` that the kernels traced inside
+  name in their ``ShardingFallbackWarning`` (said once per layer and case)."""
+  token = _TRACED_SITE.set((layer, line))
+  try:
+    yield
+  finally:
+    _TRACED_SITE.reset(token)
+
+
+@contextlib.contextmanager
+def _splitting(site: _Site | None) -> Iterator[None]:
+  token = _SPLIT_SITE.set(site)
+  try:
+    yield
+  finally:
+    _SPLIT_SITE.reset(token)
+
 
 def _warn_once(key, message: str) -> None:
+  layer, line = _SPLIT_SITE.get() or (None, None)
+  key = (layer, key)
   if key in _WARNED:
     return
   _WARNED.add(key)
-  warnings.warn(message, ShardingFallbackWarning, stacklevel=2)
+  if layer is not None:
+    message = f"{layer}: {message}"
+  if line is None:
+    warnings.warn(message, ShardingFallbackWarning, stacklevel=2)
+  else:
+    filename, lineno, module = line
+    warnings.warn_explicit(message, ShardingFallbackWarning, filename, lineno, module)
 
 
 def _partitioned_here() -> bool:
@@ -214,28 +255,30 @@ def _shardable(
     shardings = tuple(_named(mesh, spec) for spec in out_specs)
     return shardings[0] if single else shardings
 
-  @custom_partitioning
-  def rule(*args):
+  @functools.partial(custom_partitioning, static_argnums=(0,))
+  def rule(site, *args):
+    del site  # the warnings' layer and line: read by the callbacks
     return call(*args)
 
   def specs_of(arg_shapes):
     return tuple(_spec(a.sharding, n) for a, n in zip(arg_shapes, ndims, strict=True))
 
-  def split_for(mesh, arg_shapes, result_shape):
-    if not wants_result:
-      return split(mesh, specs_of(arg_shapes))
-    result = None
-    if result_shape is not None:
-      result = _spec(result_shape.sharding, len(result_shape.shape))
-    return split(mesh, specs_of(arg_shapes), result)
+  def split_for(site, mesh, arg_shapes, result_shape):
+    with _splitting(site):
+      if not wants_result:
+        return split(mesh, specs_of(arg_shapes))
+      result = None
+      if result_shape is not None:
+        result = _spec(result_shape.sharding, len(result_shape.shape))
+      return split(mesh, specs_of(arg_shapes), result)
 
-  def infer(mesh, arg_shapes, result_shape):
+  def infer(site, mesh, arg_shapes, result_shape):
     del result_shape
-    _, out_specs, _ = split_for(mesh, arg_shapes, None)
+    _, out_specs, _ = split_for(site, mesh, arg_shapes, None)
     return out_shardings(mesh, out_specs)
 
-  def partition(mesh, arg_shapes, result_shape):
-    arg_specs, out_specs, per_shard = split_for(mesh, arg_shapes, result_shape)
+  def partition(site, mesh, arg_shapes, result_shape):
+    arg_specs, out_specs, per_shard = split_for(site, mesh, arg_shapes, result_shape)
     args = tuple(_named(mesh, s) for s in arg_specs)
     return mesh, per_shard, out_shardings(mesh, out_specs), args
 
@@ -243,13 +286,18 @@ def _shardable(
     partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule
   )
   # Under jit, so that eager calls on sharded arrays are partitioned too; looped under vmap.
-  partitioned = _looped_under_vmap(jax.jit(rule))
+  jitted = jax.jit(rule, static_argnums=0)
+
+  @functools.cache
+  def partitioned(site):
+    return _looped_under_vmap(functools.partial(jitted, site))
 
   def explicit(mesh, *args):
     specs = tuple(_explicit_spec(x, n) for x, n in zip(args, ndims, strict=True))
-    arg_specs, out_specs, per_shard = (
-      split(mesh, specs, None) if wants_result else split(mesh, specs)
-    )
+    with _splitting(_TRACED_SITE.get()):
+      arg_specs, out_specs, per_shard = (
+        split(mesh, specs, None) if wants_result else split(mesh, specs)
+      )
     args = tuple(
       x if have == want else jax.sharding.reshard(x, _named(mesh, want))
       for x, have, want in zip(args, specs, arg_specs, strict=True)
@@ -285,7 +333,7 @@ def _shardable(
     mesh = _explicit_mesh(args)
     if mesh is not None:
       return explicit(mesh, *args)
-    return partitioned(*args)
+    return partitioned(_TRACED_SITE.get())(*args)
 
   return run
 

@@ -21,6 +21,7 @@ from te_adapters.core.state._recipe_state import (
 )
 from te_adapters.core.state._state import (
   State,
+  caller_site,
   caller_stacklevel,
   check_leaves,
   shared_max_grad,
@@ -37,6 +38,7 @@ __all__ = [
   "RoleState",
   "SCALE_F32",
   "State",
+  "caller_site",
   "caller_stacklevel",
   "cast_like",
   "check_leaves",

@@ -103,13 +103,28 @@ def caller_stacklevel() -> int:
     >>> def check():
     ...   warnings.warn("careful", stacklevel=core.caller_stacklevel())
   """
-  frame: FrameType | None = sys._getframe(1)
+  return _user_frame(sys._getframe(1))[1]
+
+
+def caller_site() -> tuple[str, int, str] | None:
+  """The user's line that led to the calling function, as ``(filename, lineno, module)``: what
+  ``warnings.warn_explicit`` takes for a warning issued later, away from the user's call (as the
+  partitioning rules' warnings are, at compile time). None where no frame is the user's."""
+  frame = _user_frame(sys._getframe(1))[0]
+  if frame is None:
+    return None
+  return frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "")
+
+
+def _user_frame(frame: FrameType | None) -> tuple[FrameType | None, int]:
+  """The first frame from ``frame`` outward outside te_adapters, JAX and the frameworks, and
+  the ``stacklevel`` that names it from ``frame``'s function."""
   level = 1
   while frame is not None and (
     frame.f_globals.get("__name__", "").partition(".")[0] in _INTERNAL_PACKAGES
   ):
     frame, level = frame.f_back, level + 1
-  return level
+  return frame, level
 
 
 def warn_dict_state(state, fix: str) -> None:

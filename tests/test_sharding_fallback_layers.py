@@ -1,0 +1,133 @@
+"""A ``ShardingFallbackWarning`` of the extension's kernels, decided by their partitioning rules
+when XLA compiles the program (away from the user's call), names the layer of each framework
+and points at the user's line that called it; it is said once per layer and case.
+
+On 4 virtual CPU devices (conftest.py) with the cuBLASLt GEMM emulated on CPU (it is built for
+Hopper GPUs only), as in tests/core/test_partition.py.
+"""
+
+import warnings
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_adapters as ta
+from te_adapters import haiku as ta_hk
+from te_adapters import linen as ta_linen
+from te_adapters import nnx as ta_nnx
+from te_adapters.core import kernels
+
+pytestmark = [
+  pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (conftest.py)"),
+  pytest.mark.skipif(not kernels.ffi_available("cpu"), reason="extension not built"),
+]
+
+CURRENT = ta.Float8CurrentScaling()
+FFI = ta.core.GemmConfig(backend="ffi")
+
+
+def _emulated_gemm(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, **_):
+  assert lhs_mode == rhs_mode == 0
+  return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
+
+
+class _LinenModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return ta_linen.Dense(32, recipe=CURRENT, threshold=None, config=FFI, name="linen_proj")(x)
+
+
+class _NnxModel(nnx.Module):
+  def __init__(self, rngs):
+    self.proj = ta_nnx.Linear(64, 32, recipe=CURRENT, threshold=None, config=FFI, rngs=rngs)
+
+  def __call__(self, x):
+    return self.proj(x)
+
+
+def _hk_forward(x):
+  return ta_hk.Linear(32, recipe=CURRENT, threshold=None, config=FFI, name="hk_proj")(x)
+
+
+def test_a_layers_resharded_gemm_warns_naming_it_at_the_users_line(monkeypatch):
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_gemm)
+  mesh = jax.make_mesh((4,), ("shared",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 64)), jnp.float32)
+  # The rows of x and the kernel's columns both over one mesh axis: the output cannot use it
+  # twice, so the GEMM's rule gathers one of them.
+  rows, cols = NamedSharding(mesh, P("shared")), NamedSharding(mesh, P(None, "shared"))
+  xs = jax.device_put(x, rows)
+
+  linen_params = _LinenModel().init(jax.random.key(0), x)
+  nnx_graph, nnx_state = nnx.split(_NnxModel(nnx.Rngs(0)))
+  hk_model = hk.transform(_hk_forward)
+  hk_params = hk_model.init(jax.random.key(0), x)
+  # The kernels' columns sharded, the biases replicated.
+  shard = lambda tree: jax.tree.map(lambda p: jax.device_put(p, cols) if p.ndim == 2 else p, tree)
+
+  def nnx_apply(state, x):
+    return nnx.merge(nnx_graph, state)(x)
+
+  runs = {  # the step, its parameters, and how the warnings name the layer
+    "linen": (_LinenModel().apply, linen_params, "layer 'linen_proj'"),
+    "nnx": (nnx_apply, nnx_state, "DotGeneral layer"),
+    "haiku": (lambda p, x: hk_model.apply(p, None, x), hk_params, "layer 'hk_proj'"),
+  }
+  for framework, (step, params, name) in runs.items():
+    want = jax.jit(step)(params, x)  # one device
+    with pytest.warns(ta.core.ShardingFallbackWarning) as record:
+      y = jax.jit(step)(shard(params), xs)
+    said = [w for w in record if issubclass(w.category, ta.core.ShardingFallbackWarning)]
+    # The gather, and XLA's GEMM on the (8, 64) shards the kernel refuses: each names the layer
+    # and points at the line of the model that called it, not at the partitioning rule.
+    assert len(said) == 2, (framework, [str(w.message) for w in said])
+    for warning in said:
+      assert str(warning.message).startswith(f"{name}: the per-tensor FP8 GEMM: "), framework
+      assert warning.filename == __file__, (framework, warning.filename)
+    assert "are resharded to P('shared', None) and P(None, None)" in str(said[0].message)
+    assert "XLA's GEMM runs on the shards instead" in str(said[1].message)
+    # Each device's rows of the GEMM are one device's rows: the same values.
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want), err_msg=framework)
+  # Said once per layer and case: the same model compiled again is silent.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    jax.jit(lambda p, x: _LinenModel().apply(p, x) + 1)(shard(linen_params), xs)
+
+
+class _LinenGradModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return ta_linen.Dense(32, recipe=CURRENT, threshold=None, config=FFI, name="grad_proj")(x)
+
+
+def test_the_backward_gemms_warnings_name_the_layer_at_the_users_line(monkeypatch):
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_gemm)
+  mesh = jax.make_mesh((4,), ("shared",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(32, 64)), jnp.float32)
+  cols = NamedSharding(mesh, P(None, "shared"))
+  params = _LinenGradModel().init(jax.random.key(0), x)
+  loss = lambda p, x: jnp.sum(_LinenGradModel().apply(p, x) ** 2)
+  want = jax.jit(jax.grad(loss))(params, x)  # one device
+  sharded = jax.tree.map(lambda p: jax.device_put(p, cols) if p.ndim == 2 else p, params)
+  xs = jax.device_put(x, NamedSharding(mesh, P("shared")))
+  with pytest.warns(ta.core.ShardingFallbackWarning) as record:
+    got = jax.jit(jax.grad(loss))(sharded, xs)
+  said = [w for w in record if issubclass(w.category, ta.core.ShardingFallbackWarning)]
+  # The forward GEMM's and those of dgrad and wgrad: more than the forward's two cases.
+  assert len(said) > 2, [str(w.message) for w in said]
+  for warning in said:
+    assert str(warning.message).startswith("layer 'grad_proj': the per-tensor FP8 GEMM: ")
+    assert warning.filename == __file__, warning.filename
+  # One device's gradients, up to the order of the float32 sums over the rows' shards.
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    w = np.asarray(w)
+    np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-5 * np.abs(w).max())
