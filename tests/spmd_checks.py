@@ -197,15 +197,15 @@ def compare_with_one_device(loss, params, new_params, x, dy):
 def fsdp_gathers(fn, args):
   """``(compiled fn, [(dtype, shape)] of its all-gathers)`` for ``fn`` jitted over ``args``."""
   compiled = jax.jit(fn).lower(*args).compile()
-  gathers = []
-  for c in ta.inspect.hlo_collectives(compiled.as_text()):
-    if c.op != "all-gather":
-      continue
-    # Each gathered array: the results, which follow the operands in a -start op's type. XLA:GPU
-    # combines gathers into one op of several arrays (one kernel's bytes and another's).
-    start = "all-gather-start(" in c.line
-    gathers.extend(c.arrays[len(c.arrays) // 2 :] if start else c.arrays)
-  return compiled, gathers
+  found = ta.inspect.hlo_collectives(compiled.as_text())
+  return compiled, [a for c in found if c.op == "all-gather" for a in result_arrays(c)]
+
+
+def result_arrays(c):
+  """The arrays a collective ``c`` (``inspect.hlo_collectives``) produces: its result type's, after
+  the operands in a ``-start`` op's. XLA:GPU combines collectives into one op of several arrays
+  (one kernel's gathered bytes and another's), so count these, not ops."""
+  return c.arrays[len(c.arrays) // 2 :] if f"{c.op}-start(" in c.line else c.arrays
 
 
 def random(shape, seed):

@@ -149,12 +149,7 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   assert gathers and all(dtype == "u8" for dtype, _ in gathers), gathers
   # Counted by the arrays they scatter: XLA:GPU combines the two into one op of two arrays (the
   # results follow the operands in a -start op's type).
-  scattered = [
-    a
-    for c in found
-    if c.op == "reduce-scatter"
-    for a in (c.arrays[len(c.arrays) // 2 :] if "-start(" in c.line else c.arrays)
-  ]
+  scattered = [a for c in found if c.op == "reduce-scatter" for a in spmd_checks.result_arrays(c)]
   assert len(scattered) >= 2, [(c.op, c.arrays) for c in found]
   big = [
     c.arrays
