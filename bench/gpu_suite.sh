@@ -26,7 +26,7 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
   | tee -a "$out/device.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$out/device.txt"
 parallel=()
-if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile); fi
+if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile --max-worker-restart 4); fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -m pytest "${parallel[@]}" -q -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" "$@" \
   >"$out/pytest.log" 2>&1

@@ -76,7 +76,7 @@ PY
 args=("$@")
 [ "${#args[@]}" -gt 0 ] || args=(tests "$site/te_adapters")
 parallel=()
-if "$venv_python" -c "import xdist" 2>/dev/null; then parallel=(-n "${WORKERS:-4}" --dist loadfile); fi
+if "$venv_python" -c "import xdist" 2>/dev/null; then parallel=(-n "${WORKERS:-4}" --dist loadfile --max-worker-restart "${MAX_WORKER_RESTART:-4}"); fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 "$venv_python" -m pytest "${parallel[@]}" -q -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" \
   --ignore=tests/test_import_graph.py --ignore=tests/test_custom_rules.py \

@@ -302,28 +302,34 @@ def _shardable(
       x if have == want else jax.sharding.reshard(x, _named(mesh, want))
       for x, have, want in zip(args, specs, arg_specs, strict=True)
     )
-    # The (0,) placeholders of outputs not asked for stay out of the shard_map: XLA:GPU's
-    # compiler crashed (a segfault, two H100s) on a manual computation returning one, where the
-    # same kernel with every output asked for compiled.
+    # Empty arrays (the (0,) placeholders of operands left out and of outputs not asked for)
+    # stay out of the shard_map, made where they are used: XLA:GPU's compiler crashed (a
+    # segfault in its Shardy export, two H100s) on a manual computation taking or returning one.
     shapes = jax.eval_shape(call, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args))
     flat = (shapes,) if single else tuple(shapes)
     kept = [i for i, a in enumerate(flat) if a.size]
+    passed = [i for i, x in enumerate(args) if x.size]
     specs_out = out_shardings(mesh, out_specs)
     specs_out = (specs_out,) if single else tuple(specs_out)
+    empty_args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
 
     def kept_outputs(*xs):
-      outs = per_shard(*xs)
+      given = dict(zip(passed, xs, strict=True))
+      full = [
+        given[i] if i in given else jnp.zeros(a.shape, a.dtype) for i, a in enumerate(empty_args)
+      ]
+      outs = per_shard(*full)
       outs = (outs,) if single else tuple(outs)
       return tuple(outs[i] for i in kept)
 
     mapped = jax.shard_map(
       kept_outputs,
       mesh=mesh,
-      in_specs=tuple(_named(mesh, s).spec for s in arg_specs),
+      in_specs=tuple(_named(mesh, arg_specs[i]).spec for i in passed),
       out_specs=tuple(specs_out[i].spec for i in kept),
       check_vma=False,
     )
-    got = iter(mapped(*args))
+    got = iter(mapped(*(args[i] for i in passed)))
     outs = tuple(next(got) if a.size else jnp.zeros(a.shape, a.dtype) for a in flat)
     return outs[0] if single else outs
 
