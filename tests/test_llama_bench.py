@@ -158,7 +158,7 @@ def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens, variant):
     )
 
 
-def test_convergence_run_resumes_as_the_straight_run(tmp_path):
+def test_convergence_run_resumes_as_the_straight_run(tmp_path, monkeypatch):
   """bench/llama/converge.py's runs go through bench/convergence.py's ``run``: a delayed-scaling
   run stopped at step 2 (checkpoint: parameters, Adam moments, amax histories and scales), then
   resumed to its end, gives the straight run's losses and held-out losses bit for bit; a finished
@@ -186,3 +186,10 @@ def test_convergence_run_resumes_as_the_straight_run(tmp_path):
   with np.load(tmp_path / f"{converge.ADAPTER}_delayed.npz") as saved:
     assert saved.files == ["__meta__"]
   assert run(resume=tmp_path)["already_done"]
+  # --save-every: a checkpoint with the state at every second step, the last one too.
+  saved = []
+  monkeypatch.setattr(
+    convergence, "save_checkpoint", lambda path, carry, meta: saved.append((meta["step"], carry))
+  )
+  run(save=tmp_path / "every", save_every=2)
+  assert [(step, carry is not None) for step, carry in saved] == [(2, True), (4, True)]
