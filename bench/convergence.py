@@ -491,6 +491,26 @@ def haiku_trainer(size, recipe, threshold, seed, tx, sample, config=None) -> Tra
 TRAINERS = {"linen": linen_trainer, "nnx": nnx_trainer, "haiku": haiku_trainer}
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What ``run`` trains: a size (``Size`` or any object with its fields: ``seq_len``,
+  ``batch``, ``learning_rate``, ``warmup_steps``, ``eval_every``, ``eval_batches``,
+  ``fp8_everywhere``), the trainer of each adapter (``(size, recipe, threshold, seed, tx,
+  sample, config=) -> Trainer``), the model FLOPs of one step, and the FP8 GEMMs the step should
+  hold (None: no expectation)."""
+
+  size: object
+  trainers: dict
+  flops_per_step: float
+  fp8_gemms_expected: int | None
+
+
+def gpt_workload(size_name: str) -> Workload:
+  """The byte-level GPT of this file at ``SIZES[size_name]``."""
+  size = SIZES[size_name]
+  return Workload(size, TRAINERS, model_flops_per_step(size), expected_fp8_gemms(size))
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: the carry's leaves by path, with np.savez
 
@@ -501,7 +521,8 @@ def _leaves(tree) -> dict[str, object]:
 
 
 def save_checkpoint(path: pathlib.Path, carry, meta: dict) -> None:
-  arrays = {f"carry{key}": np.asarray(leaf) for key, leaf in _leaves(carry).items()}
+  """``carry``'s leaves and ``meta``; ``carry`` None writes ``meta`` alone (a finished run)."""
+  arrays = {} if carry is None else {f"carry{k}": np.asarray(v) for k, v in _leaves(carry).items()}
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".tmp.npz")
   np.savez(tmp, __meta__=np.array(json.dumps(meta)), **arrays)
@@ -535,8 +556,16 @@ def load_checkpoint(path: pathlib.Path, template) -> tuple[object, dict]:
 
 def canonical(carry):
   """Every leaf a committed jax array of a fixed dtype (no Python scalars, no weak types), so
-  a fresh carry and a restored one give the same compiled step."""
-  return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), carry)
+  a fresh carry and a restored one give the same compiled step. A copy: the caller's carry
+  survives the step's donation. Strong-typed device arrays are copied on their device (a
+  model of hundreds of millions of parameters would take seconds through the host)."""
+
+  def leaf(x):
+    if isinstance(x, jax.Array) and not x.weak_type:
+      return jnp.copy(x)
+    return jnp.asarray(np.asarray(x))
+
+  return jax.tree.map(leaf, carry)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -597,6 +626,9 @@ def run(
   corpus: Corpus | None = None,
   cache: dict | None = None,
   config: core.GemmConfig | None = None,
+  workload: Workload | None = None,
+  save_every: int | None = None,
+  save_completed_state: bool = True,
 ) -> dict:
   """Trains one (adapter, recipe) run of ``steps`` steps (the schedule's length), up to step
   ``stop_at`` if given, until ``deadline`` (``time.monotonic()``) at the latest; returns its
@@ -604,8 +636,13 @@ def run(
   under ``"evals"`` and the final carry under ``"carry"``. ``cache``, a dict kept by the
   caller, lets later runs of the same (adapter, recipe, size, steps, seed) in this process reuse
   the model and its compiled step (the pieces of a run split by checkpoints). ``config``: the
-  ``core.GemmConfig`` every quantized layer gets (``None``: the default)."""
-  size = SIZES[size_name]
+  ``core.GemmConfig`` every quantized layer gets (``None``: the default). ``workload``: the model
+  to train (default: this file's GPT at ``SIZES[size_name]``; ``size_name`` then only names it).
+  With ``save``: a checkpoint also every ``save_every`` steps (at evaluation points), and, if
+  ``save_completed_state`` is False, a completed run leaves only its record (the step reached,
+  no arrays), which ``resume`` reads as "nothing to do"."""
+  workload = workload or gpt_workload(size_name)
+  size = workload.size
   corpus = corpus or stdlib_corpus()
   if resume is not None and checkpoint_path(resume, adapter, recipe_name).exists():
     with np.load(checkpoint_path(resume, adapter, recipe_name)) as data:
@@ -628,7 +665,7 @@ def run(
   if compiled is None:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      trainer = TRAINERS[adapter](size, recipe, threshold, seed, tx, sample, config=config)
+      trainer = workload.trainers[adapter](size, recipe, threshold, seed, tx, sample, config=config)
   else:
     trainer = compiled[0]
   carry = canonical(trainer.carry)  # a copy: the trainer's own carry is never donated
@@ -668,12 +705,15 @@ def run(
     print(f"WARNING: {name} ran no FP8 GEMM: it is not an FP8 run", file=sys.stderr)
 
   heldout = [jnp.asarray(b) for b in heldout_batches(corpus, size)]
-  flops = model_flops_per_step(size)
+  flops = workload.flops_per_step
   tokens_per_step = size.batch * size.seq_len
 
   def evaluate(carry) -> float:
     evals[step] = float(np.mean([float(eval_fn(carry, b)) for b in heldout]))
     return evals[step]
+
+  def meta_of(step: int) -> dict:
+    return dict(tag, steps=steps, step=step, corpus_sha256=corpus.info["sha256"])
 
   losses, pending, evals = [], [], {}
   train_s, timed_steps = 0.0, 0
@@ -713,6 +753,8 @@ def run(
         mfu=tokens_per_s / tokens_per_step * flops / (peak_tflops * 1e12),
       )
       emit(last_eval, out)
+      if save is not None and save_every and step % save_every == 0 and step < end:
+        save_checkpoint(checkpoint_path(save, adapter, recipe_name), carry, meta_of(step))
       interval_start, interval_steps = time.perf_counter(), 0
   losses += [float(x) for x in pending]
   if pending:
@@ -720,11 +762,8 @@ def run(
     timed_steps += interval_steps
 
   if save is not None:
-    save_checkpoint(
-      checkpoint_path(save, adapter, recipe_name),
-      carry,
-      dict(tag, steps=steps, step=step, corpus_sha256=corpus.info["sha256"]),
-    )
+    state = carry if save_completed_state or step < steps else None
+    save_checkpoint(checkpoint_path(save, adapter, recipe_name), state, meta_of(step))
   tokens_per_s = timed_steps * tokens_per_step / train_s if timed_steps else None
   report = trainer.report
   summary = dict(
@@ -743,7 +782,7 @@ def run(
     model_tflop_per_step=flops / 1e12,
     compile_s=compile_s,
     **gemms,
-    fp8_gemms_expected=expected_fp8_gemms(size) if recipe is not None else 0,
+    fp8_gemms_expected=workload.fp8_gemms_expected if recipe is not None else 0,
     fp8=is_fp8,
     quantized_layers=len(report.quantized) if report is not None else 0,
     skipped_layers=sorted(dict(report.skipped)) if report is not None else [],

@@ -19,11 +19,13 @@ import statistics
 import sys
 
 RECIPE_ORDER = ("bf16", "current", "delayed", "block", "rowwise")
+SEED_LABEL = " seed "
 
 
-def read_runs(paths, seed: int | None = None) -> dict[tuple[str, str], dict]:
+def read_runs(paths, seed: int | None = None, by_seed: bool = False) -> dict[tuple[str, str], dict]:
   """``{(adapter, recipe): {"evals": {step: record}, "summaries": [record, ...]}}`` of the runs
-  with seed ``seed`` (which may be left out when the files hold one seed only)."""
+  with seed ``seed`` (which may be left out when the files hold one seed only); ``by_seed``: of
+  every seed, each under ``("<adapter> seed <S>", recipe)``."""
   runs = {}
   seeds = set()
   for path in paths:
@@ -40,13 +42,16 @@ def read_runs(paths, seed: int | None = None) -> dict[tuple[str, str], dict]:
       seeds.add(record.get("seed"))
       if seed is not None and record.get("seed") != seed:
         continue
-      run = runs.setdefault((record["adapter"], record["recipe"]), {"evals": {}, "summaries": []})
+      adapter = record["adapter"]
+      if by_seed:
+        adapter = f"{adapter}{SEED_LABEL}{record.get('seed')}"
+      run = runs.setdefault((adapter, record["recipe"]), {"evals": {}, "summaries": []})
       if record.get("summary"):
         if not record.get("already_done"):
           run["summaries"].append(record)
       else:
         run["evals"][record["step"]] = record
-  if seed is None and len(seeds) > 1:
+  if seed is None and not by_seed and len(seeds) > 1:
     raise SystemExit(f"the files hold runs of seeds {sorted(seeds)}: pick one with --seed")
   return runs
 
@@ -118,8 +123,38 @@ def table(runs: dict) -> str:
   return "\n".join(lines)
 
 
-def plot(runs: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
-  """One PNG per adapter: held-out loss against step, one curve per recipe."""
+def seed_spread(runs: dict) -> str:
+  """Per adapter of a ``by_seed`` reading: each recipe's final held-out loss per seed, its mean,
+  and the spread between seeds ((max - min) / mean), against which FP8's distance to bf16 of
+  the same seed can be read."""
+  groups = {}
+  for label, recipe in runs:
+    adapter, _, seed = label.partition(SEED_LABEL)
+    final = run_figures(runs[(label, recipe)])["heldout"]
+    groups.setdefault(adapter, {}).setdefault(recipe, {})[seed] = final
+  lines = [
+    "| adapter | recipe | held-out loss by seed | mean | spread over seeds |",
+    "|---|---|---|---:|---:|",
+  ]
+  for adapter in sorted(groups):
+    for recipe in sorted(groups[adapter], key=_order):
+      finals = {s: f for s, f in sorted(groups[adapter][recipe].items()) if f is not None}
+      values = list(finals.values())
+      mean = statistics.mean(values) if values else None
+      spread = 100 * (max(values) - min(values)) / mean if len(values) > 1 else None
+      by_seed = ", ".join(f"{s}: {f:.4f}" for s, f in finals.items())
+      lines.append(
+        f"| {adapter} | {recipe} | {by_seed} | {_num(mean, '.4f')} | "
+        f"{_num(spread, '.2f')}{'%' if spread is not None else ''} |"
+      )
+  return "\n".join(lines)
+
+
+def plot(
+  runs: dict, out_dir: pathlib.Path, ylabel: str = "held-out loss (nats per byte)"
+) -> list[pathlib.Path]:
+  """One PNG per adapter: held-out loss against step, one curve per recipe (and seed, in a
+  ``by_seed`` reading: a line style per seed)."""
   try:
     import matplotlib
   except ImportError:
@@ -132,32 +167,32 @@ def plot(runs: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
 
   out_dir.mkdir(parents=True, exist_ok=True)
   written = []
-  for adapter in sorted({a for a, _ in runs}):
+  colors = {r: f"C{i}" for i, r in enumerate(RECIPE_ORDER[1:])}
+  labels = sorted({a for a, _ in runs})
+  seeds = sorted({a.partition(SEED_LABEL)[2] for a in labels})
+  for adapter in sorted({a.partition(SEED_LABEL)[0] for a in labels}):
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for recipe in sorted((r for a, r in runs if a == adapter), key=_order):
-      evals = runs[(adapter, recipe)]["evals"]
+    curves = [(a, r) for a, r in runs if a.partition(SEED_LABEL)[0] == adapter]
+    for label, recipe in sorted(curves, key=lambda c: (_order(c[1]), c[0])):
+      evals = runs[(label, recipe)]["evals"]
       steps = sorted(evals)
+      seed = label.partition(SEED_LABEL)[2]
       ax.plot(
         steps,
         [evals[s]["heldout_loss"] for s in steps],
         marker=".",
-        label=recipe,
+        label=f"{recipe}, seed {seed}" if seed else recipe,
         linewidth=2.0 if recipe == "bf16" else 1.2,
-        color="black" if recipe == "bf16" else None,
+        color="black" if recipe == "bf16" else colors.get(recipe),
+        linestyle=("-", "--", ":", "-.")[seeds.index(seed) % 4],
       )
     ax.set_xlabel("step")
-    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_ylabel(ylabel)
     ax.set_title(f"{adapter}: held-out loss, FP8 recipes against bf16")
     ax.grid(alpha=0.3)
     ax.legend()
     # The early steps fall from ln 256; the part that tells recipes apart is the tail.
-    finals = [
-      e["heldout_loss"]
-      for r in runs
-      if r[0] == adapter
-      for s, e in runs[r]["evals"].items()
-      if s > 0
-    ]
+    finals = [e["heldout_loss"] for c in curves for s, e in runs[c]["evals"].items() if s > 0]
     if finals:
       low = min(finals)
       ax.set_ylim(low - 0.05 * abs(low), min(max(finals), low * 2.0))
@@ -175,14 +210,25 @@ def main(argv=None) -> str:
   parser.add_argument("--out-dir", default=".", help="where the PNGs and table.md go")
   parser.add_argument("--table-only", action="store_true", help="no plots (no matplotlib needed)")
   parser.add_argument("--seed", type=int, default=None, help="the seed to show (if several)")
+  parser.add_argument(
+    "--by-seed",
+    action="store_true",
+    help="every seed: a table row per seed (against bf16 of the same seed), one plot per "
+    "adapter with a line style per seed, and the spread of each recipe over seeds",
+  )
+  parser.add_argument("--ylabel", default="held-out loss (nats per byte)", help="the plots' y axis")
   args = parser.parse_args(argv)
-  runs = read_runs(args.jsonl, args.seed)
+  if args.by_seed and args.seed is not None:
+    parser.error("--by-seed shows every seed: leave --seed out")
+  runs = read_runs(args.jsonl, args.seed, by_seed=args.by_seed)
   if not runs:
     raise SystemExit(f"no runs in {', '.join(args.jsonl)}")
   text = table(runs)
+  if args.by_seed:
+    text += "\n\n" + seed_spread(runs)
   out_dir = pathlib.Path(args.out_dir)
   if not args.table_only:
-    for path in plot(runs, out_dir):
+    for path in plot(runs, out_dir, args.ylabel):
       print(f"wrote {path}", file=sys.stderr)
   out_dir.mkdir(parents=True, exist_ok=True)
   (out_dir / "table.md").write_text(text + "\n")

@@ -223,3 +223,37 @@ def test_fp8_tracks_bf16_over_seeds_on_gpu():
   assert finals["bf16"] < LEARNED < math.log(256)
   for recipe in ("current", "delayed"):
     assert abs(finals[recipe] / finals["bf16"] - 1) < GPU_MEAN_TOLERANCE, finals
+
+
+def test_plot_by_seed_compares_each_seed_with_its_own_bf16(tmp_path):
+  """``--by-seed``: a row per adapter, seed and recipe, each FP8 run against bf16 of its own
+  seed, and each recipe's spread over the seeds."""
+  import json
+
+  records = []
+  for seed, finals in ((0, {"bf16": 3.0, "current": 3.03}), (1, {"bf16": 3.06, "current": 3.06})):
+    for recipe, final in finals.items():
+      tag = dict(adapter="llama-nnx", recipe=recipe, seed=seed)
+      records += [
+        dict(tag, step=s, heldout_loss=x, tokens_per_s=100.0) for s, x in ((0, 10.0), (200, final))
+      ]
+  (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+  plot = _load_plot()
+  text = plot.main(
+    [str(tmp_path / "a.jsonl"), "--by-seed", "--table-only", "--out-dir", str(tmp_path)]
+  )
+  rows = [line.split("|") for line in text.splitlines() if line.startswith("| llama-nnx")]
+  diffs = {(r[1].strip(), r[2].strip()): r[5].strip() for r in rows if len(r) > 8}
+  assert diffs == {
+    ("llama-nnx seed 0", "bf16"): "-",
+    ("llama-nnx seed 0", "current"): "+1.00%",
+    ("llama-nnx seed 1", "bf16"): "-",
+    ("llama-nnx seed 1", "current"): "+0.00%",
+  }
+  spread = {r[2].strip(): (r[3].strip(), r[5].strip()) for r in rows if len(r) == 7}
+  assert spread == {
+    "bf16": ("0: 3.0000, 1: 3.0600", "1.98%"),
+    "current": ("0: 3.0300, 1: 3.0600", "0.99%"),
+  }
+  with pytest.raises(SystemExit):
+    plot.main([str(tmp_path / "a.jsonl"), "--by-seed", "--seed", "0", "--table-only"])

@@ -156,3 +156,40 @@ def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens, variant):
     assert shapes == sorted(
       [(cfg.qkv_features, d), (d, cfg.heads * cfg.head_dim), (2 * f, d), (d, f)]
     )
+
+
+def test_convergence_run_resumes_as_the_straight_run(tmp_path, monkeypatch):
+  """bench/llama/converge.py's runs go through bench/convergence.py's ``run``: a delayed-scaling
+  run stopped at step 2 (checkpoint: parameters, Adam moments, amax histories and scales), then
+  resumed to its end, gives the straight run's losses and held-out losses bit for bit; a finished
+  run leaves its record alone, which a later resume skips."""
+  from bench import convergence
+  from bench.llama import converge
+
+  cfg = dataclasses.replace(CFG, layers=1, batch=2, seq_len=32, eval_every=2, eval_batches=1)
+  work, data, cache = converge.workload(cfg), converge.corpus(cfg), {}
+
+  def run(**kw):
+    return convergence.run(
+      converge.ADAPTER, "delayed", "cpu", 4, 1, corpus=data, cache=cache, workload=work, **kw
+    )
+
+  straight = run()
+  first = run(save=tmp_path, stop_at=2)
+  assert first["step"] == 2 and not first["completed"] and first["fp8_gemms"] == 12
+  second = run(resume=tmp_path, save=tmp_path, save_completed_state=False)
+  assert second["start_step"] == 2 and second["completed"]
+  assert first["losses"] + second["losses"] == straight["losses"]
+  assert second["evals"] == {k: v for k, v in straight["evals"].items() if k > 2}
+  # Training moved the loss: the equality above compares real steps.
+  assert straight["evals"][4] < straight["evals"][0] - 0.1, straight["evals"]
+  with np.load(tmp_path / f"{converge.ADAPTER}_delayed.npz") as saved:
+    assert saved.files == ["__meta__"]
+  assert run(resume=tmp_path)["already_done"]
+  # --save-every: a checkpoint with the state at every second step, the last one too.
+  saved = []
+  monkeypatch.setattr(
+    convergence, "save_checkpoint", lambda path, carry, meta: saved.append((meta["step"], carry))
+  )
+  run(save=tmp_path / "every", save_every=2)
+  assert [(step, carry is not None) for step, carry in saved] == [(2, True), (4, True)]

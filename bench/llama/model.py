@@ -51,6 +51,10 @@ class Config:
   # None: no rematerialisation; else "gemm_outputs" (save_gemm_outputs) or the name of a
   # jax.checkpoint_policies policy, the same for every variant.
   remat: str | None = None
+  # Convergence runs (bench/llama/converge.py): held-out loss every eval_every steps, over
+  # eval_batches batches of the held-out tokens.
+  eval_every: int = 100
+  eval_batches: int = 4
 
   @property
   def head_dim(self) -> int:
@@ -102,6 +106,26 @@ CONFIGS = {
     seq_len=2048,
     batch=8,
     remat="gemm_outputs",
+  ),
+  # Convergence (bench/llama/converge.py): the 1b configuration's layer (every projection GEMM
+  # of the same K and N), 4 layers deep: 377.5M parameters, 310.4M of them in GEMMs (the head's
+  # 67.1M included; the embedding 67.1M). 2 sequences of 2048 tokens a step, 8.45 TFLOP. At
+  # M = 4096 the QKV and attention-output GEMMs fall under the default FP8 size threshold, so
+  # every GEMM is asked for FP8 (threshold=None). Warm-up 100 steps; held-out loss every 200 over
+  # 16 batches (64k tokens).
+  "350m": Config(
+    vocab=32768,
+    d_model=2048,
+    layers=4,
+    heads=16,
+    kv_heads=4,
+    ffn=8192,
+    seq_len=2048,
+    batch=2,
+    warmup_steps=100,
+    fp8_everywhere=True,
+    eval_every=200,
+    eval_batches=16,
   ),
   # CPU: every dim a multiple of 128 (Float8BlockScaling tiles it), all GEMMs in FP8.
   "cpu": Config(

@@ -133,6 +133,8 @@ class Trainer:
   carry: object
   step: object  # (carry, tokens) -> (carry, loss)
   quantized: int  # layers converted (0 for bf16 and Flax's op)
+  eval_loss: object = None  # (carry, tokens) -> loss, where the family gives one (NNX)
+  report: object = None  # the conversion's report (NNX quantize_model), else None
 
 
 def _threshold(cfg):
@@ -152,7 +154,7 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None, gather=None) -> Trai
 
   from te_adapters import nnx as ta_nnx
 
-  quantized = 0
+  quantized, report = 0, None
   if family == "nnx-modules":
     model = model_lib.nnx_model(
       cfg,
@@ -193,7 +195,11 @@ def nnx_trainer(cfg, family, recipe, seed, tx, config=None, gather=None) -> Trai
     loss = train_step(model, opt, tokens)
     return nnx.state((model, opt)), loss
 
-  return Trainer(carry, step, quantized)
+  def eval_loss(carry, tokens):
+    model, _ = nnx.merge(graphdef, carry)
+    return loss_fn(model, tokens)
+
+  return Trainer(carry, step, quantized, eval_loss, report)
 
 
 def _plain_linen_trainer(model, params, tx, extra=None) -> Trainer:
