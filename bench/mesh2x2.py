@@ -23,8 +23,11 @@ steps back to back with one sync at the end ("pipelined", as a training loop run
 the median over repeats of each. Scaling efficiency is strong scaling, t(1 device) / (4 t(2x2)).
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
-package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
-``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. A last token ``o``
+package's default), or tokens ``m<SMs>`` (``comm_sm_margin``) or ``a<SMs>`` (the same margin on
+every FP8 GEMM of the program, ``comm_sm_margin_gemms="every"``), ``c<n>`` (``sum_chunks``) and
+``f`` (``fold_amax``) in that order, e.g. ``base,m16,a16,c4,m16c4,f,m8c4f``. ``--nccl`` names
+NCCL settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, so that an all-reduce
+fits in the SMs ``a16`` leaves free); bf16 runs under them too. A last token ``o``
 compiles the mesh program with XLA's one-shot all-reduce kernel off (the compile option
 ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``, given to this program's compile
 only, so programs with and without it are timed in one process); configs with ``o`` also compile
@@ -58,7 +61,14 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multidevice import add_common_arguments, time_steps, use_cpu_devices  # noqa: E402
+from _multidevice import (  # noqa: E402
+  add_common_arguments,
+  gemm_sm_margins,
+  schedule,
+  time_steps,
+  use_cpu_devices,
+  use_nccl_config,
+)
 
 
 def _parse(argv):
@@ -71,7 +81,8 @@ def _parse(argv):
     "--configs",
     default="base",
     help="FP8 mesh programs' GemmConfig levers: base, m<SMs> (comm_sm_margin), "
-    "c<n> (sum_chunks), f (fold_amax), combined as m16c4f; comma-separated",
+    "a<SMs> (comm_sm_margin on every GEMM), c<n> (sum_chunks), f (fold_amax), combined as "
+    "m16c4f; comma-separated",
   )
   p.add_argument(
     "--partial-sums",
@@ -86,6 +97,7 @@ def _parse(argv):
 
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
 use_cpu_devices(ARGS and ARGS.cpu_devices)
+NCCL_ENV = use_nccl_config(ARGS.nccl) if ARGS is not None else {}
 
 import flax  # noqa: E402
 import haiku as hk  # noqa: E402
@@ -127,23 +139,26 @@ def split_config(token: str) -> tuple[str, dict]:
 
 
 def parse_config(token: str) -> dict:
-  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True}."""
+  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True};
+  ``a16`` -> {comm_sm_margin: 16, comm_sm_margin_gemms: "every"}."""
   import re
 
   token = split_config(token)[0]
   if token == "base":
     return {}
-  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?", token)
+  m = re.fullmatch(r"(?:([ma])(\d+))?(?:c(\d+))?(f)?", token)
   if not m or not token:
     raise SystemExit(
-      f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order (then o)"
+      f"--configs: {token!r} is not base or m<SMs> (or a<SMs>), c<n>, f combined in order (then o)"
     )
-  out = {}
-  if m.group(1):
-    out["comm_sm_margin"] = int(m.group(1))
+  out: dict = {}
   if m.group(2):
-    out["sum_chunks"] = int(m.group(2))
+    out["comm_sm_margin"] = int(m.group(2))
+    if m.group(1) == "a":
+      out["comm_sm_margin_gemms"] = "every"
   if m.group(3):
+    out["sum_chunks"] = int(m.group(3))
+  if m.group(4):
     out["fold_amax"] = True
   return out
 
@@ -524,6 +539,7 @@ def run(args, log=print):
             collectives=collectives,
             all_gather_bytes=gathered,
             collective_details=collective_details(text),
+            schedule=schedule(text),
             flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
           )
         )
@@ -561,7 +577,7 @@ def gemm_targets(text):
   ext = text.count('custom_call_target="te_adapters_block_gemm"')
   xla_fp8 = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', text))
   other = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', text))
-  return dict(extension=ext, xla_fp8=xla_fp8, xla_other=other)
+  return dict(extension=ext, xla_fp8=xla_fp8, xla_other=other, sm_margins=gemm_sm_margins(text))
 
 
 def format_table(rows):
@@ -593,7 +609,9 @@ def format_table(rows):
       f"{r['ms_2x2_pipelined']:>9.3f}{r['efficiency_pipelined']:>6.2f}{vsp}"
       f"{fmt_err(r['rel_y'])}{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}"
       f"{fmt_err(r['rel_state'])}{r['gemms'] or '-':>8}  ext {t['extension']} xla-fp8 "
-      f"{t['xla_fp8']} other {t['xla_other']}; {coll}{'  CHECK' if r['flagged'] else ''}"
+      f"{t['xla_fp8']} other {t['xla_other']}"
+      f"{' sm_margin ' + ','.join(map(str, t['sm_margins'])) if any(t['sm_margins']) else ''}"
+      f"; {coll}{'  CHECK' if r['flagged'] else ''}"
     )
   flagged = [f"{r['framework']} {r['variant']} {r['config']}" for r in rows if r["flagged"]]
   lines.append("")
@@ -622,6 +640,7 @@ def main():
     timing="interleaved repeats; each step synchronised, and pipelined (one sync a trial)",
     partial_sums=args.partial_sums or ta.core.GemmConfig().partial_sums,
     xla_flags=os.environ.get("XLA_FLAGS", ""),
+    nccl=dict(name=args.nccl, env=NCCL_ENV),
   )
   print(
     f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
@@ -632,7 +651,8 @@ def main():
     f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
     f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
     f"mean of {args.iters} steps, median of {args.trials} {meta['timing']}; "
-    f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}"
+    f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}; "
+    f"NCCL settings {args.nccl}: {NCCL_ENV or 'none'}"
   )
   print(
     f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
@@ -643,6 +663,9 @@ def main():
   print(format_table(rows))
   print("\ncollectives of each mesh program (what they carry, arrays, bytes, replica groups):")
   print(format_collectives(rows))
+  print("\neach mesh program's GEMMs and collectives in the order XLA scheduled them:")
+  for r in rows:
+    print(f"{r['framework']:<6}{r['variant']:<9}{r['config']:<8}{' | '.join(r['schedule'])}")
   print(f"\nreference, seed 000 section 4 shape: {TE_REFERENCE}")
   if args.json:
     with open(args.json, "w") as fh:
