@@ -10,9 +10,9 @@ import time
 
 # --nccl: NCCL settings the user gives a job through its environment, by name. NCCL reads them
 # when a communicator is created, so one process runs with one of them. NCCL_MAX_CTAS caps the
-# blocks (one SM each) a collective takes; with GemmConfig(comm_sm_margin=n,
-# comm_sm_margin_gemms="every") the FP8 GEMMs leave n SMs free, so a cap at n lets an all-reduce
-# run beside them instead of waiting for them.
+# blocks (one SM each) a collective takes (NCCL 2.28 took 24 for the two-GPU all-reduces of
+# bench/mesh2x2.py on H100s), so that it fits in the SMs a GEMM beside it leaves free
+# (GemmConfig.comm_sm_margin).
 NCCL_CONFIGS = {
   "default": {},
   "ctas8": {"NCCL_MAX_CTAS": "8"},

@@ -23,11 +23,10 @@ steps back to back with one sync at the end ("pipelined", as a training loop run
 the median over repeats of each. Scaling efficiency is strong scaling, t(1 device) / (4 t(2x2)).
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
-package's default), or tokens ``m<SMs>`` (``comm_sm_margin``) or ``a<SMs>`` (the same margin on
-every FP8 GEMM of the program, ``comm_sm_margin_gemms="every"``), ``c<n>`` (``sum_chunks``) and
-``f`` (``fold_amax``) in that order, e.g. ``base,m16,a16,c4,m16c4,f,m8c4f``. ``--nccl`` names
-NCCL settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, so that an all-reduce
-fits in the SMs ``a16`` leaves free); bf16 runs under them too. A last token ``o``
+package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
+``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. ``--nccl`` names NCCL
+settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, at most 16 blocks, so 16 SMs,
+per collective); bf16 runs under them too. A last token ``o``
 compiles the mesh program with XLA's one-shot all-reduce kernel off (the compile option
 ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``, given to this program's compile
 only, so programs with and without it are timed in one process); configs with ``o`` also compile
@@ -81,8 +80,7 @@ def _parse(argv):
     "--configs",
     default="base",
     help="FP8 mesh programs' GemmConfig levers: base, m<SMs> (comm_sm_margin), "
-    "a<SMs> (comm_sm_margin on every GEMM), c<n> (sum_chunks), f (fold_amax), combined as "
-    "m16c4f; comma-separated",
+    "c<n> (sum_chunks), f (fold_amax), combined as m16c4f; comma-separated",
   )
   p.add_argument(
     "--partial-sums",
@@ -139,26 +137,23 @@ def split_config(token: str) -> tuple[str, dict]:
 
 
 def parse_config(token: str) -> dict:
-  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True};
-  ``a16`` -> {comm_sm_margin: 16, comm_sm_margin_gemms: "every"}."""
+  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True}."""
   import re
 
   token = split_config(token)[0]
   if token == "base":
     return {}
-  m = re.fullmatch(r"(?:([ma])(\d+))?(?:c(\d+))?(f)?", token)
+  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?", token)
   if not m or not token:
     raise SystemExit(
-      f"--configs: {token!r} is not base or m<SMs> (or a<SMs>), c<n>, f combined in order (then o)"
+      f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order (then o)"
     )
-  out: dict = {}
+  out = {}
+  if m.group(1):
+    out["comm_sm_margin"] = int(m.group(1))
   if m.group(2):
-    out["comm_sm_margin"] = int(m.group(2))
-    if m.group(1) == "a":
-      out["comm_sm_margin_gemms"] = "every"
+    out["sum_chunks"] = int(m.group(2))
   if m.group(3):
-    out["sum_chunks"] = int(m.group(3))
-  if m.group(4):
     out["fold_amax"] = True
   return out
 

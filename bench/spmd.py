@@ -16,10 +16,7 @@ Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
 ``current+fp8_gather`` (``kernel_all_gather``: the FP8 kernel shard is what is all-gathered).
 
 ``--configs`` names what each sharded plan also runs with, ``+`` joining parts: ``base`` (the
-defaults), ``m8``/``m16`` (FP8 only: ``GemmConfig(comm_sm_margin=8 or 16)``, on the GEMMs
-whose partial products are summed), ``a8``/``a16`` (the same margin on every FP8 GEMM,
-``comm_sm_margin_gemms="every"``; with ``--nccl ctas8``/``ctas16``, which cap NCCL's blocks at
-the SMs left free), ``no_one_shot``
+defaults), ``m8``/``m16`` (FP8 only: ``GemmConfig(comm_sm_margin=8 or 16)``), ``no_one_shot``
 (XLA's option ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``: NCCL for every
 all-reduce instead of XLA's one-shot kernel). XLA options are given per compile
 (``lower(...).compile(compiler_options=...)``), so that one process times them interleaved;
@@ -94,8 +91,6 @@ PARTS = {
   "base": ({}, {}),
   "m8": ({"comm_sm_margin": 8}, {}),
   "m16": ({"comm_sm_margin": 16}, {}),
-  "a8": ({"comm_sm_margin": 8, "comm_sm_margin_gemms": "every"}, {}),
-  "a16": ({"comm_sm_margin": 16, "comm_sm_margin_gemms": "every"}, {}),
   "no_one_shot": ({}, {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}),
 }
 

@@ -622,51 +622,6 @@ def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
       np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
 
 
-def test_sm_margin_on_every_gemm_of_a_sharded_program(monkeypatch):
-  """``GemmConfig(comm_sm_margin=8, comm_sm_margin_gemms="every")`` under data parallelism:
-  every shard's GEMM leaves 8 SMs free: the forward and dgrad GEMMs, which sum nothing and run
-  beside the weight gradient's all-reduce, as well as wgrad. The default scope gives the margin
-  to wgrad alone (its K, the rows, is summed over dp), and one device runs every GEMM with every
-  SM whatever the scope. The margin picks the kernel, not the values: the outputs equal the
-  default scope's bit for bit."""
-  calls, margins = [], []
-  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls, margins))
-  plan = PLANS[0]  # dp
-  every = core.GemmConfig(backend="ffi", comm_sm_margin=8, comm_sm_margin_gemms="every")
-  summed = core.GemmConfig(backend="ffi", comm_sm_margin=8)
-
-  def traced(config, sharded=True):
-    calls[:], margins[:] = [], []
-    if sharded:
-      out, _ = _sharded(DELAYED, plan, step=_step(DELAYED, config))
-    else:
-      device = jax.devices()[0]
-      put = lambda a: jax.device_put(a, device)
-      x, w, dy = (put(a) for a in _data())
-      out, _ = _run(DELAYED, x, w, dy, put, _step(DELAYED, config))
-    return out, sorted((c[:2], m) for c, m in zip(calls, margins, strict=True))
-
-  got, every_margins = traced(every)
-  want, summed_margins = traced(summed)
-  _, one_device_margins = traced(every, sharded=False)
-  # The shards under dp (x3 (128, 64) and dy (128, 32) split on their 128 rows; the kernel
-  # traced at its global shapes first, with no margin): the forward GEMM (64, 64) . (32, 64)^T
-  # and wgrad x3^T (64, 64) . dy^T (32, 64)^T have the same shapes; dgrad (64, 32) . (64, 32)^T.
-  fwd_or_wgrad, dgrad = ((64, 64), (32, 64)), ((64, 32), (64, 32))
-  shards = lambda pairs: [(k, m) for k, m in pairs if k in (fwd_or_wgrad, dgrad)]
-  assert shards(every_margins) == [(dgrad, 8), (fwd_or_wgrad, 8), (fwd_or_wgrad, 8)], every_margins
-  assert shards(summed_margins) == [(dgrad, 0), (fwd_or_wgrad, 0), (fwd_or_wgrad, 8)], (
-    summed_margins
-  )
-  assert one_device_margins and {m for _, m in one_device_margins} == {0}, one_device_margins
-  for step, (g, w) in enumerate(zip(got, want, strict=True)):
-    for name, a, b in zip(
-      ("y", "dx", "dw", "state"), jax.tree.leaves(g), jax.tree.leaves(w), strict=False
-    ):
-      np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
-
-
 @pytest.mark.parametrize(
   ("rows", "chunks", "want"),
   [(8192, 4, 2048), (64, 2, 32), (64, 4, 16), (64, 8, 64), (48, 2, 48), (100, 1, 100)],

@@ -162,7 +162,6 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None, c
     fast,
     sum_dtype,
     sm_margin=None if config is None else config.comm_sm_margin,
-    sm_margin_every_gemm=config is not None and config.comm_sm_margin_gemms == "every",
     sum_chunks=1 if config is None else config.sum_chunks,
   )
   return y.reshape(*lead, m, n) if lead else y

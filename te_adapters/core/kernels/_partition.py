@@ -448,7 +448,6 @@ def gemm(
   sum_dtype=None,
   summed_kernel: Callable | None = None,
   sum_chunks: int = 1,
-  shard_kernel: Callable | None = None,
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
 
@@ -469,8 +468,6 @@ def gemm(
     sum_chunks: on those shards, the GEMM in this many chunks of ``a``'s rows (M), each summed
       over devices as soon as it is computed (per-tensor scales only; where M splits into
       chunks of a multiple of 16 rows, else one GEMM).
-    shard_kernel: the kernel run on the other shards of a sharded program (``None``:
-      ``kernel``, which alone runs outside one).
   """
   if not _partitioned_here():
     return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
@@ -487,7 +484,6 @@ def gemm(
     sum_dtype,
     summed_kernel or kernel,
     sum_chunks,
-    shard_kernel or kernel,
   )
   return run(a, b, a_scale, b_scale)
 
@@ -543,7 +539,6 @@ def _gemm_rule(
   sum_dtype,
   summed_kernel,
   sum_chunks,
-  shard_kernel,
 ):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
@@ -571,7 +566,7 @@ def _gemm_rule(
     local_a = tuple(n // _shards(mesh, s) for n, s in zip(a_shape, new_a, strict=True))
     local_b = tuple(n // _shards(mesh, s) for n, s in zip(b_shape, new_b, strict=True))
     why = refusal(local_a, local_b) if refusal is not None else None
-    fn = shard_kernel
+    fn = kernel
     if why is not None:
       fn = fallback
       _warn_once(
@@ -661,16 +656,13 @@ def tensor_scaled_gemm(
   sum_dtype=None,
   sm_margin: int | None = None,
   sum_chunks: int = 1,
-  sm_margin_every_gemm: bool = False,
 ):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
   ``sum_dtype``, ``sum_chunks``: as for ``gemm``. ``sm_margin``: on the shards whose partial
-  products are summed over devices, the SMs the kernel leaves to those sums (``None``: none);
-  with ``sm_margin_every_gemm`` on every shard of a sharded program (one device: none)."""
+  products are summed over devices, the SMs the kernel leaves to those sums (``None``: none)."""
   kernel = functools.partial(_tensor_kernel, call, fast_accum, 0)
   summed = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
-  shard = summed if sm_margin_every_gemm else kernel
   fallback = functools.partial(tensor_fallback, fast_accum)
   return gemm(
     "the per-tensor FP8 GEMM",
@@ -685,7 +677,6 @@ def tensor_scaled_gemm(
     sum_dtype=sum_dtype,
     summed_kernel=summed,
     sum_chunks=sum_chunks,
-    shard_kernel=shard,
   )
 
 

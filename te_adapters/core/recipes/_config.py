@@ -13,7 +13,6 @@ _CHOICES = {
   "fp8_gemm": ("auto", "native", "xla"),
   "block_gemm": ("auto", "native", "xla"),
   "partial_sums": ("output", "float32"),
-  "comm_sm_margin_gemms": ("summed", "every"),
   "non_finite": ("propagate", "saturate"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
@@ -104,16 +103,6 @@ class GemmConfig:
       every SM, and the all-reduce queued beside them waits for the GEMM to end. ``None`` (the
       default): every SM. It changes which kernel cuBLASLt runs, not the quantized values; the
       sums may be added in another order.
-    comm_sm_margin_gemms: which GEMMs of a sharded ``jit`` program leave ``comm_sm_margin``
-      SMs free. ``"summed"`` (the default): the shards of a GEMM whose partial products are
-      summed over devices, as above. ``"every"``: every shard of every per-tensor FP8 GEMM of the
-      program, so that a collective XLA schedules beside any of them finds SMs free: under data
-      parallelism the weight gradient's all-reduce starts after wgrad and runs beside the forward
-      and dgrad GEMMs, which sum nothing. The collective can use the free SMs only if it needs
-      no more blocks than there are: cap NCCL's (``NCCL_MAX_CTAS``, one block per SM) at the
-      margin, or the blocks that find no SM wait for the GEMM to end, and a GEMM launched while
-      the collective holds more SMs than the margin runs its last tiles in a second wave.
-      One-device programs and ``shard_map`` bodies take every SM either way.
     sum_chunks: in the same sharded GEMMs, the shard's GEMM is computed in this many chunks of
       its output rows, each all-reduced as soon as it is computed, so that the sum of one chunk
       can run while the next chunk's GEMM does (``1``, the default: one GEMM, then one
@@ -157,7 +146,6 @@ class GemmConfig:
   collective_matmul: bool = False
   partial_sums: str = "output"
   comm_sm_margin: int | None = None
-  comm_sm_margin_gemms: str = "summed"
   sum_chunks: int = 1
   fold_amax: bool = False
   non_finite: str = "propagate"
