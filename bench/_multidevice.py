@@ -1,10 +1,23 @@
-"""What bench/spmd.py and bench/mesh2x2.py share: the CPU dry run's virtual devices (set before
-JAX is imported) and the timing of synchronised steps."""
+"""What bench/spmd.py and bench/mesh2x2.py share: the CPU dry run's virtual devices and the
+named NCCL settings (both set before JAX is imported), the timing of synchronised steps, and the
+order of GEMMs and collectives in a compiled program."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
+
+# --nccl: NCCL settings the user gives a job through its environment, by name. NCCL reads them
+# when a communicator is created, so one process runs with one of them. NCCL_MAX_CTAS caps the
+# blocks (one SM each) a collective takes (NCCL 2.28 took 24 for the two-GPU all-reduces of
+# bench/mesh2x2.py on H100s), so that it fits in the SMs a GEMM beside it leaves free
+# (GemmConfig.comm_sm_margin).
+NCCL_CONFIGS = {
+  "default": {},
+  "ctas8": {"NCCL_MAX_CTAS": "8"},
+  "ctas16": {"NCCL_MAX_CTAS": "16"},
+}
 
 
 def add_common_arguments(p) -> None:
@@ -16,6 +29,13 @@ def add_common_arguments(p) -> None:
   p.add_argument("--iters", type=int, default=20, help="timed steps per trial")
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--trials", type=int, default=3, help="the median over trials is reported")
+  p.add_argument(
+    "--nccl",
+    choices=sorted(NCCL_CONFIGS),
+    default="default",
+    help="named NCCL settings, set in the environment before JAX starts: "
+    + "; ".join(f"{k}: {v or 'none'}" for k, v in NCCL_CONFIGS.items()),
+  )
   p.add_argument(
     "--cpu-devices",
     type=int,
@@ -31,6 +51,50 @@ def use_cpu_devices(count: int | None) -> None:
     os.environ["XLA_FLAGS"] = (
       f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
     ).strip()
+
+
+def use_nccl_config(name: str) -> dict:
+  """Sets the NCCL environment variables of ``NCCL_CONFIGS[name]``; call before importing JAX.
+  Returns them (recorded beside the figures)."""
+  env = NCCL_CONFIGS[name]
+  os.environ.update(env)
+  return dict(env)
+
+
+def schedule(text: str) -> list[str]:
+  """The entry computation's GEMMs and collectives of compiled HLO, in program order (the order
+  XLA's scheduler chose): ``gemm``/``fp8 gemm`` and the collectives' op names."""
+  from te_adapters import inspect
+
+  lines = text.splitlines()
+  start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
+  if start is None:
+    return []
+  out = []
+  for line in lines[start + 1 :]:
+    if line.startswith("}"):
+      break
+    m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(", line)
+    if not m:
+      continue
+    op = m.group(1)
+    if op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute") or op.endswith(
+      ("-start", "-done")
+    ):
+      out.append(op)
+    elif "gemm" in line.lower() and op in ("custom-call", "fusion"):
+      fp8, _ = inspect.count_fp8_gemms(line)
+      out.append("fp8 gemm" if fp8 else "gemm")
+  return out
+
+
+def gemm_sm_margins(text: str) -> list[int]:
+  """The ``sm_margin`` of each of the extension's GEMM calls in compiled GPU HLO, sorted (SMs
+  the GEMM left free; 0: every SM)."""
+  calls = [
+    line for line in text.splitlines() if 'custom_call_target="te_adapters_block_gemm"' in line
+  ]
+  return sorted(int(m) for line in calls for m in re.findall(r"sm_margin\s*=\s*(\d+)", line))
 
 
 def time_steps(

@@ -24,7 +24,9 @@ the median over repeats of each. Scaling efficiency is strong scaling, t(1 devic
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
 package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
-``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. A last token ``o``
+``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. ``--nccl`` names NCCL
+settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, at most 16 blocks, so 16 SMs,
+per collective); bf16 runs under them too. A last token ``o``
 compiles the mesh program with XLA's one-shot all-reduce kernel off (the compile option
 ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``, given to this program's compile
 only, so programs with and without it are timed in one process); configs with ``o`` also compile
@@ -58,7 +60,14 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multidevice import add_common_arguments, time_steps, use_cpu_devices  # noqa: E402
+from _multidevice import (  # noqa: E402
+  add_common_arguments,
+  gemm_sm_margins,
+  schedule,
+  time_steps,
+  use_cpu_devices,
+  use_nccl_config,
+)
 
 
 def _parse(argv):
@@ -86,6 +95,7 @@ def _parse(argv):
 
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
 use_cpu_devices(ARGS and ARGS.cpu_devices)
+NCCL_ENV = use_nccl_config(ARGS.nccl) if ARGS is not None else {}
 
 import flax  # noqa: E402
 import haiku as hk  # noqa: E402
@@ -524,6 +534,7 @@ def run(args, log=print):
             collectives=collectives,
             all_gather_bytes=gathered,
             collective_details=collective_details(text),
+            schedule=schedule(text),
             flagged=max(v for v in errs.values() if v is not None) > FLAG_ABOVE,
           )
         )
@@ -561,7 +572,7 @@ def gemm_targets(text):
   ext = text.count('custom_call_target="te_adapters_block_gemm"')
   xla_fp8 = len(re.findall(r'custom_call_target="__cublas\$lt\$matmul\$f8"', text))
   other = len(re.findall(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)"', text))
-  return dict(extension=ext, xla_fp8=xla_fp8, xla_other=other)
+  return dict(extension=ext, xla_fp8=xla_fp8, xla_other=other, sm_margins=gemm_sm_margins(text))
 
 
 def format_table(rows):
@@ -593,7 +604,9 @@ def format_table(rows):
       f"{r['ms_2x2_pipelined']:>9.3f}{r['efficiency_pipelined']:>6.2f}{vsp}"
       f"{fmt_err(r['rel_y'])}{fmt_err(r['rel_dx'])}{fmt_err(r['rel_dw'])}"
       f"{fmt_err(r['rel_state'])}{r['gemms'] or '-':>8}  ext {t['extension']} xla-fp8 "
-      f"{t['xla_fp8']} other {t['xla_other']}; {coll}{'  CHECK' if r['flagged'] else ''}"
+      f"{t['xla_fp8']} other {t['xla_other']}"
+      f"{' sm_margin ' + ','.join(map(str, t['sm_margins'])) if any(t['sm_margins']) else ''}"
+      f"; {coll}{'  CHECK' if r['flagged'] else ''}"
     )
   flagged = [f"{r['framework']} {r['variant']} {r['config']}" for r in rows if r["flagged"]]
   lines.append("")
@@ -622,6 +635,7 @@ def main():
     timing="interleaved repeats; each step synchronised, and pipelined (one sync a trial)",
     partial_sums=args.partial_sums or ta.core.GemmConfig().partial_sums,
     xla_flags=os.environ.get("XLA_FLAGS", ""),
+    nccl=dict(name=args.nccl, env=NCCL_ENV),
   )
   print(
     f"date: {meta['date']}; device: {meta['device']} x {meta['device_count']} "
@@ -632,7 +646,8 @@ def main():
     f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ kernel ({args.hidden}, "
     f"{args.features}) float32 params in bf16, no bias; fwd + bwd with a given dy; "
     f"mean of {args.iters} steps, median of {args.trials} {meta['timing']}; "
-    f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}"
+    f"partial sums: {meta['partial_sums']}; XLA_FLAGS={meta['xla_flags']!r}; "
+    f"NCCL settings {args.nccl}: {NCCL_ENV or 'none'}"
   )
   print(
     f"mesh ('dp': 2, 'tp': 2): x {X_SPEC}, dy/y {DY_SPEC}, kernel/dW {KERNEL_SPEC}, "
@@ -643,6 +658,9 @@ def main():
   print(format_table(rows))
   print("\ncollectives of each mesh program (what they carry, arrays, bytes, replica groups):")
   print(format_collectives(rows))
+  print("\neach mesh program's GEMMs and collectives in the order XLA scheduled them:")
+  for r in rows:
+    print(f"{r['framework']:<6}{r['variant']:<9}{r['config']:<8}{' | '.join(r['schedule'])}")
   print(f"\nreference, seed 000 section 4 shape: {TE_REFERENCE}")
   if args.json:
     with open(args.json, "w") as fh:

@@ -41,11 +41,17 @@ import datetime
 import functools
 import json
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multidevice import add_common_arguments, time_steps, use_cpu_devices  # noqa: E402
+from _multidevice import (  # noqa: E402
+  add_common_arguments,
+  gemm_sm_margins,
+  schedule,
+  time_steps,
+  use_cpu_devices,
+  use_nccl_config,
+)
 
 
 def _parse(argv):
@@ -102,6 +108,7 @@ def config_parts(name):
 
 ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
 use_cpu_devices(ARGS and ARGS.cpu_devices)
+NCCL_ENV = use_nccl_config(ARGS.nccl) if ARGS is not None else {}
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -231,6 +238,7 @@ def run(args):
       options=",".join(f"{k}={v}" for k, v in sorted(options.items())),
       name=variant if config == "base" else f"{variant}+{config}",
       gemms=gemms,
+      sm_margins=gemm_sm_margins(text),
       gathers=gathers,
       reduces=reduces,
       n_reduces=n_reduces,
@@ -276,31 +284,6 @@ def _configurations(args):
           seen.append(options)
           config = "+".join(p for p in config.split("+") if PARTS[p][1]) or "base"
         yield plan, variant, config
-
-
-def schedule(text):
-  """The entry computation's GEMMs and collectives of compiled HLO, in program order (the order
-  XLA's scheduler chose): ``gemm``/``fp8 gemm`` and the collectives' op names."""
-  lines = text.splitlines()
-  start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY")), None)
-  if start is None:
-    return []
-  out = []
-  for line in lines[start + 1 :]:
-    if line.startswith("}"):
-      break
-    m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(", line)
-    if not m:
-      continue
-    op = m.group(1)
-    if op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute") or op.endswith(
-      ("-start", "-done")
-    ):
-      out.append(op)
-    elif "gemm" in line.lower() and op in ("custom-call", "fusion"):
-      fp8, _ = inspect.count_fp8_gemms(line)
-      out.append("fp8 gemm" if fp8 else "gemm")
-  return out
 
 
 def _interleaved(rows, args):
@@ -372,9 +355,11 @@ def format_tables(rows):
       f"{op} {r['n_reduces'].get(op, 0)} ({mib(r['reduces'].get(op, {})) or '-'})"
       for op in ("all-reduce", "reduce-scatter")
     ]
+    margins = r.get("sm_margins") or []
     lines.append(
       f"{r['plan']:<8}{r['name']:<40}{r['gemms']:>16}  {mib(r['gathers']) or '-'}"
       f"; {'; '.join(sums)}"
+      + (f"; GEMMs' sm_margin {','.join(map(str, margins))}" if any(margins) else "")
     )
   return "\n".join(lines)
 
@@ -393,13 +378,16 @@ def main():
   )
   print(
     f"x ({args.batch}, {args.seq}, {args.hidden}) bf16 @ W ({args.hidden}, {args.features}) "
-    f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, {timing}\n"
+    f"float32 params in bf16; fwd + bwd; mean of {args.iters} steps, {timing}; "
+    f"NCCL settings {args.nccl}: {NCCL_ENV or 'none'}\n"
   )
   rows = run(args)
   print(format_tables(rows))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"device": f"{dev.platform} {dev.device_kind}", "rows": rows}, f, indent=1)
+      json.dump(
+        {"device": f"{dev.platform} {dev.device_kind}", "nccl": NCCL_ENV, "rows": rows}, f, indent=1
+      )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def test_mesh2x2_dry_run_matches_one_device(tmp_path):
     "1",
     "--configs",
     "base,f",
+    "--nccl",
+    "ctas16",
     "--json",
     str(out),
   ]
@@ -45,8 +47,14 @@ def test_mesh2x2_dry_run_matches_one_device(tmp_path):
   assert {(r["framework"], r["variant"]) for r in rows} == {
     (f, v) for f in ("linen", "nnx", "haiku") for v in ("bf16", "current", "delayed")
   }
-  # Each FP8 variant also with GemmConfig(fold_amax=True): the same numbers, one amax all-reduce.
+  # Each FP8 variant also with GemmConfig(fold_amax=True): the same numbers, one amax
+  # all-reduce; the NCCL settings named are recorded, and each program's schedule.
   assert {r["config"] for r in rows if r["variant"] != "bf16"} == {"base", "f"}
+  assert json.loads(out.read_text())["meta"]["nccl"] == {
+    "name": "ctas16",
+    "env": {"NCCL_MAX_CTAS": "16"},
+  }
+  assert all(r["schedule"] for r in rows), [r["schedule"] for r in rows]
   for r in rows:
     r = dict(
       r,
@@ -84,6 +92,9 @@ def test_mesh2x2_config_tokens_split_levers_from_compile_options():
     "fold_amax": True,
   }
   assert mesh2x2.parse_config("o") == {}
+  assert mesh2x2.parse_config("m8c2") == {"comm_sm_margin": 8, "sum_chunks": 2}
+  with pytest.raises(SystemExit, match="is not base or m<SMs>"):
+    mesh2x2.parse_config("x16")
 
 
 def test_spmd_configurations_pair_fp8_configs_with_bf16_options():
