@@ -161,8 +161,9 @@ def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens, variant):
 def test_convergence_run_resumes_as_the_straight_run(tmp_path, monkeypatch):
   """bench/llama/converge.py's runs go through bench/convergence.py's ``run``: a delayed-scaling
   run stopped at step 2 (checkpoint: parameters, Adam moments, amax histories and scales), then
-  resumed to its end, gives the straight run's losses and held-out losses bit for bit; a finished
-  run leaves its record alone, which a later resume skips."""
+  resumed to its end, gives the straight run's losses and held-out losses bit for bit (on a GPU,
+  to the order of its sums); a finished run leaves its record alone, which a later resume
+  skips."""
   from bench import convergence
   from bench.llama import converge
 
@@ -179,8 +180,19 @@ def test_convergence_run_resumes_as_the_straight_run(tmp_path, monkeypatch):
   assert first["step"] == 2 and not first["completed"] and first["fp8_gemms"] == 12
   second = run(resume=tmp_path, save=tmp_path, save_completed_state=False)
   assert second["start_step"] == 2 and second["completed"]
-  assert first["losses"] + second["losses"] == straight["losses"]
-  assert second["evals"] == {k: v for k, v in straight["evals"].items() if k > 2}
+  resumed, want_evals = (
+    first["losses"] + second["losses"],
+    {k: v for k, v in straight["evals"].items() if k > 2},
+  )
+  if jax.default_backend() == "cpu":
+    assert resumed == straight["losses"]
+    assert second["evals"] == want_evals
+  else:
+    # On a GPU the resumed run's step is compiled again, and its GEMMs may sum in another order:
+    # seen on an H100, 6e-5 of the loss at the first resumed step.
+    np.testing.assert_allclose(resumed, straight["losses"], rtol=5e-4)
+    assert second["evals"].keys() == want_evals.keys()
+    np.testing.assert_allclose(list(second["evals"].values()), list(want_evals.values()), rtol=5e-4)
   # Training moved the loss: the equality above compares real steps.
   assert straight["evals"][4] < straight["evals"][0] - 0.1, straight["evals"]
   with np.load(tmp_path / f"{converge.ADAPTER}_delayed.npz") as saved:

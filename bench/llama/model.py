@@ -169,10 +169,13 @@ def attention(qkv: jax.Array, cfg: Config) -> jax.Array:
   q = rotary(q.reshape(b, t, nq, hd), cfg.rope_theta)
   k = rotary(k.reshape(b, t, nkv, hd), cfg.rope_theta)
   v = v.reshape(b, t, nkv, hd)
-  out = jax.nn.dot_product_attention(
-    q, k, v, is_causal=True, implementation=attention_implementation()
-  )
-  return out.reshape(b, t, nq * hd)
+  implementation, dtype = attention_implementation(), q.dtype
+  if implementation == "cudnn" and dtype == jnp.float32:
+    # Haiku's init traces the model in float32 (float32 parameters); cuDNN takes no float32
+    # operands. Training runs in bf16 and is not touched.
+    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+  return out.astype(dtype).reshape(b, t, nq * hd)
 
 
 def swiglu(h: jax.Array) -> jax.Array:

@@ -403,4 +403,7 @@ def test_vmapped_gradient_with_amaxes_folded_over_the_mesh_matches_each_example(
   for i in range(3):
     want = jax.jit(grad)(xs[i], w)
     for a, b in zip(got, want, strict=True):
-      np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=1e-6, atol=1e-6)
+      # The sharded, vmapped program's GEMMs have other shapes than one example's: on a GPU they
+      # may sum in another order (spmd_checks' bound); one batch amax for all examples would move
+      # every element by a share of an FP8 step (~1e-2 of the largest), far over it.
+      spmd_checks.assert_close_to_one_device(np.asarray(a[i]), np.asarray(b), f"{i}", cpu_rel=1e-6)

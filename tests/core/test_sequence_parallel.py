@@ -151,10 +151,12 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   # results follow the operands in a -start op's type).
   scattered = [a for c in found if c.op == "reduce-scatter" for a in spmd_checks.result_arrays(c)]
   assert len(scattered) >= 2, [(c.op, c.arrays) for c in found]
+  # The amaxes are scalars; XLA:GPU combines several into one array of a few elements. An
+  # activation's or a gradient's sum would hold thousands.
   big = [
     c.arrays
     for c in found
-    if c.op == "all-reduce" and any(int(np.prod(shape)) > 1 for _, shape in c.arrays)
+    if c.op == "all-reduce" and any(int(np.prod(shape)) > 8 for _, shape in c.arrays)
   ]
   assert not big, big
 
