@@ -13,11 +13,14 @@ Plans (n = --devices):
   tp_ring  tp_sp with ``GemmConfig(collective_matmul=True)``: the all-gathers and
            reduce-scatters decomposed into ppermute ring steps beside the GEMMs' chunks
 
-Variants: bf16, current, delayed. One step is forward plus backward (``jax.vjp``, a given
-output gradient). Timing: every configuration is compiled first, then ``--repeats`` rounds run
-one trial of each configuration in turn (interleaved), each trial the mean of ``--iters``
-synchronised steps after ``--warmup``; the median over rounds is reported with the spread. The
-second table lists the compiled HLO: FP8 against other GEMMs and the collectives.
+Variants: bf16, current, delayed; an FP8 variant with ``+saturate`` (``delayed+saturate``) runs
+with ``GemmConfig(non_finite="saturate")``: no operand's inverse scale waits on its amax's
+all-reduce (under delayed scaling the amaxes then feed only the next state). One step is
+forward plus backward (``jax.vjp``, a given output gradient). Timing: every configuration is
+compiled first, then ``--repeats`` rounds run one trial of each configuration in turn
+(interleaved), each trial the mean of ``--iters`` synchronised steps after ``--warmup``; the
+median over rounds is reported with the spread. The second table lists the compiled HLO: FP8
+against other GEMMs and the collectives.
 
 With ``--profile N`` (GPUs), N steps of each sharded configuration are traced after the timing
 (``jax.profiler``, steps back to back) and the trace's kernel timestamps give, per GPU and step,
@@ -84,7 +87,12 @@ def _recipe(variant):
     "bf16": None,
     "current": core.Float8CurrentScaling(),
     "delayed": core.DelayedScaling(amax_history_len=1024),
-  }[variant]
+  }[variant.split("+")[0]]
+
+
+def _config(variant, plan):
+  non_finite = "saturate" if variant.endswith("+saturate") else "propagate"
+  return core.GemmConfig(collective_matmul=plan == "tp_ring", non_finite=non_finite)
 
 
 def init_params(key, hidden, ffn):
@@ -167,7 +175,7 @@ def layer(x, p, states, *, recipe, heads, sequence, config, attention):
 
 def make_step(variant, plan, mesh, heads, attention):
   recipe = _recipe(variant)
-  config = core.GemmConfig(collective_matmul=plan == "tp_ring")
+  config = _config(variant, plan)
   n = 1 if mesh is None else mesh.size
   fn = functools.partial(
     layer,
@@ -338,7 +346,7 @@ def _collectives(text):
 def format_tables(configs):
   med = {(c["plan"], c["variant"]): float(np.median(c["times"])) for c in configs}
   lines = [
-    f"{'plan':<9}{'variant':<9}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
+    f"{'plan':<9}{'variant':<17}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
     f"{'eff':>6}  FP8/other GEMMs; collectives"
   ]
   for c in configs:
@@ -348,7 +356,7 @@ def format_tables(configs):
     eff = "" if single is None or c["plan"] == "single" else f"{single / (c['n'] * t):.2f}"
     spread = f"{min(c['times']):.2f}-{max(c['times']):.2f}"
     lines.append(
-      f"{c['plan']:<9}{c['variant']:<9}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
+      f"{c['plan']:<9}{c['variant']:<17}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
       f"{eff:>6}  {c['gemms']}; {c['collectives']}"
     )
   return "\n".join(lines)
