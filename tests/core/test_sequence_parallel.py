@@ -61,11 +61,11 @@ def _pair(x, w1, w2, states, recipe, sequence=True, config=CONFIG):
   )
 
 
-def _data():
-  x = spmd_checks.random((S, B, H), 0).astype(jnp.bfloat16)
+def _data(s=S):
+  x = spmd_checks.random((s, B, H), 0).astype(jnp.bfloat16)
   w1 = spmd_checks.random((H, F), 1) * H**-0.5
   w2 = spmd_checks.random((F, H), 2) * F**-0.5
-  dy = spmd_checks.random((S, B, H), 3)
+  dy = spmd_checks.random((s, B, H), 3)
   return x, w1, w2, dy
 
 
@@ -81,9 +81,12 @@ def _step(fn):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
 
-def _sharded(recipe, config=CONFIG):
+def _sharded(recipe, config=CONFIG, policy=None):
+  def body(x, w1, w2, states):
+    return _pair(x, w1, w2, states, recipe, config=config)
+
   return jax.shard_map(
-    lambda x, w1, w2, states: _pair(x, w1, w2, states, recipe, config=config),
+    body if policy is None else jax.checkpoint(body, policy=policy),
     mesh=_mesh(),
     in_specs=(P("tp"), P(None, "tp"), P("tp", None), P()),
     out_specs=P("tp"),
@@ -102,17 +105,7 @@ def _run(step, x, w1, w2, states, dy):
 RING = core.GemmConfig(partial_sums="float32", collective_matmul=True)
 
 
-@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
-@pytest.mark.parametrize("name", RECIPES)
-def test_sequence_parallel_pair_matches_one_device(name, config):
-  """With one all-gather or reduce-scatter per GEMM, and decomposed into ring steps
-  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
-  recipe = RECIPES[name]
-  x, w1, w2, dy = _data()
-  states = _states(recipe)
-  want = _run(_step(lambda *a: _pair(*a, recipe, sequence=False)), x, w1, w2, states, dy)
-  with jax.set_mesh(_mesh()):
-    got = _run(_step(_sharded(recipe, config)), x, w1, w2, states, dy)
+def _assert_matches(got, want):
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
   ):
@@ -128,37 +121,75 @@ def test_sequence_parallel_pair_matches_one_device(name, config):
       assert spmd_checks.comparison_figures(a, b)["max_ulps"] <= 1, name
     else:
       spmd_checks.assert_close_to_one_device(a, b, name, cpu_rel=1e-6)
+
+
+@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_sequence_parallel_pair_matches_one_device(name, config):
+  """With one all-gather or reduce-scatter per GEMM, and decomposed into ring steps
+  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
+  recipe = RECIPES[name]
+  x, w1, w2, dy = _data()
+  states = _states(recipe)
+  want = _run(_step(lambda *a: _pair(*a, recipe, sequence=False)), x, w1, w2, states, dy)
+  with jax.set_mesh(_mesh()):
+    got = _run(_step(_sharded(recipe, config)), x, w1, w2, states, dy)
+  _assert_matches(got, want)
   if recipe.stateful:
     history = np.asarray(want[-1][1][3][0]["x_amax_history"])
     assert history.max() > 0
 
 
 def test_activations_move_in_fp8_and_as_one_reduce_scatter():
-  """The compiled step's collectives: x and the output gradient all-gathered as FP8 bytes, the
-  output and the input gradient reduce-scattered, and no all-reduce but the amaxes'."""
+  """The compiled step's collectives: x and the output gradient all-gathered as FP8 bytes (each
+  in both orientations: the forward or dgrad GEMM's rows and wgrad's transposed copy), the
+  output and the input gradient reduce-scattered, and no all-reduce but the amaxes' and the
+  loss's. Every GEMM takes FP8 operands."""
   recipe = RECIPES["current"]
-  x, w1, w2, dy = _data()
+  s = 64  # the gathered rows (s * B = 128) differ from H (64): the two orientations differ
+  x, w1, w2, dy = _data(s)
+  step = _step(_sharded(recipe))
   with jax.set_mesh(_mesh()):
-    text = _step(_sharded(recipe)).lower(x, w1, w2, _states(recipe), dy).compile().as_text()
+    assert inspect.count_fp8_dot_generals(step, x, w1, w2, _states(recipe), dy) == (6, 6)
+    text = step.lower(x, w1, w2, _states(recipe), dy).compile().as_text()
   found = inspect.hlo_collectives(text)
-  gathers = [c.arrays[-1] for c in found if c.op == "all-gather"]
-  rows = S * B  # the gathered rows of x (S*B, H) and of the output gradient (S*B, H)
+  # Counted by the arrays they gather: XLA:GPU combines collectives into one op of several
+  # arrays (the results follow the operands in a -start op's type).
+  gathered = [a for c in found if c.op == "all-gather" for a in spmd_checks.result_arrays(c)]
+  rows = s * B
+  assert len(gathered) == 4, gathered
+  assert all(dtype == "u8" and int(np.prod(shape)) == rows * H for dtype, shape in gathered)
   if jax.default_backend() == "cpu":
-    assert ("u8", (rows, H)) in gathers and ("u8", (H, rows)) in gathers, gathers
-  # (XLA:GPU lays the gathered bytes out in shapes of its own, such as (128, 32) for (64, 64).)
-  assert gathers and all(dtype == "u8" for dtype, _ in gathers), gathers
-  # Counted by the arrays they scatter: XLA:GPU combines the two into one op of two arrays (the
-  # results follow the operands in a -start op's type).
+    # (XLA:GPU lays the gathered bytes out in shapes of its own, such as (128, 32) for (64, 64).)
+    assert sorted(gathered) == [("u8", (H, rows))] * 2 + [("u8", (rows, H))] * 2, gathered
   scattered = [a for c in found if c.op == "reduce-scatter" for a in spmd_checks.result_arrays(c)]
-  assert len(scattered) >= 2, [(c.op, c.arrays) for c in found]
-  # The amaxes are scalars; XLA:GPU combines several into one array of a few elements. An
-  # activation's or a gradient's sum would hold thousands.
-  big = [
-    c.arrays
-    for c in found
-    if c.op == "all-reduce" and any(int(np.prod(shape)) > 8 for _, shape in c.arrays)
-  ]
-  assert not big, big
+  assert len(scattered) == 2, [(c.op, c.arrays) for c in found]
+  # The amaxes (x's, the kernel's and the gradient's of each GEMM: 6 floats) and the loss (a
+  # scalar) only, which XLA:GPU may concatenate into arrays of several; a sum left as an
+  # all-reduce would have rows * H elements.
+  reduced = [a for c in found if c.op == "all-reduce" for a in spmd_checks.result_arrays(c)]
+  assert all(dtype == "f32" for dtype, _ in reduced), reduced
+  assert sum(int(np.prod(shape)) for _, shape in reduced) <= 7, reduced
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_remat_saving_the_fp8_operands_matches_no_remat(name):
+  """``jax.checkpoint`` with ``save_quantized_operands`` keeps x's FP8 shard (named before its
+  gather) and gathers and transposes it again in the backward pass: the same outputs, gradients
+  and state as without remat."""
+  recipe = RECIPES[name]
+  x, w1, w2, dy = _data()
+  states = _states(recipe)
+  with jax.set_mesh(_mesh()):
+    want = _run(_step(_sharded(recipe)), x, w1, w2, states, dy)
+    policy = core.save_quantized_operands
+    got = _run(_step(_sharded(recipe, policy=policy)), x, w1, w2, states, dy)
+  if spmd_checks.ON_GPU:
+    # Another program, in which the extension's GEMM may time and keep another cuBLASLt kernel
+    # for the same shapes (spmd_checks): bounded as a sharded program against one device.
+    _assert_matches(got, want)
+  else:
+    spmd_checks.assert_trees_identical(got, want)
 
 
 def test_high_precision_pair_runs_the_same_layout():
