@@ -25,8 +25,9 @@ against other GEMMs and the collectives.
 With ``--profile N`` (GPUs), N steps of each sharded configuration are traced after the timing
 (``jax.profiler``, steps back to back) and the trace's kernel timestamps give, per GPU and step,
 the time in GEMM kernels, in NCCL kernels, and how much of the NCCL time ran while a GEMM kernel
-ran on the same GPU (the collectives overlapped with the GEMMs); ``--out DIR`` also keeps the
-traced configurations' GEMM and NCCL kernel spans (``kernels.json.gz``).
+ran on the same GPU (the collectives overlapped with the GEMMs), and the kernels between the
+GEMMs by name and time, with the idle time; ``--out DIR`` also keeps the traced configurations'
+GEMM and NCCL kernel spans and those figures (``kernels.json.gz``).
 
 Usage (two GPUs):
   python bench/sp_layer.py --devices 2 [--profile 3 --out DIR]
@@ -299,19 +300,42 @@ def overlap(spans, steps):
   return out
 
 
+def between_gemms(events, steps, top=8):
+  """Per GPU and step (ms): the trace's span and idle time (no kernel running), time by kernel
+  kind, and the ``top`` kernels by time that are neither GEMMs nor NCCL's (the casts,
+  transposes, norms and attention that run between the GEMMs), by name."""
+  import profile_mesh  # bench/, beside this script
+
+  out = {}
+  for dev, evs in profile_mesh.gpu_events(events).items():
+    s = profile_mesh.summarize(evs, steps, {})
+    others = [
+      (name, ms)
+      for name, ms in s["top_kernels_ms"]
+      if profile_mesh._kind(name) not in ("gemm", "collective")
+    ]
+    out[dev] = dict(
+      span_ms=s["span_ms"], idle_ms=s["idle_ms"], by_kind_ms=s["by_kind_ms"], others=others[:top]
+    )
+  return out
+
+
 def profile(configs, steps, out_dir=None):
-  """Traces ``steps`` steps of every sharded configuration; each config gets ``overlap``."""
+  """Traces ``steps`` steps of every sharded configuration; each config gets ``overlap`` and
+  ``between_gemms``."""
   import gzip
   import json
 
   import profile_mesh  # bench/, beside this script
 
-  kept = {}
+  kept, kinds = {}, {}
   for c in configs:
     if c["plan"] == "single":
       continue
-    spans = _kernel_spans(profile_mesh.trace(c["run"], steps))
+    events = profile_mesh.trace(c["run"], steps)
+    spans = _kernel_spans(events)
     c["overlap"] = overlap(spans, steps)
+    c["between_gemms"] = between_gemms(events, steps)
     for dev, o in sorted(c["overlap"].items()):
       share = o["nccl_beside_gemm_ms"] / o["nccl_ms"] if o["nccl_ms"] else float("nan")
       print(
@@ -320,11 +344,20 @@ def profile(configs, steps, out_dir=None):
         f"{o['nccl_beside_gemm_ms']:.2f} ms beside a GEMM ({share:.0%}) a step",
         flush=True,
       )
+    for dev, b in sorted(c["between_gemms"].items()):
+      kind = ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["by_kind_ms"].items()))
+      others = "; ".join(f"{name[:60]} {ms * 1e3:.0f} us" for name, ms in b["others"])
+      print(
+        f"  kernels {c['plan']} {c['variant']} {dev}: span {b['span_ms']:.2f} ms, idle "
+        f"{b['idle_ms']:.2f} ms, by kind (ms) {kind}; others a step: {others}",
+        flush=True,
+      )
     kept[f"{c['plan']} {c['variant']}"] = spans
+    kinds[f"{c['plan']} {c['variant']}"] = c["between_gemms"]
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
     with gzip.open(os.path.join(out_dir, "kernels.json.gz"), "wt") as f:
-      json.dump({"steps": steps, "configs": kept}, f)
+      json.dump({"steps": steps, "configs": kept, "between_gemms": kinds}, f)
   return configs
 
 

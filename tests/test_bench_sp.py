@@ -85,3 +85,26 @@ def test_overlap_measures_nccl_time_beside_gemms():
     [ms(100.0), ms(20.0), ms(20.0)],
   )
   assert got["gpu0"]["nccl_kernels"] == 1.0
+
+
+def test_between_gemms_names_the_kernels_that_are_neither_gemms_nor_nccl():
+  """``sp_layer.between_gemms`` from Chrome-trace events of one traced step on GPU 0: a GEMM
+  (0-10 us), an NCCL all-gather (10-20), a transpose fusion (20-30), nothing (30-35) and a
+  convert (35-40). The span, the idle time and the two kernels between the GEMMs, by time."""
+
+  def kernel(name, start, end):
+    return dict(ph="X", pid=1, tid=7, name=name, ts=start, dur=end - start)
+
+  events = [
+    dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+    dict(ph="M", pid=1, tid=7, name="thread_name", args=dict(name="stream 7")),
+    kernel("sm90_xmma_gemm_e4m3", 0.0, 10.0),
+    kernel("ncclDevKernel_AllGather_RING_LL", 10.0, 20.0),
+    kernel("loop_transpose_fusion", 20.0, 30.0),
+    kernel("loop_convert_fusion", 35.0, 40.0),
+  ]
+  (got,) = sp_layer.between_gemms(events, steps=1).values()
+  np.testing.assert_allclose([got["span_ms"], got["idle_ms"]], [0.040, 0.005])
+  assert [name for name, _ in got["others"]] == ["loop_transpose_fusion", "loop_convert_fusion"]
+  np.testing.assert_allclose([ms for _, ms in got["others"]], [0.010, 0.005])
+  np.testing.assert_allclose(got["by_kind_ms"]["gemm"], 0.010)
