@@ -133,3 +133,63 @@ def test_the_backward_gemms_warnings_name_the_layer_at_the_users_line(monkeypatc
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     w = np.asarray(w)
     np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-5 * np.abs(w).max())
+
+
+def _gated_cast_stand_in(h, bias, scale):
+  """A gated activation cast's contract in pure JAX (the CUDA kernel's): ``relu(h1) * h2`` of
+  the two F-wide halves of ``h``, cast to FP8 as is and transposed, with its amax."""
+  del bias  # a (0,) placeholder: no bias
+  f = h.shape[-1] // 2
+  v = jax.nn.relu(h[:, :f].astype(jnp.float32)) * h[:, f:].astype(jnp.float32)
+  q = (v * scale[0]).astype(jnp.float8_e4m3fn)
+  return q, q.T, jnp.max(jnp.abs(v)).reshape(1)
+
+
+def test_a_direct_kernel_call_warns_naming_the_function_and_shapes_at_the_users_line():
+  """Outside the core's GEMMs (no layer to name), a kernel's rule names the kernels' function
+  and its operands' shapes, at the line of the program that called it."""
+  mesh = jax.make_mesh((4,), ("direct",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+  rng = np.random.default_rng(2)
+  a = jnp.asarray(rng.normal(size=(32, 64)), jnp.float8_e4m3fn)
+  b = jnp.asarray(rng.normal(size=(32, 64)), jnp.float8_e4m3fn)
+  scale = jnp.full((1,), 0.5, jnp.float32)
+
+  def gemm(a, b, a_scale, b_scale):
+    return kernels.tensor_scaled_gemm(_emulated_gemm, a, b, a_scale, b_scale, jnp.float32, False)
+
+  # M of a and N of b both over one mesh axis: the output cannot take it twice (a gather), and
+  # the (8, 64) rows left to each device are fewer than the kernel takes (XLA's GEMM).
+  rows = NamedSharding(mesh, P("direct"))
+  with pytest.warns(ta.core.ShardingFallbackWarning) as record:
+    y = jax.jit(gemm)(jax.device_put(a, rows), jax.device_put(b, rows), scale, scale)
+  said = [w for w in record if issubclass(w.category, ta.core.ShardingFallbackWarning)]
+  assert len(said) == 2, [str(w.message) for w in said]
+  for warning in said:
+    assert str(warning.message).startswith(
+      "te_adapters.core.kernels.tensor_scaled_gemm on (32, 64) float8_e4m3fn, (32, 64) "
+      "float8_e4m3fn, (1,) float32, (1,) float32: the per-tensor FP8 GEMM: "
+    ), str(warning.message)
+    assert warning.filename == __file__, warning.filename
+  assert "are resharded to" in str(said[0].message)
+  assert "XLA's GEMM runs on the shards instead" in str(said[1].message)
+  want = kernels.tensor_fallback(False, a, b, scale, scale, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+  # An activation cast with two activations, its columns sharded: a shard would not hold both
+  # halves of its columns, so they are gathered.
+  h = jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16)
+  rule = kernels.act_cast(_gated_cast_stand_in, 2, False, True)
+  args = (jnp.zeros((0,), jnp.float32), jnp.full((1,), 4.0, jnp.float32))
+  h_cols = jax.device_put(h, NamedSharding(mesh, P(None, "direct")))
+  with pytest.warns(ta.core.ShardingFallbackWarning) as record:
+    q, q_t, amax = jax.jit(rule)(h_cols, *args)
+  said = [w for w in record if issubclass(w.category, ta.core.ShardingFallbackWarning)]
+  assert len(said) == 1, [str(w.message) for w in said]
+  assert str(said[0].message).startswith(
+    "te_adapters.core.kernels.act_cast on (64, 64) bfloat16, (0,) float32, (1,) float32: the "
+    "activation cast: h's columns (two activations' slices side by side) are sharded over "
+    "('direct',)"
+  ), str(said[0].message)
+  assert said[0].filename == __file__, said[0].filename
+  for got, want in zip((q, q_t, amax), _gated_cast_stand_in(h, *args), strict=True):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -88,6 +88,7 @@ from te_adapters.core.recipes import (
   MXFP8BlockScaling,
   NVFP4BlockScaling,
   Recipe,
+  caller_stacklevel,
   check_config,
   check_recipe,
 )
@@ -95,7 +96,6 @@ from te_adapters.core.state import (
   DelayedScalingState,
   EmptyState,
   RoleState,
-  caller_stacklevel,
   is_state_mapping,
   updated_state,
   with_max_grad,

@@ -29,8 +29,7 @@ import numpy as np
 from te_adapters.core import formats, gemm, kernels, sharding
 from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
-from te_adapters.core.recipes import Float8BlockScaling, check_recipe, check_rng
-from te_adapters.core.state import caller_stacklevel
+from te_adapters.core.recipes import Float8BlockScaling, caller_stacklevel, check_recipe, check_rng
 
 __all__ = [
   "KERNEL_ACTIVATIONS",

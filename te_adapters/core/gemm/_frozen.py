@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from te_adapters.core.gemm import _threshold
-from te_adapters.core.state import caller_stacklevel
+from te_adapters.core.recipes import caller_stacklevel
 
 if TYPE_CHECKING:
   from te_adapters.core.gemm._threshold import SizeThreshold

@@ -38,11 +38,15 @@ from te_adapters.core.gemm import _dimension_numbers, _frozen, _remat, _threshol
 from te_adapters.core.gemm._layout import GemmLayout, sorted_contracting
 from te_adapters.core.gemm._threshold import DEFAULT_SIZE_THRESHOLD
 from te_adapters.core.kernels import ShardingFallbackWarning, warning_site
-from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
-from te_adapters.core.state import (
-  ROLES,
+from te_adapters.core.recipes import (
+  GemmConfig,
   caller_site,
   caller_stacklevel,
+  check_config,
+  check_recipe,
+)
+from te_adapters.core.state import (
+  ROLES,
   is_accumulating,
   shared_max_grad,
 )

@@ -45,7 +45,7 @@ from te_adapters.core import state as core_state
 from te_adapters.core.formats import GroupedRequest
 from te_adapters.core.gemm import _frozen, _remat
 from te_adapters.core.gemm._layer import check_gemm_dims
-from te_adapters.core.recipes import GemmConfig, check_config, check_recipe
+from te_adapters.core.recipes import GemmConfig, caller_site, check_config, check_recipe
 from te_adapters.core.state import DelayedScalingState
 
 if TYPE_CHECKING:
@@ -296,7 +296,13 @@ def ragged_dot(
   # where the operands' placement is the caller's.
   route = grouped.route(lhs, rhs, recipe, (out_dtype, *operand_dtypes))
   spec = Grouped(
-    recipe, precision, np.dtype(out_dtype), operand_dtypes, route, non_finite=config.non_finite
+    recipe,
+    precision,
+    np.dtype(out_dtype),
+    operand_dtypes,
+    route,
+    non_finite=config.non_finite,
+    layer=layer or f"ragged_dot {tuple(lhs.shape)} . {tuple(rhs.shape)}",
   )
 
   def call(lhs, rhs, group_sizes, state):
@@ -369,6 +375,7 @@ class Grouped:
     granularity: ``"group"`` (per-group scales, as ``ragged_dot`` runs) or ``"tensor"`` (one
       amax over all groups; per-tensor formats, for measurements).
     non_finite: ``GemmConfig.non_finite``.
+    layer: what the kernels' warnings call this GEMM (``ragged_dot``'s ``layer``, or its shapes).
   """
 
   recipe: Any
@@ -378,6 +385,7 @@ class Grouped:
   route: Any = None
   granularity: str = "group"
   non_finite: str = "propagate"
+  layer: str | None = None
 
   @property
   def grouped(self):
@@ -407,14 +415,17 @@ def _request(x, role, spec: Grouped, group_sizes, state, **kw):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _grouped_gemms(lhs, rhs, group_sizes, state, spec: Grouped):
-  # Not differentiated (inference): only the copies the forward GEMM takes.
-  y, _ = _grouped_forward(lhs, rhs, group_sizes, state, spec, backward=False)
+  # Not differentiated (inference): only the copies the forward GEMM takes. The kernels traced
+  # inside (the per-batch cast, the amaxes) name the layer at the user's line in their warnings.
+  with kernels.warning_site(spec.layer, caller_site()):
+    y, _ = _grouped_forward(lhs, rhs, group_sizes, state, spec, backward=False)
   return y
 
 
 def _grouped_fwd(lhs, rhs, group_sizes, state, spec: Grouped):
   spec.grouped.check(spec.recipe, lhs.shape[1], rhs.shape[2], True)
-  return _grouped_forward(lhs, rhs, group_sizes, state, spec, backward=True)
+  with kernels.warning_site(spec.layer, caller_site()):
+    return _grouped_forward(lhs, rhs, group_sizes, state, spec, backward=True)
 
 
 def _grouped_forward(lhs, rhs, group_sizes, state, spec: Grouped, backward: bool):
@@ -434,6 +445,12 @@ def _grouped_forward(lhs, rhs, group_sizes, state, spec: Grouped, backward: bool
 
 
 def _grouped_bwd(spec: Grouped, residuals, g):
+  # Traced where the user takes the gradient: the kernels' warnings point at that line.
+  with kernels.warning_site(spec.layer, caller_site()):
+    return _grouped_backward(spec, residuals, g)
+
+
+def _grouped_backward(spec: Grouped, residuals, g):
   x_wgrad, w_dgrad, group_sizes, new_fwd, state = residuals
   grouped = spec.grouped
   lhs_dtype, rhs_dtype = spec.operand_dtypes

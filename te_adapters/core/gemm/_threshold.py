@@ -17,7 +17,7 @@ import jax
 
 from te_adapters.core.gemm import _dimension_numbers
 from te_adapters.core.gemm._layout import GemmLayout
-from te_adapters.core.state import caller_stacklevel
+from te_adapters.core.recipes import caller_stacklevel
 
 __all__ = [
   "DEFAULT_SIZE_THRESHOLD",

@@ -30,8 +30,10 @@ sharded over Explicit mesh axes, whose types carry their shardings, take the sam
   sums (``GemmConfig.comm_sm_margin``, the per-tensor GEMM's). A combination the
   kernel cannot take shard by shard is resharded (a dim gathered), and where a shard's shape is
   one the kernel refuses, XLA's GEMM runs on the shards instead; each is said once per distinct
-  case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings, and under
-  ``warning_site`` the layer too, issued at the user's line (per layer and case).
+  case by a ``ShardingFallbackWarning`` naming the GEMM and the shardings, and the layer
+  (``warning_site``: the core's GEMMs and ``ragged_dot`` set it) or, for a kernel called
+  directly, the kernels' function and its operands' shapes, issued at the user's line (per
+  layer and case).
 
 Under ``vmap`` a rule runs as a loop of its calls over the batch (``custom_partitioning`` has no
 batching rule; the FFI calls loop under ``vmap`` on one device too).
@@ -58,6 +60,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from te_adapters.core import sharding as core_sharding
+from te_adapters.core.recipes import caller_site
 
 __all__ = [
   "ShardingFallbackWarning",
@@ -83,13 +86,15 @@ __all__ = [
 class ShardingFallbackWarning(UserWarning):
   """An extension kernel inside a sharded program needed a reshard or XLA's GEMM on its shards.
 
-  Issued once per layer and distinct case, naming the layer (where a GEMM of ``core.gemm`` or
-  the fused paths traced the kernel, ``warning_site``), the GEMM and the shardings, at the
-  user's line that traced it, though XLA's partitioner decides it later: a sharding the kernel
-  cannot take shard by shard is resharded (a dim gathered), a shard shape it refuses runs as
-  XLA's GEMM, and ``dot_general`` gathers an operand whose group of dims holds more than one
-  sharded dim. The results are right either way; the warning says where communication or speed
-  is lost. Make it an error to find such layouts while tuning a sharded model.
+  Issued once per layer and distinct case, naming the layer (where a GEMM of ``core.gemm``, the
+  fused paths or ``ragged_dot`` traced the kernel, ``warning_site``; for a kernel of
+  ``core.kernels`` called directly, the function and its operands' shapes), the GEMM and the
+  shardings, at the user's line that traced it, though XLA's partitioner decides it later: a
+  sharding the kernel cannot take shard by shard is resharded (a dim gathered), a shard shape it
+  refuses runs as XLA's GEMM, and ``dot_general`` gathers an operand whose group of dims holds
+  more than one sharded dim. The results are right either way; the warning says where
+  communication or speed is lost. Make it an error to find such layouts while tuning a sharded
+  model.
 
   Example:
     >>> import warnings, jax.numpy as jnp, te_adapters as ta
@@ -232,6 +237,7 @@ def _explicit_spec(x, ndim):
 
 
 def _shardable(
+  name: str,
   split: Callable,
   call: Callable,
   ndims: tuple[int, ...],
@@ -248,7 +254,9 @@ def _shardable(
   shardings the operands' types carry, through ``shard_map``. With ``wants_result`` (``single``
   only), ``split(mesh, specs, result)`` also gets the spec Shardy's propagation chose for the
   output (what its users ask for; ``None`` where no partitioner chose one: GSPMD's inference, or
-  Explicit axes), which it may follow where it can serve it at no extra cost.
+  Explicit axes), which it may follow where it can serve it at no extra cost. ``name``: the
+  kernels' function a user calls for it, which its warnings name with the operands' shapes where
+  no GEMM of the core traced it (a direct call, ``_direct_site``).
   """
 
   def out_shardings(mesh, out_specs):
@@ -292,9 +300,9 @@ def _shardable(
   def partitioned(site):
     return _looped_under_vmap(functools.partial(jitted, site))
 
-  def explicit(mesh, *args):
+  def explicit(site, mesh, *args):
     specs = tuple(_explicit_spec(x, n) for x, n in zip(args, ndims, strict=True))
-    with _splitting(_TRACED_SITE.get()):
+    with _splitting(site):
       arg_specs, out_specs, per_shard = (
         split(mesh, specs, None) if wants_result else split(mesh, specs)
       )
@@ -336,12 +344,20 @@ def _shardable(
   def run(*args):
     if not _partitioned_here():
       return _as_varying(call(*args), args)
+    site = _TRACED_SITE.get() or _direct_site(name, args)
     mesh = _explicit_mesh(args)
     if mesh is not None:
-      return explicit(mesh, *args)
-    return partitioned(_TRACED_SITE.get())(*args)
+      return explicit(site, mesh, *args)
+    return partitioned(site)(*args)
 
   return run
+
+
+def _direct_site(name: str, args) -> _Site:
+  """The site of a kernel called directly, outside the core's GEMMs (which name their layer,
+  ``warning_site``): the kernels' function and its operands' shapes, at the user's line."""
+  operands = ", ".join(f"{tuple(jnp.shape(a))} {jnp.result_type(a)}" for a in args)
+  return f"te_adapters.core.kernels.{name} on {operands}", caller_site()
 
 
 def _looped_under_vmap(fn: Callable) -> Callable:
@@ -415,7 +431,9 @@ def cast_transpose(
   dims = _letters(ndim, "d")
   q = " ".join(dims) if rowwise else "e0"
   q_t = " ".join(dims[:-2] + [dims[-1], dims[-2]]) if colwise else "e1"
-  return _shardable(split, call, (ndim, 1), f"{' '.join(dims)}, s -> {q}, {q_t}, a")
+  return _shardable(
+    "cast_transpose", split, call, (ndim, 1), f"{' '.join(dims)}, s -> {q}, {q_t}, a"
+  )
 
 
 @functools.cache
@@ -433,7 +451,7 @@ def amax(call: Callable, ndim: int, over_mesh: bool = False):
     return specs, (((),),), per_shard
 
   dims = _letters(ndim, "d")
-  return _shardable(split, call, (ndim,), f"{' '.join(dims)} -> a", single=True)
+  return _shardable("amax", split, call, (ndim,), f"{' '.join(dims)} -> a", single=True)
 
 
 # --------------------------------------------------------------------------- GEMM
@@ -454,6 +472,7 @@ def gemm(
   sum_dtype=None,
   summed_kernel: Callable | None = None,
   sum_chunks: int = 1,
+  function: str = "gemm",
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
 
@@ -474,6 +493,8 @@ def gemm(
     sum_chunks: on those shards, the GEMM in this many chunks of ``a``'s rows (M), each summed
       over devices as soon as it is computed (per-tensor scales only; where M splits into
       chunks of a multiple of 16 rows, else one GEMM).
+    function: the kernels' function called, which warnings name where no GEMM of the core (no
+      ``warning_site``) traced it.
   """
   if not _partitioned_here():
     return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
@@ -490,6 +511,7 @@ def gemm(
     sum_dtype,
     summed_kernel or kernel,
     sum_chunks,
+    function,
   )
   return run(a, b, a_scale, b_scale)
 
@@ -545,6 +567,7 @@ def _gemm_rule(
   sum_dtype,
   summed_kernel,
   sum_chunks,
+  function,
 ):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
@@ -623,7 +646,7 @@ def _gemm_rule(
   call = functools.partial(_call_with_dtype, kernel, out_dtype)
   ndims = (ndim, ndim, len(sa_shape), len(sb_shape))
   rule = f"{a_dims}, {b_dims}, {sa}, {sb} -> {' '.join(lead + ['m', 'n'])}"
-  return _shardable(split, call, ndims, rule, single=True, wants_result=True)
+  return _shardable(function, split, call, ndims, rule, single=True, wants_result=True)
 
 
 def _scatter_plan(mesh, out, k, result, a_shape, b_shape):
@@ -683,6 +706,7 @@ def tensor_scaled_gemm(
     sum_dtype=sum_dtype,
     summed_kernel=summed,
     sum_chunks=sum_chunks,
+    function="tensor_scaled_gemm",
   )
 
 
@@ -744,6 +768,7 @@ def block_scaled_gemm(
     dtype,
     block_scales=True,
     refusal=_block_refusal,
+    function="block_scaled_gemm",
   )
 
 
@@ -795,7 +820,9 @@ def norm_cast(call: Callable, has_beta: bool, with_amax: bool):
     return args, ((rows, cols), (cols, rows), ((),)), per_shard
 
   beta = "k" if has_beta else "b"
-  return _shardable(split, call, (2, 1, 1, 1, 1, 1), f"m k, m, m, k, {beta}, s -> m k, k m, a")
+  return _shardable(
+    "norm_cast", split, call, (2, 1, 1, 1, 1, 1), f"m k, m, m, k, {beta}, s -> m k, k m, a"
+  )
 
 
 # --------------------------------------------------------------------------- the MLP's casts
@@ -852,7 +879,7 @@ def act_cast(call: Callable, n_act: int, has_bias: bool, with_amax: bool):
 
   f = "n" if n_act == 1 else "f"
   rule = _activation_rule(False, n_act, has_bias, True, f"m {f}, {f} m, a")
-  return _shardable(split, call, (2, 1, 1), rule)
+  return _shardable("act_cast", split, call, (2, 1, 1), rule)
 
 
 @functools.cache
@@ -887,7 +914,7 @@ def dact_cast(call: Callable, n_act: int, has_bias: bool, with_amax: bool):
     return args, ((rows, cols), (cols, rows), ((),), (cols,)), per_shard
 
   rule = _activation_rule(True, n_act, has_bias, True, "m n, n m, a, n")
-  return _shardable(split, call, (2, 2, 1, 1), rule)
+  return _shardable("dact_cast", split, call, (2, 2, 1, 1), rule)
 
 
 @functools.cache
@@ -908,7 +935,12 @@ def act_amax(call: Callable, n_act: int, has_bias: bool):
     return ((rows, cols), (cols,) if has_bias else ((),)), (((),),), per_shard
 
   return _shardable(
-    split, call, (2, 1), _activation_rule(False, n_act, has_bias, False, "a"), single=True
+    "act_amax",
+    split,
+    call,
+    (2, 1),
+    _activation_rule(False, n_act, has_bias, False, "a"),
+    single=True,
   )
 
 
@@ -932,7 +964,12 @@ def dact_amax(call: Callable, n_act: int, has_bias: bool):
     return (dz, (rows, cols), (cols,) if has_bias else ((),)), (((),),), per_shard
 
   return _shardable(
-    split, call, (2, 2, 1), _activation_rule(True, n_act, has_bias, False, "a"), single=True
+    "dact_amax",
+    split,
+    call,
+    (2, 2, 1),
+    _activation_rule(True, n_act, has_bias, False, "a"),
+    single=True,
   )
 
 
@@ -966,7 +1003,9 @@ def cast_transpose_per_batch(call: Callable, with_amax: bool):
     )
 
   amaxes = "b" if with_amax else "a"
-  return _shardable(split, call, (3, 1), f"b r c, b -> b r c, b c r, {amaxes}")
+  return _shardable(
+    "cast_transpose_per_batch", split, call, (3, 1), f"b r c, b -> b r c, b c r, {amaxes}"
+  )
 
 
 @functools.cache
@@ -999,7 +1038,7 @@ def row_col_amax(call: Callable, ndim: int, rows: bool, cols: bool):
   lead = dims[:-2]
   a_rows = " ".join([*lead, dims[-2]]) if rows else "e0"
   a_cols = " ".join([*lead, dims[-1]]) if cols else "e1"
-  return _shardable(split, call, (ndim,), f"{' '.join(dims)} -> {a_rows}, {a_cols}")
+  return _shardable("row_col_amax", split, call, (ndim,), f"{' '.join(dims)} -> {a_rows}, {a_cols}")
 
 
 @functools.cache
@@ -1031,4 +1070,6 @@ def rowwise_cast(call: Callable, ndim: int, rowwise: bool, colwise: bool):
   q = " ".join(dims) if rowwise else "e2"
   q_t = " ".join([*lead, c, p]) if colwise else "e3"
   ndims = (ndim, ndim - 1 if rowwise else 1, ndim - 1 if colwise else 1)
-  return _shardable(split, call, ndims, f"{' '.join(dims)}, {s_rows}, {s_cols} -> {q}, {q_t}")
+  return _shardable(
+    "rowwise_cast", split, call, ndims, f"{' '.join(dims)}, {s_rows}, {s_cols} -> {q}, {q_t}"
+  )

@@ -21,8 +21,6 @@ from te_adapters.core.state._recipe_state import (
 )
 from te_adapters.core.state._state import (
   State,
-  caller_site,
-  caller_stacklevel,
   check_leaves,
   shared_max_grad,
   updated_state,
@@ -38,8 +36,6 @@ __all__ = [
   "RoleState",
   "SCALE_F32",
   "State",
-  "caller_site",
-  "caller_stacklevel",
   "cast_like",
   "check_leaves",
   "combine_over_batch",
