@@ -4,6 +4,7 @@ keeps no state and would quantize on as if nothing were there), a ``DelayedScali
 no state, or state of another history length. And NNX layers refuse a missing ``rngs`` as
 ``nnx.Linear`` does."""
 
+import functools
 import re
 
 import jax
@@ -322,3 +323,114 @@ def test_nnx_layers_without_rngs_fail_as_flax_does(make):
     r"'rngs'",
   ):
     make()
+
+
+# --- recipe state given to layers without a recipe (high precision) --------------------------
+
+NO_RECIPE = r"has no recipe \(high precision\) and keeps none, so it would be silently ignored"
+
+
+class _LinenLayers(nn.Module):
+  """One of each Linen layer, all built with ``recipe``."""
+
+  recipe: object
+
+  @nn.compact
+  def __call__(self, x):
+    x = ta_linen.Dense(32, recipe=self.recipe, name="dense")(x)
+    x = ta_linen.DenseGeneral(32, recipe=self.recipe, name="general")(x)
+    x, _ = ta_linen.LayerNormDenseGeneral(32, recipe=self.recipe, name="norm_dense")(x)
+    out, _ = ta_linen.LayerNormMLP(
+      64, recipe=self.recipe, intermediate_dropout_rate=0.0, name="mlp"
+    )(x, deterministic=True)
+    return out
+
+
+def test_linen_recipe_state_given_to_layers_without_a_recipe_raises():
+  """A DelayedScaling model's variables applied to the same model without a recipe (high
+  precision): each layer refuses the state it would ignore, naming itself and its entries."""
+  variables = _LinenLayers(DELAYED).init(jax.random.PRNGKey(0), X)
+  collection = variables["_overwrite_with_gradient"]
+  assert set(collection) == {"dense", "general", "norm_dense", "mlp"}
+  entries = {
+    "dense": "dense/DelayedScalingDotGeneral_0",
+    "general": "general/DelayedScalingDotGeneral_0",
+    "norm_dense": "norm_dense/x_scale",
+    "mlp": "mlp/x_0_scale",
+  }
+  for name, entry in entries.items():  # each layer alone holding state: it is the one to raise
+    only = {"params": variables["params"], "_overwrite_with_gradient": {name: collection[name]}}
+    with pytest.raises(ValueError, match=f"^layer '{name}': .*" + NO_RECIPE) as info:
+      _LinenLayers(None).apply(only, X)
+    assert entry in str(info.value)
+    assert str(info.value).endswith(
+      "(variables.pop('_overwrite_with_gradient')) to go on without one."
+    )
+  # The way out the message names: the parameters alone run in high precision, as the
+  # DelayedScaling model's GEMMs would without quantization.
+  y = _LinenLayers(None).apply({"params": variables["params"]}, X)
+  assert y.shape == (4, 32) and np.isfinite(np.asarray(y)).all()
+
+
+def test_haiku_recipe_state_given_to_layers_without_a_recipe_raises():
+  hk = pytest.importorskip("haiku")
+  from te_adapters import haiku as ta_hk
+
+  layers = {  # the layer, and the module its state is under
+    "linear": (lambda r: ta_hk.Linear(32, recipe=r, name="proj")(X), "proj"),
+    "norm_dense": (
+      lambda r: ta_hk.LayerNormDenseGeneral(32, recipe=r, name="norm_dense")(X)[0],
+      "norm_dense",
+    ),
+    "mlp": (lambda r: ta_hk.LayerNormMLP(64, recipe=r, name="mlp")(X)[0], "mlp/gemm_0"),
+  }
+  for name, (call, module) in layers.items():
+    delayed = hk.transform_with_state(functools.partial(call, DELAYED))
+    plain = hk.transform_with_state(functools.partial(call, None))
+    params, state = delayed.init(jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=NO_RECIPE) as info:
+      plain.apply(params, state, None)
+    message = str(info.value)
+    assert f"holds recipe state for {module!r}" in message, (name, message)
+    assert message.endswith("pass the state init returns without a recipe."), name
+    # The way out it names: no recipe state, the same parameters.
+    y, _ = plain.apply(params, {}, None)
+    assert y.shape == (4, 32), name
+
+
+NNX_PLAIN = {  # name: (build(recipe), call(model), how the error names the layer)
+  "Linear": NNX_MODELS["Linear"],
+  "LinearGeneral": (
+    lambda r: ta_nnx.LinearGeneral(32, 32, recipe=r, rngs=nnx.Rngs(0)),
+    lambda m: m(X),
+    r"^LinearGeneral layer \(kernel \(32, 32\)\): ",
+  ),
+  "Einsum": NNX_MODELS["Einsum"],
+  "LayerNormDenseGeneral": (
+    lambda r: ta_nnx.LayerNormDenseGeneral(32, 32, recipe=r, rngs=nnx.Rngs(0)),
+    lambda m: m(X)[0],
+    r"^LayerNormDenseGeneral layer \(kernel \(32, 32\)\): ",
+  ),
+  "LayerNormMLP": NNX_MODELS["LayerNormMLP"],
+}
+
+
+@pytest.mark.parametrize("name", list(NNX_PLAIN))
+def test_nnx_recipe_state_given_to_layers_without_a_recipe_raises(name):
+  """``nnx.update`` of a layer without a recipe with a DelayedScaling layer's state: Flax said
+  "Found data on value of type State assigned to static attribute 'dot_general'" (the dense
+  layers) or "Cannot set key 'state' on immutable node of type NoneType" (the norm and MLP)."""
+  build, call, layer = NNX_PLAIN[name]
+  delayed, plain = build(DELAYED), build(None)
+  with pytest.raises(ValueError, match=layer + NNX_REFUSED) as info:
+    nnx.update(plain, nnx.state(delayed))
+  message = str(info.value)
+  assert "but it has no recipe (high precision), so the layer cannot take it" in message
+  assert re.search(NNX_WAY_OUT + r"without a recipe\.$", message)
+  # The way out it names: the parameters load and the layer runs in high precision.
+  nnx.update(plain, nnx.state(delayed, nnx.Not(ta_nnx.RecipeState)))
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(plain)), jax.tree.leaves(nnx.state(delayed, nnx.Param)), strict=True
+  ):
+    np.testing.assert_array_equal(a, b)
+  assert call(plain).shape == (4, 32)

@@ -98,8 +98,8 @@ def state_variable(name: str, initial: jax.Array) -> jax.Array:
 
 def refuse_ignored_state(recipe) -> None:
   """Under ``apply``, raises where the state holds recipe state for the current module that the
-  stateless ``recipe`` would ignore: a ``DelayedScaling`` model's state given to a
-  ``Float8CurrentScaling`` one."""
+  stateless ``recipe`` (or None: high precision) would ignore: a ``DelayedScaling`` model's state
+  given to a ``Float8CurrentScaling`` one, or to one without a recipe."""
   if hk.running_init():
     return
   stateful = core.state_names(core.DelayedScaling())
@@ -107,12 +107,15 @@ def refuse_ignored_state(recipe) -> None:
   # Read without hk.get_state, which a stateless hk.transform refuses.
   if stateful[0] not in hk.experimental.get_current_state().get(module, {}):
     return  # none: as it should be
+  if recipe is None:
+    keeps, go_on = "it has no recipe (high precision) and keeps", "without a recipe"
+  else:
+    keeps, go_on = f"its recipe {type(recipe).__name__} keeps", f"with {type(recipe).__name__}"
   raise ValueError(
     f"te_adapters.haiku: the state given to apply holds recipe state for {module!r} "
-    f"({', '.join(repr(n) for n in stateful)}), but its recipe {type(recipe).__name__} keeps "
-    "none, so it would be silently ignored: the state comes from a model with another recipe "
-    "(DelayedScaling). Apply the model with that recipe, or pass the state init returns "
-    f"with {type(recipe).__name__}."
+    f"({', '.join(repr(n) for n in stateful)}), but {keeps} none, so it would be silently "
+    "ignored: the state comes from a model with another recipe (DelayedScaling). Apply the "
+    f"model with that recipe, or pass the state init returns {go_on}."
   )
 
 
@@ -126,8 +129,7 @@ def recipe_state(module: hk.Module, recipe, n_groups: int | None = None) -> dict
   """
   state = kit.recipe_state(recipe, state_variable, n_groups)
   if state is None:
-    if recipe is not None:
-      refuse_ignored_state(recipe)
+    refuse_ignored_state(recipe)
     return None
   cast = sorted(
     {

@@ -89,14 +89,15 @@ def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = N
   def variable(name, initial):
     return module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix), lambda: initial).value
 
-  if recipe is not None and not core.state_names(recipe):
+  if recipe is None or not core.state_names(recipe):
     _refuse_ignored_state(module, recipe)
   return kit.recipe_state(recipe, variable, n_groups)
 
 
 def _refuse_ignored_state(module: nn.Module, recipe) -> None:
-  """Raises where variables hold recipe state that ``recipe`` (stateless) would ignore: a
-  checkpoint made with ``DelayedScaling``, applied with ``Float8CurrentScaling``. The layer's own
+  """Raises where variables hold recipe state that ``recipe`` (stateless, or None: high
+  precision) would ignore: a checkpoint made with ``DelayedScaling``, applied with
+  ``Float8CurrentScaling`` or without a recipe. The layer's own
   entries, and for a ``make_dot_general_cls`` GEMM inside a dense layer those of another
   recipe's GEMM in that layer (``DelayedScalingDotGeneral_0`` where this layer's is
   ``Float8CurrentScalingDotGeneral_0``)."""
@@ -113,13 +114,19 @@ def _refuse_ignored_state(module: nn.Module, recipe) -> None:
       if re.fullmatch(r"\w+DotGeneral_\d+", name) and not name.startswith(mine)
     ]
   if found:
+    if recipe is None:
+      keeps, go_on = "this layer has no recipe (high precision) and keeps none", "without one"
+    else:
+      keeps = f"this layer's recipe {type(recipe).__name__} keeps none"
+      go_on = f"with {type(recipe).__name__}"
+    owner = isinstance(module, QuantizedDotGeneral)
+    layer = layer_label(module, owner=owner) or type(module).__name__
     raise ValueError(
-      f"{_layer_name(module)}: the variables hold recipe state in {OVERWRITE_WITH_GRADIENT!r} "
-      f"({', '.join(sorted(found))}), but this layer's recipe {type(recipe).__name__} keeps "
-      "none, so it would be silently ignored: the variables come from a model with another "
-      "recipe (DelayedScaling keeps state). Apply the model with that recipe, or leave the "
-      f"collection out of the variables (variables.pop({OVERWRITE_WITH_GRADIENT!r})) to go on "
-      f"with {type(recipe).__name__}."
+      f"{layer}: the variables hold recipe state in {OVERWRITE_WITH_GRADIENT!r} "
+      f"({', '.join(sorted(found))}), but {keeps}, so it would be silently ignored: the "
+      "variables come from a model with another recipe (DelayedScaling keeps state). Apply the "
+      "model with that recipe, or leave the collection out of the variables "
+      f"(variables.pop({OVERWRITE_WITH_GRADIENT!r})) to go on {go_on}."
     )
 
 
@@ -329,6 +336,20 @@ class Dense(nn.Dense):
     _with_recipe_dot_general(self)
     super().__post_init__()
 
+  @nn.compact
+  def __call__(self, inputs):
+    """``nn.Dense``'s call, its GEMM quantized by the recipe.
+
+    Args:
+      inputs: the input, features last.
+
+    Returns:
+      The transformed input.
+    """
+    if self.recipe is None:  # nn.Dense's GEMM: refuses recipe state it would ignore
+      _refuse_ignored_state(self, None)
+    return super().__call__(inputs)
+
 
 class DenseGeneral(nn.DenseGeneral):
   """``flax.linen.DenseGeneral`` with a ``recipe`` and TE's low-rank adaptation.
@@ -397,6 +418,8 @@ class DenseGeneral(nn.DenseGeneral):
 
   @nn.compact
   def __call__(self, inputs):
+    if self.recipe is None:  # nn.DenseGeneral's GEMM: refuses recipe state it would ignore
+      _refuse_ignored_state(self, None)
     if self.input_axes:
       inputs = nn.with_logical_constraint(inputs, tuple(self.input_axes))
     if not self.enable_low_rank_adaptation:

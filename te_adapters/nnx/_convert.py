@@ -206,7 +206,7 @@ def quantize_model(
     if isinstance(layer, (Linear, LinearGeneral, Einsum)):
       # A te_adapters layer built with recipe=None; its constructor sets these attributes
       # through a helper, where mypy does not see them.
-      layer.recipe = choice.recipe  # type: ignore[union-attr]
+      layer.recipe = choice.recipe
       layer.threshold = choice.options.threshold  # type: ignore[union-attr]
     conversion.quantized(
       name, choice.recipe, core.high_precision_reason(choice.options.threshold, k, n)

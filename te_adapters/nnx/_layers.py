@@ -19,6 +19,7 @@ from flax.nnx.nn import linear as nnx_linear
 from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._ops import DotGeneral, EinsumOp, _RecipeOp, call_rngs, kernel_annotation
+from te_adapters.nnx._variables import OptionalGemms
 
 __all__ = ["Linear", "LinearGeneral", "Einsum"]
 
@@ -42,6 +43,10 @@ def _init_parent(layer, parent, slot: str, op_cls, args, kwargs, given, recipe, 
     kwargs[slot] = op_cls(recipe, **options)
   parent.__init__(layer, *args, **kwargs)
   layer.recipe = recipe
+  if recipe is None and getattr(layer, slot) is None:
+    # No GEMM slot in the graph (OptionalGemms: it reads as None, as NNX's layer left it), so
+    # that recipe state given to the layer reaches its refusal.
+    delattr(layer, slot)
   layer.threshold = options["threshold"]
   # After the NNX parent drew the parameters, so they equal those of the NNX layer.
   if isinstance(op := getattr(layer, slot), _RecipeOp):
@@ -106,7 +111,7 @@ def _parent_arguments(parent_init, layer, args, kwargs) -> dict:
   return bound.arguments
 
 
-class Linear(nnx.Linear):
+class Linear(OptionalGemms, nnx.Linear):
   """``nnx.Linear`` with a quantized GEMM.
 
   Takes every argument of ``flax.nnx.Linear`` with the same defaults, and creates the same
@@ -148,6 +153,8 @@ class Linear(nnx.Linear):
     >>> layer.dot_general.state.x_amax_history.shape
     (16,)
   """
+
+  _gemm_slots = ("dot_general",)
 
   def __init__(
     self,
@@ -211,7 +218,7 @@ class Linear(nnx.Linear):
     return _lora_term(self, inputs, y, -1)
 
 
-class LinearGeneral(nnx.LinearGeneral):
+class LinearGeneral(OptionalGemms, nnx.LinearGeneral):
   """``nnx.LinearGeneral`` with a quantized GEMM.
 
   Takes every argument of ``flax.nnx.LinearGeneral`` with the same defaults and creates the same
@@ -243,6 +250,8 @@ class LinearGeneral(nnx.LinearGeneral):
     >>> layer(jnp.ones((4, 32))).shape
     (4, 2, 16)
   """
+
+  _gemm_slots = ("dot_general",)
 
   def __init__(
     self,
@@ -312,7 +321,7 @@ class LinearGeneral(nnx.LinearGeneral):
     return _lora_term(self, inputs, y, self.axis)
 
 
-class Einsum(nnx.Einsum):
+class Einsum(OptionalGemms, nnx.Einsum):
   """``nnx.Einsum`` with a quantized GEMM, through ``jnp.einsum(..., _dot_general=...)``.
 
   Takes every argument of ``flax.nnx.Einsum`` with the same defaults and creates the same
@@ -339,6 +348,8 @@ class Einsum(nnx.Einsum):
     >>> layer(jnp.ones((2, 4, 32))).shape
     (2, 4, 2, 16)
   """
+
+  _gemm_slots = ("einsum_op",)
 
   def __init__(
     self,

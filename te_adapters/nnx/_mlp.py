@@ -12,11 +12,12 @@ from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._norm import _norm_params, _value
 from te_adapters.nnx._ops import DotGeneral
+from te_adapters.nnx._variables import OptionalGemms
 
 __all__ = ["LayerNormMLP"]
 
 
-class LayerNormMLP(nnx.Module):
+class LayerNormMLP(OptionalGemms, nnx.Module):
   """TE's ``LayerNormMLP`` in NNX: norm, GEMM, activation, dropout, GEMM.
 
   Parameters with TE's names and shapes: ``scale`` and ``ln_bias`` ``(in_features,)``,
@@ -60,6 +61,9 @@ class LayerNormMLP(nnx.Module):
     >>> out.shape, mlp.wi_kernel.shape, mlp.dot_general_1.state.x_scale.shape
     ((4, 32), (32, 2, 64), (1,))
   """
+
+  _gemm_slots = ("dot_general_0", "dot_general_1")
+  _kernel_name = "wi_kernel"
 
   def __init__(
     self,
@@ -124,8 +128,9 @@ class LayerNormMLP(nnx.Module):
     if use_bias:
       self.wi_bias = nnx.Param(bias_init(rngs.params(), (n_act, f), param_dtype))
       self.wo_bias = nnx.Param(bias_init(rngs.params(), (k,), param_dtype))
-    self.dot_general_0: DotGeneral | None = nnx.data(None)
-    self.dot_general_1: DotGeneral | None = nnx.data(None)
+    # Without a recipe, no GEMM slot (OptionalGemms: each reads as None).
+    self.dot_general_0: DotGeneral | None
+    self.dot_general_1: DotGeneral | None
     if recipe is not None:
       gemm = dict(threshold=threshold, kernel_all_gather=kernel_all_gather, config=config)
       self.dot_general_0 = DotGeneral(recipe, **gemm, rngs=rngs)

@@ -17,6 +17,7 @@ from flax import nnx
 from te_adapters import _kit as kit
 from te_adapters import core
 from te_adapters.nnx._ops import DotGeneral
+from te_adapters.nnx._variables import OptionalGemms
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "Softmax"]
 
@@ -101,7 +102,7 @@ class LayerNorm(nnx.Module):
     return _norm(self, x)
 
 
-class LayerNormDenseGeneral(nnx.Module):
+class LayerNormDenseGeneral(OptionalGemms, nnx.Module):
   """TE's ``LayerNormDenseGeneral`` in NNX: the norm, then a quantized GEMM.
 
   Returns ``(z, ln_out)`` as TE's (``ln_out`` is ``None`` unless ``return_layernorm_output``).
@@ -139,6 +140,8 @@ class LayerNormDenseGeneral(nnx.Module):
     >>> z.shape, ln_out.shape, layer.dot_general.state.x_scale.shape
     ((4, 32), (4, 16), (1,))
   """
+
+  _gemm_slots = ("dot_general",)
 
   def __init__(
     self,
@@ -192,7 +195,8 @@ class LayerNormDenseGeneral(nnx.Module):
     self.bias = nnx.data(None)
     if use_bias:
       self.bias = nnx.Param(bias_init(rngs.params(), features, param_dtype))
-    self.dot_general = nnx.data(None)
+    # Without a recipe, no GEMM slot (OptionalGemms: it reads as None).
+    self.dot_general: DotGeneral | None
     if recipe is not None:
       self.dot_general = DotGeneral(
         recipe, threshold=threshold, kernel_all_gather=kernel_all_gather, config=config, rngs=rngs

@@ -12,7 +12,14 @@ from flax import nnx
 
 from te_adapters import core
 
-__all__ = ["HoldsRecipeState", "RecipeState", "hold_state", "state_value", "te_name_aliases"]
+__all__ = [
+  "HoldsRecipeState",
+  "OptionalGemms",
+  "RecipeState",
+  "hold_state",
+  "state_value",
+  "te_name_aliases",
+]
 
 
 class RecipeState(nnx.Variable):
@@ -76,6 +83,47 @@ class HoldsRecipeState:
     super()._graph_node_set_key(key, value)  # type: ignore[misc]
 
 
+class OptionalGemms:
+  """Mixin (before the NNX layer) of a layer whose GEMM slots (``_gemm_slots``: ``dot_general``,
+  ``einsum_op``, ``dot_general_0``, ...) hold a quantized op (``_ops.DotGeneral``, which keeps
+  the recipe state) only where it has a recipe.
+
+  Without a recipe a slot holds what the NNX layer would (``lax.dot_general``), or is no
+  attribute of the graph and reads as None. Recipe state given to such a layer (``nnx.update``
+  with a quantized model's state, a restored checkpoint) then reaches ``_graph_node_set_key``,
+  which refuses it naming the layer, where Flax said "Found data on value of type State assigned
+  to static attribute" or "Cannot set key 'state' on immutable node of type NoneType".
+  """
+
+  _gemm_slots: tuple[str, ...] = ()
+  _kernel_name: str = "kernel"
+  recipe: Any
+
+  if not TYPE_CHECKING:
+
+    def __getattr__(self, name):
+      # Called only for attributes not found: a GEMM slot of a layer without a recipe.
+      if name in type(self)._gemm_slots and vars(self).get("recipe", ...) is None:
+        return None
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+  def _layer_name(self) -> str:
+    """The layer's class and its kernel's shape (NNX gives a layer no path)."""
+    kernel = vars(self).get(self._kernel_name)
+    shape = "" if kernel is None else f" ({self._kernel_name} {tuple(np.shape(kernel))})"
+    return f"{type(self).__name__} layer{shape}"
+
+  def _graph_node_set_key(self, key, value) -> None:
+    if (
+      key in self._gemm_slots
+      and vars(self).get("recipe", ...) is None
+      and isinstance(value, Mapping)
+    ):
+      given = value.get("state", value)
+      raise ValueError(foreign_state_message(self._layer_name(), None, given))
+    super()._graph_node_set_key(key, value)  # type: ignore[misc]
+
+
 def foreign_state_message(layer: str, recipe, given) -> str:
   """The error for recipe state ``given`` (``nnx.update``'s entries for one module) that
   ``layer``, whose ``recipe`` keeps none, cannot take: which state was found and was expected,
@@ -101,7 +149,10 @@ def foreign_state_message(layer: str, recipe, given) -> str:
 
 
 def _raw(entry):
-  """The array of one ``nnx.update`` entry (a variable, a state leaf or an array)."""
+  """The array of one ``nnx.update`` entry (a variable, a state leaf, an array, or Orbax's
+  ``{"value": array}`` of a variable restored without a target)."""
+  if isinstance(entry, Mapping) and "value" in entry:
+    entry = entry["value"]
   return entry.get_value() if isinstance(entry, nnx.Variable) else entry
 
 
