@@ -121,6 +121,28 @@ def check_nnx(ns):
   assert not np.array_equal(np.asarray(model.up.kernel[...]), np.asarray(fresh.up.kernel[...]))
 
 
+def check_nnx_checkpoints(ns):
+  from flax import nnx
+
+  from te_adapters import nnx as ta_nnx
+
+  fp8, bf16, saved = ns["fp8"], ns["bf16"], ns["saved"]
+  bf16_params = ns["Model"](None, nnx.Rngs(0))  # the model the bf16 checkpoint was saved from
+  for got, want in ((fp8, bf16_params), (bf16, saved)):  # the checkpoints' parameters loaded
+    for a, b in zip(
+      jax.tree.leaves(nnx.state(got, nnx.Param)),
+      jax.tree.leaves(nnx.state(want, nnx.Param)),
+      strict=True,
+    ):
+      np.testing.assert_array_equal(a, b)
+  # The FP8 model's recipe state is a new one; the bf16 model keeps none.
+  fresh = ta.core.init_state(ta.DelayedScaling())
+  assert ta_nnx.recipe_state(fp8)["up"]["dot_general"]["state"]["x_scale"][...] == fresh["x_scale"]
+  assert not jax.tree.leaves(nnx.state(bf16, ta_nnx.RecipeState))
+  x = jnp.ones((32, 64))
+  assert fp8(x).shape == bf16(x).shape == (32, 16)
+
+
 def check_haiku(ns):
   assert np.isfinite(float(ns["loss"])) and ns["aux"] is None
   assert jax.tree.structure(ns["param_grads"]) == jax.tree.structure(ns["params"])
@@ -309,10 +331,11 @@ CHECKS = {
   "ta.core.init_ragged_state(recipe, 4)": check_ragged,
   "ta_nnx.GroupedLinear(4, 32, 48": check_grouped_layer,
   "state = ta.core.with_max_grad(state)": check_plain_jax,
-  "ocp.StandardCheckpointer()": check_orbax,
+  'checkpointer.save(path, {"w": w, "recipe_state": state})': check_orbax,
   "ta_linen.TrainState.create": check_linen,
   "ta_nnx.update_recipe_state(model, state_grads)": check_nnx,
   "ta_hk.value_grad_and_state(loss_fn)": check_haiku,
+  'checkpointer.restore(folder / "fp8", target)': check_nnx_checkpoints,
   "ta_linen.quantize(rules=": lambda ns: check_rules(ns["q"].report),
   "ta_nnx.quantize_model(Block(": lambda ns: check_rules(ns["report"]),
   "ta_hk.quantize(rules=": lambda ns: check_rules(ns["q"].report),

@@ -434,3 +434,69 @@ def test_nnx_recipe_state_given_to_layers_without_a_recipe_raises(name):
   ):
     np.testing.assert_array_equal(a, b)
   assert call(plain).shape == (4, 32)
+
+
+# --- what Flax and Orbax say first (docs/guide/nnx.md, "a checkpoint of another recipe") ------
+
+
+class _Pair(nnx.Module):
+  def __init__(self, recipe, rngs):
+    self.up = ta_nnx.Linear(32, 64, recipe=recipe, rngs=rngs)
+    self.down = ta_nnx.Linear(64, 32, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(self.up(x))
+
+
+def test_nnx_merge_and_replace_by_pure_dict_refuse_another_recipes_state():
+  """Flax's own calls see a checkpoint of another recipe before any layer does; they raise
+  (never load it silently), with the messages the guide quotes."""
+  delayed, current, plain = (_Pair(r, nnx.Rngs(0)) for r in (DELAYED, CURRENT, None))
+  for model in (current, plain):
+    graphdef, _ = nnx.split(model)
+    with pytest.raises(ValueError, match="Incorrect number of leaves"):
+      nnx.merge(graphdef, nnx.state(delayed))
+    with pytest.raises(ValueError, match="Incorrect number of leaves"):
+      nnx.merge(nnx.split(delayed)[0], nnx.state(model))
+    with pytest.raises(
+      ValueError,
+      match=r"key in pure_dict not available in state: \('down', 'dot_general', 'state', ",
+    ):
+      nnx.replace_by_pure_dict(nnx.state(model), nnx.to_pure_dict(nnx.state(delayed)))
+  # The other way the dict's parameters load and a built model keeps its initial recipe state:
+  # a bf16 model's weights start FP8 training.
+  target = _Pair(DELAYED, nnx.Rngs(1))
+  state = nnx.state(target)
+  nnx.replace_by_pure_dict(state, nnx.to_pure_dict(nnx.state(plain)))
+  nnx.update(target, state)
+  np.testing.assert_array_equal(target.up.kernel[...], plain.up.kernel[...])
+  for name, value in ta.core.init_state(DELAYED).items():
+    np.testing.assert_array_equal(target.up.dot_general.state[name][...], value)
+
+
+def test_orbax_restore_with_another_recipes_target_raises(tmp_path):
+  """Orbax compares the target's tree with the checkpoint's: a bf16 checkpoint into an FP8
+  model's target, or an FP8 one into a bf16 model's, is its ValueError, naming the recipe
+  state's path; the guide's restore (the shared parameters) loads both ways."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  delayed, plain = _Pair(DELAYED, nnx.Rngs(0)), _Pair(None, nnx.Rngs(1))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "fp8", nnx.state(delayed))
+    checkpointer.save(tmp_path / "bf16", nnx.state(plain))
+  mismatch = r"tree structures do not match:\ndown.dot_general:"
+  abstract_mismatch = r"Structure mismatch: Target path \('down', 'dot_general', 'state', "
+  with ocp.StandardCheckpointer() as checkpointer:
+    for path, recipe in (("fp8", None), ("bf16", DELAYED)):
+      with pytest.raises(ValueError, match=mismatch):
+        checkpointer.restore(tmp_path / path, nnx.state(_Pair(recipe, nnx.Rngs(2))))
+    # An abstract target (nnx.eval_shape), Flax's restore recipe.
+    abstract = nnx.eval_shape(lambda: _Pair(DELAYED, nnx.Rngs(2)))
+    with pytest.raises(ValueError, match=abstract_mismatch):
+      checkpointer.restore(tmp_path / "bf16", nnx.state(abstract))
+    # What both share: the parameters.
+    fp8 = _Pair(DELAYED, nnx.Rngs(2))
+    nnx.update(fp8, checkpointer.restore(tmp_path / "bf16", nnx.state(fp8, nnx.Param)))
+    np.testing.assert_array_equal(fp8.down.kernel[...], plain.down.kernel[...])
+    # Restored without a target, the FP8 checkpoint reaches the layer's own refusal.
+    with pytest.raises(ValueError, match=r"^Linear layer \(kernel \(64, 32\)\): " + NNX_REFUSED):
+      nnx.update(_Pair(None, nnx.Rngs(2)), checkpointer.restore(tmp_path / "fp8"))
