@@ -79,10 +79,29 @@ def test_linen_gemms_of_two_recipes_side_by_side_are_not_mistaken_for_a_checkpoi
   assert Mixed().apply(variables, X).shape == (4, 32)
 
 
+MISSING = (
+  r"keeps recipe state \('x_scale' and the other entries of its GEMM, in "
+  r"'_overwrite_with_gradient'\), but the variables given to apply have none for it"
+)
+
+
 def test_linen_missing_or_mismatched_delayed_state_raises():
   variables = Tower(DELAYED).init(jax.random.PRNGKey(0), X)
-  with pytest.raises(Exception, match="_overwrite_with_gradient"):
+  # No recipe state (a bf16 model's variables, say): Flax said the collection is empty.
+  with pytest.raises(ValueError, match=r"^layer 'proj': its recipe DelayedScaling " + MISSING):
     Tower(DELAYED).apply({"params": variables["params"]}, X)
+  # One layer's missing (Flax: no such variable): that layer is named.
+  collection = dict(variables["_overwrite_with_gradient"])
+  del collection["dense"]
+  with pytest.raises(ValueError, match=r"^layer 'dense': its recipe DelayedScaling " + MISSING):
+    Tower(DELAYED).apply({"params": variables["params"], "_overwrite_with_gradient": collection}, X)
+  # The way out the message names: a bf16 model's parameters with the recipe state from init.
+  # (These small GEMMs stay in high precision under the size threshold: the bf16 model's outputs.)
+  x = jax.random.normal(jax.random.PRNGKey(2), X.shape)
+  plain = _LinenLayers(None).init(jax.random.PRNGKey(1), x)
+  fresh = _LinenLayers(DELAYED).init(jax.random.PRNGKey(0), x)["_overwrite_with_gradient"]
+  y = _LinenLayers(DELAYED).apply({**plain, "_overwrite_with_gradient": fresh}, x)
+  np.testing.assert_allclose(y, _LinenLayers(None).apply(plain, x), rtol=1e-6, atol=1e-6)
   # The error names the layer (the first to run).
   with pytest.raises(
     ValueError, match=r"^layer 'proj': state\['x_amax_history'\] has shape \(4,\)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -87,11 +88,31 @@ def gemm_state(module: nn.Module, recipe, postfix: str, n_groups: int | None = N
   ``_overwrite_with_gradient`` under TE's postfixed names; ``None`` where the recipe keeps none."""
 
   def variable(name, initial):
-    return module.variable(OVERWRITE_WITH_GRADIENT, postfixed(name, postfix), lambda: initial).value
+    entry = postfixed(name, postfix)
+    try:
+      return module.variable(OVERWRITE_WITH_GRADIENT, entry, lambda: initial).value
+    except (flax.errors.ScopeCollectionNotFound, flax.errors.ScopeVariableNotFoundError) as e:
+      raise ValueError(_missing_state_message(module, recipe, entry)) from e
 
   if recipe is None or not core.state_names(recipe):
     _refuse_ignored_state(module, recipe)
   return kit.recipe_state(recipe, variable, n_groups)
+
+
+def _missing_state_message(module: nn.Module, recipe, entry: str) -> str:
+  """The error for a layer whose recipe keeps state that the variables given to ``apply`` lack
+  (where Flax said the collection is empty, or has no such variable)."""
+  owner = isinstance(module, QuantizedDotGeneral)
+  layer = layer_label(module, owner=owner) or type(module).__name__
+  collection = repr(OVERWRITE_WITH_GRADIENT)
+  return (
+    f"{layer}: its recipe {type(recipe).__name__} keeps recipe state ({entry!r} and the other "
+    f"entries of its GEMM, in {OVERWRITE_WITH_GRADIENT!r}), but the variables given to apply "
+    "have none for it: they come from a model that keeps none (high precision, or a recipe "
+    "without state) or from another model. Pass the variables init returned (or the previous "
+    "step's); to start from another model's parameters, take the recipe state from init: "
+    f"{{**variables, {collection}: model.init(key, x)[{collection}]}}."
+  )
 
 
 def _refuse_ignored_state(module: nn.Module, recipe) -> None:
