@@ -160,13 +160,15 @@ def test_nnx_mismatched_state_errors_name_the_layer():
   nnx.update(model, nnx.state(longer, ta_nnx.RecipeState))  # a checkpoint's, say
   # A converted layer by its path; an experts layer (no path in NNX) by its class.
   with pytest.raises(
-    ValueError, match=r"^DotGeneral layer at 'blocks/0': state\['x_amax_history'\] has shape \(8,\)"
+    ValueError, match=r"^layer 'blocks/0': state\['x_amax_history'\] has shape \(8,\)"
   ):
     model(X)
   model = _Blocks(nnx.Rngs(0))
   nnx.update(model.experts, nnx.state(longer.experts, ta_nnx.RecipeState))
   with pytest.raises(
-    ValueError, match=r"^GroupedLinear layer: state\['x_amax_history'\] has shape \(2, 8\)"
+    ValueError,
+    match=r"^GroupedLinear layer \(kernel \(2, 32, 32\)\): state\['x_amax_history'\] has shape "
+    r"\(2, 8\)",
   ):
     model(X)
 
@@ -251,12 +253,12 @@ NNX_MODELS = {
   "GroupedLinear": (
     lambda r: ta_nnx.GroupedLinear(2, 32, 32, recipe=r, rngs=nnx.Rngs(0)),
     lambda m: m(X, SIZES),
-    r"^GroupedLinear\(2, 32, 32\): ",
+    r"^GroupedLinear layer \(kernel \(2, 32, 32\)\): ",
   ),
   "converted": (
     lambda r: _Converted(r, nnx.Rngs(0)),
     lambda m: m(X),
-    r"^Linear layer at 'down' \(kernel \(64, 32\)\): ",
+    r"^layer 'down': ",
   ),
 }
 
@@ -288,7 +290,8 @@ def test_nnx_stateful_state_given_to_a_stateless_layer_raises(name):
 def test_nnx_recipe_state_given_to_a_layer_without_recipe_raises():
   delayed = ta_nnx.GroupedLinear(2, 32, 32, recipe=DELAYED, rngs=nnx.Rngs(0))
   plain = ta_nnx.GroupedLinear(2, 32, 32, recipe=None, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"^GroupedLinear\(2, 32, 32\): " + NNX_REFUSED) as info:
+  grouped = r"^GroupedLinear layer \(kernel \(2, 32, 32\)\): "
+  with pytest.raises(ValueError, match=grouped + NNX_REFUSED) as info:
     nnx.update(plain, nnx.state(delayed))
   assert "but it has no recipe (high precision), so the layer cannot take it" in str(info.value)
   assert str(info.value).endswith("to go on without a recipe.")

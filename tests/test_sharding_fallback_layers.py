@@ -79,7 +79,7 @@ def test_a_layers_resharded_gemm_warns_naming_it_at_the_users_line(monkeypatch):
 
   runs = {  # the step, its parameters, and how the warnings name the layer
     "linen": (_LinenModel().apply, linen_params, "layer 'linen_proj'"),
-    "nnx": (nnx_apply, nnx_state, "DotGeneral layer"),
+    "nnx": (nnx_apply, nnx_state, "Linear layer (kernel (64, 32))"),
     "haiku": (lambda p, x: hk_model.apply(p, None, x), hk_params, "layer 'hk_proj'"),
   }
   for framework, (step, params, name) in runs.items():

@@ -100,8 +100,9 @@ class GroupedLinear(HoldsRecipeState, nnx.Module):
     self.recipe = recipe
 
   def _state_owner(self) -> str:
-    """The layer's class and shape, as the refusal of another recipe's state names it."""
-    return f"{type(self).__name__}({self.num_groups}, {self.in_features}, {self.out_features})"
+    """The layer's class and kernel shape, as every message about it names it (NNX gives a
+    layer no path)."""
+    return f"{type(self).__name__} layer (kernel {tuple(self.kernel.shape)})"
 
   def __call__(self, inputs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Applies expert ``g``'s kernel to the ``group_sizes[g]`` rows of group ``g``.
@@ -114,7 +115,7 @@ class GroupedLinear(HoldsRecipeState, nnx.Module):
       [M, N]; rows past ``sum(group_sizes)`` are zero.
     """
     inputs, kernel = dtypes.promote_dtype((inputs, self.kernel[...]), dtype=self.dtype)
-    kit.check_input_dtype(self.recipe, inputs.dtype, type(self).__name__)
+    kit.check_input_dtype(self.recipe, inputs.dtype, self._state_owner())
     state = state_value(self.state) or None
     return core.ragged_dot(
       inputs,
@@ -124,7 +125,6 @@ class GroupedLinear(HoldsRecipeState, nnx.Module):
       preferred_element_type=self.preferred_element_type,
       recipe=self.recipe,
       state=state,
-      # An NNX module does not know its path in the model: the core adds the shapes.
-      layer=f"{type(self).__name__} layer",
+      layer=self._state_owner(),
       framework="nnx",
     )

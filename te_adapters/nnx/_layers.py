@@ -90,8 +90,7 @@ def _lora_term(layer, inputs, y, axis):
     threshold=layer.threshold,
     alpha=layer.low_rank_adaptation_alpha,
     promote=lambda *arrays: layer.promote_dtype(arrays, dtype=layer.dtype),
-    layer=getattr(layer.dot_general, "layer_path", None)
-    and f"layer {layer.dot_general.layer_path!r}",
+    layer=layer.dot_general._layer_name() if isinstance(layer.dot_general, _RecipeOp) else None,
     framework="nnx",
   )
 

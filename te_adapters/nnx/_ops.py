@@ -161,12 +161,8 @@ class _RecipeOp(HoldsRecipeState, kit.GemmOptionAttributes, nnx.Module):
     self.owner = (type(layer).__name__, f"{kernel} {tuple(kernel_shape)}")
 
   def _state_owner(self) -> str:
-    """The holding layer's class, path (where a conversion gave it) and kernel shape."""
-    if self.owner is None:
-      what, shapes = f"{type(self).__name__} op", ""
-    else:
-      what, shapes = f"{self.owner[0]} layer", f" ({self.owner[1]})"
-    return what + ("" if self.layer_path is None else f" at {self.layer_path!r}") + shapes
+    """How the refusal of another recipe's state names the layer: as every message does."""
+    return self._layer_name()
 
   def set_rngs(self, rngs, stack_shape: tuple[int, ...] = ()) -> None:
     """Gives the op its rounding stream from ``rngs`` (``sr_stream``), if the recipe uses one."""
@@ -206,10 +202,15 @@ class _RecipeOp(HoldsRecipeState, kit.GemmOptionAttributes, nnx.Module):
     return state_value(self.state)
 
   def _layer_name(self, what: str | None = None) -> str:
-    """How messages about this GEMM name its layer: ``what`` (the einsum equation), and the
-    layer's path in the model where a conversion gave it."""
-    what = what or f"{type(self).__name__} layer"
-    return what if self.layer_path is None else f"{what} at {self.layer_path!r}"
+    """How messages about this GEMM name its layer: by its path in the model where a conversion
+    gave it (``layer 'blocks/0/up'``, as Linen's and Haiku's messages name theirs), else (NNX
+    gives a layer no path) by the holding layer's class and kernel shape (``Linear layer (kernel
+    (64, 32))``); an op in no layer of ours by ``what`` (the einsum equation) or its class."""
+    if self.layer_path is not None:
+      return f"layer {self.layer_path!r}"
+    if self.owner is not None:
+      return f"{self.owner[0]} layer ({self.owner[1]})"
+    return what or f"{type(self).__name__} op"
 
   def _dot(
     self,
@@ -222,8 +223,9 @@ class _RecipeOp(HoldsRecipeState, kit.GemmOptionAttributes, nnx.Module):
     out_sharding=None,
     layer=None,
   ):
-    kit.check_input_dtype(self.recipe, lhs.dtype, type(self).__name__)
-    kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, type(self).__name__)
+    name = self._layer_name(layer)
+    kit.check_input_dtype(self.recipe, lhs.dtype, name)
+    kit.check_kernel_gemm_dims(self.recipe, rhs.shape, dimension_numbers, name)
     return core.dot_general(
       lhs,
       rhs,
@@ -235,7 +237,7 @@ class _RecipeOp(HoldsRecipeState, kit.GemmOptionAttributes, nnx.Module):
       rng=self._rounding_key(rngs),
       out_sharding=out_sharding,
       **self.options.keywords(),
-      layer=self._layer_name(layer),
+      layer=name,
       kernel_sharding=self.kernel_sharding,
       framework="nnx",
     )

@@ -166,8 +166,8 @@ def test_frozen_state_warning_names_each_layer_and_points_at_the_users_line():
   assert [w.filename for w in frozen] == [__file__] * 2
   # An NNX layer does not know its path in the model: the layer's class and shapes name it.
   shapes = [
-    "x (64, 32) float32 . kernel (4, 32, 64) float32",
-    "x (64, 64) float32 . kernel (4, 64, 16)",
+    "kernel (4, 32, 64)) (x (64, 32) float32 . kernel (4, 32, 64) float32",
+    "kernel (4, 64, 16)) (x (64, 64) float32 . kernel (4, 64, 16)",
   ]
   for w, shape in zip(frozen, shapes, strict=True):
     message = str(w.message)

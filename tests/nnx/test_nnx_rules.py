@@ -105,7 +105,7 @@ def test_frozen_state_warning_names_each_layer_and_points_at_the_users_line():
   assert [w.filename for w in frozen] == [__file__] * 2
   messages = [str(w.message) for w in frozen]
   for i, message in enumerate(messages):
-    assert f"DotGeneral layer at 'blocks/{i}/up' (x (4, 32) float32 . kernel (32, 32)" in message
+    assert f"layer 'blocks/{i}/up' (x (4, 32) float32 . kernel (32, 32)" in message
     assert "te_adapters.nnx.value_and_grad" in message
     assert "Linen" not in message and "haiku" not in message  # NNX's remedy only
 
