@@ -324,7 +324,15 @@ def _frozen_haiku(x):
       ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],
       "te_adapters.linen.TrainState.value_and_grad",
     ),
-    ("nnx", ["the GEMM x"] * 3, "te_adapters.nnx.value_and_grad"),  # NNX layers know no path
+    (  # NNX gives a layer no path: its class and kernel shape name it
+      "nnx",
+      [
+        "LayerNormDenseGeneral layer (kernel (32, 32)) (x",
+        "LayerNormMLP layer (wi_kernel (32, 1, 64)) (x",
+        "LayerNormMLP layer (wi_kernel (32, 1, 64)) (x",
+      ],
+      "te_adapters.nnx.value_and_grad",
+    ),
     (
       "haiku",
       ["layer 'qkv' (x", "layer 'mlp' (x", "layer 'mlp' (x"],

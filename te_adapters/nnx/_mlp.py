@@ -192,5 +192,6 @@ class LayerNormMLP(OptionalGemms, nnx.Module):
       rngs=sr_rngs,
       return_layernorm_output=self.return_layernorm_output,
       **gemm,
+      layer=self._layer_name(),
       framework="nnx",
     )

@@ -237,6 +237,7 @@ class LayerNormDenseGeneral(OptionalGemms, nnx.Module):
       return_layernorm_output=self.return_layernorm_output,
       depth_scaling=self.depth_scaling,
       **gemm,
+      layer=self._layer_name(),
       framework="nnx",
     )
 

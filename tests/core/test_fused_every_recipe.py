@@ -234,13 +234,49 @@ def test_a_format_without_producers_composes_with_a_warning():
       threshold=None,
     )
     np.testing.assert_array_equal(ours, want)
-    # Through a layer: at the line that runs the model, not inside the adapter.
-    from te_adapters import linen as ta_linen
+    # Through a layer of each adapter: naming the layer, at the line that runs the model, not
+    # inside the adapter.
+    import haiku as hk
+    from flax import linen as nn
+    from flax import nnx
 
-    layer = ta_linen.LayerNormMLP(64, recipe=recipe, threshold=None, intermediate_dropout_rate=0.0)
-    with pytest.warns(core.FusedPathFallbackWarning) as record:
-      layer.init(jax.random.key(0), x, deterministic=True)
-    (warning,) = [w for w in record if w.category is core.FusedPathFallbackWarning]
-    assert warning.filename == __file__
+    from te_adapters import haiku as ta_hk
+    from te_adapters import linen as ta_linen
+    from te_adapters import nnx as ta_nnx
+
+    class LinenBlock(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        mlp = ta_linen.LayerNormMLP(
+          64, recipe=recipe, threshold=None, intermediate_dropout_rate=0.0, name="mlp"
+        )
+        return mlp(x, deterministic=True)
+
+    def haiku_block(x):
+      return ta_hk.LayerNormMLP(64, recipe=recipe, threshold=None, name="mlp")(x)
+
+    k = x.shape[-1]
+    runs = [
+      ("linen", "layer 'mlp'", lambda: LinenBlock().init(jax.random.key(0), x)),
+      (
+        "nnx",
+        f"LayerNormMLP layer (wi_kernel ({k}, 1, 64))",
+        lambda: ta_nnx.LayerNormMLP(k, 64, recipe=recipe, threshold=None, rngs=nnx.Rngs(0))(x),
+      ),
+      (
+        "haiku",
+        "layer 'mlp'",
+        lambda: hk.transform_with_state(haiku_block).init(jax.random.key(0), x),
+      ),
+    ]
+    for adapter, name, run in runs:
+      with pytest.warns(core.FusedPathFallbackWarning) as record:
+        run()
+      (warning,) = [w for w in record if w.category is core.FusedPathFallbackWarning]
+      assert str(warning.message).startswith(f"{name}: _NoProducerScaling: its quantization"), (
+        adapter,
+        str(warning.message),
+      )
+      assert warning.filename == __file__, adapter
   finally:
     core.unregister_format(_NoProducerScaling)

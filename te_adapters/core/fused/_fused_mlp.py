@@ -86,18 +86,20 @@ class FusedPathFallbackWarning(UserWarning):
   """
 
 
-def format_fuses(recipe, gemm_shapes, rngs) -> bool:
+def format_fuses(recipe, gemm_shapes, rngs, layer: str | None = None) -> bool:
   """Whether the recipe's format takes the fused path for GEMMs of ``gemm_shapes`` (``(M, K,
   N)`` each): it takes producers (every format of the package does: per-tensor ones their FP8
   cast, block and rowwise ones their values), its blocks tile every GEMM's M, K and N
   (``format.check``; otherwise the composed path, whose GEMMs raise that error under
   differentiation), and the PRNG keys fit the recipe (one per GEMM for stochastic rounding,
-  none otherwise; otherwise the composed path, whose GEMMs raise the error)."""
+  none otherwise; otherwise the composed path, whose GEMMs raise the error). A format that takes
+  no producer warns (``FusedPathFallbackWarning``), naming ``layer`` where given."""
   recipe = check_recipe(recipe)
   fmt = formats.format_of(recipe)
   if not fmt.takes_producer:
+    where = f"{layer}: " if layer else ""
     warnings.warn(
-      f"{type(recipe).__name__}: its quantization format takes no producer "
+      f"{where}{type(recipe).__name__}: its quantization format takes no producer "
       "(QuantizationFormat.takes_producer), so the norm and MLP run composed: the norm's and "
       "the activation's outputs are written in the activations' dtype before their casts",
       FusedPathFallbackWarning,
@@ -116,10 +118,13 @@ def format_fuses(recipe, gemm_shapes, rngs) -> bool:
   return True
 
 
-def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs) -> bool:
+def applies(
+  recipe, config, *, gemm_shapes, threshold, dropout_active, constrained, rngs, layer=None
+) -> bool:
   """Whether ``layernorm_mlp`` takes the fused path: a recipe whose format fuses
   (``format_fuses``), both GEMMs in FP8 (``gemm_shapes``: their ``(M, K, N)``), no dropout, and
-  ``config.fuse_activation_cast`` not ``False``. Per-tensor recipes take it sharded too (with
+  ``config.fuse_activation_cast`` not ``False`` (``layer``: what its warning calls the layer).
+  Per-tensor recipes take it sharded too (with
   sharding constraints, inside ``shard_map``): the casts' kernels have partitioning rules
   (``_kernels_run``), and the GEMM rule sums each cotangent
   over the mesh axes its primal is replicated on. Block and rowwise recipes compose there."""
@@ -131,7 +136,7 @@ def applies(recipe, config, *, gemm_shapes, threshold, dropout_active, constrain
     check_recipe(recipe)
   ).per_tensor:
     return False
-  if not format_fuses(recipe, gemm_shapes, rngs):
+  if not format_fuses(recipe, gemm_shapes, rngs, layer):
     return False
   if threshold is not None:
     backend = jax.default_backend()

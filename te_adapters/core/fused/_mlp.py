@@ -258,6 +258,7 @@ def layernorm_mlp(
     dropout_active=not 0.0 <= dropout_rate <= 1.0 or (dropout_rate != 0.0 and not deterministic),
     constrained=dot_1_input_constraint is not None or dot_2_input_constraint is not None,
     rngs=(rng_0, rng_1),
+    layer=layer,
   )
   kernels, chain_plan = (wi_kernel, wo_kernel), None
   if fused and plans[0] is not None:

@@ -182,6 +182,7 @@ def layernorm_dense(
       dropout_active=False,
       constrained=dot_input_constraint is not None,
       rngs=(rng,),
+      layer=layer,
     )
     and _fused_mlp.norm_fuses(x, config)
   ):
