@@ -41,6 +41,24 @@ def exact_data(shape, seed):
   return jnp.asarray(data)
 
 
+def emulate_fp8_gemm(monkeypatch):
+  """Where the extension's cuBLASLt GEMM is not built (CPU), a stand-in of its per-tensor contract
+  (the float32 sums times both scales, rounded once to the output dtype) called wherever the
+  GEMM would run, so that its call sites and partitioning rule run as on an H100; nothing where
+  the GEMM runs."""
+  from te_adapters.core import kernels
+
+  if kernels.cublas_gemm_available():
+    return
+
+  def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, **_):
+    assert lhs_mode == rhs_mode == 0, "per-tensor scales only"
+    return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
+
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", gemm_call)
+
+
 def assert_trees_identical(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

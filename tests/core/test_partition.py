@@ -40,6 +40,7 @@ DN = (((2,), (0,)), ((), ()))  # x (batch, seq, hidden) . kernel (hidden, featur
 X_SHAPE, W_SHAPE, Y_SHAPE = (8, 16, 64), (64, 32), (8, 16, 32)
 FACTORS = (1.0, 2.0, 1.0)  # per step: the activations' amax changes between steps
 DELAYED = ta.DelayedScaling(amax_history_len=4)
+CURRENT_SCALING = ta.Float8CurrentScaling()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +423,70 @@ def test_fp8_gemm_call_site_runs_per_shard_with_float32_sums(monkeypatch):
   assert any(("f32", (64, 64)) in c.arrays for c in reduces), reduces  # dx
   assert any(("f32", (64, 16)) in c.arrays for c in reduces), reduces  # dW (K, N/tp)
   assert not any(d == "bf16" for c in reduces for d, _ in c.arrays), reduces
+
+
+@pytest.mark.parametrize("plan", [PLANS[0], PLANS[3], PLANS[4]], ids=lambda p: p.name)
+def test_explicit_mesh_axes_run_every_gemm_on_the_kernel_per_shard(monkeypatch, plan):
+  """On Explicit mesh axes each backward GEMM is given its output's sharding (its primal's, as
+  JAX's own dot_general transpose does): the extension's GEMM takes it through its rule, per
+  shard, as under Auto axes, not XLA's FP8 dot. XLA's dot rounds to bf16 before the scales and
+  the kernel after, so a program mixing them differs from one device's by a bf16 rounding, and
+  a current-scaling amax taken from such a gradient moves every FP8 code of the next GEMM's
+  operand (a 2.8e-2 gradient error on two H100s). With float32 partial sums: one device's bit for
+  bit, forward and both backward GEMMs on every device's shards."""
+  calls = []
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
+  plan = dataclasses.replace(plan, bf16_sums=())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ta.core.ShardingFallbackWarning)
+    got, text = _sharded(DELAYED, plan, AxisType.Explicit)
+  sharded_calls, calls[:] = list(calls), []
+  _assert_equal_to_one_device(got, _one_device_uncached(DELAYED), plan)
+  # x3 (128, 64), the kernel (32, 64), dy (128, 32): rows over dp, the features over tp in dp_tp.
+  # dgrad contracts the features: split over tp in dp_tp, its partial products float32 there.
+  n, dgrad = (16, np.dtype(jnp.float32)) if plan.name == "dp_tp" else (32, np.dtype(jnp.bfloat16))
+  assert ((64, 64), (n, 64), np.dtype(jnp.bfloat16)) in sharded_calls, sharded_calls  # forward
+  assert ((64, n), (64, n), dgrad) in sharded_calls, sharded_calls  # dgrad
+  assert ((64, 64), (n, 64), np.dtype(jnp.float32)) in sharded_calls, sharded_calls  # wgrad
+  # No FP8 dot of XLA's: the kernel's stand-in writes float32 sums, XLA's dgrad wrote bf16.
+  assert not [line for line in text.splitlines() if " dot(" in line and "= bf16[" in line]
+
+
+def test_explicit_out_sharding_of_a_row_parallel_gemm_runs_the_kernel_per_shard(monkeypatch):
+  """Row-parallel TP on Explicit axes: K split over tp needs ``out_sharding`` (JAX's rule), which
+  the extension's GEMM takes: each device multiplies its K slice into float32 partials, summed
+  over tp and rounded once, so y, dx and dW are one device's bit for bit. (A named sharding
+  sent the GEMM to XLA's FP8 dot before, whose bf16 partial sums put y 2.9e-3 off one device's
+  for normal random data; this exact data sums exactly, the calls tell the two apart.)"""
+  calls = []
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
+  mesh = _mesh(AxisType.Explicit)
+  x, w, dy = _data()
+
+  def step(x, w, dy, out_sharding=None):
+    def loss(x, w):
+      y = core.dot_general(
+        x, w, DN, recipe=CURRENT_SCALING, threshold=None, config=FFI, out_sharding=out_sharding
+      )
+      return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+    return y, grads
+
+  want = jax.jit(step)(x, w, dy)
+  with jax.set_mesh(mesh):
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    rows = P("dp", None, None)
+    got = jax.jit(functools.partial(step, out_sharding=rows))(
+      put(x, P("dp", None, "tp")), put(w, P("tp", None)), put(dy, rows)
+    )
+  assert got[0].sharding.spec == rows
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The forward GEMM's shards: x3 (64, 32) . w (32, 32)^T, K halved, float32 partial products.
+  assert ((64, 32), (32, 32), np.dtype(jnp.float32)) in calls, calls
 
 
 def test_fp8_gemm_call_site_sums_partial_products_in_the_output_dtype(monkeypatch):

@@ -304,7 +304,9 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
     refusal = _cublas_refusal(a.data, b.data, gemm_dtype, out_sharding)
     if refusal is None:
       one = jnp.ones((1,), jnp.float32)
-      out = _cublas_tn_dot(a.data, b.data, one, one, gemm_dtype, precision, jnp.float32)
+      out = _cublas_tn_dot(
+        a.data, b.data, one, one, gemm_dtype, precision, jnp.float32, out_sharding=out_sharding
+      )
     elif config is not None and config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
   if out is None:

@@ -134,20 +134,36 @@ def _cublas_refusal(a, b, out_dtype, out_sharding) -> str | None:
   m, n, k = a.shape[-2], b.shape[-2], a.shape[-1]
   if m % 16 or n % 16 or k % 16:
     return f"it needs M, N and K multiples of 16, got M={m}, N={n}, K={k}"
-  if out_sharding is not None:  # Explicit mesh axes naming the output's sharding
-    return "the output's sharding is named (out_sharding), which its partitioning rule ignores"
+  if out_sharding is None:
+    return None
+  # Explicit mesh axes: the rule gives its output the named sharding (a backward GEMM's, its
+  # primal's), which Auto axes leave to XLA's partitioner.
+  explicit = sharding.explicit_out_sharding(out_sharding)
+  if explicit is None:
+    return f"the output's sharding {out_sharding} names mesh axes that are not Explicit"
+  lead = a.shape[:-2]
+  if len(lead) > 1:
+    try:  # the batch dims, merged into one for the kernel, keep their shards
+      sharding.reshaped_sharding(explicit, (*lead, m, n), (math.prod(lead), m, n))
+    except ValueError as e:
+      return str(e)
   return None
 
 
-def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None, config=None):
+def _cublas_tn_dot(
+  a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None, config=None, out_sharding=None
+):
   """``a (.., M, K) . b (.., N, K)^T * sinv_a * sinv_b`` by cuBLASLt: both scales in the
-  epilogue, one rounding to ``out_dtype`` (TE's GEMM)."""
+  epilogue, one rounding to ``out_dtype`` (TE's GEMM). ``out_sharding``: the output's sharding on
+  Explicit mesh axes (``_cublas_refusal`` refuses others), or None."""
   lead = a.shape[:-2]
   (m, k), n = a.shape[-2:], b.shape[-2]
   # 2-D operands go in as they are: a reshape between the call and a cast of its output (the
   # float32 wgrad cast to bf16 and back to a float32 parameter's dtype) stops XLA from dropping
   # that round trip.
   batch = (math.prod(lead),) if lead else ()
+  out_sharding = sharding.explicit_out_sharding(out_sharding)
+  kernel_out = sharding.reshaped_sharding(out_sharding, (*lead, m, n), (*batch, m, n))
   # Fast sums where XLA would use them: every operand precision DEFAULT (XLA's rule).
   pair = precision if isinstance(precision, (tuple, list)) else (precision, precision)
   fast = all(p is None or str(p).upper().split(".")[-1] in ("DEFAULT", "FASTEST") for p in pair)
@@ -163,8 +179,10 @@ def _cublas_tn_dot(a, b, sinv_a, sinv_b, out_dtype, precision, sum_dtype=None, c
     sum_dtype,
     sm_margin=None if config is None else config.comm_sm_margin,
     sum_chunks=1 if config is None else config.sum_chunks,
+    out_sharding=kernel_out,
   )
-  return y.reshape(*lead, m, n) if lead else y
+  y = sharding.reshape(y, (*lead, m, n)) if lead else y
+  return sharding.match_sharding(y, out_sharding)
 
 
 def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=None):
@@ -185,9 +203,10 @@ def _gemm(a, b, out_dtype, which, recipe, config, precision=None, out_sharding=N
       # the output dtype (for wgrad too: the kernel's dtype as the caller passes it) or in
       # float32 (GemmConfig.partial_sums).
       sum_dtype = out_dtype if config.partial_sums == "output" else jnp.float32
-      return _cublas_tn_dot(a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype, config).astype(
-        out_dtype
+      y = _cublas_tn_dot(
+        a, b, sinv_a, sinv_b, gemm_dtype, precision, sum_dtype, config, out_sharding
       )
+      return y.astype(out_dtype)
     if config.fp8_gemm == "native":
       raise RuntimeError(f"fp8_gemm='native', but {refusal}")
   scale_inv = (sinv_a * sinv_b).reshape(())

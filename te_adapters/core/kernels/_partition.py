@@ -254,9 +254,15 @@ def _shardable(
   shardings the operands' types carry, through ``shard_map``. With ``wants_result`` (``single``
   only), ``split(mesh, specs, result)`` also gets the spec Shardy's propagation chose for the
   output (what its users ask for; ``None`` where no partitioner chose one: GSPMD's inference, or
-  Explicit axes), which it may follow where it can serve it at no extra cost. ``name``: the
-  kernels' function a user calls for it, which its warnings name with the operands' shapes where
-  no GEMM of the core traced it (a direct call, ``_direct_site``).
+  Explicit axes without one named), which it may follow where it can serve it at no extra cost.
+  ``name``: the kernels' function a user calls for it, which its warnings name with the
+  operands' shapes where no GEMM of the core traced it (a direct call, ``_direct_site``).
+
+  The function returned takes the operands and, with ``single``, ``out_sharding``: a
+  ``NamedSharding`` on Explicit mesh axes that the output's type must have (a backward GEMM's,
+  its primal's sharding). It runs through ``shard_map`` then, on that mesh where no operand is
+  sharded; with ``wants_result`` its spec is the result ``split`` gets, and the output is
+  resharded to it where ``split`` gives another.
   """
 
   def out_shardings(mesh, out_specs):
@@ -300,11 +306,14 @@ def _shardable(
   def partitioned(site):
     return _looped_under_vmap(functools.partial(jitted, site))
 
-  def explicit(site, mesh, *args):
+  def explicit(site, mesh, *args, out_sharding=None):
     specs = tuple(_explicit_spec(x, n) for x, n in zip(args, ndims, strict=True))
+    shapes = jax.eval_shape(call, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args))
+    flat = (shapes,) if single else tuple(shapes)
+    result = None if out_sharding is None else _spec(out_sharding, flat[0].ndim)
     with _splitting(site):
       arg_specs, out_specs, per_shard = (
-        split(mesh, specs, None) if wants_result else split(mesh, specs)
+        split(mesh, specs, result) if wants_result else split(mesh, specs)
       )
     args = tuple(
       x if have == want else jax.sharding.reshard(x, _named(mesh, want))
@@ -313,8 +322,6 @@ def _shardable(
     # Empty arrays (the (0,) placeholders of operands left out and of outputs not asked for)
     # stay out of the shard_map, made where they are used: XLA:GPU's compiler crashed (a
     # segfault in its Shardy export, two H100s) on a manual computation taking or returning one.
-    shapes = jax.eval_shape(call, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args))
-    flat = (shapes,) if single else tuple(shapes)
     kept = [i for i, a in enumerate(flat) if a.size]
     passed = [i for i, x in enumerate(args) if x.size]
     specs_out = out_shardings(mesh, out_specs)
@@ -341,14 +348,19 @@ def _shardable(
     outs = tuple(next(got) if a.size else jnp.zeros(a.shape, a.dtype) for a in flat)
     return outs[0] if single else outs
 
-  def run(*args):
+  def run(*args, out_sharding=None):
+    assert out_sharding is None or single
     if not _partitioned_here():
-      return _as_varying(call(*args), args)
-    site = _TRACED_SITE.get() or _direct_site(name, args)
-    mesh = _explicit_mesh(args)
-    if mesh is not None:
-      return explicit(site, mesh, *args)
-    return partitioned(site)(*args)
+      out = _as_varying(call(*args), args)
+    else:
+      site = _TRACED_SITE.get() or _direct_site(name, args)
+      mesh = _explicit_mesh(args)
+      if mesh is None and out_sharding is not None:
+        mesh = out_sharding.mesh  # replicated operands on Explicit axes
+      if mesh is None:
+        return partitioned(site)(*args)
+      out = explicit(site, mesh, *args, out_sharding=out_sharding)
+    return core_sharding.match_sharding(out, out_sharding)
 
   return run
 
@@ -473,6 +485,7 @@ def gemm(
   summed_kernel: Callable | None = None,
   sum_chunks: int = 1,
   function: str = "gemm",
+  out_sharding: NamedSharding | None = None,
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
 
@@ -495,9 +508,14 @@ def gemm(
       chunks of a multiple of 16 rows, else one GEMM).
     function: the kernels' function called, which warnings name where no GEMM of the core (no
       ``warning_site``) traced it.
+    out_sharding: the output's sharding on Explicit mesh axes (``None``: the rule's), as JAX's
+      ``dot_general`` takes it: a backward GEMM's output gets its primal's sharding. The rule
+      serves it where it can (a K summed over the axes it shards the output over is
+      reduce-scattered onto them) and reshards its output to it otherwise.
   """
   if not _partitioned_here():
-    return _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
+    y = _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
+    return core_sharding.match_sharding(y, out_sharding)
   shapes = tuple(tuple(t.shape) for t in (a, b, a_scale, b_scale))
   sum_dtype = np.dtype(np.float32 if sum_dtype is None else sum_dtype)
   run = _gemm_rule(
@@ -513,7 +531,7 @@ def gemm(
     sum_chunks,
     function,
   )
-  return run(a, b, a_scale, b_scale)
+  return run(a, b, a_scale, b_scale, out_sharding=out_sharding)
 
 
 def _gemm_plan(mesh, a_spec, b_spec, a_shape, b_shape, scale_shapes, block_scales):
@@ -685,11 +703,13 @@ def tensor_scaled_gemm(
   sum_dtype=None,
   sm_margin: int | None = None,
   sum_chunks: int = 1,
+  out_sharding: NamedSharding | None = None,
 ):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
-  ``sum_dtype``, ``sum_chunks``: as for ``gemm``. ``sm_margin``: on the shards whose partial
-  products are summed over devices, the SMs the kernel leaves to those sums (``None``: none)."""
+  ``sum_dtype``, ``sum_chunks``, ``out_sharding``: as for ``gemm``. ``sm_margin``: on the shards
+  whose partial products are summed over devices, the SMs the kernel leaves to those sums
+  (``None``: none)."""
   kernel = functools.partial(_tensor_kernel, call, fast_accum, 0)
   summed = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
   fallback = functools.partial(tensor_fallback, fast_accum)
@@ -707,6 +727,7 @@ def tensor_scaled_gemm(
     summed_kernel=summed,
     sum_chunks=sum_chunks,
     function="tensor_scaled_gemm",
+    out_sharding=out_sharding,
   )
 
 

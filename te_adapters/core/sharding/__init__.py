@@ -43,6 +43,7 @@ from te_adapters.core.sharding._cotangents import (
   wgrad_dtype,
 )
 from te_adapters.core.sharding._explicit_sharding import (
+  explicit_out_sharding,
   explicit_sharding,
   match_sharding,
   reshape,
@@ -75,6 +76,7 @@ __all__ = [
   "check_axis_names",
   "check_block_scaled",
   "checks_vma",
+  "explicit_out_sharding",
   "explicit_sharding",
   "gather_kernel",
   "gathered_kernel_type",

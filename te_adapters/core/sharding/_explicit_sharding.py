@@ -11,7 +11,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from te_adapters.core.sharding import _mesh
 
-__all__ = ["explicit_sharding", "reshape_spec", "reshape", "reshaped_sharding", "match_sharding"]
+__all__ = [
+  "explicit_out_sharding",
+  "explicit_sharding",
+  "reshape_spec",
+  "reshape",
+  "reshaped_sharding",
+  "match_sharding",
+]
 
 
 def explicit_sharding(x) -> NamedSharding | None:
@@ -33,6 +40,31 @@ def explicit_sharding(x) -> NamedSharding | None:
   if not any(set(_mesh.axis_tuple(e, "spec entry")) & explicit for e in spec):
     return None
   return sharding.update(spec=PartitionSpec(*spec))
+
+
+def explicit_out_sharding(out_sharding) -> NamedSharding | None:
+  """``out_sharding`` (a ``NamedSharding``, or a ``PartitionSpec`` of the context mesh) as a
+  ``NamedSharding`` where its mesh has Explicit axes and every axis it names is one of them (an
+  output whose type such a sharding can give: ``jax.sharding.reshard``); ``None`` otherwise."""
+  if out_sharding is None:
+    return None
+  if isinstance(out_sharding, NamedSharding):
+    sharding = out_sharding
+  else:
+    mesh = _mesh.abstract_mesh()
+    if mesh is None:
+      return None
+    sharding = NamedSharding(mesh, out_sharding)
+  mesh = sharding.mesh
+  explicit = {
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == jax.sharding.AxisType.Explicit
+  }
+  if any(e is PartitionSpec.UNCONSTRAINED for e in sharding.spec):
+    return None
+  named = {a for e in sharding.spec for a in _mesh.axis_tuple(e, "spec entry")}
+  return sharding if explicit and named <= explicit else None
 
 
 def reshape_spec(shape, spec, new_shape, axis_sizes: Mapping[str, int]) -> PartitionSpec:
