@@ -159,6 +159,53 @@ def test_layernorm_dense_gathers_a_kernel_sharded_on_its_second_feature_dim():
     spmd_checks.assert_close_to_one_device(a, b, cpu_rel=1e-6 if a.dtype == jnp.float32 else 1e-3)
 
 
+def test_dgrad_of_a_kernel_gathered_on_its_output_features_sums_on_one_device(monkeypatch):
+  """``dot_general`` with the kernel ``(K, heads, head_dim)`` sharded and gathered on ``head_dim``
+  (N), the input replicated, the extension's GEMM and cast (on CPU the GEMM's stand-in): their
+  rules let XLA's partitioner choose the shardings, and the kernel's gradient, sharded on N,
+  drew the output gradient's FP8 copies onto ``fsdp`` on N too, so that dgrad summed partial
+  products over the devices on the gathered kernel sliced again (an all-reduce of the input
+  gradient, 2.8e-3 off one device's on CPU; on two H100s ``layernorm_dense`` compiled with no FP8
+  gather at all). Those copies are kept whole on the gathered dim: one FP8 gather, no sum over
+  devices, the outputs and gradients one device's."""
+  spmd_checks.emulate_fp8_gemm(monkeypatch)
+  config = core.GemmConfig(backend="ffi")
+  x, _, _ = fused._data()
+  kernel = fused._params()["kernel"].reshape(K, 4, F // 4).astype(jnp.bfloat16)
+  dz = spmd_checks.random((B, S, 4, F // 4), 12).astype(jnp.bfloat16)
+
+  def step(x, kernel, **kw):
+    def gemm(x, kernel):
+      return core.dot_general(
+        x,
+        kernel,
+        (((2,), (0,)), ((), ())),
+        recipe=RECIPES["current"],
+        threshold=None,
+        config=config,
+        **kw,
+      )
+
+    z, vjp = jax.vjp(gemm, x, kernel)
+    return z, vjp(dz)
+
+  want = jax.jit(step)(x, kernel)
+  mesh = _mesh()
+  spec = P(None, None, "fsdp")
+  with jax.set_mesh(mesh):
+    gathered = jax.jit(functools.partial(step, kernel_all_gather=spec))
+    ks = jax.device_put(kernel, NamedSharding(mesh, spec))
+    text = gathered.lower(x, ks).compile().as_text()
+    got = gathered(x, ks)
+  collectives = ta.inspect.hlo_collectives(text)
+  gathers = [a for c in collectives if c.op == "all-gather" for a in spmd_checks.result_arrays(c)]
+  assert [(d, int(np.prod(s))) for d, s in gathers] == [("u8", K * F)], gathers
+  sums = [a for c in collectives if c.op == "all-reduce" for a in spmd_checks.result_arrays(c)]
+  assert all(int(np.prod(s)) <= 1 for _, s in sums), sums  # the amaxes only
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    spmd_checks.assert_close_to_one_device(a, b)
+
+
 @pytest.mark.parametrize(
   "kwargs, error, match",
   [

@@ -778,6 +778,23 @@ def _proto(a):
   return None if a is None else np.zeros((0,), a.dtype)
 
 
+def _whole_where_gathered(q, plan, kernel_dim: int):
+  """Both copies of the operand a GEMM contracts with the FSDP-gathered kernel (x's along K,
+  ``kernel_dim=-1``; the gradient's along N, ``-2``), whole on that dim under Auto mesh axes
+  (``sharding.whole_where_gathered``): the rows copy (.., M, C) on its last dim, the swapped
+  copy (.., C, M) on the one before."""
+  if plan.kernel_all_gather is None:
+    return q
+
+  def whole(t, dim):
+    if t is None:
+      return None
+    data = sharding.whole_where_gathered(t.data, plan, kernel_dim, t.data.ndim + dim)
+    return dataclasses.replace(t, data=data)
+
+  return q._replace(rows=whole(q.rows, -1), cols=whole(q.cols, -2))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _quantized_gemms(inputs, kernels, biases, states, rng, chain: Chain):
   # Not differentiated (inference): only the copies the forward GEMMs take.
@@ -804,6 +821,7 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
   saved, y = [], None
   for i, stage in enumerate(chain.stages):
     w3, state = kernels[i], states[i]
+    qx = _whole_where_gathered(qx, plan, -1)
     shard = None
     if plan.kernel_all_gather is None:
       # The forward GEMM's copy is along K: the swapped one of a kernel stored (K, N).
@@ -881,6 +899,7 @@ def _backward(chain: Chain, residuals, g):
       qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
     else:
       qg, db = fmt.quantize(_request(g, "grad", chain, state, key=key)), None
+    qg = _whole_where_gathered(qg, chain.plan, -2)
     if db is not None and b_proto is not None:  # summed over the rows of every shard
       d_biases[i] = sharding.match_cotangent(db, witness[3]).astype(b_proto.dtype)
     ndim = x_wgrad.data.ndim

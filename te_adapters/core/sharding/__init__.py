@@ -54,6 +54,7 @@ from te_adapters.core.sharding._fsdp_gather import (
   gather_kernel,
   gathered_kernel_type,
   scatter_kernel_grad,
+  whole_where_gathered,
 )
 from te_adapters.core.sharding._mesh import (
   abstract_mesh,
@@ -97,4 +98,5 @@ __all__ = [
   "type_witness",
   "varying_axes",
   "wgrad_dtype",
+  "whole_where_gathered",
 ]

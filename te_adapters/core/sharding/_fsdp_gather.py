@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from te_adapters.core.sharding import _mesh, _spmd_plan
 
-__all__ = ["gathered_kernel_type", "gather_kernel", "scatter_kernel_grad"]
+__all__ = ["gathered_kernel_type", "gather_kernel", "scatter_kernel_grad", "whole_where_gathered"]
 
 
 def _operand_mesh(operand):
@@ -146,3 +146,21 @@ def scatter_kernel_grad(dw, shard, plan: _spmd_plan.SpmdPlan):
   if mode == "explicit":
     return jax.sharding.reshard(dw, jax.typeof(shard).sharding)
   return lax.with_sharding_constraint(dw, _constraint(plan, _shard_spec(plan)))
+
+
+def whole_where_gathered(data, plan: _spmd_plan.SpmdPlan, kernel_dim: int, dim: int):
+  """Under Auto mesh axes, ``data`` (an FP8 copy of the operand that a GEMM contracts with the
+  gathered kernel) constrained whole on its dim ``dim``, where the kernel's dim ``kernel_dim``
+  (of the contracting-last layout) is gathered; ``data`` itself elsewhere.
+
+  The gathered kernel is whole on that dim (``gather_kernel``), so the GEMM's sum over it need
+  not be split over devices. Left open, XLA's partitioner could shard both copies of the operand
+  over the gather's axes there (from the weight gradient, sharded like the kernel): the GEMM
+  then sums partial products over devices (an all-reduce of its output, in the output's dtype)
+  on the gathered kernel sliced again, where one device computes it whole.
+  """
+  axes = None if plan.kernel_all_gather is None else plan.kernel_all_gather[kernel_dim]
+  if not axes or _gather_mode(plan, data) != "auto":
+    return data
+  spec = [None if d == dim else PartitionSpec.UNCONSTRAINED for d in range(data.ndim)]
+  return lax.with_sharding_constraint(data, _constraint(plan, PartitionSpec(*spec)))
