@@ -27,7 +27,6 @@ them per seed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -119,19 +118,7 @@ def main(argv=None) -> list[dict]:
   cfg = model_lib.CONFIGS[args.config]
   data = corpus(cfg, args.tokens)
   work = workload(cfg)
-  header = dict(
-    config=args.config,
-    **dataclasses.asdict(cfg),
-    params=cfg.params(),
-    matmul_params=cfg.matmul_params(),
-    tokens_per_step=cfg.tokens_per_step,
-    model_tflop_per_step=cfg.flops_per_step() / 1e12,
-    steps=args.steps,
-    runs=args.runs,
-    data=data.info,
-    jax=jax.__version__,
-    device=str(jax.devices()[0].device_kind),
-  )
+  header = train.run_header(args.config, cfg, steps=args.steps, runs=args.runs, data=data.info)
   print(json.dumps(header), flush=True)
   cache = {}
 

@@ -105,6 +105,22 @@ def variant_names() -> list[str]:
   return out
 
 
+def run_header(name: str, cfg, **extra) -> dict:
+  """The first record of a run's output: the configuration ``name`` and its fields, its sizes
+  (parameters, tokens and model TFLOP a step), ``extra``, JAX's version and the device."""
+  return dict(
+    config=name,
+    **dataclasses.asdict(cfg),
+    params=cfg.params(),
+    matmul_params=cfg.matmul_params(),
+    tokens_per_step=cfg.tokens_per_step,
+    model_tflop_per_step=cfg.flops_per_step() / 1e12,
+    **extra,
+    jax=jax.__version__,
+    device=str(jax.devices()[0].device_kind),
+  )
+
+
 def parse_variant(name: str) -> tuple[str, str]:
   """(family, recipe name): family in nnx, linen, haiku, nnx-modules, linen-flax, linen-qwix."""
   if name == "linen-flax-fp8":
@@ -712,20 +728,8 @@ def main(argv=None) -> list[dict]:
   for v in variants:
     parse_variant(v)
   train, info = token_data(cfg, args.tokens)
-  header = dict(
-    config=args.config,
-    **dataclasses.asdict(cfg),
-    params=cfg.params(),
-    matmul_params=cfg.matmul_params(),
-    tokens_per_step=cfg.tokens_per_step,
-    model_tflop_per_step=cfg.flops_per_step() / 1e12,
-    data=info,
-    jax=jax.__version__,
-    backend=jax.default_backend(),
-    device=str(jax.devices()[0].device_kind),
-    devices=jax.device_count(),
-    fsdp=args.fsdp,
-  )
+  header = run_header(args.config, cfg, data=info, backend=jax.default_backend())
+  header.update(devices=jax.device_count(), fsdp=args.fsdp)
   print(json.dumps(header), flush=True)
   start = time.monotonic()
   records = []
