@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_adapters.core import kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -192,12 +194,32 @@ def is_head(path: str) -> bool:
   return path.split("/")[-1] == "head"
 
 
-def save_gemm_outputs(prim, *_, **__) -> bool:
+def _is_extension_gemm(prim, params) -> bool:
+  """Whether an equation is the extension's cuBLASLt FP8 GEMM (the library's GEMM on Hopper
+  GPUs: an FFI call) or holds it. Under FSDP (Auto mesh axes) the GEMM runs inside the calls of
+  its partitioning rule (``custom_vmap_call`` > ``jit`` > ``custom_partitioning``), which remat
+  saves or computes again whole."""
+  if prim.name == "ffi_call":
+    return params.get("target_name") == kernels.GEMM_TARGET
+  if prim.name not in ("custom_vmap_call", "custom_partitioning", "jit", "pjit"):
+    return False
+  for value in params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      eqns = getattr(getattr(item, "jaxpr", item), "eqns", ())  # a ClosedJaxpr or a Jaxpr
+      if any(_is_extension_gemm(e.primitive, e.params) for e in eqns):
+        return True
+  return False
+
+
+def save_gemm_outputs(prim, *_, **params) -> bool:
   """A rematerialisation policy that treats every variant's GEMMs alike: it saves the outputs of
-  ``dot_general`` and of custom-VJP calls (the library's quantized GEMMs and fused modules,
-  Flax's FP8 op, cuDNN's attention) and recomputes the rest (norms, rotary, SwiGLU's product,
-  residual adds) in the backward pass."""
-  return prim.name == "dot_general" or prim.name.startswith("custom_vjp")
+  ``dot_general``, of the extension's FP8 GEMM (an FFI call, which JAX's dot policies do not
+  see) and of custom-VJP calls (the library's quantized GEMMs and fused modules, Flax's FP8 op,
+  cuDNN's attention), and recomputes the rest (norms, rotary, SwiGLU's product, residual adds)
+  in the backward pass."""
+  if prim.name == "dot_general" or prim.name.startswith("custom_vjp"):
+    return True
+  return _is_extension_gemm(prim, params)
 
 
 def remat_policy(cfg: Config):

@@ -76,3 +76,41 @@ def test_remat_policy_saving_fp8_operands_matches_no_remat():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
       np.testing.assert_array_equal(a, b)
     state = ref[1][1]
+
+
+@pytest.mark.parametrize(
+  "policy,hopper,gemms",
+  [
+    # XLA's FP8 dot: JAX's dot policy saves its output.
+    (jax.checkpoint_policies.checkpoint_dots, False, 3),
+    # The extension's GEMM (Hopper GPUs) is an FFI call, which JAX's dot policies do not see:
+    # the forward GEMM runs again in the backward pass.
+    (jax.checkpoint_policies.checkpoint_dots, True, 4),
+    # The library's policies save it by its checkpoint name on either path.
+    (core.checkpoint_dots_and_quantized_gemms, False, 3),
+    (core.checkpoint_dots_and_quantized_gemms, True, 3),
+    (core.save_quantized_gemms, True, 3),
+  ],
+)
+def test_remat_policies_and_the_hopper_gemm(monkeypatch, policy, hopper, gemms):
+  from te_adapters import inspect
+  from te_adapters.core import kernels
+
+  if hopper:  # only traced: the CPU extension has no GEMM
+    monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  x = jnp.ones((16, 32), jnp.bfloat16)
+  w = jnp.ones((32, 16), jnp.float32)
+  recipe = ta.Float8CurrentScaling()
+
+  def block(x, w):  # sin's derivative needs the GEMM's output: saved or computed again
+    return jnp.sin(core.dot_general(x, w, DN, threshold=None, recipe=recipe))
+
+  def loss(w):
+    return jnp.sum(jax.checkpoint(block, policy=policy)(x, w).astype(jnp.float32))
+
+  closed = jax.make_jaxpr(jax.grad(loss))(w)
+  found = [e for e in inspect._walk(closed.jaxpr) if inspect._is_gemm(e)]
+  # Forward, dgrad and wgrad, and the forward again where the policy did not save it; FP8 all.
+  assert len(found) == gemms
+  assert sum(e.primitive.name == "ffi_call" for e in found) == (gemms if hopper else 0)
+  assert inspect.count_fp8_dot_generals(jax.grad(loss), w) == (gemms, gemms)
