@@ -114,3 +114,41 @@ def test_remat_policies_and_the_hopper_gemm(monkeypatch, policy, hopper, gemms):
   assert len(found) == gemms
   assert sum(e.primitive.name == "ffi_call" for e in found) == (gemms if hopper else 0)
   assert inspect.count_fp8_dot_generals(jax.grad(loss), w) == (gemms, gemms)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_library_policy_saves_both_gemm_outputs_of_layernorm_mlp_on_hopper(monkeypatch, fuse):
+  # The fused path names GEMM 1's output by ffn1_ckpt_name too: the library's policy, which
+  # saves GEMM_OUTPUT, keeps it, so neither forward GEMM runs again in the backward pass.
+  from te_adapters import inspect
+  from te_adapters.core import kernels
+
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)  # only traced
+  x = jnp.ones((16, 32), jnp.bfloat16)
+  params = (jnp.ones((32,)), jnp.ones((32, 2, 64)), jnp.ones((64, 32)))
+  config = ta.GemmConfig(fuse_activation_cast=fuse)
+
+  def block(x, params):
+    scale, wi, wo = params
+    out, _ = core.layernorm_mlp(
+      x,
+      scale,
+      None,
+      wi,
+      wo,
+      activations=("silu", "linear"),
+      layernorm_type="rmsnorm",
+      recipe=ta.Float8CurrentScaling(),
+      threshold=None,
+      config=config,
+    )
+    return jnp.sin(out)  # sin's derivative needs the output: saved or computed again
+
+  def loss(params):
+    saved = jax.checkpoint(block, policy=core.checkpoint_dots_and_quantized_gemms)
+    return jnp.sum(saved(x, params).astype(jnp.float32))
+
+  closed = jax.make_jaxpr(jax.grad(loss))(params)
+  found = [e for e in inspect._walk(closed.jaxpr) if inspect._is_gemm(e)]
+  # Each GEMM's forward, dgrad and wgrad, the extension's all.
+  assert [e.primitive.name for e in found] == ["ffi_call"] * 6

@@ -855,7 +855,11 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
       if gather and x_wgrad is not None:  # wgrad's columns of every row
         x_wgrad = _gathered_rows(x_wgrad, plan.sequence[1], -1)
       y = _sequence_gemm(qx.rows, w_fwd, stage.out_dtype, "fwd", chain, gather=gather)
-    y = checkpoint_name(y, stage.name)
+    # Every GEMM's output under the library's name (what its remat policies save: on Hopper GPUs
+    # the GEMM is an FFI call that JAX's dot policies miss), and a module's own name beside it.
+    y = checkpoint_name(y, _remat.GEMM_OUTPUT)
+    if stage.name != _remat.GEMM_OUTPUT:
+      y = checkpoint_name(y, stage.name)
     new_fwd = {"x": qx.state, "kernel": qw.state}
     protos = (_proto(lhs), _proto(w3), _proto(biases[i]))
     # Zero-size arrays with the primals' varying mesh axes (shard_map only; None elsewhere).
