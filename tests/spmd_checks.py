@@ -41,22 +41,25 @@ def exact_data(shape, seed):
   return jnp.asarray(data)
 
 
+def fp8_gemm_stand_in(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, **_):
+  """The extension's cuBLASLt GEMM (``kernels.gemm_call``) in pure JAX, per-tensor scales only:
+  the float32 sums times both scales, rounded once to the output dtype."""
+  from te_adapters.core import kernels
+
+  assert lhs_mode == rhs_mode == 0, "per-tensor scales only"
+  return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
+
+
 def emulate_fp8_gemm(monkeypatch):
-  """Where the extension's cuBLASLt GEMM is not built (CPU), a stand-in of its per-tensor contract
-  (the float32 sums times both scales, rounded once to the output dtype) called wherever the
-  GEMM would run, so that its call sites and partitioning rule run as on an H100; nothing where
-  the GEMM runs."""
+  """Where the extension's cuBLASLt GEMM is not built (CPU), ``fp8_gemm_stand_in`` called
+  wherever the GEMM would run, so that its call sites and partitioning rule run as on an H100;
+  nothing where the GEMM runs."""
   from te_adapters.core import kernels
 
   if kernels.cublas_gemm_available():
     return
-
-  def gemm_call(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, **_):
-    assert lhs_mode == rhs_mode == 0, "per-tensor scales only"
-    return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
-
   monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(kernels, "gemm_call", gemm_call)
+  monkeypatch.setattr(kernels, "gemm_call", fp8_gemm_stand_in)
 
 
 def assert_trees_identical(a, b):

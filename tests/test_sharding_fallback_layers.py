@@ -34,11 +34,6 @@ CURRENT = ta.Float8CurrentScaling()
 FFI = ta.core.GemmConfig(backend="ffi")
 
 
-def _emulated_gemm(a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, **_):
-  assert lhs_mode == rhs_mode == 0
-  return kernels.tensor_fallback(False, a, b, a_scales, b_scales, out_dtype)
-
-
 class _LinenModel(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -59,7 +54,7 @@ def _hk_forward(x):
 
 def test_a_layers_resharded_gemm_warns_naming_it_at_the_users_line(monkeypatch):
   monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(kernels, "gemm_call", _emulated_gemm)
+  monkeypatch.setattr(kernels, "gemm_call", spmd_checks.fp8_gemm_stand_in)
   mesh = jax.make_mesh((4,), ("shared",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
   x = jnp.asarray(np.random.default_rng(0).normal(size=(32, 64)), jnp.float32)
   # The rows of x and the kernel's columns both over one mesh axis: the output cannot use it
@@ -112,7 +107,7 @@ class _LinenGradModel(nn.Module):
 
 def test_the_backward_gemms_warnings_name_the_layer_at_the_users_line(monkeypatch):
   monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
-  monkeypatch.setattr(kernels, "gemm_call", _emulated_gemm)
+  monkeypatch.setattr(kernels, "gemm_call", spmd_checks.fp8_gemm_stand_in)
   mesh = jax.make_mesh((4,), ("shared",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
   x = jnp.asarray(np.random.default_rng(1).normal(size=(32, 64)), jnp.float32)
   cols = NamedSharding(mesh, P(None, "shared"))
@@ -155,7 +150,9 @@ def test_a_direct_kernel_call_warns_naming_the_function_and_shapes_at_the_users_
   scale = jnp.full((1,), 0.5, jnp.float32)
 
   def gemm(a, b, a_scale, b_scale):
-    return kernels.tensor_scaled_gemm(_emulated_gemm, a, b, a_scale, b_scale, jnp.float32, False)
+    return kernels.tensor_scaled_gemm(
+      spmd_checks.fp8_gemm_stand_in, a, b, a_scale, b_scale, jnp.float32, False
+    )
 
   # M of a and N of b both over one mesh axis: the output cannot take it twice (a gather), and
   # the (8, 64) rows left to each device are fewer than the kernel takes (XLA's GEMM).
