@@ -324,15 +324,13 @@ def _shardable(
     # segfault in its Shardy export, two H100s) on a manual computation taking or returning one.
     kept = [i for i, a in enumerate(flat) if a.size]
     passed = [i for i, x in enumerate(args) if x.size]
+    empty = {i: (x.shape, x.dtype) for i, x in enumerate(args) if not x.size}
     specs_out = out_shardings(mesh, out_specs)
     specs_out = (specs_out,) if single else tuple(specs_out)
-    empty_args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
 
     def kept_outputs(*xs):
-      given = dict(zip(passed, xs, strict=True))
-      full = [
-        given[i] if i in given else jnp.zeros(a.shape, a.dtype) for i, a in enumerate(empty_args)
-      ]
+      given = iter(xs)
+      full = [jnp.zeros(*empty[i]) if i in empty else next(given) for i in range(len(args))]
       outs = per_shard(*full)
       outs = (outs,) if single else tuple(outs)
       return tuple(outs[i] for i in kept)
@@ -864,6 +862,16 @@ def _activation_columns(cols, n_act: int, name: str):
   return ()
 
 
+def _dact_layout(specs, n_act: int, name: str):
+  """``(rows, cols, dz)``: the mesh axes of the activation gradient's rows and columns (``h``'s,
+  rows ``dz``'s where ``h``'s are unsharded) and the spec ``dz`` is brought to, from the specs of
+  ``(dz, h, ...)``."""
+  rows, cols = specs[1]
+  rows = rows or specs[0][0]
+  cols = _activation_columns(cols, n_act, name)
+  return rows, cols, (rows, cols) if n_act == 1 else (rows, ())
+
+
 def _activation_rule(dz: bool, n_act: int, has_bias: bool, scale: bool, outs: str) -> str:
   """The sharding rule of an activation kernel, operands ``([dz,] h, bias[, scale])``: h is
   ``m n`` (n = n_act * F), dz ``m f`` (``m n`` with one activation), the bias ``n`` (a
@@ -917,9 +925,7 @@ def dact_cast(call: Callable, n_act: int, has_bias: bool, with_amax: bool):
 
   def split(mesh, specs):
     del mesh
-    rows, cols = specs[1]
-    rows = rows or specs[0][0]
-    cols = _activation_columns(cols, n_act, "the activation-gradient cast")
+    rows, cols, dz = _dact_layout(specs, n_act, "the activation-gradient cast")
     axes = rows + cols
 
     def per_shard(dz, h, bias, scale):
@@ -930,7 +936,6 @@ def dact_cast(call: Callable, n_act: int, has_bias: bool, with_amax: bool):
         dbias = lax.psum(dbias, rows)
       return q, q_t, a, dbias
 
-    dz = (rows, cols) if n_act == 1 else (rows, ())
     args = (dz, (rows, cols), (cols,) if has_bias else ((),), ((),))
     return args, ((rows, cols), (cols, rows), ((),), (cols,)), per_shard
 
@@ -972,16 +977,13 @@ def dact_amax(call: Callable, n_act: int, has_bias: bool):
 
   def split(mesh, specs):
     del mesh
-    rows, cols = specs[1]
-    rows = rows or specs[0][0]
-    cols = _activation_columns(cols, n_act, "the activation gradient's amax")
+    rows, cols, dz = _dact_layout(specs, n_act, "the activation gradient's amax")
     axes = rows + cols
 
     def per_shard(dz, h, bias):
       a = call(dz, h, bias)
       return lax.pmax(a, axes) if axes else a
 
-    dz = (rows, cols) if n_act == 1 else (rows, ())
     return (dz, (rows, cols), (cols,) if has_bias else ((),)), (((),),), per_shard
 
   return _shardable(
