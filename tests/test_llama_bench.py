@@ -41,16 +41,21 @@ def test_converted_model_gemms_are_fp8(variant, remat, tokens):
   fp8 = [p for p in pairs if set(p) <= FP8]
   rest = [p for p in pairs if p not in fp8]
   # The scanned layer's four projections (QKV, attention out, gate-and-up, down), forward, dgrad
-  # and wgrad; the head's three GEMMs and attention's batched ones (forward 2, backward 4) not:
-  # bf16, but for the two gradients of XLA's attention scores (computed in float32). On a GPU the
-  # attention is cuDNN's, a custom call with no GEMM in the jaxpr: the head's three remain.
+  # and wgrad; the head's three GEMMs and attention's batched ones not (see _unquantized_dots).
   assert len(fp8) == 12, pairs
-  if jax.default_backend() == "gpu":
-    assert sorted(rest) == [("bfloat16", "bfloat16")] * 3, rest
-  else:
-    assert sorted(rest) == [("bfloat16", "bfloat16")] * 7 + [("float32", "bfloat16")] * 2, rest
+  assert sorted(rest) == _unquantized_dots(), rest
   # The converted modules, each a stack of the scanned layers.
   assert trainer.quantized == (3 if variant.startswith("nnx-modules") else 4)
+
+
+def _unquantized_dots() -> list[tuple[str, str]]:
+  """The step's dots left in high precision: the head's three GEMMs (bf16), and where XLA runs
+  the attention, its batched ones (forward 2, backward 4: bf16, but for the two gradients of the
+  attention scores, computed in float32). On a GPU the attention is cuDNN's, a custom call with no
+  GEMM in the jaxpr: the head's three remain."""
+  if model_lib.attention_implementation() == "cudnn":
+    return [("bfloat16", "bfloat16")] * 3
+  return [("bfloat16", "bfloat16")] * 7 + [("float32", "bfloat16")] * 2
 
 
 @pytest.fixture
@@ -96,9 +101,9 @@ def test_remat_policy_saves_the_extension_gemms_outputs(
   pairs = inspect.dot_general_operand_dtypes(trainer.step, trainer.carry, sample)
   fp8 = [p for p in pairs if set(p) <= FP8]
   assert len(fp8) == expected, pairs
-  # Every FP8 GEMM is the extension's; XLA's bf16 and float32 dots as on the CPU branch.
+  # Every FP8 GEMM is the extension's; the unquantized dots as without the Hopper branch.
   assert _extension_gemms(trainer.step, trainer.carry, sample) == expected
-  assert len(pairs) - len(fp8) == 9, pairs
+  assert sorted(p for p in pairs if p not in fp8) == _unquantized_dots(), pairs
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")

@@ -96,8 +96,9 @@ def test_remat_policies_and_the_hopper_gemm(monkeypatch, policy, hopper, gemms):
   from te_adapters import inspect
   from te_adapters.core import kernels
 
-  if hopper:  # only traced: the CPU extension has no GEMM
-    monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  # The branch is chosen, not the platform's: XLA's FP8 dot or the extension's GEMM (only traced:
+  # the CPU extension has no GEMM).
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: hopper)
   x = jnp.ones((16, 32), jnp.bfloat16)
   w = jnp.ones((32, 16), jnp.float32)
   recipe = ta.Float8CurrentScaling()
