@@ -197,6 +197,34 @@ def make_step(variant, plan, mesh, heads, attention):
 
 
 def run(args):
+  configs = compile_configs(args)
+  for c in configs:
+    for _ in range(args.warmup):
+      jax.block_until_ready(c["run"]())
+  for r in range(args.repeats):  # interleaved: each round runs every configuration once
+    for c in configs:
+      c["times"].append(time_trial(c, args.iters))
+    print(
+      f"  round {r + 1}: "
+      + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
+      flush=True,
+    )
+  return configs
+
+
+def time_trial(c, iters):
+  """The mean of ``iters`` synchronised steps of configuration ``c``, ms."""
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(c["run"]())
+    times.append(time.perf_counter() - start)
+  return float(np.mean(times)) * 1e3
+
+
+def compile_configs(args):
+  """Every (plan, variant) of ``args`` compiled, with its FP8/other GEMM counts and collectives
+  from the compiled HLO; ``run`` calls it with its arguments bound."""
   devices = jax.devices()
   n = args.devices or len(devices)
   attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -247,22 +275,6 @@ def run(args):
         )
       )
       print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
-  for c in configs:
-    for _ in range(args.warmup):
-      jax.block_until_ready(c["run"]())
-  for r in range(args.repeats):  # interleaved: each round runs every configuration once
-    for c in configs:
-      times = []
-      for _ in range(args.iters):
-        start = time.perf_counter()
-        jax.block_until_ready(c["run"]())
-        times.append(time.perf_counter() - start)
-      c["times"].append(float(np.mean(times)) * 1e3)
-    print(
-      f"  round {r + 1}: "
-      + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
-      flush=True,
-    )
   return configs
 
 
@@ -320,6 +332,36 @@ def between_gemms(events, steps, top=8):
   return out
 
 
+def after_gathers(events, steps):
+  """Per GPU, for each all-gather of the first traced step: what ran from the gather's end to
+  the start of the next GEMM kernel (the gap before the GEMM that reads the gathered rows), as
+  ``dict(gap_us, idle_us, kernels=[(name, us)])``, the kernels in the order they started."""
+  import profile_mesh  # bench/, beside this script
+
+  out = {}
+  for dev, evs in profile_mesh.gpu_events(events).items():
+    evs = sorted(evs)
+    gathers = [e for e in evs if "allgather" in e[2].lower().replace("_", "")]
+    gathers = gathers[: len(gathers) // steps] if steps else gathers
+    rows = []
+    for _, end, _, _, _ in gathers:
+      nxt = next((e for e in evs if e[0] >= end and profile_mesh._kind(e[2]) == "gemm"), None)
+      if nxt is None:
+        continue
+      inside = [e for e in evs if e[1] > end and e[0] < nxt[0] and e[2] != nxt[2]]
+      busy = profile_mesh._union([(max(a, end), min(b, nxt[0])) for a, b, *_ in inside])
+      rows.append(
+        dict(
+          gap_us=nxt[0] - end,
+          idle_us=nxt[0] - end - busy,
+          kernels=[(name[:80], b - a) for a, b, name, _, _ in inside],
+          gemm=nxt[2][:80],
+        )
+      )
+    out[dev] = rows
+  return out
+
+
 def profile(configs, steps, out_dir=None):
   """Traces ``steps`` steps of every sharded configuration; each config gets ``overlap`` and
   ``between_gemms``."""
@@ -328,7 +370,7 @@ def profile(configs, steps, out_dir=None):
 
   import profile_mesh  # bench/, beside this script
 
-  kept, kinds = {}, {}
+  kept, kinds, gaps = {}, {}, {}
   for c in configs:
     if c["plan"] == "single":
       continue
@@ -336,6 +378,7 @@ def profile(configs, steps, out_dir=None):
     spans = _kernel_spans(events)
     c["overlap"] = overlap(spans, steps)
     c["between_gemms"] = between_gemms(events, steps)
+    c["after_gathers"] = after_gathers(events, steps)
     for dev, o in sorted(c["overlap"].items()):
       share = o["nccl_beside_gemm_ms"] / o["nccl_ms"] if o["nccl_ms"] else float("nan")
       print(
@@ -352,12 +395,21 @@ def profile(configs, steps, out_dir=None):
         f"{b['idle_ms']:.2f} ms, by kind (ms) {kind}; others a step: {others}",
         flush=True,
       )
+    for dev, rows in sorted(c["after_gathers"].items()):
+      for k, r in enumerate(rows):
+        names = "; ".join(f"{name[:50]} {us:.0f}" for name, us in r["kernels"][:8])
+        print(
+          f"  after gather {k} {c['plan']} {c['variant']} {dev}: {r['gap_us']:.0f} us to "
+          f"{r['gemm'][:40]} (idle {r['idle_us']:.0f} us): {names}",
+          flush=True,
+        )
     kept[f"{c['plan']} {c['variant']}"] = spans
     kinds[f"{c['plan']} {c['variant']}"] = c["between_gemms"]
+    gaps[f"{c['plan']} {c['variant']}"] = c["after_gathers"]
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
     with gzip.open(os.path.join(out_dir, "kernels.json.gz"), "wt") as f:
-      json.dump({"steps": steps, "configs": kept, "between_gemms": kinds}, f)
+      json.dump({"steps": steps, "configs": kept, "between_gemms": kinds, "after_gathers": gaps}, f)
   return configs
 
 
