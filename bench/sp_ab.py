@@ -4,7 +4,9 @@ te_adapters, timed against each other in one call, interleaved.
 Each tree runs in its own worker process with its root first on ``sys.path`` (its
 ``te_adapters/`` must hold the compiled extension); ``bench/sp_layer.py`` is this checkout's. A
 worker compiles its plans and variants and reports each program's FP8/other GEMMs and
-collectives (compiled HLO); the workers compile at the same time. The parent then warms every
+collectives (compiled HLO); one worker compiles at a time (``--parallel-compile``: all at
+once, faster, but XLA's autotuning of one then times its candidates beside another's work on
+the same GPUs). The parent then warms every
 configuration and runs ``--repeats`` rounds, each running one trial (``--iters`` synchronised
 steps) of every configuration of every tree, the trees' order rotating from round to round, and
 prints per configuration the median and spread, FP8 against the same plan's bf16 and the
@@ -50,6 +52,7 @@ def _parse(argv):
     "--profile-only", default=None, help="trace only these TREE/VARIANT (comma-separated)"
   )
   p.add_argument("--cpu-devices", type=int, default=None)
+  p.add_argument("--parallel-compile", action="store_true")
   p.add_argument("--json", default=None, help="write every figure here")
   return p.parse_args(argv)
 
@@ -127,7 +130,7 @@ def main(args):
   if args.worker:
     return _worker(args)
   trees = [_tree_spec(t) for t in args.tree]
-  procs = []
+  procs, reports = [], []
   for _, root, plans, variants in trees:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", root, "--plans", plans]
     cmd += ["--variants", variants]
@@ -137,9 +140,13 @@ def main(args):
     if args.cpu_devices:
       cmd += ["--cpu-devices", str(args.cpu_devices)]
     procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    if not args.parallel_compile:
+      reports.append(_read(procs[-1]))
+  if args.parallel_compile:
+    reports = [_read(proc) for proc in procs]
   rows = []  # (tree index, config index, info)
-  for t, proc in enumerate(procs):
-    for i, info in enumerate(_read(proc)):
+  for t, report in enumerate(reports):
+    for i, info in enumerate(report):
       rows.append((t, i, dict(info, tree=trees[t][0], times=[])))
   for t, i, _ in rows:
     _ask(procs[t], cmd="warm", i=i)

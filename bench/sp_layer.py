@@ -335,7 +335,8 @@ def between_gemms(events, steps, top=8):
 def after_gathers(events, steps):
   """Per GPU, for each all-gather of the first traced step: what ran from the gather's end to
   the start of the next GEMM kernel (the gap before the GEMM that reads the gathered rows), as
-  ``dict(gap_us, idle_us, kernels=[(name, us)])``, the kernels in the order they started."""
+  ``dict(gap_us, idle_us, kernels=[(name, us, HLO op)], gemm)``, the kernels in the order they
+  started (the HLO op where the trace names it, else "")."""
   import profile_mesh  # bench/, beside this script
 
   out = {}
@@ -354,7 +355,9 @@ def after_gathers(events, steps):
         dict(
           gap_us=nxt[0] - end,
           idle_us=nxt[0] - end - busy,
-          kernels=[(name[:80], b - a) for a, b, name, _, _ in inside],
+          kernels=[
+            (name[:80], b - a, str(args.get("hlo_op", ""))) for a, b, name, _, args in inside
+          ],
           gemm=nxt[2][:80],
         )
       )
@@ -397,7 +400,9 @@ def profile(configs, steps, out_dir=None):
       )
     for dev, rows in sorted(c["after_gathers"].items()):
       for k, r in enumerate(rows):
-        names = "; ".join(f"{name[:50]} {us:.0f}" for name, us in r["kernels"][:8])
+        names = "; ".join(
+          f"{name[:50]}{f' [{op}]' if op else ''} {us:.0f}" for name, us, op in r["kernels"][:12]
+        )
         print(
           f"  after gather {k} {c['plan']} {c['variant']} {dev}: {r['gap_us']:.0f} us to "
           f"{r['gemm'][:40]} (idle {r['idle_us']:.0f} us): {names}",
