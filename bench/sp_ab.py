@@ -45,6 +45,7 @@ def _parse(argv):
   p.add_argument("--ffn", type=int, default=16384)
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--pipelined", action="store_true", help="as sp_layer.py's")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--profile", type=int, default=0)
@@ -102,7 +103,7 @@ def _worker(args):
         jax.block_until_ready(c["run"]())
       send(None)
     elif cmd["cmd"] == "time":
-      send(sp_layer.time_trial(c, args.iters))
+      send(sp_layer.time_trial(c, args.iters, args.pipelined))
     elif cmd["cmd"] == "profile":
       sp_layer.profile([c], args.profile)
       send({k: c.get(k) for k in ("overlap", "between_gemms", "after_gathers")})
@@ -136,7 +137,7 @@ def main(args):
     cmd += ["--variants", variants]
     for name in _LAYER_ARGS:
       cmd += [f"--{name}", str(getattr(args, name))]
-    cmd += ["--profile", str(args.profile)]
+    cmd += ["--profile", str(args.profile)] + (["--pipelined"] if args.pipelined else [])
     if args.cpu_devices:
       cmd += ["--cpu-devices", str(args.cpu_devices)]
     procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))

@@ -59,6 +59,11 @@ def _parse(argv):
   p.add_argument("--ffn", type=int, default=16384)
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--iters", type=int, default=10)
+  p.add_argument(
+    "--pipelined",
+    action="store_true",
+    help="each trial: the steps back to back, one wait at the end (else a wait after each)",
+  )
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--cpu-devices", type=int, default=None)
@@ -203,7 +208,7 @@ def run(args):
       jax.block_until_ready(c["run"]())
   for r in range(args.repeats):  # interleaved: each round runs every configuration once
     for c in configs:
-      c["times"].append(time_trial(c, args.iters))
+      c["times"].append(time_trial(c, args.iters, args.pipelined))
     print(
       f"  round {r + 1}: "
       + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
@@ -212,8 +217,16 @@ def run(args):
   return configs
 
 
-def time_trial(c, iters):
-  """The mean of ``iters`` synchronised steps of configuration ``c``, ms."""
+def time_trial(c, iters, pipelined=False):
+  """The mean of ``iters`` synchronised steps of configuration ``c``, ms; ``pipelined``: of
+  ``iters`` steps dispatched back to back and waited for once (the host's dispatch of a step
+  then runs while the GPUs compute the one before, as in a training loop)."""
+  if pipelined:
+    start = time.perf_counter()
+    for _ in range(iters):
+      out = c["run"]()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters * 1e3
   times = []
   for _ in range(iters):
     start = time.perf_counter()
@@ -461,7 +474,8 @@ def main():
   )
   print(
     f"x ({args.seq}, {args.batch}, {args.hidden}) bf16, ffn {args.ffn}, {args.heads} heads; "
-    f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} steps\n"
+    f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} "
+    f"{'pipelined' if args.pipelined else 'synchronised'} steps\n"
   )
   configs = run(args)
   print(format_tables(configs))

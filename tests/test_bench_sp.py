@@ -22,6 +22,7 @@ ARGS = dict(
   ffn=128,
   heads=4,
   iters=1,
+  pipelined=True,
   warmup=0,
   repeats=2,
 )
