@@ -59,6 +59,11 @@ def _parse(argv):
   p.add_argument("--ffn", type=int, default=16384)
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--iters", type=int, default=10)
+  p.add_argument(
+    "--pipelined",
+    action="store_true",
+    help="each trial: the steps back to back, one wait at the end (else a wait after each)",
+  )
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--cpu-devices", type=int, default=None)
@@ -197,6 +202,42 @@ def make_step(variant, plan, mesh, heads, attention):
 
 
 def run(args):
+  configs = compile_configs(args)
+  for c in configs:
+    for _ in range(args.warmup):
+      jax.block_until_ready(c["run"]())
+  for r in range(args.repeats):  # interleaved: each round runs every configuration once
+    for c in configs:
+      c["times"].append(time_trial(c, args.iters, args.pipelined))
+    print(
+      f"  round {r + 1}: "
+      + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
+      flush=True,
+    )
+  return configs
+
+
+def time_trial(c, iters, pipelined=False):
+  """The mean of ``iters`` synchronised steps of configuration ``c``, ms; ``pipelined``: of
+  ``iters`` steps dispatched back to back and waited for once (the host's dispatch of a step
+  then runs while the GPUs compute the one before, as in a training loop)."""
+  if pipelined:
+    start = time.perf_counter()
+    for _ in range(iters):
+      out = c["run"]()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters * 1e3
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(c["run"]())
+    times.append(time.perf_counter() - start)
+  return float(np.mean(times)) * 1e3
+
+
+def compile_configs(args):
+  """Every (plan, variant) of ``args`` compiled, with its FP8/other GEMM counts and collectives
+  from the compiled HLO; ``run`` calls it with its arguments bound."""
   devices = jax.devices()
   n = args.devices or len(devices)
   attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -247,22 +288,6 @@ def run(args):
         )
       )
       print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
-  for c in configs:
-    for _ in range(args.warmup):
-      jax.block_until_ready(c["run"]())
-  for r in range(args.repeats):  # interleaved: each round runs every configuration once
-    for c in configs:
-      times = []
-      for _ in range(args.iters):
-        start = time.perf_counter()
-        jax.block_until_ready(c["run"]())
-        times.append(time.perf_counter() - start)
-      c["times"].append(float(np.mean(times)) * 1e3)
-    print(
-      f"  round {r + 1}: "
-      + ", ".join(f"{c['plan']}/{c['variant']} {c['times'][-1]:.2f}" for c in configs),
-      flush=True,
-    )
   return configs
 
 
@@ -320,6 +345,39 @@ def between_gemms(events, steps, top=8):
   return out
 
 
+def after_gathers(events, steps):
+  """Per GPU, for each all-gather of the first traced step: what ran from the gather's end to
+  the start of the next GEMM kernel (the gap before the GEMM that reads the gathered rows), as
+  ``dict(gap_us, idle_us, kernels=[(name, us, HLO op)], gemm)``, the kernels in the order they
+  started (the HLO op where the trace names it, else "")."""
+  import profile_mesh  # bench/, beside this script
+
+  out = {}
+  for dev, evs in profile_mesh.gpu_events(events).items():
+    evs = sorted(evs)
+    gathers = [e for e in evs if "allgather" in e[2].lower().replace("_", "")]
+    gathers = gathers[: len(gathers) // steps] if steps else gathers
+    rows = []
+    for _, end, _, _, _ in gathers:
+      nxt = next((e for e in evs if e[0] >= end and profile_mesh._kind(e[2]) == "gemm"), None)
+      if nxt is None:
+        continue
+      inside = [e for e in evs if e[1] > end and e[0] < nxt[0] and e[2] != nxt[2]]
+      busy = profile_mesh._union([(max(a, end), min(b, nxt[0])) for a, b, *_ in inside])
+      rows.append(
+        dict(
+          gap_us=nxt[0] - end,
+          idle_us=nxt[0] - end - busy,
+          kernels=[
+            (name[:80], b - a, str(args.get("hlo_op", ""))) for a, b, name, _, args in inside
+          ],
+          gemm=nxt[2][:80],
+        )
+      )
+    out[dev] = rows
+  return out
+
+
 def profile(configs, steps, out_dir=None):
   """Traces ``steps`` steps of every sharded configuration; each config gets ``overlap`` and
   ``between_gemms``."""
@@ -328,7 +386,7 @@ def profile(configs, steps, out_dir=None):
 
   import profile_mesh  # bench/, beside this script
 
-  kept, kinds = {}, {}
+  kept, kinds, gaps = {}, {}, {}
   for c in configs:
     if c["plan"] == "single":
       continue
@@ -336,6 +394,7 @@ def profile(configs, steps, out_dir=None):
     spans = _kernel_spans(events)
     c["overlap"] = overlap(spans, steps)
     c["between_gemms"] = between_gemms(events, steps)
+    c["after_gathers"] = after_gathers(events, steps)
     for dev, o in sorted(c["overlap"].items()):
       share = o["nccl_beside_gemm_ms"] / o["nccl_ms"] if o["nccl_ms"] else float("nan")
       print(
@@ -352,12 +411,23 @@ def profile(configs, steps, out_dir=None):
         f"{b['idle_ms']:.2f} ms, by kind (ms) {kind}; others a step: {others}",
         flush=True,
       )
+    for dev, rows in sorted(c["after_gathers"].items()):
+      for k, r in enumerate(rows):
+        names = "; ".join(
+          f"{name[:50]}{f' [{op}]' if op else ''} {us:.0f}" for name, us, op in r["kernels"][:12]
+        )
+        print(
+          f"  after gather {k} {c['plan']} {c['variant']} {dev}: {r['gap_us']:.0f} us to "
+          f"{r['gemm'][:40]} (idle {r['idle_us']:.0f} us): {names}",
+          flush=True,
+        )
     kept[f"{c['plan']} {c['variant']}"] = spans
     kinds[f"{c['plan']} {c['variant']}"] = c["between_gemms"]
+    gaps[f"{c['plan']} {c['variant']}"] = c["after_gathers"]
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
     with gzip.open(os.path.join(out_dir, "kernels.json.gz"), "wt") as f:
-      json.dump({"steps": steps, "configs": kept, "between_gemms": kinds}, f)
+      json.dump({"steps": steps, "configs": kept, "between_gemms": kinds, "after_gathers": gaps}, f)
   return configs
 
 
@@ -404,7 +474,8 @@ def main():
   )
   print(
     f"x ({args.seq}, {args.batch}, {args.hidden}) bf16, ffn {args.ffn}, {args.heads} heads; "
-    f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} steps\n"
+    f"fwd + bwd; median over {args.repeats} interleaved rounds of {args.iters} "
+    f"{'pipelined' if args.pipelined else 'synchronised'} steps\n"
   )
   configs = run(args)
   print(format_tables(configs))

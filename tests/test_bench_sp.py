@@ -22,6 +22,7 @@ ARGS = dict(
   ffn=128,
   heads=4,
   iters=1,
+  pipelined=True,
   warmup=0,
   repeats=2,
 )
@@ -108,3 +109,55 @@ def test_between_gemms_names_the_kernels_that_are_neither_gemms_nor_nccl():
   assert [name for name, _ in got["others"]] == ["loop_transpose_fusion", "loop_convert_fusion"]
   np.testing.assert_allclose([ms for _, ms in got["others"]], [0.010, 0.005])
   np.testing.assert_allclose(got["by_kind_ms"]["gemm"], 0.010)
+
+
+def test_after_gathers_names_what_runs_between_a_gather_and_the_next_gemm():
+  """``sp_layer.after_gathers`` from one traced step on GPU 0: an all-gather (0-10 us), a
+  transpose (12-20, its HLO op named), nothing (20-25), a convert (25-30) and the GEMM (30-40);
+  a second all-gather (40-45) followed at once by a GEMM (46-50). Per gather: the gap to the
+  next GEMM, its idle part and the kernels in it, in order."""
+
+  def kernel(name, start, end, **args):
+    return dict(ph="X", pid=1, tid=7, name=name, ts=start, dur=end - start, args=args)
+
+  events = [
+    dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+    kernel("ncclDevKernel_AllGather_RING_LL", 0.0, 10.0),
+    kernel("input_transpose_fusion", 12.0, 20.0, hlo_op="transpose.3"),
+    kernel("loop_convert_fusion", 25.0, 30.0),
+    kernel("nvjet_sm90_qqtst_128x128", 30.0, 40.0),
+    kernel("ncclDevKernel_AllGather_RING_LL", 40.0, 45.0),
+    kernel("nvjet_sm90_qqtst_64x128", 46.0, 50.0),
+  ]
+  (got,) = sp_layer.after_gathers(events, steps=1).values()
+  assert [(r["gap_us"], r["idle_us"]) for r in got] == [(20.0, 7.0), (1.0, 1.0)]
+  assert got[0]["kernels"] == [
+    ("input_transpose_fusion", 8.0, "transpose.3"),
+    ("loop_convert_fusion", 5.0, ""),
+  ]
+  assert got[0]["gemm"] == "nvjet_sm90_qqtst_128x128" and got[1]["kernels"] == []
+
+
+def test_sp_ab_times_two_trees_in_interleaved_rounds(tmp_path):
+  """``bench/sp_ab.py`` on 2 virtual CPU devices, tiny sizes: two worker processes (this tree
+  twice, under two labels) each compile their configuration, the parent times both in every
+  round and writes each row's times, GEMM counts and collectives."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "ab.json"
+  tiny = "--batch 2 --seq 32 --hidden 64 --ffn 128 --heads 4 --iters 1 --warmup 0 --repeats 2"
+  cmd = [sys.executable, os.path.join(root, "bench", "sp_ab.py"), "--cpu-devices", "2"]
+  cmd += tiny.split() + ["--json", str(out)]
+  cmd += ["--tree", f"a={root};tp_sp;current", "--tree", f"b={root};single;bf16"]
+  subprocess.run(cmd, check=True, cwd=root, capture_output=True, timeout=300)
+  rows = json.loads(out.read_text())
+  assert [(r["tree"], r["plan"], r["variant"]) for r in rows] == [
+    ("a", "tp_sp", "current"),
+    ("b", "single", "bf16"),
+  ]
+  assert all(len(r["times"]) == 2 and r["median_ms"] > 0 for r in rows)
+  assert "all-gather u8" in rows[0]["coll"] and rows[1]["coll"] == "-"

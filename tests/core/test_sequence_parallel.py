@@ -10,6 +10,8 @@ FP8 shards are all-gathered, the input gradient reduce-scattered. So the activat
 without sequence parallelism would run as an all-reduce.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,6 +227,42 @@ def test_ring_steps_are_collective_permutes_beside_the_gemms():
   permutes = [c.arrays[-1] for c in found if c.op == "collective-permute"]
   assert ("u8", (S // 2 * B, H)) in permutes, permutes  # x's FP8 rows of one device
   assert ("f32", (S // 2 * B, H)) in permutes, permutes  # one block's partial sums
+
+
+@pytest.mark.parametrize("where", ["x", "dy"])
+@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_an_infinity_in_one_shard_is_reported_as_on_one_device(name, config, where):
+  """An inf in the first device's rows (of x, or of the output gradient) gives the output,
+  every gradient and the next state the NaNs and infinities one device's step gives
+  (``non_finite="propagate"``: the amax reduced over the mesh makes every device's GEMM output
+  NaN, whether its own rows hold the entry or only the gathered ones; under the ring too); with
+  ``"saturate"`` the output stays finite."""
+  recipe = RECIPES[name]
+  x, w1, w2, dy = _data()
+  if where == "x":
+    x = x.at[1, 0, 5].set(jnp.inf)
+  else:
+    dy = dy.at[1, 0, 5].set(-jnp.inf)
+  states = _states(recipe)
+  (_, want_y), want = _step(lambda *a: _pair(*a, recipe, sequence=False))(x, w1, w2, states, dy)
+  with jax.set_mesh(_mesh()):
+    (_, y), got = _step(_sharded(recipe, config))(x, w1, w2, states, dy)
+    saturate = dataclasses.replace(config, non_finite="saturate")
+    (_, y_saturated), _ = _step(_sharded(recipe, saturate))(x, w1, w2, states, dy)
+  if where == "x":
+    assert np.isnan(np.asarray(y, np.float32)).all()
+    assert np.isfinite(np.asarray(y_saturated, np.float32)).all()
+  # The entry reaches dx, dw1 and dw2 either way.
+  assert not any(np.isfinite(np.asarray(g, np.float32)).all() for g in got[:3])
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path((y, got)),
+    jax.tree.leaves((want_y, want)),
+    strict=True,
+  ):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b), jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(np.isinf(a), np.isinf(b), jax.tree_util.keystr(path))
 
 
 def test_sequence_parallel_refuses_what_it_cannot_serve():
