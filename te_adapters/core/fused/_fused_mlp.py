@@ -32,7 +32,7 @@ import numpy as np
 from te_adapters.core import formats, gemm, kernels, sharding
 from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
-from te_adapters.core.recipes import Float8BlockScaling, caller_stacklevel, check_recipe, check_rng
+from te_adapters.core.recipes import caller_stacklevel, check_recipe, check_rng
 
 __all__ = [
   "KERNEL_ACTIVATIONS",
@@ -48,7 +48,6 @@ __all__ = [
   "dact_f32",
   "dbias_block_cast",
   "dbias_cast",
-  "mlp_composes_by_default",
   "format_fuses",
   "fused_mlp",
   "norm_block_cast",
@@ -150,14 +149,6 @@ def applies(
     if not all(threshold.allows_fp8(m, k, n, backend) for m, k, n in gemm_shapes):
       return False
   return True
-
-
-def mlp_composes_by_default(recipe, config) -> bool:
-  """Whether ``layernorm_mlp`` composes under ``config.fuse_activation_cast=None`` (the default)
-  though it could fuse: under ``Float8BlockScaling``, whose composed step was the faster on an
-  H100 (8.07 ms against 8.58 ms fused, ``bench/RESULTS.md``), its fused casts reading the norm's
-  output, the activation and its gradient in float32. ``layernorm_dense`` fuses it."""
-  return config.fuse_activation_cast is None and isinstance(recipe, Float8BlockScaling)
 
 
 def norm_fuses(x, config) -> bool:
