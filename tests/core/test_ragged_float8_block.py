@@ -11,6 +11,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
+from te_adapters.core import kernels
 from tests.core.test_ragged import reference
 
 # The per-group reference helpers of MXFP8's grouped GEMM serve any block recipe.
@@ -18,6 +19,10 @@ from tests.core.test_ragged_mxfp8 import alone, group_scaled, qdq, train_step
 
 BLOCK = 128
 RECIPE = ta.Float8BlockScaling()  # x and the gradient 1x128, the kernel 128x128 (TE's default)
+# Against float64 products of the same quantized values: the emulated GEMMs sum in float32; on
+# a Hopper GPU with the extension's grouped GEMM the FP8 tensor cores keep their own sums within
+# each 128-wide slice (tests/core/test_grouped_block_gpu.py bounds that kernel alone).
+TOL = 3e-4 if kernels.block_available() else 1e-5
 
 
 def block_reference(x, w, dy, sizes, recipe=RECIPE):
@@ -59,7 +64,7 @@ def test_forward_and_gradients_equal_the_per_group_reference(rel):
       np.testing.assert_array_equal(dw[i], 0.0)  # the empty group's expert
       continue
     for got, ref, rows in zip((y, dx, dw), want, (slice(s, e), slice(s, e), i), strict=True):
-      assert rel(got[rows], ref[rows]) < 1e-5, (i, rel(got[rows], ref[rows]))
+      assert rel(got[rows], ref[rows]) < TOL, (i, rel(got[rows], ref[rows]))
   np.testing.assert_array_equal(y[used:], 0.0)
   np.testing.assert_array_equal(dx[used:], 0.0)
   # Against the exact product: FP8's error (E5M2 gradients), not O(1) and not none.

@@ -22,9 +22,16 @@ the grouped GEMM, and dropping the padding; where the group sizes already are mu
 block nothing is padded. The padding is computed on the device from ``group_sizes`` by gathers,
 without a host transfer.
 
-The GEMMs are emulated: the quantized values are dequantized (exactly, to bfloat16 on GPUs and
-float32 elsewhere) and multiplied by ``jax.lax.ragged_dot_general`` accumulating in float32.
-JAX has no ragged counterpart of ``jax.nn.scaled_matmul`` for hardware with MX GEMMs. Stateless.
+``Float8BlockScaling`` (``grouped_format(block, native=True)``): on a Hopper GPU with the
+extension's grouped GEMM built (CUTLASS), its three GEMMs run in FP8 on
+``kernels.block_rows_gemm`` / ``kernels.block_wgrad_gemm`` (CUTLASS's grouped GEMM with blockwise
+scaling: each 128-wide slice of the contraction multiplied by its operands' scales in float32,
+the formulation of ``dot_general``'s block-scaled GEMM), from the same quantized copies: the
+route ``NATIVE``, where ``kernels.block_refusal`` is None and the kernels are in 128x128 tiles.
+Elsewhere, and for MXFP8, the GEMMs are emulated: the quantized values are dequantized (exactly,
+to bfloat16 on GPUs and float32 elsewhere) and multiplied by ``jax.lax.ragged_dot_general``
+accumulating in float32. JAX has no ragged counterpart of ``jax.nn.scaled_matmul`` for hardware
+with MX GEMMs. Stateless.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from te_adapters.core import kernels
 from te_adapters.core.formats import _block_scaled
 from te_adapters.core.formats._block import emulation_dtype
 from te_adapters.core.formats._format import BlockFormat, GroupedFormat, GroupedRequest, Quantized
@@ -46,7 +54,10 @@ from te_adapters.core.formats._grouping import (
 )
 from te_adapters.core.formats._scaled_tensor import flag_non_finite
 
-__all__ = ["grouped_format"]
+__all__ = ["NATIVE", "grouped_format"]
+
+# The route of the FP8 grouped GEMMs with blockwise scaling (None: the emulated GEMMs).
+NATIVE = "native"
 
 _WHAT = {"x": "lhs (x)", "kernel": "rhs (kernel)", "grad": "output gradient"}
 
@@ -91,9 +102,18 @@ def _check(block: BlockFormat, recipe, k: int, n: int, backward: bool) -> None:
       )
 
 
-def _route(lhs, rhs, recipe, out_dtypes):
-  del lhs, rhs, recipe, out_dtypes  # one route: the emulated GEMMs
-  return None
+def _route(block: BlockFormat, native: bool, lhs, rhs, recipe, out_dtypes):
+  """``NATIVE`` where the format's blocks run on the extension's grouped GEMM (``native``, the
+  kernels in 128x128 tiles, ``kernels.block_refusal`` None), else None: the emulated GEMMs."""
+  if not native:
+    return None
+  w_spec = block.operand_spec(recipe, "kernel", False)
+  if len(w_spec.block_shape) != 2:
+    return None
+  x_dtype = block.operand_spec(recipe, "x", False).q_dtype
+  g_dtype = block.operand_spec(recipe, "grad", False).q_dtype
+  refusal = kernels.block_refusal(lhs, rhs, x_dtype, w_spec.q_dtype, g_dtype, out_dtypes)
+  return NATIVE if refusal is None else None
 
 
 def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
@@ -138,9 +158,16 @@ def _ragged(a, b, group_sizes, dims):
 
 
 def _gemm(block, a, b, group_sizes, out_dtype, which, recipe, precision=None, route=None):
-  """The emulated grouped GEMM of two block-scaled copies; ``precision`` is unused (float32 sums
-  of the dequantized values)."""
-  del precision, route
+  """The grouped GEMM of two block-scaled copies: FP8 on the extension's kernel (``NATIVE``), or
+  emulated; float32 sums either way (``precision`` is unused)."""
+  del precision
+  if route == NATIVE:
+    if which == "wgrad":
+      return kernels.block_wgrad_gemm(
+        a.data, a.scale_inv, b.data, b.scale_inv, group_sizes, out_dtype
+      )
+    sizes = kernels.clamped_sizes(group_sizes, a.data.shape[0])
+    return kernels.block_rows_gemm(a.data, a.scale_inv, b.data, b.scale_inv, sizes, out_dtype)
   if which == "wgrad":
     # The padding rows are zero in both operands, so each group's padded size may be contracted.
     size = block.operand_spec(recipe, "x", True).block_size
@@ -156,12 +183,14 @@ def _stateless_next(recipe, state, roles):
   return state
 
 
-def grouped_format(block: BlockFormat) -> GroupedFormat:
+def grouped_format(block: BlockFormat, native: bool = False) -> GroupedFormat:
   """The ``GroupedFormat`` of a block format whose blocks are 1-D along each GEMM's contracting
-  dim (MXFP8)."""
+  dim (MXFP8; ``Float8BlockScaling``'s kernels in 128x128 tiles). ``native``: the format's
+  scales are float32 per 1x128 block or 128x128 tile, which the extension's grouped GEMM takes
+  (``Float8BlockScaling``)."""
   return GroupedFormat(
     check=functools.partial(_check, block),
-    route=_route,
+    route=functools.partial(_route, block, native),
     quantize=functools.partial(_quantize, block),
     gemm=functools.partial(_gemm, block),
     next_state=_stateless_next,
