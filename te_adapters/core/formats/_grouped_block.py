@@ -36,6 +36,7 @@ with MX GEMMs. Stateless.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -125,6 +126,11 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
   spec = block.operand_spec(recipe, role, False)
   rows = cols = None
   if role == "kernel":
+    # The extension's block cast writes both tiled copies in one pass (Float8BlockScaling on a
+    # GPU): the copy along N and the (G, N, K) one.
+    both = _block_scaled.cast_copies(x, spec, spec, "auto") if req.rows and req.cols else None
+    if both is not None:
+      return _flagged(both[1], both[0], req.non_finite)
     if req.rows:
       rows = _block_scaled.quantize_trailing(jnp.swapaxes(x, 1, 2), spec, what=what)
     if req.cols:
@@ -133,12 +139,30 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
   if req.rows:
     in_group = row_groups(req.group_sizes, x.shape[0]) < req.group_sizes.shape[0]
     x_rows = jnp.where(in_group[:, None], x, jnp.zeros((), x.dtype))
-    rows = _block_scaled.quantize_trailing(x_rows, spec, what=what)
+    rows = _cast_one(x_rows, spec, spec, transposed=False)
+    if rows is None:
+      rows = _block_scaled.quantize_trailing(x_rows, spec, what=what)
   if req.cols:
     spec_t = block.operand_spec(recipe, role, True)
     padding = group_padding(req.group_sizes, x.shape[0], spec_t.block_size)
-    cols = _block_scaled.quantize_trailing(padded_rows(x, padding).T, spec_t, what=what)
+    padded = padded_rows(x, padding)
+    cols = _cast_one(padded, spec_t, spec_t, transposed=True)
+    if cols is None:
+      cols = _block_scaled.quantize_trailing(padded.T, spec_t, what=what)
   return _flagged(rows, cols, req.non_finite)
+
+
+def _cast_one(x, spec, spec_t, transposed: bool):
+  """One copy of ``x`` (R, C) from the extension's block cast: along C, or (``transposed``) the
+  (C, R) copy along R; None where the cast does not apply (then ``quantize_trailing``, the same
+  values)."""
+  copies = _block_scaled.cast_copies(
+    x[None], spec, spec_t, "auto", rows=not transposed, cols=transposed
+  )
+  if copies is None:
+    return None
+  t = copies[1] if transposed else copies[0]
+  return dataclasses.replace(t, data=t.data[0], scale_inv=t.scale_inv[0])
 
 
 def _flagged(rows, cols, non_finite) -> Quantized:
