@@ -3,10 +3,15 @@ extension's dense cuBLASLt FP8 GEMM of the same total size, on FP8 operands made
 
 Times each GEMM of a grouped layer (forward, dgrad, wgrad; the wgrad with and without the
 gather that lays out its operands) for both tile configurations and both accumulation modes, the
-median of ``--iters`` jitted calls after a warm-up. TFLOP/s counts 2*M*K*N per GEMM.
+median of ``--iters`` jitted calls after a warm-up. TFLOP/s counts 2*M*K*N per GEMM. ``--block``
+adds ``Float8BlockScaling``'s grouped GEMM with blockwise scaling (``block_rows_gemm``,
+``block_wgrad_gemm``: float32 scales per 1x128 block of x and dy, per 128x128 tile of the
+kernels), on operands already quantized and laid out (the wgrad's in the padded layout), so that
+a step of ``bench/ragged.py`` splits into its GEMMs and the rest.
 
 Usage (on a Hopper GPU, with the extension built with TE_ADAPTERS_CUTLASS_DIR):
   python bench/grouped_kernel.py --tokens 16384 --k 4096 --n 14336 --groups 8 64
+  python bench/grouped_kernel.py --tokens 8192 --k 2048 --n 2048 --groups 8 --configs 1 --block
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def main(argv=None):
   p.add_argument("--groups", type=int, nargs="+", default=[8, 64])
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--configs", type=int, nargs="+", default=[0, 1])
+  p.add_argument("--block", action="store_true", help="also Float8BlockScaling's grouped GEMM")
   args = p.parse_args(argv)
   if not kernels.available():  # this also registers the extension's FFI targets
     raise SystemExit("needs a Hopper GPU and the extension built with TE_ADAPTERS_CUTLASS_DIR")
@@ -90,7 +96,41 @@ def main(argv=None):
         ):
           ms = _time(fn, a, b, sizes, alpha, iters=args.iters)
           print(f"| {name} | {g} | {cfg} | {sums} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+    if args.block:
+      _time_block(x, dy, w_nk, w_kn, sizes, flops, args.iters)
     del w_nk, w_kn
+
+
+def _time_block(x, dy, w_nk, w_kn, sizes, flops, iters):
+  """Float8BlockScaling's grouped GEMMs on the operands of the per-tensor rows, with power-of-2
+  scales drawn at random (1x128 blocks of x and dy, 128x128 tiles of the kernels)."""
+  if not kernels.block_available():
+    raise SystemExit("--block needs the extension's grouped GEMM with blockwise scaling")
+  b = 128
+  (m, k), n, g = x.shape, dy.shape[1], sizes.shape[0]
+  keys = jax.random.split(jax.random.PRNGKey(1), 6)
+
+  def scales(key, shape):
+    return 2.0 ** jax.random.randint(key, shape, -4, 5).astype(jnp.float32)
+
+  bf = jnp.bfloat16
+  rows = jax.jit(lambda a, sa, w, sw, s: kernels.block_rows_gemm(a, sa, w, sw, s, bf))
+  clamped = kernels.clamped_sizes(sizes, m)
+  fwd = (x, scales(keys[0], (m, k // b)), w_nk, scales(keys[1], (g, n // b, k // b)))
+  dgrad = (dy, scales(keys[2], (m, n // b)), w_kn, scales(keys[3], (g, k // b, n // b)))
+  times = {}
+  for name, args in (("fwd", fwd), ("dgrad", dgrad)):
+    times[name] = _time(rows, *args, clamped, iters=iters)
+  # The wgrad's operands as wide as the padded layout (each group from a multiple of 128
+  # columns); the values do not matter to the time.
+  width = b * ((m + (b - 1) * g) // b)
+  x_t = jnp.zeros((k, width), x.dtype).at[:, :m].set(x.T)
+  dy_t = jnp.zeros((n, width), dy.dtype).at[:, :m].set(dy.T)
+  wgrad = jax.jit(lambda a, sa, d, sd, s: kernels.block_wgrad_gemm(a, sa, d, sd, s, bf))
+  args = (x_t, scales(keys[4], (k, width // b)), dy_t, scales(keys[5], (n, width // b)))
+  times["wgrad"] = _time(wgrad, *args, sizes, iters=iters)
+  for name, ms in times.items():
+    print(f"| {name} (block-scaled) | {g} | - | per block | {ms:.3f} | {flops / ms / 1e9:.0f} |")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,15 @@ state), jitted, ``block_until_ready`` after every step, the median over ``--repe
 - ``ours_mxfp8``: ``te_adapters.core.ragged_dot`` with ``MXFP8BlockScaling`` (E4M3; the GEMMs
   are emulated on dequantized bf16 values, so its "FP8 GEMM" column says no).
 - ``ours_float8_block``: ``te_adapters.core.ragged_dot`` with ``Float8BlockScaling`` (1x128
-  blocks of x and dy that never cross a group, 128x128 tiles per expert; emulated GEMMs on the
-  dequantized values, as MXFP8's).
+  blocks of x and dy that never cross a group, 128x128 tiles per expert; on Hopper with the
+  extension built with CUTLASS the FP8 grouped GEMM with blockwise scaling, elsewhere emulated
+  GEMMs on the dequantized values, as MXFP8's).
 - ``ours_rowwise``: ``te_adapters.core.ragged_dot`` with ``Float8RowwiseScaling`` (XLA's ragged
   dots of the FP8 data, the row and column factors on their float32 outputs).
+- ``xla_current``, ``emulated_float8_block``: the grouped GEMM rule (``core.gemm.grouped_gemms``)
+  with its route pinned: current scaling on XLA's ragged dot of the FP8 data, and
+  ``Float8BlockScaling``'s emulated GEMMs, where the extension's grouped GEMMs are built (their
+  baselines in the same call).
 - ``loop_bf16``: a dense loop over experts, ``sum_g mask_g * (x @ W[g])`` in bf16 (G times the
   FLOPs; what one writes without a grouped GEMM).
 - ``loop_current``: the same loop with ``te_adapters.core.dot_general`` FP8 current scaling.
@@ -35,9 +40,9 @@ floor exceeds the dense step's time, no grouped kernel reaches the dense GEMM's 
 column gives each variant's floor (``variant_floor``) and what fraction of its step it is.
 
 The table also counts the compiled step's FP8 GEMMs (XLA's ``__cublas$lt$matmul$f8`` calls, the
-extension's cuBLASLt ``te_adapters_block_gemm`` and grouped ``te_adapters_grouped_gemm`` calls on
-GPU, f8 ``dot``s elsewhere), and gives the relative error of the forward output against
-``lax_bf16``'s.
+extension's cuBLASLt ``te_adapters_block_gemm``, grouped ``te_adapters_grouped_gemm`` and
+``te_adapters_grouped_block_gemm`` calls on GPU, f8 ``dot``s elsewhere), and gives the relative
+error of the forward output against ``lax_bf16``'s.
 
 ``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``, ``float8_block``) is short for
 ``--variants lax_bf16 ours_bf16 ours_NAME``.
@@ -77,6 +82,8 @@ VARIANTS = (
   "ours_mxfp8",
   "ours_float8_block",
   "ours_rowwise",
+  "xla_current",
+  "emulated_float8_block",
   "loop_bf16",
   "loop_current",
   "dense_current",
@@ -201,6 +208,20 @@ def make_forward(variant: str, num_groups: int):
       return core.ragged_dot(x, w, gs, recipe=recipe, state=st)
 
     return forward, state
+  if variant in ("xla_current", "emulated_float8_block"):
+    # The one grouped rule on a pinned route: XLA's ragged dot of the FP8 data (current), or
+    # the GEMMs of the dequantized values (Float8BlockScaling), whatever the extension holds.
+    recipe, route = (
+      (RECIPES["current"], "xla") if variant == "xla_current" else (RECIPES["float8_block"], None)
+    )
+    state = core.init_ragged_state(recipe, num_groups)
+
+    def forward(x, w, gs, st):
+      dtypes = (np.dtype(x.dtype), np.dtype(w.dtype))
+      spec = core.gemm.Grouped(recipe, None, np.dtype(x.dtype), dtypes, route)
+      return core.gemm.grouped_gemms(x, w, gs.astype(jnp.int32), st, spec)
+
+    return forward, state
   if variant == "loop_bf16":
     return (lambda x, w, gs, st: _loop_over_experts(x, w, gs, None)), {}
   if variant == "loop_current":
@@ -227,6 +248,7 @@ def fp8_gemms(hlo: str) -> str:
     "xla": hlo.count('custom_call_target="__cublas$lt$matmul$f8'),
     "cublaslt": hlo.count('custom_call_target="te_adapters_block_gemm"'),
     "grouped": hlo.count('custom_call_target="te_adapters_grouped_gemm"'),
+    "grouped block-scaled": hlo.count('custom_call_target="te_adapters_grouped_block_gemm"'),
     # Elsewhere (CPU, or a GPU that would run the FP8 dot in another way): dots of f8 operands.
     "dot": len(re.findall(r"= \w+\[[^\]]*\][^=]*\bdot\(f8e\w+", hlo)),
   }

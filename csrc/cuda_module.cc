@@ -35,6 +35,7 @@ extern "C" XLA_FFI_Error* BlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #ifdef TE_ADAPTERS_GROUPED_GEMM
 extern "C" XLA_FFI_Error* GroupedGemmCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* PaddedTransposeCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* GroupedBlockGemmCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 }  // namespace te_adapters
 
@@ -68,6 +69,8 @@ NB_MODULE(_csrc_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(te_adapters::GroupedGemmCuda));
     d["te_adapters_padded_transpose"] =
         nb::capsule(reinterpret_cast<void*>(te_adapters::PaddedTransposeCuda));
+    d["te_adapters_grouped_block_gemm"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::GroupedBlockGemmCuda));
 #endif
     return d;
   });

@@ -24,7 +24,7 @@ from te_adapters import nnx as ta_nnx
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "recipes.md"
 SECTION = "## Every recipe on every path"
-WORDS = ("native", "emulated", "fused", "composed (reported)")
+WORDS = ("native", "native (CUTLASS build)", "emulated", "fused", "composed (reported)")
 M, K, F = 128, 128, 256  # blocks of 128 tile every GEMM
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _QUANTIZED = (*_FP8, "float4_e2m1fn")
@@ -118,6 +118,8 @@ def _traced(step, recipe, grad):
 
 
 def _check_gemms(word, step, recipe, where):
+  if word == "native (CUTLASS build)":  # the extension's grouped GEMM with blockwise scaling
+    word = "native" if core.kernels.block_available() else "emulated"
   closed = _traced(step, recipe, grad=True)
   dtypes = _gemm_dtypes(closed)
   fp8 = [d for d in dtypes if all(t in _FP8 for t in d)]

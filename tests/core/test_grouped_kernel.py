@@ -200,3 +200,100 @@ def test_fp8_native_route_wires_its_gemms_as_the_xla_route(monkeypatch, recipe):
   for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(xla), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
   assert np.all(np.asarray(native[0][30:]) == 0) and np.all(np.asarray(native[2][1]) == 0)
+
+
+def test_grouped_block_scales_keep_each_groups_scales_together():
+  """The scale layout of Float8BlockScaling's rows mode (grouped_block_gemm.h): group g's
+  scales from o_g * S, as (S, m_g), slice after slice; the rows past the groups last."""
+  sizes = np.array([5, 0, 16, 21], np.int32)  # 42 rows in groups, 3 past them
+  scales = jnp.arange(45 * 3, dtype=jnp.float32).reshape(45, 3)
+  flat = np.asarray(_grouped_kernel.grouped_block_scales(scales, jnp.asarray(sizes)))
+  assert flat.shape == (45 * 3,)
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  for s, n in zip(starts, [*sizes, 3], strict=True):
+    np.testing.assert_array_equal(flat[3 * s : 3 * (s + n)].reshape(3, n), scales[s : s + n].T)
+
+
+def _block_call_model(a, b, sfa, sfb, group_sizes, out_shape, out_dtype, workspace, *, mode):
+  """The block-scaled kernel's two modes as grouped_block_gemm.h states them, reading the scale
+  layouts it reads: float32 sums of the dequantized values."""
+  del workspace
+  block = 128
+  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+  sizes = group_sizes.astype(jnp.int32)
+  if mode == 1:  # wgrad: a (K, P), b (N, P), sfa (P/128, K), sfb (P/128, N)
+    a32 = a32 * jnp.repeat(sfa.T, block, axis=1)
+    b32 = b32 * jnp.repeat(sfb.T, block, axis=1)
+    pads = (sizes + block - 1) // block * block
+    dims = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ())
+    out = jax.lax.ragged_dot_general(a32.T, b32.T, pads, dims, precision=jax.lax.Precision.HIGHEST)
+    return out.astype(out_dtype)
+  rows, k = a.shape
+  slices = k // block
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  row = jnp.arange(rows)
+  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), len(sizes) - 1)
+  o, m = starts[group][:, None], sizes[group][:, None]
+  idx = o * slices + jnp.arange(slices)[None, :] * m + (row[:, None] - o)
+  sa = sfa[jnp.clip(idx, 0, sfa.size - 1)]
+  a32 = a32 * jnp.repeat(sa, block, axis=1)
+  sb = jnp.swapaxes(sfb, 1, 2)  # (G, N/128, K/128)
+  b32 = b32 * jnp.repeat(jnp.repeat(sb, block, axis=1), block, axis=2)
+  y = jax.lax.ragged_dot(a32, jnp.swapaxes(b32, 1, 2), sizes, precision=jax.lax.Precision.HIGHEST)
+  y = jnp.where((row < ends[-1])[:, None], y, 0.0)
+  assert y.shape == out_shape
+  return y.astype(out_dtype)
+
+
+@pytest.mark.parametrize(
+  "recipe",
+  [ta.Float8BlockScaling(), ta.Float8BlockScaling(fp8_format=ta.Format.HYBRID)],
+  ids=["e4m3", "hybrid"],
+)
+def test_float8_block_native_route_wires_its_gemms_as_the_emulated_route(monkeypatch, recipe):
+  """Float8BlockScaling's grouped GEMM on the native route, with the kernel replaced by a model
+  of what grouped_block_gemm.h says it computes from the scales in its layouts, gives the
+  emulated route's output and gradients: the same FP8 copies and scales reach each GEMM in the
+  layout the kernel reads (the GPU test runs the kernel itself). ``ragged_dot`` takes that
+  route where the kernel runs, and not for kernels in 1x128 blocks."""
+  calls = []
+
+  def spy(*args, **kwargs):
+    calls.append((kwargs["mode"], str(args[0].dtype), str(args[1].dtype)))
+    return _block_call_model(*args, **kwargs)
+
+  monkeypatch.setattr(_ffi, "grouped_block_gemm_call", spy)
+  monkeypatch.setattr(_grouped_kernel, "block_available", lambda: True)
+  monkeypatch.setattr(_ffi, "single_device", lambda x: True)
+  rng = np.random.default_rng(3)
+  sizes = jnp.asarray([70, 0, 37, 21], jnp.int32)  # 128 rows in groups, 32 past them
+  scale = np.float32(2.0) ** rng.integers(-6, 7, size=(160, 1))  # rows of different blocks
+  x = jnp.asarray(rng.standard_normal((160, 256)) * scale, jnp.float32)
+  w = jnp.asarray(rng.standard_normal((4, 256, 128)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((160, 128)) * scale, jnp.float32)
+  f32 = np.dtype(jnp.float32)
+  grouped = core.formats.format_of(recipe).grouped
+  assert grouped.route(x, w, recipe, (f32,) * 3) == "native"
+  one_d = ta.Float8BlockScaling(w_block_scaling_dim=1)
+  assert grouped.route(x, w, one_d, (f32,) * 3) is None
+  assert grouped.route(x, w, recipe, (np.dtype(jnp.float16),) * 3) is None
+
+  def run(route):
+    spec = core.gemm.Grouped(recipe, None, f32, (f32, f32), route)
+
+    def loss(x, w):
+      y = core.gemm.grouped_gemms(x, w, sizes, core.init_ragged_state(recipe, 4), spec)
+      return jnp.sum(y * dy), y
+
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    return y, dx, dw
+
+  native = run("native")
+  e4m3, grad = "float8_e4m3fn", str(np.dtype(recipe.bwd_dtype))
+  assert calls == [(0, e4m3, e4m3), (0, grad, e4m3), (1, e4m3, grad)]
+  emulated = run(None)
+  for a, b in zip(native, emulated, strict=True):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(native[0][128:]) == 0) and np.all(np.asarray(native[2][1]) == 0)

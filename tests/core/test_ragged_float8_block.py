@@ -11,6 +11,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
+from te_adapters.core import kernels
 from tests.core.test_ragged import reference
 
 # The per-group reference helpers of MXFP8's grouped GEMM serve any block recipe.
@@ -18,6 +19,10 @@ from tests.core.test_ragged_mxfp8 import alone, group_scaled, qdq, train_step
 
 BLOCK = 128
 RECIPE = ta.Float8BlockScaling()  # x and the gradient 1x128, the kernel 128x128 (TE's default)
+# Against float64 products of the same quantized values: the emulated GEMMs sum in float32; on
+# a Hopper GPU with the extension's grouped GEMM the FP8 tensor cores keep their own sums within
+# each 128-wide slice (tests/core/test_grouped_block_gpu.py bounds that kernel alone).
+TOL = 3e-4 if kernels.block_available() else 1e-5
 
 
 def block_reference(x, w, dy, sizes, recipe=RECIPE):
@@ -59,7 +64,7 @@ def test_forward_and_gradients_equal_the_per_group_reference(rel):
       np.testing.assert_array_equal(dw[i], 0.0)  # the empty group's expert
       continue
     for got, ref, rows in zip((y, dx, dw), want, (slice(s, e), slice(s, e), i), strict=True):
-      assert rel(got[rows], ref[rows]) < 1e-5, (i, rel(got[rows], ref[rows]))
+      assert rel(got[rows], ref[rows]) < TOL, (i, rel(got[rows], ref[rows]))
   np.testing.assert_array_equal(y[used:], 0.0)
   np.testing.assert_array_equal(dx[used:], 0.0)
   # Against the exact product: FP8's error (E5M2 gradients), not O(1) and not none.
@@ -115,3 +120,78 @@ def test_nnx_expert_layer_trains_with_it_as_the_core_computes():
     np.asarray(layer.kernel[...]), np.asarray(w0 - 1e-2 * dw), rtol=1e-6, atol=1e-7
   )
   np.testing.assert_array_equal(np.asarray(layer.kernel[...])[1], np.asarray(w0)[1])  # no tokens
+
+
+def _block_cast_stand_in(calls):
+  """The extension's CUDA block cast (kernels.block_cast_call) made of the pure-JAX quantization,
+  which it equals bit for bit on a GPU (tests/core/test_block_gpu.py); records what it is asked."""
+
+  def cast(x, q_dtype, *, rowwise, colwise, tile, power_2):
+    calls.append((x.shape, rowwise, colwise, tile))
+    block = (BLOCK, BLOCK) if tile else (BLOCK,)
+    spec = core.formats.OperandSpec("float8_block", block, np.dtype(q_dtype), False, False, power_2)
+    q = core.formats.quantize_trailing(x, spec)
+    q_t = core.formats.quantize_trailing(jnp.swapaxes(x, -1, -2), spec)
+    empty_q, empty_s = jnp.zeros((0,), q_dtype), jnp.zeros((0,), jnp.float32)
+    return (
+      q.data if rowwise else empty_q,
+      q.scale_inv if rowwise else empty_s,
+      q_t.data if colwise else empty_q,
+      q_t.scale_inv if colwise and not tile else empty_s,
+      q.amax,
+    )
+
+  return cast
+
+
+@pytest.mark.parametrize("fmt", [ta.Format.E4M3, ta.Format.HYBRID], ids=str)
+def test_grouped_copies_come_from_the_block_cast_where_it_runs(monkeypatch, fmt):
+  """Where the extension's block cast runs (a GPU), the grouped quantization asks it for x's and
+  the gradient's rows (rows in no group zeroed) and padded columns, one copy per call, and for
+  both tiled copies of the kernels in one call; each copy equals, bit for bit, the pure-JAX one
+  the CPU makes. Rows that are not a multiple of 128 keep the pure-JAX quantization."""
+  recipe = ta.Float8BlockScaling(fp8_format=fmt)
+  grouped = core.formats.format_of(recipe).grouped
+  rng = np.random.default_rng(5)
+  sizes = jnp.asarray([100, 0, 120, 20], jnp.int32)  # 240 rows in groups, 16 past them
+  scale = np.exp2(rng.integers(-6, 7, size=(256, 1)))
+  operands = {
+    "x": jnp.asarray(rng.standard_normal((256, 256)) * scale, jnp.bfloat16),
+    "grad": jnp.asarray(rng.standard_normal((256, 384)) * scale, jnp.bfloat16),
+    "kernel": jnp.asarray(rng.standard_normal((4, 256, 384)), jnp.bfloat16),
+  }
+
+  def copies():
+    out = {}
+    for role, x in operands.items():
+      request = functools.partial(core.formats.GroupedRequest, role=role, recipe=recipe)
+      q = jax.jit(lambda x, r=request: grouped.quantize(r(x, group_sizes=sizes)))(x)
+      out[role] = (q.rows, q.cols)
+    return out
+
+  want = copies()
+  calls = []
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(kernels, "registered", lambda target: True)
+  monkeypatch.setattr(kernels, "single_device", lambda x: True)  # the test runs on 8 CPUs
+  monkeypatch.setattr(kernels, "block_cast_call", _block_cast_stand_in(calls))
+  got = copies()
+  padded = BLOCK * ((256 + (BLOCK - 1) * 4) // BLOCK)  # group_padding's static width
+  assert calls == [
+    ((1, 256, 256), True, False, False),
+    ((1, padded, 256), False, True, False),
+    ((1, 256, 384), True, False, False),
+    ((1, padded, 384), False, True, False),
+    ((4, 256, 384), True, True, True),
+  ]
+  for role in operands:
+    for w, g in zip(want[role], got[role], strict=True):
+      assert g.data.shape == w.data.shape and g.scale_inv.shape == w.scale_inv.shape, role
+      bits = [np.asarray(t.data).view(np.uint8) for t in (g, w)]
+      np.testing.assert_array_equal(*bits)
+      np.testing.assert_array_equal(np.asarray(g.scale_inv), np.asarray(w.scale_inv))
+  calls.clear()
+  odd = core.formats.GroupedRequest(operands["x"][:200], "x", recipe, sizes)
+  grouped.quantize(odd)
+  # The rows (200) by pure JAX; the padded columns are 128 * ((200 + 127 * 4) // 128) wide.
+  assert calls == [((1, 640, 256), False, True, False)]

@@ -46,6 +46,7 @@ __all__ = [
   "OperandSpec",
   "block_format",
   "block_of",
+  "cast_copies",
   "operand_spec",
   "quantize_trailing",
   "dequantize",
@@ -202,13 +203,15 @@ def _produced_both(block: BlockFormat, req: QuantizeRequest):
   )
 
 
-def _cast_both(x3, spec, spec_t, backend: str):
+def cast_copies(x3, spec, spec_t, backend: str, *, rows: bool = True, cols: bool = True):
   """``(q, q_t)``: ``x3`` (B, P, Q) quantized with ``spec`` and its (B, Q, P) copy with
-  ``spec_t``, both from one pass of the extension's CUDA block cast; None where it does not
-  apply (another format, the CPU, a shape or dtype it does not take, several devices, or
-  ``GemmConfig(backend="jax")``). The values are those of ``quantize_trailing``."""
+  ``spec_t``, from one pass of the extension's CUDA block cast (``rows`` / ``cols``: which of
+  the two it writes; the other is None); None where it does not apply (another format, the CPU,
+  a shape or dtype it does not take, several devices, or ``GemmConfig(backend="jax")``). The
+  values are those of ``quantize_trailing``. The tiled copies (128x128) come from one scale per
+  tile, so they ask for ``rows``."""
   tile = _one_pass_blocks(spec, spec_t, backend)
-  if tile is None:
+  if tile is None or not (rows or cols) or (tile and not rows):
     return None
   if x3.shape[-1] % 128 or x3.shape[-2] % 128 or np.dtype(x3.dtype) not in _CAST_DTYPES:
     return None
@@ -217,14 +220,14 @@ def _cast_both(x3, spec, spec_t, backend: str):
   if not kernels.single_device(x3):
     return None
   q, s, q_t, s_t, amax = kernels.block_cast_call(
-    x3, spec.q_dtype, rowwise=True, colwise=True, tile=tile, power_2=spec.power_2
+    x3, spec.q_dtype, rowwise=rows, colwise=cols, tile=tile, power_2=spec.power_2
   )
   if tile:
     s_t = jnp.swapaxes(s, -1, -2)
   dq = np.dtype(x3.dtype)
   return (
-    ScaledTensor(q, s, amax, scaling_mode="float8_block", dq_dtype=dq),
-    ScaledTensor(q_t, s_t, amax, scaling_mode="float8_block", dq_dtype=dq),
+    ScaledTensor(q, s, amax, scaling_mode="float8_block", dq_dtype=dq) if rows else None,
+    ScaledTensor(q_t, s_t, amax, scaling_mode="float8_block", dq_dtype=dq) if cols else None,
   )
 
 
@@ -272,7 +275,7 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
   reduce = _amax_reducer(x, role, plan)
   tiled = len(spec_t.block_shape) == 2
   if req.rows and req.cols:
-    both = _cast_both(x, spec, spec_t, req.config.backend)
+    both = cast_copies(x, spec, spec_t, req.config.backend)
     if both is not None:
       both_rows, both_cols = (flag_non_finite(t, req.config.non_finite) for t in both)
       return Quantized(both_rows, both_cols, None)

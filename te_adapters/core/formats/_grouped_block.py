@@ -22,18 +22,27 @@ the grouped GEMM, and dropping the padding; where the group sizes already are mu
 block nothing is padded. The padding is computed on the device from ``group_sizes`` by gathers,
 without a host transfer.
 
-The GEMMs are emulated: the quantized values are dequantized (exactly, to bfloat16 on GPUs and
-float32 elsewhere) and multiplied by ``jax.lax.ragged_dot_general`` accumulating in float32.
-JAX has no ragged counterpart of ``jax.nn.scaled_matmul`` for hardware with MX GEMMs. Stateless.
+``Float8BlockScaling`` (``grouped_format(block, native=True)``): on a Hopper GPU with the
+extension's grouped GEMM built (CUTLASS), its three GEMMs run in FP8 on
+``kernels.block_rows_gemm`` / ``kernels.block_wgrad_gemm`` (CUTLASS's grouped GEMM with blockwise
+scaling: each 128-wide slice of the contraction multiplied by its operands' scales in float32,
+the formulation of ``dot_general``'s block-scaled GEMM), from the same quantized copies: the
+route ``NATIVE``, where ``kernels.block_refusal`` is None and the kernels are in 128x128 tiles.
+Elsewhere, and for MXFP8, the GEMMs are emulated: the quantized values are dequantized (exactly,
+to bfloat16 on GPUs and float32 elsewhere) and multiplied by ``jax.lax.ragged_dot_general``
+accumulating in float32. JAX has no ragged counterpart of ``jax.nn.scaled_matmul`` for hardware
+with MX GEMMs. Stateless.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
 from jax import lax
 
+from te_adapters.core import kernels
 from te_adapters.core.formats import _block_scaled
 from te_adapters.core.formats._block import emulation_dtype
 from te_adapters.core.formats._format import BlockFormat, GroupedFormat, GroupedRequest, Quantized
@@ -46,7 +55,10 @@ from te_adapters.core.formats._grouping import (
 )
 from te_adapters.core.formats._scaled_tensor import flag_non_finite
 
-__all__ = ["grouped_format"]
+__all__ = ["NATIVE", "grouped_format"]
+
+# The route of the FP8 grouped GEMMs with blockwise scaling (None: the emulated GEMMs).
+NATIVE = "native"
 
 _WHAT = {"x": "lhs (x)", "kernel": "rhs (kernel)", "grad": "output gradient"}
 
@@ -91,9 +103,18 @@ def _check(block: BlockFormat, recipe, k: int, n: int, backward: bool) -> None:
       )
 
 
-def _route(lhs, rhs, recipe, out_dtypes):
-  del lhs, rhs, recipe, out_dtypes  # one route: the emulated GEMMs
-  return None
+def _route(block: BlockFormat, native: bool, lhs, rhs, recipe, out_dtypes):
+  """``NATIVE`` where the format's blocks run on the extension's grouped GEMM (``native``, the
+  kernels in 128x128 tiles, ``kernels.block_refusal`` None), else None: the emulated GEMMs."""
+  if not native:
+    return None
+  w_spec = block.operand_spec(recipe, "kernel", False)
+  if len(w_spec.block_shape) != 2:
+    return None
+  x_dtype = block.operand_spec(recipe, "x", False).q_dtype
+  g_dtype = block.operand_spec(recipe, "grad", False).q_dtype
+  refusal = kernels.block_refusal(lhs, rhs, x_dtype, w_spec.q_dtype, g_dtype, out_dtypes)
+  return NATIVE if refusal is None else None
 
 
 def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
@@ -105,6 +126,11 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
   spec = block.operand_spec(recipe, role, False)
   rows = cols = None
   if role == "kernel":
+    # The extension's block cast writes both tiled copies in one pass (Float8BlockScaling on a
+    # GPU): the copy along N and the (G, N, K) one.
+    both = _block_scaled.cast_copies(x, spec, spec, "auto") if req.rows and req.cols else None
+    if both is not None:
+      return _flagged(both[1], both[0], req.non_finite)
     if req.rows:
       rows = _block_scaled.quantize_trailing(jnp.swapaxes(x, 1, 2), spec, what=what)
     if req.cols:
@@ -113,12 +139,30 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
   if req.rows:
     in_group = row_groups(req.group_sizes, x.shape[0]) < req.group_sizes.shape[0]
     x_rows = jnp.where(in_group[:, None], x, jnp.zeros((), x.dtype))
-    rows = _block_scaled.quantize_trailing(x_rows, spec, what=what)
+    rows = _cast_one(x_rows, spec, spec, transposed=False)
+    if rows is None:
+      rows = _block_scaled.quantize_trailing(x_rows, spec, what=what)
   if req.cols:
     spec_t = block.operand_spec(recipe, role, True)
     padding = group_padding(req.group_sizes, x.shape[0], spec_t.block_size)
-    cols = _block_scaled.quantize_trailing(padded_rows(x, padding).T, spec_t, what=what)
+    padded = padded_rows(x, padding)
+    cols = _cast_one(padded, spec_t, spec_t, transposed=True)
+    if cols is None:
+      cols = _block_scaled.quantize_trailing(padded.T, spec_t, what=what)
   return _flagged(rows, cols, req.non_finite)
+
+
+def _cast_one(x, spec, spec_t, transposed: bool):
+  """One copy of ``x`` (R, C) from the extension's block cast: along C, or (``transposed``) the
+  (C, R) copy along R; None where the cast does not apply (then ``quantize_trailing``, the same
+  values)."""
+  copies = _block_scaled.cast_copies(
+    x[None], spec, spec_t, "auto", rows=not transposed, cols=transposed
+  )
+  if copies is None:
+    return None
+  t = copies[1] if transposed else copies[0]
+  return dataclasses.replace(t, data=t.data[0], scale_inv=t.scale_inv[0])
 
 
 def _flagged(rows, cols, non_finite) -> Quantized:
@@ -138,9 +182,16 @@ def _ragged(a, b, group_sizes, dims):
 
 
 def _gemm(block, a, b, group_sizes, out_dtype, which, recipe, precision=None, route=None):
-  """The emulated grouped GEMM of two block-scaled copies; ``precision`` is unused (float32 sums
-  of the dequantized values)."""
-  del precision, route
+  """The grouped GEMM of two block-scaled copies: FP8 on the extension's kernel (``NATIVE``), or
+  emulated; float32 sums either way (``precision`` is unused)."""
+  del precision
+  if route == NATIVE:
+    if which == "wgrad":
+      return kernels.block_wgrad_gemm(
+        a.data, a.scale_inv, b.data, b.scale_inv, group_sizes, out_dtype
+      )
+    sizes = kernels.clamped_sizes(group_sizes, a.data.shape[0])
+    return kernels.block_rows_gemm(a.data, a.scale_inv, b.data, b.scale_inv, sizes, out_dtype)
   if which == "wgrad":
     # The padding rows are zero in both operands, so each group's padded size may be contracted.
     size = block.operand_spec(recipe, "x", True).block_size
@@ -156,12 +207,14 @@ def _stateless_next(recipe, state, roles):
   return state
 
 
-def grouped_format(block: BlockFormat) -> GroupedFormat:
+def grouped_format(block: BlockFormat, native: bool = False) -> GroupedFormat:
   """The ``GroupedFormat`` of a block format whose blocks are 1-D along each GEMM's contracting
-  dim (MXFP8)."""
+  dim (MXFP8; ``Float8BlockScaling``'s kernels in 128x128 tiles). ``native``: the format's
+  scales are float32 per 1x128 block or 128x128 tile, which the extension's grouped GEMM takes
+  (``Float8BlockScaling``)."""
   return GroupedFormat(
     check=functools.partial(_check, block),
-    route=_route,
+    route=functools.partial(_route, block, native),
     quantize=functools.partial(_quantize, block),
     gemm=functools.partial(_gemm, block),
     next_state=_stateless_next,

@@ -49,7 +49,7 @@ _FORMATS: list[QuantizationFormat] = [
   _block_scaled.block_format(_mxfp8.FORMAT, _grouped_block.grouped_format(_mxfp8.FORMAT)),
   _block_scaled.block_format(_nvfp4.FORMAT),
   _block_scaled.block_format(
-    _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT)
+    _float8_block.FORMAT, _grouped_block.grouped_format(_float8_block.FORMAT, native=True)
   ),
   _rowwise.FORMAT._replace(grouped=_grouped_rowwise.GROUPED),
 ]

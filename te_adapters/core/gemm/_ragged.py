@@ -188,7 +188,9 @@ def ragged_dot(
   need not be multiples of 32). K must be a multiple of 32, and N too when differentiating. No
   state. The GEMMs are emulated (dequantized values, float32 accumulation); see
   ``formats._grouped_block``. ``Float8BlockScaling`` the same way with its 1x128 blocks (the
-  rows of each group padded to 128) and each expert's kernel in 128x128 tiles.
+  rows of each group padded to 128) and each expert's kernel in 128x128 tiles; on Hopper with the
+  extension built with CUTLASS its three GEMMs run in FP8 on the grouped GEMM with blockwise
+  scaling (``kernels.block_rows_gemm``, ``kernels.block_wgrad_gemm``).
   ``Float8RowwiseScaling``: one scale per row along each GEMM's contracting dim, the weight
   gradient's operands one per column within each group, FP8 ragged dots
   (``formats._grouped_rowwise``). ``NVFP4BlockScaling`` is not implemented.

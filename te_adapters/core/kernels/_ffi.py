@@ -35,6 +35,7 @@ __all__ = [
   "DACT_AMAX_TARGET",
   "DACT_CAST_TARGET",
   "GEMM_TARGET",
+  "GROUPED_BLOCK_GEMM_TARGET",
   "NORM_CAST_TARGET",
   "act_amax_call",
   "act_cast_call",
@@ -51,6 +52,7 @@ __all__ = [
   "ffi_available",
   "gemm_call",
   "gpu_kernels_unusable_reason",
+  "grouped_block_gemm_call",
   "grouped_gemm_call",
   "hopper_target_available",
   "norm_cast_call",
@@ -89,6 +91,8 @@ GEMM_TARGET = "te_adapters_block_gemm"
 # The CUTLASS grouped FP8 GEMM and its operand layout kernel (built with TE_ADAPTERS_CUTLASS_DIR).
 GROUPED_GEMM_TARGET = "te_adapters_grouped_gemm"
 PADDED_TRANSPOSE_TARGET = "te_adapters_padded_transpose"
+# Float8BlockScaling's grouped FP8 GEMM (CUTLASS, blockwise scaling; built with the grouped GEMM).
+GROUPED_BLOCK_GEMM_TARGET = "te_adapters_grouped_block_gemm"
 # jax.default_backend() name -> (extension module, XLA platform name).
 _MODULES = {"cpu": ("te_adapters._csrc_cpu", "cpu"), "gpu": ("te_adapters._csrc_cuda", "CUDA")}
 _GEMM_WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -678,6 +682,26 @@ def grouped_gemm_call(
     mode=np.int32(mode),
     fast_accum=np.int32(fast_accum),
     config=np.int32(config),
+  )
+  return y
+
+
+def grouped_block_gemm_call(
+  a, b, sfa, sfb, group_sizes, out_shape, out_dtype, workspace_bytes, *, mode
+):
+  """Float8BlockScaling's grouped FP8 GEMM (``csrc/grouped_block_gemm_cuda.cu``), ``mode`` 0
+  (rows) or 1 (wgrad); see ``_grouped_kernel`` for the operand and scale layouts."""
+  outs = (
+    jax.ShapeDtypeStruct(out_shape, out_dtype),
+    jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+  )
+  y, _ = jax.ffi.ffi_call(GROUPED_BLOCK_GEMM_TARGET, outs, vmap_method="sequential")(
+    a,
+    b,
+    sfa.astype(jnp.float32),
+    sfb.astype(jnp.float32),
+    group_sizes.astype(jnp.int32),
+    mode=np.int32(mode),
   )
   return y
 

@@ -18,6 +18,13 @@ want them:
 
 Rows past ``sum(group_sizes)`` give zero rows of y and dx and nothing to dw. Sums of group sizes
 past M are clamped as ``row_groups`` does.
+
+``Float8BlockScaling``'s grouped GEMM (``block_rows_gemm``, ``block_wgrad_gemm``;
+``csrc/grouped_block_gemm_*.cu``) is CUTLASS's Hopper grouped GEMM with blockwise scaling, built
+with the same switch: the same three GEMMs and operand orientations, each 128-wide slice of the
+contraction multiplied by its operands' float32 inverse scales before it joins the float32 sum
+(x and the output gradient in 1x128 blocks, the kernels in 128x128 tiles). Its wgrad operands
+come in the padded layout of the format's quantization (each group from a multiple of 128 rows).
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ __all__ = [
   "available",
   "bf16_ragged_dot",
   "bf16_refusal",
+  "block_available",
+  "block_refusal",
+  "block_rows_gemm",
+  "block_wgrad_gemm",
+  "grouped_block_scales",
   "clamped_sizes",
   "fast_accumulation",
   "padded_columns",
@@ -237,3 +249,106 @@ def _bf16_bwd(residuals, g):
 
 
 bf16_ragged_dot.defvjp(_bf16_fwd, _bf16_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Float8BlockScaling's grouped GEMM (blockwise scaling).
+
+_BLOCK = 128
+_E4M3, _E5M2 = _FP8
+
+
+def block_available() -> bool:
+  """Whether Float8BlockScaling's grouped GEMM is built here and every local device is a Hopper
+  GPU."""
+  return _ffi.hopper_target_available(_ffi.GROUPED_BLOCK_GEMM_TARGET)
+
+
+def block_refusal(lhs, rhs, x_dtype, w_dtype, g_dtype, out_dtypes) -> str | None:
+  """Why ``block_rows_gemm`` and ``block_wgrad_gemm`` cannot run this grouped GEMM (None: they
+  can): ``x_dtype``, ``w_dtype``, ``g_dtype`` are the FP8 dtypes of x, the kernels and the output
+  gradient, ``out_dtypes`` those of y, dx and dw."""
+  if not block_available():
+    return "the grouped GEMM is not built here or the devices are not Hopper GPUs"
+  x, w, g = np.dtype(x_dtype), np.dtype(w_dtype), np.dtype(g_dtype)
+  if x != _E4M3 or w != _E4M3 or g not in _FP8:
+    return "it takes float8_e4m3fn x and kernels (float8_e4m3fn or float8_e5m2 gradients)"
+  bad = [str(np.dtype(d)) for d in out_dtypes if np.dtype(d) not in _OUT]
+  if bad:
+    return f"it writes bfloat16 or float32, not {', '.join(bad)}"
+  k, n = lhs.shape[1], rhs.shape[2]
+  if k % _BLOCK or n % _BLOCK:
+    return f"it needs K and N multiples of {_BLOCK}"
+  if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
+    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
+  return None
+
+
+def grouped_block_scales(scale_inv, group_sizes):
+  """The scales (M, S) of x's or the gradient's rows (one per row and 128-wide slice) in the
+  kernel's layout, flat (M * S,): group g's rows from offset ``o_g * S`` (``o_g``: the rows
+  before it) as (S, m_g) row-major, slice after slice; the rows past the groups last, the same
+  way. ``group_sizes`` clamped (``clamped_sizes``)."""
+  rows, slices = scale_inv.shape
+  sizes = group_sizes.astype(jnp.int32)
+  # The rows past the groups as one more group.
+  extended = jnp.concatenate([sizes, (rows - jnp.sum(sizes))[None]])
+  ends = jnp.cumsum(extended)
+  starts = ends - extended
+  position = jnp.arange(rows * slices, dtype=jnp.int32).reshape(rows, slices)
+  # Group g's scales fill the flat positions [o_g * S, (o_g + m_g) * S), so position p belongs to
+  # the group of row p // S.
+  group = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+  start = starts[group][:, None]
+  size = jnp.maximum(extended[group], 1)[:, None]
+  local = position - start * slices
+  return scale_inv[start + local % size, local // size].reshape(-1)
+
+
+def block_rows_gemm(a, a_scale_inv, b, b_scale_inv, group_sizes, out_dtype):
+  """``out[rows of g] = a[rows of g] @ b[g]^T``, zero past the groups, from block-scaled FP8.
+
+  ``a`` (M, K) FP8 in 1x128 blocks along K with ``a_scale_inv`` (M, K/128); ``b`` (G, N, K) FP8
+  in 128x128 tiles with ``b_scale_inv`` (G, N/128, K/128); ``group_sizes`` clamped. Returns
+  (M, N) ``out_dtype`` (bfloat16 or float32), float32 sums.
+  """
+  sfa = grouped_block_scales(a_scale_inv, group_sizes)
+  sfb = jnp.swapaxes(b_scale_inv, 1, 2)  # each kernel's tile scales slice by slice
+  return _ffi.grouped_block_gemm_call(
+    a,
+    b,
+    sfa,
+    sfb,
+    group_sizes,
+    (a.shape[0], b.shape[1]),
+    out_dtype,
+    _block_workspace(b.shape[0]),
+    mode=_ROWS,
+  )
+
+
+def block_wgrad_gemm(a, a_scale_inv, b, b_scale_inv, group_sizes, out_dtype):
+  """``dw[g] = a[:, columns of g] @ b[:, columns of g]^T``: (G, K, N) ``out_dtype``.
+
+  ``a`` (K, P) and ``b`` (N, P) FP8 in 1x128 blocks along P with scales (K, P/128) and
+  (N, P/128), in the padded layout: group g's columns from the sum of the sizes before it, each
+  rounded up to 128, zeros past its size (``formats``' ``group_padding`` with blocks of 128).
+  An empty group gets a zero gradient.
+  """
+  return _ffi.grouped_block_gemm_call(
+    a,
+    b,
+    a_scale_inv.T,  # (P/128, K): each 128-column slice's scales together
+    b_scale_inv.T,
+    group_sizes,
+    (group_sizes.shape[0], a.shape[0], b.shape[0]),
+    out_dtype,
+    _block_workspace(group_sizes.shape[0]),
+    mode=_WGRAD,
+  )
+
+
+def _block_workspace(groups: int) -> int:
+  # CUTLASS's workspace plus the per-group arguments (shape, five pointers, two scale layouts,
+  # three strides: under 256 bytes).
+  return _CUTLASS_WORKSPACE + 256 * (16 + 2 * groups)
