@@ -186,14 +186,13 @@ def _produced_both(block: BlockFormat, req: QuantizeRequest):
   computes it (``Producer.block_cast``), or None where it does not (no such cast, tiles, a copy
   not asked for, or the producer's kernel does not run here). The values are those of
   ``quantize_trailing`` of the producer's float32 ``value``."""
-  producer = req.producer
-  if producer is None or producer.block_cast is None or not (req.rows and req.cols):
+  if req.producer.block_cast is None or not (req.rows and req.cols):
     return None
   spec = block.operand_spec(req.recipe, req.role, False)
   spec_t = block.operand_spec(req.recipe, req.role, req.role != "kernel")
   if _one_pass_blocks(spec, spec_t, req.config.backend) is not False:
     return None
-  out = producer.block_cast(spec.q_dtype, spec.power_2)
+  out = req.producer.block_cast(spec.q_dtype, spec.power_2)
   if out is None:
     return None
   q, s, q_t, s_t, amax = out
