@@ -28,9 +28,13 @@ git rev-parse HEAD 2>/dev/null | tee -a "$out/device.txt"
 parallel=()
 if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile --max-worker-restart 4); fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pytest "${parallel[@]}" -q -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" "$@" \
+# SUITE_TIMEOUT (seconds): pytest is interrupted then, and still writes its summary, the JUnit XML
+# and the names of the tests that failed so far (the log lists each outcome as it happens).
+limit=()
+[ -n "${SUITE_TIMEOUT:-}" ] && limit=(timeout -s INT -k 30 "$SUITE_TIMEOUT")
+"${limit[@]}" python3 -m pytest "${parallel[@]}" -v -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" "$@" \
   >"$out/pytest.log" 2>&1
 rc=$?
-grep -E "^(FAILED|ERROR|XPASS)" "$out/pytest.log" | cut -c1-300
+grep -E "^(FAILED|ERROR|XPASS)|\] (FAILED|ERROR|XPASS) " "$out/pytest.log" | cut -c1-300 | sort -u
 tail -1 "$out/pytest.log" | tee "$out/summary.txt"
 exit $rc
