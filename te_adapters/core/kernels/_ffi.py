@@ -543,6 +543,17 @@ def _norm_cast_kernel(q_dtype, has_beta, with_amax):
   return call
 
 
+def _with_workspace(target, out_shape, out_dtype, workspace_bytes, *operands, **attrs):
+  """``target``'s one output, called with a scratch workspace of ``workspace_bytes`` as its
+  second output (XLA allocates it; the handler may use it for the call's length)."""
+  outs = (
+    jax.ShapeDtypeStruct(out_shape, out_dtype),
+    jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
+  )
+  y, _ = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(*operands, **attrs)
+  return y
+
+
 def gemm_call(
   a, b, a_scales, b_scales, out_dtype, lhs_mode, rhs_mode, fast_accum=False, sm_margin=0
 ):
@@ -555,11 +566,11 @@ def gemm_call(
   Modes 1 and 2: 1x128 blocks and 128x128 tiles, scales in cuBLAS's layout (see
   ``_float8_block``).
   """
-  outs = (
-    jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), out_dtype),
-    jax.ShapeDtypeStruct((_GEMM_WORKSPACE_BYTES,), jnp.uint8),
-  )
-  y, _ = jax.ffi.ffi_call(GEMM_TARGET, outs, vmap_method="sequential")(
+  return _with_workspace(
+    GEMM_TARGET,
+    (*a.shape[:-1], b.shape[-2]),
+    out_dtype,
+    _GEMM_WORKSPACE_BYTES,
     a,
     b,
     a_scales,
@@ -569,7 +580,6 @@ def gemm_call(
     fast_accum=np.int32(fast_accum),
     sm_margin=np.int32(sm_margin),
   )
-  return y
 
 
 def registered(target: str, platform: str = "gpu") -> bool:
@@ -582,11 +592,11 @@ def grouped_gemm_call(
 ):
   """The grouped FP8 GEMM (``csrc/grouped_gemm_cuda.cu``), ``mode`` 0 (rows) or 1 (wgrad); see
   ``_grouped_kernel`` for the operand layouts."""
-  outs = (
-    jax.ShapeDtypeStruct(out_shape, out_dtype),
-    jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
-  )
-  y, _ = jax.ffi.ffi_call(GROUPED_GEMM_TARGET, outs, vmap_method="sequential")(
+  return _with_workspace(
+    GROUPED_GEMM_TARGET,
+    out_shape,
+    out_dtype,
+    workspace_bytes,
     a,
     b,
     group_sizes.astype(jnp.int32),
@@ -595,7 +605,6 @@ def grouped_gemm_call(
     fast_accum=np.int32(fast_accum),
     config=np.int32(config),
   )
-  return y
 
 
 def grouped_block_gemm_call(
@@ -603,11 +612,11 @@ def grouped_block_gemm_call(
 ):
   """Float8BlockScaling's grouped FP8 GEMM (``csrc/grouped_block_gemm_cuda.cu``), ``mode`` 0
   (rows) or 1 (wgrad); see ``_grouped_kernel`` for the operand and scale layouts."""
-  outs = (
-    jax.ShapeDtypeStruct(out_shape, out_dtype),
-    jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),
-  )
-  y, _ = jax.ffi.ffi_call(GROUPED_BLOCK_GEMM_TARGET, outs, vmap_method="sequential")(
+  return _with_workspace(
+    GROUPED_BLOCK_GEMM_TARGET,
+    out_shape,
+    out_dtype,
+    workspace_bytes,
     a,
     b,
     sfa.astype(jnp.float32),
@@ -615,7 +624,6 @@ def grouped_block_gemm_call(
     group_sizes.astype(jnp.int32),
     mode=np.int32(mode),
   )
-  return y
 
 
 def padded_transpose_call(q, src):

@@ -90,11 +90,12 @@ def fast_accumulation(precision, gemm: str, recipe) -> bool:
   return _fast(precision)
 
 
-def _shape_refusal(lhs, rhs) -> str | None:
-  """What both the FP8 and the bfloat16 kernel ask of the operands' sizes and placement."""
+def _shape_refusal(lhs, rhs, align: int = _ALIGN) -> str | None:
+  """What every grouped kernel asks of the operands' sizes (K and N multiples of ``align``) and
+  placement."""
   k, n = lhs.shape[1], rhs.shape[2]
-  if k % _ALIGN or n % _ALIGN:
-    return f"it needs K and N multiples of {_ALIGN}"
+  if k % align or n % align:
+    return f"it needs K and N multiples of {align}"
   if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
     return "an operand is sharded over several devices (the kernel has no partitioning rule)"
   return None
@@ -276,12 +277,7 @@ def block_refusal(lhs, rhs, x_dtype, w_dtype, g_dtype, out_dtypes) -> str | None
   bad = [str(np.dtype(d)) for d in out_dtypes if np.dtype(d) not in _OUT]
   if bad:
     return f"it writes bfloat16 or float32, not {', '.join(bad)}"
-  k, n = lhs.shape[1], rhs.shape[2]
-  if k % _BLOCK or n % _BLOCK:
-    return f"it needs K and N multiples of {_BLOCK}"
-  if not (_ffi.single_device(lhs) and _ffi.single_device(rhs)):
-    return "an operand is sharded over several devices (the kernel has no partitioning rule)"
-  return None
+  return _shape_refusal(lhs, rhs, _BLOCK)
 
 
 def grouped_block_scales(scale_inv, group_sizes):
