@@ -47,6 +47,11 @@ error of the forward output against ``lax_bf16``'s.
 ``--recipe NAME`` (``current``, ``delayed``, ``mxfp8``, ``float8_block``) is short for
 ``--variants lax_bf16 ours_bf16 ours_NAME``.
 
+``--profile N`` also lists, after each variant's row, the GPU kernels of one step in the order
+they ran, each with its time, from a JAX profiler trace of N steps (``bench/speed.py``'s
+``gpu_trace_events``; XLA runs its command buffers op by op while tracing, so the kernels' sum can
+exceed the step's time measured without the trace).
+
 Usage (on the GPU):
   python bench/ragged.py --tokens 16384 --k 4096 --n 14336 --groups 8 64
   python bench/ragged.py --groups 8 --variants lax_bf16 ours_current
@@ -339,7 +344,36 @@ def bench_groups(args, num_groups: int) -> None:
       f"| {variant} | {ms:.2f} | {runs_ms} | {flops / (ms * 1e-3) / 1e12:.3g} | {speedup} | "
       f"{fp8} | {err} | {floor_cell} |"
     )
+    if args.profile:
+      print_step_kernels(variant, step, call_args, args.profile)
     sys.stdout.flush()
+
+
+def short_kernel_name(name: str, width: int = 70) -> str:
+  """A kernel's name cut to ``width``, with the words that tell CUTLASS's instantiations apart
+  (schedule, scaling, tile) kept from past the cut."""
+  keys = ("Blockwise", "Pingpong", "Cooperative", "FastAccum", "_64,", "_256,", "Setup", "Zero")
+  found = [k.strip("_,") for k in keys if k in name[width:]]
+  return name[:width] + (f" [{' '.join(found)}]" if found else "")
+
+
+def print_step_kernels(variant: str, step, call_args, steps: int) -> None:
+  """The kernels of one traced step of ``variant``, in the order they started, with their time
+  (us), and their sum."""
+  import os
+
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from bench import speed
+
+  events = sorted(speed.gpu_trace_events(step, call_args, steps), key=lambda e: float(e["ts"]))
+  if not events or len(events) % steps:
+    print(f"  {variant}: {len(events)} GPU events in {steps} traced steps; no per-step listing")
+    return
+  one = events[-len(events) // steps :]
+  total = sum(float(e["dur"]) for e in one)
+  print(f"  {variant}: {len(one)} kernels in one traced step, {total:.1f} us of kernel time")
+  for e in one:
+    print(f"    {float(e['dur']):8.1f} us  {short_kernel_name(e['name'])}")
 
 
 def main(argv=None):
@@ -359,6 +393,13 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10, help="timed steps per run")
   p.add_argument("--repeats", type=int, default=3, help="runs; the median is reported")
   p.add_argument("--warmup", type=int, default=2)
+  p.add_argument(
+    "--profile",
+    type=int,
+    default=0,
+    metavar="N",
+    help="list each variant's kernels of one step from a profiler trace of N steps (GPU)",
+  )
   p.add_argument(
     "--bandwidth",
     type=float,

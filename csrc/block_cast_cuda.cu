@@ -7,6 +7,10 @@
 //   (blocks along the input's columns, i.e. along the rows of the transposed copy);
 // - tile mode: one scale per 128x128 tile, the FP8 copy and its transpose (the same codes);
 // and the amax of the whole input.
+// With source rows (an int32 array, one entry per row of the cast's input view), row r of each
+// batch entry is read from row src[r] of the input's (batch, in_rows, cols), or is zero where
+// src[r] is negative (or not below in_rows): a gather of rows fused into the cast, which the
+// grouped GEMMs use for their group-padded layouts instead of writing the gathered copy first.
 // The scale rule is _float8_block.compute_scale's (TE's, epsilon 0): fp8_max / amax, the input
 // dtype's largest finite value where that overflows, optionally rounded down to a power of two,
 // and 1 for a block whose amax is 0, infinite or NaN; scale_inv = 1 / scale. Both divisions are
@@ -99,6 +103,8 @@ __device__ __forceinline__ uint32_t to_fp8x4(const float* v, float scale) {
 
 struct Shape {
   int64_t batch, rows, cols;
+  int64_t in_rows;     // the input's rows per batch entry (rows, without source rows)
+  const int32_t* src;  // [rows] source row of each row, or null (row r reads row r)
 };
 
 struct Outputs {
@@ -124,11 +130,19 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t r0 = tr * kBlock, c0 = tc * kBlock;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rw = warp * kRowsPerWarp, cl = lane * 4;  // this thread's first row and column
-  const In* xb = x + b * s.rows * s.cols;
+  const In* xb = x + b * s.in_rows * s.cols;
 
   float v[kRowsPerWarp][4];
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) load4<In>(xb + (r0 + rw + i) * s.cols + c0 + cl, v[i]);
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    int64_t r = r0 + rw + i;
+    if (s.src != nullptr) r = __ldg(s.src + r);  // the same for the whole warp
+    if (r >= 0 && r < s.in_rows) {
+      load4<In>(xb + r * s.cols + c0 + cl, v[i]);
+    } else {
+      v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
+    }
+  }
 
   uint32_t row_amax[kRowsPerWarp];
   uint32_t col_acc[4] = {0u, 0u, 0u, 0u};
@@ -240,7 +254,8 @@ void launch_in(cudaStream_t stream, OutType ot, const void* x, const Outputs& o,
   }
 }
 
-ffi::Error BlockCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+ffi::Error BlockCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src,
+                         ffi::Result<ffi::AnyBuffer> q,
                          ffi::Result<ffi::Buffer<ffi::F32>> q_sinv,
                          ffi::Result<ffi::AnyBuffer> qt,
                          ffi::Result<ffi::Buffer<ffi::F32>> qt_sinv,
@@ -248,10 +263,16 @@ ffi::Error BlockCastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
                          bool tile, bool power_2) {
   const auto dims = x.dimensions();
   if (dims.size() < 2) return ffi::Error::InvalidArgument("block cast: input rank must be >= 2");
-  Shape s{1, dims[dims.size() - 2], dims.back()};
+  Shape s{1, dims[dims.size() - 2], dims.back(), dims[dims.size() - 2], nullptr};
   for (size_t i = 0; i + 2 < dims.size(); ++i) s.batch *= dims[i];
+  if (src.element_count() > 0) {  // source rows: the cast's rows are src's
+    s.rows = static_cast<int64_t>(src.element_count());
+    s.src = src.typed_data();
+  }
   if (s.rows % kBlock || s.cols % kBlock) {
-    return ffi::Error::InvalidArgument("block cast: the last two dims must be multiples of 128");
+    return ffi::Error::InvalidArgument(
+        "block cast: the rows (the source rows' count, if given) and the last dim must be "
+        "multiples of 128");
   }
   if (!rowwise && !colwise) return ffi::Error::InvalidArgument("block cast: nothing asked for");
   if (tile && !rowwise) {
@@ -311,6 +332,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockCastCuda, BlockCastImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()

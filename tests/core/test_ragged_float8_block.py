@@ -124,10 +124,15 @@ def test_nnx_expert_layer_trains_with_it_as_the_core_computes():
 
 def _block_cast_stand_in(calls):
   """The extension's CUDA block cast (kernels.block_cast_call) made of the pure-JAX quantization,
-  which it equals bit for bit on a GPU (tests/core/test_block_gpu.py); records what it is asked."""
+  which it equals bit for bit on a GPU (tests/core/test_block_gpu.py); records what it is asked:
+  the shape of the rows it quantizes (those of ``source_rows`` where given), the copies, tile
+  mode and whether it gathered the rows."""
 
-  def cast(x, q_dtype, *, rowwise, colwise, tile, power_2):
-    calls.append((x.shape, rowwise, colwise, tile))
+  def cast(x, q_dtype, *, rowwise, colwise, tile, power_2, source_rows=None):
+    if source_rows is not None:
+      valid = (source_rows >= 0)[:, None]
+      x = jnp.where(valid, x[..., jnp.maximum(source_rows, 0), :], jnp.zeros((), x.dtype))
+    calls.append((x.shape, rowwise, colwise, tile, source_rows is not None))
     block = (BLOCK, BLOCK) if tile else (BLOCK,)
     spec = core.formats.OperandSpec("float8_block", block, np.dtype(q_dtype), False, False, power_2)
     q = core.formats.quantize_trailing(x, spec)
@@ -147,9 +152,10 @@ def _block_cast_stand_in(calls):
 @pytest.mark.parametrize("fmt", [ta.Format.E4M3, ta.Format.HYBRID], ids=str)
 def test_grouped_copies_come_from_the_block_cast_where_it_runs(monkeypatch, fmt):
   """Where the extension's block cast runs (a GPU), the grouped quantization asks it for x's and
-  the gradient's rows (rows in no group zeroed) and padded columns, one copy per call, and for
-  both tiled copies of the kernels in one call; each copy equals, bit for bit, the pure-JAX one
-  the CPU makes. Rows that are not a multiple of 128 keep the pure-JAX quantization."""
+  the gradient's rows (rows in no group zeroed) and padded columns, one copy per call, each
+  gathering its rows from the unpadded operand as it reads, and for both tiled copies of the
+  kernels in one call; each copy equals, bit for bit, the pure-JAX one the CPU makes. Rows that
+  are not a multiple of 128 keep the pure-JAX quantization."""
   recipe = ta.Float8BlockScaling(fp8_format=fmt)
   grouped = core.formats.format_of(recipe).grouped
   rng = np.random.default_rng(5)
@@ -178,11 +184,11 @@ def test_grouped_copies_come_from_the_block_cast_where_it_runs(monkeypatch, fmt)
   got = copies()
   padded = BLOCK * ((256 + (BLOCK - 1) * 4) // BLOCK)  # group_padding's static width
   assert calls == [
-    ((1, 256, 256), True, False, False),
-    ((1, padded, 256), False, True, False),
-    ((1, 256, 384), True, False, False),
-    ((1, padded, 384), False, True, False),
-    ((4, 256, 384), True, True, True),
+    ((1, 256, 256), True, False, False, True),
+    ((1, padded, 256), False, True, False, True),
+    ((1, 256, 384), True, False, False, True),
+    ((1, padded, 384), False, True, False, True),
+    ((4, 256, 384), True, True, True, False),
   ]
   for role in operands:
     for w, g in zip(want[role], got[role], strict=True):
@@ -194,4 +200,4 @@ def test_grouped_copies_come_from_the_block_cast_where_it_runs(monkeypatch, fmt)
   odd = core.formats.GroupedRequest(operands["x"][:200], "x", recipe, sizes)
   grouped.quantize(odd)
   # The rows (200) by pure JAX; the padded columns are 128 * ((200 + 127 * 4) // 128) wide.
-  assert calls == [((1, 640, 256), False, True, False)]
+  assert calls == [((1, 640, 256), False, True, False, True)]

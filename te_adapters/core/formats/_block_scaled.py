@@ -166,13 +166,18 @@ def _amax_reducer(x, role, plan):
 _CAST_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
-def cast_copies(x3, spec, spec_t, backend: str, *, rows: bool = True, cols: bool = True):
+def cast_copies(
+  x3, spec, spec_t, backend: str, *, rows: bool = True, cols: bool = True, source_rows=None
+):
   """``(q, q_t)``: ``x3`` (B, P, Q) quantized with ``spec`` and its (B, Q, P) copy with
   ``spec_t``, from one pass of the extension's CUDA block cast (``rows`` / ``cols``: which of
   the two it writes; the other is None); None where it does not apply (another format, the CPU,
   a shape or dtype it does not take, several devices, or ``GemmConfig(backend="jax")``). The
   values are those of ``quantize_trailing``. The tiled copies (128x128) come from one scale per
-  tile, so they ask for ``rows``."""
+  tile, so they ask for ``rows``.
+
+  ``source_rows`` (P,) int32: quantize the rows ``x3[:, source_rows]`` instead, zero rows where
+  an entry is negative (``x3`` (B, M, Q), any M), gathered as the cast reads them."""
   if backend == "jax" or spec.mode != "float8_block" or spec_t.mode != "float8_block":
     return None
   if spec.stochastic or spec_t.stochastic:
@@ -184,14 +189,21 @@ def cast_copies(x3, spec, spec_t, backend: str, *, rows: bool = True, cols: bool
     return None
   if not (rows or cols) or (tile and not rows):
     return None
-  if x3.shape[-1] % 128 or x3.shape[-2] % 128 or np.dtype(x3.dtype) not in _CAST_DTYPES:
+  p = x3.shape[-2] if source_rows is None else source_rows.shape[0]
+  if x3.shape[-1] % 128 or p % 128 or np.dtype(x3.dtype) not in _CAST_DTYPES:
     return None
   if jax.default_backend() != "gpu" or not kernels.registered(kernels.BLOCK_CAST_TARGET):
     return None
   if not kernels.single_device(x3):
     return None
   q, s, q_t, s_t, amax = kernels.block_cast_call(
-    x3, spec.q_dtype, rowwise=rows, colwise=cols, tile=tile, power_2=spec.power_2
+    x3,
+    spec.q_dtype,
+    rowwise=rows,
+    colwise=cols,
+    tile=tile,
+    power_2=spec.power_2,
+    source_rows=source_rows,
   )
   if tile:
     s_t = jnp.swapaxes(s, -1, -2)

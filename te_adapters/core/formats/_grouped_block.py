@@ -136,28 +136,32 @@ def _quantize(block: BlockFormat, req: GroupedRequest) -> Quantized:
     if req.cols:
       cols = _block_scaled.quantize_trailing(x, spec, what=what)
     return _flagged(rows, cols, req.non_finite)
+  # The extension's block cast gathers the rows it quantizes as it reads them (rows in no group
+  # as zeros, the padded layout's rows), so neither the masked nor the padded copy of x is
+  # written first.
   if req.rows:
     in_group = row_groups(req.group_sizes, x.shape[0]) < req.group_sizes.shape[0]
-    x_rows = jnp.where(in_group[:, None], x, jnp.zeros((), x.dtype))
-    rows = _cast_one(x_rows, spec, spec, transposed=False)
+    source = jnp.where(in_group, jnp.arange(x.shape[0], dtype=jnp.int32), -1)
+    rows = _cast_one(x, spec, spec, transposed=False, source_rows=source)
     if rows is None:
+      x_rows = jnp.where(in_group[:, None], x, jnp.zeros((), x.dtype))
       rows = _block_scaled.quantize_trailing(x_rows, spec, what=what)
   if req.cols:
     spec_t = block.operand_spec(recipe, role, True)
     padding = group_padding(req.group_sizes, x.shape[0], spec_t.block_size)
-    padded = padded_rows(x, padding)
-    cols = _cast_one(padded, spec_t, spec_t, transposed=True)
+    source = jnp.where(padding.valid, padding.source, -1)
+    cols = _cast_one(x, spec_t, spec_t, transposed=True, source_rows=source)
     if cols is None:
-      cols = _block_scaled.quantize_trailing(padded.T, spec_t, what=what)
+      cols = _block_scaled.quantize_trailing(padded_rows(x, padding).T, spec_t, what=what)
   return _flagged(rows, cols, req.non_finite)
 
 
-def _cast_one(x, spec, spec_t, transposed: bool):
-  """One copy of ``x`` (R, C) from the extension's block cast: along C, or (``transposed``) the
-  (C, R) copy along R; None where the cast does not apply (then ``quantize_trailing``, the same
-  values)."""
+def _cast_one(x, spec, spec_t, transposed: bool, source_rows):
+  """One copy of ``x[source_rows]`` (R, C) (zero rows where ``source_rows`` is negative) from the
+  extension's block cast: along C, or (``transposed``) the (C, R) copy along R; None where the
+  cast does not apply (then ``quantize_trailing``, the same values)."""
   copies = _block_scaled.cast_copies(
-    x[None], spec, spec_t, "auto", rows=not transposed, cols=transposed
+    x[None], spec, spec_t, "auto", rows=not transposed, cols=transposed, source_rows=source_rows
   )
   if copies is None:
     return None

@@ -311,24 +311,33 @@ def amax_call(over_mesh=False):
   return amax_fn
 
 
-def block_cast_call(x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, power_2: bool):
+def block_cast_call(
+  x, q_dtype, *, rowwise: bool, colwise: bool, tile: bool, power_2: bool, source_rows=None
+):
   """The FP8 block cast (``csrc/block_cast_cuda.cu``) of ``x`` (.., R, C), R and C multiples of
   128: ``(q, q_scale_inv, q_t, q_t_scale_inv, amax)``. 1x128 mode: ``q`` (.., R, C) with scales
   (.., R, C/128), ``q_t`` (.., C, R) with scales (.., C, R/128). Tile mode: ``q`` and ``q_t``
   with one scale per 128x128 tile of ``q``, (.., R/128, C/128) (``q_t_scale_inv`` is empty).
-  Outputs not asked for are empty arrays."""
-  lead, (r, c) = x.shape[:-2], x.shape[-2:]
+  Outputs not asked for are empty arrays.
+
+  ``source_rows`` (R,) int32: the cast's row r is row ``source_rows[r]`` of ``x`` (.., M, C),
+  any M, or zeros where it is negative; the gather happens as the cast reads, so the gathered
+  copy is never written (the group-padded layouts of the grouped GEMMs)."""
+  lead, c = x.shape[:-2], x.shape[-1]
+  r = x.shape[-2] if source_rows is None else source_rows.shape[0]
+  if source_rows is None:
+    source_rows = jnp.zeros((0,), jnp.int32)
   f32 = jnp.float32
   q_scales = (*lead, r // 128, c // 128) if tile else (*lead, r, c // 128)
   outs = (
-    jax.ShapeDtypeStruct(x.shape, q_dtype) if rowwise else _empty(q_dtype),
+    jax.ShapeDtypeStruct((*lead, r, c), q_dtype) if rowwise else _empty(q_dtype),
     jax.ShapeDtypeStruct(q_scales, f32) if rowwise else _empty(f32),
     jax.ShapeDtypeStruct((*lead, c, r), q_dtype) if colwise else _empty(q_dtype),
     jax.ShapeDtypeStruct((*lead, c, r // 128), f32) if colwise and not tile else _empty(f32),
     jax.ShapeDtypeStruct((1,), f32),
   )
   return jax.ffi.ffi_call(BLOCK_CAST_TARGET, outs, vmap_method="sequential")(
-    x, rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
+    x, source_rows.astype(jnp.int32), rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
   )
 
 
