@@ -6,11 +6,16 @@
 //   and the transposed FP8 copy (batch, cols, rows) with one scale per column and 128 rows
 //   (blocks along the input's columns, i.e. along the rows of the transposed copy);
 // - tile mode: one scale per 128x128 tile, the FP8 copy and its transpose (the same codes);
-// and the amax of the whole input.
+// and the amax of the whole input. The tile stays in registers as stored (8 bytes a row per
+// thread for 16-bit inputs: 62 to 80 registers, against 116 when it was held as floats, so
+// three or four blocks fit on a multiprocessor instead of two), and each set of copies asked for
+// is its own instantiation, so a copy not asked for costs no shared memory or registers.
 // With source rows (an int32 array, one entry per row of the cast's input view), row r of each
 // batch entry is read from row src[r] of the input's (batch, in_rows, cols), or is zero where
 // src[r] is negative (or not below in_rows): a gather of rows fused into the cast, which the
 // grouped GEMMs use for their group-padded layouts instead of writing the gathered copy first.
+// Each warp loads its 16 source rows once and shuffles them, so its 16 row loads are all in
+// flight before any is used.
 // The scale rule is _float8_block.compute_scale's (TE's, epsilon 0): fp8_max / amax, the input
 // dtype's largest finite value where that overflows, optionally rounded down to a power of two,
 // and 1 for a block whose amax is 0, infinite or NaN; scale_inv = 1 / scale. Both divisions are
@@ -46,28 +51,38 @@ struct Half16 {
   uint16_t bits;
 };
 
-// Four consecutive elements as floats.
+// Four consecutive elements as they are stored (8 bytes of 16-bit values, 16 of float32), and
+// as floats: the tile is kept in registers as stored, half the registers for 16-bit inputs.
 template <typename In>
-__device__ __forceinline__ void load4(const In* p, float* v);
+struct Raw4 {
+  using T = uint2;
+};
 template <>
-__device__ __forceinline__ void load4<float>(const float* p, float* v) {
-  const float4 w = __ldg(reinterpret_cast<const float4*>(p));
+struct Raw4<float> {
+  using T = float4;
+};
+template <typename In>
+__device__ __forceinline__ typename Raw4<In>::T load_raw4(const In* p) {
+  return __ldg(reinterpret_cast<const typename Raw4<In>::T*>(p));
+}
+template <typename In>
+__device__ __forceinline__ void unpack4(const typename Raw4<In>::T& w, float* v);
+template <>
+__device__ __forceinline__ void unpack4<float>(const float4& w, float* v) {
   v[0] = w.x;
   v[1] = w.y;
   v[2] = w.z;
   v[3] = w.w;
 }
 template <>
-__device__ __forceinline__ void load4<uint16_t>(const uint16_t* p, float* v) {  // bfloat16 bits
-  const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+__device__ __forceinline__ void unpack4<uint16_t>(const uint2& w, float* v) {  // bfloat16 bits
   v[0] = __uint_as_float(w.x << 16);
   v[1] = __uint_as_float(w.x & 0xffff0000u);
   v[2] = __uint_as_float(w.y << 16);
   v[3] = __uint_as_float(w.y & 0xffff0000u);
 }
 template <>
-__device__ __forceinline__ void load4<Half16>(const Half16* p, float* v) {
-  const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+__device__ __forceinline__ void unpack4<Half16>(const uint2& w, float* v) {
   v[0] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.x & 0xffffu)));
   v[1] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.x >> 16)));
   v[2] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.y & 0xffffu)));
@@ -115,14 +130,18 @@ struct Outputs {
   uint32_t* amax;     // float32 bits, or null
 };
 
-template <typename In, OutType kOut, bool kTile>
+// kQ / kQt: whether the copy along the rows / the transposed copy is written (tile mode: kQ).
+template <typename In, OutType kOut, bool kTile, bool kQ, bool kQt>
 __global__ void __launch_bounds__(kThreads)
     block_cast_kernel(const In* __restrict__ x, Outputs o, Shape s, bool power_2,
                       float value_for_inf) {
-  __shared__ uint32_t col_part[kWarps][kBlock];
-  __shared__ float col_scale[kBlock];
+  static_assert(kQ || kQt, "nothing to write");
+  static_assert(!kTile || kQ, "tile mode writes the tiles' scales with the rows' copy");
+  constexpr bool kColScales = kQt && !kTile;  // 1x128 blocks along the input's columns
+  __shared__ uint32_t col_part[kColScales ? kWarps : 1][kBlock];
+  __shared__ float col_scale[kColScales ? kBlock : 1];
   __shared__ uint32_t warp_max[kWarps];
-  __shared__ uint8_t tcodes[kBlock * kTStride];
+  __shared__ uint8_t tcodes[kQt ? kBlock * kTStride : 1];
   const float fp8_max = fp8_limit(kOut);
   const int64_t tiles_r = s.rows / kBlock, tiles_c = s.cols / kBlock;
   const int64_t t = blockIdx.x % (tiles_r * tiles_c), b = blockIdx.x / (tiles_r * tiles_c);
@@ -132,16 +151,18 @@ __global__ void __launch_bounds__(kThreads)
   const int rw = warp * kRowsPerWarp, cl = lane * 4;  // this thread's first row and column
   const In* xb = x + b * s.in_rows * s.cols;
 
-  float v[kRowsPerWarp][4];
+  // The warp's 16 source rows: one load by the first 16 lanes, then shuffled to every lane, so
+  // that all 16 row loads are issued before any is used.
+  int32_t my_src = 0;
+  if (s.src != nullptr && lane < kRowsPerWarp) my_src = __ldg(s.src + r0 + rw + lane);
+  using R = typename Raw4<In>::T;
+  R raw[kRowsPerWarp];
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     int64_t r = r0 + rw + i;
-    if (s.src != nullptr) r = __ldg(s.src + r);  // the same for the whole warp
-    if (r >= 0 && r < s.in_rows) {
-      load4<In>(xb + r * s.cols + c0 + cl, v[i]);
-    } else {
-      v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.0f;
-    }
+    if (s.src != nullptr) r = __shfl_sync(0xffffffffu, my_src, i);  // uniform branch
+    raw[i] = R{};  // zeros (every input dtype's zero is all zero bits)
+    if (r >= 0 && r < s.in_rows) raw[i] = load_raw4<In>(xb + r * s.cols + c0 + cl);
   }
 
   uint32_t row_amax[kRowsPerWarp];
@@ -149,19 +170,23 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t all = 0u;
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
+    float v[4];
+    unpack4<In>(raw[i], v);
     uint32_t a = 0u;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint32_t ab = abs_bits(v[i][k]);
+      const uint32_t ab = abs_bits(v[k]);
       a = max(a, ab);
-      col_acc[k] = max(col_acc[k], ab);
+      if constexpr (kColScales) col_acc[k] = max(col_acc[k], ab);
     }
     row_amax[i] = __reduce_max_sync(0xffffffffu, a);
     all = max(all, row_amax[i]);
   }
   if (lane == 0) warp_max[warp] = all;
+  if constexpr (kColScales) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k) col_part[warp][cl + k] = col_acc[k];
+    for (int k = 0; k < 4; ++k) col_part[warp][cl + k] = col_acc[k];
+  }
   __syncthreads();
   uint32_t tile_amax = 0u;
 #pragma unroll
@@ -175,25 +200,29 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) o.q_sinv[(b * tiles_r + tr) * tiles_c + tc] = __fdiv_rn(1.0f, scale);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      const uint32_t w = to_fp8x4<kOut>(v[i], scale);
+      float v[4];
+      unpack4<In>(raw[i], v);
+      const uint32_t w = to_fp8x4<kOut>(v, scale);
+      if constexpr (kQt) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) tcodes[(cl + k) * kTStride + rw + i] = (w >> (8 * k)) & 0xffu;
-      if (o.q != nullptr) {
-        *reinterpret_cast<uint32_t*>(o.q + (b * s.rows + r0 + rw + i) * s.cols + c0 + cl) = w;
+        for (int k = 0; k < 4; ++k) tcodes[(cl + k) * kTStride + rw + i] = (w >> (8 * k)) & 0xffu;
       }
+      *reinterpret_cast<uint32_t*>(o.q + (b * s.rows + r0 + rw + i) * s.cols + c0 + cl) = w;
     }
   } else {
-    if (o.q != nullptr) {
+    if constexpr (kQ) {
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
+        float v[4];
+        unpack4<In>(raw[i], v);
         const float scale = block_scale(row_amax[i], fp8_max, value_for_inf, power_2);
-        const uint32_t w = to_fp8x4<kOut>(v[i], scale);
+        const uint32_t w = to_fp8x4<kOut>(v, scale);
         const int64_t row = b * s.rows + r0 + rw + i;
         *reinterpret_cast<uint32_t*>(o.q + row * s.cols + c0 + cl) = w;
         if (lane == 0) o.q_sinv[row * tiles_c + tc] = __fdiv_rn(1.0f, scale);
       }
     }
-    if (o.qt != nullptr) {
+    if constexpr (kQt) {
       if (threadIdx.x < kBlock) {
         uint32_t a = 0u;
 #pragma unroll
@@ -206,15 +235,17 @@ __global__ void __launch_bounds__(kThreads)
       const float cs[4] = {col_scale[cl], col_scale[cl + 1], col_scale[cl + 2], col_scale[cl + 3]};
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
-        const uint32_t w = static_cast<uint32_t>(to_fp8x2<kOut>(v[i][0] * cs[0], v[i][1] * cs[1])) |
-                           (static_cast<uint32_t>(to_fp8x2<kOut>(v[i][2] * cs[2], v[i][3] * cs[3]))
+        float v[4];
+        unpack4<In>(raw[i], v);
+        const uint32_t w = static_cast<uint32_t>(to_fp8x2<kOut>(v[0] * cs[0], v[1] * cs[1])) |
+                           (static_cast<uint32_t>(to_fp8x2<kOut>(v[2] * cs[2], v[3] * cs[3]))
                             << 16);
 #pragma unroll
         for (int k = 0; k < 4; ++k) tcodes[(cl + k) * kTStride + rw + i] = (w >> (8 * k)) & 0xffu;
       }
     }
   }
-  if (o.qt != nullptr) {
+  if constexpr (kQt) {
     __syncthreads();
     // 128 output rows (one per input column) of 128 bytes: a warp writes one row at a time, 4
     // bytes a lane.
@@ -229,18 +260,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename In, OutType kOut, bool kTile, bool kQ, bool kQt>
+void launch_one(cudaStream_t stream, const In* x, const Outputs& o, const Shape& s, int64_t blocks,
+                bool power_2, float value_for_inf) {
+  block_cast_kernel<In, kOut, kTile, kQ, kQt>
+      <<<blocks, kThreads, 0, stream>>>(x, o, s, power_2, value_for_inf);
+}
+
 template <typename In, OutType kOut>
 void launch(cudaStream_t stream, const void* x, const Outputs& o, const Shape& s, bool tile,
             bool power_2, float value_for_inf) {
   const int64_t blocks = s.batch * (s.rows / kBlock) * (s.cols / kBlock);
   if (blocks == 0) return;
   const In* xi = static_cast<const In*>(x);
+  const bool q = o.q != nullptr, qt = o.qt != nullptr;
   if (tile) {
-    block_cast_kernel<In, kOut, true><<<blocks, kThreads, 0, stream>>>(xi, o, s, power_2,
-                                                                       value_for_inf);
+    if (qt) {
+      launch_one<In, kOut, true, true, true>(stream, xi, o, s, blocks, power_2, value_for_inf);
+    } else {
+      launch_one<In, kOut, true, true, false>(stream, xi, o, s, blocks, power_2, value_for_inf);
+    }
+  } else if (q && qt) {
+    launch_one<In, kOut, false, true, true>(stream, xi, o, s, blocks, power_2, value_for_inf);
+  } else if (q) {
+    launch_one<In, kOut, false, true, false>(stream, xi, o, s, blocks, power_2, value_for_inf);
   } else {
-    block_cast_kernel<In, kOut, false><<<blocks, kThreads, 0, stream>>>(xi, o, s, power_2,
-                                                                        value_for_inf);
+    launch_one<In, kOut, false, false, true>(stream, xi, o, s, blocks, power_2, value_for_inf);
   }
 }
 

@@ -276,34 +276,55 @@ def test_block_cast_kernel_quantizes_like_cpu(dtype, tile, q_dtype, power_2):
     np.testing.assert_array_equal(got.view(bits), want.view(bits))
 
 
-@pytest.mark.parametrize("tile", [False, True], ids=["1x128", "128x128"])
-def test_block_cast_kernel_gathers_source_rows(tile):
+@pytest.mark.parametrize(
+  "tile,rows,cols",
+  [
+    (False, True, True),
+    (False, True, False),
+    (False, False, True),
+    (True, True, True),
+    (True, True, False),
+  ],
+  ids=["1x128-both", "1x128-rows", "1x128-cols", "128x128-both", "128x128-rows"],
+)
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "plain"])
+def test_block_cast_kernel_gathers_source_rows(tile, rows, cols, gather):
   """With source rows the CUDA block cast quantizes the gathered rows (zero rows where a source
   is negative; the input's row count need not be a multiple of 128), bit for bit the CPU's
-  pure-JAX quantization of the gathered copy, in every batch entry, amax included."""
+  pure-JAX quantization of the gathered copy, in every batch entry, amax included; so does each
+  copy asked for alone (the kernel's separate instantiations), gathered or not."""
   _skip_unless_block_cast()
-  x = _block_cast_input(jnp.bfloat16)[:, :200]
+  x = _block_cast_input(jnp.bfloat16)
   rng = np.random.default_rng(3)
   src = rng.integers(0, 200, 256).astype(np.int32)
   src[rng.random(256) < 0.2] = -1
   src[:8] = [199, 0, -1, 199, 5, 5, -1, 130]
-  src = jnp.asarray(src)
+  src = jnp.asarray(src) if gather else None
+  if gather:
+    x = x[:, :200]
   q, s, q_t, s_t, amax = jax.jit(
     lambda x, src: kernels.block_cast_call(
-      x, jnp.float8_e4m3fn, rowwise=True, colwise=True, tile=tile, power_2=True, source_rows=src
+      x, jnp.float8_e4m3fn, rowwise=rows, colwise=cols, tile=tile, power_2=True, source_rows=src
     )
   )(x, src)
-  cpu_x, cpu_src = _on_cpu(x), _on_cpu(src)
-  gathered = jnp.where((cpu_src >= 0)[:, None], cpu_x[:, jnp.maximum(cpu_src, 0)], 0)
+  cpu_x = _on_cpu(x)
+  gathered = cpu_x
+  if gather:
+    cpu_src = _on_cpu(src)
+    gathered = jnp.where((cpu_src >= 0)[:, None], cpu_x[:, jnp.maximum(cpu_src, 0)], 0)
   block = (128, 128) if tile else (128,)
   quantize = jax.jit(lambda x: _float8_block.quantize(x, block, jnp.float8_e4m3fn, True))
   want_q, want_s, want_amax = quantize(gathered)
-  pairs = [(q, want_q), (s, want_s), (amax, want_amax)]
-  if tile:
+  pairs = [(amax, want_amax)]
+  if rows:
+    pairs += [(q, want_q), (s, want_s)]
+  if cols and tile:
     pairs.append((q_t, jnp.swapaxes(want_q, -1, -2)))
-  else:
+  elif cols:
     want_qt, want_st, _ = quantize(jnp.swapaxes(gathered, -1, -2))
     pairs += [(q_t, want_qt), (s_t, want_st)]
+  for empty in ([] if rows else [q, s]) + ([] if cols else [q_t, s_t]):
+    assert empty.size == 0
   for got, want in pairs:
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == want.dtype
