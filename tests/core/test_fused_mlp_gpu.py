@@ -418,3 +418,149 @@ def test_kernels_run_per_shard_on_several_gpus(recipe):
   if states is not None:
     for a, b in zip(jax.tree.leaves(ours[5]), jax.tree.leaves(ref[5]), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+# --- Float8BlockScaling: the producers cast into 1x128 blocks (csrc/block_cast_cuda.cu) ---------
+
+
+def _skip_unless_block_kernels():
+  if not kernels.registered(kernels.BLOCK_ACT_CAST_TARGET, "gpu"):
+    pytest.skip("the extension's block casts of the MLP are not built")
+
+
+def _assert_blocks_close(got, values, q_dtype, power_2):
+  """The kernel's five outputs against ``_float8_block.quantize`` of the float32 ``values`` in
+  both orientations (pure JAX on the same GPU): the scales equal but for a few ulp of float32
+  in a small fraction of the blocks (XLA's division, the kernels' fast exp), the codes within
+  one FP8 step (``_assert_fp8_close``), the amax within a few ulp."""
+  spec = formats.OperandSpec("float8_block", (128,), np.dtype(q_dtype), power_2=power_2)
+  q, s, q_t, s_t, amax = got
+  m, n = values.shape
+  assert q.shape == (m, n) and q_t.shape == (n, m) and q.dtype == q_dtype
+  assert s.shape == (m, n // 128) and s_t.shape == (n, m // 128)
+  for (code, scale), v in (((q, s), values), ((q_t, s_t), values.T)):
+    want = formats.quantize_trailing(v, spec)
+    want_q, want_s, want_amax = want.data, want.scale_inv, want.amax
+    differing = ~np.isclose(np.asarray(scale), np.asarray(want_s), rtol=1e-5, atol=0)
+    assert np.mean(differing) <= MAX_DIFFERING, np.mean(differing)
+    _assert_fp8_close(code, want_q)
+    np.testing.assert_allclose(amax, want_amax, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_block_norm_cast_matches_pure_jax(norm, dtype):
+  _skip_unless_block_kernels()
+  m, k = 384, 256
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(m, k)) * 3.0 + 1.0, dtype)
+  x = x.at[7].multiply(100.0)  # a row of another magnitude: its own blocks' scales
+  scale = jnp.asarray(1.0 + rng.normal(size=k) * 0.1, jnp.float32)
+  bias = jnp.asarray(rng.normal(size=k) * 0.1, jnp.float32)
+  bias = bias if norm == "layernorm" else jnp.zeros((0,), jnp.float32)
+
+  def run(x, scale, bias):
+    mean, rsigma = ops.norm_stats(x.astype(jnp.float32), norm, 1e-6)
+    args = (x, mean, rsigma, scale, bias, False)
+    got = fused.norm_block_cast(*args, jnp.float8_e4m3fn, True, KERNEL)
+    return got, ops.normalized(*args)
+
+  got, values = jax.jit(run)(x, scale, bias)
+  _assert_blocks_close(got, values, jnp.float8_e4m3fn, True)
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_block_activation_casts_match_pure_jax(activations, with_bias):
+  """The activation and its gradient (with the bias gradient) cast into 1x128 blocks as they
+  are computed: the blocks of the pure-JAX values, the bias gradient their float32 sums."""
+  _skip_unless_block_kernels()
+  m, f = 256, 384
+  n_act = len(activations)
+  h, bias = _h_and_bias(m, f, n_act, jnp.bfloat16)
+  bias = bias if with_bias else None
+  dz = jnp.asarray(np.random.default_rng(1).normal(size=(m, f)), jnp.bfloat16)
+  e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  fwd = jax.jit(lambda h, b: fused.act_block_cast(h, b, activations, e4, True, KERNEL))(h, bias)
+  _assert_blocks_close(fwd, fused.activation_f32(h, bias, activations), e4, True)
+  *bwd, db = jax.jit(
+    lambda dz, h, b: fused.dact_block_cast(dz, h, b, activations, e5, False, KERNEL)
+  )(dz, h, bias)
+  dh = fused.dact_f32(dz, h, bias, activations)
+  _assert_blocks_close(bwd, dh.reshape(m, -1), e5, False)
+  assert db.shape == (n_act, f) and db.dtype == jnp.float32
+  dh64 = np.asarray(dh, np.float64)
+  atol = 1e-5 * np.abs(dh64).sum(axis=0).max()
+  np.testing.assert_allclose(db, dh64.sum(axis=0), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_block_output_gradient_cast_with_its_bias_gradient(dtype):
+  """dy cast into 1x128 blocks with the output bias's gradient in the same pass: the block
+  cast's codes and scales of dy bit for bit, its float32 column sums against float64."""
+  _skip_unless_block_kernels()
+  m, n = 384, 256
+  rng = np.random.default_rng(2)
+  g = rng.normal(size=(m, n)) * 3.0
+  g[5, 7], g[9, 1] = 1e6, -1e6
+  g = jnp.asarray(g, dtype)
+  q, s, q_t, s_t, a, db = jax.jit(
+    lambda g: fused.dbias_block_cast(g, jnp.float8_e5m2, True, KERNEL)
+  )(g)
+  want = jax.jit(
+    lambda g: kernels.block_cast_call(
+      g.astype(jnp.float32), jnp.float8_e5m2, rowwise=True, colwise=True, tile=False, power_2=True
+    )
+  )(g)
+  for got, ref in zip((q, s, q_t, s_t, a), want, strict=True):
+    got, ref = np.asarray(got), np.asarray(ref)
+    bits = {1: np.uint8, 4: np.uint32}[got.dtype.itemsize]
+    np.testing.assert_array_equal(got.view(bits), ref.view(bits))
+  g64 = np.asarray(g.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(db, g64.sum(axis=0), rtol=0, atol=1e-6 * np.abs(g64).sum(0).max())
+
+
+def test_layernorm_mlp_under_float8_block_casts_in_the_producers():
+  """core.layernorm_mlp under Float8BlockScaling on the fused path: the norm's output, the
+  activation, its gradient and dy cast into blocks by the kernels that compute them (no float32
+  tensor written), with the gradients of the pure-JAX casts."""
+  _skip_unless_block_kernels()
+  recipe = ta.Float8BlockScaling()
+  m, k, f = 512, 256, 512
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+  wi = jnp.asarray(rng.normal(size=(k, 2, f)) / np.sqrt(k), jnp.float32)
+  wo = jnp.asarray(rng.normal(size=(f, k)) / np.sqrt(f), jnp.float32)
+  bi = jnp.asarray(rng.normal(size=(2, f)) * 0.3, jnp.float32)
+  bo = jnp.asarray(rng.normal(size=(k,)) * 0.1, jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+
+  def loss(x, wi, wo, bi, bo, config):
+    out, _ = core.layernorm_mlp(
+      x,
+      jnp.ones(k),
+      jnp.zeros(k),
+      wi,
+      wo,
+      bi,
+      bo,
+      activations=("gelu", "linear"),
+      recipe=recipe,
+      threshold=None,
+      config=config,
+    )
+    return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)
+  hlo = grad.lower(x, wi, wo, bi, bo, KERNEL).compile().as_text()
+  for target, count in (
+    (kernels.BLOCK_NORM_CAST_TARGET, 1),
+    (kernels.BLOCK_ACT_CAST_TARGET, 1),
+    (kernels.BLOCK_DACT_CAST_TARGET, 2),  # the activation's gradient, and dy with its bias's
+  ):
+    assert hlo.count(f'custom_call_target="{target}"') == count, target
+  ours, ref = (grad(x, wi, wo, bi, bo, c) for c in (KERNEL, JAX))
+  for a, b in zip(jax.tree.leaves(ours[:4]), jax.tree.leaves(ref[:4]), strict=True):
+    assert rel_err(a, b) < 2e-2  # a scale an ulp (a power of two) apart now and then
+  dy64 = np.asarray(dy.astype(jnp.float32), np.float64)
+  np.testing.assert_allclose(ours[4], dy64.sum(axis=0), atol=1e-6 * np.abs(dy64).sum(0).max())
