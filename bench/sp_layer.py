@@ -30,7 +30,7 @@ GEMMs by name and time, with the idle time; ``--out DIR`` also keeps the traced 
 GEMM and NCCL kernel spans and those figures (``kernels.json.gz``).
 
 Usage (two GPUs):
-  python bench/sp_layer.py --devices 2 [--profile 3 --out DIR]
+  python bench/sp_layer.py --devices 2 [--profile 3 --out DIR] [--hlo-out DIR]
 CPU dry run:
   python bench/sp_layer.py --cpu-devices 2 --devices 2 --batch 2 --seq 64 --hidden 128 \\
       --ffn 256 --heads 4 --iters 1 --warmup 0 --repeats 1
@@ -69,6 +69,12 @@ def _parse(argv):
   p.add_argument("--cpu-devices", type=int, default=None)
   p.add_argument("--profile", type=int, default=0, help="trace this many steps per sharded config")
   p.add_argument("--out", default=None, help="with --profile: write the traced kernels here")
+  p.add_argument(
+    "--hlo-out",
+    default=None,
+    help="write each configuration's compiled HLO here (PLAN_VARIANT.hlo.txt), where a trace's "
+    "fusion names (input_convert_transpose_fusion_1, ...) are defined",
+  )
   return p.parse_args(argv)
 
 
@@ -276,6 +282,10 @@ def compile_configs(args):
         print(f"  FAILED {plan} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         continue
       text = compiled.as_text()
+      if getattr(args, "hlo_out", None):
+        os.makedirs(args.hlo_out, exist_ok=True)
+        with open(os.path.join(args.hlo_out, f"{plan}_{variant}.hlo.txt"), "w") as f:
+          f.write(text)
       configs.append(
         dict(
           plan=plan,

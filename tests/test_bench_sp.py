@@ -28,8 +28,8 @@ ARGS = dict(
 )
 
 
-def test_sp_layer_bench_dry_run():
-  configs = sp_layer.run(argparse.Namespace(**ARGS))
+def test_sp_layer_bench_dry_run(tmp_path):
+  configs = sp_layer.run(argparse.Namespace(**ARGS, hlo_out=str(tmp_path)))
   by = {(c["plan"], c["variant"]): c for c in configs}
   assert set(by) == {(p, v) for p in ARGS["plans"].split(",") for v in ("bf16", "current")}
   assert all(len(c["times"]) == 2 and all(np.isfinite(c["times"])) for c in configs)
@@ -38,6 +38,10 @@ def test_sp_layer_bench_dry_run():
   assert "u8" not in by[("tp_sp", "bf16")]["collectives"]
   table = sp_layer.format_tables(configs)
   assert "tp_ring" in table and "vs bf16" in table
+  # --hlo-out: each configuration's compiled program, where a trace's fusion names are defined.
+  text = (tmp_path / "tp_sp_current.hlo.txt").read_text()
+  assert "all-gather" in text and "fusion" in text
+  assert len(list(tmp_path.glob("*.hlo.txt"))) == len(configs)
 
 
 @pytest.mark.parametrize("plan", ["tp_ring"])
