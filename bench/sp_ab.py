@@ -55,6 +55,11 @@ def _parse(argv):
   p.add_argument("--cpu-devices", type=int, default=None)
   p.add_argument("--parallel-compile", action="store_true")
   p.add_argument("--json", default=None, help="write every figure here")
+  p.add_argument(
+    "--hlo-out",
+    default=None,
+    help="write each tree's compiled HLO here (LABEL/PLAN_VARIANT.hlo.txt, as sp_layer.py's)",
+  )
   return p.parse_args(argv)
 
 
@@ -132,7 +137,7 @@ def main(args):
     return _worker(args)
   trees = [_tree_spec(t) for t in args.tree]
   procs, reports = [], []
-  for _, root, plans, variants in trees:
+  for label, root, plans, variants in trees:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", root, "--plans", plans]
     cmd += ["--variants", variants]
     for name in _LAYER_ARGS:
@@ -140,6 +145,8 @@ def main(args):
     cmd += ["--profile", str(args.profile)] + (["--pipelined"] if args.pipelined else [])
     if args.cpu_devices:
       cmd += ["--cpu-devices", str(args.cpu_devices)]
+    if args.hlo_out:
+      cmd += ["--hlo-out", os.path.join(os.path.abspath(args.hlo_out), label)]
     procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     if not args.parallel_compile:
       reports.append(_read(procs[-1]))
