@@ -94,7 +94,14 @@ def _worker(args):
 
   send(
     [
-      dict(plan=c["plan"], variant=c["variant"], n=c["n"], gemms=c["gemms"], coll=c["collectives"])
+      dict(
+        plan=c["plan"],
+        variant=c["variant"],
+        n=c["n"],
+        gemms=c["gemms"],
+        ext=c["ext"],
+        coll=c["collectives"],
+      )
       for c in configs
     ]
   )
@@ -174,7 +181,7 @@ def main(args):
     med.setdefault((info["plan"], info["variant"]), info["median_ms"])
   print(
     f"\n{'tree':<10}{'plan':<8}{'variant':<17}{'median ms':>10}{'min-max':>14}{'vs bf16':>9}"
-    f"{'eff':>6}  FP8/other GEMMs; collectives"
+    f"{'eff':>6}  FP8/other GEMMs; the extension's casts/GEMMs; collectives"
   )
   for *_, i in rows:
     t = i["median_ms"]
@@ -184,7 +191,7 @@ def main(args):
     spread = f"{min(i['times']):.2f}-{max(i['times']):.2f}"
     print(
       f"{i['tree']:<10}{i['plan']:<8}{i['variant']:<17}{t:>10.2f}{spread:>14}{bf16 / t:>8.2f}x"
-      f"{eff:>6}  {i['gemms']}; {i['coll']}"
+      f"{eff:>6}  {i['gemms']}; {i['ext']}; {i['coll']}"
     )
   if args.profile:
     for t, i, info in rows:

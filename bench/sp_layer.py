@@ -293,12 +293,30 @@ def compile_configs(args):
           n=1 if mesh is None else n,
           run=functools.partial(compiled, *call_args),
           gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
+          ext="{}/{}".format(*extension_calls(text)),
           collectives=_collectives(text),
           times=[],
         )
       )
-      print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
+      print(
+        f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}, the extension's "
+        f"casts/GEMMs {configs[-1]['ext']}",
+        flush=True,
+      )
   return configs
+
+
+def extension_calls(text):
+  """``(casts, GEMMs)``: the extension's per-tensor cast and FP8 GEMM calls in a compiled
+  program. ``inspect.count_fp8_gemms`` counts XLA's FP8 GEMMs and the extension's alike, so a tree
+  whose extension did not load still shows its FP8 GEMMs; there its casts are XLA's fusions of
+  the pure-JAX cast (``input_convert_transpose_fusion``: the FP8 copy and its transposed copy)."""
+  from te_adapters.core import kernels
+
+  def calls(target):
+    return text.count(f'custom_call_target="{target}"')
+
+  return calls(kernels.CAST_TRANSPOSE_TARGET), calls(kernels.GEMM_TARGET)
 
 
 def _kernel_spans(events):
@@ -460,7 +478,7 @@ def format_tables(configs):
   med = {(c["plan"], c["variant"]): float(np.median(c["times"])) for c in configs}
   lines = [
     f"{'plan':<9}{'variant':<17}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
-    f"{'eff':>6}  FP8/other GEMMs; collectives"
+    f"{'eff':>6}  FP8/other GEMMs; the extension's casts/GEMMs; collectives"
   ]
   for c in configs:
     t = med[(c["plan"], c["variant"])]
@@ -470,7 +488,7 @@ def format_tables(configs):
     spread = f"{min(c['times']):.2f}-{max(c['times']):.2f}"
     lines.append(
       f"{c['plan']:<9}{c['variant']:<17}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
-      f"{eff:>6}  {c['gemms']}; {c['collectives']}"
+      f"{eff:>6}  {c['gemms']}; {c['ext']}; {c['collectives']}"
     )
   return "\n".join(lines)
 
