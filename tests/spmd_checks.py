@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -248,43 +247,3 @@ def assert_spmd_keywords_reach_the_core(apply):
     jax.eval_shape(mapped, x)
   with pytest.raises(ValueError, match="kernel_all_gather needs a mesh"):
     jax.eval_shape(lambda x: apply(x, kernel_all_gather=P("nope", None)), x)
-
-
-# One array-valued instruction of a compiled program: name, dtype, dims, layout, opcode, operands.
-_HLO_ARRAY = re.compile(
-  r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([0-9,]*)\]\{([0-9,]*)\} ([\w\-]+)\((.*)$"
-)
-
-
-def byte_transposes(hlo_text, dtypes=("u8", "f8e4m3fn", "f8e5m2")):
-  """``[(dtype, shape)]`` of the copies and transposes in a compiled program (``as_text()``)
-  that change which dim of an array of ``dtypes`` is the minor-most one in memory: each one
-  reads and writes the whole array one element at a time across rows (a transpose). A copy
-  that keeps the minor dim (blocks of rows moved) is not one."""
-  found = []
-  arrays = {}
-  for line in hlo_text.splitlines():
-    if re.match(r"^\S.*\{\s*$", line):
-      arrays = {}  # a new computation: operands are named within it
-      continue
-    m = _HLO_ARRAY.match(line)
-    if m is None:
-      continue
-    name, dtype, dims, layout, op, rest = m.groups()
-    shape = tuple(int(d) for d in dims.split(",") if d)
-    minor = [int(d) for d in layout.split(",") if d]
-    arrays[name] = minor
-    if op not in ("copy", "transpose") or dtype not in dtypes or len(shape) < 2:
-      continue
-    operand = re.match(r"%([\w.\-]+)", rest)
-    if operand is None or operand.group(1) not in arrays:
-      continue
-    src = arrays[operand.group(1)]
-    # The operand's dim that the output's minor-most dim reads.
-    dim = minor[0]
-    if op == "transpose":
-      perm = re.search(r"dimensions=\{([0-9,]*)\}", rest)
-      dim = [int(d) for d in perm.group(1).split(",")][dim]
-    if src and src[0] != dim:
-      found.append((dtype, shape))
-  return found

@@ -364,25 +364,9 @@ def _sequence_scatter(y, plan, dim):
 
 
 def _gathered_rows(t, axis_name, axis):
-  """A ScaledTensor with its dim ``axis`` (the rows) all-gathered over the mesh axis
-  ``axis_name`` (FP8 as bytes)."""
+  """A ScaledTensor with its dim ``axis`` (the rows, or a transposed copy's columns)
+  all-gathered over the mesh axis ``axis_name`` (FP8 as bytes)."""
   return dataclasses.replace(t, data=_all_gather_bytes(t.data, axis_name, t.data.ndim + axis))
-
-
-def _gathered_cols(t, axis_name):
-  """A transposed copy ``(.., C, m)`` whose columns (the rows of the operand it was cast from)
-  are split over the mesh axis ``axis_name``, gathered into ``(.., C, n * m)``.
-
-  XLA's GPU collectives gather along the most major dim only: an all-gather along the columns
-  made XLA copy the cast's transposed copy back to ``(m, C)`` before it and transpose the
-  gathered ``(n * m, C)`` bytes after it (two byte transposes, of 1x and n x the shard). Here each
-  shard is gathered whole, ``(n, .., C, m)`` in the layout the cast wrote, and the shards' blocks
-  are put side by side: one copy that moves rows of ``m`` bytes and transposes none."""
-  u = lax.bitcast_convert_type(t.data, jnp.uint8)
-  u = lax.all_gather(u, axis_name, axis=0, tiled=False)  # (n, .., C, m)
-  u = jnp.moveaxis(u, 0, -2)  # (.., C, n, m)
-  u = u.reshape(*u.shape[:-3], u.shape[-3], u.shape[-2] * u.shape[-1])
-  return dataclasses.replace(t, data=lax.bitcast_convert_type(u, t.data.dtype))
 
 
 def _all_gather_bytes(a, axis_name, dim):
@@ -869,7 +853,7 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
     else:
       gather = plan.sequence[0] == "all_gather"
       if gather and x_wgrad is not None:  # wgrad's columns of every row
-        x_wgrad = _gathered_cols(x_wgrad, plan.sequence[1])
+        x_wgrad = _gathered_rows(x_wgrad, plan.sequence[1], -1)
       y = _sequence_gemm(qx.rows, w_fwd, stage.out_dtype, "fwd", chain, gather=gather)
     # Every GEMM's output under the library's name (what its remat policies save: on Hopper GPUs
     # the GEMM is an FFI call that JAX's dot policies miss), and a module's own name beside it.
@@ -952,7 +936,7 @@ def _backward(chain: Chain, residuals, g):
       # sums scattered back onto the input's rows (column-parallel).
       gather = seq[0] == "reduce_scatter"
       if gather:
-        g_cols = _gathered_cols(g_cols, seq[1])
+        g_cols = _gathered_rows(g_cols, seq[1], -1)
       dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
     dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
     dw = fmt.gemm(
