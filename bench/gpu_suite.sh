@@ -5,8 +5,9 @@
 #
 # Wheels of packages the machine lacks (dm-haiku, qwix, ...) may lie in .whl/ at the repository
 # root; they are installed into a private folder first. The log, the JUnit XML and the summary line
-# go to OUTDIR. pytest-xdist, where present, runs the tests in 4 processes that allocate GPU
-# memory as they go (the suite takes about 7 minutes in one process on 16 cores). The build is kept
+# go to OUTDIR. pytest-xdist, where present, runs the tests in 4 processes (`-n 16` after OUTDIR
+# for more; the suite takes about 7 minutes in one process on 16 cores); SUITE_TIMEOUT as in
+# tools/suite_pytest.sh. The build is kept
 # in build/gpu, so that a second call on the same machine rebuilds only what changed.
 set -uo pipefail
 out=${1:?usage: bench/gpu_suite.sh OUTDIR [pytest args...]}
@@ -25,16 +26,6 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/dev
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
   | tee -a "$out/device.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$out/device.txt"
-parallel=()
-if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 4 --dist loadfile --max-worker-restart 4); fi
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# SUITE_TIMEOUT (seconds): pytest is interrupted then, and still writes its summary, the JUnit XML
-# and the names of the tests that failed so far (the log lists each outcome as it happens).
-limit=()
-[ -n "${SUITE_TIMEOUT:-}" ] && limit=(timeout -s INT -k 30 "$SUITE_TIMEOUT")
-"${limit[@]}" python3 -m pytest "${parallel[@]}" -v -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" "$@" \
-  >"$out/pytest.log" 2>&1
-rc=$?
-grep -E "^(FAILED|ERROR|XPASS)|\] (FAILED|ERROR|XPASS) " "$out/pytest.log" | cut -c1-300 | sort -u
-tail -1 "$out/pytest.log" | tee "$out/summary.txt"
-exit $rc
+# shellcheck source=../tools/suite_pytest.sh
+. tools/suite_pytest.sh
+run_suite python3 "$out" 4 "$@"

@@ -55,6 +55,11 @@ def _parse(argv):
   p.add_argument("--cpu-devices", type=int, default=None)
   p.add_argument("--parallel-compile", action="store_true")
   p.add_argument("--json", default=None, help="write every figure here")
+  p.add_argument(
+    "--hlo-out",
+    default=None,
+    help="write each tree's compiled HLO here (LABEL/PLAN_VARIANT.hlo.txt, as sp_layer.py's)",
+  )
   return p.parse_args(argv)
 
 
@@ -89,7 +94,14 @@ def _worker(args):
 
   send(
     [
-      dict(plan=c["plan"], variant=c["variant"], n=c["n"], gemms=c["gemms"], coll=c["collectives"])
+      dict(
+        plan=c["plan"],
+        variant=c["variant"],
+        n=c["n"],
+        gemms=c["gemms"],
+        ext=c["ext"],
+        coll=c["collectives"],
+      )
       for c in configs
     ]
   )
@@ -132,7 +144,7 @@ def main(args):
     return _worker(args)
   trees = [_tree_spec(t) for t in args.tree]
   procs, reports = [], []
-  for _, root, plans, variants in trees:
+  for label, root, plans, variants in trees:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", root, "--plans", plans]
     cmd += ["--variants", variants]
     for name in _LAYER_ARGS:
@@ -140,6 +152,8 @@ def main(args):
     cmd += ["--profile", str(args.profile)] + (["--pipelined"] if args.pipelined else [])
     if args.cpu_devices:
       cmd += ["--cpu-devices", str(args.cpu_devices)]
+    if args.hlo_out:
+      cmd += ["--hlo-out", os.path.join(os.path.abspath(args.hlo_out), label)]
     procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     if not args.parallel_compile:
       reports.append(_read(procs[-1]))
@@ -167,7 +181,7 @@ def main(args):
     med.setdefault((info["plan"], info["variant"]), info["median_ms"])
   print(
     f"\n{'tree':<10}{'plan':<8}{'variant':<17}{'median ms':>10}{'min-max':>14}{'vs bf16':>9}"
-    f"{'eff':>6}  FP8/other GEMMs; collectives"
+    f"{'eff':>6}  FP8/other GEMMs; the extension's casts/GEMMs; collectives"
   )
   for *_, i in rows:
     t = i["median_ms"]
@@ -177,7 +191,7 @@ def main(args):
     spread = f"{min(i['times']):.2f}-{max(i['times']):.2f}"
     print(
       f"{i['tree']:<10}{i['plan']:<8}{i['variant']:<17}{t:>10.2f}{spread:>14}{bf16 / t:>8.2f}x"
-      f"{eff:>6}  {i['gemms']}; {i['coll']}"
+      f"{eff:>6}  {i['gemms']}; {i['ext']}; {i['coll']}"
     )
   if args.profile:
     for t, i, info in rows:

@@ -30,7 +30,7 @@ GEMMs by name and time, with the idle time; ``--out DIR`` also keeps the traced 
 GEMM and NCCL kernel spans and those figures (``kernels.json.gz``).
 
 Usage (two GPUs):
-  python bench/sp_layer.py --devices 2 [--profile 3 --out DIR]
+  python bench/sp_layer.py --devices 2 [--profile 3 --out DIR] [--hlo-out DIR]
 CPU dry run:
   python bench/sp_layer.py --cpu-devices 2 --devices 2 --batch 2 --seq 64 --hidden 128 \\
       --ffn 256 --heads 4 --iters 1 --warmup 0 --repeats 1
@@ -69,6 +69,12 @@ def _parse(argv):
   p.add_argument("--cpu-devices", type=int, default=None)
   p.add_argument("--profile", type=int, default=0, help="trace this many steps per sharded config")
   p.add_argument("--out", default=None, help="with --profile: write the traced kernels here")
+  p.add_argument(
+    "--hlo-out",
+    default=None,
+    help="write each configuration's compiled HLO here (PLAN_VARIANT.hlo.txt), where a trace's "
+    "fusion names (input_convert_transpose_fusion_1, ...) are defined",
+  )
   return p.parse_args(argv)
 
 
@@ -276,6 +282,10 @@ def compile_configs(args):
         print(f"  FAILED {plan} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         continue
       text = compiled.as_text()
+      if getattr(args, "hlo_out", None):
+        os.makedirs(args.hlo_out, exist_ok=True)
+        with open(os.path.join(args.hlo_out, f"{plan}_{variant}.hlo.txt"), "w") as f:
+          f.write(text)
       configs.append(
         dict(
           plan=plan,
@@ -283,12 +293,30 @@ def compile_configs(args):
           n=1 if mesh is None else n,
           run=functools.partial(compiled, *call_args),
           gemms="{}/{}".format(*inspect.count_fp8_gemms(text)),
+          ext="{}/{}".format(*extension_calls(text)),
           collectives=_collectives(text),
           times=[],
         )
       )
-      print(f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}", flush=True)
+      print(
+        f"  compiled {plan} {variant}: FP8/other GEMMs {configs[-1]['gemms']}, the extension's "
+        f"casts/GEMMs {configs[-1]['ext']}",
+        flush=True,
+      )
   return configs
+
+
+def extension_calls(text):
+  """``(casts, GEMMs)``: the extension's per-tensor cast and FP8 GEMM calls in a compiled
+  program. ``inspect.count_fp8_gemms`` counts XLA's FP8 GEMMs and the extension's alike, so a tree
+  whose extension did not load still shows its FP8 GEMMs; there its casts are XLA's fusions of
+  the pure-JAX cast (``input_convert_transpose_fusion``: the FP8 copy and its transposed copy)."""
+  from te_adapters.core import kernels
+
+  def calls(target):
+    return text.count(f'custom_call_target="{target}"')
+
+  return calls(kernels.CAST_TRANSPOSE_TARGET), calls(kernels.GEMM_TARGET)
 
 
 def _kernel_spans(events):
@@ -450,7 +478,7 @@ def format_tables(configs):
   med = {(c["plan"], c["variant"]): float(np.median(c["times"])) for c in configs}
   lines = [
     f"{'plan':<9}{'variant':<17}{'median ms':>10}{'min-max':>16}{'vs bf16':>9}"
-    f"{'eff':>6}  FP8/other GEMMs; collectives"
+    f"{'eff':>6}  FP8/other GEMMs; the extension's casts/GEMMs; collectives"
   ]
   for c in configs:
     t = med[(c["plan"], c["variant"])]
@@ -460,7 +488,7 @@ def format_tables(configs):
     spread = f"{min(c['times']):.2f}-{max(c['times']):.2f}"
     lines.append(
       f"{c['plan']:<9}{c['variant']:<17}{t:>10.2f}{spread:>16}{bf16 / t:>8.2f}x"
-      f"{eff:>6}  {c['gemms']}; {c['collectives']}"
+      f"{eff:>6}  {c['gemms']}; {c['ext']}; {c['collectives']}"
     )
   return "\n".join(lines)
 

@@ -39,6 +39,7 @@
 #include <string>
 #include <type_traits>
 
+#include "act_math.cuh"
 #include "ffi_cuda.h"
 #include "fp8_cuda.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -60,6 +61,7 @@ constexpr int kColGroups = kTile / kVec;          // 8 threads cover a row of th
 constexpr int kRowStep = kThreads / kColGroups;   // 32 rows per pass
 constexpr int kPasses = kTile / kRowStep;         // 2 passes
 
+using namespace ::te_adapters::act;  // NOLINT: the activations and their dispatch
 using cuda::abs_bits;
 using cuda::cuda_error;
 using cuda::Half;
@@ -68,90 +70,6 @@ using cuda::out_type;
 using cuda::to_float;
 using cuda::to_fp8x8;
 using cuda::zeroed_amax;
-
-// The activation ids of te_adapters/core/_fused_mlp.py (KERNEL_ACTIVATIONS).
-enum Act : int { kLinear = 0, kGelu = 1, kRelu = 2, kSilu = 3, kQuickGelu = 4, kSquaredRelu = 5 };
-
-// Rounded float32 operations where the pure-JAX formula is matched exactly (no contraction into
-// fused multiply-adds).
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-
-// The GPU's approximate 2**x and 1/x (MUFU; a couple of ulp, subnormals flushed).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
-constexpr float kGeluCoeff = 0.044715f;
-constexpr float kQuickGeluCoeff = 1.702f;
-
-// 1 / (1 + exp(-t)); 0 and 1 in the tails (2**x overflows to inf, whose reciprocal is 0).
-__device__ __forceinline__ float sigmoid(float t) { return rcp(1.0f + ex2(-kLog2e * t)); }
-
-// gelu's tanh form x * 0.5 * (1 + tanh(u)), u = sqrt(2/pi) * (x + 0.044715 x**3), is x * s with
-// s = sigmoid(2u); returns s.
-__device__ __forceinline__ float gelu_gate(float x, float x2) {
-  return sigmoid(kTwoSqrt2OverPi * x * fmaf(kGeluCoeff, x2, 1.0f));
-}
-
-// relu as jax.nn.relu (XLA's maximum(x, 0)): a NaN stays NaN. A bare `x > 0 ? x : 0` turns it
-// into 0, which dropped the NaN that GemmConfig.non_finite="propagate" sends through the MLP
-// (GEMM 1's output is NaN where its operand held a NaN or an inf).
-__device__ __forceinline__ float relu(float x) { return x > 0.0f || x != x ? x : 0.0f; }
-
-// The activation, as te_adapters.core.ACTIVATIONS computes it in float32.
-__device__ __forceinline__ float act_value(int act, float x) {
-  switch (act) {
-    case kGelu:
-      return x * gelu_gate(x, x * x);
-    case kRelu:
-      return relu(x);
-    case kSilu:
-      return x * sigmoid(x);
-    case kQuickGelu:
-      return x * sigmoid(kQuickGeluCoeff * x);
-    case kSquaredRelu: {
-      const float r = relu(x);
-      return mul(r, r);
-    }
-    default:
-      return x;
-  }
-}
-
-// The activation's derivative.
-__device__ __forceinline__ float act_grad(int act, float x) {
-  switch (act) {
-    case kGelu: {  // s + x s (1 - s) d(2u)/dx
-      const float x2 = x * x;
-      const float s = gelu_gate(x, x2);
-      return fmaf(x * s * (1.0f - s), kTwoSqrt2OverPi * fmaf(3.0f * kGeluCoeff, x2, 1.0f), s);
-    }
-    case kRelu:
-      return x > 0.0f ? 1.0f : 0.0f;
-    case kSilu: {
-      const float s = sigmoid(x);
-      return fmaf(x * s, 1.0f - s, s);
-    }
-    case kQuickGelu: {
-      const float s = sigmoid(kQuickGeluCoeff * x);
-      return fmaf(x * kQuickGeluCoeff * s, 1.0f - s, s);
-    }
-    case kSquaredRelu:
-      return x > 0.0f ? mul(2.0f, x) : 0.0f;
-    default:
-      return 1.0f;
-  }
-}
 
 struct Dims {
   int64_t m, f, tiles_f;
@@ -247,13 +165,6 @@ __device__ __forceinline__ void load_vec(const In* p, bool vec, int cols, float*
   for (int k = 0; k < kVec; ++k) v[k] = k < cols ? to_float<In>(p[k]) : 0.0f;
 }
 
-// The activation id of factor i: kAct0/kAct1 where the launch fixed it (its switch then folds
-// away at compile time), the runtime id in `d` where they are -1.
-template <int kAct0, int kAct1>
-__device__ __forceinline__ int act_of(const Dims& d, int i) {
-  const int fixed = i == 0 ? kAct0 : kAct1;
-  return fixed >= 0 ? fixed : d.act[i];
-}
 
 // `aligned`: every row of h (and dz) starts 16-byte aligned, and F is a multiple of kVec.
 template <typename In, OutType kOut, int kNAct, int kAct0, int kAct1>
@@ -513,39 +424,6 @@ ffi::Error check_bias(const ffi::Buffer<ffi::F32>& bias, bool has_bias, const Di
     return ffi::Error::InvalidArgument("bias must have n_act * F elements");
   }
   return ffi::Error::Success();
-}
-
-// Calls launch(n_act, act0, act1) as integral constants: the common activations fixed at compile
-// time (gelu, silu or relu alone; gelu or silu gated by a linear factor), -1 (the id read at run
-// time) for the rest.
-template <typename Launch>
-void dispatch_acts(const Dims& d, Launch&& launch) {
-  using std::integral_constant;
-  using Any = integral_constant<int, -1>;
-  using One = integral_constant<int, 1>;
-  using Two = integral_constant<int, 2>;
-  using Linear = integral_constant<int, kLinear>;
-  if (d.n_act == 1) {
-    switch (d.act[0]) {
-      case kGelu:
-        return launch(One{}, integral_constant<int, kGelu>{}, Any{});
-      case kSilu:
-        return launch(One{}, integral_constant<int, kSilu>{}, Any{});
-      case kRelu:
-        return launch(One{}, integral_constant<int, kRelu>{}, Any{});
-      case kLinear:
-        return launch(One{}, Linear{}, Any{});
-      default:
-        return launch(One{}, Any{}, Any{});
-    }
-  }
-  if (d.act[1] == kLinear && d.act[0] == kGelu) {
-    return launch(Two{}, integral_constant<int, kGelu>{}, Linear{});
-  }
-  if (d.act[1] == kLinear && d.act[0] == kSilu) {
-    return launch(Two{}, integral_constant<int, kSilu>{}, Linear{});
-  }
-  return launch(Two{}, Any{}, Any{});
 }
 
 template <typename In, typename Launch>

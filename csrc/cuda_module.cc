@@ -21,6 +21,9 @@ extern "C" XLA_FFI_Error* AmaxCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RowColAmaxCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* RowwiseCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* BlockCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* BlockNormCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* BlockActCastCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* BlockDactCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* ActCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* DactCastCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* NormCastCuda(XLA_FFI_CallFrame* call_frame);
@@ -47,6 +50,12 @@ NB_MODULE(_csrc_cuda, m) {
     d["te_adapters_rowwise_cast"] =
         nb::capsule(reinterpret_cast<void*>(te_adapters::RowwiseCastCuda));
     d["te_adapters_block_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::BlockCastCuda));
+    d["te_adapters_block_norm_cast"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::BlockNormCastCuda));
+    d["te_adapters_block_act_cast"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::BlockActCastCuda));
+    d["te_adapters_block_dact_cast"] =
+        nb::capsule(reinterpret_cast<void*>(te_adapters::BlockDactCastCuda));
     d["te_adapters_act_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::ActCastCuda));
     d["te_adapters_dact_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::DactCastCuda));
     d["te_adapters_norm_cast"] = nb::capsule(reinterpret_cast<void*>(te_adapters::NormCastCuda));

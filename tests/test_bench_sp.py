@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench import sp_layer
+from te_adapters import inspect
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (conftest.py)")
 
@@ -28,8 +29,8 @@ ARGS = dict(
 )
 
 
-def test_sp_layer_bench_dry_run():
-  configs = sp_layer.run(argparse.Namespace(**ARGS))
+def test_sp_layer_bench_dry_run(tmp_path):
+  configs = sp_layer.run(argparse.Namespace(**ARGS, hlo_out=str(tmp_path)))
   by = {(c["plan"], c["variant"]): c for c in configs}
   assert set(by) == {(p, v) for p in ARGS["plans"].split(",") for v in ("bf16", "current")}
   assert all(len(c["times"]) == 2 and all(np.isfinite(c["times"])) for c in configs)
@@ -38,6 +39,30 @@ def test_sp_layer_bench_dry_run():
   assert "u8" not in by[("tp_sp", "bf16")]["collectives"]
   table = sp_layer.format_tables(configs)
   assert "tp_ring" in table and "vs bf16" in table
+  # On CPU the casts are the pure-JAX ones ("auto") and the GEMMs XLA's: none of the extension's.
+  assert all(c["ext"] == "0/0" for c in configs) and "casts/GEMMs" in table
+  # --hlo-out: each configuration's compiled program, where a trace's fusion names are defined.
+  text = (tmp_path / "tp_sp_current.hlo.txt").read_text()
+  assert "all-gather" in text and "fusion" in text
+  assert len(list(tmp_path.glob("*.hlo.txt"))) == len(configs)
+
+
+def test_extension_calls_tell_the_extensions_kernels_from_xlas():
+  """Lines of a GPU program (seed 001's layer under delayed scaling): the extension's cast of the
+  qkv kernel and its FP8 GEMM, then XLA's FP8 GEMM, which ``count_fp8_gemms`` counts as FP8 too;
+  only the first two are the extension's."""
+  text = "\n".join(
+    [
+      "%ffi_call.193 = (f8e4m3fn[4096,6144]{1,0}, f8e4m3fn[6144,4096]{1,0}, f32[1]{0}) custom-call"
+      '(%wrapped_convert, %param.194), custom_call_target="te_adapters_cast_transpose"',
+      "%ffi_call.194 = (bf16[8192,6144]{1,0}, u8[33554432]{0}) custom-call(%a, %b, %c, %d), "
+      'custom_call_target="te_adapters_block_gemm"',
+      "%cublas-lt-matmul.1 = (bf16[8192,6144]{1,0}, s8[33554432]{0}) custom-call(%a, %b, %c, "
+      '%d), custom_call_target="__cublas$lt$matmul$f8"',
+    ]
+  )
+  assert sp_layer.extension_calls(text) == (1, 1)
+  assert inspect.count_fp8_gemms(text)[0] == 2
 
 
 @pytest.mark.parametrize("plan", ["tp_ring"])

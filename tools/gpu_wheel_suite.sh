@@ -75,19 +75,10 @@ PY
 
 args=("$@")
 [ "${#args[@]}" -gt 0 ] || args=(tests "$site/te_adapters")
-parallel=()
-if "$venv_python" -c "import xdist" 2>/dev/null; then parallel=(-n "${WORKERS:-4}" --dist loadfile --max-worker-restart "${MAX_WORKER_RESTART:-4}"); fi
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# SUITE_TIMEOUT (seconds): pytest is interrupted then, and still writes its summary, the JUnit XML
-# and the names of the tests that failed so far (the log lists each outcome as it happens).
-limit=()
-[ -n "${SUITE_TIMEOUT:-}" ] && limit=(timeout -s INT -k 30 "$SUITE_TIMEOUT")
-"${limit[@]}" "$venv_python" -m pytest "${parallel[@]}" -v -rfEx -p no:cacheprovider --junitxml="$out/junit.xml" \
+# shellcheck source=suite_pytest.sh
+. "$root/tools/suite_pytest.sh"
+run_suite "$venv_python" "$out" "${WORKERS:-4}" \
   --ignore=tests/test_import_graph.py --ignore=tests/test_custom_rules.py \
   --ignore=tests/test_packaging.py --ignore=tests/csrc/test_pure_jax_install.py \
   --deselect=tests/test_bench.py::test_te_adapters_bench_points_to_the_checkouts_benchmark \
-  "${args[@]}" > "$out/pytest.log" 2>&1
-rc=$?
-grep -E "^(FAILED|ERROR|XPASS)|\] (FAILED|ERROR|XPASS) " "$out/pytest.log" | cut -c1-300 | sort -u
-tail -1 "$out/pytest.log" | tee "$out/summary.txt"
-exit $rc
+  "${args[@]}"

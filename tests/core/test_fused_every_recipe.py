@@ -14,6 +14,7 @@ import pytest
 
 import te_adapters as ta
 from te_adapters import core
+from te_adapters.core import formats
 from tests.conftest import FP8_GEMM_RTOL
 
 from .test_fused_mlp import _block, _data, _run, _takes_fused
@@ -280,3 +281,68 @@ def test_a_format_without_producers_composes_with_a_warning():
       assert warning.filename == __file__, adapter
   finally:
     core.unregister_format(_NoProducerScaling)
+
+
+def _blocks(v, q_dtype, power_2):
+  """FP8 block scaling's 1x128 blocks of ``v`` (P, C) in both orientations, as a
+  ``Producer.block_cast`` returns them."""
+  spec = formats.OperandSpec("float8_block", (128,), np.dtype(q_dtype), power_2=power_2)
+  rows, cols = formats.quantize_trailing(v, spec), formats.quantize_trailing(v.T, spec)
+  return rows.data, rows.scale_inv, cols.data, cols.scale_inv, rows.amax
+
+
+def test_float8_block_takes_a_producers_block_cast():
+  """A producer whose kernel casts into 1x128 blocks as it computes the operand
+  (``Producer.block_cast``, the fused MLP's on Hopper GPUs) gives FP8 block scaling both copies,
+  with the role's FP8 dtype and the recipe's power-of-two rule; the format quantizes ``value``
+  instead with the pure-JAX casts asked for, one copy asked for, 128x128 tiles, or a block cast
+  that does not run (None)."""
+  rng = np.random.default_rng(0)
+  v = jnp.asarray(rng.normal(size=(256, 384)), jnp.float32)
+  calls = []
+
+  def block_cast(q_dtype, power_2, runs=True):
+    calls.append((np.dtype(q_dtype), power_2))
+    return _blocks(2 * v, q_dtype, power_2) if runs else None  # 2 * v: told from value's
+
+  def quantize(recipe, role="x", config=FUSED, cols=True, runs=True):
+    def cast(scale, with_amax):
+      raise AssertionError("a block format takes no per-tensor cast")
+
+    producer = core.Producer(
+      cast, value=lambda: v, block_cast=lambda d, p: block_cast(d, p, runs=runs)
+    )
+    request = core.QuantizeRequest(
+      jnp.zeros(v.shape, jnp.bfloat16), role, recipe, config=config, cols=cols, producer=producer
+    )
+    return core.format_of(recipe).quantize(request)
+
+  def codes(t):
+    return np.asarray(jax.lax.bitcast_convert_type(t.data, jnp.uint8))
+
+  recipe = ta.Float8BlockScaling()
+  for role, q_dtype in (("x", recipe.fwd_dtype), ("grad", recipe.bwd_dtype)):
+    calls.clear()
+    q = quantize(recipe, role)
+    assert calls == [(np.dtype(q_dtype), recipe.power_2_scale)]
+    rows, scales, cols, col_scales, _ = _blocks(2 * v, q_dtype, recipe.power_2_scale)
+    np.testing.assert_array_equal(
+      codes(q.rows), np.asarray(jax.lax.bitcast_convert_type(rows, jnp.uint8))
+    )
+    np.testing.assert_array_equal(q.rows.scale_inv, scales)
+    np.testing.assert_array_equal(
+      codes(q.cols), np.asarray(jax.lax.bitcast_convert_type(cols, jnp.uint8))
+    )
+    np.testing.assert_array_equal(q.cols.scale_inv, col_scales)
+    assert q.rows.dq_dtype == np.dtype(jnp.float32)  # the producers' values are float32
+  # Otherwise value's blocks (of v, not 2 * v), as with the pure-JAX casts asked for.
+  want = quantize(recipe, config=core.GemmConfig(backend="jax"))
+  np.testing.assert_array_equal(want.rows.scale_inv, _blocks(v, recipe.fwd_dtype, True)[1])
+  calls.clear()
+  for got in (quantize(recipe, cols=False), quantize(recipe, runs=False)):
+    np.testing.assert_array_equal(codes(got.rows), codes(want.rows))
+    np.testing.assert_array_equal(got.rows.scale_inv, want.rows.scale_inv)
+  assert calls == [(np.dtype(recipe.fwd_dtype), True)]  # asked once, and it did not run
+  calls.clear()
+  tiled = quantize(ta.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1))
+  assert calls == [] and tiled.rows.scale_inv.shape == (2, 3)

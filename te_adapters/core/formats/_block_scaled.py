@@ -166,6 +166,44 @@ def _amax_reducer(x, role, plan):
 _CAST_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
+def _one_pass_blocks(spec, spec_t, backend: str) -> bool | None:
+  """Whether both copies are FP8 block scaling's 128x128 tiles (True) or 1x128 blocks (False),
+  cast in one pass of the extension's kernels; None where no such pass applies (another format,
+  stochastic rounding, copies of different dtypes or blocks, ``GemmConfig(backend="jax")``)."""
+  if backend == "jax" or spec.mode != "float8_block" or spec_t.mode != "float8_block":
+    return None
+  if spec.stochastic or spec_t.stochastic:
+    return None
+  if (spec.q_dtype, spec.power_2) != (spec_t.q_dtype, spec_t.power_2):
+    return None
+  if spec.block_shape != spec_t.block_shape or spec.block_shape not in ((128,), (128, 128)):
+    return None
+  return spec.block_shape == (128, 128)
+
+
+def _produced_both(block: BlockFormat, req: QuantizeRequest):
+  """``(q, q_t)`` of a producer's 2-D operand (P, C) cast into 1x128 blocks in the pass that
+  computes it (``Producer.block_cast``), or None where it does not (no such cast, tiles, a copy
+  not asked for, or the producer's kernel does not run here). The values are those of
+  ``quantize_trailing`` of the producer's float32 ``value``."""
+  producer = req.producer
+  if producer is None or producer.block_cast is None or not (req.rows and req.cols):
+    return None
+  spec = block.operand_spec(req.recipe, req.role, False)
+  spec_t = block.operand_spec(req.recipe, req.role, req.role != "kernel")
+  if _one_pass_blocks(spec, spec_t, req.config.backend) is not False:
+    return None
+  out = producer.block_cast(spec.q_dtype, spec.power_2)
+  if out is None:
+    return None
+  q, s, q_t, s_t, amax = out
+  f32 = np.dtype(jnp.float32)  # the producers' values are float32
+  return (
+    ScaledTensor(q, s, amax, scaling_mode="float8_block", dq_dtype=f32),
+    ScaledTensor(q_t, s_t, amax, scaling_mode="float8_block", dq_dtype=f32),
+  )
+
+
 def cast_copies(
   x3, spec, spec_t, backend: str, *, rows: bool = True, cols: bool = True, source_rows=None
 ):
@@ -178,16 +216,8 @@ def cast_copies(
 
   ``source_rows`` (P,) int32: quantize the rows ``x3[:, source_rows]`` instead, zero rows where
   an entry is negative (``x3`` (B, M, Q), any M), gathered as the cast reads them."""
-  if backend == "jax" or spec.mode != "float8_block" or spec_t.mode != "float8_block":
-    return None
-  if spec.stochastic or spec_t.stochastic:
-    return None
-  if (spec.q_dtype, spec.power_2) != (spec_t.q_dtype, spec_t.power_2):
-    return None
-  tile = spec.block_shape == (128, 128)
-  if spec.block_shape != spec_t.block_shape or spec.block_shape not in ((128,), (128, 128)):
-    return None
-  if not (rows or cols) or (tile and not rows):
+  tile = _one_pass_blocks(spec, spec_t, backend)
+  if tile is None or not (rows or cols) or (tile and not rows):
     return None
   p = x3.shape[-2] if source_rows is None else source_rows.shape[0]
   if x3.shape[-1] % 128 or p % 128 or np.dtype(x3.dtype) not in _CAST_DTYPES:
@@ -235,8 +265,13 @@ def _quantize(block: BlockFormat, req: QuantizeRequest) -> Quantized:
 
   With a ``Producer`` (the fused norm and MLP paths), the operand is its ``value``: float32
   values quantized in blocks as they are computed. A 2-D operand (P, C) (those paths' GEMMs)
-  gives 2-D copies."""
+  gives 2-D copies; a producer whose kernel casts into FP8 block scaling's 1x128 blocks as it
+  computes the operand (``Producer.block_cast``) gives them without writing the values."""
   if req.producer is not None:
+    both = _produced_both(block, req)
+    if both is not None:
+      both_rows, both_cols = (flag_non_finite(t, req.config.non_finite) for t in both)
+      return Quantized(both_rows, both_cols, None)
     if req.producer.value is None:
       raise NotImplementedError(
         f"{type(req.recipe).__name__}: block scales need the operand's values; this producer "

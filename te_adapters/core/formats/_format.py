@@ -85,6 +85,10 @@ class Producer(NamedTuple):
       rounded to the activations' dtype), for formats whose scales depend on more than one amax
       (blocks, rows): they quantize it as they would an operand, and XLA fuses its formula into
       their amaxes and casts. None: such a format cannot take this producer.
+    block_cast: ``(q_dtype, power_2) -> (rows data, rows scale_inv, cols data, cols scale_inv,
+      amax)`` or None: the operand cast into 1x128 blocks of FP8 block scaling in the pass that
+      computes it (both orientations, ``kernels.block_cast_call``'s outputs, 2-D), or None where
+      no kernel does (the format then quantizes ``value``). None: no such cast.
 
   Example:
     The operand ``2 * x``, computed inside its own cast:
@@ -107,6 +111,7 @@ class Producer(NamedTuple):
   cast: Callable[..., tuple[jax.Array, jax.Array, jax.Array | None]]
   amax: Callable[[], jax.Array] | None = None
   value: Callable[[], jax.Array] | None = None
+  block_cast: Callable[..., tuple | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

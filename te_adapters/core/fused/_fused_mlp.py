@@ -13,7 +13,10 @@ FP8 operand, and the backward pass computes the norm's gradients from GEMM 1's d
 ``core.layernorm_mlp`` takes this path where it applies (``applies``, ``norm_fuses``).
 
 The casts run as the pure-JAX formulas here (XLA fuses them), or on Hopper GPUs with the
-extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``_kernels_run``).
+extension's CUDA part built as the kernels of ``csrc/act_cast_cuda.cu`` (``_kernels_run``); under
+``Float8BlockScaling``'s 1x128 blocks, as those of ``csrc/block_cast_cuda.cu``, which cast the
+norm's output, the activation and its gradient into blocks as they compute them
+(``Producer.block_cast``: no float32 tensor written and read again).
 """
 
 from __future__ import annotations
@@ -29,22 +32,25 @@ import numpy as np
 from te_adapters.core import formats, gemm, kernels, sharding
 from te_adapters.core.formats import Producer
 from te_adapters.core.ops import activation_product, norm_bwd, norm_gamma, norm_stats, normalized
-from te_adapters.core.recipes import Float8BlockScaling, caller_stacklevel, check_recipe, check_rng
+from te_adapters.core.recipes import caller_stacklevel, check_recipe, check_rng
 
 __all__ = [
   "KERNEL_ACTIVATIONS",
   "FusedPathFallbackWarning",
   "act_amax",
+  "act_block_cast",
   "act_cast",
   "activation_f32",
   "applies",
   "dact_amax",
+  "dact_block_cast",
   "dact_cast",
   "dact_f32",
+  "dbias_block_cast",
   "dbias_cast",
-  "mlp_composes_by_default",
   "format_fuses",
   "fused_mlp",
+  "norm_block_cast",
   "norm_cast",
 ]
 
@@ -143,14 +149,6 @@ def applies(
     if not all(threshold.allows_fp8(m, k, n, backend) for m, k, n in gemm_shapes):
       return False
   return True
-
-
-def mlp_composes_by_default(recipe, config) -> bool:
-  """Whether ``layernorm_mlp`` composes under ``config.fuse_activation_cast=None`` (the default)
-  though it could fuse: under ``Float8BlockScaling``, whose composed step was the faster on an
-  H100 (8.07 ms against 8.58 ms fused, ``bench/RESULTS.md``), its fused casts reading the norm's
-  output, the activation and its gradient in float32. ``layernorm_dense`` fuses it."""
-  return config.fuse_activation_cast is None and isinstance(recipe, Float8BlockScaling)
 
 
 def norm_fuses(x, config) -> bool:
@@ -376,6 +374,61 @@ def norm_cast(
   return _both(y, scale, q_dtype, with_amax)
 
 
+def _block_kernel_runs(x, config, target, *dims) -> bool:
+  """Whether the block cast kernel ``target`` casts the operand computed from ``x``: where
+  ``_kernels_run``, on one device (the block kernels have no partitioning rule; block recipes
+  compose when sharded), every one of ``dims`` a multiple of 128."""
+  if any(d % 128 for d in dims):
+    return False
+  return _kernels_run(x, config, target) and kernels.single_device(x)
+
+
+def norm_block_cast(
+  x, mean, rsigma, ln_scale, ln_bias, zero_centered_gamma, q_dtype, power_2, config
+):
+  """The norm's output cast into FP8 block scaling's 1x128 blocks as it is computed, both
+  orientations (``kernels.block_norm_cast_call``), or None where the kernel does not run."""
+  if not _block_kernel_runs(x, config, kernels.BLOCK_NORM_CAST_TARGET, *x.shape):
+    return None
+  gamma = norm_gamma(ln_scale, zero_centered_gamma)
+  beta = ln_bias if ln_bias.size else None
+  return kernels.block_norm_cast_call(x, mean, rsigma, gamma, beta, q_dtype, power_2=power_2)
+
+
+def act_block_cast(h, b, names, q_dtype, power_2, config):
+  """The activation cast into 1x128 blocks as it is computed (``kernels.block_act_cast_call``),
+  or None where the kernel does not run."""
+  acts = kernel_activations(h, names, config, kernels.BLOCK_ACT_CAST_TARGET)
+  runs = _block_kernel_runs(
+    h, config, kernels.BLOCK_ACT_CAST_TARGET, h.shape[0], h.shape[1] // len(names)
+  )
+  if acts is None or not runs:
+    return None
+  return kernels.block_act_cast_call(h, b, q_dtype, acts, power_2=power_2)
+
+
+def dact_block_cast(dz, h, b, names, q_dtype, power_2, config):
+  """GEMM 1's output gradient cast into 1x128 blocks as it is computed, and the float32 bias
+  gradient (n_act, F) (``kernels.block_dact_cast_call``), or None where the kernel does not
+  run."""
+  acts = kernel_activations(h, names, config, kernels.BLOCK_DACT_CAST_TARGET)
+  runs = _block_kernel_runs(h, config, kernels.BLOCK_DACT_CAST_TARGET, dz.shape[0], dz.shape[1])
+  if acts is None or not runs or dz.dtype != h.dtype:
+    return None
+  *cast, db = kernels.block_dact_cast_call(dz, h, b, q_dtype, acts, power_2=power_2)
+  return (*cast, db.reshape(len(names), -1))
+
+
+def dbias_block_cast(g, q_dtype, power_2, config):
+  """The output gradient ``g (M, N)`` cast into 1x128 blocks with its float32 column sums (the
+  activation-gradient kernel with a linear activation, reading ``g`` alone), or None where the
+  kernel does not run."""
+  if not _block_kernel_runs(g, config, kernels.BLOCK_DACT_CAST_TARGET, *g.shape):
+    return None
+  linear = (KERNEL_ACTIVATIONS["linear"],)
+  return kernels.block_dact_cast_call(g, g, None, q_dtype, linear, power_2=power_2)
+
+
 # --- producers: the operands cast to FP8 in the pass that computes them ---------------------------
 
 
@@ -397,6 +450,7 @@ class NormProducer:
       cast=lambda scale, with_amax: norm_cast(*args, q_dtype, scale, with_amax, config),
       amax=lambda: formats.tensor_amax(normalized(*args)),
       value=lambda: normalized(*args),
+      block_cast=lambda dtype, power_2: norm_block_cast(*args, dtype, power_2, config),
     )
     q = fmt.quantize(dataclasses.replace(request, producer=producer))
     return q, (y, mean, rsigma, ln_scale, (np.zeros((0,), ln_bias.dtype),))
@@ -426,6 +480,7 @@ class ActivationProducer:
       cast,
       amax=lambda: act_amax(h, b, self.names, config),
       value=lambda: activation_f32(h, b, self.names),
+      block_cast=lambda dtype, power_2: act_block_cast(h, b, self.names, dtype, power_2, config),
     )
     return fmt.quantize(dataclasses.replace(request, producer=producer))
 
@@ -443,7 +498,19 @@ class ActivationProducer:
       dbias.append(jnp.sum(dh, axis=0))
       return dh.reshape(dh.shape[0], -1)
 
-    producer = Producer(cast, amax=lambda: dact_amax(dz, h, b, self.names, config), value=value)
+    def block_cast(dtype, power_2):
+      out = dact_block_cast(dz, h, b, self.names, dtype, power_2, config)
+      if out is None:
+        return None
+      dbias.append(out[-1])
+      return out[:-1]
+
+    producer = Producer(
+      cast,
+      amax=lambda: dact_amax(dz, h, b, self.names, config),
+      value=value,
+      block_cast=block_cast,
+    )
     return fmt.quantize(dataclasses.replace(request, producer=producer)), dbias[0]
 
 
@@ -467,5 +534,12 @@ class BiasGradProducer:
       sums.append(jnp.sum(g.astype(jnp.float32), axis=0))
       return g
 
-    producer = Producer(cast, value=value)
+    def block_cast(dtype, power_2):
+      out = dbias_block_cast(g, dtype, power_2, config)
+      if out is None:
+        return None
+      sums.append(out[-1])
+      return out[:-1]
+
+    producer = Producer(cast, value=value, block_cast=block_cast)
     return fmt.quantize(dataclasses.replace(request, producer=producer)), sums[0]

@@ -162,8 +162,8 @@ def layernorm_mlp(
       for a stateless recipe. The gradient with respect to them is the next step's states.
     rngs: ``(key_0, key_1)`` for a recipe that rounds stochastically, else None.
     threshold, config: as for ``dot_general``, for both GEMMs. ``config.fuse_activation_cast``
-      (default None: as True, but under ``Float8BlockScaling`` as False, the faster path on an
-      H100) takes the fused path where it applies: a recipe whose format
+      (default None: as True, the faster path on an H100 under every recipe) takes the fused
+      path where it applies: a recipe whose format
       takes producers (every recipe of the package; its blocks must tile both GEMMs, and a
       recipe that rounds stochastically needs both ``rngs``), both GEMMs in FP8 under
       ``threshold``, no dropout (rate 0 or ``deterministic``); with input constraints and inside
@@ -249,7 +249,7 @@ def layernorm_mlp(
   config = check_config(config)
   threshold = check_threshold(threshold)
   m = math.prod(x.shape[:-1])
-  fused = not _fused_mlp.mlp_composes_by_default(recipe, config) and _fused_mlp.applies(
+  fused = _fused_mlp.applies(
     recipe,
     config,
     gemm_shapes=((m, k, n_act * f), (m, f, k)),

@@ -27,7 +27,10 @@ __all__ = [
   "ACT_AMAX_TARGET",
   "ACT_CAST_TARGET",
   "AMAX_TARGET",
+  "BLOCK_ACT_CAST_TARGET",
   "BLOCK_CAST_TARGET",
+  "BLOCK_DACT_CAST_TARGET",
+  "BLOCK_NORM_CAST_TARGET",
   "CAST_TRANSPOSE_TARGET",
   "DACT_AMAX_TARGET",
   "DACT_CAST_TARGET",
@@ -37,7 +40,10 @@ __all__ = [
   "act_amax_call",
   "act_cast_call",
   "amax_call",
+  "block_act_cast_call",
   "block_cast_call",
+  "block_dact_cast_call",
+  "block_norm_cast_call",
   "cast_transpose_call",
   "cast_transpose_per_batch_call",
   "cublas_gemm_available",
@@ -63,6 +69,11 @@ CAST_TRANSPOSE_TARGET = "te_adapters_cast_transpose"
 AMAX_TARGET = "te_adapters_amax"
 # Float8BlockScaling's cast: 1x128 blocks in both orientations, or 128x128 tiles, in one pass.
 BLOCK_CAST_TARGET = "te_adapters_block_cast"
+# The same cast of the fused MLP's operands as they are computed, in 1x128 blocks (GPU only): the
+# norm's output, the activation, and the activation's gradient with the bias gradient.
+BLOCK_NORM_CAST_TARGET = "te_adapters_block_norm_cast"
+BLOCK_ACT_CAST_TARGET = "te_adapters_block_act_cast"
+BLOCK_DACT_CAST_TARGET = "te_adapters_block_dact_cast"
 # Rowwise scaling (GPU only): the amax of every row and every column in one read, then the cast
 # into both orientations with one scale per row of each copy.
 ROW_COL_AMAX_TARGET = "te_adapters_row_col_amax"
@@ -339,6 +350,83 @@ def block_cast_call(
   return jax.ffi.ffi_call(BLOCK_CAST_TARGET, outs, vmap_method="sequential")(
     x, source_rows.astype(jnp.int32), rowwise=rowwise, colwise=colwise, tile=tile, power_2=power_2
   )
+
+
+def _block_outs(m, n, q_dtype):
+  """The 1x128 block casts' outputs for an (M, N) operand: ``q`` (M, N), its scales (M, N/128),
+  ``q_t`` (N, M), its scales (N, M/128), the amax (1,)."""
+  f32 = jnp.float32
+  return (
+    jax.ShapeDtypeStruct((m, n), q_dtype),
+    jax.ShapeDtypeStruct((m, n // 128), f32),
+    jax.ShapeDtypeStruct((n, m), q_dtype),
+    jax.ShapeDtypeStruct((n, m // 128), f32),
+    jax.ShapeDtypeStruct((1,), f32),
+  )
+
+
+def block_norm_cast_call(x, mean, rsigma, gamma, beta, q_dtype, *, power_2: bool):
+  """The norm's output ``(x - mean) * rsigma * gamma (+ beta)`` of ``x`` (M, K) cast into 1x128
+  blocks as it is computed (``csrc/block_cast_cuda.cu``), M and K multiples of 128, one device:
+  ``block_cast_call``'s five outputs in 1x128 mode, as ``_float8_block.quantize`` gives them of
+  the float32 values."""
+  m, k = x.shape
+  f32 = jnp.float32
+  has_beta = beta is not None
+  beta = jnp.zeros((0,), f32) if beta is None else beta.astype(f32)
+  return jax.ffi.ffi_call(
+    BLOCK_NORM_CAST_TARGET, _block_outs(m, k, q_dtype), vmap_method="sequential"
+  )(
+    x,
+    mean.reshape(m).astype(f32),
+    rsigma.reshape(m).astype(f32),
+    gamma.astype(f32),
+    beta,
+    has_beta=has_beta,
+    tile=False,
+    power_2=power_2,
+  )
+
+
+def block_act_cast_call(h, bias, q_dtype, acts, *, power_2: bool):
+  """The activation ``act(h + bias)`` (M, F) of ``h`` (M, n_act*F) cast into 1x128 blocks as it
+  is computed (``acts`` as ``act_cast_call``'s), M and F multiples of 128, one device:
+  ``block_cast_call``'s five outputs in 1x128 mode."""
+  m, f = h.shape[0], h.shape[1] // len(acts)
+  return jax.ffi.ffi_call(
+    BLOCK_ACT_CAST_TARGET, _block_outs(m, f, q_dtype), vmap_method="sequential"
+  )(
+    h,
+    _flat_bias(bias),
+    has_bias=bias is not None,
+    tile=False,
+    power_2=power_2,
+    **_act_attrs(tuple(int(a) for a in acts)),
+  )
+
+
+def block_dact_cast_call(dz, h, bias, q_dtype, acts, *, power_2: bool):
+  """``dh = dz * act'(h + bias)`` (M, n_act*F) cast into 1x128 blocks as it is computed, with
+  its float32 column sums (the bias gradient, (n_act*F,)), M and F multiples of 128, one device:
+  ``block_cast_call``'s five outputs in 1x128 mode, then the sums. With one linear activation
+  ``dh`` is ``dz`` and ``h`` is not read."""
+  m, n = h.shape
+  f32 = jnp.float32
+  outs = (
+    *_block_outs(m, n, q_dtype),
+    jax.ShapeDtypeStruct((n,), f32),
+    jax.ShapeDtypeStruct((m // 128 * n,), f32),  # per-tile column sums (workspace)
+  )
+  *cast, dbias, _ = jax.ffi.ffi_call(BLOCK_DACT_CAST_TARGET, outs, vmap_method="sequential")(
+    dz,
+    h,
+    _flat_bias(bias),
+    has_bias=bias is not None,
+    tile=False,
+    power_2=power_2,
+    **_act_attrs(tuple(int(a) for a in acts)),
+  )
+  return (*cast, dbias)
 
 
 def row_col_amax_call(x, *, rows: bool, cols: bool):

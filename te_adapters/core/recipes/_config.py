@@ -64,15 +64,15 @@ class GemmConfig:
       gradient straight to GEMM 1's FP8 output gradient with the bias gradient, in one custom VJP
       that also casts the norm's output straight to GEMM 1's FP8 operand unless it is returned
       (``True``): per-tensor recipes through their cast kernels, block and rowwise recipes by
-      quantizing the float32 values in their blocks or rows. ``False`` composes the norm, the
-      activation and two ``dot_general`` calls. ``None`` (the default): the faster path measured
-      on an H100 (``bench/RESULTS.md``): fused for every recipe but ``Float8BlockScaling``, whose
-      ``layernorm_mlp`` composes (6% faster there: its fused casts read the float32 values from
-      memory); ``True`` fuses it too. With activations narrower than float32 the two differ by the
-      rounding of the norm's output, the activation and its gradient to that dtype, which only the
-      composed path does. The same switch chooses ``core.layernorm_dense``'s path: fused, the norm's
-      output is cast straight to the GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the
-      norm's output not returned; constrained only under a per-tensor recipe).
+      quantizing the float32 values in their blocks or rows (``Float8BlockScaling``'s 1x128 blocks
+      on Hopper GPUs by the kernels that compute them). ``False`` composes the norm, the
+      activation and two ``dot_general`` calls. ``None`` (the default) is ``True``, the faster
+      path measured on an H100 for every recipe (``bench/RESULTS.md``). With activations
+      narrower than float32 the two differ by the rounding of the norm's output, the activation
+      and its gradient to that dtype, which only the composed path does. The same switch
+      chooses ``core.layernorm_dense``'s path: fused, the norm's output is cast straight to the
+      GEMM's FP8 operand in one custom VJP (the GEMM in FP8, the norm's output not returned;
+      constrained only under a per-tensor recipe).
     collective_matmul: with ``dot_general``'s ``sequence_parallel``, decompose the FP8 rows'
       all-gather and the partial sums' reduce-scatter into ring steps (``ppermute``), so that
       each chunk's GEMM runs while the next chunk moves (TE's collective GEMM). The same sums
