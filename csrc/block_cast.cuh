@@ -38,34 +38,6 @@ struct Half16 {
   uint16_t bits;
 };
 
-// Four consecutive elements as floats.
-template <typename In>
-__device__ __forceinline__ void load4(const In* p, float* v);
-template <>
-__device__ __forceinline__ void load4<float>(const float* p, float* v) {
-  const float4 w = __ldg(reinterpret_cast<const float4*>(p));
-  v[0] = w.x;
-  v[1] = w.y;
-  v[2] = w.z;
-  v[3] = w.w;
-}
-template <>
-__device__ __forceinline__ void load4<uint16_t>(const uint16_t* p, float* v) {  // bfloat16 bits
-  const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-  v[0] = __uint_as_float(w.x << 16);
-  v[1] = __uint_as_float(w.x & 0xffff0000u);
-  v[2] = __uint_as_float(w.y << 16);
-  v[3] = __uint_as_float(w.y & 0xffff0000u);
-}
-template <>
-__device__ __forceinline__ void load4<Half16>(const Half16* p, float* v) {
-  const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-  v[0] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.x & 0xffffu)));
-  v[1] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.x >> 16)));
-  v[2] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.y & 0xffffu)));
-  v[3] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.y >> 16)));
-}
-
 // Four consecutive elements as they are stored (8 bytes of 16-bit values, 16 of float32): the
 // plain cast keeps its tile in registers so, half the registers for 16-bit inputs.
 template <typename In>
@@ -98,6 +70,17 @@ __device__ __forceinline__ void unpack4<Half16>(const uint2& w, float* v) {
   v[1] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.x >> 16)));
   v[2] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.y & 0xffffu)));
   v[3] = __half2float(__ushort_as_half(static_cast<uint16_t>(w.y >> 16)));
+}
+
+template <typename In>
+__device__ __forceinline__ typename Raw4<In>::T load_raw4(const In* p) {
+  return __ldg(reinterpret_cast<const typename Raw4<In>::T*>(p));
+}
+
+// Four consecutive elements as floats.
+template <typename In>
+__device__ __forceinline__ void load4(const In* p, float* v) {
+  unpack4<In>(load_raw4(p), v);
 }
 
 // |v|'s bits: non-negative floats order like their bit patterns; NaN sorts above +inf.
@@ -288,7 +271,7 @@ template <typename In>
 struct RawOf<PlainLoad<In>> {
   using T = typename Raw4<In>::T;
   __device__ __forceinline__ static T fetch(const PlainLoad<In>& l, int64_t row, int64_t col) {
-    return __ldg(reinterpret_cast<const T*>(l.x + row * l.cols + col));
+    return load_raw4(l.x + row * l.cols + col);
   }
   __device__ __forceinline__ static void unpack(const T& w, float* v) { unpack4<In>(w, v); }
 };
