@@ -1,5 +1,5 @@
-// Host-side helpers shared by the CUDA FFI handlers (cast_transpose_cuda.cu, block_cast_cuda.cu,
-// act_cast_cuda.cu): the error after a launch, the FP8 output dtype of a result buffer, the amax
+// Host-side helpers shared by the CUDA FFI handlers (the casts, and the grouped GEMMs' traits):
+// the error after a launch, the FP8 output dtype of a result buffer, the amax
 // result zeroed before the kernels max into it, and the traits of a handler that XLA may record
 // into a command buffer.
 #pragma once

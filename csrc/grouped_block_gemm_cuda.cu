@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 
+#include "ffi_cuda.h"
 #include "grouped_block_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -155,6 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedBlockGemmCuda, GroupedBlockGemmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("mode"));
+                                  .Attr<int32_t>("mode"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 }  // namespace te_adapters

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 
+#include "ffi_cuda.h"
 #include "grouped_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -248,7 +249,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PaddedTransposeCuda, PaddedTransposeImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCuda, GroupedGemmImpl,
                               ffi::Ffi::Bind()
@@ -261,6 +263,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCuda, GroupedGemmImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("fast_accum")
-                                  .Attr<int32_t>("config"));
+                                  .Attr<int32_t>("config"),
+                              TE_ADAPTERS_CMD_BUFFER_COMPATIBLE);
 
 }  // namespace te_adapters

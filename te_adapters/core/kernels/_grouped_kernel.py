@@ -170,7 +170,10 @@ def _padded_sources(group_sizes, rows: int):
   pad_start = pad_end - pad
   start = jnp.cumsum(group_sizes) - group_sizes
   col = jnp.arange(width, dtype=pad_end.dtype)
-  group = jnp.searchsorted(pad_end, col, side="right")
+  # Every column against every group's end (one fused compare and sum): the default method of
+  # searchsorted is a loop over the bisection steps, which XLA runs as a while loop of small
+  # kernels and copies, splitting the step's command buffers.
+  group = jnp.searchsorted(pad_end, col, side="right", method="compare_all")
   safe = jnp.minimum(group, groups - 1)
   local = col - pad_start[safe]
   valid = (group < groups) & (local < group_sizes[safe])
@@ -294,7 +297,9 @@ def grouped_block_scales(scale_inv, group_sizes):
   position = jnp.arange(rows * slices, dtype=jnp.int32).reshape(rows, slices)
   # Group g's scales fill the flat positions [o_g * S, (o_g + m_g) * S), so position p belongs to
   # the group of row p // S.
-  group = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
+  group = jnp.searchsorted(
+    ends, jnp.arange(rows, dtype=jnp.int32), side="right", method="compare_all"
+  )
   start = starts[group][:, None]
   size = jnp.maximum(extended[group], 1)[:, None]
   local = position - start * slices
