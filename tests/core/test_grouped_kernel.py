@@ -215,21 +215,22 @@ def test_fp8_native_route_wires_its_gemms_as_the_xla_route(monkeypatch, recipe):
   xla = run("xla")
   for a, b in zip(jax.tree.leaves(native[3]), jax.tree.leaves(xla[3]), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-  # The routes sum the same FP8 products in float32, in orders the compiler picks (on a GPU they
-  # differ): each output may move by its sum's rounding, its length times 2**-24 times the sum of
-  # the products' magnitudes (the operands' own within FP8's rounding, clipped where delayed
-  # scaling saturates: twice that bound). A wrong operand, scale or layout moves outputs by
-  # their own size.
+  # The models sum the FP8 products in float32. On a GPU the XLA route's FP8 dots run on the
+  # tensor cores, whose sums keep fewer bits (the forward's fast sums the fewest; on an H100 one
+  # run saw 7e-6 on outputs near 0.07, another none, as XLA picked its algorithm): each output
+  # may move by a small fraction of the sum of its products' magnitudes (the operands' own
+  # within FP8's rounding, clipped where delayed scaling saturates): 2**-10 of it here, where
+  # that run moved 2**-16 of it. A wrong operand, scale or layout moves outputs by their own size.
   ax, aw, ady = (np.abs(np.asarray(t, np.float64)) for t in (2 * x, w, dy))
   ends = np.cumsum(np.asarray(sizes))
   bounds = [np.zeros((32, 16)), np.zeros((32, 32)), np.zeros((4, 32, 16))]
   for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
-    bounds[0][start:end] = 32 * ax[start:end] @ aw[g]
-    bounds[1][start:end] = 16 * ady[start:end] @ aw[g].T
-    bounds[2][g] = max(end - start, 1) * ax[start:end].T @ ady[start:end]
+    bounds[0][start:end] = ax[start:end] @ aw[g]
+    bounds[1][start:end] = ady[start:end] @ aw[g].T
+    bounds[2][g] = ax[start:end].T @ ady[start:end]
   for a, b, bound in zip(native[:3], xla[:3], bounds, strict=True):
     assert a.shape == b.shape
-    assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b)) <= 2 * 2.0**-24 * bound)
+    assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b)) <= 2.0**-10 * bound)
   assert np.all(np.asarray(native[0][30:]) == 0) and np.all(np.asarray(native[2][1]) == 0)
 
 
