@@ -172,7 +172,7 @@ def _padded_sources(group_sizes, rows: int):
   col = jnp.arange(width, dtype=pad_end.dtype)
   # Every column against every group's end (one fused compare and sum): the default method of
   # searchsorted is a loop over the bisection steps, which XLA runs as a while loop of small
-  # kernels and copies, splitting the step's command buffers.
+  # kernels and device copies in every step.
   group = jnp.searchsorted(pad_end, col, side="right", method="compare_all")
   safe = jnp.minimum(group, groups - 1)
   local = col - pad_start[safe]
