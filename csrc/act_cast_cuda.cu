@@ -389,17 +389,6 @@ __global__ void __launch_bounds__(kThreads)
   if (amax != nullptr) cuda::block_amax<kThreads>(abs_bits(acc), amax);
 }
 
-// dbias[col] = sum over the row tiles of partial[tile, col], in tile order.
-__global__ void __launch_bounds__(kThreads)
-    column_sum_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
-                      float* __restrict__ out) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (col >= cols) return;
-  float s = 0.0f;
-  for (int64_t t = 0; t < tiles; ++t) s = add(s, partial[t * cols + col]);
-  out[col] = s;
-}
-
 // M, F and n_act from h (M, n_act * F) and the activation ids (act1 < 0: one activation).
 ffi::Error make_dims(const ffi::AnyBuffer& h, int32_t act0, int32_t act1, Dims* d) {
   const auto hd = h.dimensions();
@@ -536,7 +525,7 @@ ffi::Error DactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffer h
           dzp, hp, bp, scale.typed_data(), qp, qtp, ap, pp, d, aligned);
     });
     const int64_t sum_blocks = (n + kThreads - 1) / kThreads;
-    column_sum_kernel<<<sum_blocks, kThreads, 0, stream>>>(pp, tiles_r, n, dbp);
+    column_sum_kernel<kThreads><<<sum_blocks, kThreads, 0, stream>>>(pp, tiles_r, n, dbp);
     return cuda_error("te_adapters dact_cast kernel");
   });
 }

@@ -1,10 +1,12 @@
 // The activations of the MLP's fused casts (act_cast_cuda.cu's per-tensor kernels and
 // block_cast_cuda.cu's block-scaled ones), in float32 as te_adapters.core.ACTIVATIONS computes
-// them, and the dispatch of their ids to compile-time constants.
+// them, the dispatch of their ids to compile-time constants, and the bias gradient's sum over
+// the row tiles both dact casts end with.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <type_traits>
 
 namespace te_adapters {
@@ -133,6 +135,20 @@ void dispatch_acts(const D& d, Launch&& launch) {
     return launch(Two{}, integral_constant<int, kSilu>{}, Linear{});
   }
   return launch(Two{}, Any{}, Any{});
+}
+
+// dbias[col] = sum over the row tiles of partial[tile, col], in tile order (the dact casts write
+// one partial sum per row tile and column). A template, so that each unit that launches it may
+// instantiate it.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    column_sum_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
+                      float* __restrict__ out) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (col >= cols) return;
+  float s = 0.0f;
+  for (int64_t t = 0; t < tiles; ++t) s = add(s, partial[t * cols + col]);
+  out[col] = s;
 }
 
 }  // namespace act

@@ -479,17 +479,6 @@ void launch_out(cudaStream_t stream, OutType ot, const Load& load, const Outputs
   }
 }
 
-// dbias[col] = sum over the row tiles of partial[tile, col], in tile order.
-__global__ void __launch_bounds__(kThreads)
-    tile_column_sum_kernel(const float* __restrict__ partial, int64_t tiles, int64_t cols,
-                           float* __restrict__ out) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (col >= cols) return;
-  float s = 0.0f;
-  for (int64_t t = 0; t < tiles; ++t) s = act::add(s, partial[t * cols + col]);
-  out[col] = s;
-}
-
 // The outputs of one (batch, rows, cols) input checked against its shape: both copies (or those
 // asked for), their scales and the amax; their FP8 dtype in *ot.
 ffi::Error make_outputs(const Shape& s, ffi::Result<ffi::AnyBuffer>& q,

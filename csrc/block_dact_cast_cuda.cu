@@ -66,7 +66,8 @@ ffi::Error BlockDactCastImpl(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuf
       launch_out<true>(stream, ot, load, o, s, tile, power_2, bits_float(kF32MaxBits));
     });
     const int64_t sum_blocks = (n + kThreads - 1) / kThreads;
-    tile_column_sum_kernel<<<sum_blocks, kThreads, 0, stream>>>(o.partial, tiles_r, n, dbp);
+    act::column_sum_kernel<kThreads>
+        <<<sum_blocks, kThreads, 0, stream>>>(o.partial, tiles_r, n, dbp);
     return cuda_error("te_adapters block dact cast kernel");
   });
 }
