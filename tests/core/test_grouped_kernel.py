@@ -57,6 +57,22 @@ def _values(q):
   return q.astype(jnp.float32)
 
 
+def _product_magnitudes(x, w, dy, sizes):
+  """For each output of the grouped forward, dgrad and wgrad, the sum of its products'
+  magnitudes in float64: |x| @ |w_g| and |dy| @ |w_g|^T on group g's rows (zero past the
+  groups), |x_g|^T @ |dy_g| for group g's kernel. What a difference in summation order or
+  precision is bounded by."""
+  ax, aw, ady = (np.abs(np.asarray(t, np.float64)) for t in (x, w, dy))
+  rows, k = ax.shape
+  y, dx, dw = np.zeros((rows, aw.shape[2])), np.zeros((rows, k)), np.zeros(aw.shape)
+  ends = np.cumsum(np.asarray(sizes))
+  for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
+    y[start:end] = ax[start:end] @ aw[g]
+    dx[start:end] = ady[start:end] @ aw[g].T
+    dw[g] = ax[start:end].T @ ady[start:end]
+  return y, dx, dw
+
+
 def _rows_gemm_model(a, b, group_sizes, alpha, out_dtype, fast):
   """The kernel's rows mode as grouped_gemm.h states it: out[rows of g] = a[rows of g] @ b[g]^T
   * alpha[g] with float32 sums, zero past the groups."""
@@ -221,13 +237,7 @@ def test_fp8_native_route_wires_its_gemms_as_the_xla_route(monkeypatch, recipe):
   # may move by a small fraction of the sum of its products' magnitudes (the operands' own
   # within FP8's rounding, clipped where delayed scaling saturates): 2**-10 of it here, where
   # that run moved 2**-16 of it. A wrong operand, scale or layout moves outputs by their own size.
-  ax, aw, ady = (np.abs(np.asarray(t, np.float64)) for t in (2 * x, w, dy))
-  ends = np.cumsum(np.asarray(sizes))
-  bounds = [np.zeros((32, 16)), np.zeros((32, 32)), np.zeros((4, 32, 16))]
-  for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
-    bounds[0][start:end] = ax[start:end] @ aw[g]
-    bounds[1][start:end] = ady[start:end] @ aw[g].T
-    bounds[2][g] = ax[start:end].T @ ady[start:end]
+  bounds = _product_magnitudes(2 * x, w, dy, sizes)
   for a, b, bound in zip(native[:3], xla[:3], bounds, strict=True):
     assert a.shape == b.shape
     assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b)) <= 2.0**-10 * bound)
@@ -329,13 +339,9 @@ def test_float8_block_native_route_wires_its_gemms_as_the_emulated_route(monkeyp
   # they differ): each output may move by its sum's rounding, K * 2**-24 times the sum of the
   # products' magnitudes (the operands' own, within FP8's rounding: twice that bound). A copy or
   # a scale in the wrong place moves outputs by their own size.
-  ax, aw, ady = (np.abs(np.asarray(t, np.float64)) for t in (x, w, dy))
-  ends = np.cumsum(np.asarray(sizes))
-  bounds = [np.zeros((160, 128)), np.zeros((160, 256)), np.zeros((4, 256, 128))]
-  for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends, strict=True)):
-    bounds[0][start:end] = 256 * ax[start:end] @ aw[g]
-    bounds[1][start:end] = 128 * ady[start:end] @ aw[g].T
-    bounds[2][g] = max(end - start, 1) * ax[start:end].T @ ady[start:end]
+  y_mag, dx_mag, dw_mag = _product_magnitudes(x, w, dy, sizes)
+  lengths = np.maximum(np.asarray(sizes), 1)[:, None, None]  # wgrad sums over the group's rows
+  bounds = [256 * y_mag, 128 * dx_mag, lengths * dw_mag]
   for a, b, bound in zip(native, emulated, bounds, strict=True):
     assert a.shape == b.shape
     assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b)) <= 2 * 2.0**-24 * bound)
