@@ -24,7 +24,9 @@ the median over repeats of each. Scaling efficiency is strong scaling, t(1 devic
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
 package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
-``f`` (``fold_amax``) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f``. ``--nccl`` names NCCL
+``f`` (``fold_amax``) and ``s`` (``non_finite="saturate"``: TE's casts; no operand's inverse
+scale then waits on its amax's all-reduce, so under delayed scaling the amaxes feed only the
+next state) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f,s,fs``. ``--nccl`` names NCCL
 settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, at most 16 blocks, so 16 SMs,
 per collective); bf16 runs under them too. A last token ``o``
 compiles the mesh program with XLA's one-shot all-reduce kernel off (the compile option
@@ -137,16 +139,17 @@ def split_config(token: str) -> tuple[str, dict]:
 
 
 def parse_config(token: str) -> dict:
-  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True}."""
+  """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True};
+  ``s`` -> {non_finite: "saturate"}."""
   import re
 
   token = split_config(token)[0]
   if token == "base":
     return {}
-  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?", token)
+  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?(s)?", token)
   if not m or not token:
     raise SystemExit(
-      f"--configs: {token!r} is not base or m<SMs>, c<n>, f combined in order (then o)"
+      f"--configs: {token!r} is not base or m<SMs>, c<n>, f, s combined in order (then o)"
     )
   out = {}
   if m.group(1):
@@ -155,6 +158,8 @@ def parse_config(token: str) -> dict:
     out["sum_chunks"] = int(m.group(2))
   if m.group(3):
     out["fold_amax"] = True
+  if m.group(4):
+    out["non_finite"] = "saturate"
   return out
 
 

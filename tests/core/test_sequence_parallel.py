@@ -105,6 +105,8 @@ def _run(step, x, w1, w2, states, dy):
 
 
 RING = core.GemmConfig(partial_sums="float32", collective_matmul=True)
+# The rows gathered unquantized and cast whole on every device.
+WHOLE = core.GemmConfig(partial_sums="float32", sequence_gather="input")
 
 
 def _assert_matches(got, want):
@@ -125,11 +127,12 @@ def _assert_matches(got, want):
       spmd_checks.assert_close_to_one_device(a, b, name, cpu_rel=1e-6)
 
 
-@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
+@pytest.mark.parametrize("config", [CONFIG, RING, WHOLE], ids=["collectives", "ring", "input"])
 @pytest.mark.parametrize("name", RECIPES)
 def test_sequence_parallel_pair_matches_one_device(name, config):
-  """With one all-gather or reduce-scatter per GEMM, and decomposed into ring steps
-  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
+  """With one all-gather or reduce-scatter per GEMM, decomposed into ring steps
+  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves), and with
+  the rows gathered unquantized (``sequence_gather="input"``)."""
   recipe = RECIPES[name]
   x, w1, w2, dy = _data()
   states = _states(recipe)
@@ -192,6 +195,68 @@ def test_remat_saving_the_fp8_operands_matches_no_remat(name):
     _assert_matches(got, want)
   else:
     spmd_checks.assert_trees_identical(got, want)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_gathering_unquantized_rows_gives_the_fp8_gathers_results_bit_for_bit(name):
+  """``sequence_gather="input"`` casts the gathered rows with the scale every shard's cast uses
+  under the FP8 gathers (the whole tensor's amax), elementwise, so the GEMMs see the same FP8
+  values in the same layout: outputs, gradients and the next state identical over three
+  steps, whose inputs are scaled (``spmd_checks.FACTORS``) so that DelayedScaling's stored
+  scales lag."""
+  recipe = RECIPES[name]
+  x, w1, w2, dy = _data()
+  states = _states(recipe)
+  with jax.set_mesh(_mesh()):
+    want = _run(_step(_sharded(recipe)), x, w1, w2, states, dy)
+    got = _run(_step(_sharded(recipe, WHOLE)), x, w1, w2, states, dy)
+  if spmd_checks.ON_GPU:
+    # Another program, whose GEMMs the extension may serve with other cuBLASLt kernels.
+    _assert_matches(got, want)
+  else:
+    spmd_checks.assert_trees_identical(got, want)
+
+
+def test_unquantized_gathers_move_bf16_rows_and_reduce_no_gathered_amax():
+  """``sequence_gather="input"``: x and the output gradient are each all-gathered once, as bf16
+  rows (the layer's dtype: bf16 x and kernels), and their amaxes are not reduced over the mesh
+  (each device takes the amax of the rows it gathered). The amaxes still reduced are those of
+  the tensors sharded on their columns: the two kernels, the hidden activation and its
+  gradient (4 floats, with the loss 5; the FP8 gathers' program reduces x's and the output
+  gradient's too). Every GEMM takes FP8 operands."""
+  recipe = RECIPES["current"]
+  s = 64
+  x, w1, w2, dy = _data(s)
+  w1, w2 = w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16)
+  step = _step(_sharded(recipe, WHOLE))
+  with jax.set_mesh(_mesh()):
+    assert inspect.count_fp8_dot_generals(step, x, w1, w2, _states(recipe), dy) == (6, 6)
+    jaxpr = jax.make_jaxpr(step)(x, w1, w2, _states(recipe), dy)
+    text = step.lower(x, w1, w2, _states(recipe), dy).compile().as_text()
+  # The dtypes as traced (XLA:CPU widens bf16 collectives to f32 when it compiles them).
+  gathers = [
+    e.outvars[0].aval
+    for e in inspect._walk(jaxpr.jaxpr)  # noqa: SLF001  (the jaxpr walker of count_fp8_dot_generals)
+    if e.primitive.name.startswith("all_gather")
+  ]
+  assert [(a.dtype, a.shape) for a in gathers] == [(jnp.bfloat16, (s * B, H))] * 2, gathers
+  found = inspect.hlo_collectives(text)
+  gathered = [a for c in found if c.op == "all-gather" for a in spmd_checks.result_arrays(c)]
+  assert len(gathered) == 2, gathered
+  assert all(int(np.prod(shape)) == s * B * H for _, shape in gathered), gathered
+  assert all(dtype != "u8" for dtype, _ in gathered), gathered
+  scattered = [a for c in found if c.op == "reduce-scatter" for a in spmd_checks.result_arrays(c)]
+  assert len(scattered) == 2, [(c.op, c.arrays) for c in found]
+  reduced = [a for c in found if c.op == "all-reduce" for a in spmd_checks.result_arrays(c)]
+  assert all(dtype == "f32" for dtype, _ in reduced), reduced
+  assert sum(int(np.prod(shape)) for _, shape in reduced) == 5, reduced
+
+
+def test_unquantized_gathers_are_not_ring_steps():
+  with pytest.raises(ValueError, match="sequence_gather='input'.*collective_matmul"):
+    core.GemmConfig(sequence_gather="input", collective_matmul=True)
+  with pytest.raises(ValueError, match="GemmConfig.sequence_gather must be one of"):
+    core.GemmConfig(sequence_gather="bf16")
 
 
 def test_high_precision_pair_runs_the_same_layout():

@@ -363,6 +363,24 @@ def _sequence_scatter(y, plan, dim):
   return lax.psum_scatter(y, plan.sequence[1], scatter_dimension=dim, tiled=True)
 
 
+def _gathers_unquantized(chain, mode: str) -> bool:
+  """Whether the sequence-parallel GEMM of ``chain`` in ``mode`` all-gathers the rows it
+  quantizes unquantized and casts them whole (``GemmConfig.sequence_gather="input"``): the
+  input in "all_gather" mode, the output gradient in "reduce_scatter" mode. Only
+  ``dot_general`` takes ``sequence_parallel``: one GEMM, no fused norm, no bias."""
+  seq = chain.plan.sequence
+  if seq is None or seq[0] != mode or chain.config.sequence_gather != "input":
+    return False
+  assert chain.lhs is None and len(chain.stages) == 1, "sequence_parallel is dot_general's"
+  return True
+
+
+def _gather_unquantized(a, plan):
+  """``a``'s rows (its dim -2) all-gathered over the sequence axis, the same on every device
+  of it (invariant, so its amax is not reduced over that axis again)."""
+  return lax.all_gather(a, plan.sequence[1], axis=a.ndim - 2, tiled=True, to="invarying")
+
+
 def _gathered_rows(t, axis_name, axis):
   """A ScaledTensor with its dim ``axis`` (the rows, or a transposed copy's columns)
   all-gathered over the mesh axis ``axis_name`` (FP8 as bytes)."""
@@ -813,7 +831,12 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
   # The first GEMM's input in both orientations: this one for the forward GEMM, the swapped copy
   # (kept for the backward pass) for wgrad.
   lhs = inputs[0]
-  request = _request(lhs, "x", chain, states[0], cols=backward)
+  whole = _gathers_unquantized(chain, "all_gather")
+  # GemmConfig.sequence_gather="input": every device quantizes all the rows (the same values);
+  # the cotangent still takes the shard's type (the witness below).
+  request = _request(
+    _gather_unquantized(lhs, plan) if whole else lhs, "x", chain, states[0], cols=backward
+  )
   if chain.lhs is None:
     qx, lhs_residuals = fmt.quantize(request), None
   else:
@@ -839,7 +862,7 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
       w_fwd = dataclasses.replace(shard, data=sharding.gather_kernel(shard.data, plan))
       w_dgrad = dataclasses.replace(w_fwd, data=_swap_last(w_fwd.data))
     x_wgrad = _remat.name_quantized(qx.cols, _remat.QUANTIZED_X) if backward else None
-    if plan.sequence is None:
+    if plan.sequence is None or whole:
       y = fmt.gemm(
         qx.rows,
         w_fwd,
@@ -902,7 +925,9 @@ def _backward(chain: Chain, residuals, g):
     elif stage.bias_grad is not None and b_proto is not None:
       qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
     else:
-      qg, db = fmt.quantize(_request(g, "grad", chain, state, key=key)), None
+      whole = _gathers_unquantized(chain, "reduce_scatter")
+      g_in = _gather_unquantized(g, chain.plan) if whole else g
+      qg, db = fmt.quantize(_request(g_in, "grad", chain, state, key=key)), None
     qg = _whole_where_gathered(qg, chain.plan, -2)
     if db is not None and b_proto is not None:  # summed over the rows of every shard
       d_biases[i] = sharding.match_cotangent(db, witness[3]).astype(b_proto.dtype)
@@ -920,7 +945,7 @@ def _backward(chain: Chain, residuals, g):
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
     g_cols, seq = qg.cols, chain.plan.sequence
-    if seq is None:
+    if seq is None or _gathers_unquantized(chain, "reduce_scatter"):
       dx = fmt.gemm(
         qg.rows,
         w_dgrad,

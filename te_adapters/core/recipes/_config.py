@@ -14,6 +14,7 @@ _CHOICES = {
   "block_gemm": ("auto", "native", "xla"),
   "partial_sums": ("output", "float32"),
   "non_finite": ("propagate", "saturate"),
+  "sequence_gather": ("fp8", "input"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
 _DEPRECATED = {
@@ -125,9 +126,21 @@ class GemmConfig:
       casts, which clip an infinity to the format's largest value (448 for E4M3, 57344 for
       E5M2) times the scale, so the output stays finite; a NaN stays NaN where the format has
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
+    sequence_gather: with ``dot_general``'s ``sequence_parallel``, what the column-parallel
+      GEMM gathers of its input's rows and the row-parallel GEMM of its output gradient's.
+      ``"fp8"`` (the default): each device casts its shard with the scale of the global amax
+      (an all-reduce of one float before the cast) and both FP8 copies (the GEMM's rows and
+      wgrad's transposed copy) are all-gathered. ``"input"``: the shard is all-gathered in its
+      own dtype (bfloat16 rows: the bytes of the two FP8 copies; float32 rows: twice them) and
+      every device casts the whole tensor, whose amax it computes itself: no amax all-reduce
+      waits before the cast, and the transposed copy is written in place rather than gathered
+      and reordered. The same FP8 values either way (one scale, elementwise casts), so the same
+      results; each device casts every row instead of its shard's. Not with
+      ``collective_matmul``.
 
   Raises:
-    ValueError: a field outside the values it takes (the message names the field and them).
+    ValueError: a field outside the values it takes (the message names the field and them);
+      ``sequence_gather="input"`` with ``collective_matmul=True``.
 
   Example:
     >>> import te_adapters as ta
@@ -149,6 +162,7 @@ class GemmConfig:
   sum_chunks: int = 1
   fold_amax: bool = False
   non_finite: str = "propagate"
+  sequence_gather: str = "fp8"
 
   def __post_init__(self):
     margin = self.comm_sm_margin
@@ -166,6 +180,11 @@ class GemmConfig:
     if not isinstance(self.collective_matmul, bool):
       raise ValueError(
         f"GemmConfig.collective_matmul must be True or False, got {self.collective_matmul!r}"
+      )
+    if self.sequence_gather == "input" and self.collective_matmul:
+      raise ValueError(
+        "GemmConfig.sequence_gather='input' gathers whole unquantized rows and cannot be "
+        "decomposed into collective_matmul's ring steps: set one of them"
       )
     if self.fuse_activation_cast is not None and not isinstance(self.fuse_activation_cast, bool):
       value = self.fuse_activation_cast
