@@ -15,10 +15,10 @@ Plans (n = --devices):
 
 Variants: bf16, current, delayed; an FP8 variant with ``+saturate`` (``delayed+saturate``) runs
 with ``GemmConfig(non_finite="saturate")``: no operand's inverse scale waits on its amax's
-all-reduce (under delayed scaling the amaxes then feed only the next state); with ``+input``
-(``current+input``, ``delayed+input+saturate``) ``GemmConfig(sequence_gather="input")``: the
-rows are all-gathered in bf16 and every device casts them whole (no amax all-reduce before the
-cast, no transposed FP8 copy gathered). One step is
+all-reduce (under delayed scaling the amaxes then feed only the next state). The rows are
+gathered as ``GemmConfig.sequence_gather``'s default decides (bf16 rows here: unquantized, every
+device casting them whole); ``+fp8`` (``current+fp8``, ``delayed+fp8+saturate``) gathers the
+FP8 copies of each shard instead, ``+input`` the unquantized rows. One step is
 forward plus backward (``jax.vjp``, a given output gradient). Timing: every configuration is
 compiled first, then ``--repeats`` rounds run one trial of each configuration in turn
 (interleaved), each trial the mean of ``--iters`` synchronised steps after ``--warmup``; the
@@ -107,13 +107,14 @@ def _recipe(variant):
 
 def _config(variant, plan):
   parts = set(variant.split("+")[1:])
-  unknown = parts - {"saturate", "input"}
-  if unknown:
-    raise SystemExit(f"--variants: {variant!r}: unknown part(s) {sorted(unknown)}")
+  unknown = parts - {"saturate", "input", "fp8"}
+  if unknown or {"input", "fp8"} <= parts:
+    raise SystemExit(f"--variants: {variant!r}: parts are saturate and one of input, fp8")
+  gather = "input" if "input" in parts else "fp8" if "fp8" in parts else "auto"
   return core.GemmConfig(
     collective_matmul=plan == "tp_ring",
     non_finite="saturate" if "saturate" in parts else "propagate",
-    sequence_gather="input" if "input" in parts else "fp8",
+    sequence_gather=gather,
   )
 
 
@@ -268,7 +269,7 @@ def compile_configs(args):
     if plan != "single":
       mesh = jax.make_mesh((n,), ("tp",), devices=devices[:n], axis_types=(AxisType.Auto,))
     for variant in args.variants.split(","):
-      if plan == "tp_ring" and "+input" in variant:
+      if plan == "tp_ring" and "input" in variant.split("+"):
         print(f"  skipped tp_ring {variant}: the ring gathers FP8 chunks", flush=True)
         continue
       recipe = _recipe(variant)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices 
 ARGS = dict(
   devices=2,
   plans="single,tp_sp,tp_ring",
-  variants="bf16,current",
+  variants="bf16,current,current+fp8",
   batch=2,
   seq=32,
   hidden=64,
@@ -32,9 +32,12 @@ ARGS = dict(
 def test_sp_layer_bench_dry_run(tmp_path):
   configs = sp_layer.run(argparse.Namespace(**ARGS, hlo_out=str(tmp_path)))
   by = {(c["plan"], c["variant"]): c for c in configs}
-  assert set(by) == {(p, v) for p in ARGS["plans"].split(",") for v in ("bf16", "current")}
+  variants = ARGS["variants"].split(",")
+  assert set(by) == {(p, v) for p in ARGS["plans"].split(",") for v in variants}
   assert all(len(c["times"]) == 2 and all(np.isfinite(c["times"])) for c in configs)
-  assert "all-gather u8" in by[("tp_sp", "current")]["collectives"]
+  # The default gathers the layer's bf16 rows (XLA:CPU widens them to f32), "+fp8" FP8 bytes.
+  assert "u8" not in by[("tp_sp", "current")]["collectives"]
+  assert "all-gather u8" in by[("tp_sp", "current+fp8")]["collectives"]
   assert "collective-permute u8" in by[("tp_ring", "current")]["collectives"]
   assert "u8" not in by[("tp_sp", "bf16")]["collectives"]
   table = sp_layer.format_tables(configs)
@@ -181,11 +184,11 @@ def test_sp_ab_times_two_trees_in_interleaved_rounds(tmp_path):
   tiny = "--batch 2 --seq 32 --hidden 64 --ffn 128 --heads 4 --iters 1 --warmup 0 --repeats 2"
   cmd = [sys.executable, os.path.join(root, "bench", "sp_ab.py"), "--cpu-devices", "2"]
   cmd += tiny.split() + ["--json", str(out)]
-  cmd += ["--tree", f"a={root};tp_sp;current", "--tree", f"b={root};single;bf16"]
+  cmd += ["--tree", f"a={root};tp_sp;current+fp8", "--tree", f"b={root};single;bf16"]
   subprocess.run(cmd, check=True, cwd=root, capture_output=True, timeout=300)
   rows = json.loads(out.read_text())
   assert [(r["tree"], r["plan"], r["variant"]) for r in rows] == [
-    ("a", "tp_sp", "current"),
+    ("a", "tp_sp", "current+fp8"),
     ("b", "single", "bf16"),
   ]
   assert all(len(r["times"]) == 2 and r["median_ms"] > 0 for r in rows)

@@ -29,8 +29,11 @@ S, B, H, F = 32, 2, 64, 128
 DN = (((2,), (0,)), ((), ()))
 RECIPES = {"current": ta.Float8CurrentScaling(), "delayed": ta.DelayedScaling(amax_history_len=4)}
 # Float32 sums over the devices (the row-parallel output, the column-parallel input gradient):
-# one device's bound on a GPU (spmd_checks).
+# one device's bound on a GPU (spmd_checks). The default sequence_gather ("auto"): x (bf16) is
+# gathered unquantized, the float32 output gradient as FP8.
 CONFIG = core.GemmConfig(partial_sums="float32")
+# The rows cast shard by shard and gathered as FP8 (both copies).
+FP8 = core.GemmConfig(partial_sums="float32", sequence_gather="fp8")
 
 
 def _mesh():
@@ -127,12 +130,14 @@ def _assert_matches(got, want):
       spmd_checks.assert_close_to_one_device(a, b, name, cpu_rel=1e-6)
 
 
-@pytest.mark.parametrize("config", [CONFIG, RING, WHOLE], ids=["collectives", "ring", "input"])
+@pytest.mark.parametrize(
+  "config", [FP8, RING, WHOLE, CONFIG], ids=["collectives", "ring", "input", "auto"]
+)
 @pytest.mark.parametrize("name", RECIPES)
 def test_sequence_parallel_pair_matches_one_device(name, config):
-  """With one all-gather or reduce-scatter per GEMM, decomposed into ring steps
-  (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves), and with
-  the rows gathered unquantized (``sequence_gather="input"``)."""
+  """With one all-gather or reduce-scatter per GEMM (of FP8 copies, of unquantized rows
+  (``sequence_gather="input"``), or each as the rows' dtype decides), and decomposed into ring
+  steps (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
   recipe = RECIPES[name]
   x, w1, w2, dy = _data()
   states = _states(recipe)
@@ -153,7 +158,7 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   recipe = RECIPES["current"]
   s = 64  # the gathered rows (s * B = 128) differ from H (64): the two orientations differ
   x, w1, w2, dy = _data(s)
-  step = _step(_sharded(recipe))
+  step = _step(_sharded(recipe, FP8))
   with jax.set_mesh(_mesh()):
     assert inspect.count_fp8_dot_generals(step, x, w1, w2, _states(recipe), dy) == (6, 6)
     text = step.lower(x, w1, w2, _states(recipe), dy).compile().as_text()
@@ -186,9 +191,9 @@ def test_remat_saving_the_fp8_operands_matches_no_remat(name):
   x, w1, w2, dy = _data()
   states = _states(recipe)
   with jax.set_mesh(_mesh()):
-    want = _run(_step(_sharded(recipe)), x, w1, w2, states, dy)
+    want = _run(_step(_sharded(recipe, FP8)), x, w1, w2, states, dy)
     policy = core.save_quantized_operands
-    got = _run(_step(_sharded(recipe, policy=policy)), x, w1, w2, states, dy)
+    got = _run(_step(_sharded(recipe, FP8, policy=policy)), x, w1, w2, states, dy)
   if spmd_checks.ON_GPU:
     # Another program, in which the extension's GEMM may time and keep another cuBLASLt kernel
     # for the same shapes (spmd_checks): bounded as a sharded program against one device.
@@ -208,7 +213,7 @@ def test_gathering_unquantized_rows_gives_the_fp8_gathers_results_bit_for_bit(na
   x, w1, w2, dy = _data()
   states = _states(recipe)
   with jax.set_mesh(_mesh()):
-    want = _run(_step(_sharded(recipe)), x, w1, w2, states, dy)
+    want = _run(_step(_sharded(recipe, FP8)), x, w1, w2, states, dy)
     got = _run(_step(_sharded(recipe, WHOLE)), x, w1, w2, states, dy)
   if spmd_checks.ON_GPU:
     # Another program, whose GEMMs the extension may serve with other cuBLASLt kernels.
@@ -217,9 +222,11 @@ def test_gathering_unquantized_rows_gives_the_fp8_gathers_results_bit_for_bit(na
     spmd_checks.assert_trees_identical(got, want)
 
 
-def test_unquantized_gathers_move_bf16_rows_and_reduce_no_gathered_amax():
-  """``sequence_gather="input"``: x and the output gradient are each all-gathered once, as bf16
-  rows (the layer's dtype: bf16 x and kernels), and their amaxes are not reduced over the mesh
+@pytest.mark.parametrize("config", [WHOLE, CONFIG], ids=["input", "auto"])
+def test_unquantized_gathers_move_bf16_rows_and_reduce_no_gathered_amax(config):
+  """``sequence_gather="input"``, and its default ``"auto"`` for a bf16 layer: x and the output
+  gradient are each all-gathered once, as bf16 rows (bf16 x and kernels), and their amaxes are
+  not reduced over the mesh
   (each device takes the amax of the rows it gathered). The amaxes still reduced are those of
   the tensors sharded on their columns: the two kernels, the hidden activation and its
   gradient (4 floats, with the loss 5; the FP8 gathers' program reduces x's and the output
@@ -228,7 +235,7 @@ def test_unquantized_gathers_move_bf16_rows_and_reduce_no_gathered_amax():
   s = 64
   x, w1, w2, dy = _data(s)
   w1, w2 = w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16)
-  step = _step(_sharded(recipe, WHOLE))
+  step = _step(_sharded(recipe, config))
   with jax.set_mesh(_mesh()):
     assert inspect.count_fp8_dot_generals(step, x, w1, w2, _states(recipe), dy) == (6, 6)
     jaxpr = jax.make_jaxpr(step)(x, w1, w2, _states(recipe), dy)
@@ -250,6 +257,22 @@ def test_unquantized_gathers_move_bf16_rows_and_reduce_no_gathered_amax():
   reduced = [a for c in found if c.op == "all-reduce" for a in spmd_checks.result_arrays(c)]
   assert all(dtype == "f32" for dtype, _ in reduced), reduced
   assert sum(int(np.prod(shape)) for _, shape in reduced) == 5, reduced
+
+
+def test_auto_gathers_float32_rows_as_fp8():
+  """The default ``sequence_gather="auto"`` gathers float32 rows (a float32 layer) as their FP8
+  copies, a quarter of each row's bytes: 4 gathers of bytes, none of float32."""
+  recipe = RECIPES["current"]
+  x, w1, w2, dy = _data()
+  step = _step(_sharded(recipe))
+  with jax.set_mesh(_mesh()):
+    jaxpr = jax.make_jaxpr(step)(x.astype(jnp.float32), w1, w2, _states(recipe), dy)
+  gathers = [
+    e.outvars[0].aval.dtype
+    for e in inspect._walk(jaxpr.jaxpr)  # noqa: SLF001  (the jaxpr walker of count_fp8_dot_generals)
+    if e.primitive.name.startswith("all_gather")
+  ]
+  assert gathers == [jnp.uint8] * 4, gathers
 
 
 def test_unquantized_gathers_are_not_ring_steps():

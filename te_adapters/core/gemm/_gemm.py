@@ -363,13 +363,18 @@ def _sequence_scatter(y, plan, dim):
   return lax.psum_scatter(y, plan.sequence[1], scatter_dimension=dim, tiled=True)
 
 
-def _gathers_unquantized(chain, mode: str) -> bool:
+def _gathers_unquantized(chain, mode: str, dtype) -> bool:
   """Whether the sequence-parallel GEMM of ``chain`` in ``mode`` all-gathers the rows it
-  quantizes unquantized and casts them whole (``GemmConfig.sequence_gather="input"``): the
-  input in "all_gather" mode, the output gradient in "reduce_scatter" mode. Only
+  quantizes (of ``dtype``) unquantized and casts them whole (``GemmConfig.sequence_gather``):
+  the input in "all_gather" mode, the output gradient in "reduce_scatter" mode. Only
   ``dot_general`` takes ``sequence_parallel``: one GEMM, no fused norm, no bias."""
-  seq = chain.plan.sequence
-  if seq is None or seq[0] != mode or chain.config.sequence_gather != "input":
+  seq, config = chain.plan.sequence, chain.config
+  if seq is None or seq[0] != mode:
+    return False
+  choice = config.sequence_gather
+  if choice == "auto":
+    choice = "fp8" if config.collective_matmul or np.dtype(dtype).itemsize > 2 else "input"
+  if choice != "input":
     return False
   assert chain.lhs is None and len(chain.stages) == 1, "sequence_parallel is dot_general's"
   return True
@@ -831,8 +836,8 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
   # The first GEMM's input in both orientations: this one for the forward GEMM, the swapped copy
   # (kept for the backward pass) for wgrad.
   lhs = inputs[0]
-  whole = _gathers_unquantized(chain, "all_gather")
-  # GemmConfig.sequence_gather="input": every device quantizes all the rows (the same values);
+  whole = _gathers_unquantized(chain, "all_gather", lhs.dtype)
+  # GemmConfig.sequence_gather: every device may quantize all the rows (the same values);
   # the cotangent still takes the shard's type (the witness below).
   request = _request(
     _gather_unquantized(lhs, plan) if whole else lhs, "x", chain, states[0], cols=backward
@@ -925,7 +930,7 @@ def _backward(chain: Chain, residuals, g):
     elif stage.bias_grad is not None and b_proto is not None:
       qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
     else:
-      whole = _gathers_unquantized(chain, "reduce_scatter")
+      whole = _gathers_unquantized(chain, "reduce_scatter", g.dtype)
       g_in = _gather_unquantized(g, chain.plan) if whole else g
       qg, db = fmt.quantize(_request(g_in, "grad", chain, state, key=key)), None
     qg = _whole_where_gathered(qg, chain.plan, -2)
@@ -945,7 +950,7 @@ def _backward(chain: Chain, residuals, g):
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
     g_cols, seq = qg.cols, chain.plan.sequence
-    if seq is None or _gathers_unquantized(chain, "reduce_scatter"):
+    if seq is None or _gathers_unquantized(chain, "reduce_scatter", g.dtype):
       dx = fmt.gemm(
         qg.rows,
         w_dgrad,

@@ -14,7 +14,7 @@ _CHOICES = {
   "block_gemm": ("auto", "native", "xla"),
   "partial_sums": ("output", "float32"),
   "non_finite": ("propagate", "saturate"),
-  "sequence_gather": ("fp8", "input"),
+  "sequence_gather": ("auto", "fp8", "input"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
 _DEPRECATED = {
@@ -128,14 +128,16 @@ class GemmConfig:
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
     sequence_gather: with ``dot_general``'s ``sequence_parallel``, what the column-parallel
       GEMM gathers of its input's rows and the row-parallel GEMM of its output gradient's.
-      ``"fp8"`` (the default): each device casts its shard with the scale of the global amax
-      (an all-reduce of one float before the cast) and both FP8 copies (the GEMM's rows and
-      wgrad's transposed copy) are all-gathered. ``"input"``: the shard is all-gathered in its
-      own dtype (bfloat16 rows: the bytes of the two FP8 copies; float32 rows: twice them) and
-      every device casts the whole tensor, whose amax it computes itself: no amax all-reduce
-      waits before the cast, and the transposed copy is written in place rather than gathered
-      and reordered. The same FP8 values either way (one scale, elementwise casts), so the same
-      results; each device casts every row instead of its shard's. Not with
+      ``"fp8"``: each device casts its shard with the scale of the global amax (an all-reduce of
+      one float before the cast) and both FP8 copies (the GEMM's rows and wgrad's transposed
+      copy) are all-gathered. ``"input"``: the shard is all-gathered in its own dtype (bfloat16
+      rows: the bytes of the two FP8 copies; float32 rows: twice them) and every device casts
+      the whole tensor, whose amax it computes itself: no amax all-reduce waits before the cast,
+      and the transposed copy is written in place rather than gathered and reordered. The same
+      FP8 values either way (one scale, elementwise casts), so the same results; each device
+      casts every row instead of its shard's. ``"auto"`` (the default): ``"input"`` for rows of
+      2-byte floats (bfloat16, float16), ``"fp8"`` for wider ones and under
+      ``collective_matmul`` (whose ring steps move FP8 chunks). ``"input"`` is refused with
       ``collective_matmul``.
 
   Raises:
@@ -162,7 +164,7 @@ class GemmConfig:
   sum_chunks: int = 1
   fold_amax: bool = False
   non_finite: str = "propagate"
-  sequence_gather: str = "fp8"
+  sequence_gather: str = "auto"
 
   def __post_init__(self):
     margin = self.comm_sm_margin
