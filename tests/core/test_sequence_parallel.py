@@ -182,18 +182,20 @@ def test_activations_move_in_fp8_and_as_one_reduce_scatter():
   assert sum(int(np.prod(shape)) for _, shape in reduced) <= 7, reduced
 
 
+@pytest.mark.parametrize("config", [FP8, WHOLE], ids=["fp8", "input"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_remat_saving_the_fp8_operands_matches_no_remat(name):
-  """``jax.checkpoint`` with ``save_quantized_operands`` keeps x's FP8 shard (named before its
-  gather) and gathers and transposes it again in the backward pass: the same outputs, gradients
-  and state as without remat."""
+def test_remat_saving_the_fp8_operands_matches_no_remat(name, config):
+  """``jax.checkpoint`` with ``save_quantized_operands``: with FP8 gathers it keeps x's FP8
+  shard (named before its gather) and gathers it again in the backward pass; with unquantized
+  gathers it keeps the FP8 copy of every row. The same outputs, gradients and state as without
+  remat either way."""
   recipe = RECIPES[name]
   x, w1, w2, dy = _data()
   states = _states(recipe)
   with jax.set_mesh(_mesh()):
-    want = _run(_step(_sharded(recipe, FP8)), x, w1, w2, states, dy)
+    want = _run(_step(_sharded(recipe, config)), x, w1, w2, states, dy)
     policy = core.save_quantized_operands
-    got = _run(_step(_sharded(recipe, FP8, policy=policy)), x, w1, w2, states, dy)
+    got = _run(_step(_sharded(recipe, config, policy=policy)), x, w1, w2, states, dy)
   if spmd_checks.ON_GPU:
     # Another program, in which the extension's GEMM may time and keep another cuBLASLt kernel
     # for the same shapes (spmd_checks): bounded as a sharded program against one device.

@@ -138,7 +138,10 @@ class GemmConfig:
       casts every row instead of its shard's. ``"auto"`` (the default): ``"input"`` for rows of
       2-byte floats (bfloat16, float16), ``"fp8"`` for wider ones and under
       ``collective_matmul`` (whose ring steps move FP8 chunks). ``"input"`` is refused with
-      ``collective_matmul``.
+      ``collective_matmul``. Under a remat policy that saves the FP8 operands
+      (``save_quantized_operands``) ``"fp8"`` keeps each device's shard of wgrad's transposed
+      copy and gathers it again in the backward pass, while ``"input"`` keeps all its rows (the
+      sequence axis's size times the bytes); without remat both keep all the rows.
 
   Raises:
     ValueError: a field outside the values it takes (the message names the field and them);
