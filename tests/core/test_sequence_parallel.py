@@ -320,14 +320,16 @@ def test_ring_steps_are_collective_permutes_beside_the_gemms():
 
 
 @pytest.mark.parametrize("where", ["x", "dy"])
-@pytest.mark.parametrize("config", [CONFIG, RING], ids=["collectives", "ring"])
+@pytest.mark.parametrize(
+  "config", [CONFIG, RING, WHOLE, FP8], ids=["collectives", "ring", "input", "fp8"]
+)
 @pytest.mark.parametrize("name", RECIPES)
 def test_an_infinity_in_one_shard_is_reported_as_on_one_device(name, config, where):
   """An inf in the first device's rows (of x, or of the output gradient) gives the output,
   every gradient and the next state the NaNs and infinities one device's step gives
-  (``non_finite="propagate"``: the amax reduced over the mesh makes every device's GEMM output
-  NaN, whether its own rows hold the entry or only the gathered ones; under the ring too); with
-  ``"saturate"`` the output stays finite."""
+  (``non_finite="propagate"``: the amax reduced over the mesh, or taken of the gathered rows,
+  makes every device's GEMM output NaN, whether its own rows hold the entry or only the
+  gathered ones; under the ring too); with ``"saturate"`` the output stays finite."""
   recipe = RECIPES[name]
   x, w1, w2, dy = _data()
   if where == "x":

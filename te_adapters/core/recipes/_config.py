@@ -128,9 +128,10 @@ class GemmConfig:
       one (FP8, not NVFP4's FP4 data). The recipe state follows TE's rule either way.
     sequence_gather: with ``dot_general``'s ``sequence_parallel``, what the column-parallel
       GEMM gathers of its input's rows and the row-parallel GEMM of its output gradient's.
-      ``"fp8"``: each device casts its shard with the scale of the global amax (an all-reduce of
-      one float before the cast) and both FP8 copies (the GEMM's rows and wgrad's transposed
-      copy) are all-gathered. ``"input"``: the shard is all-gathered in its own dtype (bfloat16
+      ``"fp8"``: each device casts its shard, once the shards' amaxes are reduced over the
+      devices (an all-reduce of one float: current scaling's scale and the non-finite check
+      need the global amax), and both FP8 copies (the GEMM's rows and wgrad's transposed copy)
+      are all-gathered. ``"input"``: the shard is all-gathered in its own dtype (bfloat16
       rows: the bytes of the two FP8 copies; float32 rows: twice them) and every device casts
       the whole tensor, whose amax it computes itself: no amax all-reduce waits before the cast,
       and the transposed copy is written in place rather than gathered and reordered. The same
