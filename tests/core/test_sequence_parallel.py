@@ -2,11 +2,13 @@
 ``sequence_parallel``), inside ``shard_map`` on 2 devices, against one device.
 
 Megatron's layout, sequence first: x ``(S, B, H)`` sharded on S. The column-parallel GEMM
-quantizes its shard of x (the amax reduced over the mesh) and all-gathers the FP8 rows, and
-returns every row of its output columns; the activation runs on those; the row-parallel GEMM's
-partial sums are reduce-scattered back onto the sequence shards. Backward: the output gradient's
-FP8 shards are all-gathered, the input gradient reduce-scattered. So the activations move in FP8
-(the all-gathers) and as the one reduce-scatter per GEMM pair that bf16 tensor parallelism
+all-gathers x's rows and returns every row of its output columns; the activation runs on those;
+the row-parallel GEMM's partial sums are reduce-scattered back onto the sequence shards.
+Backward: the output gradient's rows are all-gathered, the input gradient reduce-scattered. The
+gathered rows move as FP8 (each shard quantized, its amax reduced over the mesh:
+``sequence_gather="fp8"``) or unquantized, every device casting all of them
+(``sequence_gather="input"``; ``"auto"`` picks by the rows' dtype); either way the activations
+move as the gathers and the one reduce-scatter per GEMM pair that bf16 tensor parallelism
 without sequence parallelism would run as an all-reduce.
 """
 

@@ -158,13 +158,15 @@ def dot_general(
       tensor-parallel pair, ``(mode, axis)``. The input's rows (its free dims flattened, the
       sequence dim first: a sequence-first ``(S, B, H)`` input, or batch 1) are split over the
       manual mesh axis ``axis``. ``("all_gather", axis)`` (the column-parallel GEMM): the
-      input is quantized shard by shard (its amax reduced over the mesh), its FP8 rows are
-      all-gathered for the GEMM, which returns every row of its output columns, and the input
-      gradient is reduce-scattered back onto the rows. ``("reduce_scatter", axis)`` (the
-      row-parallel GEMM, contracting over ``axis``'s shards): the output's partial sums are
-      reduce-scattered over its rows (in ``GemmConfig.partial_sums``'s dtype), and the output
-      gradient is quantized shard by shard and all-gathered in FP8. Per-tensor recipes, no
-      batch dims, not with ``kernel_all_gather``.
+      input's rows are all-gathered for the GEMM, which returns every row of its output
+      columns, and the input gradient is reduce-scattered back onto the rows.
+      ``("reduce_scatter", axis)`` (the row-parallel GEMM, contracting over ``axis``'s
+      shards): the output's partial sums are reduce-scattered over its rows (in
+      ``GemmConfig.partial_sums``'s dtype), and the output gradient's rows are all-gathered.
+      What moves is ``GemmConfig.sequence_gather``'s choice: the rows unquantized, each device
+      then casting all of them (the default for bfloat16 and float16 rows), or each shard
+      quantized (its amax reduced over the mesh) and its FP8 copies gathered; the same FP8
+      values either way. Per-tensor recipes, no batch dims, not with ``kernel_all_gather``.
 
   Sharded operands: the GEMM flattens each group of dims (batch, the free dims of each operand,
   contracting) into one, which keeps whole shards only when its first dim is the sharded one; so
