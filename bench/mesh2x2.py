@@ -28,11 +28,13 @@ package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_c
 scale then waits on its amax's all-reduce, so under delayed scaling the amaxes feed only the
 next state) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f,s,fs``. ``--nccl`` names NCCL
 settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, at most 16 blocks, so 16 SMs,
-per collective); bf16 runs under them too. A last token ``o``
-compiles the mesh program with XLA's one-shot all-reduce kernel off (the compile option
-``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``, given to this program's compile
-only, so programs with and without it are timed in one process); configs with ``o`` also compile
-a bf16 mesh program with it (``o``), so that FP8 is compared with bf16 under the same XLA options.
+per collective); bf16 runs under them too. A last letter gives XLA compile options to this
+program's compile only, so that programs with and without them are timed in one process: ``o``
+XLA's one-shot all-reduce kernel off (``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=
+False``), ``a`` XLA's analytical speed-of-light latency estimator for its latency-hiding
+scheduler (``xla_gpu_enable_analytical_sol_latency_estimator=True``), e.g. ``base,o,a,sa``;
+each such letter also compiles a bf16 mesh program with the same options, so that FP8 is
+compared with bf16 under the same XLA options.
 The one-device program takes the default config (the levers act only on sharded programs).
 
 Checks: y, dx and dW of the mesh run against the one-device run of the same framework and
@@ -125,8 +127,11 @@ TE_REFERENCE = "TE (GB200s, published): 5.52 ms bf16, 3.71 ms MXFP8"
 
 
 LEVERS: dict = {}  # the GemmConfig levers of the model being built (parse_config's)
-# XLA compile options of the ``o`` token (see the module docstring).
-XLA_OPTIONS = {"o": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}}
+# XLA compile options of the last letter of a config token (see the module docstring).
+XLA_OPTIONS = {
+  "o": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False},
+  "a": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
+}
 
 
 def split_config(token: str) -> tuple[str, dict]:
@@ -136,6 +141,13 @@ def split_config(token: str) -> tuple[str, dict]:
     if token.endswith(letter) and token != "base":
       token, options = token[: -len(letter)] or "base", dict(opts)
   return token, options
+
+
+def options_letter(token: str) -> str:
+  """The XLA-options letter ending ``token`` (``sa`` -> ``a``), or ``base`` for none: the bf16
+  mesh program compiled with the same options."""
+  letters = [letter for letter in XLA_OPTIONS if token != "base" and token.endswith(letter)]
+  return letters[0] if letters else "base"
 
 
 def parse_config(token: str) -> dict:
@@ -507,7 +519,7 @@ def run(args, log=print):
       one_step, one_out, _ = prepare(model, x, dy, None, args)
       programs[(framework, variant, "1")] = one_step
       if variant == "bf16":  # no GemmConfig levers; each set of XLA options once
-        mesh_configs = list(dict.fromkeys("o" if split_config(c)[1] else "base" for c in configs))
+        mesh_configs = list(dict.fromkeys(options_letter(c) for c in configs))
       else:
         mesh_configs = configs
       for config in mesh_configs:
