@@ -4,7 +4,7 @@ collectives (for tests, benchmarks and users checking their own models)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -19,6 +19,7 @@ __all__ = [
   "count_fp8_dot_generals",
   "count_fp8_gemms",
   "dot_general_operand_dtypes",
+  "equations",
   "hlo_collectives",
   "hlo_dot_operand_types",
 ]
@@ -41,6 +42,28 @@ def _walk(jaxpr):
     yield eqn
     for sub in _sub_jaxprs(eqn):
       yield from _walk(sub)
+
+
+def equations(jaxpr) -> Iterator:
+  """Every equation of a jaxpr, those of its sub-jaxprs included (``jit``, ``scan``, ``cond``
+  branches, custom VJPs), depth first in the jaxpr's order: what the counts of this module
+  walk.
+
+  Args:
+    jaxpr: a ``ClosedJaxpr`` (what ``jax.make_jaxpr`` returns) or a ``Jaxpr``.
+
+  Returns:
+    An iterator over the equations (``eqn.primitive.name``, ``eqn.params``, ``eqn.invars``,
+    ``eqn.outvars``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, te_adapters as ta
+    >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(1.0)
+    >>> names = [e.primitive.name for e in ta.inspect.equations(closed)]
+    >>> names.index("sin") < names.index("mul")
+    True
+  """
+  return _walk(jaxpr.jaxpr if isinstance(jaxpr, jax_core.ClosedJaxpr) else jaxpr)
 
 
 # The extension's cuBLASLt FP8 GEMM (per-tensor and block-scaled), called through the FFI.

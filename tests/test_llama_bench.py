@@ -73,7 +73,7 @@ def _dots_and_custom_vjps(prim, *_, **__):
 def _extension_gemms(fn, *args) -> int:
   closed = jax.make_jaxpr(fn)(*args)
   return sum(
-    e.primitive.name == "ffi_call" for e in inspect._walk(closed.jaxpr) if inspect._is_gemm(e)
+    e.primitive.name == "ffi_call" for e in inspect.equations(closed) if inspect._is_gemm(e)
   )
 
 
@@ -155,16 +155,6 @@ def test_fp8_training_lowers_the_loss_as_bf16_does(tokens):
   np.testing.assert_allclose(fp8, bf16, rtol=1e-2)
 
 
-def _eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for item in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(item, "jaxpr", item)
-        if isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
-
-
 # The projections' kernels in the carry: the converted plain model's, and the library's modules'
 # (LayerNormDenseGeneral's QKV, Linear's output, LayerNormMLP's two kernels).
 KERNEL_PATHS = {
@@ -218,7 +208,7 @@ def test_fsdp_shards_the_parameters_and_gathers_fp8_kernels(tokens, variant):
     jaxpr = jax.make_jaxpr(trainer.step)(carry, sample).jaxpr
     gathers = [
       e
-      for e in _eqns(jaxpr)
+      for e in inspect.equations(jaxpr)
       if e.primitive.name == "sharding_constraint"
       and e.invars[0].aval.dtype == jnp.uint8
       and train.FSDP not in jax.tree.leaves(tuple(e.params["sharding"].spec))

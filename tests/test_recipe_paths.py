@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend import core as jax_core
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters import haiku as ta_hk
 from te_adapters import linen as ta_linen
 from te_adapters import nnx as ta_nnx
@@ -78,17 +77,6 @@ def _data(seed=0):
   }
 
 
-def _walk(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for item in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(item, jax_core.ClosedJaxpr):
-          yield from _walk(item.jaxpr)
-        elif isinstance(item, jax_core.Jaxpr):
-          yield from _walk(item)
-
-
 _GEMMS = ("dot_general", "ragged_dot_general")
 
 
@@ -96,7 +84,7 @@ def _gemm_dtypes(closed):
   """Operand dtypes of each GEMM of a jaxpr: dot_generals, ragged dots, and the extension's
   GEMM calls (per-tensor, block-scaled, grouped)."""
   out = []
-  for eqn in _walk(closed.jaxpr):
+  for eqn in inspect.equations(closed):
     name = eqn.primitive.name
     target = str(eqn.params.get("target_name", ""))
     if name in _GEMMS or (name == "ffi_call" and "gemm" in target):
@@ -106,7 +94,9 @@ def _gemm_dtypes(closed):
 
 def _quantizes(closed) -> bool:
   return any(
-    str(np.dtype(v.aval.dtype)) in _QUANTIZED for eqn in _walk(closed.jaxpr) for v in eqn.outvars
+    str(np.dtype(v.aval.dtype)) in _QUANTIZED
+    for eqn in inspect.equations(closed)
+    for v in eqn.outvars
   )
 
 

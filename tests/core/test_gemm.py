@@ -241,7 +241,7 @@ def _gemm_precisions(recipe, precision=None, config=None):
 
   by_shape = {(16, 48): "fwd", (16, 32): "dgrad", (32, 48): "wgrad"}
   out = {}
-  for eqn in _inspect._walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr):
+  for eqn in _inspect.equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)):
     if eqn.primitive.name == "dot_general":
       assert "float8" in str(eqn.invars[0].aval.dtype)
       p = eqn.params["precision"]

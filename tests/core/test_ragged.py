@@ -6,13 +6,12 @@ import re
 import warnings
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import te_adapters as ta
-from te_adapters import core
+from te_adapters import core, inspect
 from te_adapters.core import kernels
 
 E4M3_MAX = 448.0
@@ -266,7 +265,7 @@ def test_fp8_operands_reach_the_ragged_gemms():
     x, w, {}, jnp.array([16, 16]), dy, recipe
   )
   operand_types = []
-  for eqn in _all_eqns(jaxpr.jaxpr):
+  for eqn in inspect.equations(jaxpr):
     # XLA's ragged dot, or the extension's grouped GEMM on Hopper.
     if eqn.primitive.name == "ragged_dot_general" or (
       eqn.params.get("target_name") == "te_adapters_grouped_gemm"
@@ -279,13 +278,6 @@ def test_fp8_operands_reach_the_ragged_gemms():
       ("float8_e4m3fn", "float8_e5m2"),  # wgrad
     ]
   ), operand_types
-
-
-def _all_eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _all_eqns(sub)
 
 
 # --- group sizes stay on the device --------------------------------------------------------------
@@ -301,7 +293,7 @@ _HOST_HLO = re.compile(
 def host_traffic(fn, *args):
   """Host-transfer primitives in ``fn``'s jaxpr, such ops in its compiled HLO, and the latter."""
   jaxpr = jax.make_jaxpr(fn)(*args)
-  names = {e.primitive.name for e in _all_eqns(jaxpr.jaxpr)}
+  names = {e.primitive.name for e in inspect.equations(jaxpr)}
   prims = sorted(n for n in names if _HOST_PRIMITIVES.search(n))
   compiled = jax.jit(fn).lower(*args).compile()
   ops = sorted(set(m.group(0) for m in _HOST_HLO.finditer(compiled.as_text())))

@@ -246,9 +246,7 @@ def test_unquantized_gathers_move_bf16_rows_and_reduce_no_gathered_amax(config):
     text = step.lower(x, w1, w2, _states(recipe), dy).compile().as_text()
   # The dtypes as traced (XLA:CPU widens bf16 collectives to f32 when it compiles them).
   gathers = [
-    e.outvars[0].aval
-    for e in inspect._walk(jaxpr.jaxpr)  # noqa: SLF001  (the jaxpr walker of count_fp8_dot_generals)
-    if e.primitive.name.startswith("all_gather")
+    e.outvars[0].aval for e in inspect.equations(jaxpr) if e.primitive.name.startswith("all_gather")
   ]
   assert [(a.dtype, a.shape) for a in gathers] == [(jnp.bfloat16, (s * B, H))] * 2, gathers
   found = inspect.hlo_collectives(text)
@@ -273,7 +271,7 @@ def test_auto_gathers_float32_rows_as_fp8():
     jaxpr = jax.make_jaxpr(step)(x.astype(jnp.float32), w1, w2, _states(recipe), dy)
   gathers = [
     e.outvars[0].aval.dtype
-    for e in inspect._walk(jaxpr.jaxpr)  # noqa: SLF001  (the jaxpr walker of count_fp8_dot_generals)
+    for e in inspect.equations(jaxpr)
     if e.primitive.name.startswith("all_gather")
   ]
   assert gathers == [jnp.uint8] * 4, gathers

@@ -110,7 +110,7 @@ def test_remat_policies_and_the_hopper_gemm(monkeypatch, policy, hopper, gemms):
     return jnp.sum(jax.checkpoint(block, policy=policy)(x, w).astype(jnp.float32))
 
   closed = jax.make_jaxpr(jax.grad(loss))(w)
-  found = [e for e in inspect._walk(closed.jaxpr) if inspect._is_gemm(e)]
+  found = [e for e in inspect.equations(closed) if inspect._is_gemm(e)]
   # Forward, dgrad and wgrad, and the forward again where the policy did not save it; FP8 all.
   assert len(found) == gemms
   assert sum(e.primitive.name == "ffi_call" for e in found) == (gemms if hopper else 0)
@@ -150,6 +150,6 @@ def test_library_policy_saves_both_gemm_outputs_of_layernorm_mlp_on_hopper(monke
     return jnp.sum(saved(x, params).astype(jnp.float32))
 
   closed = jax.make_jaxpr(jax.grad(loss))(params)
-  found = [e for e in inspect._walk(closed.jaxpr) if inspect._is_gemm(e)]
+  found = [e for e in inspect.equations(closed) if inspect._is_gemm(e)]
   # Each GEMM's forward, dgrad and wgrad, the extension's all.
   assert [e.primitive.name for e in found] == ["ffi_call"] * 6
