@@ -11,6 +11,9 @@ The sum of p over the two devices is written two ways:
           the send is a device-to-device copy between the process's GPUs (copy engines, no SMs)
           instead of NCCL's send/recv kernels.
 
+``peer`` asks for it through ``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY``, the
+option from which newer XLA sources build the collective permute (they no longer read
+``xla_gpu_use_memcpy_local_p2p`` there); jaxlib 0.10.2 knows the option and accepts that value.
 Whether the copy path ran is not in the compiled HLO: XLA's log says (with
 ``TF_CPP_VMODULE=collective_permute_thunk=3``, "Performing collective permute" is NCCL's path).
 On two H100s with jax 0.11.2 (2026-11-27) it logged NCCL's path under ``ce`` too, and ``ce``
@@ -39,6 +42,7 @@ from _multidevice import time_steps, use_cpu_devices  # noqa: E402
 CONFIGS = {
   "default": {},
   "ce": {"xla_gpu_use_memcpy_local_p2p": True},
+  "peer": {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"},
 }
 
 
@@ -72,7 +76,7 @@ def main(argv=None):
   p.add_argument("--cols", type=int, default=8192)
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--configs", default="default,ce")
+  p.add_argument("--configs", default="default,ce,peer")
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   use_cpu_devices(args.cpu_devices)
