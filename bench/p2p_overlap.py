@@ -37,33 +37,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multidevice import time_steps, use_cpu_devices  # noqa: E402
+from _multidevice import schedule, time_steps, use_cpu_devices  # noqa: E402
 
 CONFIGS = {
   "default": {},
   "ce": {"xla_gpu_use_memcpy_local_p2p": True},
   "peer": {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"},
 }
-
-
-def order(text: str) -> str:
-  """The entry computation's GEMMs and collectives in schedule order."""
-  entry = text[text.find("ENTRY") :]
-  seq = []
-  for line in entry.splitlines():
-    for key, short in (
-      ("__cublas", "gemm"),
-      ("all-reduce-start(", "ar-start"),
-      ("all-reduce-done(", "ar-done"),
-      ("collective-permute-start(", "cp-start"),
-      ("collective-permute-done(", "cp-done"),
-      (" all-reduce(", "ar"),
-      (" collective-permute(", "cp"),
-    ):
-      if key in line:
-        seq.append(short)
-        break
-  return " ".join(seq)
 
 
 def main(argv=None):
@@ -87,6 +67,8 @@ def main(argv=None):
   from jax import lax
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+
+  from te_adapters import inspect
 
   mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
   shard = NamedSharding(mesh, P("tp"))
@@ -129,12 +111,12 @@ def main(argv=None):
         continue
       compiled = jax.jit(fn).lower(*operands).compile(compiler_options=CONFIGS[config] or None)
       text = compiled.as_text()
+      ops = [c.op for c in inspect.hlo_collectives(text)]
       hlo[f"{name}/{config}"] = {
-        "fp8_gemms": text.count("__cublas$lt$matmul$f8"),
-        "all_reduce": text.count("all-reduce-start(") + text.count(" all-reduce("),
-        "collective_permute": text.count("collective-permute-start(")
-        + text.count(" collective-permute("),
-        "order": order(text),
+        "fp8_gemms": inspect.count_fp8_gemms(text)[0],
+        "all_reduce": ops.count("all-reduce"),
+        "collective_permute": ops.count("collective-permute"),
+        "order": " | ".join(schedule(text)),
       }
       programs[f"{name}/{config}"] = lambda c=compiled, o=operands: c(*o)
       if name in ("psum", "swap", "gemm+psum", "gemm+swap"):
