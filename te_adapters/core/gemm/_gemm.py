@@ -925,6 +925,9 @@ def _backward(chain: Chain, residuals, g):
     x_proto, w_proto, b_proto = protos
     # Inside shard_map each shard of the gradient rounds with its own key.
     key = sharding.shard_key(keys[i], g if i == last else dz)
+    # The output gradient's rows gathered unquantized (GemmConfig.sequence_gather): cast whole,
+    # then the plain dgrad.
+    whole = _gathers_unquantized(chain, "reduce_scatter", g.dtype)
     if i < last:
       h, b = between
       request = _request(h, "grad", chain, state, key=key)
@@ -932,7 +935,6 @@ def _backward(chain: Chain, residuals, g):
     elif stage.bias_grad is not None and b_proto is not None:
       qg, db = stage.bias_grad.quantize_grad(fmt, _request(g, "grad", chain, state, key=key), g)
     else:
-      whole = _gathers_unquantized(chain, "reduce_scatter", g.dtype)
       g_in = _gather_unquantized(g, chain.plan) if whole else g
       qg, db = fmt.quantize(_request(g_in, "grad", chain, state, key=key)), None
     qg = _whole_where_gathered(qg, chain.plan, -2)
@@ -952,7 +954,7 @@ def _backward(chain: Chain, residuals, g):
     if witness[0] is not None and not fmt.per_tensor:
       dx_dtype = np.dtype(np.float32)
     g_cols, seq = qg.cols, chain.plan.sequence
-    if seq is None or _gathers_unquantized(chain, "reduce_scatter", g.dtype):
+    if seq is None or whole:
       dx = fmt.gemm(
         qg.rows,
         w_dgrad,
