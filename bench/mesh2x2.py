@@ -136,11 +136,10 @@ XLA_OPTIONS = {
 
 def split_config(token: str) -> tuple[str, dict]:
   """``m16o`` -> (``m16``, the ``o`` compile options); ``o`` -> (``base``, them)."""
-  options: dict = {}
-  for letter, opts in XLA_OPTIONS.items():
-    if token.endswith(letter) and token != "base":
-      token, options = token[: -len(letter)] or "base", dict(opts)
-  return token, options
+  letter = options_letter(token)
+  if letter == "base":
+    return token, {}
+  return token[: -len(letter)] or "base", dict(XLA_OPTIONS[letter])
 
 
 def options_letter(token: str) -> str:
