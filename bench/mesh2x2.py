@@ -24,15 +24,19 @@ the median over repeats of each. Scaling efficiency is strong scaling, t(1 devic
 
 ``--configs`` gives the FP8 layers' GemmConfig levers, one mesh program each: ``base`` (the
 package's default), or tokens ``m<SMs>`` (``comm_sm_margin``), ``c<n>`` (``sum_chunks``) and
-``f`` (``fold_amax``) and ``s`` (``non_finite="saturate"``: TE's casts; no operand's inverse
+``f`` (``fold_amax``), ``s`` (``non_finite="saturate"``: TE's casts; no operand's inverse
 scale then waits on its amax's all-reduce, so under delayed scaling the amaxes feed only the
-next state) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f,s,fs``. ``--nccl`` names NCCL
+next state) and ``x`` (``device_sums="exchange"``: dx's and dW's sums as ``ppermute``
+exchanges) in that order, e.g. ``base,m16,c4,m16c4,f,m8c4f,s,fs,x``. ``--nccl`` names NCCL
 settings for the whole process (``ctas16``: ``NCCL_MAX_CTAS=16``, at most 16 blocks, so 16 SMs,
 per collective); bf16 runs under them too. A last letter gives XLA compile options to this
 program's compile only, so that programs with and without them are timed in one process: ``o``
 XLA's one-shot all-reduce kernel off (``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=
 False``), ``a`` XLA's analytical speed-of-light latency estimator for its latency-hiding
-scheduler (``xla_gpu_enable_analytical_sol_latency_estimator=True``), e.g. ``base,o,a,sa``;
+scheduler (``xla_gpu_enable_analytical_sol_latency_estimator=True``), ``p`` XLA's collective
+permutes as device-to-device copies over the copy engines
+(``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY``, for ``x``), e.g.
+``base,o,a,sa,xp``;
 each such letter also compiles a bf16 mesh program with the same options, so that FP8 is
 compared with bf16 under the same XLA options.
 The one-device program takes the default config (the levers act only on sharded programs).
@@ -131,6 +135,7 @@ LEVERS: dict = {}  # the GemmConfig levers of the model being built (parse_confi
 XLA_OPTIONS = {
   "o": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False},
   "a": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
+  "p": {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"},
 }
 
 
@@ -151,16 +156,17 @@ def options_letter(token: str) -> str:
 
 def parse_config(token: str) -> dict:
   """``base`` -> {}; ``m16c4f`` -> {comm_sm_margin: 16, sum_chunks: 4, fold_amax: True};
-  ``s`` -> {non_finite: "saturate"}."""
+  ``s`` -> {non_finite: "saturate"}; ``x`` -> {device_sums: "exchange"}."""
   import re
 
   token = split_config(token)[0]
   if token == "base":
     return {}
-  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?(s)?", token)
+  m = re.fullmatch(r"(?:m(\d+))?(?:c(\d+))?(f)?(s)?(x)?", token)
   if not m or not token:
     raise SystemExit(
-      f"--configs: {token!r} is not base or m<SMs>, c<n>, f, s combined in order (then o)"
+      f"--configs: {token!r} is not base or m<SMs>, c<n>, f, s, x combined in order "
+      f"(then one of {''.join(XLA_OPTIONS)})"
     )
   out = {}
   if m.group(1):
@@ -171,6 +177,8 @@ def parse_config(token: str) -> dict:
     out["fold_amax"] = True
   if m.group(4):
     out["non_finite"] = "saturate"
+  if m.group(5):
+    out["device_sums"] = "exchange"
   return out
 
 

@@ -93,6 +93,11 @@ def test_mesh2x2_config_tokens_split_levers_from_compile_options():
   }
   assert mesh2x2.parse_config("o") == {}
   assert mesh2x2.parse_config("m8c2") == {"comm_sm_margin": 8, "sum_chunks": 2}
+  assert mesh2x2.parse_config("sxp") == {"non_finite": "saturate", "device_sums": "exchange"}
+  assert mesh2x2.split_config("xp") == (
+    "x",
+    {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"},
+  )
   with pytest.raises(SystemExit, match="is not base or m<SMs>"):
     mesh2x2.parse_config("x16")
 

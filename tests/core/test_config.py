@@ -150,11 +150,14 @@ def test_measurement_only_fields_are_deprecated_and_change_nothing(field, value,
     ("sum_chunks", False),
     ("fold_amax", 1),
     ("fold_amax", None),
+    ("device_sums", "ring"),
+    ("device_sums", None),
   ],
 )
 def test_mesh_levers_refuse_bad_values(field, value):
   default = core.GemmConfig()
   assert (default.comm_sm_margin, default.sum_chunks, default.fold_amax) == (None, 1, False)
+  assert default.device_sums == "collective"
   with pytest.raises(ValueError, match=f"GemmConfig.{field} must be"):
     core.GemmConfig(**{field: value})
   config = core.GemmConfig(comm_sm_margin=16, sum_chunks=4)  # hashable, a static argument

@@ -686,6 +686,76 @@ def test_gemm_rule_sums_in_chunks_beside_a_sm_margin(monkeypatch):
       np.testing.assert_array_equal(a, b, err_msg=f"step {step}: {name}")
 
 
+def _big_collectives(hlo, ops):
+  """The collectives of ``ops`` in compiled HLO that move arrays of 256 elements or more (the
+  partial products, not the amaxes)."""
+  return [
+    c
+    for c in inspect.hlo_collectives(hlo)
+    if c.op in ops and any(int(np.prod(s)) >= 256 for _, s in c.arrays)
+  ]
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT_SCALING], ids=["delayed", "current"])
+def test_device_sums_exchange_sums_dgrad_and_wgrad_by_collective_permutes(monkeypatch, recipe):
+  """``GemmConfig(device_sums="exchange")`` on DP x column-parallel TP: dgrad's partial products
+  (K over tp) and wgrad's (K over dp) are summed by one exchange and an add each (two devices
+  per sum), with no all-reduce of a partial product left; outputs, gradients and the recipe
+  state equal one device's bit for bit over three steps (float32 partial sums of exact data)."""
+  calls = []
+  monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
+  monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
+  plan = dataclasses.replace(PLANS[-1], bf16_sums=())
+  exchange = dataclasses.replace(FFI, device_sums="exchange")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    got, text = _sharded(recipe, plan, step=_step(recipe, exchange))
+  _assert_equal_to_one_device(got, _one_device_uncached(recipe), plan)
+  assert ((64, 16), (64, 16), np.dtype(jnp.float32)) in calls, calls  # dgrad's shards, summed
+  permutes = _big_collectives(text, ("collective-permute",))
+  # dx (64, 64) (its rows split over dp) and dW (64, 16) float32 per device, each exchanged once.
+  assert sorted(tuple(s) for c in permutes for _, s in c.arrays[:1]) == [(64, 16), (64, 64)], [
+    c.line[:160] for c in permutes
+  ]
+  assert not _big_collectives(text, ("all-reduce", "reduce-scatter")), text
+
+
+def test_device_sums_exchange_over_eight_devices_is_psum(monkeypatch):
+  """The rule with K over both axes of a (2, 4) mesh: each device's partial product is summed
+  over 8 devices in 3 exchanges (recursive doubling); over a 3-device axis, which cannot be
+  paired, XLA's all-reduce sums it, said once by a ShardingFallbackWarning."""
+  (a, sa), (b, sb) = _quantized((32, 64), 3), _quantized((48, 64), 4)
+  want = np.asarray(_cpu_gemm(a, b, sa, sb, jnp.float32).astype(jnp.bfloat16))
+  rule = lambda a, b: kernels.gemm(  # noqa: E731
+    "test GEMM", _cpu_gemm, _cpu_gemm, a, b, sa, sb, jnp.bfloat16, device_sums="exchange"
+  )
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8])
+  spec = NamedSharding(mesh, P(None, ("dp", "tp")))
+  a_s, b_s = jax.device_put(a, spec), jax.device_put(b, spec)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ta.core.ShardingFallbackWarning)
+    compiled = jax.jit(rule).lower(a_s, b_s).compile()
+  np.testing.assert_array_equal(np.asarray(compiled(a_s, b_s)), want)  # exact data
+  text = compiled.as_text()
+  assert len(_big_collectives(text, ("collective-permute",))) == 3
+  assert not _big_collectives(text, ("all-reduce",))
+
+  odd = jax.make_mesh((3, 2), ("dp", "tp"), devices=jax.devices()[:6])
+  a3, sa3 = _quantized((32, 96), 5)
+  b3, sb3 = _quantized((48, 96), 6)
+  spec3 = NamedSharding(odd, P(None, "dp"))
+  a3_s, b3_s = jax.device_put(a3, spec3), jax.device_put(b3, spec3)
+  rule3 = lambda a, b: kernels.gemm(  # noqa: E731
+    "odd GEMM", _cpu_gemm, _cpu_gemm, a, b, sa3, sb3, jnp.bfloat16, device_sums="exchange"
+  )
+  with pytest.warns(ta.core.ShardingFallbackWarning, match="summed over 3 devices") as seen:
+    compiled3 = jax.jit(rule3).lower(a3_s, b3_s).compile()
+  assert sum("summed over 3 devices" in str(w.message) for w in seen) == 1
+  want3 = np.asarray(_cpu_gemm(a3, b3, sa3, sb3, jnp.float32).astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(compiled3(a3_s, b3_s)), want3)
+  assert _big_collectives(compiled3.as_text(), ("all-reduce",))
+
+
 @pytest.mark.parametrize(
   ("rows", "chunks", "want"),
   [(8192, 4, 2048), (64, 2, 32), (64, 4, 16), (64, 8, 64), (48, 2, 48), (100, 1, 100)],
@@ -736,14 +806,19 @@ def test_fold_amax_reduces_every_amax_over_the_mesh_in_one_all_reduce(recipe):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("sums", ["collective", "exchange"])
 @pytest.mark.parametrize("gather", [False, True], ids=["cast_then_gather", "kernel_all_gather"])
-def test_fsdp_weight_gradient_is_reduce_scattered_onto_the_kernels_shards(monkeypatch, gather):
+def test_fsdp_weight_gradient_is_reduce_scattered_onto_the_kernels_shards(
+  monkeypatch, gather, sums
+):
   """FSDP with the GEMM kernel emulated: the kernel sharded over dp on its input dim and its
   gradient kept so (as an optimizer holding sharded parameters needs it). wgrad contracts the
   dp-sharded rows, and the output's users want it sharded over dp on the kernel's dim: the rule
   reduce-scatters the partial products onto that dim (each device receives its half) instead of
   all-reducing the whole gradient and slicing it after, and the result is one device's bit for
-  bit (float32 partial sums: each element is the same two partials summed either way)."""
+  bit (float32 partial sums: each element is the same two partials summed either way). With
+  ``device_sums="exchange"`` the reduce-scatter is one exchange of the half each device does
+  not keep, and an add."""
   calls = []
   monkeypatch.setattr(kernels, "cublas_gemm_available", lambda: True)
   monkeypatch.setattr(kernels, "gemm_call", _emulated_cublas(calls))
@@ -760,7 +835,7 @@ def test_fsdp_weight_gradient_is_reduce_scattered_onto_the_kernels_shards(monkey
       recipe=DELAYED,
       state=state,
       threshold=None,
-      config=FFI,
+      config=dataclasses.replace(FFI, device_sums=sums),
       **kw,
     )
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
@@ -780,8 +855,13 @@ def test_fsdp_weight_gradient_is_reduce_scattered_onto_the_kernels_shards(monkey
   big = lambda c: [s for _, s in c.arrays if int(np.prod(s)) >= 256]  # noqa: E731
   collectives = list(inspect.hlo_collectives(text))
   scatters = [c for c in collectives if c.op == "reduce-scatter"]
-  # dW (64, 32) float32, scattered over dp onto (32, 32) per device.
-  assert any((32, 32) in big(c) for c in scatters), [c.line[:160] for c in collectives]
+  if sums == "collective":
+    # dW (64, 32) float32, scattered over dp onto (32, 32) per device.
+    assert any((32, 32) in big(c) for c in scatters), [c.line[:160] for c in collectives]
+  else:  # the half of dW (64, 32) a device sends: (32, 32); no reduce-scatter
+    permutes = [c for c in collectives if c.op == "collective-permute"]
+    assert any((32, 32) in big(c) for c in permutes), [c.line[:160] for c in collectives]
+    assert not any(big(c) for c in scatters), [c.line[:160] for c in scatters]
   assert not any(c.op == "all-reduce" and big(c) for c in collectives), [
     c.line[:160] for c in collectives if c.op == "all-reduce"
   ]

@@ -180,6 +180,7 @@ def _cublas_tn_dot(
     sm_margin=None if config is None else config.comm_sm_margin,
     sum_chunks=1 if config is None else config.sum_chunks,
     out_sharding=kernel_out,
+    device_sums="collective" if config is None else config.device_sums,
   )
   y = sharding.reshape(y, (*lead, m, n)) if lead else y
   return sharding.match_sharding(y, out_sharding)

@@ -484,6 +484,7 @@ def gemm(
   sum_chunks: int = 1,
   function: str = "gemm",
   out_sharding: NamedSharding | None = None,
+  device_sums: str = "collective",
 ):
   """``kernel(a, b, a_scale, b_scale, dtype)``: ``a (B, M, K) . b (B, N, K)^T`` per shard.
 
@@ -510,6 +511,9 @@ def gemm(
       ``dot_general`` takes it: a backward GEMM's output gets its primal's sharding. The rule
       serves it where it can (a K summed over the axes it shards the output over is
       reduce-scattered onto them) and reshards its output to it otherwise.
+    device_sums: how those partial products are summed over devices: ``"collective"`` (XLA's
+      all-reduce or reduce-scatter) or ``"exchange"`` (pairwise ``ppermute`` steps,
+      ``core.sharding.exchange_sum``), as ``GemmConfig.device_sums``.
   """
   if not _partitioned_here():
     y = _as_varying(kernel(a, b, a_scale, b_scale, out_dtype), (a, b, a_scale, b_scale))
@@ -528,6 +532,7 @@ def gemm(
     summed_kernel or kernel,
     sum_chunks,
     function,
+    device_sums,
   )
   return run(a, b, a_scale, b_scale, out_sharding=out_sharding)
 
@@ -584,6 +589,7 @@ def _gemm_rule(
   summed_kernel,
   sum_chunks,
   function,
+  device_sums,
 ):
   a_shape, b_shape, sa_shape, sb_shape = shapes
   ndim = len(a_shape)
@@ -626,14 +632,13 @@ def _gemm_rule(
     chunk = rows if block_scales else sum_chunk_rows(rows, sum_chunks)
     if scatter and scatter_dim == ndim - 2:
       chunk = rows  # chunks of the rows scattered one by one would interleave the shards
+    psum, psum_scatter = _device_sums(mesh, device_sums, name, k + scatter)
 
     def per_shard(a, b, a_scale, b_scale):
       if scatter:
         y = summed(a, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
-        y = lax.psum(y, k) if k else y
-        return lax.psum_scatter(y, scatter, scatter_dimension=scatter_dim, tiled=True).astype(
-          out_dtype
-        )
+        y = psum(y, k) if k else y
+        return psum_scatter(y, scatter, scatter_dim).astype(out_dtype)
       if not k:
         return fn(a, b, a_scale, b_scale, out_dtype).astype(out_dtype)
       # K is split: partial products in sum_dtype (float32: rounded once, after the sum; the
@@ -644,7 +649,7 @@ def _gemm_rule(
       for start in range(0, rows, chunk):
         part = a if chunk == rows else lax.slice_in_dim(a, start, start + chunk, axis=-2)
         y = summed(part, b, a_scale, b_scale, sum_dtype).astype(sum_dtype)
-        parts.append(lax.psum(y, k))
+        parts.append(psum(y, k))
       y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
       return y.astype(out_dtype)
 
@@ -663,6 +668,39 @@ def _gemm_rule(
   ndims = (ndim, ndim, len(sa_shape), len(sb_shape))
   rule = f"{a_dims}, {b_dims}, {sa}, {sb} -> {' '.join(lead + ['m', 'n'])}"
   return _shardable(function, split, call, ndims, rule, single=True, wants_result=True)
+
+
+def _device_sums(mesh, how, name, axes):
+  """``(psum(y, axes), psum_scatter(y, axes, dim))`` as ``GemmConfig.device_sums`` says: XLA's
+  collectives, or exchanges where every summed axis group holds a power-of-two count of devices
+  (otherwise the collectives, said once)."""
+
+  def collective_sum(y, axes):
+    return lax.psum(y, axes)
+
+  def collective_scatter(y, axes, dim):
+    return lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
+
+  if how == "collective" or not axes:
+    return collective_sum, collective_scatter
+  count = core_sharding.device_count(mesh, axes)
+  if not core_sharding.is_power_of_two(count):
+    _warn_once(
+      (name, "device_sums", count),
+      f"{name}: GemmConfig(device_sums='exchange') pairs devices in powers of two, and the "
+      f"partial products are summed over {count} devices (mesh axes {axes}); XLA's collectives "
+      "sum them instead",
+    )
+    return collective_sum, collective_scatter
+
+  def exchange_sum(y, axes):
+    return core_sharding.exchange_sum(y, axes, core_sharding.device_count(mesh, axes))
+
+  def exchange_scatter(y, axes, dim):
+    n = core_sharding.device_count(mesh, axes)
+    return core_sharding.exchange_sum_scatter(y, axes, n, dim)
+
+  return exchange_sum, exchange_scatter
 
 
 def _scatter_plan(mesh, out, k, result, a_shape, b_shape):
@@ -702,12 +740,13 @@ def tensor_scaled_gemm(
   sm_margin: int | None = None,
   sum_chunks: int = 1,
   out_sharding: NamedSharding | None = None,
+  device_sums: str = "collective",
 ):
   """The extension's FP8 GEMM with per-tensor scales (``call``: ``cublas_call``, scale mode 0),
   per shard; XLA's FP8 GEMM on shards it cannot take (M, N or K not a multiple of 16).
-  ``sum_dtype``, ``sum_chunks``, ``out_sharding``: as for ``gemm``. ``sm_margin``: on the shards
-  whose partial products are summed over devices, the SMs the kernel leaves to those sums
-  (``None``: none)."""
+  ``sum_dtype``, ``sum_chunks``, ``out_sharding``, ``device_sums``: as for ``gemm``.
+  ``sm_margin``: on the shards whose partial products are summed over devices, the SMs the
+  kernel leaves to those sums (``None``: none)."""
   kernel = functools.partial(_tensor_kernel, call, fast_accum, 0)
   summed = functools.partial(_tensor_kernel, call, fast_accum, sm_margin or 0)
   fallback = functools.partial(tensor_fallback, fast_accum)
@@ -726,6 +765,7 @@ def tensor_scaled_gemm(
     sum_chunks=sum_chunks,
     function="tensor_scaled_gemm",
     out_sharding=out_sharding,
+    device_sums=device_sums,
   )
 
 

@@ -15,6 +15,7 @@ _CHOICES = {
   "partial_sums": ("output", "float32"),
   "non_finite": ("propagate", "saturate"),
   "sequence_gather": ("auto", "fp8", "input"),
+  "device_sums": ("collective", "exchange"),
 }
 # Measurement-only choices of earlier releases: accepted with a DeprecationWarning, no effect.
 _DEPRECATED = {
@@ -143,6 +144,24 @@ class GemmConfig:
       (``save_quantized_operands``) ``"fp8"`` keeps each device's shard of wgrad's transposed
       copy and gathers it again in the backward pass, while ``"input"`` keeps all its rows (the
       sequence axis's size times the bytes); without remat both keep all the rows.
+    device_sums: how the partitioning rule of the extension's per-tensor FP8 GEMM moves the
+      partial products it sums over devices in a sharded ``jit`` program (the GEMMs
+      ``partial_sums`` names). ``"collective"`` (the default): XLA's all-reduce, or
+      reduce-scatter where the output is sharded over the summed axes (FSDP's weight
+      gradient): NCCL's kernels, which need SMs that cuBLASLt's persistent FP8 GEMMs beside
+      them hold. ``"exchange"``: pairwise exchanges (``lax.ppermute``) between devices whose
+      indices differ in one bit, each followed by an add: log2(n) steps over n devices
+      (recursive doubling for the all-reduce, every step moving the whole partial product,
+      which is a ring all-reduce's bytes at n = 2 and 4/3 of them at n = 4; recursive halving
+      for the reduce-scatter, a ring's bytes). XLA runs those exchanges as device-to-device
+      copies on the copy engines, leaving the SMs to the GEMMs, when the program is compiled
+      with its option ``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY`` (GPUs of one
+      process that can reach each other's memory); without it, as NCCL's sends and receives.
+      Every device ends with the same bits (the additions commute); the sum differs from the
+      all-reduce's by the order of its additions. A count of summing devices that is not a
+      power of two is summed by the collectives, with a ``ShardingFallbackWarning`` naming
+      the GEMM. The rule of the block-scaled GEMM and the sums inside ``shard_map`` (autodiff's)
+      are XLA's collectives either way.
 
   Raises:
     ValueError: a field outside the values it takes (the message names the field and them);
@@ -169,6 +188,7 @@ class GemmConfig:
   fold_amax: bool = False
   non_finite: str = "propagate"
   sequence_gather: str = "auto"
+  device_sums: str = "collective"
 
   def __post_init__(self):
     margin = self.comm_sm_margin

@@ -28,6 +28,7 @@ One module per concern; this face gathers their names:
 - ``_explicit_sharding``: reshapes that carry Explicit shardings.
 - ``_cotangents``: cotangents with their primals' types (the backward passes' sums).
 - ``_fsdp_gather``: ``kernel_all_gather``, the FP8 gather and the gradient's reduce-scatter.
+- ``_exchange``: sums over devices as pairwise exchanges (``GemmConfig.device_sums``).
 """
 
 from te_adapters.core.sharding._amax_reduction import (
@@ -41,6 +42,12 @@ from te_adapters.core.sharding._cotangents import (
   transposed_out_sharding,
   type_witness,
   wgrad_dtype,
+)
+from te_adapters.core.sharding._exchange import (
+  device_count,
+  exchange_sum,
+  exchange_sum_scatter,
+  is_power_of_two,
 )
 from te_adapters.core.sharding._explicit_sharding import (
   explicit_out_sharding,
@@ -76,13 +83,17 @@ __all__ = [
   "check_amax_axes",
   "check_axis_names",
   "check_block_scaled",
+  "device_count",
   "checks_vma",
   "explicit_out_sharding",
   "explicit_sharding",
+  "exchange_sum",
+  "exchange_sum_scatter",
   "gather_kernel",
   "gathered_kernel_type",
   "global_amax",
   "in_mesh_order",
+  "is_power_of_two",
   "make_plan",
   "manual_axes",
   "match_cotangent",
