@@ -18,7 +18,11 @@ with ``GemmConfig(non_finite="saturate")``: no operand's inverse scale waits on 
 all-reduce (under delayed scaling the amaxes then feed only the next state). The rows are
 gathered as ``GemmConfig.sequence_gather``'s default decides (bf16 rows here: unquantized, every
 device casting them whole); ``+fp8`` (``current+fp8``, ``delayed+fp8+saturate``) gathers the
-FP8 copies of each shard instead, ``+input`` the unquantized rows. One step is
+FP8 copies of each shard instead, ``+input`` the unquantized rows; ``+x`` moves the FP8 rows'
+gathers and the partial sums' reduce-scatters by ``ppermute`` exchanges
+(``GemmConfig(device_sums="exchange")``), and ``+peer`` (any variant, bf16 too) compiles with
+XLA's ``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY`` (collective permutes as
+device-to-device copies over the copy engines), e.g. ``current+fp8+x+peer``. One step is
 forward plus backward (``jax.vjp``, a given output gradient). Timing: every configuration is
 compiled first, then ``--repeats`` rounds run one trial of each configuration in turn
 (interleaved), each trial the mean of ``--iters`` synchronised steps after ``--warmup``; the
@@ -105,17 +109,26 @@ def _recipe(variant):
   }[variant.split("+")[0]]
 
 
+PEER = {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"}
+
+
 def _config(variant, plan):
-  parts = set(variant.split("+")[1:])
-  unknown = parts - {"saturate", "input", "fp8"}
+  parts = set(variant.split("+")[1:]) - {"peer"}
+  unknown = parts - {"saturate", "input", "fp8", "x"}
   if unknown or {"input", "fp8"} <= parts:
-    raise SystemExit(f"--variants: {variant!r}: parts are saturate and one of input, fp8")
+    raise SystemExit(f"--variants: {variant!r}: parts are saturate, x, peer and one of input, fp8")
   gather = "input" if "input" in parts else "fp8" if "fp8" in parts else "auto"
   return core.GemmConfig(
     collective_matmul=plan == "tp_ring",
     non_finite="saturate" if "saturate" in parts else "propagate",
     sequence_gather=gather,
+    device_sums="exchange" if "x" in parts else "collective",
   )
+
+
+def _compile_options(variant):
+  """XLA options of a variant's compile: ``+peer``'s collective permutes over the copy engines."""
+  return dict(PEER) if "peer" in variant.split("+")[1:] else None
 
 
 def init_params(key, hidden, ffn):
@@ -287,11 +300,12 @@ def compile_configs(args):
       )
       step = make_step(variant, plan, mesh, args.heads, attention)
       try:
+        options = _compile_options(variant)
         if mesh is None:
-          compiled = step.lower(*call_args).compile()
+          compiled = step.lower(*call_args).compile(compiler_options=options)
         else:
           with jax.set_mesh(mesh):
-            compiled = step.lower(*call_args).compile()
+            compiled = step.lower(*call_args).compile(compiler_options=options)
       except Exception as e:  # noqa: BLE001  (said, and the other configurations still run)
         print(f"  FAILED {plan} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         continue

@@ -18,7 +18,11 @@ Variants: bf16 (no quantization), current / delayed (FP8 recipes), and for fsdp
 ``--configs`` names what each sharded plan also runs with, ``+`` joining parts: ``base`` (the
 defaults), ``m8``/``m16`` (FP8 only: ``GemmConfig(comm_sm_margin=8 or 16)``), ``no_one_shot``
 (XLA's option ``xla_gpu_unsupported_use_all_reduce_one_shot_kernel=False``: NCCL for every
-all-reduce instead of XLA's one-shot kernel). XLA options are given per compile
+all-reduce instead of XLA's one-shot kernel), ``exchange`` (FP8 only:
+``GemmConfig(device_sums="exchange")``, the partial products summed by ``ppermute`` exchanges)
+and ``peer`` (XLA's option ``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY``: collective
+permutes as device-to-device copies over the copy engines), e.g. ``exchange+peer``. XLA options
+are given per compile
 (``lower(...).compile(compiler_options=...)``), so that one process times them interleaved;
 bf16 runs with each distinct set of XLA options.
 
@@ -92,6 +96,10 @@ PARTS = {
   "m8": ({"comm_sm_margin": 8}, {}),
   "m16": ({"comm_sm_margin": 16}, {}),
   "no_one_shot": ({}, {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}),
+  # Partial products summed by ppermute exchanges, which XLA's peer-memory collective permutes
+  # run as device-to-device copies (copy engines, no SMs): use together, "exchange+peer".
+  "exchange": ({"device_sums": "exchange"}, {}),
+  "peer": ({}, {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"}),
 }
 
 

@@ -110,6 +110,8 @@ def _run(step, x, w1, w2, states, dy):
 
 
 RING = core.GemmConfig(partial_sums="float32", collective_matmul=True)
+# FP8 gathers and the reduce-scatters moved by ppermute exchanges (GemmConfig.device_sums).
+EXCHANGE = core.GemmConfig(partial_sums="float32", sequence_gather="fp8", device_sums="exchange")
 # The rows gathered unquantized and cast whole on every device.
 WHOLE = core.GemmConfig(partial_sums="float32", sequence_gather="input")
 
@@ -133,13 +135,16 @@ def _assert_matches(got, want):
 
 
 @pytest.mark.parametrize(
-  "config", [FP8, RING, WHOLE, CONFIG], ids=["collectives", "ring", "input", "auto"]
+  "config",
+  [FP8, RING, WHOLE, CONFIG, EXCHANGE],
+  ids=["collectives", "ring", "input", "auto", "exchange"],
 )
 @pytest.mark.parametrize("name", RECIPES)
 def test_sequence_parallel_pair_matches_one_device(name, config):
   """With one all-gather or reduce-scatter per GEMM (of FP8 copies, of unquantized rows
-  (``sequence_gather="input"``), or each as the rows' dtype decides), and decomposed into ring
-  steps (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves)."""
+  (``sequence_gather="input"``), or each as the rows' dtype decides), decomposed into ring
+  steps (``GemmConfig.collective_matmul``: each chunk's GEMM while the next chunk moves), and
+  moved by exchanges (``GemmConfig.device_sums="exchange"``)."""
   recipe = RECIPES[name]
   x, w1, w2, dy = _data()
   states = _states(recipe)
@@ -319,9 +324,36 @@ def test_ring_steps_are_collective_permutes_beside_the_gemms():
   assert ("f32", (S // 2 * B, H)) in permutes, permutes  # one block's partial sums
 
 
+def test_exchanges_move_the_fp8_rows_and_the_sums_as_collective_permutes():
+  """``device_sums="exchange"`` with FP8 gathers: no all-gather and no reduce-scatter is left;
+  x's and the output gradient's FP8 bytes (both copies) are exchanged as u8, and the partial
+  sums' halves as float32. The results match the collectives' over three steps as a sharded
+  program matches one device: the same FP8 values and the same two partials per sum, but XLA
+  may lay out and block a GEMM whose operand is joined from exchanged halves differently
+  (float32 sums 4 ulps apart were seen on CPU)."""
+  recipe = RECIPES["delayed"]
+  x, w1, w2, dy = _data()
+  states = _states(recipe)
+  with jax.set_mesh(_mesh()):
+    step = _step(_sharded(recipe, EXCHANGE))
+    text = step.lower(x, w1, w2, states, dy).compile().as_text()
+    got = _run(step, x, w1, w2, states, dy)
+    want = _run(_step(_sharded(recipe, FP8)), x, w1, w2, states, dy)
+  found = inspect.hlo_collectives(text)
+  ops = {c.op for c in found}
+  assert not ops & {"all-gather", "reduce-scatter"}, ops
+  moved = [a for c in found if c.op == "collective-permute" for a in c.arrays[-1:]]
+  shard = S // 2 * B
+  assert sum(a == ("u8", (shard, H)) for a in moved) >= 2, moved  # the rows' FP8 bytes
+  assert ("f32", (shard, H)) in moved, moved  # a sum's half
+  _assert_matches(got, want)
+
+
 @pytest.mark.parametrize("where", ["x", "dy"])
 @pytest.mark.parametrize(
-  "config", [CONFIG, RING, WHOLE, FP8], ids=["collectives", "ring", "input", "fp8"]
+  "config",
+  [CONFIG, RING, WHOLE, FP8, EXCHANGE],
+  ids=["collectives", "ring", "input", "fp8", "exchange"],
 )
 @pytest.mark.parametrize("name", RECIPES)
 def test_an_infinity_in_one_shard_is_reported_as_on_one_device(name, config, where):

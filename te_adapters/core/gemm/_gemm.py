@@ -388,16 +388,44 @@ def _gather_unquantized(a, plan):
   return lax.all_gather(a, plan.sequence[1], axis=a.ndim - 2, tiled=True, to="invarying")
 
 
-def _gathered_rows(t, axis_name, axis):
+def _gathered_rows(t, axis_name, axis, config):
   """A ScaledTensor with its dim ``axis`` (the rows, or a transposed copy's columns)
-  all-gathered over the mesh axis ``axis_name`` (FP8 as bytes)."""
-  return dataclasses.replace(t, data=_all_gather_bytes(t.data, axis_name, t.data.ndim + axis))
+  all-gathered over the mesh axis ``axis_name`` (FP8 as bytes), by XLA's all-gather or by
+  exchanges (``GemmConfig.device_sums``)."""
+  dim = t.data.ndim + axis
+  u = lax.bitcast_convert_type(t.data, jnp.uint8)
+  if _exchanges(config, axis_name):
+    u = sharding.exchange_gather(u, (axis_name,), lax.axis_size(axis_name), dim)
+  else:
+    u = lax.all_gather(u, axis_name, axis=dim, tiled=True)
+  return dataclasses.replace(t, data=lax.bitcast_convert_type(u, t.data.dtype))
 
 
-def _all_gather_bytes(a, axis_name, dim):
-  u = lax.bitcast_convert_type(a, jnp.uint8)
-  u = lax.all_gather(u, axis_name, axis=dim, tiled=True)
-  return lax.bitcast_convert_type(u, a.dtype)
+def _scattered_sums(y, axis_name, config):
+  """``y``'s partial sums reduce-scattered over its rows (dim -2) and the mesh axis
+  ``axis_name``, by XLA's reduce-scatter or by exchanges (``GemmConfig.device_sums``)."""
+  dim = y.ndim - 2
+  if _exchanges(config, axis_name):
+    return sharding.exchange_sum_scatter(y, (axis_name,), lax.axis_size(axis_name), dim)
+  return lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=True)
+
+
+def _exchanges(config, axis_name) -> bool:
+  """Whether ``GemmConfig.device_sums`` moves a sequence-parallel GEMM's rows by exchanges:
+  asked for, over a power-of-two count of devices (otherwise XLA's collectives, said by a
+  ``ShardingFallbackWarning``)."""
+  if config.device_sums != "exchange":
+    return False
+  n = lax.axis_size(axis_name)
+  if sharding.is_power_of_two(n):
+    return True
+  warnings.warn(
+    f"GemmConfig(device_sums='exchange') pairs devices in powers of two, and the sequence axis "
+    f"{axis_name!r} holds {n} devices; XLA's all-gather and reduce-scatter move its rows instead",
+    ShardingFallbackWarning,
+    stacklevel=2,
+  )
+  return False
 
 
 def _ppermute_bytes(a, axis_name, perm):
@@ -418,12 +446,12 @@ def _sequence_gemm(a, b, out_dtype, which, chain, *, gather: bool):
 
   if gather:
     if not config.collective_matmul:
-      return gemm(_gathered_rows(a, axis, -2), out_dtype)
+      return gemm(_gathered_rows(a, axis, -2, config), out_dtype)
     return _ring_gather_gemm(a, gemm, out_dtype, axis)
   sum_dtype = np.dtype(out_dtype if config.partial_sums == "output" else np.float32)
   if not config.collective_matmul:
     y = gemm(a, sum_dtype).astype(sum_dtype)
-    return lax.psum_scatter(y, axis, scatter_dimension=y.ndim - 2, tiled=True).astype(out_dtype)
+    return _scattered_sums(y, axis, config).astype(out_dtype)
   return _ring_scatter_gemm(a, gemm, sum_dtype, axis).astype(out_dtype)
 
 
@@ -883,7 +911,7 @@ def _forward(inputs, kernels, biases, states, rng, chain: Chain, backward: bool)
     else:
       gather = plan.sequence[0] == "all_gather"
       if gather and x_wgrad is not None:  # wgrad's columns of every row
-        x_wgrad = _gathered_rows(x_wgrad, plan.sequence[1], -1)
+        x_wgrad = _gathered_rows(x_wgrad, plan.sequence[1], -1, chain.config)
       y = _sequence_gemm(qx.rows, w_fwd, stage.out_dtype, "fwd", chain, gather=gather)
     # Every GEMM's output under the library's name (what its remat policies save: on Hopper GPUs
     # the GEMM is an FFI call that JAX's dot policies miss), and a module's own name beside it.
@@ -970,7 +998,7 @@ def _backward(chain: Chain, residuals, g):
       # sums scattered back onto the input's rows (column-parallel).
       gather = seq[0] == "reduce_scatter"
       if gather:
-        g_cols = _gathered_rows(g_cols, seq[1], -1)
+        g_cols = _gathered_rows(g_cols, seq[1], -1, chain.config)
       dx = _sequence_gemm(qg.rows, w_dgrad, dx_dtype, "dgrad", chain, gather=gather)
     dw_dtype = sharding.wgrad_dtype(w_proto.dtype, witness[1])
     dw = fmt.gemm(

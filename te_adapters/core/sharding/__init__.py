@@ -45,6 +45,7 @@ from te_adapters.core.sharding._cotangents import (
 )
 from te_adapters.core.sharding._exchange import (
   device_count,
+  exchange_gather,
   exchange_sum,
   exchange_sum_scatter,
   is_power_of_two,
@@ -87,6 +88,7 @@ __all__ = [
   "checks_vma",
   "explicit_out_sharding",
   "explicit_sharding",
+  "exchange_gather",
   "exchange_sum",
   "exchange_sum_scatter",
   "gather_kernel",

@@ -17,6 +17,8 @@ Over ``n = 2**p`` devices:
 - ``exchange_sum_scatter`` (reduce-scatter, tiled like ``lax.psum_scatter``) is recursive
   halving: ``p`` steps, in each every device sends the half it will not keep to its partner
   and adds the half it receives (``(n - 1) / n`` of the tensor in all, as a ring's).
+- ``exchange_gather`` (all-gather, tiled) is recursive doubling without the add: what a device
+  holds doubles in each step (a ring's bytes).
 
 A device count that is not a power of two has no such pairing: the sum runs as XLA's collective
 (``psum`` / ``psum_scatter``), which the caller is told once by a ``ShardingFallbackWarning``.
@@ -69,6 +71,24 @@ def exchange_sum_scatter(y, axes: tuple[str, ...], n: int, dim: int):
     y = keep + lax.ppermute(send, axes, _pairs(n, bit))
     bit >>= 1
   return y
+
+
+def exchange_gather(x, axes: tuple[str, ...], n: int, dim: int):
+  """``lax.all_gather(x, axes, axis=dim, tiled=True)`` over ``n`` (a power of two) devices by
+  recursive doubling: in each step every device swaps what it holds with its partner and joins
+  the two in the devices' order. The result is typed as varying over ``axes`` (inside
+  ``shard_map``), where the all-gather's may be invariant."""
+  if not is_power_of_two(n):
+    raise ValueError(f"exchange_gather needs a power-of-two device count, got {n}")
+  index = lax.axis_index(axes)
+  bit = 1
+  while bit < n:
+    other = lax.ppermute(x, axes, _pairs(n, bit))
+    upper = (index & bit) != 0
+    first, second = lax.select(upper, other, x), lax.select(upper, x, other)
+    x = lax.concatenate([first, second], dim)
+    bit <<= 1
+  return x
 
 
 def device_count(mesh, axes: tuple[str, ...]) -> int:
