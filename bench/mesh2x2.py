@@ -35,8 +35,8 @@ XLA's one-shot all-reduce kernel off (``xla_gpu_unsupported_use_all_reduce_one_s
 False``), ``a`` XLA's analytical speed-of-light latency estimator for its latency-hiding
 scheduler (``xla_gpu_enable_analytical_sol_latency_estimator=True``), ``p`` XLA's collective
 permutes as device-to-device copies over the copy engines
-(``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY``, for ``x``), e.g.
-``base,o,a,sa,xp``;
+(``xla_gpu_collective_permute_mode=COLLECTIVES_PEER_MEMORY``, for ``x``); several letters
+combine their options (``xpa``), e.g. ``base,o,a,sa,xp,xpa``;
 each such letter also compiles a bf16 mesh program with the same options, so that FP8 is
 compared with bf16 under the same XLA options.
 The one-device program takes the default config (the levers act only on sharded programs).
@@ -140,18 +140,26 @@ XLA_OPTIONS = {
 
 
 def split_config(token: str) -> tuple[str, dict]:
-  """``m16o`` -> (``m16``, the ``o`` compile options); ``o`` -> (``base``, them)."""
-  letter = options_letter(token)
-  if letter == "base":
+  """``m16o`` -> (``m16``, the ``o`` compile options); ``o`` -> (``base``, them); ``xpa`` ->
+  (``x``, the ``p`` and ``a`` options together)."""
+  letters = options_letter(token)
+  if letters == "base":
     return token, {}
-  return token[: -len(letter)] or "base", dict(XLA_OPTIONS[letter])
+  options: dict = {}
+  for letter in letters:
+    options.update(XLA_OPTIONS[letter])
+  return token[: -len(letters)] or "base", options
 
 
 def options_letter(token: str) -> str:
-  """The XLA-options letter ending ``token`` (``sa`` -> ``a``), or ``base`` for none: the bf16
-  mesh program compiled with the same options."""
-  letters = [letter for letter in XLA_OPTIONS if token != "base" and token.endswith(letter)]
-  return letters[0] if letters else "base"
+  """The XLA-options letters ending ``token`` (``sa`` -> ``a``, ``xpa`` -> ``pa``), or ``base``
+  for none: the bf16 mesh program compiled with the same options."""
+  if token == "base":
+    return "base"
+  end = len(token)
+  while end and token[end - 1] in XLA_OPTIONS:
+    end -= 1
+  return token[end:] or "base"
 
 
 def parse_config(token: str) -> dict:
@@ -166,7 +174,7 @@ def parse_config(token: str) -> dict:
   if not m or not token:
     raise SystemExit(
       f"--configs: {token!r} is not base or m<SMs>, c<n>, f, s, x combined in order "
-      f"(then one of {''.join(XLA_OPTIONS)})"
+      f"(then any of {''.join(XLA_OPTIONS)})"
     )
   out = {}
   if m.group(1):

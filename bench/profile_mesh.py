@@ -34,7 +34,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 def _kind(name: str) -> str:
   n = name.lower()
-  if "nccl" in n:
+  # NCCL's kernels, and the device-to-device copies between GPUs that XLA's peer-memory
+  # collective permutes run on the copy engines (GemmConfig.device_sums="exchange").
+  if "nccl" in n or ("memcpy" in n and any(k in n for k in ("p2p", "ptop", "peer"))):
     return "collective"
   if any(k in n for k in ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "wgmma")):
     return "gemm"

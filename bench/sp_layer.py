@@ -448,6 +448,12 @@ def profile(configs, steps, out_dir=None):
       continue
     events = profile_mesh.trace(c["run"], steps)
     spans = _kernel_spans(events)
+    comm = {}
+    for evs in profile_mesh.gpu_events(events).values():
+      for _, _, name, _, _ in evs:
+        if profile_mesh._kind(name) == "collective":
+          comm[name[:60]] = comm.get(name[:60], 0) + 1
+    print(f"  communication {c['plan']} {c['variant']}: {comm}", flush=True)
     c["overlap"] = overlap(spans, steps)
     c["between_gemms"] = between_gemms(events, steps, top=16)
     c["after_gathers"] = after_gathers(events, steps)
@@ -455,7 +461,7 @@ def profile(configs, steps, out_dir=None):
       share = o["nccl_beside_gemm_ms"] / o["nccl_ms"] if o["nccl_ms"] else float("nan")
       print(
         f"  profile {c['plan']} {c['variant']} {dev}: GEMMs {o['gemm_ms']:.2f} ms, NCCL "
-        f"{o['nccl_ms']:.2f} ms ({o['nccl_kernels']:.0f} kernels), of which "
+        f"and peer copies {o['nccl_ms']:.2f} ms ({o['nccl_kernels']:.0f} of them), of which "
         f"{o['nccl_beside_gemm_ms']:.2f} ms beside a GEMM ({share:.0%}) a step",
         flush=True,
       )

@@ -98,6 +98,12 @@ def test_mesh2x2_config_tokens_split_levers_from_compile_options():
     "x",
     {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"},
   )
+  peer_sol = {
+    "xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY",
+    "xla_gpu_enable_analytical_sol_latency_estimator": True,
+  }
+  assert mesh2x2.split_config("c2xpa") == ("c2x", peer_sol)
+  assert mesh2x2.options_letter("c2xpa") == "pa" and mesh2x2.options_letter("c2x") == "base"
   with pytest.raises(SystemExit, match="is not base or m<SMs>"):
     mesh2x2.parse_config("x16")
 
