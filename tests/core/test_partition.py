@@ -720,6 +720,7 @@ def test_device_sums_exchange_sums_dgrad_and_wgrad_by_collective_permutes(monkey
   assert not _big_collectives(text, ("all-reduce", "reduce-scatter")), text
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest.py)")
 def test_device_sums_exchange_over_eight_devices_is_psum(monkeypatch):
   """The rule with K over both axes of a (2, 4) mesh: each device's partial product is summed
   over 8 devices in 3 exchanges (recursive doubling); over a 3-device axis, which cannot be

@@ -342,10 +342,18 @@ def test_exchanges_move_the_fp8_rows_and_the_sums_as_collective_permutes():
   found = inspect.hlo_collectives(text)
   ops = {c.op for c in found}
   assert not ops & {"all-gather", "reduce-scatter"}, ops
-  moved = [a for c in found if c.op == "collective-permute" for a in c.arrays[-1:]]
+  # Counted by the arrays they move: XLA:GPU combines collective permutes into one op of several
+  # arrays, and lays out a transposed copy's bytes as (H, rows).
+  moved = [
+    (dtype, int(np.prod(shape)))
+    for c in found
+    if c.op == "collective-permute"
+    for dtype, shape in spmd_checks.result_arrays(c)
+  ]
   shard = S // 2 * B
-  assert sum(a == ("u8", (shard, H)) for a in moved) >= 2, moved  # the rows' FP8 bytes
-  assert ("f32", (shard, H)) in moved, moved  # a sum's half
+  # x's and the output gradient's FP8 bytes, each in both orientations, and a sum's half.
+  assert moved.count(("u8", shard * H)) == 4, moved
+  assert ("f32", shard * H) in moved, moved
   _assert_matches(got, want)
 
 
