@@ -133,5 +133,9 @@ def test_spmd_configurations_pair_fp8_configs_with_bf16_options():
   fields, options = spmd.config_parts("m16+no_one_shot")
   assert fields == {"comm_sm_margin": 16}
   assert options == {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
+  assert spmd.config_parts("exchange+peer") == (
+    {"device_sums": "exchange"},
+    {"xla_gpu_collective_permute_mode": "COLLECTIVES_PEER_MEMORY"},
+  )
   with pytest.raises(SystemExit, match="unknown 'fast'"):
     spmd.config_parts("base+fast")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices 
 ARGS = dict(
   devices=2,
   plans="single,tp_sp,tp_ring",
-  variants="bf16,current,current+fp8",
+  variants="bf16,current,current+fp8,current+fp8+x+peer",
   batch=2,
   seq=32,
   hidden=64,
@@ -40,6 +40,13 @@ def test_sp_layer_bench_dry_run(tmp_path):
   assert "all-gather u8" in by[("tp_sp", "current+fp8")]["collectives"]
   assert "collective-permute u8" in by[("tp_ring", "current")]["collectives"]
   assert "u8" not in by[("tp_sp", "bf16")]["collectives"]
+  # "+x": the FP8 rows and the partial sums move by exchanges, no all-gather or reduce-scatter;
+  # "+peer" is a compile option (collective permutes as peer copies on GPUs).
+  exchanged = by[("tp_sp", "current+fp8+x+peer")]["collectives"]
+  assert "collective-permute u8" in exchanged, exchanged
+  assert "all-gather" not in exchanged and "reduce-scatter" not in exchanged, exchanged
+  assert sp_layer._compile_options("current+fp8+x+peer") == sp_layer.PEER
+  assert sp_layer._compile_options("current+fp8") is None
   table = sp_layer.format_tables(configs)
   assert "tp_ring" in table and "vs bf16" in table
   # The extension's casts and FP8 GEMMs: none in bf16's programs, and on CPU none at all (the
