@@ -1,6 +1,6 @@
 """Sums over devices as pairwise exchanges (core/sharding/_exchange.py), inside ``shard_map`` on
-8 virtual CPU devices (conftest.py): every device's result against XLA's ``psum`` and
-``psum_scatter`` over one axis, another, and both (2, 4 and 8 devices)."""
+8 virtual CPU devices (conftest.py): every device's result against XLA's ``psum``,
+``psum_scatter`` and ``all_gather`` over one axis, another, and both (2, 4 and 8 devices)."""
 
 from __future__ import annotations
 
@@ -86,12 +86,32 @@ def test_exchange_sum_scatter_is_tiled_psum_scatter(axes, dim):
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("axes", AXES, ids=["-".join(a) for a in AXES])
+def test_exchange_gather_is_tiled_all_gather(axes, dim):
+  """Every device holds the devices' slices joined in their order, as ``all_gather(...,
+  tiled=True)`` gives them: each is a copy, so the two agree exactly on any data."""
+  mesh = _mesh()
+  n = sharding.device_count(mesh, axes)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((16, 6, 5)), jnp.float32)
+
+  def fn(shard):
+    got = sharding.exchange_gather(shard, axes, n, dim)
+    return got, lax.all_gather(shard, axes, axis=dim, tiled=True)
+
+  got, want = _run(fn, x, mesh)
+  assert got.shape == want.shape
+  np.testing.assert_array_equal(got, want)
+
+
 def test_exchanges_refuse_what_they_cannot_pair():
   x = jnp.zeros((6, 4))
   with pytest.raises(ValueError, match="power-of-two device count, got 6"):
     sharding.exchange_sum(x, ("a",), 6)
   with pytest.raises(ValueError, match="power-of-two device count, got 3"):
     sharding.exchange_sum_scatter(x, ("a",), 3, 0)
+  with pytest.raises(ValueError, match="power-of-two device count, got 12"):
+    sharding.exchange_gather(x, ("a",), 12, 0)
   with pytest.raises(ValueError, match=r"dim 1 of \(6, 4\) does not split into 8"):
     sharding.exchange_sum_scatter(x, ("a",), 8, 1)
   assert [n for n in range(1, 9) if sharding.is_power_of_two(n)] == [1, 2, 4, 8]

@@ -20,8 +20,9 @@ Over ``n = 2**p`` devices:
 - ``exchange_gather`` (all-gather, tiled) is recursive doubling without the add: what a device
   holds doubles in each step (a ring's bytes).
 
-A device count that is not a power of two has no such pairing: the sum runs as XLA's collective
-(``psum`` / ``psum_scatter``), which the caller is told once by a ``ShardingFallbackWarning``.
+A device count that is not a power of two has no such pairing: these functions refuse it, and
+their callers in the GEMM sum over XLA's collectives (``psum`` / ``psum_scatter``) instead, said
+by a ``ShardingFallbackWarning``.
 """
 
 from __future__ import annotations
