@@ -238,6 +238,21 @@ def check_fsdp(ns):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def check_device_sums(ns):
+  """The exchange block: the same gradients as one device's program of the same layer, and on a
+  GPU with the extension, its sums as collective permutes (no all-reduce of a partial product)."""
+  x, w = (jnp.asarray(np.asarray(ns[k])) for k in ("x", "w"))  # on one device
+  want_w, want_x = jax.grad(ns["loss"], argnums=(0, 1))(w, x)
+  for got, want in ((ns["g_w"], want_w), (ns["g_x"], want_x)):
+    assert len(got.sharding.device_set) == 4
+    assert _relative_error(got, want) < 1e-5, _relative_error(got, want)
+  if core.kernels.cublas_gemm_available():
+    from te_adapters import inspect
+
+    ops = [c.op for c in inspect.hlo_collectives(ns["step"].as_text())]
+    assert "collective-permute" in ops, ops
+
+
 def _relative_error(got, want) -> float:
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return float(np.linalg.norm(got - want) / np.linalg.norm(want))
@@ -346,6 +361,7 @@ CHECKS = {
   "core.runs_in_fp8(x.shape, w.shape, dn, threshold=mine)": check_threshold,
   'ta.GemmConfig(backend="jax")': check_config,
   'kernel_all_gather=P("fsdp", None)': check_fsdp,
+  'device_sums="exchange"': check_device_sums,
   "ta.core.register_format(": check_formats,
   "# train_multihost.py": None,  # test_multihost_block
 }
@@ -368,7 +384,9 @@ _BLOCKS = [b for b in all_blocks() if "# train_multihost.py" not in b[1]]
 @pytest.mark.parametrize("where, code", _BLOCKS, ids=[where for where, _ in _BLOCKS])
 def test_block_runs_as_written(where, code):
   marker = _claim(code)
-  if marker == 'kernel_all_gather=P("fsdp", None)' and jax.device_count() < 4:
+  if marker in ('kernel_all_gather=P("fsdp", None)', 'device_sums="exchange"') and (
+    jax.device_count() < 4
+  ):
     pytest.skip("needs 4 devices")
   ns = {"__name__": "docs_block"}
   try:
