@@ -675,14 +675,11 @@ def _device_sums(mesh, how, name, axes):
   collectives, or exchanges where every summed axis group holds a power-of-two count of devices
   (otherwise the collectives, said once)."""
 
-  def collective_sum(y, axes):
-    return lax.psum(y, axes)
-
   def collective_scatter(y, axes, dim):
     return lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
 
   if how == "collective" or not axes:
-    return collective_sum, collective_scatter
+    return lax.psum, collective_scatter
   count = core_sharding.device_count(mesh, axes)
   if not core_sharding.is_power_of_two(count):
     _warn_once(
@@ -691,7 +688,7 @@ def _device_sums(mesh, how, name, axes):
       f"partial products are summed over {count} devices (mesh axes {axes}); XLA's collectives "
       "sum them instead",
     )
-    return collective_sum, collective_scatter
+    return lax.psum, collective_scatter
 
   def exchange_sum(y, axes):
     return core_sharding.exchange_sum(y, axes, core_sharding.device_count(mesh, axes))

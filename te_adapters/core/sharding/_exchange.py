@@ -62,13 +62,11 @@ def exchange_sum_scatter(y, axes: tuple[str, ...], n: int, dim: int):
   bit = n >> 1
   while bit:
     half = y.shape[dim] // 2
-    low = lax.slice_in_dim(y, 0, half, axis=dim)
-    high = lax.slice_in_dim(y, half, 2 * half, axis=dim)
     # The device whose index has this bit set keeps the high half (the slices' order is the
     # devices' order, most significant bit first), and sends the low half to its partner.
-    upper = (index & bit) != 0
-    keep = lax.select(upper, high, low)
-    send = lax.select(upper, low, high)
+    kept = ((index & bit) != 0).astype(index.dtype) * half
+    keep = lax.dynamic_slice_in_dim(y, kept, half, axis=dim)
+    send = lax.dynamic_slice_in_dim(y, half - kept, half, axis=dim)
     y = keep + lax.ppermute(send, axes, _pairs(n, bit))
     bit >>= 1
   return y
